@@ -1,0 +1,363 @@
+"""Public assertion helpers: a parallel step against the single-device step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpverify._comparison import (
+    Msg,
+    StepComparison,
+    TensorComparison,
+    Tolerance,
+    compare_tensors,
+    explain_scale,
+    render,
+    uniform_scale,
+)
+from dpverify._devices import cuda_device_count, normalize_device_ids, normalize_output_device
+from dpverify._divergence import divergence_sources
+from dpverify._errors import InvalidArgument, ParallelMismatch
+from dpverify._scatter import ScatterPlan, plan_scatter
+from dpverify._step import StepResult, as_inputs, batch_size_of, first_parameter_dtype, run_step
+from dpverify._virtual import data_parallel
+
+__all__ = ["Check", "raise_unless_ok", "assert_dp_grads_match", "assert_grad_sum_equals_mean_loss_grad"]
+
+Parallel = Callable[..., Callable[..., Any]]
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Check:
+    """A validated check: the module, its arguments, the split and where the steps run.
+
+    Shared by every helper so that arguments are validated, and the scatter planned, once
+    and the same way.
+    """
+
+    module: nn.Module
+    args: tuple[Any, ...]
+    device_ids: list[int]
+    output_device: int
+    parallel: Parallel
+    device: torch.device
+    plan: ScatterPlan
+    tolerance: Tolerance
+    dtype: torch.dtype
+
+    @classmethod
+    def create(
+        cls,
+        module: nn.Module,
+        inputs: Any,
+        *,
+        device_ids: Sequence[int],
+        output_device: int | None = None,
+        parallel: Parallel | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
+    ) -> Check:
+        if not isinstance(module, nn.Module):
+            raise InvalidArgument(f"module={type(module).__name__} is not a torch.nn.Module")
+        if parallel is not None and not callable(parallel):
+            raise InvalidArgument(
+                f"parallel={parallel!r} is not callable; pass a DataParallel-like class or "
+                "function (module, device_ids=..., output_device=...) -> module"
+            )
+        ids = normalize_device_ids(device_ids)
+        target = normalize_output_device(output_device, ids)
+        args = as_inputs(inputs)
+        batch_size_of(args)
+        # Real devices when they exist, for torch's DataParallel and a user's wrapper alike.
+        real = cuda_device_count() > max(ids)
+        device = torch.device("cuda", ids[0]) if real else torch.device("cpu")
+        plan = plan_scatter(args, None, ids)
+        return cls(
+            module=module,
+            args=args,
+            device_ids=ids,
+            output_device=target,
+            parallel=parallel or data_parallel,
+            device=device,
+            plan=plan,
+            tolerance=Tolerance(rtol=rtol, atol=atol),
+            dtype=first_parameter_dtype(module),
+        )
+
+    @property
+    def scenario(self) -> str:
+        where = "the host" if self.output_device == -1 else f"device {self.output_device}"
+        wrapper = getattr(self.parallel, "__qualname__", type(self.parallel).__name__)
+        return f"{self.plan.describe()}; outputs gathered on {where}; wrapper {wrapper}"
+
+    def wrap(self, model: nn.Module) -> Callable[..., Any]:
+        return self.parallel(model, device_ids=self.device_ids, output_device=self.output_device)
+
+    def run(
+        self,
+        loss_of_output: Callable[[Any], torch.Tensor],
+        *,
+        parallel: bool,
+        dtype: torch.dtype | None = None,
+        record_replicas: bool = False,
+        loss_argument: str = "loss_fn",
+    ) -> StepResult:
+        """One step: through the wrapper (``parallel``) or alone, in ``dtype``."""
+        stage = "parallel" if parallel else "single-device"
+        if dtype == torch.float64:
+            stage = "float64 single-device"
+        try:
+            return run_step(
+                self.module,
+                self.args,
+                loss_of_output,
+                wrap=self.wrap if parallel else None,
+                dtype=dtype,
+                device=self.device,
+                record_replicas=record_replicas,
+                loss_argument=loss_argument,
+            )
+        except InvalidArgument:
+            raise
+        except Exception as error:
+            error.add_note(f"dpverify: raised by the {stage} step. Scenario: {self.scenario}.")
+            for source in divergence_sources(self.module):
+                error.add_note(f"dpverify: {source.describe()}")
+            if dtype == torch.float64:
+                error.add_note(
+                    "dpverify: the float64 anchor run failed; pass rtol= and atol= to compare "
+                    "with explicit tolerances instead"
+                )
+            raise
+
+    def compare(
+        self,
+        actual: StepResult,
+        expected: StepResult,
+        anchor: StepResult | None,
+        *,
+        outputs: bool = True,
+    ) -> list[TensorComparison]:
+        """Outputs (when asked), the loss, and every parameter's gradient."""
+        rows: list[TensorComparison] = []
+        if outputs:
+            actual_outputs = dict(actual.outputs)
+            anchor_outputs = dict(anchor.outputs) if anchor else {}
+            for path, tensor in expected.outputs:
+                if path not in actual_outputs:
+                    rows.append(TensorComparison(path, tuple(tensor.shape), tensor.numel(), mismatched=tensor.numel(), problem="is missing from the parallel step's output"))
+                    continue
+                rows.append(compare_tensors(path, actual_outputs[path], tensor, anchor_outputs.get(path), self.tolerance))
+        rows.append(compare_tensors("loss", actual.loss, expected.loss, anchor.loss if anchor else None, self.tolerance))
+        for name, grad in expected.grads.items():
+            rows.append(
+                compare_tensors(
+                    f"grad {name!r}",
+                    actual.grads.get(name),
+                    grad,
+                    anchor.grads.get(name) if anchor else None,
+                    self.tolerance,
+                )
+            )
+        return rows
+
+    def outcome(
+        self,
+        check: str,
+        rows: Sequence[TensorComparison],
+        *,
+        contrasts: Sequence[TensorComparison] = (),
+        notes: Sequence[str] = (),
+        failures: Sequence[str] = (),
+    ) -> StepComparison:
+        return StepComparison(
+            check=check,
+            scenario=self.scenario,
+            tolerance=self.tolerance.describe(self.dtype),
+            tensors=tuple(rows),
+            contrasts=tuple(contrasts),
+            divergence=divergence_sources(self.module),
+            notes=tuple(notes),
+            failures=tuple(failures),
+        )
+
+
+def raise_unless_ok(result: StepComparison, msg: Msg) -> StepComparison:
+    __tracebackhide__ = True
+    if not result.ok:
+        raise ParallelMismatch(render(result.message(), msg), result)
+    return result
+
+
+def _loss_of(loss_fn: LossFn, target: Any) -> Callable[[Any], torch.Tensor]:
+    if not callable(loss_fn):
+        raise InvalidArgument(
+            f"loss_fn={loss_fn!r} is not callable; pass loss_fn(output, target) -> scalar, "
+            "e.g. torch.nn.functional.mse_loss"
+        )
+    return lambda output: loss_fn(output, target)
+
+
+def _target_on(target: Any, check: Check, dtype: torch.dtype | None) -> Any:
+    if isinstance(target, torch.Tensor):
+        cast = dtype if dtype is not None and target.is_floating_point() else None
+        return target.detach().to(device=check.device, dtype=cast)
+    return target
+
+
+def _steps(check: Check, loss_fn: LossFn, target: Any, *, record_replicas: bool = False) -> tuple[StepResult, StepResult, StepResult | None]:
+    parallel = check.run(_loss_of(loss_fn, _target_on(target, check, None)), parallel=True, record_replicas=record_replicas)
+    expected = check.run(_loss_of(loss_fn, _target_on(target, check, None)), parallel=False)
+    anchor = None
+    if not check.tolerance.explicit:
+        anchor = check.run(_loss_of(loss_fn, _target_on(target, check, torch.float64)), parallel=False, dtype=torch.float64)
+    return parallel, expected, anchor
+
+
+def assert_dp_grads_match(
+    module: nn.Module,
+    inputs: Any,
+    target: Any,
+    *,
+    loss_fn: LossFn,
+    device_ids: Sequence[int],
+    output_device: int | None = None,
+    parallel: Parallel | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    msg: Msg = None,
+) -> StepComparison:
+    """Asserts one DataParallel step gives the single-device outputs, loss and gradients.
+
+    The step (forward, ``loss_fn(output, target)``, backward) runs on deep copies of
+    ``module``: through ``parallel`` and alone on the full batch, plus a float64 twin of the
+    single-device step that anchors the tolerance (see ``Tolerance``). ``module`` and its
+    gradients are left untouched.
+
+    Args:
+        module: the model to check.
+        inputs: the batch tensor, or a tuple of positional forward arguments.
+        target: the second argument of ``loss_fn``.
+        loss_fn: ``loss_fn(output, target)`` returns a scalar mean loss.
+        device_ids: DataParallel's devices (virtual ids when CUDA devices are missing).
+        output_device: where outputs are gathered (default ``device_ids[0]``, -1 for host).
+        parallel: the DataParallel implementation under test, called as
+            ``parallel(module, device_ids=..., output_device=...)``; default
+            ``dpverify.data_parallel``.
+        rtol: explicit relative tolerance (with ``atol``) instead of the anchored rule.
+        atol: explicit absolute tolerance (with ``rtol``).
+        msg: replaces the failure message, or a callable that rewrites it.
+
+    Returns:
+        The comparison, for inspection (``str()`` summarises it).
+
+    Raises:
+        ParallelMismatch: an output, the loss or a gradient differs beyond tolerance.
+        InvalidArgument: an argument cannot be used; the message says which and why.
+    """
+    __tracebackhide__ = True
+    check = Check.create(
+        module, inputs, device_ids=device_ids, output_device=output_device,
+        parallel=parallel, rtol=rtol, atol=atol,
+    )
+    parallel_step, expected, anchor = _steps(check, loss_fn, target)
+    title = "DataParallel outputs and gradients must match the single-device step"
+    rows = check.compare(parallel_step, expected, anchor)
+    return raise_unless_ok(check.outcome(title, rows, notes=_diagnose(check, parallel_step, expected)), msg)
+
+
+def _diagnose(check: Check, actual: StepResult, expected: StepResult) -> list[str]:
+    """Names the classic wrapper bugs when their signature is in the gradients."""
+    present = [g for g in expected.grads.values() if g is not None and bool(g.any())]
+    if present and all(actual.grads.get(n) is None for n, g in expected.grads.items() if g is not None):
+        return [
+            "No gradient reached the module's parameters in the parallel step: the wrapper "
+            "ran copies that are not connected to them by autograd (for example "
+            "copy.deepcopy per replica instead of torch's replicate, whose Broadcast sums "
+            "replica gradients back into the parameters)."
+        ]
+    scale = uniform_scale(actual.grads, expected.grads)
+    return [] if scale is None else [explain_scale(scale, check.plan.n_replicas)]
+
+
+def _sum(contributions: Sequence[dict[str, torch.Tensor]], name: str) -> torch.Tensor | None:
+    grads = [c[name].to(torch.float64) for c in contributions if name in c]
+    if not grads:
+        return None
+    total = grads[0].clone()
+    for g in grads[1:]:
+        total += g.to(total.device)
+    return total
+
+
+def assert_grad_sum_equals_mean_loss_grad(
+    module: nn.Module,
+    inputs: Any,
+    target: Any,
+    *,
+    loss_fn: LossFn,
+    device_ids: Sequence[int],
+    parallel: Parallel | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    msg: Msg = None,
+) -> StepComparison:
+    """Asserts replica gradients sum to the full-batch mean-loss gradient.
+
+    Each replica's own contribution to every parameter is captured with hooks on the
+    replica's copies of the parameters. With a mean loss over the gathered batch, replica
+    ``i`` contributes ``(1/B) * sum over its rows``, so the contributions must **sum** to
+    the full-batch gradient, and the module's accumulated ``.grad`` must equal that sum.
+    Their plain average is shown for contrast: it divides by the number of replicas a
+    second time, and must not match whenever more than one replica ran.
+
+    Args: as ``assert_dp_grads_match``.
+
+    Raises:
+        ParallelMismatch: the sum, or the accumulated gradient, differs from the full-batch
+            gradient; the average matches where it should not; or no replica ran.
+    """
+    __tracebackhide__ = True
+    check = Check.create(module, inputs, device_ids=device_ids, parallel=parallel, rtol=rtol, atol=atol)
+    parallel_step, expected, anchor = _steps(check, loss_fn, target, record_replicas=True)
+    title = "Replica gradients must sum to the full-batch mean-loss gradient"
+    contributions = [grads for _device, grads in parallel_step.contributions]
+    replicas = len(contributions)
+    failures: list[str] = []
+    if replicas == 0:
+        failures.append(
+            "No replica ran a forward of the module's copies: the wrapper never called the "
+            "module (or a copy of it made with Module._replicate_for_data_parallel or deepcopy)."
+        )
+    rows: list[TensorComparison] = []
+    contrasts: list[TensorComparison] = []
+    averages_differ = False
+    for name, grad in expected.grads.items():
+        reference64 = anchor.grads.get(name) if anchor else None
+        total = _sum(contributions, name)
+        rows.append(compare_tensors(f"sum of replica grads {name!r}", _as(total, grad), grad, reference64, check.tolerance))
+        rows.append(compare_tensors(f"accumulated grad {name!r}", parallel_step.grads.get(name), grad, reference64, check.tolerance))
+        if replicas > 1 and total is not None:
+            average = compare_tensors(f"average of replica grads {name!r}", _as(total / replicas, grad), grad, reference64, check.tolerance)
+            contrasts.append(average)
+            averages_differ |= average.mismatched > 0
+    notes = [f"{replicas} replicas contributed (the scatter plan expects {check.plan.n_replicas})."]
+    significant = any(g is not None and bool(g.any()) for g in expected.grads.values())
+    if replicas > 1 and significant and not averages_differ:
+        failures.append(
+            f"The plain average of the {replicas} replica gradients also matches the "
+            "full-batch gradient, which is only possible if each replica's gradient was "
+            "already divided; torch sums replica gradients (ReduceAddCoalesced)."
+        )
+    return raise_unless_ok(check.outcome(title, rows, contrasts=contrasts, notes=notes, failures=failures), msg)
+
+
+def _as(value: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
+    if value is None or like is None:
+        return value
+    return value.to(dtype=like.dtype, device=like.device)

@@ -1,0 +1,90 @@
+"""Validation of device arguments, shared by the virtual and the real DataParallel paths."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dpverify._errors import InvalidArgument
+
+__all__ = ["HOST", "cuda_device_count", "normalize_device_ids", "normalize_output_device"]
+
+#: Index torch uses for "gather on the host" (``output_device=-1``).
+HOST = -1
+
+
+def _index_of(device: Any, argument: str) -> int:
+    if isinstance(device, bool):
+        raise InvalidArgument(f"{argument}={device!r} is a bool; pass a device index such as 0")
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            raise InvalidArgument(
+                f"{argument}={device!r} is not a device; pass an index such as 0 or 'cuda:0'"
+            ) from None
+    if isinstance(device, torch.device):
+        if device.type == "cpu":
+            # torch.nn.DataParallel rejects CPU devices here too
+            # (torch._utils._get_device_index raises "Expected a non cpu device").
+            raise InvalidArgument(
+                f"{argument}={str(device)!r}: DataParallel does not accept a CPU device here; "
+                "pass -1 as output_device to gather on the host"
+            )
+        if device.index is None:
+            raise InvalidArgument(
+                f"{argument}={str(device)!r} has no index; pass one such as 'cuda:0'"
+            )
+        return device.index
+    raise InvalidArgument(
+        f"{argument}={device!r} has type {type(device).__name__}; pass an int or a torch.device"
+    )
+
+
+def normalize_device_ids(device_ids: Sequence[Any] | None, *, argument: str = "device_ids") -> list[int]:
+    """Validates DataParallel ``device_ids`` and returns them as distinct non-negative ints.
+
+    Raises:
+        InvalidArgument: not a sequence, empty, negative, repeated, or not a device.
+    """
+    if device_ids is None or isinstance(device_ids, (str, bytes, torch.device, int)):
+        raise InvalidArgument(
+            f"{argument}={device_ids!r}: pass a list of device indices such as [0, 1]"
+        )
+    ids = [_index_of(d, argument) for d in device_ids]
+    if not ids:
+        raise InvalidArgument(f"{argument}=[] is empty; DataParallel needs at least one device")
+    for d in ids:
+        if d < 0:
+            raise InvalidArgument(
+                f"{argument}={ids} contains {d}; device indices are non-negative"
+            )
+    seen: set[int] = set()
+    for d in ids:
+        if d in seen:
+            raise InvalidArgument(
+                f"{argument}={ids} repeats device {d}; DataParallel needs distinct devices"
+            )
+        seen.add(d)
+    return ids
+
+
+def normalize_output_device(output_device: Any, device_ids: Sequence[int]) -> int:
+    """Returns the gather target: ``device_ids[0]`` by default, ``HOST`` (-1) for the host."""
+    if output_device is None:
+        return device_ids[0]
+    index = _index_of(output_device, "output_device")
+    if index < HOST:
+        raise InvalidArgument(
+            f"output_device={index} is not a device; pass a device index, or -1 for the host"
+        )
+    return index
+
+
+def cuda_device_count() -> int:
+    """Number of CUDA devices torch can use here (0 without CUDA); respects CUDA_VISIBLE_DEVICES."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

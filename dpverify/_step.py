@@ -1,0 +1,264 @@
+"""One training step (forward, loss, backward) on a private copy of the user's module."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpverify._errors import InvalidArgument
+from dpverify._virtual import current_virtual_device
+
+__all__ = [
+    "ReplicaGradRecorder",
+    "StepResult",
+    "as_inputs",
+    "batch_size_of",
+    "convert_tensors",
+    "default_dtype",
+    "flatten_tensors",
+    "run_step",
+]
+
+LossOfOutput = Callable[[Any], torch.Tensor]
+Wrap = Callable[[nn.Module], Callable[..., Any]]
+
+
+def as_inputs(inputs: Any) -> tuple[Any, ...]:
+    """One tensor, or a tuple of positional forward arguments, as a tuple."""
+    if isinstance(inputs, tuple):
+        if not inputs:
+            raise InvalidArgument("inputs=() is empty; pass the batch tensor or a tuple of forward arguments")
+        return inputs
+    return (inputs,)
+
+
+def batch_size_of(inputs: tuple[Any, ...], *, argument: str = "inputs") -> int:
+    """Rows along dim 0 of the first tensor argument; an empty batch is an error."""
+    for _path, tensor in flatten_tensors(inputs, argument):
+        if tensor.dim() == 0:
+            continue
+        rows = int(tensor.size(0))
+        if rows == 0:
+            raise InvalidArgument(
+                f"{argument} has an empty batch (0 rows along dim 0); pass at least one row"
+            )
+        return rows
+    raise InvalidArgument(
+        f"{argument} holds no tensor with a batch dimension; pass the batch as a tensor"
+    )
+
+
+def flatten_tensors(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in a nested output with a readable path (``output['logits']``)."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        for name, item in zip(obj._fields, obj, strict=True):
+            yield from flatten_tensors(item, f"{path}.{name}")
+    elif isinstance(obj, (tuple, list)):
+        for i, item in enumerate(obj):
+            yield from flatten_tensors(item, f"{path}[{i}]")
+    elif isinstance(obj, dict):
+        for key, item in obj.items():
+            yield from flatten_tensors(item, f"{path}[{key!r}]")
+
+
+def convert_tensors(obj: Any, dtype: torch.dtype | None, device: torch.device) -> Any:
+    """Fresh copies of every tensor, floating ones cast to ``dtype``; other objects kept."""
+    if isinstance(obj, torch.Tensor):
+        cast = dtype if dtype is not None and obj.is_floating_point() else None
+        return obj.detach().to(device=device, dtype=cast, copy=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(convert_tensors(item, dtype, device) for item in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(convert_tensors(item, dtype, device) for item in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, convert_tensors(v, dtype, device)) for k, v in obj.items())
+    return obj
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    # Forwards that create tensors (torch.zeros(n)) must follow the run's precision.
+    if dtype is None or not dtype.is_floating_point or dtype in (torch.float16, torch.bfloat16):
+        yield
+        return
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@contextlib.contextmanager
+def _no_tf32() -> Iterator[None]:
+    # TF32 convolutions (on by default in cuDNN on Ampere+) break fp32 comparisons.
+    if not torch.cuda.is_available():
+        yield
+        return
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def parameter_sites(module: nn.Module) -> list[tuple[str, str, str]]:
+    """(qualified name, owning module path, attribute) for every distinct parameter."""
+    owners: dict[int, tuple[str, str, str]] = {}
+    for module_path, sub in module.named_modules(remove_duplicate=False):
+        for attr, param in sub._parameters.items():
+            if param is not None and id(param) not in owners:
+                name = f"{module_path}.{attr}" if module_path else attr
+                owners[id(param)] = (name, module_path, attr)
+    return list(owners.values())
+
+
+@dataclass
+class ReplicaGradRecorder:
+    """Captures each replica's own gradient contribution to every parameter.
+
+    A forward pre-hook on the root module runs on every replica (replicas share the hook
+    dictionaries: ``Module._replicate_for_data_parallel`` copies ``__dict__`` shallowly), and
+    registers a gradient hook on the replica's copy of each parameter. This works for
+    torch's DataParallel, the virtual one, and any wrapper that calls the module's copies.
+    """
+
+    sites: list[tuple[str, str, str]]
+    contributions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    replica_devices: dict[int, int | None] = field(default_factory=dict)
+    _keys: dict[int, int] = field(default_factory=dict)
+    _handles: list[Any] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def attach(self, module: nn.Module) -> None:
+        self._handles.append(module.register_forward_pre_hook(self._on_forward))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _on_forward(self, replica: nn.Module, args: Any) -> None:
+        del args
+        with self._lock:  # real DataParallel runs replicas in concurrent threads
+            key = self._keys.setdefault(id(replica), len(self._keys))
+            self.contributions.setdefault(key, {})
+        for name, module_path, attr in self.sites:
+            tensor = getattr(replica.get_submodule(module_path), attr, None)
+            if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
+                continue
+            device = current_virtual_device()
+            if device is None and tensor.device.type == "cuda":
+                device = tensor.device.index
+            self.replica_devices[key] = device
+            self._handles.append(tensor.register_hook(self._recorder(key, name)))
+
+    def _recorder(self, key: int, name: str) -> Callable[[torch.Tensor], None]:
+        def record(grad: torch.Tensor) -> None:
+            self.contributions[key][name] = grad.detach().clone()
+
+        return record
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step produced, detached: outputs by path, the loss, gradients by name."""
+
+    outputs: tuple[tuple[str, torch.Tensor], ...]
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor | None]
+    contributions: tuple[tuple[int | None, dict[str, torch.Tensor]], ...] = ()
+
+
+def run_step(
+    module: nn.Module,
+    inputs: tuple[Any, ...],
+    loss_of_output: LossOfOutput,
+    *,
+    wrap: Wrap | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+    seed: int = 0,
+    record_replicas: bool = False,
+    loss_argument: str = "loss_fn",
+) -> StepResult:
+    """Runs forward, loss and backward on a deep copy of ``module``.
+
+    Args:
+        module: the user's module; never modified.
+        inputs: positional forward arguments (copied, floating ones cast to ``dtype``).
+        loss_of_output: maps the forward's output to a scalar loss.
+        wrap: builds the parallel wrapper around the copy (None: run the copy alone).
+        dtype: cast the copy and floating inputs to this dtype (None: keep).
+        device: where the copy and inputs go (default CPU).
+        seed: torch seed for the step, so stochastic layers draw the same way each run.
+        record_replicas: capture every replica's gradient contribution.
+        loss_argument: the argument named in errors about the loss.
+    """
+    device = device or torch.device("cpu")
+    model = copy.deepcopy(module)
+    if dtype is not None:
+        model.to(dtype=dtype)
+    model.to(device)
+    args = convert_tensors(inputs, dtype, device)
+    sites = parameter_sites(model)
+    recorder = ReplicaGradRecorder(sites) if record_replicas else None
+    if recorder is not None:
+        recorder.attach(model)
+    runner: Callable[..., Any] = wrap(model) if wrap is not None else model
+    fork_devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=fork_devices), default_dtype(dtype), _no_tf32():
+            torch.manual_seed(seed)
+            output = runner(*args)
+            loss = loss_of_output(output)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise InvalidArgument(
+                    f"{loss_argument} returned {shape}; it must return a scalar tensor "
+                    "(a mean loss over the batch)"
+                )
+            if not loss.requires_grad:
+                raise InvalidArgument(
+                    f"{loss_argument} returned a loss that does not require grad; "
+                    "it must be computed from the module's output"
+                )
+            loss.reshape(()).backward()
+    finally:
+        if recorder is not None:
+            recorder.detach()
+    grads = {name: _grad_of(model, module_path, attr) for name, module_path, attr in sites}
+    contributions: tuple[tuple[int | None, dict[str, torch.Tensor]], ...] = ()
+    if recorder is not None:
+        contributions = tuple(
+            (recorder.replica_devices.get(key), grads_by_name)
+            for key, grads_by_name in sorted(recorder.contributions.items())
+        )
+    outputs = tuple((path, t.detach()) for path, t in flatten_tensors(output, "output"))
+    return StepResult(outputs, loss.detach().reshape(()), grads, contributions)
+
+
+def _grad_of(model: nn.Module, module_path: str, attr: str) -> torch.Tensor | None:
+    param = model.get_submodule(module_path)._parameters[attr]
+    return None if param is None or param.grad is None else param.grad.detach()
+
+
+def first_parameter_dtype(module: nn.Module, default: torch.dtype = torch.float32) -> torch.dtype:
+    """The dtype a step runs in: the module's first floating parameter's, else ``default``."""
+    for param in module.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return default
+
+
