@@ -300,7 +300,7 @@ class StepComparison:
         if self.contrasts:
             lines += _table(list(self.contrasts), "Shown for contrast (expected to differ):")
         if self.divergence and bad:
-            lines += ["", "Likely cause, a module whose train-mode result depends on the batch split:"]
+            lines += ["", "Likely cause, a module whose train-mode result depends on the batch split or on random draws:"]
             lines += [f"  - {d.describe()}" for d in self.divergence]
         return "\n".join(lines).rstrip()
 

@@ -53,7 +53,7 @@ def _classify(name: str, module: nn.Module) -> DivergenceSource | None:
         return DivergenceSource(
             name,
             "randomness",
-            f"{kind} draws a dropout mask per replica (p={p}), so masks differ from the "
+            f"{kind} draws its own mask on each replica (p={p}), so masks differ from the "
             "single-device mask.",
             "compare in eval mode, or with dropout p=0.",
         )

@@ -141,6 +141,11 @@ class ReplicaGradRecorder:
     _handles: list[Any] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> ReplicaGradRecorder:
+        # A wrapper that deep-copies the module per replica copies the hook with it; the
+        # copies must report to this recorder too.
+        return self
+
     def attach(self, module: nn.Module) -> None:
         self._handles.append(module.register_forward_pre_hook(self._on_forward))
 

@@ -249,49 +249,55 @@ def virtual_primitives(devices: Sequence[int] = (), *, views_only: bool = False)
         _state.depth, _state.devices, _state.views_only = saved
 
 
+def _device_seed(device: int) -> int:
+    """Seed of a virtual device's generator: like CUDA devices after torch.manual_seed, each
+    device draws from its own stream, so replicas never reuse the single-device mask."""
+    return (torch.initial_seed() * 1_000_003 + 7919 * (device + 1)) % (2**63)
+
+
 def _parallel_apply(
     replicas: Sequence[nn.Module],
     inputs: Sequence[Any],
     kwargs_tup: Sequence[dict[str, Any]],
     devices: Sequence[int],
 ) -> list[Any]:
-    """torch.nn.parallel.parallel_apply without CUDA: one thread per replica, the caller's
-    grad mode and CPU autocast state in each, failures re-raised with the replica named."""
+    """torch.nn.parallel.parallel_apply without CUDA.
+
+    Each replica runs in its own thread with the caller's grad mode and CPU autocast state,
+    and a failure is re-raised naming the replica, as in torch. The threads run one after
+    the other rather than at once: the host has one random generator where GPUs have one
+    each, so the replica on ``device_ids[0]`` continues the caller's generator and every
+    other replica draws from its device's own (``_device_seed``). Results are then
+    deterministic, and dropout masks differ between replicas as they do on GPUs.
+    """
     grad_enabled = torch.is_grad_enabled()
     autocast_enabled = torch.is_autocast_enabled("cpu")
     autocast_dtype = torch.get_autocast_dtype("cpu")
     results: dict[int, Any] = {}
-    lock = threading.Lock()
 
     def worker(i: int, module: nn.Module, input: Any, kwargs: dict[str, Any], device: int) -> None:
         torch.set_grad_enabled(grad_enabled)
-        previous = _state.device
         _state.device = device
         try:
             with torch.autocast("cpu", enabled=autocast_enabled, dtype=autocast_dtype):
                 if not isinstance(input, (list, tuple)):
                     input = (input,)
-                output = module(*input, **kwargs)
-            with lock:
-                results[i] = output
+                results[i] = module(*input, **kwargs)
         except Exception:
-            with lock:
-                results[i] = ExceptionWrapper(where=f"in replica {i} on virtual device {device}")
-        finally:
-            _state.device = previous
+            results[i] = ExceptionWrapper(where=f"in replica {i} on virtual device {device}")
 
     jobs = list(zip(replicas, inputs, kwargs_tup, devices, strict=True))
-    if len(jobs) > 1:
-        threads = [
-            threading.Thread(target=worker, args=(i, *job), name=f"dpverify-replica-{i}")
-            for i, job in enumerate(jobs)
-        ]
-        for thread in threads:
+    for i, job in enumerate(jobs):
+        if len(jobs) == 1:
+            worker(0, *job)
+            continue
+        with contextlib.ExitStack() as stack:
+            if i > 0:
+                stack.enter_context(torch.random.fork_rng(devices=[]))
+                torch.default_generator.manual_seed(_device_seed(job[3]))
+            thread = threading.Thread(target=worker, args=(i, *job), name=f"dpverify-replica-{i}")
             thread.start()
-        for thread in threads:
             thread.join()
-    else:
-        worker(0, *jobs[0])
 
     outputs = []
     for i in range(len(jobs)):

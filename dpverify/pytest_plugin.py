@@ -1,9 +1,371 @@
-"""pytest plugin for dpverify (registered through the ``pytest11`` entry point)."""
+"""pytest plugin for dpverify, registered through the ``pytest11`` entry point.
+
+What it adds to a pytest run:
+
+- the marker ``multigpu(n=2)``: the test needs ``n`` distinct CUDA devices. Tests with too few
+  devices are skipped at collection with the reason ``needs N CUDA devices, found M``;
+- the option ``--dpverify-gpus N`` and the environment variable ``DPVERIFY_GPUS``: use at
+  most ``N`` of the CUDA devices torch sees (after ``CUDA_VISIBLE_DEVICES``);
+- the fixtures ``gpu_count``, ``cuda_device_ids`` and ``dp_devices``;
+- the Hypothesis profiles ``dpverify-dev``, ``dpverify-ci`` and ``dpverify-fuzz``, selected
+  with ``--hypothesis-profile NAME`` or ``HYPOTHESIS_PROFILE=NAME``;
+- a report header line with the devices, the Hypothesis profile and the seed of the run.
+
+Importing this module imports neither torch nor CUDA: torch is imported the first time the
+device count is needed (the report header, a ``multigpu`` test, or a fixture).
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from pluggy import Result
+
+__all__ = ["PROFILES", "cuda_device_ids", "dp_devices", "gpu_count"]
+
+GPUS_OPTION = "--dpverify-gpus"
+GPUS_ENV = "DPVERIFY_GPUS"
+PROFILE_ENV = "HYPOTHESIS_PROFILE"
+# Hypothesis' own pytest plugin owns these options (_hypothesis_pytestplugin.py).
+_PROFILE_OPTION = "--hypothesis-profile"
+_SEED_OPTION = "--hypothesis-seed"
+MARKER = "multigpu"
+#: Devices a ``multigpu`` test needs when the marker gives no ``n``.
+DEFAULT_DEVICES = 2
+
+_QUIET_CHECKS = (HealthCheck.too_slow, HealthCheck.data_too_large)
+
+#: The Hypothesis profiles this plugin registers, by name.
+PROFILES: dict[str, settings] = {
+    # Few examples for the edit-run loop; a DataParallel step is slow, so no deadline.
+    "dpverify-dev": settings(max_examples=10, deadline=None),
+    # Same examples on every run, and a reproduction blob with every failure. No database:
+    # a derandomized CI run should depend on the code alone, not on a stale .hypothesis/.
+    "dpverify-ci": settings(
+        max_examples=25,
+        derandomize=True,
+        deadline=None,
+        print_blob=True,
+        database=None,
+        suppress_health_check=_QUIET_CHECKS,
+    ),
+    "dpverify-fuzz": settings(
+        max_examples=10_000,
+        deadline=None,
+        print_blob=True,
+        suppress_health_check=_QUIET_CHECKS,
+    ),
+}
+
+# Registered at import, before any pytest_configure, so that Hypothesis' own plugin can load
+# them for --hypothesis-profile, and so that conftest files can load them too.
+for _name, _profile in PROFILES.items():
+    settings.register_profile(_name, _profile)
 
 
+def _real_cuda_count() -> int:
+    """Number of CUDA devices torch sees, after ``CUDA_VISIBLE_DEVICES``.
+
+    ``torch.cuda.device_count`` asks NVML before the CUDA runtime, so it neither initialises
+    CUDA nor poisons a later fork (torch/cuda/__init__.py, ``device_count``), which the DDP
+    worker pools rely on; ``torch.cuda.is_available`` would call ``cudaGetDeviceCount``.
+    """
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _visible_devices_text() -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return "CUDA_VISIBLE_DEVICES unset" if visible is None else f"CUDA_VISIBLE_DEVICES={visible!r}"
+
+
+def _plural(count: int) -> str:
+    return f"{count} CUDA device" + ("" if count == 1 else "s")
+
+
+@dataclass
+class _Devices:
+    """The CUDA devices of one pytest run: what torch sees, and the user's cap on it.
+
+    Attributes:
+        override: The ``--dpverify-gpus`` / ``DPVERIFY_GPUS`` value, or None.
+        source: Where ``override`` came from, as the user typed it, for messages.
+        real: The count torch reports; None until first needed.
+    """
+
+    override: int | None = None
+    source: str = ""
+    real: int | None = None
+
+    def real_count(self) -> int:
+        """The count torch reports, computed (and torch imported) on first use."""
+        if self.real is None:
+            self.real = _real_cuda_count()
+        return self.real
+
+    def count(self) -> int:
+        """The number of devices tests may use: the override if given, else the real count.
+
+        Raises:
+            pytest.UsageError: The override asks for more devices than are visible.
+        """
+        real = self.real_count()
+        if self.override is None:
+            return real
+        if self.override > real:
+            raise pytest.UsageError(
+                f"{self.source} asks for {_plural(self.override)} but only {real} "
+                f"{'is' if real == 1 else 'are'} visible ({_visible_devices_text()}); "
+                f"pass at most {real}"
+            )
+        return self.override
+
+
+_DEVICES = pytest.StashKey[_Devices]()
+_RESTORE_PROFILE = pytest.StashKey[str]()
+
+
+def _devices(config: pytest.Config) -> _Devices:
+    return config.stash[_DEVICES]
+
+
+def _parse_override(text: str, source: str) -> int:
+    """Parses a ``--dpverify-gpus`` / ``DPVERIFY_GPUS`` value.
+
+    Raises:
+        pytest.UsageError: ``text`` is not a non-negative integer.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise pytest.UsageError(
+            f"{source}={text!r} is not an integer; pass the number of CUDA devices to use, "
+            "such as 0 or 2"
+        ) from None
+    if value < 0:
+        raise pytest.UsageError(
+            f"{source}={value} is negative; pass the number of CUDA devices to use, such as 0 or 2"
+        )
+    return value
+
+
+def _read_devices(config: pytest.Config) -> _Devices:
+    """The override from the command line, else from the environment, else none."""
+    option = config.getoption("dpverify_gpus")
+    if option is not None:
+        return _Devices(_parse_override(option, GPUS_OPTION), f"{GPUS_OPTION} {option}")
+    env = os.environ.get(GPUS_ENV, "")
+    if env.strip():
+        return _Devices(_parse_override(env, GPUS_ENV), f"{GPUS_ENV}={env}")
+    return _Devices()
+
+
+def _marker_devices(marker: pytest.Mark) -> int:
+    """The ``n`` of a ``multigpu`` marker: ``multigpu``, ``multigpu(4)`` or ``multigpu(n=4)``.
+
+    Raises:
+        ValueError: The marker's arguments are not a single positive int ``n``.
+    """
+    unknown = set(marker.kwargs) - {"n"}
+    if unknown or len(marker.args) + len(marker.kwargs) > 1:
+        raise ValueError("takes one argument, n, the number of CUDA devices the test needs")
+    n = marker.args[0] if marker.args else marker.kwargs.get("n", DEFAULT_DEVICES)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r}; pass a positive int, the number of CUDA devices the test needs")
+    return n
+
+
+def _needed_devices(node: pytest.Item) -> int:
+    """Devices the test needs: its ``multigpu`` marker's ``n``, else ``DEFAULT_DEVICES``."""
+    marker = node.get_closest_marker(MARKER)
+    return DEFAULT_DEVICES if marker is None else _marker_devices(marker)
+
+
+def _skip_reason(needed: int, found: int) -> str:
+    return f"needs {needed} CUDA devices, found {found}"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """Adds ``--dpverify-gpus``."""
+    group = parser.getgroup("dpverify", "dpverify (data-parallel correctness)")
+    group.addoption(
+        GPUS_OPTION,
+        dest="dpverify_gpus",
+        metavar="N",
+        default=None,
+        help=(
+            "use at most N of the visible CUDA devices: multigpu tests that need more are "
+            f"skipped and dp_devices gives virtual ids (default: all; env: {GPUS_ENV})"
+        ),
+    )
+
+
+def _load_profile_from_env(config: pytest.Config) -> None:
+    """Loads ``HYPOTHESIS_PROFILE`` unless ``--hypothesis-profile`` was given.
+
+    Raises:
+        pytest.UsageError: No Hypothesis profile has that name.
+    """
+    name = os.environ.get(PROFILE_ENV, "").strip()
+    if not name or config.getoption(_PROFILE_OPTION, default=None):
+        return
+    try:
+        settings.get_profile(name)
+    except InvalidArgument as error:
+        raise pytest.UsageError(
+            f"{PROFILE_ENV}={name!r}: {error}; dpverify registers {', '.join(PROFILES)}"
+        ) from None
+    config.stash[_RESTORE_PROFILE] = settings.get_current_profile_name()
+    settings.load_profile(name)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "multigpu(n=2): the test needs n distinct CUDA devices")
+    """Registers the marker, reads the device override and loads ``HYPOTHESIS_PROFILE``.
+
+    Runs before Hypothesis' own ``pytest_configure``, which derives its
+    ``--hypothesis-verbosity`` profile from the profile loaded here.
+
+    Raises:
+        pytest.UsageError: A bad ``--dpverify-gpus``, ``DPVERIFY_GPUS`` or
+            ``HYPOTHESIS_PROFILE`` value.
+    """
+    config.addinivalue_line(
+        "markers",
+        f"{MARKER}(n={DEFAULT_DEVICES}): the test needs n distinct CUDA devices; skipped at "
+        f"collection when fewer are visible (see {GPUS_OPTION})",
+    )
+    devices = _read_devices(config)
+    config.stash[_DEVICES] = devices
+    if devices.override is not None:
+        devices.count()  # An impossible override is a usage error now, not at collection.
+    _load_profile_from_env(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Restores the Hypothesis profile replaced for ``HYPOTHESIS_PROFILE`` (nested runs)."""
+    previous = config.stash.get(_RESTORE_PROFILE, None)
+    if previous is not None:
+        settings.load_profile(previous)
+
+
+def _seed_text(config: pytest.Config) -> str:
+    seed = config.getoption(_SEED_OPTION, default=None)
+    if seed is not None:
+        return f"seed {seed}"
+    return "seed derandomized" if settings().derandomize else "seed random"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """One line with what a run needs to be reproduced: devices, Hypothesis profile, seed."""
+    import torch
+
+    devices = _devices(config)
+    count = devices.count()
+    if devices.override is None:
+        seen = f"CUDA devices {count} ({_visible_devices_text()})"
+    else:
+        seen = (
+            f"CUDA devices {count} of {devices.real_count()} "
+            f"({devices.source}, {_visible_devices_text()})"
+        )
+    profile = settings.get_current_profile_name()
+    return (
+        f"dpverify: torch {torch.__version__}, {seen}, hypothesis profile {profile}, "
+        f"{_seed_text(config)}"
+    )
+
+
+def _marker_problem(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker(MARKER)
+    if marker is None:
+        return None
+    try:
+        _marker_devices(marker)
+    except ValueError as error:
+        return f"{item.nodeid}: @pytest.mark.{MARKER}{_marker_args(marker)}: {error}"
+    return None
+
+
+def _marker_args(marker: pytest.Mark) -> str:
+    args = [repr(a) for a in marker.args] + [f"{k}={v!r}" for k, v in marker.kwargs.items()]
+    return f"({', '.join(args)})" if args else ""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, Result[pytest.CollectReport], None]:
+    """Turns a malformed ``multigpu`` marker into a collection error of its module.
+
+    A hook wrapper, not ``pytest_collection_modifyitems``: an exception there is an internal
+    error, while a failed collect report is shown as ``ERROR collecting <module>``.
+    """
+    outcome = yield
+    report = outcome.get_result()
+    if not report.passed:
+        return
+    problems = [
+        problem
+        for node in report.result
+        if isinstance(node, pytest.Item) and (problem := _marker_problem(node)) is not None
+    ]
+    if problems:
+        report.outcome = "failed"
+        report.longrepr = "\n".join(problems)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skips ``multigpu`` tests that need more CUDA devices than the run has."""
+    marked = [(item, _needed_devices(item)) for item in items if item.get_closest_marker(MARKER)]
+    if not marked:
+        return  # Nothing needs the count: do not import torch for it.
+    found = _devices(config).count()
+    for item, needed in marked:
+        if needed > found:
+            item.add_marker(pytest.mark.skip(reason=_skip_reason(needed, found)))
+
+
+@pytest.fixture(scope="session")
+def gpu_count(pytestconfig: pytest.Config) -> int:
+    """The number of CUDA devices tests may use: torch's count, capped by ``--dpverify-gpus``."""
+    return _devices(pytestconfig).count()
+
+
+@pytest.fixture
+def cuda_device_ids(request: pytest.FixtureRequest, gpu_count: int) -> list[int]:
+    """The first ``n`` CUDA device indices, ``n`` from the test's ``multigpu`` marker (default 2).
+
+    Skips the test, with the marker's reason, when fewer devices are available.
+    """
+    needed = _needed_devices(request.node)
+    if needed > gpu_count:
+        pytest.skip(_skip_reason(needed, gpu_count))
+    return list(range(needed))
+
+
+@pytest.fixture
+def dp_devices(request: pytest.FixtureRequest, gpu_count: int) -> list[int]:
+    """``n`` device ids for ``dpverify.data_parallel``, ``n`` from ``multigpu`` (default 2).
+
+    Real CUDA indices ``[0, n)`` when the run has ``n`` devices, else ids that
+    ``data_parallel`` runs on virtual devices. Those are ``[0, n)`` too, unless
+    ``--dpverify-gpus`` hides devices that exist: ``data_parallel`` cannot see that cap, so
+    the ids then start after the last real device, where no CUDA device is.
+    Whether the ids are real is ``gpu_count >= len(dp_devices)``.
+    """
+    needed = _needed_devices(request.node)
+    if needed <= gpu_count:
+        return list(range(needed))
+    real = _devices(request.config).real_count()
+    first = real if real >= needed else 0
+    return list(range(first, first + needed))

@@ -1,0 +1,227 @@
+"""assert_dp_grads_match and assert_grad_sum_equals_mean_loss_grad on the built-in models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from wrong_parallel import AveragingDataParallel, DeepCopyDataParallel
+
+import dpverify
+from dpverify import InvalidArgument, ParallelMismatch
+from dpverify._builtin import builtin_case
+
+MODELS = ["mlp", "conv", "embedding"]
+# even chunks, uneven chunks, and a batch smaller than the device count
+SPLITS = [(8, [0, 1]), (5, [0, 1, 2, 3]), (2, [0, 1, 2, 3]), (7, [2, 0, 1])]
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(("batch", "ids"), SPLITS)
+def test_correct_data_parallel_passes(name: str, batch: int, ids: list[int]) -> None:
+    case = builtin_case(name, batch=batch)
+    assert case.loss_fn is not None
+    result = dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=ids)
+    assert result.ok
+    assert {t.name for t in result.tensors} >= {"output", "loss"}
+    grads = dpverify.assert_grad_sum_equals_mean_loss_grad(case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=ids)
+    replicas = len(dpverify.chunk_sizes(batch, len(ids)))
+    assert f"{replicas} replicas contributed" in " ".join(grads.notes)
+    assert len(grads.contrasts) == (len(case.module.state_dict()) if replicas > 1 else 0)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(("batch", "ids"), [(8, [0, 1]), (5, [0, 1, 2, 3])])
+def test_averaging_wrapper_is_reported_with_the_reason(name: str, batch: int, ids: list[int]) -> None:
+    case = builtin_case(name, batch=batch)
+    assert case.loss_fn is not None
+    replicas = len(dpverify.chunk_sizes(batch, len(ids)))
+    with pytest.raises(ParallelMismatch, match=rf"1/{replicas}, one over the number of replicas used\): the replica gradients were averaged"):
+        dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=ids, parallel=AveragingDataParallel)
+    with pytest.raises(ParallelMismatch, match="accumulated grad") as caught:
+        dpverify.assert_grad_sum_equals_mean_loss_grad(case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=ids, parallel=AveragingDataParallel)
+    # the replicas' own contributions were divided, so their sum is wrong too
+    assert "sum of replica grads" in str(caught.value)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_deep_copy_wrapper_is_reported_with_the_reason(name: str) -> None:
+    case = builtin_case(name, batch=6)
+    assert case.loss_fn is not None
+    with pytest.raises(ParallelMismatch, match="No gradient reached the module's parameters") as caught:
+        dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=[0, 1], parallel=DeepCopyDataParallel)
+    assert "is None in the parallel step" in str(caught.value)
+    # the copies' contributions do sum up, but nothing reaches the module's .grad
+    with pytest.raises(ParallelMismatch, match=r"accumulated grad .*is None in the parallel step"):
+        dpverify.assert_grad_sum_equals_mean_loss_grad(case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=[0, 1], parallel=DeepCopyDataParallel)
+
+
+def test_sum_helper_shows_sum_and_average() -> None:
+    case = builtin_case("mlp", batch=5)
+    assert case.loss_fn is not None
+    result = dpverify.assert_grad_sum_equals_mean_loss_grad(case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=[0, 1, 2, 3])
+    assert all(t.ok for t in result.tensors)
+    assert result.contrasts and all(not t.ok for t in result.contrasts)  # the average is off
+    assert all(t.name.startswith("average of replica grads") for t in result.contrasts)
+
+
+def test_sum_helper_with_one_replica_has_no_contrast() -> None:
+    case = builtin_case("mlp", batch=1)
+    assert case.loss_fn is not None
+    result = dpverify.assert_grad_sum_equals_mean_loss_grad(case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=[0, 1])
+    assert result.contrasts == ()
+    assert "1 replicas contributed" in result.notes[0]
+
+
+def test_sum_helper_fails_when_the_wrapper_never_calls_the_module() -> None:
+    class Ignores(nn.Module):
+        def __init__(self, module: nn.Module, device_ids: list[int], output_device: int | None = None) -> None:
+            super().__init__()
+            self.module = module
+            self.other = nn.Linear(5, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.other(x)
+
+    case = builtin_case("mlp", batch=4)
+    assert case.loss_fn is not None
+    with pytest.raises(ParallelMismatch, match="No replica ran a forward of the module's copies"):
+        dpverify.assert_grad_sum_equals_mean_loss_grad(case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=[0, 1], parallel=Ignores)
+
+
+def _state(module: nn.Module) -> dict[str, Any]:
+    return {
+        "params": {k: v.detach().clone() for k, v in module.named_parameters()},
+        "grads": {k: None if v.grad is None else v.grad.clone() for k, v in module.named_parameters()},
+        "buffers": {k: v.clone() for k, v in module.named_buffers()},
+        "training": [m.training for m in module.modules()],
+    }
+
+
+@pytest.mark.parametrize("helper", ["grads", "sum"])
+def test_user_module_and_gradients_are_never_modified(helper: str) -> None:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).eval()
+    module[0].weight.grad = torch.full_like(module[0].weight, 7.0)
+    before = _state(module)
+    x, y = torch.randn(6, 4), torch.randn(6, 1)
+    run = dpverify.assert_dp_grads_match if helper == "grads" else dpverify.assert_grad_sum_equals_mean_loss_grad
+    run(module, x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2])
+    after = _state(module)
+    assert after["training"] == before["training"]
+    for kind in ("params", "buffers"):
+        for key, value in before[kind].items():
+            assert torch.equal(after[kind][key], value), (kind, key)
+    assert torch.equal(after["grads"]["0.weight"], before["grads"]["0.weight"])
+    assert after["grads"]["2.weight"] is None
+    assert x.grad is None
+
+
+def test_batchnorm_in_train_mode_is_named_as_the_cause() -> None:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 1))
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    with pytest.raises(ParallelMismatch, match=r"(?s)Likely cause.*'1' \(batch statistics\): BatchNorm1d in train mode"):
+        dpverify.assert_dp_grads_match(module, x, y, loss_fn=F.mse_loss, device_ids=[0, 1])
+    dpverify.assert_dp_grads_match(module.eval(), x, y, loss_fn=F.mse_loss, device_ids=[0, 1])
+
+
+def test_batchnorm_with_one_row_per_replica_explains_the_error() -> None:
+    module = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 1))
+    x, y = torch.randn(3, 4), torch.randn(3, 1)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel") as caught:
+        dpverify.assert_dp_grads_match(module, x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2])
+    notes = "\n".join(caught.value.__notes__)
+    assert "raised by the parallel step" in notes
+    assert "chunk sizes [1, 1, 1]" in notes
+    assert "Fix: compare in eval mode" in notes
+
+
+def test_dropout_is_named_as_the_cause() -> None:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 1))
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    with pytest.raises(ParallelMismatch, match=r"'1' \(randomness\): Dropout draws its own mask on each replica"):
+        dpverify.assert_dp_grads_match(module, x, y, loss_fn=F.mse_loss, device_ids=[0, 1])
+    dpverify.assert_dp_grads_match(module.eval(), x, y, loss_fn=F.mse_loss, device_ids=[0, 1])
+
+
+def test_dropped_rows_are_warned_about() -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(2, 1)
+
+        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return self.linear(x) * scale.mean()
+
+    x, scale = torch.randn(8, 2), torch.ones(2, 1)
+    with pytest.warns(dpverify.DroppedRowsWarning, match="inputs\\[0\\] loses 4 rows"), pytest.raises(ParallelMismatch, match="output: has shape \\(4, 1\\) in the parallel step and \\(8, 1\\)"):
+        dpverify.assert_dp_grads_match(Two(), (x, scale), torch.zeros(8, 1), loss_fn=lambda o, t: o.sum(), device_ids=[0, 1, 2, 3])
+
+
+def test_loss_in_forward_model_gets_a_shape_explanation() -> None:
+    case = builtin_case("loss-in-forward", batch=5)
+    with pytest.raises(ParallelMismatch, match=r"output\[1\]: has shape \(3,\) in the parallel step and \(\) in the single-device step"):
+        dpverify.assert_dp_grads_match(case.module, case.inputs, None, loss_fn=lambda out, _t: out[1].mean(), device_ids=[0, 1, 2, 3])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"module": "net"}, "module=str is not a torch.nn.Module"),
+        ({"inputs": torch.empty(0, 5)}, r"inputs has an empty batch \(0 rows along dim 0\)"),
+        ({"inputs": ()}, r"inputs=\(\) is empty"),
+        ({"inputs": (3,)}, "inputs holds no tensor with a batch dimension"),
+        ({"device_ids": [0, 0]}, r"repeats device 0"),
+        ({"output_device": "cpu"}, "pass -1 as output_device"),
+        ({"loss_fn": "mse"}, "loss_fn='mse' is not callable"),
+        ({"loss_fn": lambda o, t: (o - t).pow(2)}, r"loss_fn returned \(4, 2\); it must return a scalar"),
+        ({"parallel": 3}, "parallel=3 is not callable"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], match: str) -> None:
+    case = builtin_case("mlp", batch=4)
+    arguments: dict[str, Any] = {"module": case.module, "inputs": case.inputs, "target": case.target, "loss_fn": case.loss_fn, "device_ids": [0, 1]}
+    arguments.update(kwargs)
+    with pytest.raises(InvalidArgument, match=match):
+        dpverify.assert_dp_grads_match(arguments.pop("module"), arguments.pop("inputs"), arguments.pop("target"), **arguments)
+
+
+def test_explicit_tolerances_skip_the_float64_run() -> None:
+    case = builtin_case("mlp", batch=5)
+    assert case.loss_fn is not None
+    result = dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=[0, 1], rtol=1e-5, atol=1e-6)
+    assert all(t.reference_error is None for t in result.tensors)
+    assert "rtol=1.0e-05, atol=1.0e-06" in result.tolerance
+
+
+def test_float64_module_is_compared_at_float64_precision() -> None:
+    case = builtin_case("mlp", batch=5)
+    assert case.loss_fn is not None
+    module = case.module.double()
+    result = dpverify.assert_dp_grads_match(module, case.inputs[0].double(), case.target.double(), loss_fn=case.loss_fn, device_ids=[0, 1, 2])
+    assert max(t.allowed for t in result.tensors) < 1e-12
+
+
+def test_forward_creating_default_dtype_tensors_runs_in_float64() -> None:
+    class MakesTensors(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x) @ torch.eye(3) + torch.zeros(3)
+
+    dpverify.assert_dp_grads_match(MakesTensors(), torch.randn(4, 3), torch.randn(4, 3), loss_fn=F.mse_loss, device_ids=[0, 1])
+
+
+def test_str_of_a_passing_result_summarises_it() -> None:
+    case = builtin_case("conv", batch=5)
+    assert case.loss_fn is not None
+    result = dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=[0, 1, 2, 3])
+    assert str(result).startswith("DataParallel outputs and gradients must match the single-device step: passed (")
+    assert "chunk sizes [2, 2, 1]" in str(result)

@@ -1,0 +1,374 @@
+"""VirtualDataParallel reproduces torch.nn.DataParallel's behaviour (SEMANTICS.md 1-8)."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import namedtuple
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import scatter_gather
+
+import dpverify
+from dpverify import InvalidArgument, VirtualDataParallel, current_virtual_device
+
+Pair = namedtuple("Pair", ["left", "right"])
+
+
+class Recorder(nn.Module):
+    """Linear layer that records, per call, what its replica saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+        self.calls: list[dict[str, Any]] = []  # a shared list: replicas append to it too
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(
+            {
+                "device": current_virtual_device(),
+                "rows": x.shape[0],
+                "x_ptr": x.data_ptr(),
+                "weight_ptr": self.linear.weight.data_ptr(),
+                "self": id(self),
+                "thread": threading.current_thread().name,
+                "weight_requires_grad": self.linear.weight.requires_grad,
+            }
+        )
+        return self.linear(x)
+
+
+def _by_device(calls: list[dict[str, Any]]) -> dict[Any, dict[str, Any]]:
+    return {c["device"]: c for c in calls}
+
+
+def test_cpu_data_parallel_tests_nothing() -> None:
+    # SEMANTICS 1: without CUDA torch's DataParallel keeps device_ids=[] and calls the module.
+    module = Recorder()
+    real = nn.DataParallel(module, device_ids=[0, 1])
+    assert real.device_ids == []
+    real(torch.randn(4, 3))
+    assert [c["rows"] for c in module.calls] == [4]
+
+
+def test_runs_torch_own_forward() -> None:
+    assert VirtualDataParallel.forward is nn.DataParallel.forward
+    assert isinstance(VirtualDataParallel(nn.Linear(2, 2), [0, 1]), nn.DataParallel)
+
+
+@pytest.mark.parametrize(
+    ("batch", "n_devices", "rows"),
+    [(5, 4, [2, 2, 1]), (6, 4, [2, 2, 2]), (9, 4, [3, 3, 3]), (2, 4, [1, 1]), (8, 2, [4, 4])],
+)
+def test_fewer_replicas_than_devices(batch: int, n_devices: int, rows: list[int]) -> None:
+    module = Recorder()
+    ids = list(range(10, 10 + n_devices))
+    out = VirtualDataParallel(module, ids)(torch.randn(batch, 3))
+    calls = _by_device(module.calls)
+    assert sorted(calls) == ids[: len(rows)]  # only the first len(chunks) devices run
+    assert [calls[d]["rows"] for d in ids[: len(rows)]] == rows
+    assert out.shape == (batch, 2)
+
+
+def test_single_device_runs_module_itself() -> None:
+    module = Recorder()
+    VirtualDataParallel(module, [3])(torch.randn(4, 3))
+    (call,) = module.calls
+    assert call["self"] == id(module)
+    assert call["device"] is None  # no replica, no parallel_apply
+
+
+def test_replicas_run_in_their_own_threads() -> None:
+    module = Recorder()
+    VirtualDataParallel(module, [0, 1, 2])(torch.randn(6, 3))
+    assert len({c["thread"] for c in module.calls}) == 3
+
+
+def test_replica_zero_shares_storage_and_chunk_zero_is_a_view() -> None:
+    module = Recorder()
+    x = torch.randn(6, 3)
+    VirtualDataParallel(module, [0, 1, 2])(x)
+    calls = _by_device(module.calls)
+    weight_ptr = module.linear.weight.data_ptr()
+    assert calls[0]["weight_ptr"] == weight_ptr
+    assert calls[1]["weight_ptr"] != weight_ptr
+    assert calls[2]["weight_ptr"] != weight_ptr
+    assert calls[0]["x_ptr"] == x.data_ptr()  # chunk 0 is a view of the batch
+    assert calls[1]["x_ptr"] != x[2:].data_ptr()  # other chunks are copies
+
+
+class Stateful(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.register_buffer("rows_seen", torch.zeros(()))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows_seen.add_(x.shape[0])
+        self.calls += 1
+        return self.linear(x)
+
+
+def test_inplace_buffer_updates_survive_from_replica_zero_only() -> None:
+    module = Stateful()
+    VirtualDataParallel(module, [0, 1, 2])(torch.randn(7, 3))  # chunks [3, 3, 1]
+    assert float(module.rows_seen) == 3.0
+
+
+def test_batchnorm_running_stats_come_from_replica_zero() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(8, 4) * 3 + 1
+    bn = nn.BatchNorm1d(4)
+    VirtualDataParallel(bn, [0, 1])(x)
+    expected = nn.BatchNorm1d(4)
+    expected(x[:4])
+    torch.testing.assert_close(bn.running_mean, expected.running_mean)
+    torch.testing.assert_close(bn.running_var, expected.running_var)
+    assert int(bn.num_batches_tracked) == 1
+
+
+def test_attributes_set_in_forward_are_lost_on_replicas() -> None:
+    module = Stateful()
+    VirtualDataParallel(module, [0, 1])(torch.randn(4, 3))
+    assert module.calls == 0
+    VirtualDataParallel(module, [0])(torch.randn(4, 3))  # single device: the module itself
+    assert module.calls == 1
+
+
+def test_replicas_are_detached_under_no_grad() -> None:
+    module = Recorder()
+    with torch.no_grad():
+        out = VirtualDataParallel(module, [0, 1, 2])(torch.randn(6, 3))
+    assert not out.requires_grad
+    calls = _by_device(module.calls)
+    assert not calls[1]["weight_requires_grad"]
+    assert not calls[2]["weight_requires_grad"]
+
+
+def test_grad_mode_and_autocast_reach_replicas() -> None:
+    module = nn.Linear(3, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = VirtualDataParallel(module, [0, 1])(torch.randn(4, 3))
+    assert out.dtype == torch.bfloat16
+    assert out.requires_grad
+
+
+class Structured(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.seen_tags: list[int] = []
+
+    def forward(self, pair: Pair, extras: dict[str, torch.Tensor], tag: object, *, scale: torch.Tensor) -> dict[str, Any]:
+        self.seen_tags.append(id(tag))
+        left = self.linear(pair.left) * scale
+        return {"sum": left + extras["bias"], "pair": Pair(left, pair.right * 2), "list": [left.sum(1, keepdim=True)]}
+
+
+def test_recursive_scatter_and_gather_of_structures_and_kwargs() -> None:
+    torch.manual_seed(0)
+    module = Structured()
+    x, y, b, s = torch.randn(5, 3), torch.randn(5, 2), torch.randn(5, 3), torch.rand(5, 1)
+    tag = object()
+    out = VirtualDataParallel(module, [0, 1, 2])(Pair(x, y), {"bias": b}, tag, scale=s)
+    expected = module(Pair(x, y), {"bias": b}, tag, scale=s)
+    assert isinstance(out, dict)
+    assert isinstance(out["pair"], Pair)
+    assert isinstance(out["list"], list)
+    for got, want in [(out["sum"], expected["sum"]), (out["pair"].right, expected["pair"].right), (out["list"][0], expected["list"][0])]:
+        torch.testing.assert_close(got, want)
+    # a non-tensor argument reaches every replica by reference
+    assert set(module.seen_tags) == {id(tag)}
+    assert len(module.seen_tags) == 4  # 3 replicas + the direct call
+
+
+def test_mismatched_batch_sizes_silently_drop_rows() -> None:
+    # SEMANTICS 3 / pytorch issue 7358: 8 rows and 2 rows on 4 devices -> 2 replicas.
+    class Two(nn.Module):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return x + y.sum()
+
+    x, y = torch.arange(8.0).unsqueeze(1), torch.ones(2, 1)
+    out = VirtualDataParallel(Two(), [0, 1, 2, 3])(x, y)
+    assert out.shape == (4, 1)  # rows 4-7 of x never seen
+    torch.testing.assert_close(out, x[:4] + 1)
+    with pytest.warns(dpverify.DroppedRowsWarning, match=r"inputs\[0\] loses 4 rows"):
+        plan = dpverify.plan_scatter((x, y), None, [0, 1, 2, 3])
+    assert plan.n_replicas == 2
+    assert plan.dropped == (("inputs[0]", 4),)
+
+
+def test_scalar_outputs_gather_into_one_entry_per_replica_used() -> None:
+    class MeanLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(3, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x).pow(2).mean()
+
+    with pytest.warns(UserWarning, match="all input tensors were scalars; will instead unsqueeze"):
+        out = VirtualDataParallel(MeanLoss(), [0, 1, 2, 3])(torch.randn(5, 3))
+    assert out.shape == (3,)  # 3 replicas used, not 4 devices
+    out.sum().backward()  # backward through the unsqueezed gather works
+
+
+@pytest.mark.parametrize("output_device", [1, -1, torch.device("cuda", 2)])
+def test_output_device(output_device: Any) -> None:
+    torch.manual_seed(0)
+    module = nn.Linear(3, 2)
+    x = torch.randn(6, 3)
+    dp = VirtualDataParallel(module, [0, 1, 2], output_device=output_device)
+    assert dp.output_device == (-1 if output_device == -1 else (1 if output_device == 1 else 2))
+    out = dp(x)
+    torch.testing.assert_close(out, module(x))
+    out.sum().backward()
+    grad = module.weight.grad.clone()
+    module.zero_grad()
+    module(x).sum().backward()
+    torch.testing.assert_close(grad, module.weight.grad)
+
+
+def test_output_device_cpu_is_rejected_like_torch() -> None:
+    # SEMANTICS.md says output_device "may also be 'cpu'"; torch's DataParallel.__init__
+    # rejects it (torch._utils._get_device_index(..., allow_cpu=False)); -1 means the host.
+    from torch._utils import _get_device_index
+
+    with pytest.raises(ValueError, match="Expected a non cpu device"):
+        _get_device_index("cpu", True)
+    with pytest.raises(InvalidArgument, match="output_device='cpu'.*pass -1"):
+        VirtualDataParallel(nn.Linear(2, 2), [0, 1], output_device="cpu")  # type: ignore[arg-type]
+
+
+def test_scatter_and_gather_along_another_dim() -> None:
+    class Seq(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[int] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.rows.append(x.shape[1])
+            return x * 2
+
+    module = Seq()
+    x = torch.randn(2, 5, 3)
+    out = VirtualDataParallel(module, [0, 1], dim=1)(x)
+    assert sorted(module.rows) == [2, 3]
+    torch.testing.assert_close(out, x * 2)
+
+
+def test_gradients_are_summed_into_the_parameters() -> None:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    x, y = torch.randn(7, 3), torch.randn(7, 1)
+    F.mse_loss(VirtualDataParallel(module, [0, 1, 2])(x), y).backward()
+    grads = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    F.mse_loss(module(x), y).backward()
+    for got, want in zip(grads, [p.grad for p in module.parameters()], strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_unused_parameter_gets_zero_gradient_not_none() -> None:
+    # Broadcast's backward materialises zeros for replica parameters that got no gradient.
+    class Unused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    module = Unused()
+    VirtualDataParallel(module, [0, 1])(torch.randn(4, 2)).sum().backward()
+    assert module.unused.weight.grad is not None
+    assert not module.unused.weight.grad.any()
+
+
+def test_replica_exception_names_the_replica() -> None:
+    class Fails(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if current_virtual_device() == 1:
+                raise RuntimeError("boom")
+            return x
+
+    with pytest.raises(RuntimeError, match=r"(?s)in replica 1 on virtual device 1.*boom"):
+        VirtualDataParallel(Fails(), [0, 1])(torch.randn(4, 2))
+
+
+def test_virtual_primitives_are_per_thread() -> None:
+    VirtualDataParallel(nn.Linear(2, 2), [0, 1])  # installs the switches
+    switch = scatter_gather.Scatter
+    assert switch._pick() is switch._dpverify_original  # torch's own outside the block
+    with dpverify._virtual.virtual_primitives():
+        assert switch._pick() is switch._dpverify_virtual
+        seen: list[Any] = []
+        other = threading.Thread(target=lambda: seen.append(switch._pick()))
+        other.start()
+        other.join()
+        assert seen == [switch._dpverify_original]
+
+
+@pytest.mark.parametrize(
+    ("device_ids", "match"),
+    [
+        ([0, 0], r"device_ids=\[0, 0\] repeats device 0; DataParallel needs distinct devices"),
+        ([0, -1], r"device_ids=\[0, -1\] contains -1"),
+        ([], r"device_ids=\[\] is empty"),
+        (3, r"device_ids=3: pass a list"),
+        ([0, "x"], r"device_ids='x' is not a device"),
+        ([True], r"is a bool"),
+    ],
+)
+def test_bad_device_ids(device_ids: Any, match: str) -> None:
+    with pytest.raises(InvalidArgument, match=match):
+        VirtualDataParallel(nn.Linear(2, 2), device_ids)
+
+
+def test_bad_output_device_and_dim() -> None:
+    with pytest.raises(InvalidArgument, match="output_device=-2"):
+        VirtualDataParallel(nn.Linear(2, 2), [0, 1], output_device=-2)
+    with pytest.raises(InvalidArgument, match="dim=0.5 must be an int"):
+        VirtualDataParallel(nn.Linear(2, 2), [0, 1], dim=0.5)  # type: ignore[arg-type]
+
+
+def test_module_not_on_host_is_rejected() -> None:
+    module = nn.Linear(2, 2, device="meta")
+    with pytest.raises(InvalidArgument, match=r"module has 'weight' on meta.*module.cpu\(\)"):
+        VirtualDataParallel(module, [0, 1])
+
+
+def test_data_parallel_falls_back_to_virtual_without_cuda() -> None:
+    dp = dpverify.data_parallel(nn.Linear(2, 2), [0, 1], output_device=1)
+    if torch.cuda.device_count() < 2:
+        assert isinstance(dp, VirtualDataParallel)
+        assert dp.device_ids == [0, 1]
+        assert dp.output_device == 1
+
+
+def test_no_warnings_on_plain_use() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        VirtualDataParallel(nn.Linear(3, 3), [0, 1])(torch.randn(4, 3)).sum().backward()
+
+
+def test_replicas_draw_their_own_random_numbers_deterministically() -> None:
+    class Noise(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.rand_like(x)
+
+    x = torch.zeros(4, 3)
+    torch.manual_seed(0)
+    first = VirtualDataParallel(Noise(), [0, 1])(x)
+    torch.manual_seed(0)
+    second = VirtualDataParallel(Noise(), [0, 1])(x)
+    torch.manual_seed(0)
+    single = Noise()(x)
+    torch.testing.assert_close(first, second)  # deterministic
+    torch.testing.assert_close(first[:2], single[:2])  # device_ids[0] continues the caller's stream
+    assert not torch.allclose(first[2:], single[2:])  # device 1 has its own generator
