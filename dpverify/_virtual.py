@@ -277,7 +277,7 @@ def _parallel_apply(
 
     def worker(i: int, module: nn.Module, input: Any, kwargs: dict[str, Any], device: int) -> None:
         torch.set_grad_enabled(grad_enabled)
-        _state.device = device
+        previous, _state.device = _state.device, device
         try:
             with torch.autocast("cpu", enabled=autocast_enabled, dtype=autocast_dtype):
                 if not isinstance(input, (list, tuple)):
@@ -285,6 +285,8 @@ def _parallel_apply(
                 results[i] = module(*input, **kwargs)
         except Exception:
             results[i] = ExceptionWrapper(where=f"in replica {i} on virtual device {device}")
+        finally:
+            _state.device = previous
 
     jobs = list(zip(replicas, inputs, kwargs_tup, devices, strict=True))
     for i, job in enumerate(jobs):

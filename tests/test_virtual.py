@@ -372,3 +372,8 @@ def test_replicas_draw_their_own_random_numbers_deterministically() -> None:
     torch.testing.assert_close(first, second)  # deterministic
     torch.testing.assert_close(first[:2], single[:2])  # device_ids[0] continues the caller's stream
     assert not torch.allclose(first[2:], single[2:])  # device 1 has its own generator
+
+
+def test_current_virtual_device_is_none_after_a_one_replica_forward() -> None:
+    VirtualDataParallel(Recorder(), [0, 1])(torch.randn(1, 3))  # one chunk: one replica, this thread
+    assert current_virtual_device() is None
