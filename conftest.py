@@ -6,3 +6,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent / "tests"))
+
+import os
+
+from hypothesis import settings
+
+import dpverify.pytest_plugin  # noqa: F401  (registers the dpverify-* profiles)
+
+# The suite runs under the derandomized CI profile unless a profile is asked for.
+if "HYPOTHESIS_PROFILE" not in os.environ:
+    settings.load_profile("dpverify-ci")

@@ -7,17 +7,59 @@ execution, with float64-anchored tolerances and messages in the style of
 
 from __future__ import annotations
 
-from dpverify._assertions import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
-from dpverify._comparison import StepComparison, TensorComparison, Tolerance
-from dpverify._divergence import DivergenceSource, divergence_sources
-from dpverify._errors import DroppedRowsWarning, InvalidArgument, ParallelMismatch
-from dpverify._loss_average import (
-    LossAverageReport,
-    assert_loss_reduction_matches_full_batch,
-    check_forward_loss_average,
-)
-from dpverify._scatter import ScatterPlan, chunk_sizes, plan_scatter
-from dpverify._virtual import VirtualDataParallel, current_virtual_device, data_parallel
+from typing import TYPE_CHECKING, Any
+
+# Public names load on first use (PEP 562): ``import dpverify.pytest_plugin``, which pytest
+# does at start-up, must not import torch or initialise CUDA.
+_EXPORTS = {
+    "assert_dp_grads_match": "dpverify._assertions",
+    "assert_grad_sum_equals_mean_loss_grad": "dpverify._assertions",
+    "StepComparison": "dpverify._comparison",
+    "TensorComparison": "dpverify._comparison",
+    "Tolerance": "dpverify._comparison",
+    "DivergenceSource": "dpverify._divergence",
+    "divergence_sources": "dpverify._divergence",
+    "DroppedRowsWarning": "dpverify._errors",
+    "InvalidArgument": "dpverify._errors",
+    "ParallelMismatch": "dpverify._errors",
+    "LossAverageReport": "dpverify._loss_average",
+    "assert_loss_reduction_matches_full_batch": "dpverify._loss_average",
+    "check_forward_loss_average": "dpverify._loss_average",
+    "ScatterPlan": "dpverify._scatter",
+    "chunk_sizes": "dpverify._scatter",
+    "plan_scatter": "dpverify._scatter",
+    "VirtualDataParallel": "dpverify._virtual",
+    "current_virtual_device": "dpverify._virtual",
+    "data_parallel": "dpverify._virtual",
+}
+
+if TYPE_CHECKING:
+    from dpverify._assertions import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
+    from dpverify._comparison import StepComparison, TensorComparison, Tolerance
+    from dpverify._divergence import DivergenceSource, divergence_sources
+    from dpverify._errors import DroppedRowsWarning, InvalidArgument, ParallelMismatch
+    from dpverify._loss_average import (
+        LossAverageReport,
+        assert_loss_reduction_matches_full_batch,
+        check_forward_loss_average,
+    )
+    from dpverify._scatter import ScatterPlan, chunk_sizes, plan_scatter
+    from dpverify._virtual import VirtualDataParallel, current_virtual_device, data_parallel
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        import importlib
+
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dpverify' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __version__ = "0.1.0"
 

@@ -22,7 +22,8 @@ class ConvNet(nn.Module):
         self.head = nn.Linear(channels, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(F.relu(self.conv(x)).mean(dim=(2, 3)))
+        logits: torch.Tensor = self.head(F.relu(self.conv(x)).mean(dim=(2, 3)))
+        return logits
 
 
 class EmbeddingPool(nn.Module):
@@ -34,7 +35,8 @@ class EmbeddingPool(nn.Module):
         self.head = nn.Linear(dim, classes)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embedding(tokens).mean(dim=1))
+        logits: torch.Tensor = self.head(self.embedding(tokens).mean(dim=1))
+        return logits
 
 
 class LossHead(nn.Module):

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -14,7 +17,10 @@ from dpverify._assertions import assert_dp_grads_match, assert_grad_sum_equals_m
 from dpverify._builtin import BUILTIN_MODELS, BuiltinCase, builtin_case
 from dpverify._devices import cuda_device_count
 from dpverify._errors import ParallelMismatch
-from dpverify._loss_average import assert_loss_reduction_matches_full_batch, check_forward_loss_average
+from dpverify._loss_average import (
+    assert_loss_reduction_matches_full_batch,
+    check_forward_loss_average,
+)
 
 __all__ = ["main"]
 
@@ -35,10 +41,27 @@ def _weighted(losses: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     return (losses * torch.tensor(sizes, dtype=losses.dtype, device=losses.device)).sum() / sum(sizes)
 
 
-def _checks(case: BuiltinCase, ids: list[int]) -> list[tuple[str, Callable[[], str]]]:
+def load_object(spec: str, option: str) -> Any:
+    """Imports ``package.module:attribute`` (the current directory is importable)."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise SystemExit(f"dpverify: {option} {spec!r} must look like 'module:attribute'")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise SystemExit(f"dpverify: {option} {spec!r}: cannot import {module_name!r} ({error})") from None
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise SystemExit(f"dpverify: {option} {spec!r}: {module_name!r} has no attribute {attribute!r}") from None
+
+
+def _checks(case: BuiltinCase, ids: list[int], parallel: Any = None) -> list[tuple[str, Callable[[], str]]]:
     if case.loss_fn is None:
         def averaging() -> str:
-            report = check_forward_loss_average(case.module, case.inputs, device_ids=ids)
+            report = check_forward_loss_average(case.module, case.inputs, device_ids=ids, parallel=parallel)
             uneven = len(set(report.chunk_sizes)) > 1
             if report.is_biased != uneven:
                 raise ParallelMismatch(
@@ -49,7 +72,7 @@ def _checks(case: BuiltinCase, ids: list[int]) -> list[tuple[str, Callable[[], s
 
         def weighted() -> str:
             result = assert_loss_reduction_matches_full_batch(
-                case.module, case.inputs, device_ids=ids, reduce=_weighted
+                case.module, case.inputs, device_ids=ids, reduce=_weighted, parallel=parallel
             )
             return f"worst error at {result.worst_ratio:.2g} of tolerance"
 
@@ -58,12 +81,14 @@ def _checks(case: BuiltinCase, ids: list[int]) -> list[tuple[str, Callable[[], s
     loss_fn = case.loss_fn
 
     def grads() -> str:
-        result = assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=loss_fn, device_ids=ids)
+        result = assert_dp_grads_match(
+            case.module, case.inputs, case.target, loss_fn=loss_fn, device_ids=ids, parallel=parallel
+        )
         return f"worst error at {result.worst_ratio:.2g} of tolerance"
 
     def grad_sum() -> str:
         result = assert_grad_sum_equals_mean_loss_grad(
-            case.module, case.inputs, case.target, loss_fn=loss_fn, device_ids=ids
+            case.module, case.inputs, case.target, loss_fn=loss_fn, device_ids=ids, parallel=parallel
         )
         return f"worst error at {result.worst_ratio:.2g} of tolerance"
 
@@ -76,9 +101,11 @@ def _verify(args: argparse.Namespace) -> int:
     if unknown:
         print(f"dpverify verify: unknown --models {unknown}; choose from {sorted(BUILTIN_MODELS)}", file=sys.stderr)
         return 2
+    parallel = load_object(args.parallel, "--parallel") if args.parallel else None
     gpus = cuda_device_count()
     where = f"{gpus} CUDA devices" if gpus else "virtual devices (no CUDA here)"
-    print(f"dpverify verify: DataParallel on {where}, torch {torch.__version__}")
+    wrapper = args.parallel or "DataParallel"
+    print(f"dpverify verify: {wrapper} on {where}, torch {torch.__version__}")
     verdicts: list[Verdict] = []
     started = time.perf_counter()
     for name in models:
@@ -86,7 +113,7 @@ def _verify(args: argparse.Namespace) -> int:
             case = builtin_case(name, batch=batch, seed=args.seed)
             ids = list(range(n_devices))
             split = f"B={batch} on {n_devices} devices"
-            for label, run in _checks(case, ids):
+            for label, run in _checks(case, ids, parallel):
                 try:
                     verdicts.append(Verdict(name, split, label, True, run()))
                 except ParallelMismatch as failure:
@@ -116,6 +143,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--models", nargs="+", metavar="NAME", help=f"subset of {', '.join(BUILTIN_MODELS)}")
     verify.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default 0)")
+    verify.add_argument(
+        "--parallel",
+        metavar="MODULE:CALLABLE",
+        help="verify your own DataParallel implementation, called as "
+        "CALLABLE(module, device_ids=..., output_device=...)",
+    )
     verify.set_defaults(run=_verify)
     return parser
 

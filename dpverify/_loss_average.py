@@ -20,7 +20,7 @@ from torch import nn
 from dpverify._assertions import Check, Parallel, raise_unless_ok
 from dpverify._comparison import Msg, StepComparison
 from dpverify._errors import InvalidArgument
-from dpverify._step import convert_tensors, default_dtype
+from dpverify._step import convert_tensors, default_dtype, seed_step
 from dpverify._virtual import SCALAR_GATHER_WARNING
 
 __all__ = [
@@ -197,11 +197,12 @@ def check_forward_loss_average(
     sizes = list(check.plan.chunk_sizes)
     batch = sum(sizes)
     args = convert_tensors(check.args, torch.float64, check.device)
-    with default_dtype(torch.float64), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+    fork_devices = [check.device] if check.device.type == "cuda" else []
+    with default_dtype(torch.float64), torch.random.fork_rng(devices=fork_devices), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
         parallel_model = copy.deepcopy(module).to(dtype=torch.float64, device=check.device)
         params = list(parallel_model.parameters())
-        torch.manual_seed(0)
+        seed_step(0, check.device)
         losses = _replica_losses(check.wrap(parallel_model)(*args), loss_at, check.plan.n_replicas)
         weights = torch.tensor(sizes, dtype=losses.dtype, device=losses.device) / batch
         mean_of_means = losses.mean()
@@ -210,7 +211,7 @@ def check_forward_loss_average(
         grads_weighted = _grads(weighted, params)
 
         single = copy.deepcopy(module).to(dtype=torch.float64, device=check.device)
-        torch.manual_seed(0)
+        seed_step(0, check.device)
         full = extract_loss(single(*args), loss_at)
         if full.numel() != 1:
             raise InvalidArgument(

@@ -102,7 +102,7 @@ class _VirtualScatter(Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_output: torch.Tensor) -> tuple[Any, ...]:
-        return None, None, None, _VirtualGather.apply(ctx.input_device, ctx.dim, *grad_output), None
+        return None, None, None, _VirtualGather.apply(ctx.input_device, ctx.dim, *grad_output), None  # type: ignore[no-untyped-call]
 
 
 class _VirtualGather(Function):
@@ -125,7 +125,7 @@ class _VirtualGather(Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
-        grads = _VirtualScatter.apply(
+        grads = _VirtualScatter.apply(  # type: ignore[no-untyped-call]
             ctx.input_gpus, ctx.input_sizes, ctx.dim, grad_output, ctx.target_device
         )
         if ctx.unsqueezed_scalar:
@@ -153,7 +153,7 @@ class _VirtualBroadcast(Function):
         ctx.num_inputs = len(inputs)
         ctx.input_device = ctx.target_gpus[0]
         outputs = _virtual_broadcast_coalesced(inputs, ctx.target_gpus)
-        non_differentiables = []
+        non_differentiables: list[torch.Tensor] = []
         for idx, input_requires_grad in enumerate(ctx.needs_input_grad[1:]):
             if not input_requires_grad:
                 non_differentiables.extend(output[idx] for output in outputs)
@@ -162,7 +162,7 @@ class _VirtualBroadcast(Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
-        grads = _VirtualReduceAddCoalesced.apply(
+        grads = _VirtualReduceAddCoalesced.apply(  # type: ignore[no-untyped-call]
             ctx.input_device, ctx.num_inputs, ctx.target_gpus, *grad_outputs
         )
         return (None, *grads)
@@ -188,7 +188,7 @@ class _VirtualReduceAddCoalesced(Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
-        return (None, None, None, *_VirtualBroadcast.apply(ctx.target_gpus, *grad_outputs))
+        return (None, None, None, *_VirtualBroadcast.apply(ctx.target_gpus, *grad_outputs))  # type: ignore[no-untyped-call]
 
 
 class _PerThreadSwitch:

@@ -169,19 +169,28 @@ def _read_devices(config: pytest.Config) -> _Devices:
     return _Devices()
 
 
+def _positive_devices(n: object) -> int:
+    """Checks a number of devices a test asks for.
+
+    Raises:
+        ValueError: ``n`` is not a positive int.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r}; pass a positive int, the number of CUDA devices the test needs")
+    return n
+
+
 def _marker_devices(marker: pytest.Mark) -> int:
     """The ``n`` of a ``multigpu`` marker: ``multigpu``, ``multigpu(4)`` or ``multigpu(n=4)``.
 
     Raises:
         ValueError: The marker's arguments are not a single positive int ``n``.
     """
-    unknown = set(marker.kwargs) - {"n"}
-    if unknown or len(marker.args) + len(marker.kwargs) > 1:
+    if set(marker.kwargs) - {"n"} or len(marker.args) + len(marker.kwargs) > 1:
         raise ValueError("takes one argument, n, the number of CUDA devices the test needs")
-    n = marker.args[0] if marker.args else marker.kwargs.get("n", DEFAULT_DEVICES)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n={n!r}; pass a positive int, the number of CUDA devices the test needs")
-    return n
+    return _positive_devices(
+        marker.args[0] if marker.args else marker.kwargs.get("n", DEFAULT_DEVICES)
+    )
 
 
 def _needed_devices(node: pytest.Item) -> int:
@@ -322,6 +331,7 @@ def pytest_make_collect_report(
     if problems:
         report.outcome = "failed"
         report.longrepr = "\n".join(problems)
+        report.result = []
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -355,15 +365,21 @@ def cuda_device_ids(request: pytest.FixtureRequest, gpu_count: int) -> list[int]
 
 @pytest.fixture
 def dp_devices(request: pytest.FixtureRequest, gpu_count: int) -> list[int]:
-    """``n`` device ids for ``dpverify.data_parallel``, ``n`` from ``multigpu`` (default 2).
+    """``n`` device ids for ``dpverify.data_parallel``: real CUDA devices if there are enough.
 
-    Real CUDA indices ``[0, n)`` when the run has ``n`` devices, else ids that
-    ``data_parallel`` runs on virtual devices. Those are ``[0, n)`` too, unless
-    ``--dpverify-gpus`` hides devices that exist: ``data_parallel`` cannot see that cap, so
-    the ids then start after the last real device, where no CUDA device is.
-    Whether the ids are real is ``gpu_count >= len(dp_devices)``.
+    ``n`` is the fixture's indirect parameter
+    (``@pytest.mark.parametrize("dp_devices", [2, 4], indirect=True)``), else the ``n`` of
+    the test's ``multigpu`` marker, else 2. The ids are the CUDA indices ``[0, n)`` when the
+    run has ``n`` devices, else ids that ``data_parallel`` runs on virtual devices: ``[0, n)``
+    too, unless ``--dpverify-gpus`` hides devices that exist. ``data_parallel`` cannot see
+    that cap, so the ids then start after the last real device. The ids are real exactly
+    when ``gpu_count >= len(dp_devices)``: only then does the module go to CUDA.
+
+    Raises:
+        ValueError: The indirect parameter is not a positive int.
     """
-    needed = _needed_devices(request.node)
+    param = getattr(request, "param", None)
+    needed = _needed_devices(request.node) if param is None else _positive_devices(param)
     if needed <= gpu_count:
         return list(range(needed))
     real = _devices(request.config).real_count()

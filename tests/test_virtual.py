@@ -241,7 +241,7 @@ def test_output_device_cpu_is_rejected_like_torch() -> None:
 
     with pytest.raises(ValueError, match="Expected a non cpu device"):
         _get_device_index("cpu", True)
-    with pytest.raises(InvalidArgument, match="output_device='cpu'.*pass -1"):
+    with pytest.raises(InvalidArgument, match=r"output_device='cpu'.*pass -1"):
         VirtualDataParallel(nn.Linear(2, 2), [0, 1], output_device="cpu")  # type: ignore[arg-type]
 
 
@@ -333,7 +333,7 @@ def test_bad_device_ids(device_ids: Any, match: str) -> None:
 def test_bad_output_device_and_dim() -> None:
     with pytest.raises(InvalidArgument, match="output_device=-2"):
         VirtualDataParallel(nn.Linear(2, 2), [0, 1], output_device=-2)
-    with pytest.raises(InvalidArgument, match="dim=0.5 must be an int"):
+    with pytest.raises(InvalidArgument, match=r"dim=0\.5 must be an int"):
         VirtualDataParallel(nn.Linear(2, 2), [0, 1], dim=0.5)  # type: ignore[arg-type]
 
 

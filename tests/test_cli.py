@@ -1,0 +1,60 @@
+"""The command line, run as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dpverify", *args], capture_output=True, text=True, timeout=240, check=False)
+
+
+@pytest.mark.timeout(240)
+def test_verify_prints_a_verdict_and_exits_zero() -> None:
+    result = _run("verify")
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("dpverify verify: DataParallel on ")
+    assert sum(line.lstrip().startswith("PASS") for line in lines) == 24
+    assert lines[-1].startswith("OK: 24 passed, 0 failed in ")
+    assert "loss.mean() bias +0.133 (chunks [2, 2, 1])" in result.stdout
+    assert result.stderr == ""
+
+
+def test_verify_subset_and_unknown_model() -> None:
+    ok = _run("verify", "--models", "conv")
+    assert ok.returncode == 0
+    assert ok.stdout.splitlines()[-1].startswith("OK: 6 passed, 0 failed")
+    bad = _run("verify", "--models", "resnet")
+    assert bad.returncode == 2
+    assert "unknown --models ['resnet']" in bad.stderr
+
+
+def test_no_command_prints_help_and_exits_two() -> None:
+    result = _run()
+    assert result.returncode == 2
+    assert "verify" in result.stdout
+
+
+def test_verify_a_wrong_wrapper_fails_with_the_reason() -> None:
+    import os
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    result = subprocess.run(
+        [sys.executable, "-m", "dpverify", "verify", "--models", "mlp", "--parallel", "wrong_parallel:AveragingDataParallel"],
+        capture_output=True, text=True, timeout=240, check=False, env=env,
+    )
+    assert result.returncode == 1
+    assert "FAIL  mlp" in result.stdout
+    assert "the replica gradients were averaged" in result.stdout
+    assert result.stdout.splitlines()[-1].startswith("FAILED: ")
+
+
+def test_verify_bad_parallel_option() -> None:
+    result = _run("verify", "--parallel", "no_such_module:X")
+    assert result.returncode == 1
+    assert "--parallel 'no_such_module:X': cannot import 'no_such_module'" in result.stderr

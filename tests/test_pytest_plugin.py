@@ -1,0 +1,449 @@
+"""Tests of the dpverify pytest plugin, run in nested pytest sessions with ``pytester``.
+
+The nested sessions run in this process (``runpytest_inprocess``), so the plugin module they
+load is the one imported here: patching its ``_real_cuda_count`` decides how many CUDA
+devices they see, on any machine.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import core, settings
+
+from dpverify import pytest_plugin
+
+pytest_plugins = ["pytester"]
+
+REAL_CUDA_COUNT = pytest_plugin._real_cuda_count
+
+MARKED_TESTS = """
+import pytest
+
+@pytest.mark.multigpu
+def test_default():
+    pass
+
+@pytest.mark.multigpu(4)
+def test_positional():
+    pass
+
+@pytest.mark.multigpu(n=3)
+def test_keyword():
+    pass
+
+def test_plain():
+    pass
+"""
+
+SETTINGS_PROBE = """
+from hypothesis import settings
+
+def test_probe():
+    current = settings()
+    print(
+        f"PROBE profile={settings.get_current_profile_name()} "
+        f"max_examples={current.max_examples} derandomize={current.derandomize} "
+        f"deadline={current.deadline} print_blob={current.print_blob}"
+    )
+"""
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No CUDA devices, no dpverify or Hypothesis variables, Hypothesis' default profile.
+
+    Hypothesis keeps its profile and ``--hypothesis-seed`` in globals that a nested session
+    changes; they are put back after each test.
+    """
+    for name in ("CUDA_VISIBLE_DEVICES", "DPVERIFY_GPUS", "HYPOTHESIS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(pytest_plugin, "_real_cuda_count", lambda: 0)
+    profile, seed = settings.get_current_profile_name(), core.global_force_seed
+    settings.load_profile("default")
+    yield
+    settings.load_profile(profile)
+    core.global_force_seed = seed
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """Sets how many CUDA devices nested sessions see."""
+
+    def fake(count: int) -> None:
+        monkeypatch.setattr(pytest_plugin, "_real_cuda_count", lambda: count)
+
+    return fake
+
+
+# The multigpu marker
+
+
+def test_marker_skips_at_collection_with_needed_and_found(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(MARKED_TESTS)
+    result = pytester.runpytest_inprocess("-rs", "--strict-markers", "--collect-only", "-q")
+    result.stdout.fnmatch_lines(["*4 tests collected*"])
+    result = pytester.runpytest_inprocess("-rs", "--strict-markers")
+    result.assert_outcomes(passed=1, skipped=3)
+    result.stdout.fnmatch_lines_random(
+        [
+            "SKIPPED [[]1[]] *: needs 2 CUDA devices, found 0",
+            "SKIPPED [[]1[]] *: needs 4 CUDA devices, found 0",
+            "SKIPPED [[]1[]] *: needs 3 CUDA devices, found 0",
+        ]
+    )
+
+
+def test_marker_is_registered(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_inprocess("--markers")
+    result.stdout.fnmatch_lines(["@pytest.mark.multigpu(n=2): the test needs n distinct CUDA*"])
+
+
+def test_dash_m_multigpu_selects_exactly_the_marked_tests(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(MARKED_TESTS)
+    result = pytester.runpytest_inprocess("-m", "multigpu", "--strict-markers", "-v")
+    result.assert_outcomes(skipped=3, deselected=1)
+    assert "test_plain" not in result.stdout.str()
+    result = pytester.runpytest_inprocess("-m", "not multigpu", "--strict-markers")
+    result.assert_outcomes(passed=1, deselected=3)
+
+
+def test_marked_tests_run_when_the_devices_are_visible(
+    pytester: pytest.Pytester, fake_gpus: Callable[[int], None]
+) -> None:
+    fake_gpus(3)
+    pytester.makepyfile(MARKED_TESTS)
+    result = pytester.runpytest_inprocess("-rs", "--strict-markers")
+    result.assert_outcomes(passed=3, skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED * needs 4 CUDA devices, found 3"])
+
+
+@pytest.mark.parametrize(
+    ("marker", "problem"),
+    [
+        ("multigpu(0)", "n=0; pass a positive int*"),
+        ("multigpu(n=-1)", "n=-1; pass a positive int*"),
+        ("multigpu('2')", "n='2'; pass a positive int*"),
+        ("multigpu(True)", "n=True; pass a positive int*"),
+        ("multigpu(2, 3)", "takes one argument, n,*"),
+        ("multigpu(m=2)", "takes one argument, n,*"),
+    ],
+)
+def test_bad_marker_arguments_are_a_collection_error(
+    pytester: pytest.Pytester, marker: str, problem: str
+) -> None:
+    pytester.makepyfile(
+        test_bad=f"""
+        import pytest
+
+        @pytest.mark.{marker}
+        def test_needs_gpus():
+            pass
+        """
+    )
+    result = pytester.runpytest_inprocess()
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR collecting test_bad.py*",
+            f"test_bad.py::test_needs_gpus: @pytest.mark.{marker}: {problem}",
+        ]
+    )
+
+
+# --dpverify-gpus and DPVERIFY_GPUS
+
+
+def test_option_caps_the_devices_used(
+    pytester: pytest.Pytester, fake_gpus: Callable[[int], None]
+) -> None:
+    fake_gpus(4)
+    pytester.makepyfile(MARKED_TESTS)
+    result = pytester.runpytest_inprocess("-rs", "--dpverify-gpus", "2")
+    result.assert_outcomes(passed=2, skipped=2)
+    result.stdout.fnmatch_lines_random(
+        ["SKIPPED * needs 4 CUDA devices, found 2", "SKIPPED * needs 3 CUDA devices, found 2"]
+    )
+
+
+def test_env_var_caps_the_devices_used(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, fake_gpus: Callable[[int], None]
+) -> None:
+    fake_gpus(4)
+    monkeypatch.setenv("DPVERIFY_GPUS", "0")
+    pytester.makepyfile(MARKED_TESTS)
+    result = pytester.runpytest_inprocess("-rs")
+    result.assert_outcomes(passed=1, skipped=3)
+    result.stdout.fnmatch_lines(["SKIPPED * needs 2 CUDA devices, found 0"])
+
+
+def test_option_wins_over_env_var(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, fake_gpus: Callable[[int], None]
+) -> None:
+    fake_gpus(4)
+    monkeypatch.setenv("DPVERIFY_GPUS", "0")
+    pytester.makepyfile("def test_count(gpu_count):\n    assert gpu_count == 3\n")
+    pytester.runpytest_inprocess("--dpverify-gpus=3").assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (
+            ["--dpverify-gpus", "2"],
+            None,
+            "--dpverify-gpus 2 asks for 2 CUDA devices but only 1 is*",
+        ),
+        ([], "3", "DPVERIFY_GPUS=3 asks for 3 CUDA devices but only 1 is visible*pass at most 1"),
+        (["--dpverify-gpus", "-1"], None, "--dpverify-gpus=-1 is negative; pass the number*"),
+        (["--dpverify-gpus", "two"], None, "--dpverify-gpus='two' is not an integer; pass*"),
+        ([], "x", "DPVERIFY_GPUS='x' is not an integer; pass*"),
+    ],
+)
+def test_bad_override_is_a_usage_error(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    fake_gpus: Callable[[int], None],
+    args: list[str],
+    env: str | None,
+    message: str,
+) -> None:
+    fake_gpus(1)
+    if env is not None:
+        monkeypatch.setenv("DPVERIFY_GPUS", env)
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    result = pytester.runpytest_inprocess(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: {message}"])
+
+
+# Fixtures
+
+
+def test_fixtures_without_devices(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        def test_gpu_count(gpu_count):
+            assert gpu_count == 0
+
+        def test_dp_devices_are_virtual(dp_devices):
+            assert dp_devices == [0, 1]
+
+        @pytest.mark.parametrize("dp_devices", [1, 3], indirect=True)
+        def test_dp_devices_indirect(dp_devices):
+            assert dp_devices == list(range(len(dp_devices)))
+            assert len(dp_devices) in (1, 3)
+
+        def test_cuda_device_ids(cuda_device_ids):
+            raise AssertionError("ran without CUDA devices")
+        """
+    )
+    result = pytester.runpytest_inprocess("-rs")
+    result.assert_outcomes(passed=4, skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED * needs 2 CUDA devices, found 0"])
+
+
+def test_fixtures_with_devices(pytester: pytest.Pytester, fake_gpus: Callable[[int], None]) -> None:
+    fake_gpus(3)
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.multigpu(3)
+        def test_ids(gpu_count, cuda_device_ids, dp_devices):
+            assert gpu_count == 3
+            assert cuda_device_ids == dp_devices == [0, 1, 2]
+
+        def test_default_ids(cuda_device_ids, dp_devices):
+            assert cuda_device_ids == dp_devices == [0, 1]
+        """
+    )
+    pytester.runpytest_inprocess().assert_outcomes(passed=2)
+
+
+def test_dp_devices_avoid_devices_hidden_by_the_option(
+    pytester: pytest.Pytester, fake_gpus: Callable[[int], None]
+) -> None:
+    # data_parallel would run [0, 1] on the real devices the option hides.
+    fake_gpus(4)
+    pytester.makepyfile("def test_ids(dp_devices):\n    assert dp_devices == [4, 5]\n")
+    pytester.runpytest_inprocess("--dpverify-gpus", "1").assert_outcomes(passed=1)
+
+
+def test_dp_devices_rejects_a_bad_indirect_parameter(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.parametrize("dp_devices", [0], indirect=True)
+        def test_ids(dp_devices):
+            pass
+        """
+    )
+    result = pytester.runpytest_inprocess()
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*ValueError: n=0; pass a positive int*"])
+
+
+def test_dp_devices_work_with_data_parallel_on_this_machine(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pytest_plugin, "_real_cuda_count", REAL_CUDA_COUNT)
+    pytester.makepyfile(
+        """
+        import torch
+        import dpverify
+
+        def test_step(dp_devices, gpu_count):
+            module = torch.nn.Linear(3, 2)
+            real = gpu_count >= len(dp_devices)
+            if real:
+                module = module.cuda(dp_devices[0])
+            model = dpverify.data_parallel(module, dp_devices)
+            assert isinstance(model, dpverify.VirtualDataParallel) is not real
+            batch = torch.randn(4, 3, device=next(module.parameters()).device)
+            assert model(batch).shape == (4, 2)
+        """
+    )
+    pytester.runpytest_inprocess().assert_outcomes(passed=1)
+
+
+# Report header
+
+
+def test_header_shows_devices_profile_and_seed(pytester: pytest.Pytester) -> None:
+    import torch
+
+    result = pytester.runpytest_inprocess()
+    result.stdout.fnmatch_lines(
+        [
+            f"dpverify: torch {torch.__version__}, CUDA devices 0 (CUDA_VISIBLE_DEVICES unset), "
+            "hypothesis profile default, seed random"
+        ]
+    )
+
+
+def test_header_shows_the_override_and_visible_devices(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, fake_gpus: Callable[[int], None]
+) -> None:
+    fake_gpus(4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    result = pytester.runpytest_inprocess(
+        "--dpverify-gpus", "1", "--hypothesis-profile", "dpverify-ci"
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "dpverify: torch *, CUDA devices 1 of 4 "
+            "(--dpverify-gpus 1, CUDA_VISIBLE_DEVICES='0,1,2,3'), "
+            "hypothesis profile dpverify-ci, seed derandomized"
+        ]
+    )
+
+
+def test_header_shows_the_hypothesis_seed(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_inprocess("--hypothesis-seed", "1234")
+    result.stdout.fnmatch_lines(["dpverify: *, hypothesis profile default, seed 1234"])
+
+
+# Hypothesis profiles
+
+
+def test_profiles_are_registered_at_import() -> None:
+    dev = settings.get_profile("dpverify-dev")
+    ci = settings.get_profile("dpverify-ci")
+    fuzz = settings.get_profile("dpverify-fuzz")
+    assert (dev.max_examples, dev.deadline) == (10, None)
+    assert (ci.derandomize, ci.deadline, ci.print_blob, ci.database) == (True, None, True, None)
+    assert (fuzz.max_examples, fuzz.deadline, fuzz.print_blob) == (10_000, None, True)
+
+
+def test_hypothesis_profile_option_selects_a_dpverify_profile(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(SETTINGS_PROBE)
+    result = pytester.runpytest_inprocess("-s", "--hypothesis-profile", "dpverify-ci")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*PROBE profile=dpverify-ci max_examples=25 derandomize=True deadline=None "
+            "print_blob=True*"
+        ]
+    )
+
+
+def test_hypothesis_profile_env_var_selects_a_profile_for_the_run(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HYPOTHESIS_PROFILE", "dpverify-fuzz")
+    pytester.makepyfile(SETTINGS_PROBE)
+    result = pytester.runpytest_inprocess("-s")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        ["*PROBE profile=dpverify-fuzz max_examples=10000 derandomize=False deadline=None*"]
+    )
+    assert settings.get_current_profile_name() == "default"  # put back at unconfigure
+
+
+def test_hypothesis_profile_option_wins_over_env_var(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HYPOTHESIS_PROFILE", "dpverify-fuzz")
+    pytester.makepyfile(SETTINGS_PROBE)
+    result = pytester.runpytest_inprocess("-s", "--hypothesis-profile", "dpverify-dev")
+    result.stdout.fnmatch_lines(["*PROBE profile=dpverify-dev max_examples=10 *"])
+
+
+def test_unknown_hypothesis_profile_env_var_is_a_usage_error(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HYPOTHESIS_PROFILE", "dpverify-nightly")
+    result = pytester.runpytest_inprocess()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["ERROR: HYPOTHESIS_PROFILE='dpverify-nightly': *; dpverify registers dpverify-dev, *"]
+    )
+
+
+# Importing the plugin
+
+
+def _modules_after(code: str) -> set[str]:
+    """Imports in a fresh interpreter, then returns the names in its ``sys.modules``."""
+    probe = f"{code}\nimport sys\nprint('\\n'.join(sys.modules))"
+    run = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    return set(run.stdout.split())
+
+
+def _plugin_alone_modules() -> set[str]:
+    """``sys.modules`` after importing the plugin without the package ``__init__``."""
+    package = Path(pytest_plugin.__file__).parent
+    return _modules_after(
+        "import sys, types\n"
+        "package = types.ModuleType('dpverify')\n"
+        f"package.__path__ = [{str(package)!r}]\n"
+        "sys.modules['dpverify'] = package\n"
+        "import dpverify.pytest_plugin\n"
+    )
+
+
+def test_plugin_module_imports_no_torch() -> None:
+    modules = _plugin_alone_modules()
+    assert "dpverify.pytest_plugin" in modules
+    assert "torch" not in modules
+
+
+def test_importing_the_plugin_imports_no_torch() -> None:
+    if "torch" not in _modules_after("import dpverify.pytest_plugin"):
+        return
+    assert "torch" not in _plugin_alone_modules(), "the plugin module itself imports torch"
+    pytest.xfail(
+        "dpverify/__init__.py imports torch, so pytest loading the plugin does too; "
+        "the package must import its public names lazily (PEP 562 __getattr__)"
+    )
