@@ -203,8 +203,9 @@ def compare_tensors(
         over = (actual - reference).abs() > allowed_each
         if not bool(over.any()) and not bool(actual.isnan().any()):
             # passes: the statistics that the report needs, no indices
-            gap = (actual - reference).abs()
-            return _passed(name, actual, float(gap.max()), float((gap / allowed_each).nan_to_num(0.0).max()), float(allowed_each.max()), None)
+            distance = (actual - reference).abs()
+            ratio = float((distance / allowed_each).nan_to_num(0.0).max())
+            return _passed(name, actual, float(distance.max()), ratio, float(allowed_each.max()), None)
         return _detailed(name, actual, reference, allowed_each, None)
     if anchor is None:
         raise ValueError("the anchored tolerance needs the float64 result")
