@@ -24,3 +24,12 @@ def test_every_public_name_exists_and_has_a_docstring() -> None:
     for name in dpverify.__all__:
         obj = getattr(dpverify, name)
         assert (obj.__doc__ or "").strip(), name
+
+
+def test_lazy_exports_cover_all() -> None:
+    assert set(dpverify.__all__) == set(dpverify._EXPORTS)
+
+
+def test_readme_first_example_runs() -> None:
+    block = README.read_text().split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(block, "README.md", "exec"), {})

@@ -166,7 +166,7 @@ def test_dropped_rows_are_warned_about() -> None:
 
 def test_loss_in_forward_model_gets_a_shape_explanation() -> None:
     case = builtin_case("loss-in-forward", batch=5)
-    with pytest.raises(ParallelMismatch, match=r"output\[1\]: has shape \(3,\) in the parallel step and \(\) in the single-device step"):
+    with pytest.warns(UserWarning, match="all input tensors were scalars"), pytest.raises(ParallelMismatch, match=r"output\[1\]: has shape \(3,\) in the parallel step and \(\) in the single-device step"):
         dpverify.assert_dp_grads_match(case.module, case.inputs, None, loss_fn=lambda out, _t: out[1].mean(), device_ids=[0, 1, 2, 3])
 
 
