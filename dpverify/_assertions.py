@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ class Check:
 
     module: nn.Module
     args: tuple[Any, ...]
+    kwargs: dict[str, Any]
     device_ids: list[int]
     output_device: int
     parallel: Parallel
@@ -61,6 +62,7 @@ class Check:
         parallel: Parallel | None = None,
         rtol: float | None = None,
         atol: float | None = None,
+        forward_kwargs: Mapping[str, Any] | None = None,
     ) -> Check:
         if not isinstance(module, nn.Module):
             raise InvalidArgument(f"module={type(module).__name__} is not a torch.nn.Module")
@@ -73,13 +75,19 @@ class Check:
         target = normalize_output_device(output_device, ids)
         args = as_inputs(inputs)
         batch_size_of(args)
+        if forward_kwargs is not None and not isinstance(forward_kwargs, Mapping):
+            raise InvalidArgument(
+                f"forward_kwargs={forward_kwargs!r} must be a mapping of keyword arguments"
+            )
+        kwargs = dict(forward_kwargs or {})
         # Real devices when they exist, for torch's DataParallel and a user's wrapper alike.
         real = cuda_device_count() > max(ids)
         device = torch.device("cuda", ids[0]) if real else torch.device("cpu")
-        plan = plan_scatter(args, None, ids)
+        plan = plan_scatter(args, kwargs, ids)
         return cls(
             module=module,
             args=args,
+            kwargs=kwargs,
             device_ids=ids,
             output_device=target,
             parallel=parallel or data_parallel,
@@ -121,6 +129,7 @@ class Check:
                 device=self.device,
                 record_replicas=record_replicas,
                 loss_argument=loss_argument,
+                kwargs=self.kwargs,
             )
         except InvalidArgument:
             raise
@@ -135,36 +144,49 @@ class Check:
                 )
             raise
 
-    def compare(
-        self,
-        actual: StepResult,
-        expected: StepResult,
-        anchor: StepResult | None,
-        *,
-        outputs: bool = True,
-    ) -> list[TensorComparison]:
+    def references(self, loss_in: Callable[[torch.dtype | None], Callable[[Any], torch.Tensor]], loss_argument: str = "loss_fn") -> References:
+        """The single-device step, plus its float64 twin (and a float32 probe for float64
+        models) unless explicit tolerances were given. ``loss_in(dtype)`` gives the loss for
+        a run in ``dtype`` (None: the working dtype)."""
+        expected = self.run(loss_in(None), parallel=False, loss_argument=loss_argument)
+        if self.tolerance.explicit:
+            return References(expected)
+        anchor = self.run(loss_in(torch.float64), parallel=False, dtype=torch.float64, loss_argument=loss_argument)
+        probe = None
+        if self.dtype == torch.float64:
+            probe = self.run(loss_in(torch.float32), parallel=False, dtype=torch.float32, loss_argument=loss_argument)
+        return References(expected, anchor, probe)
+
+    def compare(self, actual: StepResult, refs: References, *, outputs: bool = True) -> list[TensorComparison]:
         """Outputs (when asked), the loss, and every parameter's gradient."""
+        expected = refs.expected
+
+        def row(name: str, got: torch.Tensor | None, key: Key) -> TensorComparison:
+            return self.against(name, got, refs, key)
+
         rows: list[TensorComparison] = []
         if outputs:
             actual_outputs = dict(actual.outputs)
-            anchor_outputs = dict(anchor.outputs) if anchor else {}
             for path, tensor in expected.outputs:
                 if path not in actual_outputs:
                     rows.append(TensorComparison(path, tuple(tensor.shape), tensor.numel(), mismatched=tensor.numel(), problem="is missing from the parallel step's output"))
                     continue
-                rows.append(compare_tensors(path, actual_outputs[path], tensor, anchor_outputs.get(path), self.tolerance))
-        rows.append(compare_tensors("loss", actual.loss, expected.loss, anchor.loss if anchor else None, self.tolerance))
-        for name, grad in expected.grads.items():
-            rows.append(
-                compare_tensors(
-                    f"grad {name!r}",
-                    actual.grads.get(name),
-                    grad,
-                    anchor.grads.get(name) if anchor else None,
-                    self.tolerance,
-                )
-            )
+                rows.append(row(path, actual_outputs[path], _output_key(path)))
+        rows.append(row("loss", actual.loss, _loss_key))
+        for name in expected.grads:
+            rows.append(row(f"grad {name!r}", actual.grads.get(name), _grad_key(name)))
         return rows
+
+    def against(self, name: str, actual: torch.Tensor | None, refs: References, key: Key) -> TensorComparison:
+        """Compares one parallel tensor with the references' tensor that ``key`` picks."""
+        return compare_tensors(
+            name,
+            actual,
+            key(refs.expected),
+            key(refs.anchor) if refs.anchor else None,
+            self.tolerance,
+            probe=key(refs.probe) if refs.probe else None,
+        )
 
     def outcome(
         self,
@@ -210,13 +232,39 @@ def _target_on(target: Any, check: Check, dtype: torch.dtype | None) -> Any:
     return target
 
 
-def _steps(check: Check, loss_fn: LossFn, target: Any, *, record_replicas: bool = False) -> tuple[StepResult, StepResult, StepResult | None]:
+Key = Callable[[StepResult], "torch.Tensor | None"]
+
+
+def _output_key(path: str) -> Key:
+    return lambda step: dict(step.outputs).get(path)
+
+
+def _grad_key(name: str, divisor: int = 1) -> Key:
+    def key(step: StepResult) -> torch.Tensor | None:
+        grad = step.grads.get(name)
+        return grad / divisor if grad is not None and divisor != 1 else grad
+
+    return key
+
+
+def _loss_key(step: StepResult) -> torch.Tensor | None:
+    return step.loss
+
+
+@dataclass(frozen=True)
+class References:
+    """The single-device step in the working dtype, and what anchors the tolerance: its
+    float64 twin and, for float64 models, a float32 probe of the rounding (None with
+    explicit tolerances)."""
+
+    expected: StepResult
+    anchor: StepResult | None = None
+    probe: StepResult | None = None
+
+
+def _steps(check: Check, loss_fn: LossFn, target: Any, *, record_replicas: bool = False) -> tuple[StepResult, References]:
     parallel = check.run(_loss_of(loss_fn, _target_on(target, check, None)), parallel=True, record_replicas=record_replicas)
-    expected = check.run(_loss_of(loss_fn, _target_on(target, check, None)), parallel=False)
-    anchor = None
-    if not check.tolerance.explicit:
-        anchor = check.run(_loss_of(loss_fn, _target_on(target, check, torch.float64)), parallel=False, dtype=torch.float64)
-    return parallel, expected, anchor
+    return parallel, check.references(lambda dtype: _loss_of(loss_fn, _target_on(target, check, dtype)))
 
 
 def assert_dp_grads_match(
@@ -231,6 +279,7 @@ def assert_dp_grads_match(
     rtol: float | None = None,
     atol: float | None = None,
     msg: Msg = None,
+    forward_kwargs: Mapping[str, Any] | None = None,
 ) -> StepComparison:
     """Asserts one DataParallel step gives the single-device outputs, loss and gradients.
 
@@ -252,6 +301,7 @@ def assert_dp_grads_match(
         rtol: explicit relative tolerance (with ``atol``) instead of the anchored rule.
         atol: explicit absolute tolerance (with ``rtol``).
         msg: replaces the failure message, or a callable that rewrites it.
+        forward_kwargs: keyword arguments of the forward call (scattered like ``inputs``).
 
     Returns:
         The comparison, for inspection (``str()`` summarises it).
@@ -263,13 +313,13 @@ def assert_dp_grads_match(
     __tracebackhide__ = True
     check = Check.create(
         module, inputs, device_ids=device_ids, output_device=output_device,
-        parallel=parallel, rtol=rtol, atol=atol,
+        parallel=parallel, rtol=rtol, atol=atol, forward_kwargs=forward_kwargs,
     )
-    parallel_step, expected, anchor = _steps(check, loss_fn, target)
+    parallel_step, refs = _steps(check, loss_fn, target)
     title = "DataParallel outputs and gradients must match the single-device step"
-    rows = check.compare(parallel_step, expected, anchor)
+    rows = check.compare(parallel_step, refs)
     failed = not all(row.ok for row in rows)
-    notes = _diagnose(check, parallel_step, expected) if failed else []
+    notes = _diagnose(check, parallel_step, refs.expected) if failed else []
     return raise_unless_ok(check.outcome(title, rows, notes=notes), msg)
 
 
@@ -308,6 +358,7 @@ def assert_grad_sum_equals_mean_loss_grad(
     rtol: float | None = None,
     atol: float | None = None,
     msg: Msg = None,
+    forward_kwargs: Mapping[str, Any] | None = None,
 ) -> StepComparison:
     """Asserts replica gradients sum to the full-batch mean-loss gradient.
 
@@ -325,11 +376,14 @@ def assert_grad_sum_equals_mean_loss_grad(
             gradient; the average matches where it should not; or no replica ran.
     """
     __tracebackhide__ = True
-    check = Check.create(module, inputs, device_ids=device_ids, parallel=parallel, rtol=rtol, atol=atol)
-    parallel_step, expected, anchor = _steps(check, loss_fn, target, record_replicas=True)
+    check = Check.create(
+        module, inputs, device_ids=device_ids, parallel=parallel, rtol=rtol, atol=atol,
+        forward_kwargs=forward_kwargs,
+    )
+    parallel_step, refs = _steps(check, loss_fn, target, record_replicas=True)
     title = "Replica gradients must sum to the full-batch mean-loss gradient"
     contributions = [grads for _device, grads in parallel_step.contributions]
-    replicas = len(contributions)
+    replicas, planned = len(contributions), check.plan.n_replicas
     failures: list[str] = []
     if replicas == 0:
         failures.append(
@@ -339,17 +393,23 @@ def assert_grad_sum_equals_mean_loss_grad(
     rows: list[TensorComparison] = []
     contrasts: list[TensorComparison] = []
     averages_differ = False
-    for name, grad in expected.grads.items():
-        reference64 = anchor.grads.get(name) if anchor else None
-        total = _sum(contributions, name)
-        rows.append(compare_tensors(f"sum of replica grads {name!r}", _as(total, grad), grad, reference64, check.tolerance))
-        rows.append(compare_tensors(f"accumulated grad {name!r}", parallel_step.grads.get(name), grad, reference64, check.tolerance))
-        if replicas > 1 and total is not None:
-            average = compare_tensors(f"average of replica grads {name!r}", _as(total / replicas, grad), grad, reference64, check.tolerance)
-            contrasts.append(average)
-            averages_differ |= average.mismatched > 0
-    notes = [f"{replicas} replicas contributed (the scatter plan expects {check.plan.n_replicas})."]
-    significant = any(g is not None and bool(g.any()) for g in expected.grads.values())
+    for name, grad in refs.expected.grads.items():
+        total = _as(_sum(contributions, name), grad)
+        rows.append(check.against(f"sum of replica grads {name!r}", total, refs, _grad_key(name)))
+        rows.append(check.against(f"accumulated grad {name!r}", parallel_step.grads.get(name), refs, _grad_key(name)))
+        if total is None:
+            continue
+        average = total / max(replicas, 1)
+        # torch's scatter decides how many replicas run: the average is the full gradient
+        # over that number, which can be fewer than the devices.
+        label = f"average of replica grads {name!r} = full / {planned}"
+        rows.append(check.against(label, average, refs, _grad_key(name, planned)))
+        if replicas > 1:
+            contrast = check.against(f"average of replica grads {name!r} vs full", average, refs, _grad_key(name))
+            contrasts.append(contrast)
+            averages_differ |= contrast.mismatched > 0
+    notes = [f"{replicas} replicas contributed (torch's scatter runs {planned})."]
+    significant = any(g is not None and bool(g.any()) for g in refs.expected.grads.values())
     if replicas > 1 and significant and not averages_differ:
         failures.append(
             f"The plain average of the {replicas} replica gradients also matches the "

@@ -168,11 +168,15 @@ def compare_tensors(
     expected: torch.Tensor | None,
     anchor: torch.Tensor | None,
     tolerance: Tolerance,
+    probe: torch.Tensor | None = None,
 ) -> TensorComparison:
     """Compares ``actual`` (parallel) with ``expected`` (single device) under ``tolerance``.
 
     ``anchor`` is the float64 single-device result; it is required by the anchored rule
-    and ignored by the explicit one.
+    and ignored by the explicit one. When the working dtype is float64 itself, the anchor
+    cannot measure its rounding; ``probe``, the float32 single-device result, does:
+    rounding error scales with the unit roundoff, so the float32 error times
+    ``u(float64) / u(float32)`` estimates the float64 one.
     """
     missing = _missing(name, actual, expected)
     if missing is not None:
@@ -216,6 +220,9 @@ def compare_tensors(
     # below the floor, and halves the memory traffic of the check.
     rounded = reference.to(expected.dtype) if expected.is_floating_point() else reference
     reference_error = _max_abs(expected.detach() - rounded)
+    if probe is not None and expected.dtype == torch.float64:
+        probe_error = _max_abs(_dense(probe).detach().to(device) - reference)
+        reference_error = max(reference_error, probe_error * _ROUNDOFF_RATIO)
     scale = _max_abs(rounded)
     allowed = tolerance.factor * max(reference_error, tolerance.floor_ulps * roundoff * scale)
     gap = _max_abs(actual - rounded)
@@ -224,6 +231,9 @@ def compare_tensors(
         return _passed(name, actual, gap, ratio, allowed, reference_error)
     allowed_each = torch.full((), allowed, dtype=torch.float64, device=device)
     return _detailed(name, actual, reference, allowed_each, reference_error)
+
+
+_ROUNDOFF_RATIO = torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
 
 
 def _max_abs(tensor: torch.Tensor) -> float:

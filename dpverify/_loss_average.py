@@ -181,6 +181,7 @@ def check_forward_loss_average(
     device_ids: Sequence[int],
     parallel: Parallel | None = None,
     loss_at: int = -1,
+    forward_kwargs: Mapping[str, Any] | None = None,
 ) -> LossAverageReport:
     """Measures what averaging DataParallel's per-replica losses does for this module.
 
@@ -193,17 +194,18 @@ def check_forward_loss_average(
     Raises:
         InvalidArgument: bad arguments, or a forward that returns no per-replica scalar loss.
     """
-    check = Check.create(module, inputs, device_ids=device_ids, parallel=parallel)
+    check = Check.create(module, inputs, device_ids=device_ids, parallel=parallel, forward_kwargs=forward_kwargs)
     sizes = list(check.plan.chunk_sizes)
     batch = sum(sizes)
     args = convert_tensors(check.args, torch.float64, check.device)
+    kwargs = convert_tensors(check.kwargs, torch.float64, check.device)
     fork_devices = [check.device] if check.device.type == "cuda" else []
     with default_dtype(torch.float64), torch.random.fork_rng(devices=fork_devices), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
         parallel_model = copy.deepcopy(module).to(dtype=torch.float64, device=check.device)
         params = list(parallel_model.parameters())
         seed_step(0, check.device)
-        losses = _replica_losses(check.wrap(parallel_model)(*args), loss_at, check.plan.n_replicas)
+        losses = _replica_losses(check.wrap(parallel_model)(*args, **kwargs), loss_at, check.plan.n_replicas)
         weights = torch.tensor(sizes, dtype=losses.dtype, device=losses.device) / batch
         mean_of_means = losses.mean()
         weighted = (losses * weights).sum()
@@ -212,7 +214,7 @@ def check_forward_loss_average(
 
         single = copy.deepcopy(module).to(dtype=torch.float64, device=check.device)
         seed_step(0, check.device)
-        full = extract_loss(single(*args), loss_at)
+        full = extract_loss(single(*args, **kwargs), loss_at)
         if full.numel() != 1:
             raise InvalidArgument(
                 f"the forward's loss has shape {tuple(full.shape)} on the whole batch; it must "
@@ -260,6 +262,7 @@ def assert_loss_reduction_matches_full_batch(
     rtol: float | None = None,
     atol: float | None = None,
     msg: Msg = None,
+    forward_kwargs: Mapping[str, Any] | None = None,
 ) -> StepComparison:
     """Asserts the user's reduction of per-replica losses equals the full-batch loss.
 
@@ -277,7 +280,10 @@ def assert_loss_reduction_matches_full_batch(
         raise InvalidArgument(
             f"reduce={reduce!r} is not callable; pass reduce(replica_losses, chunk_sizes) -> scalar"
         )
-    check = Check.create(module, inputs, device_ids=device_ids, parallel=parallel, rtol=rtol, atol=atol)
+    check = Check.create(
+        module, inputs, device_ids=device_ids, parallel=parallel, rtol=rtol, atol=atol,
+        forward_kwargs=forward_kwargs,
+    )
     sizes = list(check.plan.chunk_sizes)
     seen: list[torch.Tensor] = []
 
@@ -292,11 +298,9 @@ def assert_loss_reduction_matches_full_batch(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
         parallel_step = check.run(reduced, parallel=True, loss_argument="reduce")
-    expected = check.run(whole, parallel=False, loss_argument="the forward's loss")
-    anchor = None
-    if not check.tolerance.explicit:
-        anchor = check.run(whole, parallel=False, dtype=torch.float64, loss_argument="the forward's loss")
-    rows = check.compare(parallel_step, expected, anchor, outputs=False)
+    refs = check.references(lambda _dtype: whole, loss_argument="the forward's loss")
+    expected = refs.expected
+    rows = check.compare(parallel_step, refs, outputs=False)
     losses = ", ".join(f"{float(x):.6g}" for x in seen[0]) if seen else ""
     notes = [
         f"Replica losses [{losses}] with chunk sizes {sizes}: reduce gave "

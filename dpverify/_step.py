@@ -209,6 +209,7 @@ def run_step(
     seed: int = 0,
     record_replicas: bool = False,
     loss_argument: str = "loss_fn",
+    kwargs: dict[str, Any] | None = None,
 ) -> StepResult:
     """Runs forward, loss and backward on a deep copy of ``module``.
 
@@ -222,11 +223,13 @@ def run_step(
         seed: torch seed for the step, so stochastic layers draw the same way each run.
         record_replicas: capture every replica's gradient contribution.
         loss_argument: the argument named in errors about the loss.
+        kwargs: keyword forward arguments (copied like ``inputs``).
     """
     device = device or torch.device("cpu")
     model = _copy(module, dtype)
     model.to(device)
     args = convert_tensors(inputs, dtype, device)
+    keywords = convert_tensors(dict(kwargs or {}), dtype, device)
     sites = parameter_sites(model)
     recorder = ReplicaGradRecorder(sites) if record_replicas else None
     if recorder is not None:
@@ -236,7 +239,7 @@ def run_step(
     try:
         with torch.random.fork_rng(devices=fork_devices), default_dtype(dtype), _no_tf32():
             seed_step(seed, device)
-            output = runner(*args)
+            output = runner(*args, **keywords)
             loss = loss_of_output(output)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__

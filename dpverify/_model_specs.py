@@ -1,0 +1,391 @@
+"""Model specs: small architectures as frozen data, built into modules deterministically.
+
+A ``ModelSpec`` prints as a line a person can paste (``ModelSpec(kind='mlp', features=3,
+hidden=4, outputs=2, depth=2, activation='tanh')``), pickles to another process, and
+``spec.build(seed)`` always gives the same module. Every module maps its inputs to
+``(batch, outputs)`` logits (inside a tuple, dict or namedtuple for the structured-output
+kinds), or, for ``loss-head``, takes the targets and returns ``(logits, loss)``.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ACTIVATIONS", "KINDS", "ModelSpec", "Output"]
+
+#: Architecture kinds, simplest first: hypothesis shrinks toward the front.
+KINDS: tuple[str, ...] = (
+    "linear",
+    "mlp",
+    "residual",
+    "layernorm",
+    "conv1d",
+    "conv2d",
+    "embedding",
+    "tied-embedding",
+    "gru",
+    "lstm",
+    "attention",
+    "kwargs",
+    "tuple-output",
+    "dict-output",
+    "namedtuple-output",
+    "buffer-counter",
+    "attribute-counter",
+    "batchnorm",
+    "dropout",
+    "loss-head",
+)
+ACTIVATIONS: tuple[str, ...] = ("relu", "tanh", "gelu", "sigmoid", "silu")
+POOLINGS: tuple[str, ...] = ("mean", "sum", "max")
+
+_SEQUENCE = 5  # time steps / tokens / spatial size of generated inputs
+_VOCAB = 11
+
+#: The namedtuple that ``namedtuple-output`` models return.
+Output = namedtuple("Output", ["logits", "features"])
+
+
+_ACTIVATION_TYPES: dict[str, type[nn.Module]] = {
+    "relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU, "sigmoid": nn.Sigmoid, "silu": nn.SiLU,
+}
+
+
+def _activation(name: str) -> nn.Module:
+    return _ACTIVATION_TYPES[name]()
+
+
+class MLP(nn.Module):
+    def __init__(self, features: int, hidden: int, outputs: int, depth: int, activation: str) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = features
+        for _ in range(depth):
+            layers += [nn.Linear(width, hidden), _activation(activation)]
+            width = hidden
+        layers.append(nn.Linear(width, outputs))
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.layers(x)
+        return out
+
+
+class Residual(nn.Module):
+    def __init__(self, features: int, hidden: int, outputs: int, depth: int, activation: str) -> None:
+        super().__init__()
+        self.stem = nn.Linear(features, hidden)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, hidden), _activation(activation)) for _ in range(depth)
+        )
+        self.head = nn.Linear(hidden, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = h + block(h)
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+class Normed(nn.Module):
+    """Linear, a normalisation layer, activation, dropout (optional), Linear."""
+
+    def __init__(self, features: int, hidden: int, outputs: int, activation: str, norm: str, p: float) -> None:
+        super().__init__()
+        self.inp = nn.Linear(features, hidden)
+        self.norm = nn.LayerNorm(hidden) if norm == "layer" else nn.BatchNorm1d(hidden) if norm == "batch" else nn.Identity()
+        self.act = _activation(activation)
+        self.drop = nn.Dropout(p) if p > 0 else nn.Identity()
+        self.out = nn.Linear(hidden, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.out(self.drop(self.act(self.norm(self.inp(x)))))
+        return out
+
+
+class Conv(nn.Module):
+    def __init__(self, dims: int, channels: int, hidden: int, outputs: int, activation: str) -> None:
+        super().__init__()
+        conv = nn.Conv1d if dims == 1 else nn.Conv2d
+        self.conv = conv(channels, hidden, kernel_size=3, padding=1)
+        self.act = _activation(activation)
+        self.head = nn.Linear(hidden, outputs)
+        self.dims = dims
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.conv(x)).flatten(2).mean(dim=2)
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+class Pooled(nn.Module):
+    """Embedding table, pooling over tokens, Linear head."""
+
+    def __init__(self, hidden: int, outputs: int, pooling: str) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(_VOCAB, hidden)
+        self.head = nn.Linear(hidden, outputs)
+        self.pooling = pooling
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        e = self.embedding(tokens)
+        h = e.mean(1) if self.pooling == "mean" else e.sum(1) if self.pooling == "sum" else e.amax(1)
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+class Tied(nn.Module):
+    """The output layer is the embedding table, shared (tied weights)."""
+
+    def __init__(self, hidden: int, activation: str) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(_VOCAB, hidden)
+        self.mix = nn.Linear(hidden, hidden)
+        self.act = _activation(activation)
+        self.decoder = nn.Linear(hidden, _VOCAB, bias=False)
+        self.decoder.weight = self.embedding.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.decoder(self.act(self.mix(self.embedding(tokens).mean(1))))
+        return out
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell: str, features: int, hidden: int, outputs: int, depth: int) -> None:
+        super().__init__()
+        rnn = nn.GRU if cell == "gru" else nn.LSTM
+        self.rnn = rnn(features, hidden, num_layers=depth, batch_first=True)
+        self.head = nn.Linear(hidden, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq, _ = self.rnn(x)
+        out: torch.Tensor = self.head(seq[:, -1])
+        return out
+
+
+class Attention(nn.Module):
+    def __init__(self, features: int, hidden: int, outputs: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(features, 2 * hidden)
+        self.attention = nn.MultiheadAttention(2 * hidden, num_heads=2, batch_first=True)
+        self.head = nn.Linear(2 * hidden, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        attended, _ = self.attention(h, h, h, need_weights=False)
+        out: torch.Tensor = self.head(attended.mean(1))
+        return out
+
+
+class Scaled(nn.Module):
+    """``forward(x, *, scale)``: a keyword tensor argument, scattered like the inputs."""
+
+    def __init__(self, features: int, outputs: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(features, outputs)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.linear(x) * scale
+        return out
+
+
+class Structured(nn.Module):
+    """Returns the logits with its hidden features, as a tuple, a dict or a namedtuple."""
+
+    def __init__(self, features: int, hidden: int, outputs: int, activation: str, form: str) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(features, hidden), _activation(activation))
+        self.head = nn.Linear(hidden, outputs)
+        self.form = form
+
+    def forward(self, x: torch.Tensor) -> Any:
+        features = self.body(x)
+        logits = self.head(features)
+        if self.form == "tuple":
+            return logits, features
+        if self.form == "dict":
+            return {"logits": logits, "features": features}
+        return Output(logits, features)
+
+
+class BufferCounter(nn.Module):
+    """Counts the rows it has seen in a buffer, updated in place in ``forward``."""
+
+    rows_seen: torch.Tensor
+
+    def __init__(self, features: int, outputs: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(features, outputs)
+        self.register_buffer("rows_seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows_seen.add_(x.shape[0])
+        out: torch.Tensor = self.linear(x)
+        return out
+
+
+class AttributeCounter(nn.Module):
+    """Counts its calls in a Python attribute set in ``forward``."""
+
+    def __init__(self, features: int, outputs: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(features, outputs)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        out: torch.Tensor = self.linear(x)
+        return out
+
+
+class LossHead(nn.Module):
+    """``forward(x, y)`` returns ``(logits, loss)``, the loss being its chunk's mean."""
+
+    def __init__(self, features: int, hidden: int, outputs: int, activation: str) -> None:
+        super().__init__()
+        self.body = MLP(features, hidden, outputs, 1, activation)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.body(x)
+        return logits, F.mse_loss(logits, y)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A small architecture, as data.
+
+    Attributes:
+        kind: one of ``KINDS``.
+        features: input features (channels for convolutions).
+        hidden: hidden width.
+        outputs: output width (``tied-embedding`` outputs the vocabulary instead).
+        depth: hidden layers, residual blocks or recurrent layers.
+        activation: one of ``ACTIVATIONS``.
+        pooling: token pooling of ``embedding``: mean, sum or max.
+        train: train mode (``batchnorm`` and ``dropout`` depend on it).
+        p: dropout probability of ``dropout``.
+    """
+
+    kind: str = "linear"
+    features: int = 3
+    hidden: int = 4
+    outputs: int = 2
+    depth: int = 1
+    activation: str = "relu"
+    pooling: str = "mean"
+    train: bool = True
+    p: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind={self.kind!r} is not one of {KINDS}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r} is not one of {ACTIVATIONS}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling={self.pooling!r} is not one of {POOLINGS}")
+        for name in ("features", "hidden", "outputs", "depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+
+    @property
+    def batch_independent(self) -> bool:
+        """Each row's output depends on that row alone (not BatchNorm in train mode)."""
+        return not (self.kind == "batchnorm" and self.train)
+
+    @property
+    def deterministic(self) -> bool:
+        """No random draws in forward (not dropout in train mode)."""
+        return not (self.kind == "dropout" and self.train and self.p > 0)
+
+    @property
+    def exact(self) -> bool:
+        """DataParallel must reproduce the single-device step exactly (up to rounding)."""
+        return self.batch_independent and self.deterministic and not self.returns_loss
+
+    @property
+    def returns_loss(self) -> bool:
+        return self.kind == "loss-head"
+
+    @property
+    def output_dim(self) -> int:
+        return _VOCAB if self.kind == "tied-embedding" else self.outputs
+
+    def build(self, seed: int = 0) -> nn.Module:
+        """The module, its weights drawn from ``seed`` (the caller's RNG is left alone)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            module = self._module()
+        return module.train(self.train)
+
+    def _module(self) -> nn.Module:
+        k, f, h, o, act = self.kind, self.features, self.hidden, self.outputs, self.activation
+        if k == "linear":
+            return nn.Linear(f, o)
+        if k == "mlp":
+            return MLP(f, h, o, self.depth, act)
+        if k == "residual":
+            return Residual(f, h, o, self.depth, act)
+        if k in ("layernorm", "batchnorm", "dropout"):
+            norm = {"layernorm": "layer", "batchnorm": "batch"}.get(k, "none")
+            return Normed(f, h, o, act, norm, self.p if k == "dropout" else 0.0)
+        if k in ("conv1d", "conv2d"):
+            return Conv(1 if k == "conv1d" else 2, f, h, o, act)
+        if k == "embedding":
+            return Pooled(h, o, self.pooling)
+        if k == "tied-embedding":
+            return Tied(h, act)
+        if k in ("gru", "lstm"):
+            return Recurrent(k, f, h, o, self.depth)
+        if k == "attention":
+            return Attention(f, h, o)
+        if k == "kwargs":
+            return Scaled(f, o)
+        if k.endswith("-output"):
+            return Structured(f, h, o, act, k.removesuffix("-output"))
+        if k == "buffer-counter":
+            return BufferCounter(f, o)
+        if k == "attribute-counter":
+            return AttributeCounter(f, o)
+        return LossHead(f, h, o, act)
+
+    def inputs(self, batch: int, seed: int = 0, target: torch.Tensor | None = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Positional and keyword forward arguments for ``batch`` rows, drawn from ``seed``.
+
+        ``loss-head`` models receive ``target`` (float, ``(batch, outputs)``) as their
+        second argument.
+        """
+        g = torch.Generator().manual_seed(seed)
+        k = self.kind
+        if k in ("embedding", "tied-embedding"):
+            return (torch.randint(0, _VOCAB, (batch, _SEQUENCE), generator=g),), {}
+        if k == "conv1d":
+            return (torch.randn(batch, self.features, _SEQUENCE, generator=g),), {}
+        if k == "conv2d":
+            return (torch.randn(batch, self.features, _SEQUENCE, _SEQUENCE, generator=g),), {}
+        if k in ("gru", "lstm", "attention"):
+            return (torch.randn(batch, _SEQUENCE, self.features, generator=g),), {}
+        x = torch.randn(batch, self.features, generator=g)
+        if k == "kwargs":
+            return (x,), {"scale": torch.rand(batch, 1, generator=g) + 0.5}
+        if k == "loss-head":
+            y = target if target is not None else torch.randn(batch, self.outputs, generator=g)
+            return (x, y), {}
+        return (x,), {}
+
+
+def primary_output(output: Any) -> torch.Tensor:
+    """The logits inside a spec model's output (tuple, dict or namedtuple kinds)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        logits: torch.Tensor = output["logits"]
+        return logits
+    first: torch.Tensor = output[0]
+    return first

@@ -1,0 +1,344 @@
+"""Hypothesis strategies for data-parallel scenarios.
+
+Every strategy draws frozen, picklable data (``ModelSpec``, ``LossSpec``, ``DeviceList``,
+``Scenario``) whose ``repr`` is a line a person can paste into a script; ``build`` turns it
+into modules and tensors deterministically. Shrinking ends on the simplest model (one
+``Linear`` layer), the smallest batch, the fewest devices and seed 0 that still fail.
+
+Example::
+
+    from hypothesis import given
+    import dpverify
+    from dpverify.strategies import scenarios
+
+    @given(scenarios())
+    def test_my_model(scenario):
+        s = scenario.build()
+        dpverify.assert_dp_grads_match(s.module, s.inputs, s.target, loss_fn=s.loss_fn,
+                                       device_ids=s.device_ids, forward_kwargs=s.kwargs)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
+from hypothesis.strategies import SearchStrategy
+from torch import nn
+
+from dpverify._devices import cuda_device_count
+from dpverify._model_specs import ACTIVATIONS, KINDS, POOLINGS, ModelSpec, primary_output
+
+__all__ = [
+    "LOSSES",
+    "BuiltScenario",
+    "DeviceList",
+    "LossSpec",
+    "ModelSpec",
+    "Scenario",
+    "batch_sizes",
+    "device_lists",
+    "dtypes",
+    "loss_specs",
+    "model_specs",
+    "scenarios",
+]
+
+T = TypeVar("T")
+
+#: Loss functions, simplest first.
+LOSSES: tuple[str, ...] = ("mse", "l1", "smooth_l1", "cross_entropy", "nll", "bce_with_logits")
+_CLASSIFICATION = ("cross_entropy", "nll")
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A loss function and its reduction; callable as ``loss(output, target)``.
+
+    ``output`` may be any spec model's output (the logits are taken out of tuples, dicts
+    and namedtuples).
+    """
+
+    name: str = "mse"
+    reduction: str = "mean"
+
+    def __post_init__(self) -> None:
+        if self.name not in LOSSES:
+            raise ValueError(f"name={self.name!r} is not one of {LOSSES}")
+        if self.reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction={self.reduction!r} must be 'mean' or 'sum'")
+
+    def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = primary_output(output)
+        r = self.reduction
+        if self.name == "mse":
+            return F.mse_loss(logits, target, reduction=r)
+        if self.name == "l1":
+            return F.l1_loss(logits, target, reduction=r)
+        if self.name == "smooth_l1":
+            return F.smooth_l1_loss(logits, target, reduction=r)
+        if self.name == "cross_entropy":
+            return F.cross_entropy(logits, target, reduction=r)
+        if self.name == "nll":
+            return F.nll_loss(F.log_softmax(logits, dim=-1), target, reduction=r)
+        return F.binary_cross_entropy_with_logits(logits, target, reduction=r)
+
+    def target(self, batch: int, outputs: int, seed: int = 0) -> torch.Tensor:
+        """A target batch for ``(batch, outputs)`` logits, drawn from ``seed``."""
+        g = torch.Generator().manual_seed(seed + 1)
+        if self.name in _CLASSIFICATION:
+            return torch.randint(0, outputs, (batch,), generator=g)
+        if self.name == "bce_with_logits":
+            return torch.randint(0, 2, (batch, outputs), generator=g).float()
+        return torch.randn(batch, outputs, generator=g)
+
+
+@dataclass(frozen=True)
+class DeviceList:
+    """DataParallel's ``device_ids`` and ``output_device`` (None: ``device_ids[0]``)."""
+
+    device_ids: tuple[int, ...] = (0, 1)
+    output_device: int | None = None
+
+    @property
+    def real(self) -> bool:
+        """Whether these are visible CUDA devices (else virtual ids)."""
+        return cuda_device_count() > max(self.device_ids)
+
+
+@dataclass(frozen=True)
+class BuiltScenario:
+    """A scenario made concrete: pass these to the assertion helpers."""
+
+    module: nn.Module
+    inputs: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    target: torch.Tensor
+    loss_fn: LossSpec
+    device_ids: list[int]
+    output_device: int | None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One data-parallel step to check: a model, a batch, devices, a loss, a dtype, a seed."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    batch_size: int = 2
+    devices: DeviceList = field(default_factory=DeviceList)
+    loss: LossSpec = field(default_factory=LossSpec)
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+
+    @property
+    def chunk_sizes(self) -> list[int]:
+        from dpverify._scatter import chunk_sizes
+
+        return chunk_sizes(self.batch_size, len(self.devices.device_ids))
+
+    def build(self) -> BuiltScenario:
+        """The module (in ``dtype``), inputs, keyword inputs and target, deterministically."""
+        target = self.loss.target(self.batch_size, self.model.output_dim, self.seed)
+        if self.model.returns_loss:
+            target = torch.randn(self.batch_size, self.model.outputs, generator=torch.Generator().manual_seed(self.seed + 2))
+        args, kwargs = self.model.inputs(self.batch_size, self.seed, target=target)
+        module = self.model.build(self.seed).to(self.dtype)
+
+        def cast(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                return value.to(self.dtype)
+            return value
+
+        return BuiltScenario(
+            module=module,
+            inputs=tuple(cast(a) for a in args),
+            kwargs={k: cast(v) for k, v in kwargs.items()},
+            target=cast(target),
+            loss_fn=self.loss,
+            device_ids=list(self.devices.device_ids),
+            output_device=self.devices.output_device,
+        )
+
+
+def _value_or_strategy(value: T | SearchStrategy[T], name: str) -> SearchStrategy[T]:
+    if isinstance(value, SearchStrategy):
+        return value
+    if value is None:
+        raise InvalidArgument(f"{name}=None: pass a value or a strategy")
+    return st.just(value)
+
+
+def _check_int(name: str, value: int, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidArgument(f"{name}={value!r} must be an int >= {low}")
+
+
+def model_specs(
+    *,
+    kinds: Sequence[str] | None = None,
+    exact: bool = False,
+    max_features: int = 4,
+    max_hidden: int = 8,
+    max_depth: int = 2,
+) -> SearchStrategy[ModelSpec]:
+    """Small architectures from ``KINDS``.
+
+    Args:
+        kinds: restrict to these kinds (default: all of ``KINDS``).
+        exact: only models DataParallel must reproduce exactly: batch-independent,
+            deterministic, and not computing the loss in forward (BatchNorm and dropout
+            then come in eval mode).
+        max_features: largest input width.
+        max_hidden: largest hidden width.
+        max_depth: most hidden layers, blocks or recurrent layers.
+
+    Shrinks toward ``ModelSpec(kind='linear')`` with the smallest widths.
+    """
+    chosen = tuple(KINDS if kinds is None else kinds)
+    unknown = sorted(set(chosen) - set(KINDS))
+    if not chosen or unknown:
+        raise InvalidArgument(f"kinds={list(chosen)!r}: choose a non-empty subset of {KINDS}")
+    for name, value in (("max_features", max_features), ("max_hidden", max_hidden), ("max_depth", max_depth)):
+        _check_int(name, value, 1)
+    if exact:
+        chosen = tuple(k for k in chosen if k != "loss-head")
+        if not chosen:
+            raise InvalidArgument("kinds=['loss-head'] with exact=True leaves nothing to draw")
+    # simplest first, whatever order the caller gave
+    ordered = [k for k in KINDS if k in chosen]
+    return st.builds(
+        ModelSpec,
+        kind=st.sampled_from(ordered),
+        features=st.integers(1, max_features),
+        hidden=st.integers(1, max_hidden),
+        outputs=st.integers(1, 3),
+        depth=st.integers(1, max_depth),
+        activation=st.sampled_from(ACTIVATIONS),
+        pooling=st.sampled_from(POOLINGS),
+        train=st.just(False) if exact else st.booleans().map(lambda b: not b),
+        p=st.sampled_from([0.5, 0.1, 0.9]),
+    )
+
+
+@st.composite
+def _batch_sizes(draw: st.DrawFn, n_devices: SearchStrategy[int], max_size: int) -> int:
+    n = draw(n_devices)
+    _check_int("n_devices", n, 1)
+    options = [st.just(1)]
+    if n > 1:
+        options.append(st.integers(1, min(n - 1, max_size)))  # fewer rows than devices
+    if n <= max_size:
+        options.append(st.integers(1, max_size // n).map(lambda k: k * n))  # equal chunks
+    if n > 1 and n + 1 <= max_size:
+        options.append(st.integers(n + 1, max_size).filter(lambda b: b % n != 0))  # uneven
+    options.append(st.integers(1, max_size))
+    return draw(st.one_of(options))
+
+
+def batch_sizes(n_devices: int | SearchStrategy[int] = 2, *, max_size: int = 16) -> SearchStrategy[int]:
+    """Batch sizes biased toward the interesting splits for ``n_devices`` devices.
+
+    One row; fewer rows than devices (idle devices); a multiple of the device count (equal
+    chunks); not a multiple (uneven chunks, possibly fewer chunks than devices); and any
+    size up to ``max_size``. Shrinks toward 1.
+    """
+    _check_int("max_size", max_size, 1)
+    if not isinstance(n_devices, SearchStrategy):
+        _check_int("n_devices", n_devices, 1)
+    return _batch_sizes(_value_or_strategy(n_devices, "n_devices"), max_size)
+
+
+def device_lists(*, min_devices: int = 1, max_devices: int = 4) -> SearchStrategy[DeviceList]:
+    """Device ids for DataParallel, with an output device drawn from them (or the default).
+
+    Subsets and orders of the visible CUDA devices when at least ``min_devices`` are
+    visible, virtual ids ``0 .. max_devices - 1`` otherwise. Shrinks toward
+    ``DeviceList((0,) * min_devices ...)`` in natural order with the default output device.
+    """
+    _check_int("min_devices", min_devices, 1)
+    _check_int("max_devices", max_devices, min_devices)
+    visible = cuda_device_count()
+    if visible >= min_devices:
+        pool, most = list(range(visible)), min(max_devices, visible)
+    else:
+        pool, most = list(range(max_devices)), max_devices
+
+    @st.composite
+    def draw_list(draw: st.DrawFn) -> DeviceList:
+        n = draw(st.integers(min_devices, most))
+        order = draw(st.permutations(pool))
+        ids = tuple(order[:n])
+        output = draw(st.one_of(st.none(), st.sampled_from(ids)))
+        return DeviceList(ids, output)
+
+    return draw_list()
+
+
+def loss_specs(*, names: Sequence[str] | None = None, reductions: Sequence[str] = ("mean", "sum")) -> SearchStrategy[LossSpec]:
+    """Losses from ``LOSSES`` with mean or sum reduction. Shrinks toward mean MSE."""
+    chosen = tuple(LOSSES if names is None else names)
+    if not chosen or set(chosen) - set(LOSSES):
+        raise InvalidArgument(f"names={list(chosen)!r}: choose a non-empty subset of {LOSSES}")
+    if not reductions or set(reductions) - {"mean", "sum"}:
+        raise InvalidArgument(f"reductions={list(reductions)!r}: choose from 'mean' and 'sum'")
+    return st.builds(
+        LossSpec,
+        name=st.sampled_from([n for n in LOSSES if n in chosen]),
+        reduction=st.sampled_from([r for r in ("mean", "sum") if r in reductions]),
+    )
+
+
+def dtypes(*, bfloat16: bool = False) -> SearchStrategy[torch.dtype]:
+    """float32 and float64, and bfloat16 when asked. Shrinks toward float32."""
+    options = [torch.float32, torch.float64] + ([torch.bfloat16] if bfloat16 else [])
+    return st.sampled_from(options)
+
+
+@st.composite
+def _scenarios(
+    draw: st.DrawFn,
+    models: SearchStrategy[ModelSpec],
+    devices: SearchStrategy[DeviceList],
+    losses: SearchStrategy[LossSpec],
+    dtype_strategy: SearchStrategy[torch.dtype],
+    max_batch: int,
+    seeds: SearchStrategy[int],
+) -> Scenario:
+    model = draw(models)
+    device_list = draw(devices)
+    batch = draw(batch_sizes(len(device_list.device_ids), max_size=max_batch))
+    loss = draw(losses)
+    if loss.name in _CLASSIFICATION and model.output_dim < 2:
+        loss = LossSpec("mse", loss.reduction)  # one logit is no classifier
+    return Scenario(model, batch, device_list, loss, draw(dtype_strategy), draw(seeds))
+
+
+def scenarios(
+    *,
+    models: ModelSpec | SearchStrategy[ModelSpec] | None = None,
+    devices: DeviceList | SearchStrategy[DeviceList] | None = None,
+    losses: LossSpec | SearchStrategy[LossSpec] | None = None,
+    dtype: torch.dtype | SearchStrategy[torch.dtype] | None = None,
+    max_batch: int = 12,
+) -> SearchStrategy[Scenario]:
+    """Whole scenarios: a model, devices, a batch size biased for them, a loss, a dtype, a seed.
+
+    Each of ``models``, ``devices``, ``losses`` and ``dtype`` takes a value or a strategy
+    (defaults: ``model_specs()``, ``device_lists()``, ``loss_specs()``, ``dtypes()``). ``scenario.build()`` gives the
+    module, inputs, keyword inputs, target, loss function and device ids. Shrinks toward
+    one Linear layer, batch 1, one device, mean MSE, float32 and seed 0.
+    """
+    _check_int("max_batch", max_batch, 1)
+    return _scenarios(
+        model_specs() if models is None else _value_or_strategy(models, "models"),
+        device_lists() if devices is None else _value_or_strategy(devices, "devices"),
+        loss_specs() if losses is None else _value_or_strategy(losses, "losses"),
+        dtypes() if dtype is None else _value_or_strategy(dtype, "dtype"),
+        max_batch,
+        st.integers(0, 2**16),
+    )
