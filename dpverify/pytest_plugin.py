@@ -43,13 +43,19 @@ DEFAULT_DEVICES = 2
 
 _QUIET_CHECKS = (HealthCheck.too_slow, HealthCheck.data_too_large)
 
+# Hypothesis loads its own "ci" profile (derandomized, no database) when it detects CI, and
+# settings() inherits from the profile loaded at the time: build on "default" instead, so
+# that dpverify-dev and dpverify-fuzz stay random and keep their example database in CI.
+_BASE = settings.get_profile("default")
+
 #: The Hypothesis profiles this plugin registers, by name.
 PROFILES: dict[str, settings] = {
     # Few examples for the edit-run loop; a DataParallel step is slow, so no deadline.
-    "dpverify-dev": settings(max_examples=10, deadline=None),
+    "dpverify-dev": settings(_BASE, max_examples=10, deadline=None, derandomize=False),
     # Same examples on every run, and a reproduction blob with every failure. No database:
     # a derandomized CI run should depend on the code alone, not on a stale .hypothesis/.
     "dpverify-ci": settings(
+        _BASE,
         max_examples=25,
         derandomize=True,
         deadline=None,
@@ -58,7 +64,9 @@ PROFILES: dict[str, settings] = {
         suppress_health_check=_QUIET_CHECKS,
     ),
     "dpverify-fuzz": settings(
+        _BASE,
         max_examples=10_000,
+        derandomize=False,
         deadline=None,
         print_blob=True,
         suppress_health_check=_QUIET_CHECKS,

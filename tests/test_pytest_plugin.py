@@ -13,11 +13,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch  # noqa: F401  (see below)
 from hypothesis import core, settings
 
 from dpverify import pytest_plugin
 
 pytest_plugins = ["pytester"]
+
+# torch is imported here, before any nested session: pytester restores sys.modules after
+# each in-process run, and a torch imported inside one would be dropped and imported again
+# by the next (its C extension cannot be initialised twice: SystemError, then a segfault).
 
 REAL_CUDA_COUNT = pytest_plugin._real_cuda_count
 
