@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch  # noqa: F401  (see below)
+import torch  # imported before any nested session: see below
 from hypothesis import core, settings
 
 from dpverify import pytest_plugin
@@ -324,8 +324,6 @@ def test_dp_devices_work_with_data_parallel_on_this_machine(
 
 
 def test_header_shows_devices_profile_and_seed(pytester: pytest.Pytester) -> None:
-    import torch
-
     result = pytester.runpytest_inprocess()
     result.stdout.fnmatch_lines(
         [
