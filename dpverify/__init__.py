@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "assert_dp_grads_match": "dpverify._assertions",
     "assert_grad_sum_equals_mean_loss_grad": "dpverify._assertions",
+    "assert_dp_buffers_match": "dpverify._replica_state",
     "StepComparison": "dpverify._comparison",
     "TensorComparison": "dpverify._comparison",
     "Tolerance": "dpverify._comparison",
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
         assert_loss_reduction_matches_full_batch,
         check_forward_loss_average,
     )
+    from dpverify._replica_state import assert_dp_buffers_match
     from dpverify._scatter import ScatterPlan, chunk_sizes, plan_scatter
     from dpverify._virtual import VirtualDataParallel, current_virtual_device, data_parallel
 
@@ -74,6 +76,7 @@ __all__ = [
     "TensorComparison",
     "Tolerance",
     "VirtualDataParallel",
+    "assert_dp_buffers_match",
     "assert_dp_grads_match",
     "assert_grad_sum_equals_mean_loss_grad",
     "assert_loss_reduction_matches_full_batch",

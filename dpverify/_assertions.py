@@ -324,17 +324,39 @@ def assert_dp_grads_match(
 
 
 def _diagnose(check: Check, actual: StepResult, expected: StepResult) -> list[str]:
-    """Names the classic wrapper bugs when their signature is in the gradients."""
+    """Names the classic wrapper bugs when their signature is in the results."""
+    notes = [text for path, got in actual.outputs if (text := _reordered(path, got, dict(expected.outputs).get(path)))]
     present = [g for g in expected.grads.values() if g is not None and bool(g.any())]
     if present and all(actual.grads.get(n) is None for n, g in expected.grads.items() if g is not None):
-        return [
+        notes.append(
             "No gradient reached the module's parameters in the parallel step: the wrapper "
             "ran copies that are not connected to them by autograd (for example "
             "copy.deepcopy per replica instead of torch's replicate, whose Broadcast sums "
             "replica gradients back into the parameters)."
-        ]
+        )
     scale = uniform_scale(actual.grads, expected.grads)
-    return [] if scale is None else [explain_scale(scale, check.plan.n_replicas)]
+    if scale is not None:
+        notes.append(explain_scale(scale, check.plan.n_replicas))
+    return notes
+
+
+def _reordered(path: str, actual: torch.Tensor, expected: torch.Tensor | None) -> str | None:
+    """A sentence when ``actual``'s rows are ``expected``'s in another order (a gather that
+    concatenates the replicas' outputs out of order)."""
+    if expected is None or actual.shape != expected.shape or actual.dim() == 0 or not 1 < actual.shape[0] <= 4096:
+        return None
+    a = actual.detach().reshape(actual.shape[0], -1).double().cpu()
+    e = expected.detach().reshape(expected.shape[0], -1).double().cpu()
+    nearest = torch.cdist(a, e).min(dim=1)
+    scale = float(e.abs().max()) or 1.0
+    order = nearest.indices.tolist()
+    if sorted(order) != list(range(len(order))) or order == sorted(order) or float(nearest.values.max()) > 1e-4 * scale:
+        return None
+    return (
+        f"The rows of {path} are the single-device rows in another order ({order}): the "
+        "replicas' outputs were gathered out of order. torch concatenates them in "
+        "device_ids order, whatever output_device is."
+    )
 
 
 def _sum(contributions: Sequence[dict[str, torch.Tensor]], name: str) -> torch.Tensor | None:

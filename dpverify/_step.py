@@ -21,6 +21,7 @@ __all__ = [
     "as_inputs",
     "batch_size_of",
     "convert_tensors",
+    "copy_module",
     "default_dtype",
     "flatten_tensors",
     "run_step",
@@ -149,7 +150,6 @@ class ReplicaGradRecorder:
     sites: list[tuple[str, str, str]]
     contributions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     replica_devices: dict[int, int | None] = field(default_factory=dict)
-    _keys: dict[int, int] = field(default_factory=dict)
     _handles: list[Any] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -167,10 +167,12 @@ class ReplicaGradRecorder:
         self._handles.clear()
 
     def _on_forward(self, replica: nn.Module, args: Any) -> None:
+        # Each call of the root module is one replica's forward. (Not keyed by id(replica):
+        # a wrapper may free a replica before building the next, and ids get reused.)
         del args
         with self._lock:  # real DataParallel runs replicas in concurrent threads
-            key = self._keys.setdefault(id(replica), len(self._keys))
-            self.contributions.setdefault(key, {})
+            key = len(self.contributions)
+            self.contributions[key] = {}
         for name, module_path, attr in self.sites:
             tensor = getattr(replica.get_submodule(module_path), attr, None)
             if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
@@ -226,7 +228,7 @@ def run_step(
         kwargs: keyword forward arguments (copied like ``inputs``).
     """
     device = device or torch.device("cpu")
-    model = _copy(module, dtype)
+    model = copy_module(module, dtype)
     model.to(device)
     args = convert_tensors(inputs, dtype, device)
     keywords = convert_tensors(dict(kwargs or {}), dtype, device)
@@ -267,7 +269,7 @@ def run_step(
     return StepResult(outputs, loss.detach().reshape(()), grads, contributions)
 
 
-def _copy(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+def copy_module(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
     """A deep copy, with floating parameters and buffers already in ``dtype``.
 
     Converted tensors are planted in deepcopy's memo, so each is written once, in the new

@@ -273,7 +273,9 @@ def device_lists(*, min_devices: int = 1, max_devices: int = 4) -> SearchStrateg
         n = draw(st.integers(min_devices, most))
         order = draw(st.permutations(pool))
         ids = tuple(order[:n])
-        output = draw(st.one_of(st.none(), st.sampled_from(ids)))
+        # the default, device_ids[0] named explicitly, or another device: a third each
+        others = [st.sampled_from(ids[1:])] if len(ids) > 1 else []
+        output = draw(st.one_of(st.none(), st.just(ids[0]), *others))
         return DeviceList(ids, output)
 
     return draw_list()

@@ -1,0 +1,105 @@
+"""What state survives a DataParallel step: buffers updated in place in ``forward``.
+
+torch's ``replicate`` gives replica 0 the module's own buffers and every other replica a
+copy (``comm.broadcast_coalesced``), so in-place updates made by replica 0 persist and the
+others' are lost: after one step, the module's buffers are those of the module run on the
+first chunk alone (SEMANTICS.md, Replicate). BatchNorm's running statistics and
+``num_batches_tracked``, and spectral norm's power-iteration vectors, rely on this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel.scatter_gather import scatter_kwargs
+
+from dpverify._assertions import Check, Parallel, raise_unless_ok
+from dpverify._comparison import Msg, StepComparison, TensorComparison, compare_tensors
+from dpverify._step import convert_tensors, copy_module, default_dtype, seed_step
+from dpverify._virtual import virtual_primitives
+
+__all__ = ["assert_dp_buffers_match"]
+
+
+def _first_chunk(check: Check) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments torch's scatter hands replica 0 (the whole call on one device)."""
+    if len(check.device_ids) == 1:
+        return check.args, check.kwargs
+    with torch.no_grad(), virtual_primitives(views_only=True):
+        inputs, kwargs = scatter_kwargs(check.args, check.kwargs, check.device_ids, 0)
+    return tuple(inputs[0]), dict(kwargs[0])
+
+
+def _buffers_after_forward(
+    check: Check, args: tuple[Any, ...], kwargs: dict[str, Any], *, parallel: bool, dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    model = copy_module(check.module, dtype).to(check.device)
+    runner: Any = check.wrap(model) if parallel else model
+    args = convert_tensors(args, dtype, check.device)
+    kwargs = convert_tensors(kwargs, dtype, check.device)
+    fork_devices = [check.device] if check.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=fork_devices), default_dtype(dtype):
+        seed_step(0, check.device)
+        runner(*args, **kwargs)
+    return {name: buffer.detach() for name, buffer in model.named_buffers()}
+
+
+def _compare_exact(name: str, actual: torch.Tensor, expected: torch.Tensor) -> TensorComparison:
+    differs = int((actual.cpu() != expected.cpu()).sum()) if actual.shape == expected.shape else expected.numel()
+    problem = None
+    if differs:
+        problem = f"is {actual.tolist()} after the parallel step, {expected.tolist()} after replica 0's chunk alone"
+    return TensorComparison(name, tuple(expected.shape), expected.numel(), mismatched=differs, problem=problem)
+
+
+def assert_dp_buffers_match(
+    module: nn.Module,
+    inputs: Any,
+    *,
+    device_ids: Sequence[int],
+    output_device: int | None = None,
+    parallel: Parallel | None = None,
+    forward_kwargs: Mapping[str, Any] | None = None,
+    msg: Msg = None,
+) -> StepComparison:
+    """Asserts the module's buffers after a parallel forward are replica 0's.
+
+    Runs one forward through ``parallel`` on a deep copy of ``module`` and one of another
+    copy on the first chunk alone (the rows torch's scatter gives replica 0; the whole
+    batch with a single device), and compares every buffer: floating ones with the
+    float64-anchored tolerance, integer ones exactly. A wrapper that keeps another
+    replica's updates, averages them, or loses replica 0's fails.
+
+    Args: as ``assert_dp_grads_match``, without target and loss.
+
+    Raises:
+        ParallelMismatch: a buffer differs from replica 0's.
+    """
+    __tracebackhide__ = True
+    check = Check.create(
+        module, inputs, device_ids=device_ids, output_device=output_device, parallel=parallel,
+        forward_kwargs=forward_kwargs,
+    )
+    first_args, first_kwargs = _first_chunk(check)
+    actual = _buffers_after_forward(check, check.args, check.kwargs, parallel=True, dtype=None)
+    expected = _buffers_after_forward(check, first_args, first_kwargs, parallel=False, dtype=None)
+    anchor = _buffers_after_forward(check, first_args, first_kwargs, parallel=False, dtype=torch.float64)
+    rows = []
+    for name, buffer in expected.items():
+        label = f"buffer {name!r}"
+        got = actual.get(name)
+        if got is None:
+            rows.append(TensorComparison(label, tuple(buffer.shape), buffer.numel(), mismatched=1, problem="is missing after the parallel step"))
+        elif buffer.is_floating_point():
+            rows.append(compare_tensors(label, got, buffer, anchor[name], check.tolerance))
+        else:
+            rows.append(_compare_exact(label, got, buffer))
+    notes = [
+        f"Replica 0 ran on {check.plan.chunk_sizes[0] if check.plan.chunk_sizes else 0} rows; "
+        "torch keeps its in-place buffer updates and drops the other replicas'."
+    ]
+    title = "Buffers after the parallel step must be those replica 0 left"
+    return raise_unless_ok(check.outcome(title, rows, notes=notes), msg)

@@ -1,0 +1,315 @@
+"""A catalogue of real data-parallel bugs, and correct implementations to compare with.
+
+Each mutant is a small, readable data-parallel implementation with one bug that people
+really make (SEMANTICS.md, QUESTIONS.md). The DataParallel mutants have DataParallel's
+signature, ``Wrapper(module, device_ids=..., output_device=...)``, and can be passed as
+``parallel=`` to every assertion helper or as ``dpverify verify --parallel``; reduction
+mutants have ``reduce(replica_losses, chunk_sizes)``'s signature. ``MUTANTS`` describes
+them all: the bug, the check that catches it, and a phrase the failure message contains.
+``ScratchDataParallel`` is a correct DataParallel written from scratch: it must pass
+everything the mutants fail.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpverify._virtual import VirtualDataParallel
+
+__all__ = [
+    "MUTANTS",
+    "AveragingDataParallel",
+    "DeepCopyDataParallel",
+    "DetachedReplicasDataParallel",
+    "EvenSplitDataParallel",
+    "LastReplicaBuffersDataParallel",
+    "Mutant",
+    "OutputDeviceFirstDataParallel",
+    "ReversedGatherDataParallel",
+    "ScratchDataParallel",
+    "TinyErrorDataParallel",
+    "mean_of_replica_losses",
+    "weighted_replica_losses",
+]
+
+
+def _replica_parameters(replica: nn.Module) -> list[torch.Tensor]:
+    """A replica's parameter copies (torch stores them as plain attributes, not Parameters)."""
+    found = []
+    for sub in replica.modules():
+        for name in getattr(sub, "_former_parameters", {}):
+            tensor = getattr(sub, name)
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                found.append(tensor)
+    return found
+
+
+class AveragingDataParallel(VirtualDataParallel[Any]):
+    """Averages replica gradients instead of summing them.
+
+    The classic misreading of DataParallel: "each GPU computed a gradient, so average
+    them". With a mean loss over the gathered batch each replica already contributes
+    (1/B) x its rows' sum, so dividing by the number of replicas shrinks every gradient.
+    """
+
+    def replicate(self, module: nn.Module, device_ids: Sequence[int | torch.device]) -> list[nn.Module]:
+        replicas = super().replicate(module, device_ids)
+        count = len(replicas)
+        for replica in replicas:
+            for tensor in _replica_parameters(replica):
+                tensor.register_hook(lambda g: g / count)
+        return replicas
+
+
+class DetachedReplicasDataParallel(VirtualDataParallel[Any]):
+    """Detaches every replica but the first, so only replica 0's gradient arrives.
+
+    What ``replicate(..., detach=True)`` does for all replicas when someone "saves memory"
+    for the copies: the parameters only learn from the first chunk.
+    """
+
+    def replicate(self, module: nn.Module, device_ids: Sequence[int | torch.device]) -> list[nn.Module]:
+        replicas = super().replicate(module, device_ids)
+        for replica in replicas[1:]:
+            for sub in replica.modules():
+                for name in list(getattr(sub, "_former_parameters", {})):
+                    setattr(sub, name, getattr(sub, name).detach())
+        return replicas
+
+
+class EvenSplitDataParallel(VirtualDataParallel[Any]):
+    """Splits the batch like ``numpy.array_split`` (sizes differ by at most one) instead of
+    ``torch.chunk``: 5 rows on 4 devices become [2, 1, 1, 1] instead of [2, 2, 1].
+
+    Gradients of a loss over the gathered batch are still right; what breaks is every
+    computation that assumes torch's chunk sizes, such as weighting replica losses by
+    ``dpverify.chunk_sizes`` or expecting idle devices.
+    """
+
+    def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Sequence[int | torch.device]) -> Any:
+        def split(value: Any, n: int) -> list[Any]:
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                sizes = [len(part) for part in torch.arange(value.shape[0]).tensor_split(n)]
+                return list(value.split([s for s in sizes if s > 0]))
+            return [value] * n
+
+        n = min(len(device_ids), _rows(inputs, kwargs))
+        columns = [split(arg, n) for arg in inputs]
+        kw_columns = {k: split(v, n) for k, v in (kwargs or {}).items()}
+        scattered = tuple(tuple(column[i] for column in columns) for i in range(n))
+        scattered_kwargs = tuple({k: column[i] for k, column in kw_columns.items()} for i in range(n))
+        return scattered, scattered_kwargs
+
+
+def _rows(inputs: tuple[Any, ...], kwargs: dict[str, Any] | None) -> int:
+    for value in (*inputs, *(kwargs or {}).values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return 1
+
+
+class ReversedGatherDataParallel(VirtualDataParallel[Any]):
+    """Gathers the replicas' outputs in reverse order: rows no longer line up with targets."""
+
+    def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
+        return super().gather(list(reversed(outputs)), output_device)
+
+
+class OutputDeviceFirstDataParallel(VirtualDataParallel[Any]):
+    """Puts the output device's own chunk first when gathering, as if "local results come
+    first". Harmless with the default ``output_device`` (``device_ids[0]``); with any other
+    output device the rows are out of order."""
+
+    def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
+        used = self.device_ids[: len(outputs)]
+        target = int(output_device) if not isinstance(output_device, torch.device) else output_device.index
+        if target in used and target != used[0]:
+            i = used.index(target)
+            outputs = [outputs[i], *outputs[:i], *outputs[i + 1 :]]
+        return super().gather(outputs, output_device)
+
+
+class LastReplicaBuffersDataParallel(VirtualDataParallel[Any]):
+    """Keeps the buffers of the last replica instead of the first: BatchNorm running
+    statistics (and any buffer updated in place in forward) come from the wrong chunk."""
+
+    def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
+        outputs = super().parallel_apply(replicas, inputs, kwargs)
+        last = replicas[-1]
+        if len(replicas) > 1:
+            with torch.no_grad():
+                for (_, own), (_, theirs) in zip(self.module.named_buffers(), last.named_buffers(), strict=True):
+                    own.copy_(theirs)
+        return outputs
+
+
+class TinyErrorDataParallel(VirtualDataParallel[Any]):
+    """Correct, except the first parameter's gradient is off by a relative 1e-4: the kind of
+    error a fixed ``atol`` hides (a wrong epsilon, a stray rescale)."""
+
+    relative_error = 1e-4
+
+    def __init__(self, module: nn.Module, device_ids: Sequence[int] | None = None, output_device: int | None = None) -> None:
+        super().__init__(module, device_ids, output_device)
+        first = next(module.parameters(), None)
+        if first is not None:
+            first.register_hook(lambda g: g * (1 + self.relative_error))
+
+
+class DeepCopyDataParallel(nn.Module):
+    """Runs a ``copy.deepcopy`` of the module on each chunk: the copies are not connected
+    to the module by autograd, so no gradient ever reaches its parameters."""
+
+    def __init__(self, module: nn.Module, device_ids: Sequence[int] | None = None, output_device: int | None = None) -> None:
+        super().__init__()
+        self.module = module
+        self.n = len(device_ids) if device_ids else 2
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return _gather_outputs([copy.deepcopy(self.module)(*a, **k) for a, k in _chunk_call(inputs, kwargs, self.n)])
+
+
+def _chunk_call(inputs: tuple[Any, ...], kwargs: dict[str, Any], n: int) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """torch.chunk every batched tensor argument; other arguments go to every chunk."""
+
+    def chunks(value: Any) -> list[Any]:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return list(value.chunk(n))
+        return [value] * n
+
+    columns = [chunks(a) for a in inputs]
+    kw_columns = {k: chunks(v) for k, v in kwargs.items()}
+    count = min([len(c) for c in columns] + [len(c) for c in kw_columns.values()] + [n])
+    return [
+        (tuple(c[i] for c in columns), {k: c[i] for k, c in kw_columns.items()}) for i in range(count)
+    ]
+
+
+def _gather_outputs(outputs: list[Any]) -> Any:
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            return torch.stack(outputs)
+        return torch.cat(outputs)
+    if isinstance(first, dict):
+        return type(first)((k, _gather_outputs([o[k] for o in outputs])) for k in first)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(_gather_outputs(list(parts)) for parts in zip(*outputs, strict=True)))
+    if isinstance(first, (tuple, list)):
+        return type(first)(_gather_outputs(list(parts)) for parts in zip(*outputs, strict=True))
+    return first
+
+
+def _replicate(module: nn.Module, index: int, aliases: dict[int, torch.Tensor]) -> nn.Module:
+    """A replica of ``module``: the same code and Python state, parameters replaced by
+    ``aliases`` (autograd views of them), and buffers shared by replica 0 only."""
+    replicas: dict[int, nn.Module] = {}
+    buffer_copies: dict[int, torch.Tensor] = {}
+
+    def build(sub: nn.Module) -> nn.Module:
+        if id(sub) in replicas:
+            return replicas[id(sub)]
+        # Module's own replication hook (RNNs override it to copy their weight list).
+        replica: nn.Module = sub._replicate_for_data_parallel()
+        replicas[id(sub)] = replica
+        for name, child in sub._modules.items():
+            replica._modules[name] = None if child is None else build(child)
+        for name, param in sub._parameters.items():
+            if param is None:
+                replica._parameters[name] = None
+            else:
+                setattr(replica, name, aliases[id(param)])
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and index > 0:
+                buffer = buffer_copies.setdefault(id(buffer), buffer.clone())
+            replica._buffers[name] = buffer
+        return replica
+
+    return build(module)
+
+
+class ScratchDataParallel(nn.Module):
+    """A correct DataParallel written from scratch, without torch.nn.parallel.
+
+    Chunks every batched argument with ``torch.chunk`` (so there can be fewer replicas than
+    devices), builds one replica per chunk whose parameters are autograd views of the
+    module's (gradients of every replica then sum into the parameters), gives replica 0 the
+    module's own buffers and the others copies (so only replica 0's in-place updates
+    persist), and concatenates the outputs, stacking scalars into one entry per replica.
+    """
+
+    def __init__(self, module: nn.Module, device_ids: Sequence[int] | None = None, output_device: int | None = None) -> None:
+        super().__init__()
+        self.module = module
+        self.device_ids = list(device_ids) if device_ids else [0, 1]
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if len(self.device_ids) == 1:
+            return self.module(*inputs, **kwargs)
+        outputs = []
+        for i, (args, kw) in enumerate(_chunk_call(inputs, kwargs, len(self.device_ids))):
+            aliases = {id(p): p.view_as(p) for p in self.module.parameters()}
+            outputs.append(_replicate(self.module, i, aliases)(*args, **kw))
+        if all(isinstance(o, torch.Tensor) and o.dim() == 0 for o in outputs):
+            warnings.warn(
+                "Was asked to gather along dimension 0, but all input tensors were scalars; "
+                "will instead unsqueeze and return a vector.",
+                stacklevel=2,
+            )
+        return _gather_outputs(outputs)
+
+
+def mean_of_replica_losses(losses: torch.Tensor, chunk_sizes: list[int]) -> torch.Tensor:
+    """``loss.mean()`` of DataParallel's per-replica losses: biased when chunks are uneven."""
+    return losses.mean()
+
+
+def weighted_replica_losses(losses: torch.Tensor, chunk_sizes: list[int]) -> torch.Tensor:
+    """Each replica's loss weighted by its share of the batch: exact for any split."""
+    sizes = torch.tensor(chunk_sizes, dtype=losses.dtype, device=losses.device)
+    return (losses * sizes).sum() / sizes.sum()
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One catalogued bug.
+
+    Attributes:
+        name: short identifier.
+        implementation: the wrapper class or reduction function.
+        kind: ``"dp"`` (a DataParallel-like wrapper) or ``"reduce"`` (a reduction of
+            per-replica losses).
+        bug: what is wrong, in one sentence.
+        caught_by: the check that catches it.
+        message: a phrase the failure message contains, pointing at the bug.
+    """
+
+    name: str
+    implementation: Callable[..., Any]
+    kind: str
+    bug: str
+    caught_by: str
+    message: str
+
+
+MUTANTS: dict[str, Mutant] = {
+    m.name: m
+    for m in (
+        Mutant("averaging", AveragingDataParallel, "dp", "averages replica gradients instead of summing them", "assert_dp_grads_match", "the replica gradients were averaged"),
+        Mutant("deep-copy", DeepCopyDataParallel, "dp", "runs a deep copy per replica, so no gradient reaches the module", "assert_dp_grads_match", "No gradient reached the module's parameters"),
+        Mutant("detached-replicas", DetachedReplicasDataParallel, "dp", "detaches every replica but the first", "assert_grad_sum_equals_mean_loss_grad", "accumulated grad"),
+        Mutant("even-split", EvenSplitDataParallel, "dp", "splits like array_split instead of torch.chunk", "assert_grad_sum_equals_mean_loss_grad", "= full / "),
+        Mutant("reversed-gather", ReversedGatherDataParallel, "dp", "gathers outputs in reverse replica order", "assert_dp_grads_match", "gathered out of order"),
+        Mutant("output-device-first", OutputDeviceFirstDataParallel, "dp", "puts the output device's chunk first when gathering", "assert_dp_grads_match", "gathered out of order"),
+        Mutant("last-replica-buffers", LastReplicaBuffersDataParallel, "dp", "keeps the last replica's buffers instead of the first's", "assert_dp_buffers_match", "buffer '"),
+        Mutant("tiny-error", TinyErrorDataParallel, "dp", "scales one parameter's gradient by 1 + 1e-4", "assert_dp_grads_match", "tensors are not close"),
+        Mutant("mean-of-means", mean_of_replica_losses, "reduce", "averages per-replica losses with loss.mean() on uneven chunks", "assert_loss_reduction_matches_full_batch", "The chunks are uneven"),
+    )
+}
