@@ -19,12 +19,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hypothesis.strategies import SearchStrategy
 from torch import nn
 
+import dpverify
 from dpverify._virtual import VirtualDataParallel
+from dpverify.strategies import Scenario, device_lists, model_specs, scenarios
 
 __all__ = [
     "MUTANTS",
+    "PROPERTIES",
     "AveragingDataParallel",
     "DeepCopyDataParallel",
     "DetachedReplicasDataParallel",
@@ -32,6 +36,7 @@ __all__ = [
     "LastReplicaBuffersDataParallel",
     "Mutant",
     "OutputDeviceFirstDataParallel",
+    "Property",
     "ReversedGatherDataParallel",
     "ScratchDataParallel",
     "TinyErrorDataParallel",
@@ -277,6 +282,65 @@ def weighted_replica_losses(losses: torch.Tensor, chunk_sizes: list[int]) -> tor
     return (losses * sizes).sum() / sizes.sum()
 
 
+def _grads_match(scenario: Scenario, parallel: Any) -> None:
+    s = scenario.build()
+    dpverify.assert_dp_grads_match(
+        s.module, s.inputs, s.target, loss_fn=s.loss_fn, device_ids=s.device_ids,
+        output_device=s.output_device, forward_kwargs=s.kwargs, parallel=parallel,
+    )
+
+
+def _grad_sum(scenario: Scenario, parallel: Any) -> None:
+    s = scenario.build()
+    dpverify.assert_grad_sum_equals_mean_loss_grad(
+        s.module, s.inputs, s.target, loss_fn=s.loss_fn, device_ids=s.device_ids,
+        forward_kwargs=s.kwargs, parallel=parallel,
+    )
+
+
+def _buffers_match(scenario: Scenario, parallel: Any) -> None:
+    s = scenario.build()
+    dpverify.assert_dp_buffers_match(s.module, s.inputs, device_ids=s.device_ids, forward_kwargs=s.kwargs, parallel=parallel)
+
+
+def _loss_reduction(scenario: Scenario, reduce: Any, parallel: Any = None) -> None:
+    s = scenario.build()
+    dpverify.assert_loss_reduction_matches_full_batch(s.module, s.inputs, device_ids=s.device_ids, reduce=reduce, parallel=parallel)
+
+
+def _usable(scenario: Scenario) -> bool:
+    # BatchNorm in train mode cannot normalise a one-row chunk: not a scenario for a buffer check
+    return not (scenario.model.kind == "batchnorm" and scenario.model.train and min(scenario.chunk_sizes) < 2)
+
+
+@dataclass(frozen=True)
+class Property:
+    """A check over random scenarios: the scenarios it draws and how it runs one."""
+
+    scenarios: SearchStrategy[Scenario]
+    run: Callable[[Scenario, Any], None]
+
+
+def _properties() -> dict[str, Property]:
+    devices = device_lists(min_devices=2)  # a data-parallel bug needs two devices to show
+    exact = scenarios(models=model_specs(exact=True), devices=devices)
+    return {
+        "assert_dp_grads_match": Property(exact, _grads_match),
+        "assert_grad_sum_equals_mean_loss_grad": Property(exact, _grad_sum),
+        "assert_dp_buffers_match": Property(
+            scenarios(models=model_specs(kinds=["buffer-counter", "batchnorm"]), devices=devices).filter(_usable),
+            _buffers_match,
+        ),
+        "assert_loss_reduction_matches_full_batch": Property(
+            scenarios(models=model_specs(kinds=["loss-head"]), devices=devices), _loss_reduction
+        ),
+    }
+
+
+#: The property each check runs, by the check's name (``Mutant.caught_by``).
+PROPERTIES: dict[str, Property] = _properties()
+
+
 @dataclass(frozen=True)
 class Mutant:
     """One catalogued bug.
@@ -297,6 +361,10 @@ class Mutant:
     bug: str
     caught_by: str
     message: str
+
+    def check(self, scenario: Scenario) -> None:
+        """Runs the catching check on one scenario with this mutant (raises when caught)."""
+        PROPERTIES[self.caught_by].run(scenario, self.implementation)
 
 
 MUTANTS: dict[str, Mutant] = {

@@ -236,6 +236,10 @@ def _batch_sizes(draw: st.DrawFn, n_devices: SearchStrategy[int], max_size: int)
         options.append(st.integers(1, max_size // n).map(lambda k: k * n))  # equal chunks
     if n > 1 and n + 1 <= max_size:
         options.append(st.integers(n + 1, max_size).filter(lambda b: b % n != 0))  # uneven
+    # more rows than devices, yet fewer chunks than devices (5 rows on 4 devices: [2, 2, 1])
+    fewer_chunks = [b for b in range(n + 1, max_size + 1) if -(-b // -(-b // n)) < n]
+    if fewer_chunks:
+        options.append(st.sampled_from(fewer_chunks))
     options.append(st.integers(1, max_size))
     return draw(st.one_of(options))
 
@@ -244,8 +248,9 @@ def batch_sizes(n_devices: int | SearchStrategy[int] = 2, *, max_size: int = 16)
     """Batch sizes biased toward the interesting splits for ``n_devices`` devices.
 
     One row; fewer rows than devices (idle devices); a multiple of the device count (equal
-    chunks); not a multiple (uneven chunks, possibly fewer chunks than devices); and any
-    size up to ``max_size``. Shrinks toward 1.
+    chunks); not a multiple (uneven chunks); more rows than devices that still make fewer
+    chunks than devices (5 rows on 4 devices: [2, 2, 1]); and any size up to ``max_size``.
+    Shrinks toward 1.
     """
     _check_int("max_size", max_size, 1)
     if not isinstance(n_devices, SearchStrategy):
