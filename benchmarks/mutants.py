@@ -1,0 +1,89 @@
+"""How fast the property suite finds each catalogued bug (``dpverify.mutants``).
+
+For every mutant: the examples and seconds until the first failing scenario (random
+generation, several seeds, medians), then the counterexample Hypothesis shrinks it to and
+that counterexample's size (model kind, rows, devices).
+
+Usage: python benchmarks/mutants.py [--seeds 5] [--max-examples 500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+
+from hypothesis import HealthCheck, Phase, find, given, seed, settings
+
+import dpverify
+from dpverify.mutants import MUTANTS, PROPERTIES, Mutant
+from dpverify.strategies import Scenario
+
+
+class Found(Exception):
+    """Raised by the search at the first failing example."""
+
+
+def examples_until_found(mutant: Mutant, seed_value: int, max_examples: int) -> tuple[int | None, float]:
+    count = 0
+
+    @seed(seed_value)
+    @settings(max_examples=max_examples, database=None, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(PROPERTIES[mutant.caught_by].scenarios)
+    def search(scenario: Scenario) -> None:
+        nonlocal count
+        count += 1
+        try:
+            mutant.check(scenario)
+        except dpverify.ParallelMismatch as caught:
+            raise Found from caught
+
+    started = time.perf_counter()
+    try:
+        search()
+    except Found:
+        return count, time.perf_counter() - started
+    return None, time.perf_counter() - started
+
+
+def _fails(mutant: Mutant, scenario: Scenario) -> bool:
+    try:
+        mutant.check(scenario)
+    except dpverify.ParallelMismatch:
+        return True
+    return False
+
+
+def shrunk(mutant: Mutant) -> Scenario:
+    return find(
+        PROPERTIES[mutant.caught_by].scenarios,
+        lambda s: _fails(mutant, s),
+        settings=settings(database=None, max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck)),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--max-examples", type=int, default=500)
+    args = parser.parse_args(argv)
+    print("| mutant | bug | caught by | examples until found (median, max) | seconds (median) | shrunk counterexample |")
+    print("|---|---|---|---:|---:|---|")
+    for mutant in MUTANTS.values():
+        runs = [examples_until_found(mutant, s, args.max_examples) for s in range(args.seeds)]
+        found = [n for n, _ in runs if n is not None]
+        seconds = statistics.median(t for _, t in runs)
+        missed = len(runs) - len(found)
+        counts = f"{statistics.median(found):g}, {max(found)}" if found else "not found"
+        if missed:
+            counts += f" ({missed} of {len(runs)} seeds missed)"
+        example = shrunk(mutant)
+        size = f"{example.model.kind}, {example.batch_size} rows, devices {list(example.devices.device_ids)}"
+        if example.devices.output_device is not None:
+            size += f", output_device {example.devices.output_device}"
+        print(f"| {mutant.name} | {mutant.bug} | `{mutant.caught_by}` | {counts} | {seconds:.2f} | {size} |")
+
+
+if __name__ == "__main__":
+    main()
