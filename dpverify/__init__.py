@@ -15,6 +15,18 @@ _EXPORTS = {
     "assert_dp_grads_match": "dpverify._assertions",
     "assert_grad_sum_equals_mean_loss_grad": "dpverify._assertions",
     "assert_dp_buffers_match": "dpverify._replica_state",
+    "assert_ddp_accumulation_matches": "dpverify._ddp_checks",
+    "assert_ddp_buffers_match": "dpverify._ddp_checks",
+    "assert_ddp_grads_match": "dpverify._ddp_checks",
+    "assert_ddp_sync_batchnorm_matches": "dpverify._ddp_checks",
+    "assert_ddp_training_matches": "dpverify._ddp_checks",
+    "assert_dp_ddp_agree": "dpverify._ddp_checks",
+    "DDPWorkerPool": "dpverify._ddp_pool",
+    "ParallelError": "dpverify._ddp_pool",
+    "ShardContext": "dpverify._ddp_rank",
+    "ddp_step": "dpverify._ddp_rank",
+    "no_sync_accumulation_step": "dpverify._ddp_rank",
+    "weighted_ddp_step": "dpverify._ddp_rank",
     "StepComparison": "dpverify._comparison",
     "TensorComparison": "dpverify._comparison",
     "Tolerance": "dpverify._comparison",
@@ -37,6 +49,21 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from dpverify._assertions import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
     from dpverify._comparison import StepComparison, TensorComparison, Tolerance
+    from dpverify._ddp_checks import (
+        assert_ddp_accumulation_matches,
+        assert_ddp_buffers_match,
+        assert_ddp_grads_match,
+        assert_ddp_sync_batchnorm_matches,
+        assert_ddp_training_matches,
+        assert_dp_ddp_agree,
+    )
+    from dpverify._ddp_pool import DDPWorkerPool, ParallelError
+    from dpverify._ddp_rank import (
+        ShardContext,
+        ddp_step,
+        no_sync_accumulation_step,
+        weighted_ddp_step,
+    )
     from dpverify._divergence import DivergenceSource, divergence_sources
     from dpverify._errors import DroppedRowsWarning, InvalidArgument, ParallelMismatch
     from dpverify._loss_average import (
@@ -66,17 +93,26 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
+    "DDPWorkerPool",
     "DivergenceSource",
     "DroppedRowsWarning",
     "InvalidArgument",
     "LossAverageReport",
+    "ParallelError",
     "ParallelMismatch",
     "ScatterPlan",
+    "ShardContext",
     "StepComparison",
     "TensorComparison",
     "Tolerance",
     "VirtualDataParallel",
+    "assert_ddp_accumulation_matches",
+    "assert_ddp_buffers_match",
+    "assert_ddp_grads_match",
+    "assert_ddp_sync_batchnorm_matches",
+    "assert_ddp_training_matches",
     "assert_dp_buffers_match",
+    "assert_dp_ddp_agree",
     "assert_dp_grads_match",
     "assert_grad_sum_equals_mean_loss_grad",
     "assert_loss_reduction_matches_full_batch",
@@ -84,6 +120,9 @@ __all__ = [
     "chunk_sizes",
     "current_virtual_device",
     "data_parallel",
+    "ddp_step",
     "divergence_sources",
+    "no_sync_accumulation_step",
     "plan_scatter",
+    "weighted_ddp_step",
 ]

@@ -18,7 +18,7 @@ device count is needed (the report header, a ``multigpu`` test, or a fixture).
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,7 +29,9 @@ from hypothesis.errors import InvalidArgument
 if TYPE_CHECKING:
     from pluggy import Result
 
-__all__ = ["PROFILES", "cuda_device_ids", "dp_devices", "gpu_count"]
+    from dpverify._ddp_pool import DDPWorkerPool
+
+__all__ = ["PROFILES", "cuda_device_ids", "ddp_pool", "ddp_pools", "dp_devices", "gpu_count"]
 
 GPUS_OPTION = "--dpverify-gpus"
 GPUS_ENV = "DPVERIFY_GPUS"
@@ -393,3 +395,25 @@ def dp_devices(request: pytest.FixtureRequest, gpu_count: int) -> list[int]:
     real = _devices(request.config).real_count()
     first = real if real >= needed else 0
     return list(range(first, first + needed))
+
+
+@pytest.fixture(scope="session")
+def ddp_pools() -> Iterator[Callable[[int], DDPWorkerPool]]:
+    """DDP worker pools by world size, started on first use and shared by the session.
+
+    The DDP checks use the same registry when called with ``pool=None``, so a session has
+    one pool per world size, closed (every rank process ended) when the session ends.
+    """
+    from dpverify._ddp_pool import shared_pools  # torch is imported only when a test asks
+
+    registry = shared_pools()
+    yield registry.get
+    registry.close()
+
+
+@pytest.fixture(scope="session")
+def ddp_pool(request: pytest.FixtureRequest, ddp_pools: Callable[[int], DDPWorkerPool]) -> DDPWorkerPool:
+    """The session's pool of ``request.param`` ranks (default 2); choose the world size with
+    ``@pytest.mark.parametrize("ddp_pool", [2, 4], indirect=True)``."""
+    return ddp_pools(getattr(request, "param", 2))
+

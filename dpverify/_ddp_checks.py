@@ -1,0 +1,1004 @@
+"""Public DistributedDataParallel checks: real DDP on real ranks against one device.
+
+Every check sends one task to the ranks of a ``RankRunner`` (a ``DDPWorkerPool``, shared per
+world size by default, or the current process group under torchrun), runs the same
+scenario on one device in the parent (float32, plus the float64 anchor of the tolerance),
+and compares each rank's tensors with the single-device ones through the Core comparison,
+so that messages read like the DataParallel ones. See SEMANTICS.md, DistributedDataParallel.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from dpverify._assertions import Check, raise_unless_ok
+from dpverify._comparison import (
+    Msg,
+    StepComparison,
+    TensorComparison,
+    Tolerance,
+    compare_tensors,
+    uniform_scale,
+)
+from dpverify._ddp_pool import ParallelError, RankRunner, require_picklable, shared_pool
+from dpverify._ddp_rank import (
+    BufferTask,
+    LossFn,
+    OptimizerFactory,
+    RankBuffers,
+    RankStep,
+    RankTraining,
+    Step,
+    StepTask,
+    TrainingTask,
+    ddp_step,
+    even_shards,
+    no_sync_accumulation_step,
+    run_buffer_task,
+    run_step_task,
+    run_training_task,
+    shard_bounds,
+    take_rows,
+    weighted_ddp_step,
+)
+from dpverify._divergence import divergence_sources
+from dpverify._errors import InvalidArgument
+from dpverify._step import (
+    StepResult,
+    as_inputs,
+    batch_size_of,
+    convert_tensors,
+    default_dtype,
+    first_parameter_dtype,
+    flatten_tensors,
+    run_step,
+)
+
+__all__ = [
+    "assert_ddp_accumulation_matches",
+    "assert_ddp_buffers_match",
+    "assert_ddp_grads_match",
+    "assert_ddp_sync_batchnorm_matches",
+    "assert_ddp_training_matches",
+    "assert_dp_ddp_agree",
+]
+
+CPU = torch.device("cpu")
+_RESERVED_DDP_KWARGS = ("module", "device_ids", "output_device", "process_group")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _int_at_least(value: Any, name: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidArgument(f"{name}={value!r} must be an int >= {low}")
+    return value
+
+
+def _runner(pool: RankRunner | None, world_size: int) -> RankRunner:
+    if pool is None:
+        return shared_pool(world_size)
+    if not callable(getattr(pool, "run", None)):
+        raise InvalidArgument(f"pool={pool!r} has no run(); pass a DDPWorkerPool or None")
+    if pool.world_size != world_size:
+        raise InvalidArgument(
+            f"pool has world_size {pool.world_size} but world_size={world_size}; pass a pool "
+            f"of {world_size} ranks, or pool=None to use the shared one"
+        )
+    return pool
+
+
+def _shards(shards: Sequence[int] | None, batch_size: int, world_size: int) -> tuple[int, ...]:
+    if shards is None:
+        return even_shards(batch_size, world_size)
+    if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence):
+        raise InvalidArgument(f"shards={shards!r}: pass one row count per rank, e.g. [3, 2]")
+    sizes = tuple(shards)
+    if len(sizes) != world_size:
+        raise InvalidArgument(
+            f"shards={list(sizes)} has {len(sizes)} entries for world_size={world_size}; "
+            "pass one row count per rank"
+        )
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise InvalidArgument(
+                f"shards={list(sizes)} contains {size!r}; every rank needs an int >= 1 rows "
+                "(a rank without rows has no mean loss)"
+            )
+    if sum(sizes) != batch_size:
+        raise InvalidArgument(
+            f"shards={list(sizes)} sums to {sum(sizes)} but the batch has {batch_size} rows; "
+            "the shards must cover the batch exactly"
+        )
+    return sizes
+
+
+def _callable(value: Any, name: str, expected: str) -> None:
+    if not callable(value):
+        raise InvalidArgument(f"{name}={value!r} is not callable; pass {expected}")
+    require_picklable(value, name)
+
+
+def _ddp_kwargs(ddp_kwargs: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+    if ddp_kwargs is None:
+        return ()
+    if not isinstance(ddp_kwargs, Mapping):
+        raise InvalidArgument(
+            f"ddp_kwargs={ddp_kwargs!r}: pass a dict of DistributedDataParallel keyword "
+            "arguments, e.g. {'find_unused_parameters': True}"
+        )
+    for key in ddp_kwargs:
+        if key in _RESERVED_DDP_KWARGS:
+            raise InvalidArgument(
+                f"ddp_kwargs[{key!r}] is set by each rank (its own device and the default "
+                "process group); leave it out"
+            )
+    require_picklable(dict(ddp_kwargs), "ddp_kwargs")
+    return tuple(sorted(ddp_kwargs.items()))
+
+
+def _name(fn: Any) -> str:
+    if isinstance(fn, functools.partial):
+        kwargs = ", ".join(f"{k}={v!r}" for k, v in fn.keywords.items())
+        return f"{_name(fn.func)}({kwargs})"
+    return str(getattr(fn, "__qualname__", None) or type(fn).__name__)
+
+
+@dataclass(frozen=True)
+class DDPCheck:
+    """A validated DDP scenario: module, batch, shards, where it runs and how it compares."""
+
+    module: nn.Module
+    args: tuple[Any, ...]
+    target: Any
+    loss_fn: LossFn
+    world_size: int
+    shard_sizes: tuple[int, ...]
+    runner: RankRunner
+    tolerance: Tolerance
+    dtype: torch.dtype
+    ddp_kwargs: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def create(
+        cls,
+        module: nn.Module,
+        inputs: Any,
+        target: Any,
+        *,
+        loss_fn: LossFn,
+        world_size: int,
+        shards: Sequence[int] | None = None,
+        pool: RankRunner | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
+        ddp_kwargs: Mapping[str, Any] | None = None,
+    ) -> DDPCheck:
+        if not isinstance(module, nn.Module):
+            raise InvalidArgument(f"module={type(module).__name__} is not a torch.nn.Module")
+        world = _int_at_least(world_size, "world_size", 1)
+        args = as_inputs(inputs)
+        batch = batch_size_of(args)
+        _callable(loss_fn, "loss_fn", "loss_fn(output, target) -> scalar, e.g. torch.nn.functional.mse_loss")
+        require_picklable(module, "module")
+        require_picklable(args, "inputs")
+        require_picklable(target, "target")
+        return cls(
+            module=module,
+            args=args,
+            target=target,
+            loss_fn=loss_fn,
+            world_size=world,
+            shard_sizes=_shards(shards, batch, world),
+            runner=_runner(pool, world),
+            tolerance=Tolerance(rtol=rtol, atol=atol),
+            dtype=first_parameter_dtype(module),
+            ddp_kwargs=_ddp_kwargs(ddp_kwargs),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return sum(self.shard_sizes)
+
+    @property
+    def uneven(self) -> bool:
+        return len(set(self.shard_sizes)) > 1
+
+    def describe(self, step: Step | None = None) -> str:
+        kwargs = ", ".join(f"{k}={v!r}" for k, v in self.ddp_kwargs)
+        text = (
+            f"batch of {self.batch_size} rows in contiguous shards {list(self.shard_sizes)} on "
+            f"{self.world_size} ranks ({self.runner.backend}); DistributedDataParallel({kwargs})"
+        )
+        return text if step is None else f"{text}; step {_name(step)}"
+
+    def target_as(self, dtype: torch.dtype | None) -> Any:
+        return convert_tensors(self.target, dtype, CPU)
+
+    def reference(self, dtype: torch.dtype | None) -> StepResult:
+        """The single-device full-batch step in ``dtype`` (None: the module's own)."""
+        target = self.target_as(dtype)
+        loss_fn = self.loss_fn
+        return run_step(self.module, self.args, lambda output: loss_fn(output, target), dtype=dtype)
+
+    def anchor(self) -> StepResult | None:
+        return None if self.tolerance.explicit else self.reference(torch.float64)
+
+    def send(self, fn: Callable[..., Any], task: Any, what: str) -> tuple[Any, ...]:
+        try:
+            return self.runner.run(fn, task)
+        except ParallelError as error:
+            error.add_note(f"dpverify: raised by the ranks of: {what}. Scenario: {self.describe()}.")
+            if "Expected to have finished reduction" in str(error):
+                error.add_note(_UNUSED_HINT)
+            raise
+
+    def step_task(self, steps: Sequence[Step], **options: Any) -> StepTask:
+        return StepTask(
+            module=self.module,
+            inputs=self.args,
+            target=self.target,
+            loss_fn=self.loss_fn,
+            shard_sizes=self.shard_sizes,
+            steps=tuple(steps),
+            ddp_kwargs=self.ddp_kwargs,
+            **options,
+        )
+
+    def rows(self, label: str, actual: RankStep, expected: StepResult, anchor: StepResult | None, rank: int) -> list[TensorComparison]:
+        """This rank's outputs (its rows of the full-batch output) and gradients."""
+        found: list[TensorComparison] = []
+        start, stop = shard_bounds(self.shard_sizes)[rank]
+        mine = dict(actual.outputs)
+        anchors = dict(anchor.outputs) if anchor else {}
+        for path, tensor in expected.outputs:
+            if path not in mine or tensor.dim() == 0 or tensor.size(0) != self.batch_size:
+                continue
+            reference = anchors.get(path)
+            found.append(
+                compare_tensors(
+                    f"{label}{path}[{start}:{stop}]",
+                    mine[path],
+                    tensor[start:stop],
+                    reference[start:stop] if reference is not None else None,
+                    self.tolerance,
+                )
+            )
+        for name, grad in expected.grads.items():
+            found.append(
+                compare_tensors(
+                    f"{label}grad {name!r}",
+                    actual.grads.get(name),
+                    grad,
+                    anchor.grads.get(name) if anchor else None,
+                    self.tolerance,
+                )
+            )
+        return found
+
+    def outcome(
+        self,
+        title: str,
+        step: Step | None,
+        rows: Sequence[TensorComparison],
+        *,
+        contrasts: Sequence[TensorComparison] = (),
+        notes: Sequence[str] = (),
+        failures: Sequence[str] = (),
+        divergence: bool = True,
+    ) -> StepComparison:
+        return StepComparison(
+            check=title,
+            scenario=self.describe(step),
+            tolerance=self.tolerance.describe(self.dtype),
+            tensors=tuple(rows),
+            contrasts=tuple(contrasts),
+            divergence=divergence_sources(self.module) if divergence else (),
+            notes=tuple(notes),
+            failures=tuple(failures),
+        )
+
+
+_UNUSED_HINT = (
+    "dpverify: 'Expected to have finished reduction in the prior iteration' means some "
+    "parameters got no gradient in the previous step: without find_unused_parameters=True, "
+    "DDP waits for them and never reduces their bucket. Pass "
+    "ddp_kwargs={'find_unused_parameters': True}, or make every parameter take part in the loss."
+)
+
+
+# --------------------------------------------------------------------------- diagnosis
+
+
+def _explain_scale(c: float, world_size: int, micro_batches: int = 1) -> str:
+    """A sentence on a uniform gradient factor between a rank and one device."""
+    text = f"Every rank's gradient is {c:.6g} times the single-device full-batch gradient"
+    if micro_batches > 1 and abs(c - micro_batches) < 1e-3 * micro_batches:
+        return text + (
+            f" ({micro_batches}, the number of micro-batches): each micro-batch's loss must be "
+            f"divided by {micro_batches} (weighted by its rows * world_size / B), or the "
+            "accumulated gradient is the sum of the micro-batch means."
+        )
+    if world_size > 1 and abs(c - world_size) < 1e-3 * world_size:
+        return text + (
+            f" ({world_size}, the world size): the ranks' gradients were summed but not divided "
+            "by the world size. DDP averages for you; a hand-written all_reduce with "
+            "ReduceOp.SUM must be followed by grad /= world_size, and a loss must not be "
+            "multiplied by the world size on top of DDP's average."
+        )
+    if world_size > 1 and abs(c * world_size - 1.0) < 1e-3:
+        return text + (
+            f" (1/{world_size}, one over the world size): the gradients were divided by the "
+            "world size twice, e.g. a loss divided by world_size (or a hand-written average) on "
+            "top of DDP, which already averages over ranks."
+        )
+    return text + "."
+
+
+def _unused_note(expected: StepResult, ddp_kwargs: Mapping[str, Any]) -> list[str]:
+    unused = [name for name, grad in expected.grads.items() if grad is None]
+    if not unused or ddp_kwargs.get("find_unused_parameters", False):
+        return []
+    return [
+        f"Parameters {unused} get no gradient on one device. Without "
+        "find_unused_parameters=True, DDP waits for them and never reduces the bucket that "
+        "holds them: no gradient in that bucket is averaged over ranks in this step, and the "
+        "next forward raises 'Expected to have finished reduction in the prior iteration'. "
+        "Pass ddp_kwargs={'find_unused_parameters': True} (their .grad then stays None on "
+        "every rank, as on one device)."
+    ]
+
+
+def _ranks_disagree(steps: Sequence[RankStep]) -> list[str]:
+    first = steps[0].grads
+    for rank, step in enumerate(steps[1:], start=1):
+        for name, grad in first.items():
+            other = step.grads.get(name)
+            if (grad is None) != (other is None) or (grad is not None and other is not None and not torch.equal(grad, other)):
+                return [
+                    f"Rank 0 and rank {rank} hold different gradients for {name!r} after the "
+                    "step: the gradients were not all-reduced (a step that neither uses "
+                    "ctx.ddp() nor all-reduces by hand, or a bucket DDP never reduced)."
+                ]
+    return []
+
+
+def _scale_note(steps: Sequence[RankStep], expected: StepResult, world_size: int, micro_batches: int = 1) -> list[str]:
+    c = uniform_scale(steps[0].grads, expected.grads)
+    return [] if c is None else [_explain_scale(c, world_size, micro_batches)]
+
+
+def _relative_gap(actual: dict[str, torch.Tensor | None], reference: dict[str, torch.Tensor | None]) -> float:
+    worst = 0.0
+    for name, ref in reference.items():
+        got = actual.get(name)
+        if ref is None or got is None:
+            continue
+        scale = float(ref.double().abs().max()) if ref.numel() else 0.0
+        if scale > 0:
+            worst = max(worst, float((got.double() - ref.double()).abs().max()) / scale)
+    return worst
+
+
+def _trap_note(check: DDPCheck, naive: Sequence[RankStep], reference: StepResult) -> str:
+    """The loss-averaging trap under DDP, with the bias the plain step really had."""
+    sizes, batch, world = check.shard_sizes, check.batch_size, check.world_size
+    weights = ", ".join(f"1/{world * n}" for n in sizes)
+    factors = ", ".join(f"{n * world / batch:.4g}" for n in sizes)
+    text = (
+        f"Uneven shards {list(sizes)}: DDP averages the ranks' gradients, so a per-rank mean "
+        f"loss gives each sample of rank r the weight 1/(world_size * n_r) = [{weights}] "
+        f"instead of 1/B = 1/{batch} (the loss-averaging trap)."
+    )
+    losses = [step.loss for step in naive]
+    if all(loss is not None for loss in losses):
+        mean_of_means = sum(loss for loss in losses if loss is not None) / world
+        full = float(reference.loss)
+        text += (
+            f" With the plain step (ddp_step) the ranks' mean losses average to "
+            f"{mean_of_means:.8g} against the full batch's {full:.8g} (bias "
+            f"{mean_of_means - full:+.3g}),"
+        )
+    gap = _relative_gap(naive[0].grads, reference.grads)
+    text += (
+        f" and its gradients differ from the full-batch gradients by up to {gap:.3g} "
+        f"(relative). Exact for any shards: multiply each rank's loss by "
+        f"n_r * world_size / B = [{factors}] (ctx.loss_weight; weighted_ddp_step)."
+    )
+    return text
+
+
+def _same_up_to_rounding(actual: dict[str, torch.Tensor | None], expected: dict[str, torch.Tensor | None]) -> bool:
+    """Whether two sets of float32 gradients agree to about 1e-4 of their scale: enough to
+    tell a step that reproduces another (a known mistake) from one that does not."""
+    for name, want in expected.items():
+        got = actual.get(name)
+        if got is None or want is None:
+            present = got if got is not None else want
+            if present is not None and bool(present.any()):
+                return False
+            continue
+        scale = float(want.double().abs().max()) if want.numel() else 0.0
+        if want.numel() and float((got.double() - want.double()).abs().max()) > 1e-4 * scale + 1e-30:
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+def assert_ddp_grads_match(
+    module: nn.Module,
+    inputs: Any,
+    target: Any,
+    *,
+    loss_fn: LossFn,
+    world_size: int,
+    shards: Sequence[int] | None = None,
+    step: Step | None = None,
+    pool: RankRunner | None = None,
+    ddp_kwargs: Mapping[str, Any] | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    msg: Msg = None,
+) -> StepComparison:
+    """Asserts one DistributedDataParallel step gives every rank the full-batch gradient.
+
+    The batch is cut into contiguous shards, one per rank; each rank runs ``step`` on its
+    shard with a copy of ``module`` (same weights everywhere), and every rank's gradients,
+    and its rows of the output, must equal the single-device full-batch step (float64-
+    anchored tolerance, as ``assert_dp_grads_match``). ``module`` is left untouched.
+
+    With uneven shards and the default step, DDP's average of per-rank mean losses is
+    biased (the loss-averaging trap): the plain step is run and shown for contrast with its
+    bias, and the exact recipe, each rank's loss times ``n_r * world_size / B``, is the one
+    verified.
+
+    Args:
+        module: the model to check.
+        inputs: the batch tensor, or a tuple of positional forward arguments.
+        target: the second argument of ``loss_fn`` (sharded like the batch).
+        loss_fn: ``loss_fn(output, target)`` returns a scalar mean loss; picklable.
+        world_size: number of ranks.
+        shards: rows per rank (default: as even as possible, the first ranks one more).
+        step: the per-rank training step to verify, ``step(ctx: ShardContext)``, picklable
+            (a top-level function). It must leave gradients in ``ctx.module``'s parameters,
+            through ``ctx.ddp()`` or a hand-written all-reduce. Default: ``ddp_step``, or
+            ``weighted_ddp_step`` for uneven shards.
+        pool: the ranks to use (default: the shared pool of ``world_size`` ranks).
+        ddp_kwargs: keyword arguments for DistributedDataParallel.
+        rtol: explicit relative tolerance (with ``atol``) instead of the anchored rule.
+        atol: explicit absolute tolerance (with ``rtol``).
+        msg: replaces the failure message, or a callable that rewrites it.
+
+    Returns:
+        The comparison (``str()`` summarises it).
+
+    Raises:
+        ParallelMismatch: a rank's gradient or output differs beyond tolerance.
+        ParallelError: a rank raised, died or hung; the pool restarts for the next check.
+        InvalidArgument: an argument cannot be used (unpicklable loss or step included).
+    """
+    __tracebackhide__ = True
+    check = DDPCheck.create(
+        module, inputs, target, loss_fn=loss_fn, world_size=world_size, shards=shards,
+        pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs,
+    )
+    if step is not None:
+        _callable(step, "step", "a top-level function step(ctx: ShardContext)")
+    chosen = step or (weighted_ddp_step if check.uneven else ddp_step)
+    steps: list[Step] = [chosen, ddp_step] if check.uneven else [chosen]
+    title = "DistributedDataParallel gradients must match the single-device full-batch gradient on every rank"
+    results = check.send(run_step_task, check.step_task(steps), title)
+    verified = [rank_steps[0] for rank_steps in results]
+    expected, anchor = check.reference(None), check.anchor()
+    rows = [row for r, s in enumerate(verified) for row in check.rows(f"rank {r} ", s, expected, anchor, r)]
+    ok = all(row.ok for row in rows)
+    notes: list[str] = []
+    contrasts: list[TensorComparison] = []
+    if check.uneven:
+        naive = [rank_steps[1] for rank_steps in results]
+        notes.append(_trap_note(check, naive, anchor or expected))
+        if step is None:
+            contrasts = [c for r, s in enumerate(naive) for c in check.rows(f"rank {r} plain ddp_step ", s, expected, anchor, r) if c.name.startswith(f"rank {r} plain ddp_step grad")]
+        elif not ok and _same_up_to_rounding(verified[0].grads, naive[0].grads):
+            notes.append(
+                "The step's gradients equal the plain per-rank mean-loss step's: it falls into "
+                "the loss-averaging trap. Multiply the rank's loss by ctx.loss_weight."
+            )
+    if not ok:
+        notes += _scale_note(verified, expected, check.world_size)
+        notes += _unused_note(expected, dict(check.ddp_kwargs))
+        notes += _ranks_disagree(verified)
+    return raise_unless_ok(check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes), msg)
+
+
+# --------------------------------------------------------------------------- accumulation
+
+
+def assert_ddp_accumulation_matches(
+    module: nn.Module,
+    inputs: Any,
+    target: Any,
+    *,
+    loss_fn: LossFn,
+    world_size: int,
+    micro_batches: int,
+    shards: Sequence[int] | None = None,
+    step: Step | None = None,
+    pool: RankRunner | None = None,
+    ddp_kwargs: Mapping[str, Any] | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    msg: Msg = None,
+) -> StepComparison:
+    """Asserts gradient accumulation with ``no_sync()`` equals one full-batch step.
+
+    Each rank cuts its shard into ``micro_batches`` contiguous micro-batches (see
+    ``ShardContext.micro_batch_split``) and runs ``step`` (default
+    ``no_sync_accumulation_step``). The accumulated gradients must equal the full-batch
+    gradient on every rank, and the ranks must synchronise exactly once: the all-reduces
+    are counted through a DDP communication hook (torch's default all-reduce) when the
+    step wraps the module with ``ctx.ddp()``.
+
+    Catches the classic mistakes: micro-batch losses not divided by the number of
+    micro-batches (gradients ``micro_batches`` times too large), a forward outside
+    ``no_sync()`` (DDP prepares the all-reduce in forward, so that backward synchronises
+    anyway: the gradients still match, the communication ``no_sync`` should save does not
+    happen), and a last micro-batch inside ``no_sync()`` (never synchronised).
+
+    Args:
+        micro_batches: micro-batches per rank (every shard needs at least that many rows).
+        Others: as ``assert_dp_grads_match`` and ``assert_ddp_grads_match``.
+
+    Raises:
+        ParallelMismatch: gradients differ, or the synchronisation count is not one.
+    """
+    __tracebackhide__ = True
+    check = DDPCheck.create(
+        module, inputs, target, loss_fn=loss_fn, world_size=world_size, shards=shards,
+        pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs,
+    )
+    k = _int_at_least(micro_batches, "micro_batches", 1)
+    if min(check.shard_sizes) < k:
+        raise InvalidArgument(
+            f"micro_batches={k} but the shards are {list(check.shard_sizes)}; every shard "
+            f"needs at least {k} rows (pass a larger batch or fewer micro-batches)"
+        )
+    if step is not None:
+        _callable(step, "step", "a top-level function step(ctx: ShardContext)")
+    chosen = step or no_sync_accumulation_step
+    title = f"DDP gradient accumulation over {k} micro-batches must match one full-batch step"
+    task = check.step_task([chosen], micro_batches=k, count_syncs=True)
+    results = [rank_steps[0] for rank_steps in check.send(run_step_task, task, title)]
+    expected, anchor = check.reference(None), check.anchor()
+    rows = [row for r, s in enumerate(results) for row in check.rows(f"rank {r} ", s, expected, anchor, r)]
+    failures: list[str] = []
+    notes: list[str] = []
+    counts = [s.syncs for s in results]
+    if any(c is None for c in counts):
+        notes.append(
+            "Synchronisations were not counted: the step did not wrap the module with ctx.ddp()."
+        )
+    elif any(c != 1 for c in counts):
+        failures.append(_sync_failure(counts, k))
+    if not all(row.ok for row in rows):
+        notes += _scale_note(results, expected, check.world_size, k)
+        notes += _ranks_disagree(results)
+    notes.append(f"Gradient synchronisations per rank: {counts} (one expected).")
+    outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures)
+    return raise_unless_ok(outcome, msg)
+
+
+def _sync_failure(counts: Sequence[int | None], micro_batches: int) -> str:
+    worst = max(c for c in counts if c is not None)
+    if worst == 0:
+        return (
+            f"No rank synchronised its gradients over the {micro_batches} micro-batches: the "
+            "last micro-batch also ran inside no_sync(), so the gradients were never averaged "
+            "across ranks. Run the last forward and backward outside no_sync()."
+        )
+    return (
+        f"The gradients were synchronised {worst} times over {micro_batches} micro-batches "
+        "(once expected, after the last backward). A micro-batch's forward ran outside "
+        "no_sync(): DDP prepares the all-reduce in forward (torch/nn/parallel/distributed.py, "
+        "_pre_forward), so its backward synchronised even inside no_sync(). Run forward and "
+        "backward of every micro-batch but the last inside `with model.no_sync():`. The "
+        "gradients are right, but every micro-batch paid for an all-reduce."
+    )
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _describe_batches(batches: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence) or not batches:
+        raise InvalidArgument(
+            "batches must be a non-empty list of (inputs, target) pairs, one per optimizer step"
+        )
+    found = []
+    for index, pair in enumerate(batches):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise InvalidArgument(f"batches[{index}] is not an (inputs, target) pair")
+        found.append((as_inputs(pair[0]), pair[1]))
+    return found
+
+
+def _train_single_device(
+    module: nn.Module,
+    batches: Sequence[tuple[tuple[Any, ...], Any]],
+    loss_fn: LossFn,
+    optimizer: OptimizerFactory,
+    dtype: torch.dtype | None,
+) -> list[dict[str, torch.Tensor]]:
+    model = copy.deepcopy(module)
+    if dtype is not None:
+        model.to(dtype=dtype)
+    opt = optimizer(model.parameters())
+    history = []
+    with torch.random.fork_rng(devices=[]), default_dtype(dtype):
+        torch.manual_seed(0)
+        for inputs, target in batches:
+            opt.zero_grad(set_to_none=True)
+            output = model(*convert_tensors(inputs, dtype, CPU))
+            loss_fn(output, convert_tensors(target, dtype, CPU)).backward()
+            opt.step()
+            history.append({name: p.detach().clone() for name, p in model.named_parameters()})
+    return history
+
+
+def assert_ddp_training_matches(
+    module: nn.Module,
+    batches: Sequence[tuple[Any, Any]],
+    *,
+    loss_fn: LossFn,
+    optimizer: OptimizerFactory,
+    world_size: int,
+    shards: Sequence[int] | None = None,
+    step: Step | None = None,
+    pool: RankRunner | None = None,
+    ddp_kwargs: Mapping[str, Any] | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    msg: Msg = None,
+) -> StepComparison:
+    """Asserts ``len(batches)`` optimizer steps of DDP training match one device.
+
+    Every rank builds ``optimizer(params)`` over its copy of ``module`` and, for each
+    ``(inputs, target)`` in ``batches``, zeroes the gradients, runs ``step`` on its shard and
+    steps the optimizer. After every step, each rank's parameters must match single-device
+    training on the full batches (float64-anchored tolerance: the float64 run uses the same
+    optimizer over float64 parameters).
+
+    Args:
+        batches: one ``(inputs, target)`` pair per optimizer step.
+        optimizer: picklable factory ``params -> Optimizer``, e.g.
+            ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``.
+        shards: rows per rank, for every batch (default: even per batch).
+        step: per-rank forward/backward (default ``ddp_step``, ``weighted_ddp_step`` when a
+            batch splits unevenly); the optimizer step is the harness's.
+        Others: as ``assert_ddp_grads_match``.
+
+    Raises:
+        ParallelMismatch: a rank's parameters differ after some step; the message shows the
+            first such step.
+    """
+    __tracebackhide__ = True
+    pairs = _describe_batches(batches)
+    first_inputs, first_target = pairs[0]
+    check = DDPCheck.create(
+        module, first_inputs, first_target, loss_fn=loss_fn, world_size=world_size,
+        shards=shards, pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs,
+    )
+    _callable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
+    sizes = tuple(_shards(shards, batch_size_of(inputs, argument=f"batches[{i}] inputs"), check.world_size) for i, (inputs, _t) in enumerate(pairs))
+    if step is not None:
+        _callable(step, "step", "a top-level function step(ctx: ShardContext)")
+    uneven = any(len(set(s)) > 1 for s in sizes)
+    chosen = step or (weighted_ddp_step if uneven else ddp_step)
+    require_picklable(pairs, "batches")
+    task = TrainingTask(check.module, tuple(pairs), check.loss_fn, optimizer, sizes, chosen, check.ddp_kwargs)
+    title = f"{len(pairs)} steps of DDP training with {_name(optimizer)} must match single-device training"
+    ranks: tuple[RankTraining, ...] = check.send(run_training_task, task, title)
+    expected = _train_single_device(module, pairs, loss_fn, optimizer, None)
+    anchor = None if check.tolerance.explicit else _train_single_device(module, pairs, loss_fn, optimizer, torch.float64)
+    rows, failing_step = _training_rows(check, ranks, expected, anchor)
+    notes = [f"Parameters compared after each of the {len(pairs)} optimizer steps; the table shows step {failing_step + 1}."]
+    if uneven and step is None:
+        notes.append("Some batches split unevenly: each rank's loss was weighted by n_r * world_size / B (weighted_ddp_step).")
+    none_ranks = sorted({name for r in ranks for name in r.grads_none})
+    if none_ranks:
+        notes.append(f"Parameters whose .grad stayed None on the ranks (the optimizer skipped them): {none_ranks}.")
+    outcome = check.outcome(title, chosen, rows, notes=notes)
+    return raise_unless_ok(outcome, msg)
+
+
+def _training_rows(
+    check: DDPCheck,
+    ranks: Sequence[RankTraining],
+    expected: Sequence[dict[str, torch.Tensor]],
+    anchor: Sequence[dict[str, torch.Tensor]] | None,
+) -> tuple[list[TensorComparison], int]:
+    """Rows of the first step at which some rank diverges, else of the last step."""
+    rows: list[TensorComparison] = []
+    for index, reference in enumerate(expected):
+        rows = [
+            compare_tensors(
+                f"rank {r} step {index + 1} param {name!r}",
+                rank.params[index].get(name),
+                value,
+                anchor[index][name] if anchor else None,
+                check.tolerance,
+            )
+            for r, rank in enumerate(ranks)
+            for name, value in reference.items()
+        ]
+        if not all(row.ok for row in rows):
+            return rows, index
+    return rows, len(expected) - 1
+
+
+# --------------------------------------------------------------------------- buffers
+
+
+def _buffers_after_train_forward(module: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None) -> nn.Module:
+    model = copy.deepcopy(module)
+    if dtype is not None:
+        model.to(dtype=dtype)
+    model.train()
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), default_dtype(dtype):
+        torch.manual_seed(0)
+        model(*convert_tensors(inputs, dtype, CPU))
+    return model
+
+
+def _eval_outputs(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    model.eval()
+    with torch.no_grad(), default_dtype(dtype):
+        output = model(*convert_tensors(inputs, dtype, CPU))
+    return {path: t.detach() for path, t in flatten_tensors(output, "output")}
+
+
+def assert_ddp_buffers_match(
+    module: nn.Module,
+    inputs: Any,
+    target: Any,
+    *,
+    loss_fn: LossFn,
+    world_size: int,
+    shards: Sequence[int] | None = None,
+    pool: RankRunner | None = None,
+    ddp_kwargs: Mapping[str, Any] | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    msg: Msg = None,
+) -> StepComparison:
+    """Asserts buffers (BatchNorm running statistics) come from rank 0, as DDP promises.
+
+    Each rank runs one train-mode DDP step on its shard, then an eval-mode forward under
+    ``torch.no_grad()``. Checked against one device:
+
+    - after the step, rank ``r``'s buffers are the module's buffers updated by rank ``r``'s
+      own shard (each rank's forward updates its own running statistics);
+    - at the next forward, every rank uses rank 0's buffers (``broadcast_buffers=True``
+      broadcasts them before a forward), so every rank's buffers and eval outputs are those
+      of rank 0's model.
+
+    DDP broadcasts buffers before a forward only when the previous forward ran with grad
+    enabled outside ``no_sync()`` (``require_forward_param_sync``): after a forward under
+    ``torch.no_grad()``, the next forward keeps every rank's own buffers.
+
+    Raises:
+        ParallelMismatch: a rank's buffers or eval outputs differ; with
+            ``broadcast_buffers=False`` the ranks keep their own statistics and fail here.
+    """
+    __tracebackhide__ = True
+    check = DDPCheck.create(
+        module, inputs, target, loss_fn=loss_fn, world_size=world_size, shards=shards,
+        pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs,
+    )
+    if not any(True for _ in module.buffers()):
+        raise InvalidArgument("module has no buffers; there is nothing for DDP to broadcast")
+    title = "DDP buffers must come from rank 0 at the next forward"
+    task = BufferTask(check.module, check.args, check.target, check.loss_fn, check.shard_sizes, check.ddp_kwargs)
+    ranks: tuple[RankBuffers, ...] = check.send(run_buffer_task, task, title)
+    shards_in = [take_rows(check.args, start, stop, check.batch_size) for start, stop in shard_bounds(check.shard_sizes)]
+    rows = _buffer_rows(check, ranks, shards_in)
+    notes = [
+        "DDP broadcasts rank 0's buffers at the start of a forward that follows a grad-enabled "
+        "forward outside no_sync(); each rank's own forward then updates them from its shard."
+    ]
+    failures = _broadcast_failures(ranks)
+    outcome = check.outcome(title, None, rows, notes=notes, failures=failures, divergence=False)
+    return raise_unless_ok(outcome, msg)
+
+
+def _buffer_rows(check: DDPCheck, ranks: Sequence[RankBuffers], shards_in: Sequence[Any]) -> list[TensorComparison]:
+    dtypes: list[torch.dtype | None] = [None] if check.tolerance.explicit else [None, torch.float64]
+    after = {dtype: [_buffers_after_train_forward(check.module, shard, dtype) for shard in shards_in] for dtype in dtypes}
+
+    def anchor_of(rank: int, name: str) -> torch.Tensor | None:
+        if check.tolerance.explicit:
+            return None
+        return dict(after[torch.float64][rank].named_buffers())[name]
+
+    rows: list[TensorComparison] = []
+    rank0 = dict(after[None][0].named_buffers())
+    for r, rank in enumerate(ranks):
+        own = dict(after[None][r].named_buffers())
+        for name, value in own.items():
+            rows.append(compare_tensors(f"rank {r} buffer {name!r} after its step", rank.after_step.get(name), value, anchor_of(r, name), check.tolerance))
+        for name, value in rank0.items():
+            rows.append(compare_tensors(f"rank {r} buffer {name!r} at the next forward", rank.after_next_forward.get(name), value, anchor_of(0, name), check.tolerance))
+    for r, rank in enumerate(ranks):
+        expected = _eval_outputs(copy.deepcopy(after[None][0]), shards_in[r], None)
+        anchors = {} if check.tolerance.explicit else _eval_outputs(copy.deepcopy(after[torch.float64][0]), shards_in[r], torch.float64)
+        mine = dict(rank.next_outputs)
+        for path, value in expected.items():
+            rows.append(compare_tensors(f"rank {r} eval {path}", mine.get(path), value, anchors.get(path), check.tolerance))
+    return rows
+
+
+def _broadcast_failures(ranks: Sequence[RankBuffers]) -> list[str]:
+    kept = [
+        r for r, rank in enumerate(ranks[1:], start=1)
+        if any(not torch.equal(v, ranks[0].after_next_forward[n]) for n, v in rank.after_next_forward.items())
+        and all(torch.equal(v, rank.after_step[n]) for n, v in rank.after_next_forward.items())
+    ]
+    if not kept:
+        return []
+    return [
+        f"Ranks {kept} kept their own running statistics at the next forward instead of rank "
+        "0's: the buffers were not broadcast (DistributedDataParallel(broadcast_buffers=False), "
+        "or the previous forward ran under torch.no_grad() or inside no_sync()). Every rank "
+        "then evaluates a different model."
+    ]
+
+
+# --------------------------------------------------------------------------- SyncBatchNorm
+
+
+def assert_ddp_sync_batchnorm_matches(
+    module: nn.Module,
+    inputs: Any,
+    target: Any,
+    *,
+    loss_fn: LossFn,
+    world_size: int,
+    shards: Sequence[int] | None = None,
+    pool: RankRunner | None = None,
+    ddp_kwargs: Mapping[str, Any] | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    msg: Msg = None,
+) -> StepComparison:
+    """Asserts SyncBatchNorm under DDP equals BatchNorm on the full batch on one device.
+
+    Every BatchNorm layer is converted to SyncBatchNorm on the ranks (torch's
+    ``nn.SyncBatchNorm`` on GPU ranks; on CPU ranks, where torch refuses SyncBatchNorm,
+    ``HostSyncBatchNorm``: torch's SyncBatchNorm autograd function with host stand-ins for
+    its five CUDA-only kernels). Each rank's outputs, gradients and running statistics must
+    equal train-mode BatchNorm on the whole batch. Plain BatchNorm under DDP, which
+    normalises each shard with its own statistics, is shown for contrast.
+
+    Raises:
+        ParallelMismatch: an output, gradient or running statistic differs.
+        InvalidArgument: the module has no BatchNorm layer, or is in eval mode.
+    """
+    __tracebackhide__ = True
+    check = DDPCheck.create(
+        module, inputs, target, loss_fn=loss_fn, world_size=world_size, shards=shards,
+        pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs,
+    )
+    layers = [name for name, sub in module.named_modules() if isinstance(sub, _BatchNorm)]
+    if not layers:
+        raise InvalidArgument("module has no BatchNorm layer; SyncBatchNorm would change nothing")
+    if not module.training:
+        raise InvalidArgument("module is in eval mode; BatchNorm only synchronises in train mode (call module.train())")
+    chosen = weighted_ddp_step if check.uneven else ddp_step
+    title = "SyncBatchNorm under DDP must match BatchNorm on the full batch on one device"
+    synced = [s[0] for s in check.send(run_step_task, check.step_task([chosen], sync_batchnorm=True), title)]
+    plain = [s[0] for s in check.send(run_step_task, check.step_task([chosen]), title)]
+    expected, anchor = check.reference(None), check.anchor()
+    rows = [row for r, s in enumerate(synced) for row in check.rows(f"rank {r} ", s, expected, anchor, r)]
+    buffers = dict(_buffers_after_train_forward(module, check.args, None).named_buffers())
+    anchors = None if anchor is None else dict(_buffers_after_train_forward(module, check.args, torch.float64).named_buffers())
+    for r, s in enumerate(synced):
+        for name, value in buffers.items():
+            rows.append(compare_tensors(f"rank {r} buffer {name!r}", s.buffers.get(name), value, anchors.get(name) if anchors else None, check.tolerance))
+    contrasts = [c for r, s in enumerate(plain) for c in check.rows(f"rank {r} plain BatchNorm ", s, expected, anchor, r) if "grad" in c.name]
+    where = "torch's nn.SyncBatchNorm" if check.runner.backend == "nccl" else (
+        "HostSyncBatchNorm (torch's SyncBatchNorm autograd function, host stand-ins for its "
+        "CUDA-only kernels; torch refuses SyncBatchNorm on CPU)"
+    )
+    notes = [f"BatchNorm layers {layers} ran as {where}."]
+    if check.uneven:
+        notes.append("Uneven shards: each rank's loss was weighted by n_r * world_size / B (weighted_ddp_step).")
+    outcome = check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, divergence=False)
+    return raise_unless_ok(outcome, msg)
+
+
+# --------------------------------------------------------------------------- DP and DDP
+
+
+def assert_dp_ddp_agree(
+    module: nn.Module,
+    inputs: Any,
+    target: Any,
+    *,
+    loss_fn: LossFn,
+    world_size: int,
+    pool: RankRunner | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    msg: Msg = None,
+) -> StepComparison:
+    """Asserts the same training code gives the same gradients under DP and DDP.
+
+    The step (forward, ``loss_fn(output, target)``, backward) runs under DataParallel over
+    ``world_size`` devices (virtual ones without CUDA) and under DistributedDataParallel on
+    ``world_size`` ranks, each rank getting the rows DataParallel's scatter gives that
+    device. DataParallel sums the replica gradients; DDP averages them over ranks. With a
+    mean loss the two agree; with a sum loss (``reduction='sum'``) DDP's gradients are
+    ``1/world_size`` of DataParallel's, and the failure says so.
+
+    Raises:
+        ParallelMismatch: the gradients differ (with the factor and its cause).
+        InvalidArgument: the batch is too small for DataParallel to use every device.
+    """
+    __tracebackhide__ = True
+    dp = Check.create(module, inputs, device_ids=list(range(_int_at_least(world_size, "world_size", 1))), rtol=rtol, atol=atol)
+    if dp.plan.n_replicas != world_size:
+        raise InvalidArgument(
+            f"DataParallel splits {sum(dp.plan.chunk_sizes)} rows into only {dp.plan.n_replicas} "
+            f"chunks for {world_size} devices; pass a batch that gives every device rows "
+            f"(at least {world_size} rows, e.g. a multiple of {world_size})"
+        )
+    check = DDPCheck.create(
+        module, inputs, target, loss_fn=loss_fn, world_size=world_size,
+        shards=list(dp.plan.chunk_sizes), pool=pool, rtol=rtol, atol=atol,
+    )
+    title = "DataParallel and DistributedDataParallel must give the same gradients for the same training code"
+    ranks = [s[0] for s in check.send(run_step_task, check.step_task([ddp_step]), title)]
+    target_now = check.target_as(None)
+    dp_step = dp.run(lambda output: loss_fn(output, target_now), parallel=True)
+    anchor = check.anchor()
+    rows = [
+        compare_tensors(f"rank {r} grad {name!r} vs DataParallel", s.grads.get(name), grad, anchor.grads.get(name) if anchor else None, check.tolerance)
+        for r, s in enumerate(ranks)
+        for name, grad in dp_step.grads.items()
+    ]
+    notes = [f"DataParallel over devices {dp.device_ids}: {dp.plan.describe()}."]
+    if not all(row.ok for row in rows):
+        notes += _dp_ddp_diagnosis(check, ranks, dp_step, anchor or check.reference(None))
+    outcome = check.outcome(title, ddp_step, rows, notes=notes)
+    return raise_unless_ok(outcome, msg)
+
+
+def _dp_ddp_diagnosis(check: DDPCheck, ranks: Sequence[RankStep], dp_step: StepResult, reference: StepResult) -> list[str]:
+    world = check.world_size
+    c = uniform_scale(ranks[0].grads, dp_step.grads)
+    notes: list[str] = []
+    if c is not None and abs(c * world - 1.0) < 1e-3:
+        notes.append(
+            f"DDP's gradients are {c:.6g} = 1/{world} (one over the world size) times "
+            "DataParallel's: the loss sums over the batch (e.g. reduction='sum'). DataParallel "
+            "sums the replica gradients (ReduceAddCoalesced) while DistributedDataParallel "
+            "averages them over ranks (all-reduce, then divide by world size), so the same "
+            f"loss code gives gradients that differ by the world size, {world}. Use a mean "
+            "loss, or multiply the DDP loss by world_size."
+        )
+    elif c is not None:
+        notes.append(f"DDP's gradients are {c:.6g} times DataParallel's.")
+    if check.uneven:
+        notes.append(_trap_note(check, ranks, reference))
+    return notes

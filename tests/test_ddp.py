@@ -1,0 +1,867 @@
+"""DistributedDataParallel: the worker pool, its faults, and the checks, on gloo CPU ranks."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from dpverify._ddp_checks import (
+    assert_ddp_accumulation_matches,
+    assert_ddp_buffers_match,
+    assert_ddp_grads_match,
+    assert_ddp_sync_batchnorm_matches,
+    assert_ddp_training_matches,
+    assert_dp_ddp_agree,
+)
+from dpverify._ddp_pool import DDPWorkerPool, ParallelError, RankInfo
+from dpverify._ddp_rank import ShardContext, ddp_step, even_shards
+from dpverify._ddp_selftest import PartlyUsed, main_selftest
+from dpverify._errors import InvalidArgument, ParallelMismatch
+
+LINUX = sys.platform.startswith("linux")
+SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+ADAM = functools.partial(torch.optim.Adam, lr=0.01)
+SUM_MSE = functools.partial(F.mse_loss, reduction="sum")
+
+#: Per-task timeout of the pool the fault tests break on purpose.
+FAULT_TIMEOUT_S = 3.0
+
+
+# --------------------------------------------------------------------------- fixtures
+# ddp_pool and ddp_pools come from the dpverify pytest plugin.
+
+
+@pytest.fixture(scope="module")
+def fault_pool() -> Iterator[DDPWorkerPool]:
+    with DDPWorkerPool(2, timeout=FAULT_TIMEOUT_S) as pool:
+        yield pool
+
+
+def mlp(seed: int = 0, features: int = 5, hidden: int = 8, outputs: int = 2) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(features, hidden), nn.Tanh(), nn.Linear(hidden, outputs))
+
+
+def bn_model(seed: int = 0) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2))
+
+
+def batch(rows: int, seed: int = 1, features: int = 5, outputs: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, features, generator=generator), torch.randn(rows, outputs, generator=generator)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if LINUX:  # a zombie is dead, only not yet reaped
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def wait_until_gone(pids: list[int], within: float) -> list[int]:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        left = [pid for pid in pids if alive(pid)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [pid for pid in pids if alive(pid)]
+
+
+# --------------------------------------------------------------------------- rank tasks
+# Top-level functions: the ranks unpickle them by name.
+
+
+def whoami(info: RankInfo) -> tuple[int, int, int]:
+    return info.rank, info.world_size, os.getpid()
+
+
+def all_reduce_plus(info: RankInfo, offset: float) -> float:
+    value = torch.tensor([float(info.rank + offset)])
+    dist.all_reduce(value)
+    return float(value)
+
+
+def sleep_then_answer(info: RankInfo, seconds: float) -> int:
+    time.sleep(seconds)
+    return info.rank
+
+
+def raise_everywhere(info: RankInfo) -> None:
+    raise KeyError(f"no such thing on rank {info.rank}")
+
+
+def raise_on_rank_1(ctx: ShardContext) -> Any:
+    if ctx.rank == 1:
+        raise ZeroDivisionError("rank 1 divided by zero")
+    return ddp_step(ctx)
+
+
+def lonely_collective_on_rank_1(ctx: ShardContext) -> Any:
+    """Rank 0 answers without any collective; rank 1 waits in one nobody else joins."""
+    if ctx.rank == 1:
+        dist.all_reduce(torch.ones(1))
+    output = ctx.module(*ctx.inputs)
+    ctx.loss_fn(output, ctx.target).backward()
+    return output
+
+
+def sigkill_rank_1(ctx: ShardContext) -> Any:
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return ddp_step(ctx)
+
+
+def hand_all_reduce(ctx: ShardContext) -> Any:
+    """The user's own DDP: sum the gradients over ranks, divide by the world size."""
+    output = ctx.module(*ctx.inputs)
+    (ctx.loss_fn(output, ctx.target) * ctx.loss_weight).backward()
+    for param in ctx.module.parameters():
+        assert param.grad is not None
+        dist.all_reduce(param.grad)
+        param.grad /= ctx.world_size
+    return output
+
+
+def hand_all_reduce_without_division(ctx: ShardContext) -> Any:
+    output = ctx.module(*ctx.inputs)
+    (ctx.loss_fn(output, ctx.target) * ctx.loss_weight).backward()
+    for param in ctx.module.parameters():
+        assert param.grad is not None
+        dist.all_reduce(param.grad)
+    return output
+
+
+def loss_over_world_size(ctx: ShardContext) -> Any:
+    model = ctx.ddp()
+    output = model(*ctx.inputs)
+    (ctx.loss_fn(output, ctx.target) / ctx.world_size).backward()
+    return output
+
+
+def doubled_loss(ctx: ShardContext) -> Any:
+    model = ctx.ddp()
+    output = model(*ctx.inputs)
+    (2 * ctx.loss_fn(output, ctx.target)).backward()
+    return output
+
+
+def no_local_model(ctx: ShardContext) -> Any:
+    output = ctx.module(*ctx.inputs)  # forgot the wrapper: nothing is all-reduced
+    ctx.loss_fn(output, ctx.target).backward()
+    return output
+
+
+def accumulate_forward_outside_no_sync(ctx: ShardContext) -> None:
+    model = ctx.ddp()
+    parts = ctx.micro_batch_split()
+    for index, part in enumerate(parts):
+        output = model(*part.inputs)  # the classic mistake: forward before entering no_sync
+        loss = ctx.loss_fn(output, part.target) / len(parts)
+        if index < len(parts) - 1:
+            with model.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+
+
+def accumulate_without_dividing(ctx: ShardContext) -> None:
+    model = ctx.ddp()
+    parts = ctx.micro_batch_split()
+    for index, part in enumerate(parts):
+        last = index == len(parts) - 1
+        with model.no_sync() if not last else contextlib.nullcontext():
+            ctx.loss_fn(model(*part.inputs), part.target).backward()  # not divided by k
+
+
+def accumulate_all_inside_no_sync(ctx: ShardContext) -> None:
+    model = ctx.ddp()
+    parts = ctx.micro_batch_split()
+    with model.no_sync():
+        for part in parts:
+            (ctx.loss_fn(model(*part.inputs), part.target) / len(parts)).backward()
+
+
+def unused_grads_after_ddp(info: RankInfo, module: nn.Module, x: torch.Tensor) -> dict[str, bool]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(module, find_unused_parameters=True)
+    model(x[info.rank :: info.world_size]).sum().backward()
+    return {name: p.grad is None for name, p in module.named_parameters()}
+
+
+def buffers_after_no_grad_forward(info: RankInfo, module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(module)
+    shard = x[info.rank :: info.world_size] + 3.0 * info.rank
+    with torch.no_grad():
+        model(shard)  # train mode: updates this rank's running statistics
+    after_first = module[1].running_mean.clone()
+    with torch.no_grad():
+        model(shard)
+    return after_first, module[1].running_mean.clone()
+
+
+def broadcast_buffers_warning(info: RankInfo, module: nn.Module) -> list[str]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DistributedDataParallel(module, broadcast_buffers=True)
+    return [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+
+
+def sync_batchnorm_on_cpu(info: RankInfo, module: nn.Module) -> str:
+    from torch.nn.parallel import DistributedDataParallel
+
+    try:
+        DistributedDataParallel(nn.SyncBatchNorm.convert_sync_batchnorm(module))
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+# --------------------------------------------------------------------------- the pool
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ddp_pool", [2, 4], indirect=True)
+def test_pool_reuses_its_ranks_across_tasks(ddp_pool: DDPWorkerPool) -> None:
+    first = ddp_pool.run(whoami)
+    for _ in range(5):
+        again = ddp_pool.run(whoami)
+        assert again == first
+    world = ddp_pool.world_size
+    assert [(rank, size) for rank, size, _pid in first] == [(r, world) for r in range(world)]
+    assert sorted(pid for _r, _s, pid in first) == sorted(ddp_pool.pids)
+    assert ddp_pool.run(all_reduce_plus, 0.0) == (sum(range(world)),) * world
+    assert ddp_pool.backend == "gloo"
+
+
+@pytest.mark.timeout(60)
+def test_two_pools_on_one_machine_do_not_collide(ddp_pool: DDPWorkerPool) -> None:
+    with DDPWorkerPool(2) as other:
+        results: dict[str, tuple[float, ...]] = {}
+        threads = [
+            threading.Thread(target=lambda: results.__setitem__("a", ddp_pool.run(all_reduce_plus, 10.0))),
+            threading.Thread(target=lambda: results.__setitem__("b", other.run(all_reduce_plus, 20.0))),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert set(other.pids).isdisjoint(ddp_pool.pids)
+    assert results == {"a": (21.0, 21.0), "b": (41.0, 41.0)}
+
+
+def test_pool_rejects_what_cannot_be_pickled(ddp_pool: DDPWorkerPool) -> None:
+    with pytest.raises(InvalidArgument, match=r"fn=.*cannot be pickled.*lambda"):
+        ddp_pool.run(lambda info: info.rank)
+    with pytest.raises(InvalidArgument, match=r"args\[0\]=.*cannot be pickled"):
+        ddp_pool.run(sleep_then_answer, lambda: 1)
+
+
+def test_pool_arguments_are_validated() -> None:
+    with pytest.raises(InvalidArgument, match="world_size=0"):
+        DDPWorkerPool(0)
+    with pytest.raises(InvalidArgument, match="backend='mpi'"):
+        DDPWorkerPool(2, backend="mpi")
+    with pytest.raises(InvalidArgument, match=r"nccl.*one CUDA device per rank: world_size=4096"):
+        DDPWorkerPool(4096, backend="nccl")
+    with pytest.raises(InvalidArgument, match="timeout"):
+        DDPWorkerPool(2, timeout=0)
+
+
+@pytest.mark.timeout(60)
+def test_exception_on_rank_1_is_reported_with_its_traceback_and_the_pool_recovers(fault_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    old = fault_pool.run(whoami)
+    started = time.monotonic()
+    with pytest.raises(ParallelError) as caught:
+        assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=raise_on_rank_1, pool=fault_pool)
+    elapsed = time.monotonic() - started
+    error = caught.value
+    assert error.rank == 1
+    assert "ZeroDivisionError: rank 1 divided by zero" in error.traceback
+    assert "raise_on_rank_1" in error.traceback
+    assert [f.kind for f in error.failures] == ["raised", "blocked"]  # rank 0 waits in DDP's broadcast
+    assert "rank 1 raised ZeroDivisionError" in str(error)
+    assert elapsed < FAULT_TIMEOUT_S + 3
+    assert wait_until_gone([pid for *_, pid in old], within=5) == []
+    assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, pool=fault_pool)
+
+
+@pytest.mark.timeout(60)
+def test_exception_on_every_rank_names_every_rank(fault_pool: DDPWorkerPool) -> None:
+    with pytest.raises(ParallelError, match=r"failed on 2 of 2 ranks") as caught:
+        fault_pool.run(raise_everywhere)
+    assert [(f.rank, f.kind) for f in caught.value.failures] == [(0, "raised"), (1, "raised")]
+    assert "KeyError: 'no such thing on rank 1'" in caught.value.failures[1].traceback
+    assert fault_pool.run(whoami)[1][0] == 1
+
+
+@pytest.mark.timeout(60)
+def test_hang_on_rank_1_is_detected_after_the_timeout_and_the_pool_restarts(fault_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    old = [pid for *_, pid in fault_pool.run(whoami)]
+    restarts = fault_pool.restarts
+    started = time.monotonic()
+    with pytest.raises(ParallelError) as caught:
+        assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=lonely_collective_on_rank_1, pool=fault_pool)
+    elapsed = time.monotonic() - started
+    error = caught.value
+    assert error.rank == 1
+    assert [(f.rank, f.kind) for f in error.failures] == [(1, "hung")]
+    assert f"did not answer within the {FAULT_TIMEOUT_S:g} s timeout" in str(error)
+    if LINUX:  # faulthandler shows where the rank was stuck
+        assert "all_reduce" in error.traceback
+        assert "lonely_collective_on_rank_1" in error.traceback
+    assert FAULT_TIMEOUT_S <= elapsed < FAULT_TIMEOUT_S + 3
+    assert wait_until_gone(old, within=5) == []
+    assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, pool=fault_pool)
+    assert fault_pool.restarts == restarts + 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_rank_killed_by_sigkill_is_reported_within_a_second(fault_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    started = time.monotonic()
+    with pytest.raises(ParallelError) as caught:
+        assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=sigkill_rank_1, pool=fault_pool)
+    elapsed = time.monotonic() - started
+    error = caught.value
+    assert error.rank == 1
+    assert error.failures[0].kind == "signal"
+    assert "rank 1 was killed by SIGKILL (exit code -9)" in str(error)
+    assert elapsed < 1.0 + 2.5  # death is seen at once; rank 0 then gets the failure grace
+    assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, pool=fault_pool)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_rank_killed_from_outside_mid_task(fault_pool: DDPWorkerPool) -> None:
+    fault_pool.start()
+    victim = fault_pool.pids[1]
+    timer = threading.Timer(0.3, os.kill, (victim, signal.SIGKILL))
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(ParallelError, match="rank 1 was killed by SIGKILL"):
+        fault_pool.run(sleep_then_answer, 30.0, timeout=60)
+    assert time.monotonic() - started < 0.3 + FAULT_TIMEOUT_S
+    assert fault_pool.run(sleep_then_answer, 0.0) == (0, 1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_rank_that_died_between_tasks_is_replaced_silently(fault_pool: DDPWorkerPool) -> None:
+    fault_pool.start()
+    victim = fault_pool.pids[0]
+    os.kill(victim, signal.SIGKILL)
+    assert wait_until_gone([victim], within=5) == []
+    # A killed process shows as a zombie while its other threads (gloo's) still exit and
+    # still hold its files; the pool sees the death once its pipe closes.
+    time.sleep(0.5)
+    assert fault_pool.run(all_reduce_plus, 0.0) == (1.0, 1.0)
+    assert victim not in fault_pool.pids
+
+
+@pytest.mark.timeout(60)
+def test_close_leaves_no_rank_behind() -> None:
+    pool = DDPWorkerPool(2)
+    pool.start()
+    pids = list(pool.pids)
+    assert len(pids) == 2
+    assert all(alive(pid) for pid in pids)
+    pool.close()
+    assert pool.closed
+    assert pool.pids == ()
+    assert wait_until_gone(pids, within=5) == []
+    with pytest.raises(InvalidArgument, match="is closed"):
+        pool.run(whoami)
+
+
+def _descendants_code() -> str:
+    return textwrap.dedent(
+        """
+        import os
+
+        def descendants(root):
+            children = {}
+            for entry in os.listdir("/proc"):
+                if entry.isdigit():
+                    try:
+                        with open(f"/proc/{entry}/stat") as handle:
+                            ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
+                    except (OSError, ValueError):
+                        continue
+                    children.setdefault(ppid, []).append(int(entry))
+            found, todo = [], [root]
+            while todo:
+                for child in children.get(todo.pop(), []):
+                    found.append(child)
+                    todo.append(child)
+            return found
+        """
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not LINUX, reason="reads /proc to find every descendant process")
+def test_no_process_outlives_a_pytest_session(tmp_path: Path) -> None:
+    record = tmp_path / "pids.json"
+    (tmp_path / "test_inner.py").write_text(
+        _descendants_code()
+        + textwrap.dedent(
+            f"""
+            import json
+            from dpverify._ddp_pool import shared_pool
+
+            def rank_of(info):
+                return info.rank
+
+            def test_pools_are_left_open():
+                # Never closed here: the pool's finalizer must stop the ranks at exit.
+                assert shared_pool(2).run(rank_of) == (0, 1)
+                assert shared_pool(3).run(rank_of) == (0, 1, 2)
+                with open({str(record)!r}, "w") as handle:
+                    json.dump(descendants(os.getpid()), handle)
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_inner.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=100,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    pids = json.loads(record.read_text())
+    assert len(pids) >= 5  # 2 + 3 ranks, plus the fork server
+    assert wait_until_gone(pids, within=10) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not LINUX, reason="reads /proc to find every descendant process")
+def test_ranks_exit_when_their_parent_is_killed(tmp_path: Path) -> None:
+    script = tmp_path / "killed_parent.py"
+    script.write_text(
+        _descendants_code()
+        + textwrap.dedent(
+            """
+            import json, signal
+            from dpverify._ddp_pool import DDPWorkerPool
+
+            if __name__ == "__main__":
+                pool = DDPWorkerPool(2)
+                pool.start()
+                print(json.dumps(descendants(os.getpid())), flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    pids = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(pids) >= 3  # 2 ranks and the fork server
+    assert wait_until_gone(pids, within=10) == []
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ddp_pool", [2, 4], indirect=True)
+def test_every_rank_gets_the_full_batch_gradient(ddp_pool: DDPWorkerPool) -> None:
+    world = ddp_pool.world_size
+    x, y = batch(2 * world)
+    result = assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=world, pool=ddp_pool)
+    assert result.ok
+    assert result.worst_ratio < 1
+    names = [t.name for t in result.tensors]
+    assert len(names) == world * (1 + 4)  # each rank: its output rows and 4 gradients
+    assert f"rank {world - 1} grad '2.weight'" in names
+    assert f"rank {world - 1} output[{2 * world - 2}:{2 * world}]" in names
+    assert "step ddp_step" in result.scenario
+
+
+def test_uneven_shards_report_the_trap_and_verify_the_weighted_recipe(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(5)
+    result = assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, shards=[4, 1], pool=ddp_pool)
+    assert result.ok
+    assert "weighted_ddp_step" in result.scenario
+    trap = next(note for note in result.notes if "loss-averaging trap" in note)
+    assert "[1/8, 1/2] instead of 1/B = 1/5" in trap
+    # the bias reported is the plain step's: mean of the two shard losses minus the full loss
+    model = mlp().double()
+    with torch.no_grad():
+        shard_losses = [F.mse_loss(model(x[a:b].double()), y[a:b].double()) for a, b in ((0, 4), (4, 5))]
+        expected_bias = float(sum(shard_losses) / 2 - F.mse_loss(model(x.double()), y.double()))
+    reported = float(re.search(r"bias ([-+][0-9.e+-]+)\)", trap).group(1))  # type: ignore[union-attr]
+    assert reported == pytest.approx(expected_bias, rel=1e-3)
+    assert result.contrasts
+    assert any(c.mismatched for c in result.contrasts)
+
+
+def test_a_plain_mean_loss_step_on_uneven_shards_fails_as_the_trap(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(5)
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=ddp_step, pool=ddp_pool)
+    text = str(caught.value)
+    assert "falls into the loss-averaging trap" in text
+    assert "ctx.loss_weight" in text
+    assert "shards [3, 2]" in text
+
+
+@pytest.mark.parametrize("ddp_pool", [2, 4], indirect=True)
+def test_a_hand_written_all_reduce_step_is_verified(ddp_pool: DDPWorkerPool) -> None:
+    world = ddp_pool.world_size
+    x, y = batch(2 * world + 1)
+    assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=world, step=hand_all_reduce, pool=ddp_pool)
+    with pytest.raises(ParallelMismatch, match=rf"is {world} times .*\({world}, the world size\)"):
+        assert_ddp_grads_match(mlp(), x[: 2 * world], y[: 2 * world], loss_fn=F.mse_loss, world_size=world, step=hand_all_reduce_without_division, pool=ddp_pool)
+
+
+def test_a_loss_divided_by_the_world_size_is_named(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch, match=r"1/2, one over the world size.*divided by the world size twice"):
+        assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=loss_over_world_size, pool=ddp_pool)
+
+
+def test_a_step_without_the_wrapper_leaves_ranks_disagreeing(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch, match=r"Rank 0 and rank 1 hold different gradients") as caught:
+        assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=no_local_model, pool=ddp_pool)
+    report = caught.value.report
+    assert any(t.name.startswith("rank 0 grad") and not t.ok for t in report.tensors)  # type: ignore[attr-defined]
+
+
+def test_mismatch_message_reads_like_assert_close(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=doubled_loss, pool=ddp_pool)
+    text = str(caught.value)
+    assert re.search(r"rank [01] grad '[0-9.a-z]+': tensors are not close!", text)
+    assert re.search(r"Greatest absolute difference: \S+ at index \(\d+(, \d+)?\) \(up to \S+ allowed\)", text)
+    assert "shards [3, 3] on 2 ranks (gloo)" in text
+    assert "Every rank's gradient is 2 times" in text
+
+
+def test_arguments_are_checked_before_anything_is_sent(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    model = mlp()
+    with pytest.raises(InvalidArgument, match=r"loss_fn=.*cannot be pickled"):
+        assert_ddp_grads_match(model, x, y, loss_fn=lambda out, t: F.mse_loss(out, t), world_size=2, pool=ddp_pool)
+    with pytest.raises(InvalidArgument, match=r"step=.*cannot be pickled"):
+        assert_ddp_grads_match(model, x, y, loss_fn=F.mse_loss, world_size=2, step=lambda ctx: None, pool=ddp_pool)
+    with pytest.raises(InvalidArgument, match=r"shards=\[4, 1\] sums to 5 but the batch has 6 rows"):
+        assert_ddp_grads_match(model, x, y, loss_fn=F.mse_loss, world_size=2, shards=[4, 1], pool=ddp_pool)
+    with pytest.raises(InvalidArgument, match=r"has 3 entries for world_size=2"):
+        assert_ddp_grads_match(model, x, y, loss_fn=F.mse_loss, world_size=2, shards=[2, 2, 2], pool=ddp_pool)
+    with pytest.raises(InvalidArgument, match=r"contains 0"):
+        assert_ddp_grads_match(model, x, y, loss_fn=F.mse_loss, world_size=2, shards=[6, 0], pool=ddp_pool)
+    with pytest.raises(InvalidArgument, match=r"pool has world_size 2 but world_size=4"):
+        assert_ddp_grads_match(model, x, y, loss_fn=F.mse_loss, world_size=4, pool=ddp_pool)
+    with pytest.raises(InvalidArgument, match=r"cannot give each of 4 ranks a row"):
+        assert_ddp_grads_match(model, x[:3], y[:3], loss_fn=F.mse_loss, world_size=4)
+    with pytest.raises(InvalidArgument, match=r"ddp_kwargs\['device_ids'\] is set by each rank"):
+        assert_ddp_grads_match(model, x, y, loss_fn=F.mse_loss, world_size=2, pool=ddp_pool, ddp_kwargs={"device_ids": [0]})
+
+
+def test_even_shards() -> None:
+    assert even_shards(6, 2) == (3, 3)
+    assert even_shards(5, 2) == (3, 2)
+    assert even_shards(9, 4) == (3, 2, 2, 2)
+    with pytest.raises(InvalidArgument):
+        even_shards(3, 4)
+
+
+# --------------------------------------------------------------------------- training
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ddp_pool", [2, 4], indirect=True)
+@pytest.mark.parametrize("optimizer", [SGD, ADAM], ids=["sgd-momentum", "adam"])
+def test_training_over_several_steps_matches_one_device(ddp_pool: DDPWorkerPool, optimizer: Any) -> None:
+    world = ddp_pool.world_size
+    batches = [batch(2 * world + (i % 2), seed=i) for i in range(4)]  # even and uneven splits
+    result = assert_ddp_training_matches(mlp(), batches, loss_fn=F.mse_loss, optimizer=optimizer, world_size=world, pool=ddp_pool)
+    assert result.ok
+    assert all("step 4 param" in t.name for t in result.tensors)
+    assert any("weighted" in note for note in result.notes)
+
+
+def test_training_reports_the_first_step_that_diverges(ddp_pool: DDPWorkerPool) -> None:
+    batches = [batch(6, seed=i) for i in range(3)]
+    with pytest.raises(ParallelMismatch, match=r"rank [01] step 1 param") as caught:
+        assert_ddp_training_matches(mlp(), batches, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, step=doubled_loss, pool=ddp_pool)
+    assert "the table shows step 1" in str(caught.value)
+
+
+# --------------------------------------------------------------------------- no_sync accumulation
+
+
+@pytest.mark.parametrize("ddp_pool", [2, 4], indirect=True)
+def test_no_sync_accumulation_matches_one_big_step(ddp_pool: DDPWorkerPool) -> None:
+    world = ddp_pool.world_size
+    x, y = batch(3 * world + 1)
+    result = assert_ddp_accumulation_matches(mlp(), x, y, loss_fn=F.mse_loss, world_size=world, micro_batches=3, pool=ddp_pool)
+    assert result.ok
+    assert f"Gradient synchronisations per rank: {[1] * world} (one expected)." in result.notes
+
+
+def test_forward_outside_no_sync_is_caught(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_ddp_accumulation_matches(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, micro_batches=3, step=accumulate_forward_outside_no_sync, pool=ddp_pool)
+    report = caught.value.report
+    assert all(t.ok for t in report.tensors)  # type: ignore[attr-defined]  # right gradients, wasted all-reduces
+    assert "synchronised 3 times over 3 micro-batches" in str(caught.value)
+    assert "forward ran outside no_sync()" in str(caught.value)
+
+
+def test_micro_batch_loss_not_divided_is_caught(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch, match=r"is 3 times .*\(3, the number of micro-batches\)"):
+        assert_ddp_accumulation_matches(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, micro_batches=3, step=accumulate_without_dividing, pool=ddp_pool)
+
+
+def test_last_micro_batch_inside_no_sync_is_caught(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch, match=r"never averaged across ranks"):
+        assert_ddp_accumulation_matches(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, micro_batches=3, step=accumulate_all_inside_no_sync, pool=ddp_pool)
+
+
+def test_too_many_micro_batches_is_an_argument_error(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(InvalidArgument, match=r"every shard needs at least 4 rows"):
+        assert_ddp_accumulation_matches(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, micro_batches=4, pool=ddp_pool)
+
+
+# --------------------------------------------------------------------------- unused parameters
+
+
+def test_unused_parameters_without_find_unused_are_caught(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_ddp_grads_match(PartlyUsed(), x, y, loss_fn=F.mse_loss, world_size=2, pool=ddp_pool)
+    text = str(caught.value)
+    assert "Parameters ['unused.weight', 'unused.bias'] get no gradient" in text
+    assert "find_unused_parameters" in text
+    assert "Rank 0 and rank 1 hold different gradients" in text  # the bucket was never reduced
+
+
+def test_find_unused_parameters_matches_one_device(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    result = assert_ddp_grads_match(PartlyUsed(), x, y, loss_fn=F.mse_loss, world_size=2, pool=ddp_pool, ddp_kwargs={"find_unused_parameters": True})
+    assert result.ok
+
+
+def test_torch_leaves_globally_unused_grads_none_not_zero(ddp_pool: DDPWorkerPool) -> None:
+    """SEMANTICS.md says find_unused_parameters gives unused parameters zero grads; torch 2.13
+    leaves a parameter that no rank used with grad None, so momentum and weight decay skip it."""
+    x, _ = batch(6)
+    for rank_result in ddp_pool.run(unused_grads_after_ddp, PartlyUsed(), x):
+        assert rank_result == {"used.weight": False, "used.bias": False, "unused.weight": True, "unused.bias": True}
+    sgd_decay = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=0.5)
+    module = PartlyUsed()
+    batches = [batch(6, seed=i) for i in range(3)]
+    result = assert_ddp_training_matches(module, batches, loss_fn=F.mse_loss, optimizer=sgd_decay, world_size=2, pool=ddp_pool, ddp_kwargs={"find_unused_parameters": True})
+    assert "'unused.weight'" in next(n for n in result.notes if "stayed None" in n)
+    unused_rows = [t for t in result.tensors if "unused" in t.name]
+    assert unused_rows
+    assert all(t.ok for t in unused_rows)
+
+
+def test_training_without_find_unused_raises_torchs_error_with_the_fix(ddp_pool: DDPWorkerPool) -> None:
+    batches = [batch(6, seed=i) for i in range(2)]
+    with pytest.raises(ParallelError, match="Expected to have finished reduction") as caught:
+        assert_ddp_training_matches(PartlyUsed(), batches, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, pool=ddp_pool)
+    assert any("find_unused_parameters': True" in note for note in caught.value.__notes__)
+
+
+# --------------------------------------------------------------------------- buffers
+
+
+@pytest.mark.parametrize("ddp_pool", [2, 4], indirect=True)
+def test_buffers_come_from_rank_0(ddp_pool: DDPWorkerPool) -> None:
+    world = ddp_pool.world_size
+    x, y = batch(3 * world)
+    result = assert_ddp_buffers_match(bn_model(), x, y, loss_fn=F.mse_loss, world_size=world, pool=ddp_pool)
+    assert result.ok
+    assert sum("at the next forward" in t.name for t in result.tensors) == 3 * world
+
+
+def test_buffers_not_synchronised_are_caught(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch, match=r"Ranks \[1\] kept their own running statistics") as caught:
+        assert_ddp_buffers_match(bn_model(), x, y, loss_fn=F.mse_loss, world_size=2, pool=ddp_pool, ddp_kwargs={"forward_sync_buffers": False})
+    bad = [t.name for t in caught.value.report.tensors if not t.ok]  # type: ignore[attr-defined]
+    assert "rank 1 buffer '1.running_mean' at the next forward" in bad
+    assert not any(name.startswith("rank 0") for name in bad)
+
+
+def test_torch_deprecates_broadcast_buffers(ddp_pool: DDPWorkerPool) -> None:
+    """The issue names broadcast_buffers; torch 2.13 warns it is deprecated for
+    forward_sync_buffers (whose False still syncs at construction)."""
+    messages = ddp_pool.run(broadcast_buffers_warning, bn_model())
+    assert all(any("`broadcast_buffers` is deprecated" in m for m in ranks) for ranks in messages)
+
+
+def test_torch_skips_the_buffer_broadcast_after_a_no_grad_forward(ddp_pool: DDPWorkerPool) -> None:
+    x, _ = batch(6)
+    (first0, second0), (first1, second1) = ddp_pool.run(buffers_after_no_grad_forward, bn_model(), x)
+    assert not torch.equal(first0, first1)  # each rank updated its own statistics
+    assert not torch.equal(second1, second0)  # and the second forward did not broadcast rank 0's
+
+
+# --------------------------------------------------------------------------- SyncBatchNorm
+
+
+@pytest.mark.parametrize(("world", "rows"), [(2, 6), (2, 5), (4, 9)])
+def test_sync_batchnorm_matches_full_batch_batchnorm(ddp_pools: Callable[[int], DDPWorkerPool], world: int, rows: int) -> None:
+    x, y = batch(rows)
+    result = assert_ddp_sync_batchnorm_matches(bn_model(), x, y, loss_fn=F.mse_loss, world_size=world, pool=ddp_pools(world))
+    assert result.ok
+    assert sum("running_var" in t.name for t in result.tensors) == world
+    assert any(c.mismatched for c in result.contrasts)  # plain BatchNorm under DDP differs
+
+
+def test_torch_refuses_sync_batchnorm_on_cpu(ddp_pool: DDPWorkerPool) -> None:
+    messages = ddp_pool.run(sync_batchnorm_on_cpu, bn_model())
+    assert messages == ("SyncBatchNorm layers only work with GPU modules",) * 2
+
+
+def test_sync_batchnorm_needs_a_batchnorm(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(InvalidArgument, match="no BatchNorm layer"):
+        assert_ddp_sync_batchnorm_matches(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, pool=ddp_pool)
+
+
+# --------------------------------------------------------------------------- DP and DDP
+
+
+@pytest.mark.parametrize("ddp_pool", [2, 4], indirect=True)
+def test_dp_and_ddp_agree_for_a_mean_loss_and_differ_by_world_size_for_a_sum(ddp_pool: DDPWorkerPool) -> None:
+    world = ddp_pool.world_size
+    x, y = batch(2 * world)
+    assert assert_dp_ddp_agree(mlp(), x, y, loss_fn=F.mse_loss, world_size=world, pool=ddp_pool).ok
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_dp_ddp_agree(mlp(), x, y, loss_fn=SUM_MSE, world_size=world, pool=ddp_pool)
+    text = str(caught.value)
+    assert f"DDP's gradients are {1 / world:.6g} = 1/{world}" in text
+    assert f"differ by the world size, {world}" in text
+
+
+# --------------------------------------------------------------------------- property
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """A small MLP, built deterministically from a seed.
+
+    TODO: replace by ``dpverify.strategies.scenarios()`` once it exists.
+    """
+
+    features: int
+    hidden: tuple[int, ...]
+    outputs: int
+    activation: str
+
+    def build(self, seed: int) -> nn.Module:
+        layers: list[nn.Module] = []
+        width = self.features
+        for size in self.hidden:
+            layers += [nn.Linear(width, size), {"tanh": nn.Tanh, "gelu": nn.GELU, "sigmoid": nn.Sigmoid}[self.activation]()]
+            width = size
+        layers.append(nn.Linear(width, self.outputs))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return nn.Sequential(*layers)
+
+
+@st.composite
+def ddp_scenarios(draw: st.DrawFn) -> tuple[MLPSpec, int, tuple[int, ...], int]:
+    spec = draw(
+        st.builds(
+            MLPSpec,
+            features=st.integers(1, 6),
+            hidden=st.lists(st.integers(1, 8), max_size=2).map(tuple),
+            outputs=st.integers(1, 3),
+            activation=st.sampled_from(["tanh", "gelu", "sigmoid"]),
+        )
+    )
+    world = draw(st.integers(2, 4))
+    rows = draw(st.integers(world, 3 * world))
+    cuts = sorted(draw(st.lists(st.integers(1, rows - 1), min_size=world - 1, max_size=world - 1, unique=True)))
+    shards = tuple(b - a for a, b in zip([0, *cuts], [*cuts, rows], strict=True))
+    return spec, world, shards, draw(st.integers(0, 2**16))
+
+
+@pytest.mark.timeout(240)
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])  # examples: the dpverify-ci profile
+@given(scenario=ddp_scenarios())
+def test_property_ddp_matches_one_device_for_any_shards(ddp_pools: Callable[[int], DDPWorkerPool], scenario: tuple[MLPSpec, int, tuple[int, ...], int]) -> None:
+    spec, world, shards, seed = scenario
+    x, y = batch(sum(shards), seed=seed, features=spec.features, outputs=spec.outputs)
+    pool = ddp_pools(world)
+    result = assert_ddp_grads_match(spec.build(seed), x, y, loss_fn=F.mse_loss, world_size=world, shards=shards, pool=pool)
+    assert result.ok
+    with pytest.raises(ParallelMismatch, match=rf"\({world}, the world size\)"):
+        assert_ddp_grads_match(spec.build(seed), x, y, loss_fn=F.mse_loss, world_size=world, shards=shards, step=hand_all_reduce_without_division, pool=pool)
+
+
+# --------------------------------------------------------------------------- torchrun
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(), reason="needs torchrun")
+def test_selftest_under_torchrun_prints_one_verdict() -> None:
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    done = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "dpverify._ddp_selftest"],
+        capture_output=True, text=True, timeout=170,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("dpverify ddp-selftest: OK, 12 of 12 checks passed on 2 ranks (gloo)") == 1
+    assert "torchrun process group" in done.stdout
+
+
+@pytest.mark.timeout(120)
+def test_selftest_with_a_local_pool(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main_selftest(["--world-size", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 12
+    assert "FAIL" not in out
+    assert "OK, 12 of 12 checks passed on 3 ranks (gloo)" in out
