@@ -112,7 +112,7 @@ class Check:
         *,
         parallel: bool,
         dtype: torch.dtype | None = None,
-        record_replicas: bool = False,
+        record_replicas: bool | str = False,
         loss_argument: str = "loss_fn",
     ) -> StepResult:
         """One step: through the wrapper (``parallel``) or alone, in ``dtype``."""
@@ -161,8 +161,8 @@ class Check:
         """Outputs (when asked), the loss, and every parameter's gradient."""
         expected = refs.expected
 
-        def row(name: str, got: torch.Tensor | None, key: Key) -> TensorComparison:
-            return self.against(name, got, refs, key)
+        def row(name: str, got: torch.Tensor | None, key: Key, terms: torch.Tensor | None = None) -> TensorComparison:
+            return self.against(name, got, refs, key, terms)
 
         rows: list[TensorComparison] = []
         if outputs:
@@ -174,11 +174,15 @@ class Check:
                 rows.append(row(path, actual_outputs[path], _output_key(path)))
         rows.append(row("loss", actual.loss, _loss_key))
         for name in expected.grads:
-            rows.append(row(f"grad {name!r}", actual.grads.get(name), _grad_key(name)))
+            rows.append(row(f"grad {name!r}", actual.grads.get(name), _grad_key(name), actual.magnitudes.get(name)))
         return rows
 
-    def against(self, name: str, actual: torch.Tensor | None, refs: References, key: Key) -> TensorComparison:
-        """Compares one parallel tensor with the references' tensor that ``key`` picks."""
+    def against(
+        self, name: str, actual: torch.Tensor | None, refs: References, key: Key,
+        terms: torch.Tensor | None = None,
+    ) -> TensorComparison:
+        """Compares one parallel tensor with the references' tensor that ``key`` picks;
+        ``terms`` is the magnitude of what the parallel step summed into it, if known."""
         return compare_tensors(
             name,
             actual,
@@ -186,6 +190,7 @@ class Check:
             key(refs.anchor) if refs.anchor else None,
             self.tolerance,
             probe=key(refs.probe) if refs.probe else None,
+            terms=terms,
         )
 
     def outcome(
@@ -262,7 +267,7 @@ class References:
     probe: StepResult | None = None
 
 
-def _steps(check: Check, loss_fn: LossFn, target: Any, *, record_replicas: bool = False) -> tuple[StepResult, References]:
+def _steps(check: Check, loss_fn: LossFn, target: Any, *, record_replicas: bool | str = "magnitudes") -> tuple[StepResult, References]:
     parallel = check.run(_loss_of(loss_fn, _target_on(target, check, None)), parallel=True, record_replicas=record_replicas)
     return parallel, check.references(lambda dtype: _loss_of(loss_fn, _target_on(target, check, dtype)))
 
@@ -417,17 +422,19 @@ def assert_grad_sum_equals_mean_loss_grad(
     averages_differ = False
     for name, grad in refs.expected.grads.items():
         total = _as(_sum(contributions, name), grad)
-        rows.append(check.against(f"sum of replica grads {name!r}", total, refs, _grad_key(name)))
-        rows.append(check.against(f"accumulated grad {name!r}", parallel_step.grads.get(name), refs, _grad_key(name)))
+        terms = parallel_step.magnitudes.get(name)
+        rows.append(check.against(f"sum of replica grads {name!r}", total, refs, _grad_key(name), terms))
+        rows.append(check.against(f"accumulated grad {name!r}", parallel_step.grads.get(name), refs, _grad_key(name), terms))
         if total is None:
             continue
         average = total / max(replicas, 1)
         # torch's scatter decides how many replicas run: the average is the full gradient
         # over that number, which can be fewer than the devices.
         label = f"average of replica grads {name!r} = full / {planned}"
-        rows.append(check.against(label, average, refs, _grad_key(name, planned)))
+        share = terms / planned if terms is not None else None
+        rows.append(check.against(label, average, refs, _grad_key(name, planned), share))
         if replicas > 1:
-            contrast = check.against(f"average of replica grads {name!r} vs full", average, refs, _grad_key(name))
+            contrast = check.against(f"average of replica grads {name!r} vs full", average, refs, _grad_key(name), terms)
             contrasts.append(contrast)
             averages_differ |= contrast.mismatched > 0
     notes = [f"{replicas} replicas contributed (torch's scatter runs {planned})."]

@@ -169,6 +169,7 @@ def compare_tensors(
     anchor: torch.Tensor | None,
     tolerance: Tolerance,
     probe: torch.Tensor | None = None,
+    terms: torch.Tensor | None = None,
 ) -> TensorComparison:
     """Compares ``actual`` (parallel) with ``expected`` (single device) under ``tolerance``.
 
@@ -177,6 +178,12 @@ def compare_tensors(
     cannot measure its rounding; ``probe``, the float32 single-device result, does:
     rounding error scales with the unit roundoff, so the float32 error times
     ``u(float64) / u(float32)`` estimates the float64 one.
+
+    ``terms`` is ``sum over replicas of |g_r|``, the magnitude of what the parallel
+    reduce-add summed. When replicas cancel (their contributions large, the total near
+    zero), the single-device step can be exact by luck while the parallel sum carries
+    rounding of the size of its terms; the floor then scales with the terms, not with the
+    total (SEMANTICS.md: the scale that matters is the sum of |terms|).
     """
     missing = _missing(name, actual, expected)
     if missing is not None:
@@ -224,6 +231,8 @@ def compare_tensors(
         probe_error = _max_abs(_dense(probe).detach().to(device) - reference)
         reference_error = max(reference_error, probe_error * _ROUNDOFF_RATIO)
     scale = _max_abs(rounded)
+    if terms is not None and terms.numel():
+        scale = max(scale, float(terms.max()))
     allowed = tolerance.factor * max(reference_error, tolerance.floor_ulps * roundoff * scale)
     gap = _max_abs(actual - rounded)
     if gap <= allowed:  # False for NaN: those take the detailed path

@@ -297,7 +297,7 @@ def assert_loss_reduction_matches_full_batch(
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
-        parallel_step = check.run(reduced, parallel=True, loss_argument="reduce")
+        parallel_step = check.run(reduced, parallel=True, loss_argument="reduce", record_replicas="magnitudes")
     refs = check.references(lambda _dtype: whole, loss_argument="the forward's loss")
     expected = refs.expected
     rows = check.compare(parallel_step, refs, outputs=False)

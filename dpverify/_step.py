@@ -145,10 +145,16 @@ class ReplicaGradRecorder:
     dictionaries: ``Module._replicate_for_data_parallel`` copies ``__dict__`` shallowly), and
     registers a gradient hook on the replica's copy of each parameter. This works for
     torch's DataParallel, the virtual one, and any wrapper that calls the module's copies.
+
+    It always sums the contributions' magnitudes, ``sum over replicas of |g_r|``: the scale
+    of the terms the parallel reduce-add adds up, which bounds its rounding error however
+    much the replicas cancel. With ``keep=True`` it also keeps each contribution.
     """
 
     sites: list[tuple[str, str, str]]
+    keep: bool = True
     contributions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)
     replica_devices: dict[int, int | None] = field(default_factory=dict)
     _handles: list[Any] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -185,7 +191,16 @@ class ReplicaGradRecorder:
 
     def _recorder(self, key: int, name: str) -> Callable[[torch.Tensor], None]:
         def record(grad: torch.Tensor) -> None:
-            self.contributions[key][name] = grad.detach().clone()
+            grad = grad.detach()
+            size = grad.abs()
+            with self._lock:
+                if self.keep:
+                    self.contributions[key][name] = grad.clone()
+                total = self.magnitudes.get(name)
+                if total is None:
+                    self.magnitudes[name] = size
+                else:
+                    total.add_(size.to(total.device))
 
         return record
 
@@ -198,6 +213,7 @@ class StepResult:
     loss: torch.Tensor
     grads: dict[str, torch.Tensor | None]
     contributions: tuple[tuple[int | None, dict[str, torch.Tensor]], ...] = ()
+    magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def run_step(
@@ -209,7 +225,7 @@ def run_step(
     dtype: torch.dtype | None = None,
     device: torch.device | None = None,
     seed: int = 0,
-    record_replicas: bool = False,
+    record_replicas: bool | str = False,
     loss_argument: str = "loss_fn",
     kwargs: dict[str, Any] | None = None,
 ) -> StepResult:
@@ -223,7 +239,8 @@ def run_step(
         dtype: cast the copy and floating inputs to this dtype (None: keep).
         device: where the copy and inputs go (default CPU).
         seed: torch seed for the step, so stochastic layers draw the same way each run.
-        record_replicas: capture every replica's gradient contribution.
+        record_replicas: capture every replica's gradient contribution (True), or only the
+            sum of their magnitudes (``"magnitudes"``).
         loss_argument: the argument named in errors about the loss.
         kwargs: keyword forward arguments (copied like ``inputs``).
     """
@@ -233,7 +250,7 @@ def run_step(
     args = convert_tensors(inputs, dtype, device)
     keywords = convert_tensors(dict(kwargs or {}), dtype, device)
     sites = parameter_sites(model)
-    recorder = ReplicaGradRecorder(sites) if record_replicas else None
+    recorder = ReplicaGradRecorder(sites, keep=record_replicas is True) if record_replicas else None
     if recorder is not None:
         recorder.attach(model)
     runner: Callable[..., Any] = wrap(model) if wrap is not None else model
@@ -266,7 +283,8 @@ def run_step(
             for key, grads_by_name in sorted(recorder.contributions.items())
         )
     outputs = tuple((path, t.detach()) for path, t in flatten_tensors(output, "output"))
-    return StepResult(outputs, loss.detach().reshape(()), grads, contributions)
+    magnitudes = recorder.magnitudes if recorder is not None else {}
+    return StepResult(outputs, loss.detach().reshape(()), grads, contributions, magnitudes)
 
 
 def copy_module(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
