@@ -319,29 +319,43 @@ _UNUSED_HINT = (
 # --------------------------------------------------------------------------- diagnosis
 
 
-def _explain_scale(c: float, world_size: int, micro_batches: int = 1) -> str:
-    """A sentence on a uniform gradient factor between a rank and one device."""
+def _explain_scale(c: float, world_size: int, micro_batches: int = 1, shard_size: int | None = None) -> str:
+    """A sentence on a uniform gradient factor between a rank and one device, naming every
+    classic mistake that produces that factor (2 can be the world size and the rows per rank)."""
     text = f"Every rank's gradient is {c:.6g} times the single-device full-batch gradient"
-    if micro_batches > 1 and abs(c - micro_batches) < 1e-3 * micro_batches:
-        return text + (
-            f" ({micro_batches}, the number of micro-batches): each micro-batch's loss must be "
+
+    def near(value: float) -> bool:
+        return abs(c - value) < 1e-3 * value
+
+    causes = []
+    if micro_batches > 1 and near(micro_batches):
+        causes.append(
+            f"({micro_batches}, the number of micro-batches): each micro-batch's loss must be "
             f"divided by {micro_batches} (weighted by its rows * world_size / B), or the "
-            "accumulated gradient is the sum of the micro-batch means."
+            "accumulated gradient is the sum of the micro-batch means"
         )
-    if world_size > 1 and abs(c - world_size) < 1e-3 * world_size:
-        return text + (
-            f" ({world_size}, the world size): the ranks' gradients were summed but not divided "
+    if world_size > 1 and near(world_size):
+        causes.append(
+            f"({world_size}, the world size): the ranks' gradients were summed but not divided "
             "by the world size. DDP averages for you; a hand-written all_reduce with "
             "ReduceOp.SUM must be followed by grad /= world_size, and a loss must not be "
-            "multiplied by the world size on top of DDP's average."
+            "multiplied by the world size on top of DDP's average"
+        )
+    if shard_size and shard_size > 1 and near(shard_size):
+        causes.append(
+            f"({shard_size}, the rows per rank): each rank's loss was summed over its rows "
+            "and never divided by the batch size. Use a mean loss (or divide the sum by "
+            "B / world_size); DDP then averages the ranks"
         )
     if world_size > 1 and abs(c * world_size - 1.0) < 1e-3:
-        return text + (
-            f" (1/{world_size}, one over the world size): the gradients were divided by the "
+        causes.append(
+            f"(1/{world_size}, one over the world size): the gradients were divided by the "
             "world size twice, e.g. a loss divided by world_size (or a hand-written average) on "
-            "top of DDP, which already averages over ranks."
+            "top of DDP, which already averages over ranks"
         )
-    return text + "."
+    if not causes:
+        return text + "."
+    return text + " " + "; or ".join(causes) + "."
 
 
 def _unused_note(expected: StepResult, ddp_kwargs: Mapping[str, Any]) -> list[str]:
@@ -372,9 +386,13 @@ def _ranks_disagree(steps: Sequence[RankStep]) -> list[str]:
     return []
 
 
-def _scale_note(steps: Sequence[RankStep], expected: StepResult, world_size: int, micro_batches: int = 1) -> list[str]:
+def _scale_note(
+    steps: Sequence[RankStep], expected: StepResult, world_size: int, micro_batches: int = 1,
+    shard_sizes: Sequence[int] = (),
+) -> list[str]:
     c = uniform_scale(steps[0].grads, expected.grads)
-    return [] if c is None else [_explain_scale(c, world_size, micro_batches)]
+    equal = shard_sizes[0] if shard_sizes and len(set(shard_sizes)) == 1 else None
+    return [] if c is None else [_explain_scale(c, world_size, micro_batches, equal)]
 
 
 def _relative_gap(actual: dict[str, torch.Tensor | None], reference: dict[str, torch.Tensor | None]) -> float:
@@ -516,7 +534,7 @@ def assert_ddp_grads_match(
                 "the loss-averaging trap. Multiply the rank's loss by ctx.loss_weight."
             )
     if not ok:
-        notes += _scale_note(verified, expected, check.world_size)
+        notes += _scale_note(verified, expected, check.world_size, shard_sizes=check.shard_sizes)
         notes += _unused_note(expected, dict(check.ddp_kwargs))
         notes += _ranks_disagree(verified)
     return raise_unless_ok(check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes), msg)
@@ -592,7 +610,7 @@ def assert_ddp_accumulation_matches(
     elif any(c != 1 for c in counts):
         failures.append(_sync_failure(counts, k))
     if not all(row.ok for row in rows):
-        notes += _scale_note(results, expected, check.world_size, k)
+        notes += _scale_note(results, expected, check.world_size, k, shard_sizes=check.shard_sizes)
         notes += _ranks_disagree(results)
     notes.append(f"Gradient synchronisations per rank: {counts} (one expected).")
     outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures)

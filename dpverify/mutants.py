@@ -4,14 +4,17 @@ Each mutant is a small, readable data-parallel implementation with one bug that 
 really make (SEMANTICS.md, QUESTIONS.md). The DataParallel mutants have DataParallel's
 signature, ``Wrapper(module, device_ids=..., output_device=...)``, and can be passed as
 ``parallel=`` to every assertion helper or as ``dpverify verify --parallel``; reduction
-mutants have ``reduce(replica_losses, chunk_sizes)``'s signature. ``MUTANTS`` describes
+mutants have ``reduce(replica_losses, chunk_sizes)``'s signature; DDP mutants are per-rank
+steps, ``step(ctx: ShardContext)``, for the DDP checks' ``step=``. ``MUTANTS`` describes
 them all: the bug, the check that catches it, and a phrase the failure message contains.
-``ScratchDataParallel`` is a correct DataParallel written from scratch: it must pass
-everything the mutants fail.
+``ScratchDataParallel`` (a DataParallel written from scratch) and ``manual_allreduce_step``
+(a DDP step with a hand-written all-reduce) are correct: they must pass everything the
+mutants fail.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from collections.abc import Callable, Sequence
@@ -19,12 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from hypothesis.strategies import SearchStrategy
 from torch import nn
 
 import dpverify
+from dpverify._ddp_rank import ShardContext
+from dpverify._model_specs import KINDS
 from dpverify._virtual import VirtualDataParallel
-from dpverify.strategies import Scenario, device_lists, model_specs, scenarios
+from dpverify.strategies import Scenario, device_lists, loss_specs, model_specs, scenarios
 
 __all__ = [
     "MUTANTS",
@@ -40,8 +46,15 @@ __all__ = [
     "ReversedGatherDataParallel",
     "ScratchDataParallel",
     "TinyErrorDataParallel",
+    "forward_outside_no_sync_step",
+    "manual_allreduce_step",
     "mean_of_replica_losses",
+    "rank_seeded_init_step",
+    "summed_allreduce_step",
+    "summed_loss_step",
+    "undivided_accumulation_step",
     "weighted_replica_losses",
+    "zero_grad_in_loop_step",
 ]
 
 
@@ -282,6 +295,97 @@ def weighted_replica_losses(losses: torch.Tensor, chunk_sizes: list[int]) -> tor
     return (losses * sizes).sum() / sizes.sum()
 
 
+# --------------------------------------------------------------------------- DDP steps
+# Per-rank training steps (``step(ctx: ShardContext)``): module-level functions, so that
+# they pickle to the ranks.
+
+
+def _all_reduce_mean(module: nn.Module, world_size: int, *, divide: bool = True) -> None:
+    for param in module.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad)
+            if divide:
+                param.grad /= world_size
+
+
+def manual_allreduce_step(ctx: ShardContext) -> Any:
+    """A correct DDP step without DistributedDataParallel: each rank's mean loss weighted by
+    its share of the batch (``n_r * W / B``), backward, then every gradient all-reduced and
+    divided by the world size."""
+    output = ctx.module(*ctx.inputs)
+    (ctx.loss_fn(output, ctx.target) * ctx.loss_weight).backward()
+    _all_reduce_mean(ctx.module, ctx.world_size)
+    return output
+
+
+def summed_loss_step(ctx: ShardContext) -> Any:
+    """Sums the per-row losses of the shard and never divides by the batch: DDP then
+    averages sums, and every gradient is ``B / W`` times too large."""
+    model = ctx.ddp()
+    output = model(*ctx.inputs)
+    (ctx.loss_fn(output, ctx.target) * ctx.shard_size).backward()
+    return output
+
+
+def summed_allreduce_step(ctx: ShardContext) -> Any:
+    """A hand-written all-reduce that sums gradients and forgets to divide by the world
+    size (DDP averages): gradients ``W`` times too large."""
+    output = ctx.module(*ctx.inputs)
+    (ctx.loss_fn(output, ctx.target) * ctx.loss_weight).backward()
+    _all_reduce_mean(ctx.module, ctx.world_size, divide=False)
+    return output
+
+
+def rank_seeded_init_step(ctx: ShardContext) -> Any:
+    """Initialises the model on each rank with a rank-dependent seed and never broadcasts
+    rank 0's parameters (DistributedDataParallel does at construction): ranks train
+    different models."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1000 + ctx.rank)
+        for sub in ctx.module.modules():
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    return manual_allreduce_step(ctx)
+
+
+def forward_outside_no_sync_step(ctx: ShardContext) -> None:
+    """Gradient accumulation with only ``backward`` inside ``no_sync()``: DDP prepares the
+    all-reduce in forward, so every micro-batch synchronises anyway."""
+    model = ctx.ddp()
+    parts = ctx.micro_batch_split()
+    for index, part in enumerate(parts):
+        output = model(*part.inputs)
+        loss = ctx.loss_fn(output, part.target) * part.rows * ctx.world_size / ctx.batch_size
+        with contextlib.nullcontext() if index == len(parts) - 1 else model.no_sync():
+            loss.backward()
+
+
+def undivided_accumulation_step(ctx: ShardContext) -> None:
+    """Gradient accumulation that adds up the micro-batches' mean losses without dividing
+    by their number: gradients ``k`` times too large."""
+    model = ctx.ddp()
+    parts = ctx.micro_batch_split()
+    for index, part in enumerate(parts):
+        with contextlib.nullcontext() if index == len(parts) - 1 else model.no_sync():
+            ctx.loss_fn(model(*part.inputs), part.target).backward()
+
+
+def zero_grad_in_loop_step(ctx: ShardContext) -> None:
+    """Gradient accumulation that calls ``zero_grad()`` inside the loop: only the last
+    micro-batch's gradient survives."""
+    model = ctx.ddp()
+    parts = ctx.micro_batch_split()
+    for index, part in enumerate(parts):
+        model.zero_grad()
+        with contextlib.nullcontext() if index == len(parts) - 1 else model.no_sync():
+            output = model(*part.inputs)
+            (ctx.loss_fn(output, part.target) * part.rows * ctx.world_size / ctx.batch_size).backward()
+
+
+# --------------------------------------------------------------------------- properties
+
+
 def _grads_match(scenario: Scenario, parallel: Any) -> None:
     s = scenario.build()
     dpverify.assert_dp_grads_match(
@@ -313,6 +417,36 @@ def _usable(scenario: Scenario) -> bool:
     return not (scenario.model.kind == "batchnorm" and scenario.model.train and min(scenario.chunk_sizes) < 2)
 
 
+def _ddp_grads(scenario: Scenario, step: Any) -> None:
+    s = scenario.build()
+    dpverify.assert_ddp_grads_match(
+        s.module, s.inputs, s.target, loss_fn=s.loss_fn, world_size=len(s.device_ids), step=step
+    )
+
+
+#: Micro-batches per rank in the accumulation property.
+MICRO_BATCHES = 2
+
+
+def _ddp_accumulation(scenario: Scenario, step: Any) -> None:
+    s = scenario.build()
+    dpverify.assert_ddp_accumulation_matches(
+        s.module, s.inputs, s.target, loss_fn=s.loss_fn, world_size=len(s.device_ids),
+        micro_batches=MICRO_BATCHES, step=step,
+    )
+
+
+def _ddp_ready(scenario: Scenario) -> bool:
+    # every rank needs a row for each of its micro-batches
+    return scenario.batch_size >= MICRO_BATCHES * len(scenario.devices.device_ids)
+
+
+def _equal_micro_batches(scenario: Scenario) -> bool:
+    # equal shards of equal micro-batches: the common case, where a missing 1/k shows as a
+    # clean factor the message can name
+    return scenario.batch_size % (MICRO_BATCHES * len(scenario.devices.device_ids)) == 0
+
+
 @dataclass(frozen=True)
 class Property:
     """A check over random scenarios: the scenarios it draws and how it runs one."""
@@ -324,6 +458,12 @@ class Property:
 def _properties() -> dict[str, Property]:
     devices = device_lists(min_devices=2)  # a data-parallel bug needs two devices to show
     exact = scenarios(models=model_specs(exact=True), devices=devices)
+    ddp_models = model_specs(kinds=[k for k in KINDS if k != "kwargs"], exact=True)
+    # the DDP checks take a mean loss (their exact recipe weights it by n_r * W / B)
+    ddp = scenarios(
+        models=ddp_models, devices=device_lists(min_devices=2, max_devices=3),
+        losses=loss_specs(reductions=("mean",)), max_batch=12,
+    )
     return {
         "assert_dp_grads_match": Property(exact, _grads_match),
         "assert_grad_sum_equals_mean_loss_grad": Property(exact, _grad_sum),
@@ -334,6 +474,9 @@ def _properties() -> dict[str, Property]:
         "assert_loss_reduction_matches_full_batch": Property(
             scenarios(models=model_specs(kinds=["loss-head"]), devices=devices), _loss_reduction
         ),
+        # DDP: the device list's length is the world size (2 or 3 ranks, one pool each).
+        "assert_ddp_grads_match": Property(ddp.filter(_ddp_ready), _ddp_grads),
+        "assert_ddp_accumulation_matches": Property(ddp.filter(_equal_micro_batches), _ddp_accumulation),
     }
 
 
@@ -348,8 +491,8 @@ class Mutant:
     Attributes:
         name: short identifier.
         implementation: the wrapper class or reduction function.
-        kind: ``"dp"`` (a DataParallel-like wrapper) or ``"reduce"`` (a reduction of
-            per-replica losses).
+        kind: ``"dp"`` (a DataParallel-like wrapper), ``"reduce"`` (a reduction of
+            per-replica losses) or ``"ddp-step"`` (a per-rank DDP training step).
         bug: what is wrong, in one sentence.
         caught_by: the check that catches it.
         message: a phrase the failure message contains, pointing at the bug.
@@ -379,5 +522,11 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("last-replica-buffers", LastReplicaBuffersDataParallel, "dp", "keeps the last replica's buffers instead of the first's", "assert_dp_buffers_match", "buffer '"),
         Mutant("tiny-error", TinyErrorDataParallel, "dp", "scales one parameter's gradient by 1 + 1e-4", "assert_dp_grads_match", "tensors are not close"),
         Mutant("mean-of-means", mean_of_replica_losses, "reduce", "averages per-replica losses with loss.mean() on uneven chunks", "assert_loss_reduction_matches_full_batch", "The chunks are uneven"),
+        Mutant("ddp-summed-loss", summed_loss_step, "ddp-step", "sums each rank's losses and never divides by the batch", "assert_ddp_grads_match", "summed over its rows"),
+        Mutant("ddp-summed-allreduce", summed_allreduce_step, "ddp-step", "a hand-written all-reduce that sums gradients without dividing by the world size", "assert_ddp_grads_match", "the world size"),
+        Mutant("ddp-rank-seeded-init", rank_seeded_init_step, "ddp-step", "initialises each rank with its own seed and never broadcasts rank 0's parameters", "assert_ddp_grads_match", "tensors are not close"),
+        Mutant("ddp-forward-outside-no-sync", forward_outside_no_sync_step, "ddp-step", "runs the forward outside no_sync(), so every micro-batch synchronises", "assert_ddp_accumulation_matches", "synchronised"),
+        Mutant("ddp-undivided-accumulation", undivided_accumulation_step, "ddp-step", "accumulates micro-batch losses without dividing by their number", "assert_ddp_accumulation_matches", "the number of micro-batches"),
+        Mutant("ddp-zero-grad-in-loop", zero_grad_in_loop_step, "ddp-step", "calls zero_grad() inside the accumulation loop", "assert_ddp_accumulation_matches", "tensors are not close"),
     )
 }
