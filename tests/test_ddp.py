@@ -16,7 +16,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,8 @@ from dpverify._ddp_pool import DDPWorkerPool, ParallelError, RankInfo
 from dpverify._ddp_rank import ShardContext, ddp_step, even_shards
 from dpverify._ddp_selftest import PartlyUsed, main_selftest
 from dpverify._errors import InvalidArgument, ParallelMismatch
+from dpverify._model_specs import KINDS
+from dpverify.strategies import Scenario, device_lists, loss_specs, model_specs, scenarios
 
 LINUX = sys.platform.startswith("linux")
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
@@ -787,59 +788,35 @@ def test_dp_and_ddp_agree_for_a_mean_loss_and_differ_by_world_size_for_a_sum(ddp
 # --------------------------------------------------------------------------- property
 
 
-@dataclass(frozen=True)
-class MLPSpec:
-    """A small MLP, built deterministically from a seed.
-
-    TODO: replace by ``dpverify.strategies.scenarios()`` once it exists.
-    """
-
-    features: int
-    hidden: tuple[int, ...]
-    outputs: int
-    activation: str
-
-    def build(self, seed: int) -> nn.Module:
-        layers: list[nn.Module] = []
-        width = self.features
-        for size in self.hidden:
-            layers += [nn.Linear(width, size), {"tanh": nn.Tanh, "gelu": nn.GELU, "sigmoid": nn.Sigmoid}[self.activation]()]
-            width = size
-        layers.append(nn.Linear(width, self.outputs))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return nn.Sequential(*layers)
+DDP_MODELS = model_specs(kinds=[k for k in KINDS if k != "kwargs"], exact=True)
 
 
 @st.composite
-def ddp_scenarios(draw: st.DrawFn) -> tuple[MLPSpec, int, tuple[int, ...], int]:
-    spec = draw(
-        st.builds(
-            MLPSpec,
-            features=st.integers(1, 6),
-            hidden=st.lists(st.integers(1, 8), max_size=2).map(tuple),
-            outputs=st.integers(1, 3),
-            activation=st.sampled_from(["tanh", "gelu", "sigmoid"]),
-        )
+def ddp_scenarios(draw: st.DrawFn) -> tuple[Scenario, tuple[int, ...]]:
+    """A scenario from ``dpverify.strategies`` (mean losses: the DDP checks' contract), its
+    device list's length as the world size (2 to 4), and random contiguous shards."""
+    scenario = draw(
+        scenarios(
+            models=DDP_MODELS, devices=device_lists(min_devices=2, max_devices=4),
+            losses=loss_specs(reductions=("mean",)),
+        ).filter(lambda s: s.batch_size >= len(s.devices.device_ids))
     )
-    world = draw(st.integers(2, 4))
-    rows = draw(st.integers(world, 3 * world))
+    world, rows = len(scenario.devices.device_ids), scenario.batch_size
     cuts = sorted(draw(st.lists(st.integers(1, rows - 1), min_size=world - 1, max_size=world - 1, unique=True)))
-    shards = tuple(b - a for a, b in zip([0, *cuts], [*cuts, rows], strict=True))
-    return spec, world, shards, draw(st.integers(0, 2**16))
+    return scenario, tuple(b - a for a, b in zip([0, *cuts], [*cuts, rows], strict=True))
 
 
 @pytest.mark.timeout(240)
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])  # examples: the dpverify-ci profile
-@given(scenario=ddp_scenarios())
-def test_property_ddp_matches_one_device_for_any_shards(ddp_pools: Callable[[int], DDPWorkerPool], scenario: tuple[MLPSpec, int, tuple[int, ...], int]) -> None:
-    spec, world, shards, seed = scenario
-    x, y = batch(sum(shards), seed=seed, features=spec.features, outputs=spec.outputs)
+@given(drawn=ddp_scenarios())
+def test_property_ddp_matches_one_device_for_any_shards(ddp_pools: Callable[[int], DDPWorkerPool], drawn: tuple[Scenario, tuple[int, ...]]) -> None:
+    scenario, shards = drawn
+    s, world = scenario.build(), len(shards)
     pool = ddp_pools(world)
-    result = assert_ddp_grads_match(spec.build(seed), x, y, loss_fn=F.mse_loss, world_size=world, shards=shards, pool=pool)
+    result = assert_ddp_grads_match(s.module, s.inputs, s.target, loss_fn=s.loss_fn, world_size=world, shards=shards, pool=pool)
     assert result.ok
     with pytest.raises(ParallelMismatch, match=rf"\({world}, the world size\)"):
-        assert_ddp_grads_match(spec.build(seed), x, y, loss_fn=F.mse_loss, world_size=world, shards=shards, step=hand_all_reduce_without_division, pool=pool)
+        assert_ddp_grads_match(s.module, s.inputs, s.target, loss_fn=s.loss_fn, world_size=world, shards=shards, step=hand_all_reduce_without_division, pool=pool)
 
 
 # --------------------------------------------------------------------------- torchrun
