@@ -1,31 +1,47 @@
-"""The ``dpverify`` command line."""
+"""The ``dpverify`` command line (also ``python -m dpverify``).
+
+Subcommands: ``verify`` (the built-in models, one line per check), ``fuzz`` (the property
+suite's checks on random scenarios), ``check MODULE:FACTORY`` (every check on your model)
+and ``explain [MODULE:FACTORY]`` (the questions of QUESTIONS.md answered by measurement).
+Exit status: 0 when everything passed, 1 when a check failed, 2 for a usage error.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dpverify._assertions import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
 from dpverify._builtin import BUILTIN_MODELS, BuiltinCase, builtin_case
 from dpverify._devices import cuda_device_count
-from dpverify._errors import ParallelMismatch
+from dpverify._errors import InvalidArgument, ParallelMismatch
 from dpverify._loss_average import (
     assert_loss_reduction_matches_full_batch,
     check_forward_loss_average,
 )
+from dpverify._user_model import UsageError, UserModel, builtin_model, user_model
+from dpverify._user_model import load_object as _load_object
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from dpverify._fuzz import FuzzConfig, FuzzReport
+
+__all__ = ["load_object", "main"]
 
 #: (batch size, device count): even chunks, uneven chunks, fewer rows than devices.
 SPLITS: tuple[tuple[int, int], ...] = ((8, 2), (5, 4), (2, 4))
+
+#: The built-in model ``explain`` uses when no factory is given.
+DEFAULT_EXPLAIN_MODEL = "embedding"
 
 
 @dataclass(frozen=True)
@@ -42,20 +58,15 @@ def _weighted(losses: torch.Tensor, sizes: list[int]) -> torch.Tensor:
 
 
 def load_object(spec: str, option: str) -> Any:
-    """Imports ``package.module:attribute`` (the current directory is importable)."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise SystemExit(f"dpverify: {option} {spec!r} must look like 'module:attribute'")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    """Imports ``package.module:attribute`` (the current directory is importable); exits
+    with the reason when it cannot."""
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise SystemExit(f"dpverify: {option} {spec!r}: cannot import {module_name!r} ({error})") from None
-    try:
-        return getattr(module, attribute)
-    except AttributeError:
-        raise SystemExit(f"dpverify: {option} {spec!r}: {module_name!r} has no attribute {attribute!r}") from None
+        return _load_object(spec, option)
+    except UsageError as error:
+        raise SystemExit(f"dpverify: {error}") from None
+
+
+# --------------------------------------------------------------------------- verify
 
 
 def _checks(case: BuiltinCase, ids: list[int], parallel: Any = None) -> list[tuple[str, Callable[[], str]]]:
@@ -129,11 +140,288 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+# --------------------------------------------------------------------------- shared
+
+
+def _console(args: argparse.Namespace, *, record: bool = False) -> Console:
+    """A rich console on stdout; no colour with --no-color or NO_COLOR, and 100 columns
+    where stdout is not a terminal (rich's 80 would wrap the tables)."""
+    from rich.console import Console
+
+    width = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 100
+    return Console(no_color=bool(args.no_color) or None, highlight=False, record=record, width=width)
+
+
+def _usage_error(command: str, message: str) -> int:
+    print(f"dpverify {command}: {message}", file=sys.stderr)
+    return 2
+
+
+def _positive(option: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{option} {text!r} must be a positive integer")
+        return value
+
+    return parse
+
+
+def _duration(text: str) -> float:
+    from dpverify._fuzz import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _ddp_missing(backend: str) -> str | None:
+    from dpverify._model_check import ddp_checks
+
+    if backend in ("ddp", "all") and ddp_checks() is None:
+        return f"--backend {backend}: the DDP backend is not available in this build; use --backend dp"
+    return None
+
+
+def _load_model(args: argparse.Namespace, *, default: str | None) -> UserModel:
+    if args.factory:
+        if args.model:
+            raise UsageError("give either MODULE:FACTORY or --model NAME, not both")
+        return user_model(args.factory, inputs_spec=args.inputs, loss=args.loss, seed=args.seed)
+    if args.inputs or args.loss:
+        raise UsageError("--inputs and --loss apply to MODULE:FACTORY; the built-in models bring their own")
+    name = args.model or default
+    if name is None:
+        raise UsageError("give MODULE:FACTORY (a function returning your nn.Module), or --model NAME for a built-in model")
+    return builtin_model(name, seed=args.seed)
+
+
+# --------------------------------------------------------------------------- fuzz
+
+
+def _fuzz(args: argparse.Namespace) -> int:
+    from dpverify._fuzz import FuzzConfig, FuzzProgress, devices_text, fuzz
+
+    missing = _ddp_missing(args.backend)
+    if missing:
+        return _usage_error("fuzz", missing)
+    if args.target and args.backend == "all":
+        return _usage_error("fuzz", "--target fuzzes one backend: pass --backend dp (a DataParallel-like wrapper) or --backend ddp (a DDP step)")
+    if args.profile:
+        from hypothesis import settings
+
+        import dpverify.pytest_plugin  # noqa: F401  (registers the dpverify-* profiles)
+
+        try:
+            settings.get_profile(args.profile)
+        except Exception:
+            return _usage_error("fuzz", f"--profile {args.profile!r} is not a Hypothesis profile; try dpverify-dev, dpverify-ci or dpverify-fuzz")
+    try:
+        target = _load_object(args.target, "--target") if args.target else None
+    except UsageError as error:
+        return _usage_error("fuzz", str(error))
+    if target is not None and not callable(target):
+        return _usage_error("fuzz", f"--target {args.target!r} is {type(target).__name__}, not callable")
+    config = FuzzConfig(
+        backend=args.backend, devices=args.devices, max_examples=args.max_examples,
+        time_budget=args.time_budget, seed=args.seed, profile=args.profile, target=args.target,
+        target_object=target,
+    ).with_defaults()
+    console = _console(args)
+    _fuzz_header(console, config, devices_text(config))
+    with FuzzProgress(console, config) as progress:
+        report = fuzz(config, on_example=progress.update)
+    return _fuzz_summary(console, config, report)
+
+
+def _fuzz_header(console: Console, config: FuzzConfig, where: str) -> None:
+    under_test = {
+        "dp": "torch.nn.DataParallel",
+        "ddp": "torch DistributedDataParallel",
+        "all": "torch.nn.DataParallel and DistributedDataParallel",
+    }[config.backend]
+    if config.target:
+        under_test = f"{config.target} ({'DataParallel-like wrapper' if config.backend == 'dp' else 'DDP step'})"
+    limits = [f"{config.max_examples} examples"] if config.max_examples is not None else []
+    limits += [f"time budget {config.time_budget:g}s"] if config.time_budget is not None else []
+    limit = " or ".join(limits) or f"{config.examples} examples"
+    if config.seed is None:
+        replay = f"random seed; failures kept in {config.state_dir}/examples and replayed first"
+    else:
+        replay = f"seed {config.seed} (a seeded session does not use the example database)"
+    console.print(f"[bold]dpverify fuzz[/]: {under_test} on {where}; {limit}; {replay}", soft_wrap=True)
+
+
+def _fuzz_summary(console: Console, config: FuzzConfig, report: FuzzReport) -> int:
+    from rich.table import Table
+
+    table = Table(show_header=False, box=None, padding=(0, 2))
+    table.add_row("examples", f"{report.examples} in {report.elapsed:.1f} s ({report.examples / max(report.elapsed, 1e-9):.1f}/s)")
+    table.add_row("passed", str(report.passed))
+    for name, count in report.diverged:
+        table.add_row(f"expected divergence: {name}", f"{count} (classified, and exact in eval mode)")
+    table.add_row("failed", "1" if report.failure else "0")
+    console.print(table)
+    rerun = "pass --seed S for a repeatable session" if config.seed is None else f"seed {config.seed}"
+    if report.failure is not None:
+        failure = report.failure
+        where = "replayed from the example database" if failure.first_found_at == 1 else f"found at example {failure.first_found_at}"
+        console.print(f"\n[bold red]Counterexample[/] (check {failure.check!r}, {where}, shrunk):")
+        console.print(repr(failure.scenario), markup=False, soft_wrap=True)
+        console.print("\nFull report:", markup=False)
+        console.print(failure.report, markup=False, soft_wrap=True)
+        console.print(f"\nReproduce with: python {failure.repro}", markup=False)
+        console.print(f"[bold red]FAILED[/]: a failure after {report.examples} example{'s' if report.examples != 1 else ''} ({rerun})", soft_wrap=True)
+        return 1
+    if report.stopped_by == "interrupt":
+        console.print(f"INTERRUPTED after {report.examples} examples, no failure so far ({rerun})", soft_wrap=True)
+        return 130
+    stop = "time budget reached" if report.stopped_by == "time-budget" else "all examples run"
+    console.print(f"[bold green]OK[/]: {report.examples} examples, no failure; {stop} ({rerun})", soft_wrap=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- check
+
+
+def _check(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from dpverify._model_check import check_model, plan_checks, render_model_check
+
+    missing = _ddp_missing(args.backend)
+    if missing:
+        return _usage_error("check", missing)
+    try:
+        model = _load_model(args, default=None)
+        planned = len(plan_checks(model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend))
+    except UsageError as error:
+        return _usage_error("check", str(error))
+    console = _console(args)
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task("checking", total=planned)
+        try:
+            report = check_model(
+                model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend,
+                on_result=lambda result: progress.update(task, advance=1, description=f"{result.check}, {result.split.label}"),
+            )
+        except InvalidArgument as error:
+            return _usage_error("check", str(error))
+    render_model_check(console, model, report, backend=args.backend)
+    return 1 if report.failed else 0
+
+
+# --------------------------------------------------------------------------- explain
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from dpverify._explain import explain
+    from dpverify._explain_view import explanation_json, render_explanation
+
+    try:
+        model = _load_model(args, default=DEFAULT_EXPLAIN_MODEL)
+        ids = list(range(args.devices))
+        if args.output_device is not None and args.output_device not in ids:
+            raise UsageError(f"--output-device {args.output_device} is not one of the devices {ids}; pick one of them")
+        if args.ddp and _ddp_missing("ddp"):
+            raise UsageError("--ddp: the DDP backend is not available in this build; leave --ddp out for the simulated answer")
+        explanation = explain(model, batch_size=args.batch, device_ids=ids, output_device=args.output_device, real_ddp=args.ddp)
+    except (UsageError, InvalidArgument) as error:
+        return _usage_error("explain", str(error))
+    if args.json:
+        print(explanation_json(explanation))
+    else:
+        console = _console(args, record=args.svg is not None)
+        render_explanation(console, explanation)
+        if args.svg is not None:
+            console.save_svg(str(args.svg), title=f"dpverify explain {explanation.model}")
+            print(f"wrote {args.svg}", file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "factory", nargs="?", metavar="MODULE:FACTORY",
+        help="your model: FACTORY() returns the nn.Module (the current directory is importable)",
+    )
+    parser.add_argument("--inputs", metavar="MODULE:FN", help="FN(batch_size) returns (inputs, target); target None if forward returns the loss (default: inferred from the first layer)")
+    parser.add_argument("--loss", metavar="NAME", help="mse, l1, smooth_l1, cross_entropy, nll or bce_with_logits (default: cross_entropy for integer targets, else mse)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default 0)")
+
+
+def _add_fuzz(commands: Any, common: argparse.ArgumentParser) -> None:
+    fuzz = commands.add_parser(
+        "fuzz", parents=[common],
+        help="run the property suite's checks on random scenarios",
+        description="Runs the property suite's checks on random scenarios drawn by Hypothesis, with "
+        "a live progress bar. Failing examples are kept in .dpverify/examples and replayed first "
+        "next time; a failure is shrunk, printed as a spec with its full report, and written as a "
+        "standalone script .dpverify/repro_<id>.py. Exit status 1 on failure, 0 when all passed.",
+    )
+    fuzz.add_argument("--backend", choices=("dp", "ddp", "all"), default="dp", help="DataParallel (default), DistributedDataParallel, or both")
+    fuzz.add_argument("--devices", type=_positive("--devices"), default=4, metavar="N", help="DataParallel: 1 to N devices per example (virtual on CPU, real on GPUs); DDP: N ranks (default 4)")
+    fuzz.add_argument("--max-examples", type=_positive("--max-examples"), metavar="N", help="examples to run (default: 1000, or one minute, whichever comes first)")
+    fuzz.add_argument("--time-budget", type=_duration, metavar="DURATION", help="start no new example after this long: 90s, 10m, 1h (with --max-examples, whichever comes first)")
+    fuzz.add_argument("--seed", type=int, help="Hypothesis seed for a repeatable session (default: random; a seeded session does not use the example database)")
+    fuzz.add_argument("--profile", metavar="NAME", help="start from this Hypothesis settings profile (dpverify-dev, dpverify-ci, dpverify-fuzz)")
+    fuzz.add_argument("--target", metavar="MODULE:CALLABLE", help="fuzz your own code: --backend dp, a DataParallel-like CALLABLE(module, device_ids=..., output_device=...); --backend ddp, a DDP step CALLABLE(ctx)")
+    fuzz.set_defaults(run=_fuzz)
+
+
+def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
+    from dpverify._model_check import DEFAULT_BATCH_SIZES, DEFAULT_DEVICE_COUNTS
+
+    check = commands.add_parser(
+        "check", parents=[common],
+        help="run every applicable check on your model",
+        description="Imports your model factory and runs every applicable check for several batch "
+        "sizes and device counts: DataParallel gradients, replica gradient sum, loss-in-forward "
+        "averaging when the model returns its loss, DDP with --backend ddp. BatchNorm in train "
+        "mode and Dropout are explained (the module and the fix), not failed, and the model is "
+        "checked again in eval mode.",
+    )
+    _model_arguments(check)
+    check.add_argument("--model", choices=sorted(BUILTIN_MODELS), help="a built-in model instead of MODULE:FACTORY")
+    check.add_argument("--backend", choices=("dp", "ddp", "all"), default="dp", help="DataParallel (default), DDP, or both")
+    check.add_argument("--batch-sizes", type=_positive("--batch-sizes"), nargs="+", default=list(DEFAULT_BATCH_SIZES), metavar="B", help=f"batch sizes (default {' '.join(map(str, DEFAULT_BATCH_SIZES))})")
+    check.add_argument("--devices", type=_positive("--devices"), nargs="+", default=list(DEFAULT_DEVICE_COUNTS), metavar="N", help=f"device counts or DDP world sizes (default {' '.join(map(str, DEFAULT_DEVICE_COUNTS))})")
+    check.set_defaults(run=_check)
+
+
+def _add_explain(commands: Any, common: argparse.ArgumentParser) -> None:
+    explain = commands.add_parser(
+        "explain", parents=[common],
+        help="answer the common DataParallel questions for a model, by measurement",
+        description="Runs one DataParallel step of your model (or a built-in one) on virtual "
+        "devices with hooks, and answers the questions people ask about DataParallel with the "
+        "values measured: a diagram of the step, views and copies, the loss-averaging table, "
+        "gradient sum vs average, lost state, bytes per device, and more.",
+    )
+    _model_arguments(explain)
+    explain.add_argument("--model", choices=sorted(BUILTIN_MODELS), help=f"a built-in model instead of MODULE:FACTORY (default {DEFAULT_EXPLAIN_MODEL})")
+    explain.add_argument("--batch", type=_positive("--batch"), default=5, metavar="B", help="rows in the batch (default 5)")
+    explain.add_argument("--devices", type=_positive("--devices"), default=4, metavar="N", help="virtual devices (default 4)")
+    explain.add_argument("--output-device", type=int, metavar="D", help="where outputs are gathered and the loss computed (default the first device)")
+    explain.add_argument("--ddp", action="store_true", help="also run real DDP ranks for question 11 (a few seconds to start)")
+    explain.add_argument("--svg", type=Path, metavar="FILE", help="also write the explanation as an SVG picture")
+    explain.add_argument("--json", action="store_true", help="print every measured value as JSON instead")
+    explain.set_defaults(run=_explain)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dpverify",
         description="Checks PyTorch data parallelism against the single-device step, by execution.",
     )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--no-color", action="store_true", help="plain output (so does the NO_COLOR environment variable)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     verify = commands.add_parser(
         "verify",
@@ -150,13 +438,31 @@ def _parser() -> argparse.ArgumentParser:
         "CALLABLE(module, device_ids=..., output_device=...)",
     )
     verify.set_defaults(run=_verify)
+    _add_fuzz(commands, common)
+    _add_check(commands, common)
+    _add_explain(commands, common)
+    # Listed for --help only: main() hands its arguments to the self-test's own parser.
+    commands.add_parser(
+        "ddp-selftest",
+        help="run the DDP checks inside torchrun's process group "
+        "(torchrun --standalone --nproc-per-node 2 -m dpverify ddp-selftest), or through a "
+        "local pool (--world-size N)",
+        add_help=False,
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``dpverify`` and ``python -m dpverify``; returns the exit code."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["ddp-selftest"]:
+        # Dispatched before argparse: a subparser taking the remaining arguments mishandles a
+        # leading --option on Python 3.11.
+        from dpverify._ddp_selftest import main_selftest
+
+        return main_selftest(arguments[1:])
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(arguments)
     if not getattr(args, "run", None):
         parser.print_help()
         return 2

@@ -160,11 +160,12 @@ class LastReplicaBuffersDataParallel(VirtualDataParallel[Any]):
 
     def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
         outputs = super().parallel_apply(replicas, inputs, kwargs)
-        last = replicas[-1]
         if len(replicas) > 1:
-            with torch.no_grad():
-                for (_, own), (_, theirs) in zip(self.module.named_buffers(), last.named_buffers(), strict=True):
-                    own.copy_(theirs)
+            # Rebinds rather than copies: replica 0's buffers may be saved for backward.
+            for own, theirs in zip(self.module.modules(), replicas[-1].modules(), strict=True):
+                for name, buffer in theirs._buffers.items():
+                    if buffer is not None:
+                        own._buffers[name] = buffer.detach()
         return outputs
 
 

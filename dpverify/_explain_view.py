@@ -1,0 +1,205 @@
+"""``dpverify explain`` drawn with rich: the step diagram, the tables, the numbered answers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
+
+from dpverify._explain import ChunkFact, Explanation, ReplicaFact
+
+__all__ = ["explanation_json", "render_explanation"]
+
+
+def explanation_json(e: Explanation) -> str:
+    """The explanation as JSON: every measured value, and the numbered answers."""
+    data: dict[str, Any] = dataclasses.asdict(e)
+    data["replicas_used"] = e.replicas_used
+    data["idle_devices"] = list(e.idle_devices)
+    for row, device in zip(data["bytes"], e.bytes, strict=True):
+        row["total"] = device.total
+    return json.dumps(data, indent=2)
+
+
+def _kb(n: int) -> str:
+    return f"{n / 1024:,.1f} KiB" if n >= 1024 else f"{n} B"
+
+
+def _rows(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "x".join(map(str, shape)) or "scalar"
+
+
+def _diagram(e: Explanation) -> Table:
+    """One step as a table: a column per device, a row per stage, arrows down then up."""
+    title = "One DataParallel step, measured"
+    if e.eval_mode_for_step:
+        title += " (in eval mode: in train mode a one-row chunk makes BatchNorm raise)"
+    table = Table(title=title, box=box.ROUNDED, show_lines=True, title_justify="left")
+    table.add_column("stage", style="bold", no_wrap=True)
+    for device in e.device_ids:
+        marks = [m for m, on in (("source", device == e.device_ids[0]), ("output", device == e.output_device)) if on]
+        table.add_column(f"device {device}" + (f" ({', '.join(marks)})" if marks else ""))
+    chunks = {c.device: c for c in e.chunks}
+    replicas = {r.device: r for r in e.replicas}
+    first, out = e.device_ids[0], e.output_device
+
+    def row(stage: str, cell: Any) -> None:
+        table.add_row(stage, *[cell(d) for d in e.device_ids])
+
+    row("batch", lambda d: f"{e.batch_size} rows, {_shape(e.batch_shape)}" if d == first else "")
+    row("▼ scatter", lambda d: _chunk_cell(chunks[d]))
+    if not e.replicated:
+        row("▼ replicate", lambda d: Text("none: with one device\nthe module itself runs", style="dim"))
+    else:
+        row("▼ replicate", lambda d: _replica_cell(replicas.get(d)))
+    row("▼ forward", lambda d: f"output {_shape(replicas[d].output_shape)}\nactivations {_kb(replicas[d].activation_bytes)}" if d in replicas else "")
+    if not e.replicated:
+        row("▼ gather", lambda d: Text("none: the output\nis the module's", style="dim"))
+    else:
+        row("▼ gather", lambda d: f"[bold]outputs {_shape(e.output_shape)}[/] ◀ {e.replicas_used} chunk{'s' if e.replicas_used != 1 else ''}" if d == out else (f"→ device {out}" if d in replicas else ""))
+    row("▼ loss", lambda d: f"[bold]{e.loss}[/]\n= {e.loss_value:.5g}" if d == out else "")
+    row("▲ backward", lambda d: f"d loss/d output:\n{_rows(replicas[d].output_grad_rows)}" if d in replicas else "")
+    if not e.replicated:
+        row("▲ .grad", lambda d: "[bold].grad[/] directly\n(no replicas)")
+    else:
+        row("▲ reduce-add", lambda d: f"[bold].grad = Σ of {e.replicas_used}[/]\nreplica grads" if d == first else (f"grads → device {first}" if d in replicas else ""))
+    return table
+
+
+def _chunk_cell(chunk: ChunkFact) -> Text | str:
+    if chunk.kind == "idle":
+        return Text("idle (no chunk)", style="dim")
+    colour = "green" if chunk.kind == "view" else "yellow"
+    rows = "row" if chunk.size == 1 else "rows"
+    label = Text(f"{rows} {chunk.rows} ({chunk.size})\n")
+    label.append(chunk.kind.upper(), style=f"bold {colour}")
+    label.append(" of the batch" if chunk.kind == "view" else f" {_kb(chunk.copied_bytes)}")
+    return label
+
+
+def _replica_cell(replica: ReplicaFact | None) -> Text | str:
+    if replica is None:
+        return Text("—", style="dim")
+    if replica.copied_parameters == 0:
+        return Text.assemble(("replica 0 = the module\n", "bold"), ("shares storage", "green"))
+    return Text.assemble(f"replica {replica.replica}: copy\n", (f"{_kb(replica.parameter_bytes)}", "yellow"))
+
+
+def _loss_table(e: Explanation) -> Table:
+    r = e.loss_average
+    table = Table(title="Loss averaging for this batch (float64)", box=box.SIMPLE_HEAD, title_justify="left")
+    table.add_column("")
+    for i, _size in enumerate(r.chunk_sizes):
+        table.add_column(f"replica {i}", justify="right")
+    table.add_row("chunk size n_i", *map(str, r.chunk_sizes))
+    table.add_row("replica loss", *[f"{x:.6g}" for x in r.replica_losses])
+    table.add_row("loss.mean() weight per row", *[f"{w:.4g}" for w in r.sample_weights])
+    table.add_row("exact weight per row (1/B)", *[f"{1 / r.batch_size:.4g}"] * len(r.chunk_sizes))
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column()
+    summary.add_column(justify="right")
+    summary.add_row("mean of means, loss.mean()", f"{r.mean_of_means:.8g}")
+    summary.add_row("weighted mean, Σ n_i/B·loss_i", f"{r.weighted_mean:.8g}")
+    summary.add_row("full-batch loss", f"{r.full_batch_loss:.8g}")
+    style = "bold red" if r.is_biased else "green"
+    summary.add_row(Text("bias of loss.mean()", style=style), Text(f"{r.loss_bias:+.3g}", style=style))
+    summary.add_row(Text("gradient bias (relative)", style=style), Text(f"{r.grad_bias:.3g}", style=style))
+    outer = Table.grid()
+    outer.add_row(table)
+    outer.add_row(summary)
+    return outer
+
+
+def _grad_table(e: Explanation) -> Table:
+    table = Table(title=f"Gradient: sum vs average of the {e.replicas_used} replica gradients vs full batch (float64)", box=box.SIMPLE_HEAD, title_justify="left")
+    table.add_column("parameter")
+    table.add_column("|full|", justify="right")
+    table.add_column("max |sum - full|", justify="right")
+    table.add_column("max |average - full|", justify="right")
+    table.add_column("|average| / |full|", justify="right")
+    for g in e.grads:
+        table.add_row(g.parameter, f"{g.full_norm:.4g}", Text(f"{g.sum_error:.2g}", style="green"), Text(f"{g.average_error:.3g}", style="red" if g.average_error > 1e-9 else ""), f"{g.average_ratio:.3g}")
+    return table
+
+
+def _bytes_table(e: Explanation) -> Table:
+    table = Table(title="Estimated bytes held per device during the step", box=box.SIMPLE_HEAD, title_justify="left")
+    for name in ("device", "inputs", "parameters", "activations", "gathered outputs", "gradients", "total"):
+        table.add_column(name, justify="left" if name == "device" else "right")
+    top = max(b.total for b in e.bytes)
+    for b in e.bytes:
+        style = "bold" if b.total == top else ""
+        table.add_row(str(b.device), _kb(b.inputs), _kb(b.parameters), _kb(b.activations), _kb(b.outputs), _kb(b.gradients), Text(_kb(b.total), style=style))
+    table.caption_justify = "left"
+    table.caption = (
+        "inputs: the batch on the source device, copied chunks elsewhere; parameters: the module's on "
+        "the source device, replica copies elsewhere; activations: module outputs seen by forward hooks; "
+        "gradients: replica contributions, the output-chunk gradient, the summed .grad (source) and the "
+        "gathered output's gradient (output device)."
+    )
+    return table
+
+
+def _splits_table(e: Explanation) -> Table:
+    n = len(e.device_ids)
+    table = Table(title=f"torch.chunk on {n} devices", box=box.SIMPLE_HEAD, title_justify="left")
+    table.add_column("batch", justify="right")
+    table.add_column("chunk sizes")
+    table.add_column("replicas", justify="right")
+    table.add_column("idle devices", justify="right")
+    for s in e.splits:
+        style = "bold" if s.batch_size == e.batch_size else ""
+        table.add_row(str(s.batch_size), str(list(s.chunk_sizes)), str(len(s.chunk_sizes)), str(s.idle_devices), style=style)
+    return table
+
+
+def _state_table(e: Explanation) -> Table | None:
+    if not e.state:
+        return None
+    table = Table(box=box.SIMPLE_HEAD)
+    table.add_column("kind")
+    table.add_column("where")
+    table.add_column("measured, and why")
+    for fact in e.state:
+        table.add_row(fact.kind, fact.where, fact.detail)
+    return table
+
+
+def _answer(number: int, e: Explanation, extra: RenderableType | None = None) -> RenderableType:
+    answer = e.answers[number - 1]
+    body: list[RenderableType] = [Text(f"{answer.number}. {answer.question}", style="bold"), Padding(Text(answer.answer), (0, 0, 0, 4))]
+    if extra is not None:
+        body.append(Padding(extra, (0, 0, 0, 4)))
+    return Group(*body, Text(""))
+
+
+def render_explanation(console: Console, e: Explanation) -> None:
+    """Prints the header, the step diagram and the eleven numbered answers."""
+    idle = f", device {', '.join(map(str, e.idle_devices))} idle" if e.idle_devices else ""
+    console.print(Text(f"dpverify explain: {e.model}", style="bold"))
+    console.print(f"{e.parameters:,} parameters ({e.dtype}); batch of {e.batch_size} rows ({e.batch_source}); loss: {e.loss}")
+    console.print(f"virtual devices {list(e.device_ids)}, output_device {e.output_device}: chunks {list(e.chunk_sizes)}{idle}")
+    console.print()
+    console.print(_diagram(e))
+    extras: dict[int, RenderableType] = {
+        3: _grad_table(e),
+        4: _loss_table(e),
+        7: _bytes_table(e),
+        9: _splits_table(e),
+    }
+    state = _state_table(e)
+    if state is not None:
+        extras[10] = state
+    for number in range(1, len(e.answers) + 1):
+        console.print(_answer(number, e, extras.get(number)))

@@ -1,0 +1,391 @@
+"""``dpverify check``: every applicable check on a user's model, over several splits.
+
+For each split (a batch size on a number of devices) it runs the DataParallel checks
+(gradients against one device, replica gradients summing to the full-batch gradient), the
+loss-in-forward checks when the model returns its loss, and the DDP check when asked. A
+model with BatchNorm in train mode or Dropout cannot match exactly: its mismatches are
+explained (the module and the fix) rather than failed, and the same checks then run on an
+eval-mode copy, which must match.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpverify._assertions import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
+from dpverify._comparison import StepComparison, TensorComparison
+from dpverify._divergence import DivergenceSource, divergence_sources
+from dpverify._errors import InvalidArgument, ParallelMismatch
+from dpverify._loss_average import (
+    LossAverageReport,
+    assert_loss_reduction_matches_full_batch,
+    check_forward_loss_average,
+)
+from dpverify._user_model import Batch, UserModel
+
+__all__ = [
+    "DEFAULT_BATCH_SIZES",
+    "DEFAULT_DEVICE_COUNTS",
+    "ONE_ROW_BATCHNORM",
+    "CheckResult",
+    "ModelCheckReport",
+    "Split",
+    "Verdict",
+    "check_model",
+    "ddp_checks",
+    "parameter_errors",
+    "plan_checks",
+    "weighted_loss",
+]
+
+#: Even chunks, uneven chunks, one-row chunks and fewer rows than devices, on 2 and 4 devices.
+DEFAULT_BATCH_SIZES: tuple[int, ...] = (8, 5, 2)
+DEFAULT_DEVICE_COUNTS: tuple[int, ...] = (2, 4)
+
+#: torch's error when BatchNorm in train mode gets a chunk of one row.
+ONE_ROW_BATCHNORM = "Expected more than 1 value per channel when training"
+
+
+class Verdict:
+    """The verdicts a check can reach."""
+
+    PASS = "PASS"
+    FAIL = "FAIL"
+    EXPLAINED = "EXPLAINED"  # differs because of BatchNorm/Dropout in train mode: not a bug
+    WARN = "WARN"  # correct DataParallel, but a training-loop trap (loss.mean() bias)
+    SKIP = "SKIP"
+
+
+@dataclass(frozen=True)
+class Split:
+    """A batch size on a number of devices (DataParallel) or ranks (DDP)."""
+
+    batch_size: int
+    devices: int
+
+    @property
+    def label(self) -> str:
+        return f"B={self.batch_size} on {self.devices}"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check on one split.
+
+    Attributes:
+        check: what was checked, short (a table row label).
+        split: the batch size and device count.
+        verdict: one of ``Verdict``'s values.
+        summary: one line for the table.
+        detail: the full report of a failure, or the explanation of a divergence.
+        tensors: the compared tensors (for the per-parameter table).
+    """
+
+    check: str
+    split: Split
+    verdict: str
+    summary: str
+    detail: str = ""
+    tensors: tuple[TensorComparison, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelCheckReport:
+    """Everything ``dpverify check`` found."""
+
+    model: str
+    loss: str
+    results: tuple[CheckResult, ...]
+    divergence: tuple[DivergenceSource, ...]
+
+    @property
+    def failed(self) -> tuple[CheckResult, ...]:
+        return tuple(r for r in self.results if r.verdict == Verdict.FAIL)
+
+    def count(self, verdict: str) -> int:
+        return sum(r.verdict == verdict for r in self.results)
+
+
+def weighted_loss(losses: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """The exact reduction of per-replica mean losses: ``sum(n_i * loss_i) / B``."""
+    weights = torch.tensor(sizes, dtype=losses.dtype, device=losses.device)
+    return (losses * weights).sum() / sum(sizes)
+
+
+def ddp_checks() -> Any:
+    """The DDP check module, or None when this build has no DDP backend."""
+    try:
+        from dpverify import _ddp_checks
+    except ImportError:
+        return None
+    return _ddp_checks
+
+
+@dataclass(frozen=True)
+class _Planned:
+    check: str
+    split: Split
+    run: Callable[[], CheckResult]
+
+
+def plan_checks(
+    model: UserModel,
+    *,
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    device_counts: Sequence[int] = DEFAULT_DEVICE_COUNTS,
+    backend: str = "dp",
+) -> list[_Planned]:
+    """Every check to run, in order; a model with divergence sources is checked as given
+    (mismatches explained) and then in eval mode (mismatches fail)."""
+    sources = divergence_sources(model.module)
+    modes: list[tuple[str, nn.Module, bool]] = [("", model.module, bool(sources))]
+    if sources:
+        modes.append((" (eval mode)", copy.deepcopy(model.module).eval(), False))
+    planned: list[_Planned] = []
+    for suffix, module, explain in modes:
+        for batch_size in batch_sizes:
+            batch = model.make_batch(batch_size)
+            for devices in device_counts:
+                split = Split(batch_size, devices)
+                for name, run in _checks_for(module, batch, split, backend, explain):
+                    planned.append(_Planned(name + suffix, split, _named(name + suffix, split, run)))
+    return planned
+
+
+def _named(name: str, split: Split, run: Callable[[str, Split], CheckResult]) -> Callable[[], CheckResult]:
+    return lambda: run(name, split)
+
+
+Runner = Callable[[str, Split], CheckResult]
+
+
+def _checks_for(module: nn.Module, batch: Batch, split: Split, backend: str, explain: bool) -> Iterator[tuple[str, Runner]]:
+    ids = list(range(split.devices))
+    sources = divergence_sources(module) if explain else ()
+    if backend in ("dp", "all"):
+        if batch.returns_loss:
+            yield "loss.mean() of replica losses", lambda name, split: _loss_average(module, batch, ids, name, split)
+            yield "n_i/B-weighted loss is exact", lambda name, split: _comparison(
+                name, split, sources,
+                lambda: assert_loss_reduction_matches_full_batch(module, batch.inputs, device_ids=ids, reduce=weighted_loss),
+            )
+        else:
+            loss_fn = batch.loss_fn
+            assert loss_fn is not None
+            yield "DP grads match one device", lambda name, split: _comparison(
+                name, split, sources,
+                lambda: assert_dp_grads_match(module, batch.inputs, batch.target, loss_fn=loss_fn, device_ids=ids),
+            )
+            yield "replica grads sum to full", lambda name, split: _comparison(
+                name, split, sources,
+                lambda: assert_grad_sum_equals_mean_loss_grad(module, batch.inputs, batch.target, loss_fn=loss_fn, device_ids=ids),
+            )
+    if backend in ("ddp", "all"):
+        yield "DDP grads match one device", lambda name, split: _ddp(module, batch, name, split, sources)
+
+
+def _ddp(module: nn.Module, batch: Batch, name: str, split: Split, sources: Sequence[DivergenceSource]) -> CheckResult:
+    checks = ddp_checks()
+    if checks is None:
+        return CheckResult(name, split, Verdict.FAIL, "the DDP backend is not available in this build")
+    if batch.loss_fn is None:
+        return CheckResult(name, split, Verdict.SKIP, "needs loss_fn(output, target); this forward returns its loss")
+    if split.batch_size < split.devices:
+        return CheckResult(name, split, Verdict.SKIP, f"fewer rows than ranks ({split.batch_size} < {split.devices})")
+    loss_fn = batch.loss_fn
+    return _comparison(
+        name, split, sources,
+        lambda: checks.assert_ddp_grads_match(module, batch.inputs, batch.target, loss_fn=loss_fn, world_size=split.devices),
+    )
+
+
+def _comparison(name: str, split: Split, sources: Sequence[DivergenceSource], run: Callable[[], StepComparison]) -> CheckResult:
+    try:
+        result = run()
+    except ParallelMismatch as failure:
+        report = failure.report
+        tensors = report.tensors if isinstance(report, StepComparison) else ()
+        if sources:
+            return _explained(name, split, sources, tensors)
+        worst = max((t for t in tensors if not t.ok), key=lambda t: t.ratio, default=None)
+        summary = f"{worst.name}: {worst.max_abs:.3g} > {worst.allowed:.3g} allowed" if worst else str(failure).splitlines()[0]
+        return CheckResult(name, split, Verdict.FAIL, summary, str(failure), tensors)
+    except InvalidArgument:
+        raise
+    except Exception as error:
+        if sources and ONE_ROW_BATCHNORM in str(error):
+            return _explained(name, split, sources, ())
+        text = f"{type(error).__name__}: {error}"
+        notes = "\n".join(getattr(error, "__notes__", ()))
+        return CheckResult(name, split, Verdict.FAIL, text.splitlines()[0], f"{text}\n{notes}".rstrip())
+    return CheckResult(name, split, Verdict.PASS, f"worst at {result.worst_ratio:.2g} of tolerance", "", result.tensors)
+
+
+def _explained(name: str, split: Split, sources: Sequence[DivergenceSource], tensors: tuple[TensorComparison, ...]) -> CheckResult:
+    modules = ", ".join(repr(s.module) if s.module else "the root module" for s in sources)
+    detail = "\n".join(s.describe() for s in sources)
+    return CheckResult(name, split, Verdict.EXPLAINED, f"differs because of {modules}", detail, tensors)
+
+
+def _loss_average(module: nn.Module, batch: Batch, ids: list[int], name: str, split: Split) -> CheckResult:
+    report: LossAverageReport = check_forward_loss_average(module, batch.inputs, device_ids=ids)
+    if report.is_biased:
+        return CheckResult(
+            name, split, Verdict.WARN,
+            f"biased by {report.loss_bias:+.3g} (chunks {list(report.chunk_sizes)}): weight by n_i/B",
+            str(report),
+        )
+    return CheckResult(name, split, Verdict.PASS, f"exact here (chunks {list(report.chunk_sizes)})", str(report))
+
+
+def check_model(
+    model: UserModel,
+    *,
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    device_counts: Sequence[int] = DEFAULT_DEVICE_COUNTS,
+    backend: str = "dp",
+    on_result: Callable[[CheckResult], None] | None = None,
+) -> ModelCheckReport:
+    """Runs every planned check; ``on_result`` sees each result as it comes."""
+    results: list[CheckResult] = []
+    for planned in plan_checks(model, batch_sizes=batch_sizes, device_counts=device_counts, backend=backend):
+        result = planned.run()
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    loss = model.make_batch(max(batch_sizes)).loss_name
+    return ModelCheckReport(model.name, loss, tuple(results), divergence_sources(model.module))
+
+
+_PARAMETER = re.compile(r"grad '(?P<name>[^']+)'$")
+
+
+@dataclass(frozen=True)
+class ParameterError:
+    """The worst gradient error of one parameter over every check and split.
+
+    Attributes:
+        name: the parameter.
+        shape: its shape.
+        ratio: greatest difference as a fraction of the allowed difference (> 1 fails).
+        max_abs: the greatest absolute difference there.
+        allowed: the allowed difference there.
+        where: the check and split it came from.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    ratio: float
+    max_abs: float
+    allowed: float
+    where: str
+
+
+def parameter_errors(report: ModelCheckReport) -> list[ParameterError]:
+    """Per parameter, the worst gradient error among checks that passed or failed
+    (explained divergences are left out: they are not errors)."""
+    worst: dict[str, ParameterError] = {}
+    for result in report.results:
+        if result.verdict not in (Verdict.PASS, Verdict.FAIL):
+            continue
+        for tensor in result.tensors:
+            match = _PARAMETER.search(tensor.name)
+            if match is None or tensor.problem is not None or not tensor.name.startswith(("grad ", "rank ")):
+                continue
+            name = match.group("name")
+            current = worst.get(name)
+            if current is None or tensor.ratio > current.ratio:
+                where = f"{result.check}, {result.split.label}"
+                worst[name] = ParameterError(name, tensor.shape, tensor.ratio, tensor.max_abs, tensor.allowed, where)
+    return list(worst.values())
+
+
+# --------------------------------------------------------------------------- display
+
+_STYLES = {
+    Verdict.PASS: "green",
+    Verdict.FAIL: "bold red",
+    Verdict.EXPLAINED: "cyan",
+    Verdict.WARN: "yellow",
+    Verdict.SKIP: "dim",
+}
+
+
+def render_model_check(console: Any, model: UserModel, report: ModelCheckReport, *, backend: str) -> None:
+    """Prints the header, a verdict per check and split, explanations, failures, the
+    per-parameter error table and the final verdict line."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from dpverify._devices import cuda_device_count
+
+    gpus = cuda_device_count()
+    where = f"{gpus} CUDA devices where enough exist, virtual ones otherwise" if gpus else "virtual devices (no CUDA here)"
+    console.print(Text(f"dpverify check: {model.name}", style="bold"))
+    console.print(
+        f"{model.parameter_count:,} parameters; batch: {model.batch_source}; loss: {report.loss}; "
+        f"{'DataParallel' if backend == 'dp' else 'DDP' if backend == 'ddp' else 'DataParallel and DDP'} "
+        f"on {where}; torch {torch.__version__}"
+    )
+    splits = list(dict.fromkeys(r.split for r in report.results))
+    table = Table(title="Verdict per check and split", title_justify="left")
+    table.add_column("check")
+    for split in splits:
+        table.add_column(split.label)
+    for check in dict.fromkeys(r.check for r in report.results):
+        cells: list[Text | str] = []
+        for split in splits:
+            found = [r for r in report.results if r.check == check and r.split == split]
+            cells.append(Text(found[0].verdict, style=_STYLES[found[0].verdict]) if found else "")
+        table.add_row(check, *cells)
+    console.print(table)
+    _render_notes(console, report)
+    _render_parameters(console, report)
+    words = {Verdict.PASS: "passed", Verdict.FAIL: "failed", Verdict.EXPLAINED: "explained", Verdict.WARN: "warned", Verdict.SKIP: "skipped"}
+    text = ", ".join(f"{report.count(v)} {word}" for v, word in words.items() if report.count(v) or v in (Verdict.PASS, Verdict.FAIL))
+    status = Text("FAILED" if report.failed else "OK", style="bold red" if report.failed else "bold green")
+    console.print(Text.assemble(status, f": {text}"))
+
+
+def _render_notes(console: Any, report: ModelCheckReport) -> None:
+    from rich.panel import Panel
+    from rich.text import Text
+
+    explained = [r for r in report.results if r.verdict == Verdict.EXPLAINED]
+    if explained:
+        console.print(Panel(
+            Text(explained[0].detail + f"\n{len(explained)} checks differ for this reason; they are not failures. The eval-mode rows are the verdict."),
+            title="Expected divergence (train mode)", title_align="left", border_style="cyan",
+        ))
+    warned = [r for r in report.results if r.verdict == Verdict.WARN]
+    if warned:
+        console.print(Panel(Text(warned[0].detail), title=f"loss.mean() of replica losses is biased ({warned[0].split.label})", title_align="left", border_style="yellow"))
+    for result in report.failed:
+        console.print(Panel(Text(result.detail or result.summary), title=f"FAIL: {result.check}, {result.split.label}", title_align="left", border_style="red"))
+
+
+def _render_parameters(console: Any, report: ModelCheckReport) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    rows = parameter_errors(report)
+    if not rows:
+        return
+    table = Table(title="Per-parameter gradient error (worst over checks and splits)", title_justify="left")
+    table.add_column("parameter")
+    table.add_column("shape")
+    table.add_column("error / tolerance", justify="right")
+    table.add_column("max |Δ|", justify="right")
+    table.add_column("allowed", justify="right")
+    table.add_column("where")
+    for row in rows:
+        style = "bold red" if row.ratio > 1 else "green"
+        table.add_row(row.name, "x".join(map(str, row.shape)) or "scalar", Text(f"{row.ratio:.3g}", style=style), f"{row.max_abs:.3g}", f"{row.allowed:.3g}", row.where)
+    console.print(table)

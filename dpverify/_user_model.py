@@ -1,0 +1,344 @@
+"""A user's model as the command line loads it: the factory, a batch for it, and a loss.
+
+``dpverify check`` and ``dpverify explain`` take ``MODULE:FACTORY``; the factory is called
+with no arguments and returns the ``nn.Module``. The batch comes from ``--inputs
+MODULE:FN`` (``FN(batch_size)`` returns ``(inputs, target)``, ``target`` None when the
+forward computes the loss itself), or is inferred from the first layer that fixes the input
+shape (Linear, Conv, Embedding, batch-first RNN/attention, LayerNorm, BatchNorm). The loss
+is ``--loss NAME`` or inferred: cross-entropy for integer targets, MSE otherwise, and MSE
+against a fixed random target when there is none.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.nn.modules.conv import _ConvNd
+
+from dpverify._builtin import BUILTIN_MODELS, builtin_case
+from dpverify._loss_average import extract_loss
+from dpverify._model_specs import primary_output
+from dpverify.strategies import LOSSES, LossSpec
+
+__all__ = [
+    "Batch",
+    "UsageError",
+    "UserModel",
+    "builtin_model",
+    "first_layer_batch",
+    "load_object",
+    "user_model",
+]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+#: Layers that keep the shape of their input: the next layer decides the batch's shape.
+_SHAPE_KEEPING = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.Identity)
+
+#: Spatial extent of an inferred batch for 1-, 2- and 3-d convolutions, and sequence length.
+_SPATIAL = {1: (16,), 2: (8, 8), 3: (4, 4, 4)}
+_SEQUENCE = 6
+
+
+class UsageError(Exception):
+    """A command-line argument cannot be used; the message names the option and the fix.
+
+    The command line prints it and exits with status 2.
+    """
+
+
+def load_object(spec: str, option: str) -> Any:
+    """Imports ``package.module:attribute`` (the current directory is importable).
+
+    Raises:
+        UsageError: ``spec`` is malformed, the module cannot be imported, or it lacks the
+            attribute.
+    """
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise UsageError(f"{option} {spec!r} must look like 'module:attribute'")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise UsageError(f"{option} {spec!r}: cannot import {module_name!r} ({error})") from None
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise UsageError(f"{option} {spec!r}: {module_name!r} has no attribute {attribute!r}") from None
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch for the user's model, and how its loss is computed.
+
+    Attributes:
+        inputs: positional forward arguments.
+        target: the loss target, or None when the forward returns the loss.
+        loss_fn: ``loss_fn(output, target)``, or None when the forward returns the loss.
+        loss_name: the loss in words.
+    """
+
+    inputs: tuple[Any, ...]
+    target: Any
+    loss_fn: LossFn | None
+    loss_name: str
+
+    @property
+    def returns_loss(self) -> bool:
+        return self.loss_fn is None
+
+
+@dataclass(frozen=True)
+class UserModel:
+    """A model and a recipe for batches of any size.
+
+    Attributes:
+        name: what the user named (``pkg.models:make`` or a built-in name).
+        module: the model, as the factory returned it.
+        batch_source: where batches come from, in words.
+        make_batch: ``make_batch(batch_size)`` gives a ``Batch``, deterministically.
+    """
+
+    name: str
+    module: nn.Module
+    batch_source: str
+    make_batch: Callable[[int], Batch]
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+
+def builtin_model(name: str, *, seed: int = 0) -> UserModel:
+    """One of dpverify's built-in models (``mlp``, ``conv``, ``embedding``,
+    ``loss-in-forward``) with its batches.
+
+    Raises:
+        UsageError: unknown name.
+    """
+    if name not in BUILTIN_MODELS:
+        raise UsageError(f"--model {name!r} is not a built-in model; choose from {sorted(BUILTIN_MODELS)}")
+
+    def make(batch_size: int) -> Batch:
+        case = builtin_case(name, batch=batch_size, seed=seed)
+        if case.loss_fn is None:
+            return Batch(case.inputs, None, None, "computed in forward (each replica's chunk mean)")
+        return Batch(case.inputs, case.target, case.loss_fn, getattr(case.loss_fn, "__name__", "loss"))
+
+    module = builtin_case(name, batch=1, seed=seed).module
+    return UserModel(name, module, "built in", make)
+
+
+def user_model(
+    factory_spec: str,
+    *,
+    inputs_spec: str | None = None,
+    loss: str | None = None,
+    seed: int = 0,
+) -> UserModel:
+    """Loads ``MODULE:FACTORY`` and works out how to make its batches and loss.
+
+    Args:
+        factory_spec: ``package.module:factory``; ``factory()`` returns the ``nn.Module``.
+        inputs_spec: ``package.module:fn``; ``fn(batch_size)`` returns ``(inputs, target)``.
+        loss: a name from ``dpverify.strategies.LOSSES`` (default: inferred).
+        seed: seeds the factory, the batch and any made-up target.
+
+    Raises:
+        UsageError: the factory, inputs function or loss cannot be used, or no batch can be
+            inferred; the message says what to pass.
+    """
+    if loss is not None and loss not in LOSSES:
+        raise UsageError(f"--loss {loss!r} is not one of {list(LOSSES)}")
+    factory = load_object(factory_spec, "MODULE:FACTORY")
+    if not callable(factory):
+        raise UsageError(f"MODULE:FACTORY {factory_spec!r} is {type(factory).__name__}, not callable; pass a function or class that returns the model")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            module = factory()
+        except Exception as error:
+            raise UsageError(f"MODULE:FACTORY {factory_spec!r}: calling it with no arguments raised {type(error).__name__}: {error}") from error
+    if not isinstance(module, nn.Module):
+        raise UsageError(
+            f"MODULE:FACTORY {factory_spec!r} returned {type(module).__name__}; it must return a "
+            "torch.nn.Module (the factory is called with no arguments)"
+        )
+    if inputs_spec is not None:
+        fn = load_object(inputs_spec, "--inputs")
+        if not callable(fn):
+            raise UsageError(f"--inputs {inputs_spec!r} is not callable; pass a function fn(batch_size) -> (inputs, target)")
+        raw = _user_batches(fn, inputs_spec, seed)
+        source = f"--inputs {inputs_spec}"
+    else:
+        raw, source = first_layer_batch(module, seed=seed)
+    probe_inputs, probe_target = raw(2)
+    returns_loss = _returns_loss(module, probe_inputs, probe_target, source)
+    make = _batch_maker(module, raw, loss, returns_loss)
+    return UserModel(factory_spec, module, source, make)
+
+
+RawBatches = Callable[[int], "tuple[tuple[Any, ...], Any]"]
+
+
+def _user_batches(fn: Callable[[int], Any], spec: str, seed: int) -> RawBatches:
+    def make(batch_size: int) -> tuple[tuple[Any, ...], Any]:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            result = fn(batch_size)
+        if isinstance(result, torch.Tensor):
+            return (result,), None
+        if isinstance(result, tuple) and len(result) == 2:
+            inputs, target = result
+            inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+            if target is not None and not isinstance(target, torch.Tensor):
+                raise UsageError(f"--inputs {spec!r}: the target is {type(target).__name__}; return a tensor or None")
+            return inputs, target
+        raise UsageError(
+            f"--inputs {spec!r} returned {type(result).__name__}; fn(batch_size) must return "
+            "(inputs, target): inputs a tensor or a tuple of forward arguments, target a "
+            "tensor, or None when the forward returns the loss"
+        )
+
+    return make
+
+
+def _describe_layer(name: str, layer: nn.Module) -> str:
+    return f"{name or 'the model'} ({layer.__class__.__name__}({layer.extra_repr()}))"
+
+
+def first_layer_batch(module: nn.Module, *, seed: int = 0) -> tuple[RawBatches, str]:
+    """Batches shaped for the first layer that fixes the input shape.
+
+    Returns:
+        ``make(batch_size) -> (inputs, None)`` and a description of the inferred shape.
+
+    Raises:
+        UsageError: the first such layer gives no shape (or scatters along time); the
+            message asks for ``--inputs``.
+    """
+    for name, layer in module.named_modules():
+        attention = isinstance(layer, nn.MultiheadAttention)  # a container of Linear layers
+        if next(layer.children(), None) is not None and not attention:
+            continue
+        if isinstance(layer, _SHAPE_KEEPING) or (layer.__class__.__module__ == "torch.nn.modules.activation" and not attention):
+            continue
+        shape, integer_high = _row_shape(name, layer)
+        where = _describe_layer(name, layer)
+        text = f"x of shape (B, {', '.join(map(str, shape))}) inferred from {where}"
+        if integer_high is not None:
+            text = f"token ids of shape (B, {', '.join(map(str, shape))}) in [0, {integer_high}) inferred from {where}"
+        return _random_batches(shape, integer_high, seed), text
+    raise UsageError(
+        "cannot infer a batch: the model has no layer that fixes the input shape; pass "
+        "--inputs MODULE:FN where FN(batch_size) returns (inputs, target)"
+    )
+
+
+def _row_shape(name: str, layer: nn.Module) -> tuple[tuple[int, ...], int | None]:
+    """The shape of one row for ``layer``, and the exclusive bound of integer inputs."""
+    if isinstance(layer, nn.Linear):
+        return (layer.in_features,), None
+    if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)):
+        return (_SEQUENCE,), layer.num_embeddings
+    conv = _conv_dims(layer)
+    if conv is not None:
+        return (cast(_ConvNd, layer).in_channels, *_SPATIAL[conv]), None
+    if isinstance(layer, (nn.RNNBase, nn.MultiheadAttention)):
+        if not layer.batch_first:
+            raise UsageError(
+                f"cannot infer a batch: {_describe_layer(name, layer)} is not batch_first, and "
+                "DataParallel scatters along dim 0; pass --inputs MODULE:FN where FN(batch_size) "
+                "returns (inputs, target)"
+            )
+        width = layer.input_size if isinstance(layer, nn.RNNBase) else layer.embed_dim
+        return (_SEQUENCE, width), None
+    if isinstance(layer, nn.LayerNorm):
+        return tuple(layer.normalized_shape), None
+    if isinstance(layer, nn.modules.batchnorm._BatchNorm):
+        dims = {nn.BatchNorm1d: 0, nn.BatchNorm2d: 2, nn.BatchNorm3d: 3}.get(type(layer), 0)
+        return (layer.num_features, *_SPATIAL.get(dims, ())), None
+    raise UsageError(
+        f"cannot infer a batch from the first layer, {_describe_layer(name, layer)}; pass "
+        "--inputs MODULE:FN where FN(batch_size) returns (inputs, target)"
+    )
+
+
+def _conv_dims(layer: nn.Module) -> int | None:
+    if isinstance(layer, (nn.Conv1d, nn.ConvTranspose1d)):
+        return 1
+    if isinstance(layer, (nn.Conv2d, nn.ConvTranspose2d)):
+        return 2
+    if isinstance(layer, (nn.Conv3d, nn.ConvTranspose3d)):
+        return 3
+    return None
+
+
+def _random_batches(shape: tuple[int, ...], integer_high: int | None, seed: int) -> RawBatches:
+    def make(batch_size: int) -> tuple[tuple[Any, ...], Any]:
+        g = torch.Generator().manual_seed(seed)
+        if integer_high is not None:
+            return (torch.randint(0, integer_high, (batch_size, *shape), generator=g),), None
+        return (torch.randn(batch_size, *shape, generator=g),), None
+
+    return make
+
+
+def _returns_loss(module: nn.Module, inputs: tuple[Any, ...], target: Any, source: str) -> bool:
+    """Runs the model once on two rows: does its forward return a scalar loss?"""
+    model = copy.deepcopy(module)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            output = model(*inputs)  # two rows: enough for BatchNorm in train mode
+    except Exception as error:
+        raise UsageError(
+            f"the model's forward failed on a batch of 2 rows from {source}: "
+            f"{type(error).__name__}: {error}. Pass --inputs MODULE:FN where FN(batch_size) "
+            "returns (inputs, target) matching your forward"
+        ) from error
+    if target is not None:
+        return False
+    if isinstance(output, torch.Tensor):
+        return output.dim() == 0
+    try:
+        return extract_loss(output, -1).dim() == 0
+    except ValueError:  # InvalidArgument: no loss in this output
+        return False
+
+
+def _batch_maker(module: nn.Module, raw: RawBatches, loss: str | None, returns_loss: bool) -> Callable[[int], Batch]:
+    def make(batch_size: int) -> Batch:
+        inputs, target = raw(batch_size)
+        if returns_loss and loss is None:
+            return Batch(inputs, None, None, "computed in forward (each replica's chunk mean)")
+        if target is None:
+            target = _made_up_target(module, inputs, loss)
+            spec = LossSpec(loss or "mse")
+            return Batch(inputs, target, spec, f"{spec.name} against a fixed random target")
+        spec = LossSpec(loss or ("cross_entropy" if not target.is_floating_point() else "mse"))
+        return Batch(inputs, target, spec, spec.name)
+
+    return make
+
+
+def _made_up_target(module: nn.Module, inputs: tuple[Any, ...], loss: str | None) -> torch.Tensor:
+    model = copy.deepcopy(module).eval()  # only the output's shape matters
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        logits = primary_output(model(*inputs))
+    rows = int(logits.shape[0])
+    g = torch.Generator().manual_seed(12345)
+    if loss in ("cross_entropy", "nll"):
+        return torch.randint(0, int(logits.shape[-1]), (rows,), generator=g)
+    if loss == "bce_with_logits":
+        return torch.randint(0, 2, tuple(logits.shape), generator=g).to(logits.dtype)
+    return torch.randn(tuple(logits.shape), generator=g).to(logits.dtype)

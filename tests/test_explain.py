@@ -1,0 +1,229 @@
+"""``dpverify explain``: every question of QUESTIONS.md answered with measured values."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from dpverify._cli import main
+from dpverify._explain import QUESTIONS, Explanation, explain
+from dpverify._user_model import UserModel, builtin_model, user_model
+
+QUESTIONS_MD = Path(__file__).resolve().parents[1].parent / "shared" / "QUESTIONS.md"
+
+MODELS = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+
+    class Stateful(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(6, 8)
+            self.norm = nn.BatchNorm1d(8)
+            self.out = nn.Linear(8, 3)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return self.out(torch.relu(self.norm(self.inp(x))))
+
+
+    def make():
+        return Stateful()
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def default() -> Explanation:
+    return explain(builtin_model("embedding"), batch_size=5, device_ids=[0, 1, 2, 3])
+
+
+def test_the_questions_are_those_of_questions_md() -> None:
+    if not QUESTIONS_MD.exists():
+        pytest.skip(f"{QUESTIONS_MD} is not in this checkout")
+    text = " ".join(QUESTIONS_MD.read_text().split())
+    for number, question in enumerate(QUESTIONS, 1):
+        assert f"{number}. {question.split('?')[0]}" in text.replace("`", "")
+
+
+def test_views_copies_and_replica_zero_sharing_are_measured(default: Explanation) -> None:
+    assert [(c.device, c.size, c.kind) for c in default.chunks] == [(0, 2, "view"), (1, 2, "copy"), (2, 1, "copy"), (3, 0, "idle")]
+    assert default.chunks[0].copied_bytes == 0
+    assert default.chunks[1].copied_bytes == 2 * 7 * 8
+    first, *others = default.replicas
+    assert first.copied_parameters == 0
+    assert first.parameter_bytes == 0
+    assert all(r.shared_parameters == 0 and r.parameter_bytes == first.shared_parameters * 0 + 141 * 4 for r in others)
+    assert all(r.equal_to_module and r.leaf_parameters == 0 for r in default.replicas)
+    assert "is a view of the batch" in default.answers[0].answer
+
+
+def test_gather_loss_and_backward_split_by_chunk(default: Explanation) -> None:
+    assert default.gathered_on == 0
+    assert default.output_shape == (5, 3)
+    assert [r.output_grad_rows for r in default.replicas] == [2, 2, 1]
+    assert "[2, 2, 1] rows" in default.answers[1].answer
+
+
+def test_grad_sum_is_the_full_gradient_and_the_average_a_third_of_it(default: Explanation) -> None:
+    assert default.grads
+    for grad in default.grads:
+        assert grad.sum_error < 1e-12 * max(grad.full_norm, 1.0)
+        assert grad.average_ratio == pytest.approx(1 / 3)
+
+
+def test_loss_average_table_and_returned_vector(default: Explanation) -> None:
+    report = default.loss_average
+    assert report.chunk_sizes == (2, 2, 1)
+    assert report.is_biased
+    assert report.loss_bias == pytest.approx(report.predicted_bias)
+    assert default.returned_loss_shape == (3,)
+    assert default.one_device_loss_shape == ()
+    assert default.scalar_warning
+
+
+def test_first_device_holds_more(default: Explanation) -> None:
+    first, *others = default.bytes
+    assert first.total > max(b.total for b in others)
+    assert others[-1].total == 0  # the idle device
+    assert first.inputs == 5 * 7 * 8  # the whole batch of token ids
+
+
+def test_output_device_elsewhere_changes_no_gradient() -> None:
+    e = explain(builtin_model("mlp"), batch_size=6, device_ids=[0, 1, 2], output_device=2)
+    assert e.gathered_on == 2
+    assert e.other_output_device == 1
+    assert e.other_output_device_grad_gap == 0.0
+    assert e.bytes[2].outputs > 0
+    assert e.bytes[0].outputs == 0
+
+
+def test_splits_and_ddp(default: Explanation) -> None:
+    splits = {s.batch_size: s.chunk_sizes for s in default.splits}
+    assert splits[5] == (2, 2, 1)
+    assert splits[3] == (1, 1, 1)
+    assert splits[9] == (3, 3, 3)
+    assert default.ddp.mode == "simulated"
+    assert default.ddp.mean_loss_gap > 1e-3
+    assert default.ddp.sum_loss_ratio == pytest.approx(1 / 3)
+    assert default.state == ()
+
+
+def test_lost_state_and_batchnorm_are_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "stateful_models.py").write_text(MODELS)
+    monkeypatch.chdir(tmp_path)
+    e = explain(user_model("stateful_models:make"), batch_size=6, device_ids=[0, 1, 2])
+    found = {(s.kind, s.where) for s in e.state}
+    assert {("attribute", "calls"), ("buffer", "norm.running_mean"), ("batch statistics", "norm")} <= found
+    assert e.eval_mode_for_losses
+    assert e.answers[2].answer.startswith("Measured on an eval-mode copy")
+    assert all(g.sum_error < 1e-12 for g in e.grads)
+    # a one-row chunk makes BatchNorm raise in train mode: the step is shown in eval mode
+    one_row = explain(user_model("stateful_models:make"), batch_size=5, device_ids=[0, 1, 2, 3])
+    assert one_row.eval_mode_for_step
+
+
+def test_single_device_runs_the_module_itself() -> None:
+    e = explain(builtin_model("loss-in-forward"), batch_size=3, device_ids=[0])
+    assert not e.replicated
+    assert e.returned_loss_shape == ()
+    assert e.answers[1].answer.startswith("With one device DataParallel runs the module itself")
+
+
+@pytest.mark.timeout(120)
+def test_default_explain_answers_every_question_as_a_user_sees_it() -> None:
+    env = {**os.environ, "COLUMNS": "120"}
+    result = subprocess.run([sys.executable, "-m", "dpverify", "explain", "--no-color"], capture_output=True, text=True, timeout=120, check=False, env=env)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("dpverify explain: embedding")
+    assert "One DataParallel step, measured" in out
+    for text in ("VIEW of the batch", "COPY", "replica 0 = the module", "idle (no chunk)", "outputs 5x3", "Σ of 3"):
+        assert text in out
+    lines = out.splitlines()
+    for number, question in enumerate(QUESTIONS, 1):
+        assert any(line.startswith(f"{number}. {question[:40]}") for line in lines), number
+    for table in ("Loss averaging for this batch", "Estimated bytes held per device", "torch.chunk on 4 devices"):
+        assert table in out
+
+
+def test_json_and_svg(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain", "--model", "mlp", "--batch", "4", "--devices", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [a["number"] for a in data["answers"]] == list(range(1, 12))
+    assert data["chunk_sizes"] == [2, 2]
+    assert data["loss_average"]["is_biased"] is False
+    assert data["bytes"][0]["total"] > data["bytes"][1]["total"]
+    svg = tmp_path / "step.svg"
+    assert main(["explain", "--model", "mlp", "--svg", str(svg), "--no-color"]) == 0
+    assert svg.read_text().startswith("<svg")
+    assert "One DataParallel step" in svg.read_text().replace("&#160;", " ")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--output-device", "7"], "--output-device 7 is not one of the devices [0, 1, 2, 3]"),
+        (["no_such_module_x:make"], "cannot import 'no_such_module_x'"),
+        (["--model", "mlp", "--inputs", "a:b"], "--inputs and --loss apply to MODULE:FACTORY"),
+    ],
+)
+def test_usage_errors(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_user_model_with_inputs_function(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "two_inputs.py").write_text(textwrap.dedent(
+        """
+        import torch
+        from torch import nn
+
+
+        class Add(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = nn.Linear(3, 2)
+                self.b = nn.Linear(4, 2)
+
+            def forward(self, x, z):
+                return self.a(x) + self.b(z)
+
+
+        def make():
+            return Add()
+
+
+        def batch(rows):
+            return (torch.randn(rows, 3), torch.randn(rows, 4)), torch.randint(0, 2, (rows,))
+        """
+    ))
+    monkeypatch.chdir(tmp_path)
+    model: UserModel = user_model("two_inputs:make", inputs_spec="two_inputs:batch")
+    batch = model.make_batch(4)
+    assert batch.loss_name == "cross_entropy"
+    assert len(batch.inputs) == 2
+    e = explain(model, batch_size=4, device_ids=[0, 1])
+    assert e.chunk_sizes == (2, 2)
+    assert all(g.sum_error < 1e-12 for g in e.grads)
+    assert isinstance(model.module, nn.Module)
+    assert torch.is_tensor(batch.target)
+
+
+@pytest.mark.timeout(180)
+def test_real_ddp_for_question_eleven() -> None:
+    e = explain(builtin_model("mlp"), batch_size=4, device_ids=[0, 1], real_ddp=True)
+    assert e.ddp.mode == "measured"
+    assert e.ddp.detail.startswith("real DDP on 2 ranks agrees with DataParallel")
+    assert "Measured: real DDP on 2 ranks agrees" in e.answers[10].answer
