@@ -161,7 +161,7 @@ class Check:
         """Outputs (when asked), the loss, and every parameter's gradient."""
         expected = refs.expected
 
-        def row(name: str, got: torch.Tensor | None, key: Key, terms: torch.Tensor | None = None) -> TensorComparison:
+        def row(name: str, got: torch.Tensor | None, key: Key, terms: float | None = None) -> TensorComparison:
             return self.against(name, got, refs, key, terms)
 
         rows: list[TensorComparison] = []
@@ -179,7 +179,7 @@ class Check:
 
     def against(
         self, name: str, actual: torch.Tensor | None, refs: References, key: Key,
-        terms: torch.Tensor | None = None,
+        terms: float | None = None,
     ) -> TensorComparison:
         """Compares one parallel tensor with the references' tensor that ``key`` picks;
         ``terms`` is the magnitude of what the parallel step summed into it, if known."""

@@ -23,6 +23,7 @@ import torch
 
 from dpverify._divergence import DivergenceSource
 from dpverify._errors import InvalidArgument
+from dpverify._numerics import max_abs
 
 __all__ = [
     "StepComparison",
@@ -169,7 +170,7 @@ def compare_tensors(
     anchor: torch.Tensor | None,
     tolerance: Tolerance,
     probe: torch.Tensor | None = None,
-    terms: torch.Tensor | None = None,
+    terms: float | None = None,
 ) -> TensorComparison:
     """Compares ``actual`` (parallel) with ``expected`` (single device) under ``tolerance``.
 
@@ -179,7 +180,7 @@ def compare_tensors(
     rounding error scales with the unit roundoff, so the float32 error times
     ``u(float64) / u(float32)`` estimates the float64 one.
 
-    ``terms`` is ``sum over replicas of |g_r|``, the magnitude of what the parallel
+    ``terms`` is ``sum over replicas of max |g_r|``, the magnitude of what the parallel
     reduce-add summed. When replicas cancel (their contributions large, the total near
     zero), the single-device step can be exact by luck while the parallel sum carries
     rounding of the size of its terms; the floor then scales with the terms, not with the
@@ -226,15 +227,15 @@ def compare_tensors(
     # working-precision step can do. Rounding moves it by half a unit of roundoff, far
     # below the floor, and halves the memory traffic of the check.
     rounded = reference.to(expected.dtype) if expected.is_floating_point() else reference
-    reference_error = _max_abs(expected.detach() - rounded)
+    reference_error = max_abs(expected.detach() - rounded)
     if probe is not None and expected.dtype == torch.float64:
-        probe_error = _max_abs(_dense(probe).detach().to(device) - reference)
+        probe_error = max_abs(_dense(probe).detach().to(device) - reference)
         reference_error = max(reference_error, probe_error * _ROUNDOFF_RATIO)
-    scale = _max_abs(rounded)
-    if terms is not None and terms.numel():
-        scale = max(scale, float(terms.max()))
+    scale = max_abs(rounded)
+    if terms is not None:
+        scale = max(scale, terms)
     allowed = tolerance.factor * max(reference_error, tolerance.floor_ulps * roundoff * scale)
-    gap = _max_abs(actual - rounded)
+    gap = max_abs(actual - rounded)
     if gap <= allowed:  # False for NaN: those take the detailed path
         ratio = 0.0 if gap == 0.0 else (gap / allowed if allowed > 0 else math.inf)
         return _passed(name, actual, gap, ratio, allowed, reference_error)
@@ -243,15 +244,6 @@ def compare_tensors(
 
 
 _ROUNDOFF_RATIO = torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
-
-
-def _max_abs(tensor: torch.Tensor) -> float:
-    """max |x| in one pass (aminmax is several times faster than an infinity norm); NaN if any."""
-    low, high = torch.aminmax(tensor)
-    low_value, high_value = float(low), float(high)
-    if math.isnan(low_value) or math.isnan(high_value):
-        return math.nan
-    return max(-low_value, high_value)
 
 
 def _passed(

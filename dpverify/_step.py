@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from dpverify._errors import InvalidArgument
+from dpverify._numerics import max_abs
 from dpverify._virtual import current_virtual_device
 
 __all__ = [
@@ -146,15 +147,16 @@ class ReplicaGradRecorder:
     registers a gradient hook on the replica's copy of each parameter. This works for
     torch's DataParallel, the virtual one, and any wrapper that calls the module's copies.
 
-    It always sums the contributions' magnitudes, ``sum over replicas of |g_r|``: the scale
-    of the terms the parallel reduce-add adds up, which bounds its rounding error however
-    much the replicas cancel. With ``keep=True`` it also keeps each contribution.
+    It always adds up, per parameter, ``sum over replicas of max |g_r|``: the scale of the
+    terms the parallel reduce-add sums, which bounds its rounding error however much the
+    replicas cancel (one max-abs pass per replica gradient, no copies). With ``keep=True``
+    it also keeps each contribution.
     """
 
     sites: list[tuple[str, str, str]]
     keep: bool = True
     contributions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)
+    magnitudes: dict[str, float] = field(default_factory=dict)
     replica_devices: dict[int, int | None] = field(default_factory=dict)
     _handles: list[Any] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -192,15 +194,11 @@ class ReplicaGradRecorder:
     def _recorder(self, key: int, name: str) -> Callable[[torch.Tensor], None]:
         def record(grad: torch.Tensor) -> None:
             grad = grad.detach()
-            size = grad.abs()
+            size = max_abs(grad) if grad.numel() else 0.0
             with self._lock:
                 if self.keep:
                     self.contributions[key][name] = grad.clone()
-                total = self.magnitudes.get(name)
-                if total is None:
-                    self.magnitudes[name] = size
-                else:
-                    total.add_(size.to(total.device))
+                self.magnitudes[name] = self.magnitudes.get(name, 0.0) + size
 
         return record
 
@@ -213,7 +211,7 @@ class StepResult:
     loss: torch.Tensor
     grads: dict[str, torch.Tensor | None]
     contributions: tuple[tuple[int | None, dict[str, torch.Tensor]], ...] = ()
-    magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)
+    magnitudes: dict[str, float] = field(default_factory=dict)
 
 
 def run_step(
@@ -240,7 +238,7 @@ def run_step(
         device: where the copy and inputs go (default CPU).
         seed: torch seed for the step, so stochastic layers draw the same way each run.
         record_replicas: capture every replica's gradient contribution (True), or only the
-            sum of their magnitudes (``"magnitudes"``).
+            sum of their magnitudes, ``sum_r max |g_r|`` (``"magnitudes"``).
         loss_argument: the argument named in errors about the loss.
         kwargs: keyword forward arguments (copied like ``inputs``).
     """
