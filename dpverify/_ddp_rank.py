@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dpverify._ddp_pool import RankInfo
 from dpverify._errors import InvalidArgument
-from dpverify._step import convert_tensors, flatten_tensors, parameter_sites
+from dpverify._step import convert_tensors, flatten_tensors, no_tf32, parameter_sites
 
 __all__ = [
     "BufferTask",
@@ -268,20 +268,6 @@ def _outputs(output: Any) -> tuple[tuple[str, torch.Tensor], ...]:
     return tuple((path, _cpu(t)) for path, t in flatten_tensors(output, "output"))
 
 
-@contextlib.contextmanager
-def _exact_matmul(device: torch.device) -> Iterator[None]:
-    # TF32 (cuDNN convolutions default to it on Ampere+) breaks fp32 comparisons.
-    if device.type != "cuda":
-        yield
-        return
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 def _module_copy(module: nn.Module, device: torch.device, *, sync_batchnorm: bool) -> nn.Module:
     model = copy.deepcopy(module).to(device)
     if sync_batchnorm:
@@ -356,7 +342,7 @@ def _run_one(info: RankInfo, task: StepTask, step: Step) -> RankStep:
         count_syncs=task.count_syncs,
     )
     fork = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=fork), _exact_matmul(device):
+    with torch.random.fork_rng(devices=fork), no_tf32():
         torch.manual_seed(task.seed)
         output = step(ctx)
         loss = None
@@ -419,7 +405,7 @@ def run_training_task(info: RankInfo, task: TrainingTask) -> RankTraining:
     )
     history: list[dict[str, torch.Tensor]] = []
     fork = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=fork), _exact_matmul(device):
+    with torch.random.fork_rng(devices=fork), no_tf32():
         torch.manual_seed(task.seed)
         for (inputs, target), sizes in zip(task.batches, task.shard_sizes, strict=True):
             shard_inputs, shard_target = _shard_of(inputs, target, sizes, info.rank)
@@ -464,7 +450,7 @@ def run_buffer_task(info: RankInfo, task: BufferTask) -> RankBuffers:
     device_ids = [device.index] if device.type == "cuda" else None
     wrapper = DistributedDataParallel(model, device_ids=device_ids, **dict(task.ddp_kwargs))
     fork = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=fork), _exact_matmul(device):
+    with torch.random.fork_rng(devices=fork), no_tf32():
         torch.manual_seed(task.seed)
         wrapper.train()
         task.loss_fn(wrapper(*inputs), target).backward()

@@ -25,6 +25,7 @@ __all__ = [
     "copy_module",
     "default_dtype",
     "flatten_tensors",
+    "no_tf32",
     "run_step",
     "seed_step",
 ]
@@ -102,7 +103,7 @@ def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _no_tf32() -> Iterator[None]:
+def no_tf32() -> Iterator[None]:
     # TF32 convolutions (on by default in cuDNN on Ampere+) break fp32 comparisons.
     if not torch.cuda.is_available():
         yield
@@ -254,7 +255,7 @@ def run_step(
     runner: Callable[..., Any] = wrap(model) if wrap is not None else model
     fork_devices = [device] if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=fork_devices), default_dtype(dtype), _no_tf32():
+        with torch.random.fork_rng(devices=fork_devices), default_dtype(dtype), no_tf32():
             seed_step(seed, device)
             output = runner(*args, **keywords)
             loss = loss_of_output(output)

@@ -10,9 +10,7 @@ convolutions default to TF32, whose 10-bit mantissa fails any float32 comparison
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,19 +19,10 @@ from hypothesis import given
 
 import dpverify
 from dpverify._model_specs import primary_output
+from dpverify._step import no_tf32
 from dpverify.strategies import ModelSpec, Scenario, device_lists, dtypes, model_specs, scenarios
 
 pytestmark = pytest.mark.multigpu(2)
-
-
-@contextlib.contextmanager
-def no_tf32() -> Iterator[None]:
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 @given(scenarios(models=model_specs(exact=True), devices=device_lists(min_devices=2)))
