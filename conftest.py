@@ -1,11 +1,6 @@
-"""Repository-level pytest configuration: the tests import helpers from tests/."""
+"""Repository-level pytest configuration: this suite's Hypothesis profile."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent / "tests"))
 
 import os
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from wrong_parallel import AveragingDataParallel, DeepCopyDataParallel
 
 import dpverify
 from dpverify import InvalidArgument, ParallelMismatch
 from dpverify._builtin import builtin_case
+from dpverify.mutants import AveragingDataParallel, DeepCopyDataParallel
 
 MODELS = ["mlp", "conv", "embedding"]
 # even chunks, uneven chunks, and a batch smaller than the device count

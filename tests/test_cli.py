@@ -56,14 +56,7 @@ def test_the_console_script_is_python_m_dpverify() -> None:
 
 
 def test_verify_a_wrong_wrapper_fails_with_the_reason() -> None:
-    import os
-    from pathlib import Path
-
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
-    result = subprocess.run(
-        [sys.executable, "-m", "dpverify", "verify", "--models", "mlp", "--parallel", "wrong_parallel:AveragingDataParallel"],
-        capture_output=True, text=True, timeout=240, check=False, env=env,
-    )
+    result = _run("verify", "--models", "mlp", "--parallel", "dpverify.mutants:AveragingDataParallel")
     assert result.returncode == 1
     assert "FAIL  mlp" in result.stdout
     assert "the replica gradients were averaged" in result.stdout

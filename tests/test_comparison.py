@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from wrong_parallel import PerturbingDataParallel
 
 import dpverify
 from dpverify import InvalidArgument, ParallelMismatch, Tolerance
 from dpverify._comparison import compare_tensors
+from dpverify.mutants import TinyErrorDataParallel
 
 SCALES = [1e-8, 1e-4, 1.0, 1e4, 1e8]
 
@@ -45,7 +45,7 @@ def test_a_1e4_relative_error_in_one_parameter_is_caught_at_every_scale(scale: f
     x, y = _batch()
     with pytest.raises(ParallelMismatch, match=r"grad '0\.weight': tensors are not close"):
         dpverify.assert_dp_grads_match(
-            _model(), x, y, loss_fn=_scaled(scale), device_ids=[0, 1, 2], parallel=PerturbingDataParallel
+            _model(), x, y, loss_fn=_scaled(scale), device_ids=[0, 1, 2], parallel=TinyErrorDataParallel
         )
 
 
@@ -60,7 +60,7 @@ def test_assert_close_defaults_miss_the_bug_at_small_scale() -> None:
     # What the anchored tolerance is for: at gradient scale 1e-8 atol=1e-5 hides any bug.
     x, y = _batch()
     model = _model()
-    wrong = PerturbingDataParallel(model, [0, 1, 2])
+    wrong = TinyErrorDataParallel(model, [0, 1, 2])
     (1e-8 * F.mse_loss(wrong(x), y)).backward()
     reference = _grads(_model(), x, y, 1e-8, parallel=False)
     torch.testing.assert_close(next(model.parameters()).grad, reference[0])  # passes: missed
@@ -156,7 +156,7 @@ def test_bad_tolerances(kwargs: dict[str, float], match: str) -> None:
 def test_message_has_everything_assert_close_has_and_more() -> None:
     x, y = _batch(rows=5)
     with pytest.raises(ParallelMismatch) as caught:
-        dpverify.assert_dp_grads_match(_model(), x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2, 3], parallel=PerturbingDataParallel)
+        dpverify.assert_dp_grads_match(_model(), x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2, 3], parallel=TinyErrorDataParallel)
     text = str(caught.value)
     lines = text.splitlines()
     assert lines[0] == "DataParallel outputs and gradients must match the single-device step: 1 of 8 compared tensors do not match."
@@ -178,7 +178,7 @@ def test_message_has_everything_assert_close_has_and_more() -> None:
 
 def test_msg_replaces_or_rewrites_the_message() -> None:
     x, y = _batch(rows=5)
-    kwargs: dict[str, Any] = {"loss_fn": F.mse_loss, "device_ids": [0, 1], "parallel": PerturbingDataParallel}
+    kwargs: dict[str, Any] = {"loss_fn": F.mse_loss, "device_ids": [0, 1], "parallel": TinyErrorDataParallel}
     with pytest.raises(ParallelMismatch, match=r"^custom$"):
         dpverify.assert_dp_grads_match(_model(), x, y, msg="custom", **kwargs)
     with pytest.raises(ParallelMismatch, match=r"^context: DataParallel outputs"):
