@@ -38,7 +38,6 @@ from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.strategies import SearchStrategy
 
-from dpverify._assertions import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
 from dpverify._comparison import StepComparison
 from dpverify._devices import cuda_device_count
 from dpverify._divergence import divergence_sources
@@ -49,7 +48,7 @@ from dpverify._loss_average import (
 )
 from dpverify._model_check import ONE_ROW_BATCHNORM, ddp_checks, weighted_loss
 from dpverify._model_specs import KINDS
-from dpverify._replica_state import assert_dp_buffers_match
+from dpverify._scenario_checks import dp_buffers, dp_grad_sum, dp_grads
 from dpverify._virtual import data_parallel
 from dpverify.strategies import (
     DeviceList,
@@ -119,19 +118,11 @@ class _Run:
 
 
 def _dp_grads(scenario: Scenario, run: _Run) -> None:
-    s = scenario.build()
-    assert_dp_grads_match(
-        s.module, s.inputs, s.target, loss_fn=s.loss_fn, device_ids=s.device_ids,
-        output_device=s.output_device, forward_kwargs=s.kwargs, parallel=run.target,
-    )
+    dp_grads(scenario, run.target)
 
 
 def _dp_grad_sum(scenario: Scenario, run: _Run) -> None:
-    s = scenario.build()
-    assert_grad_sum_equals_mean_loss_grad(
-        s.module, s.inputs, s.target, loss_fn=s.loss_fn, device_ids=s.device_ids,
-        forward_kwargs=s.kwargs, parallel=run.target,
-    )
+    dp_grad_sum(scenario, run.target)
 
 
 def _dp_loss_average(scenario: Scenario, run: _Run) -> None:
@@ -150,11 +141,7 @@ def _dp_loss_average(scenario: Scenario, run: _Run) -> None:
 
 
 def _dp_buffers(scenario: Scenario, run: _Run) -> None:
-    s = scenario.build()
-    assert_dp_buffers_match(
-        s.module, s.inputs, device_ids=s.device_ids, output_device=s.output_device,
-        forward_kwargs=s.kwargs, parallel=run.target,
-    )
+    dp_buffers(scenario, run.target)
 
 
 def _dp_state(scenario: Scenario, run: _Run) -> None:

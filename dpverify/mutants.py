@@ -29,6 +29,7 @@ from torch import nn
 import dpverify
 from dpverify._ddp_rank import ShardContext
 from dpverify._model_specs import KINDS
+from dpverify._scenario_checks import dp_buffers, dp_grad_sum, dp_grads
 from dpverify._virtual import VirtualDataParallel
 from dpverify.strategies import Scenario, device_lists, loss_specs, model_specs, scenarios
 
@@ -387,27 +388,6 @@ def zero_grad_in_loop_step(ctx: ShardContext) -> None:
 # --------------------------------------------------------------------------- properties
 
 
-def _grads_match(scenario: Scenario, parallel: Any) -> None:
-    s = scenario.build()
-    dpverify.assert_dp_grads_match(
-        s.module, s.inputs, s.target, loss_fn=s.loss_fn, device_ids=s.device_ids,
-        output_device=s.output_device, forward_kwargs=s.kwargs, parallel=parallel,
-    )
-
-
-def _grad_sum(scenario: Scenario, parallel: Any) -> None:
-    s = scenario.build()
-    dpverify.assert_grad_sum_equals_mean_loss_grad(
-        s.module, s.inputs, s.target, loss_fn=s.loss_fn, device_ids=s.device_ids,
-        forward_kwargs=s.kwargs, parallel=parallel,
-    )
-
-
-def _buffers_match(scenario: Scenario, parallel: Any) -> None:
-    s = scenario.build()
-    dpverify.assert_dp_buffers_match(s.module, s.inputs, device_ids=s.device_ids, forward_kwargs=s.kwargs, parallel=parallel)
-
-
 def _loss_reduction(scenario: Scenario, reduce: Any, parallel: Any = None) -> None:
     s = scenario.build()
     dpverify.assert_loss_reduction_matches_full_batch(s.module, s.inputs, device_ids=s.device_ids, reduce=reduce, parallel=parallel)
@@ -466,11 +446,11 @@ def _properties() -> dict[str, Property]:
         losses=loss_specs(reductions=("mean",)), max_batch=12,
     )
     return {
-        "assert_dp_grads_match": Property(exact, _grads_match),
-        "assert_grad_sum_equals_mean_loss_grad": Property(exact, _grad_sum),
+        "assert_dp_grads_match": Property(exact, dp_grads),
+        "assert_grad_sum_equals_mean_loss_grad": Property(exact, dp_grad_sum),
         "assert_dp_buffers_match": Property(
             scenarios(models=model_specs(kinds=["buffer-counter", "batchnorm"]), devices=devices).filter(_usable),
-            _buffers_match,
+            dp_buffers,
         ),
         "assert_loss_reduction_matches_full_batch": Property(
             scenarios(models=model_specs(kinds=["loss-head"]), devices=devices), _loss_reduction
