@@ -34,6 +34,7 @@ _EXPORTS = {
     "divergence_sources": "dpverify._divergence",
     "DroppedRowsWarning": "dpverify._errors",
     "InvalidArgument": "dpverify._errors",
+    "NonFiniteReference": "dpverify._errors",
     "ParallelMismatch": "dpverify._errors",
     "LossAverageReport": "dpverify._loss_average",
     "assert_loss_reduction_matches_full_batch": "dpverify._loss_average",
@@ -65,7 +66,12 @@ if TYPE_CHECKING:
         weighted_ddp_step,
     )
     from dpverify._divergence import DivergenceSource, divergence_sources
-    from dpverify._errors import DroppedRowsWarning, InvalidArgument, ParallelMismatch
+    from dpverify._errors import (
+        DroppedRowsWarning,
+        InvalidArgument,
+        NonFiniteReference,
+        ParallelMismatch,
+    )
     from dpverify._loss_average import (
         LossAverageReport,
         assert_loss_reduction_matches_full_batch,
@@ -98,6 +104,7 @@ __all__ = [
     "DroppedRowsWarning",
     "InvalidArgument",
     "LossAverageReport",
+    "NonFiniteReference",
     "ParallelError",
     "ParallelMismatch",
     "ScatterPlan",

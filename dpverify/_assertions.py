@@ -13,10 +13,12 @@ from dpverify._comparison import (
     Msg,
     StepComparison,
     TensorComparison,
+    Terms,
     Tolerance,
     compare_tensors,
     explain_scale,
     render,
+    require_finite,
     uniform_scale,
 )
 from dpverify._devices import cuda_device_count, normalize_device_ids, normalize_output_device
@@ -71,6 +73,13 @@ class Check:
                 f"parallel={parallel!r} is not callable; pass a DataParallel-like class or "
                 "function (module, device_ids=..., output_device=...) -> module"
             )
+        if not any(p.requires_grad for p in module.parameters()):
+            count = sum(1 for _ in module.parameters())
+            raise InvalidArgument(
+                f"module={type(module).__name__} has no parameter that requires grad "
+                f"({count} parameters, all frozen or none at all), so there is no gradient to "
+                "compare; unfreeze the parameters to check (requires_grad_(True))"
+            )
         ids = normalize_device_ids(device_ids)
         target = normalize_output_device(output_device, ids)
         args = as_inputs(inputs)
@@ -114,6 +123,8 @@ class Check:
         dtype: torch.dtype | None = None,
         record_replicas: bool | str = False,
         loss_argument: str = "loss_fn",
+        measure_terms: bool = False,
+        jitter: float = 0.0,
     ) -> StepResult:
         """One step: through the wrapper (``parallel``) or alone, in ``dtype``."""
         stage = "parallel" if parallel else "single-device"
@@ -130,6 +141,8 @@ class Check:
                 record_replicas=record_replicas,
                 loss_argument=loss_argument,
                 kwargs=self.kwargs,
+                measure_terms=measure_terms,
+                jitter=jitter,
             )
         except InvalidArgument:
             raise
@@ -145,23 +158,38 @@ class Check:
             raise
 
     def references(self, loss_in: Callable[[torch.dtype | None], Callable[[Any], torch.Tensor]], loss_argument: str = "loss_fn") -> References:
-        """The single-device step, plus its float64 twin (and a float32 probe for float64
-        models) unless explicit tolerances were given. ``loss_in(dtype)`` gives the loss for
-        a run in ``dtype`` (None: the working dtype)."""
+        """The single-device step, plus what anchors the tolerance unless explicit
+        tolerances were given: its float64 twin, and for float64 models a float32 probe and
+        a jittered float64 run. ``loss_in(dtype)`` gives the loss for a run in ``dtype``
+        (None: the working dtype).
+
+        Raises:
+            NonFiniteReference: the single-device or float64 step is not finite; nothing
+                is compared then.
+        """
         expected = self.run(loss_in(None), parallel=False, loss_argument=loss_argument)
+        _require_finite_step(expected, "single-device")
         if self.tolerance.explicit:
             return References(expected)
-        anchor = self.run(loss_in(torch.float64), parallel=False, dtype=torch.float64, loss_argument=loss_argument)
-        probe = None
+        anchor = self.run(
+            loss_in(torch.float64), parallel=False, dtype=torch.float64, loss_argument=loss_argument,
+            measure_terms=True,
+        )
+        _require_finite_step(anchor, "float64 single-device")
+        probe = jitter = None
         if self.dtype == torch.float64:
             probe = self.run(loss_in(torch.float32), parallel=False, dtype=torch.float32, loss_argument=loss_argument)
-        return References(expected, anchor, probe)
+            jitter = self.run(
+                loss_in(torch.float64), parallel=False, dtype=torch.float64, loss_argument=loss_argument,
+                jitter=_JITTER,
+            )
+        return References(expected, anchor, probe, jitter)
 
     def compare(self, actual: StepResult, refs: References, *, outputs: bool = True) -> list[TensorComparison]:
         """Outputs (when asked), the loss, and every parameter's gradient."""
         expected = refs.expected
 
-        def row(name: str, got: torch.Tensor | None, key: Key, terms: float | None = None) -> TensorComparison:
+        def row(name: str, got: torch.Tensor | None, key: Key, terms: Terms | None = None) -> TensorComparison:
             return self.against(name, got, refs, key, terms)
 
         rows: list[TensorComparison] = []
@@ -172,14 +200,15 @@ class Check:
                     rows.append(TensorComparison(path, tuple(tensor.shape), tensor.numel(), mismatched=tensor.numel(), problem="is missing from the parallel step's output"))
                     continue
                 rows.append(row(path, actual_outputs[path], _output_key(path)))
-        rows.append(row("loss", actual.loss, _loss_key))
+        loss_terms = refs.anchor.loss_terms if refs.anchor is not None else None
+        rows.append(row("loss", actual.loss, _loss_key, Terms(loss_terms, loss_terms) if loss_terms else None))
         for name in expected.grads:
-            rows.append(row(f"grad {name!r}", actual.grads.get(name), _grad_key(name), actual.magnitudes.get(name)))
+            rows.append(row(f"grad {name!r}", actual.grads.get(name), _grad_key(name), actual.terms(name)))
         return rows
 
     def against(
         self, name: str, actual: torch.Tensor | None, refs: References, key: Key,
-        terms: float | None = None,
+        terms: Terms | None = None,
     ) -> TensorComparison:
         """Compares one parallel tensor with the references' tensor that ``key`` picks;
         ``terms`` is the magnitude of what the parallel step summed into it, if known."""
@@ -191,6 +220,7 @@ class Check:
             self.tolerance,
             probe=key(refs.probe) if refs.probe else None,
             terms=terms,
+            jitter=key(refs.jitter) if refs.jitter else None,
         )
 
     def outcome(
@@ -259,12 +289,26 @@ def _loss_key(step: StepResult) -> torch.Tensor | None:
 @dataclass(frozen=True)
 class References:
     """The single-device step in the working dtype, and what anchors the tolerance: its
-    float64 twin and, for float64 models, a float32 probe of the rounding (None with
-    explicit tolerances)."""
+    float64 twin and, for float64 models, a float32 probe of the rounding and a float64 run
+    from jittered parameters (None with explicit tolerances)."""
 
     expected: StepResult
     anchor: StepResult | None = None
     probe: StepResult | None = None
+    jitter: StepResult | None = None
+
+
+# Relative size of the parameter perturbation of a float64 model's jittered run: a few
+# units of float64 roundoff, the size of the rounding a step makes in each parameter use.
+_JITTER = 8 * torch.finfo(torch.float64).eps
+
+
+def _require_finite_step(step: StepResult, stage: str) -> None:
+    for path, tensor in step.outputs:
+        require_finite(path, tensor, stage)
+    require_finite("loss", step.loss, stage)
+    for name, grad in step.grads.items():
+        require_finite(f"grad {name!r}", grad, stage)
 
 
 def _steps(check: Check, loss_fn: LossFn, target: Any, *, record_replicas: bool | str = "magnitudes") -> tuple[StepResult, References]:
@@ -420,10 +464,13 @@ def assert_grad_sum_equals_mean_loss_grad(
     rows: list[TensorComparison] = []
     contrasts: list[TensorComparison] = []
     averages_differ = False
+    sums_match = True
     for name, grad in refs.expected.grads.items():
         total = _as(_sum(contributions, name), grad)
-        terms = parallel_step.magnitudes.get(name)
-        rows.append(check.against(f"sum of replica grads {name!r}", total, refs, _grad_key(name), terms))
+        terms = parallel_step.terms(name)
+        summed = check.against(f"sum of replica grads {name!r}", total, refs, _grad_key(name), terms)
+        sums_match &= summed.ok
+        rows.append(summed)
         rows.append(check.against(f"accumulated grad {name!r}", parallel_step.grads.get(name), refs, _grad_key(name), terms))
         if total is None:
             continue
@@ -431,19 +478,22 @@ def assert_grad_sum_equals_mean_loss_grad(
         # torch's scatter decides how many replicas run: the average is the full gradient
         # over that number, which can be fewer than the devices.
         label = f"average of replica grads {name!r} = full / {planned}"
-        share = terms / planned if terms is not None else None
+        share = Terms(terms.largest / planned, terms.norm / planned) if terms is not None else None
         rows.append(check.against(label, average, refs, _grad_key(name, planned), share))
         if replicas > 1:
             contrast = check.against(f"average of replica grads {name!r} vs full", average, refs, _grad_key(name), terms)
             contrasts.append(contrast)
-            averages_differ |= contrast.mismatched > 0
+            averages_differ |= contrast.mismatched > 0 or not contrast.ok
     notes = [f"{replicas} replicas contributed (torch's scatter runs {planned})."]
     significant = any(g is not None and bool(g.any()) for g in refs.expected.grads.values())
-    if replicas > 1 and significant and not averages_differ:
+    # Where the tolerance cannot tell the sum from the average (every gradient zero up to
+    # rounding, or a dtype too coarse), the average matching says nothing. It points at
+    # pre-divided replica gradients only when the sum does not match.
+    if replicas > 1 and significant and not averages_differ and not sums_match:
         failures.append(
-            f"The plain average of the {replicas} replica gradients also matches the "
-            "full-batch gradient, which is only possible if each replica's gradient was "
-            "already divided; torch sums replica gradients (ReduceAddCoalesced)."
+            f"The plain average of the {replicas} replica gradients matches the full-batch "
+            "gradient and their sum does not: each replica's gradient was already divided by "
+            "the number of replicas; torch sums replica gradients (ReduceAddCoalesced)."
         )
     return raise_unless_ok(check.outcome(title, rows, contrasts=contrasts, notes=notes, failures=failures), msg)
 

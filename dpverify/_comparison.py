@@ -17,23 +17,41 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from dpverify._divergence import DivergenceSource
-from dpverify._errors import InvalidArgument
+from dpverify._errors import InvalidArgument, NonFiniteReference
 from dpverify._numerics import max_abs
 
 __all__ = [
     "StepComparison",
     "TensorComparison",
+    "Terms",
     "Tolerance",
     "compare_tensors",
     "explain_scale",
     "render",
+    "require_finite",
     "uniform_scale",
 ]
+
+
+@dataclass(frozen=True)
+class Terms:
+    """The magnitude of the terms a value was computed from: the scale of its rounding.
+
+    Rounding error follows the size of what was added up, not the size of the result: a
+    gradient summed from replica contributions that cancel, or a loss made of tiny residuals
+    of large outputs, carries rounding of the size of its terms. ``largest`` bounds the
+    terms of the largest entry (``sum over replicas of max |g_r|`` for a gradient);
+    ``norm`` is the same over the whole tensor in the 2-norm (``sum over replicas of
+    ||g_r||``), for the tensor-level test.
+    """
+
+    largest: float = 0.0
+    norm: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -41,15 +59,32 @@ class Tolerance:
     """How close a parallel result must be.
 
     With ``rtol`` and ``atol`` (both or neither, as ``torch.testing.assert_close``), the
-    parallel result is compared elementwise with the single-device result:
-    ``|actual - expected| <= atol + rtol * |expected|``. Without them the float64-anchored
-    rule above applies, with ``factor`` and ``floor_ulps``.
+    parallel result is compared elementwise with the single-device result, with
+    ``torch.isclose`` semantics: ``|actual - expected| <= atol + rtol * |expected|``, and
+    NaN or inf never close to a finite value.
+
+    Without them the float64-anchored rule applies, in two tests that must both pass:
+
+    - **elementwise**: the greatest ``|parallel - float64|`` may be ``factor`` times the
+      single-device step's, or ``factor * floor_ulps`` units of roundoff of the scale
+      (the largest float64 entry, or the terms it was summed from, if larger);
+    - **tensor-level**: ``||parallel - float64||`` (2-norm) may be ``norm_factor`` times
+      the single-device step's, or ``norm_factor * norm_floor_ulps`` units of roundoff of
+      the tensor's norm (or its terms' norm). Rounding is incoherent and averages out over
+      a tensor while a systematic error (a whole tensor 1e-5 off) adds up, so this test
+      catches errors far below the elementwise one's floor.
+
+    16-bit dtypes (float16, bfloat16) use ``low_precision_floor_ulps`` for both floors:
+    their unit roundoff is already 2**-9 or 2**-12 of the value.
     """
 
     rtol: float | None = None
     atol: float | None = None
     factor: float = 8.0
     floor_ulps: float = 32.0
+    norm_factor: float = 8.0
+    norm_floor_ulps: float = 16.0
+    low_precision_floor_ulps: float = 4.0
 
     def __post_init__(self) -> None:
         if (self.rtol is None) != (self.atol is None):
@@ -58,7 +93,7 @@ class Tolerance:
                 f"rtol={self.rtol!r}, atol={self.atol!r}: pass both or neither "
                 f"(add {missing}=...), or neither to use the float64-anchored tolerance"
             )
-        for name in ("rtol", "atol", "factor", "floor_ulps"):
+        for name in ("rtol", "atol", "factor", "floor_ulps", "norm_factor", "norm_floor_ulps", "low_precision_floor_ulps"):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, (int, float))
@@ -70,36 +105,47 @@ class Tolerance:
     def explicit(self) -> bool:
         return self.rtol is not None
 
+    def floors(self, dtype: torch.dtype) -> tuple[float, float]:
+        """(elementwise, tensor-level) floors in units of ``dtype``'s roundoff."""
+        if dtype in _LOW_PRECISION:
+            return self.low_precision_floor_ulps, self.low_precision_floor_ulps
+        return self.floor_ulps, self.norm_floor_ulps
+
     def describe(self, working_dtype: torch.dtype) -> str:
         if self.explicit:
             return (
-                f"|parallel - single-device| <= atol + rtol * |single-device| with "
-                f"rtol={self.rtol:.1e}, atol={self.atol:.1e}"
+                f"torch.isclose: |parallel - single-device| <= atol + rtol * |single-device| "
+                f"with rtol={self.rtol:.1e}, atol={self.atol:.1e}"
             )
         name = str(working_dtype).removeprefix("torch.")
+        floor, norm_floor = self.floors(working_dtype)
         return (
             f"a tensor's greatest distance from the float64 step may be {self.factor:g}x the "
-            f"single-device {name} step's, or {self.factor * self.floor_ulps:g} units of "
-            f"{name} roundoff of its largest entry, whichever is larger"
+            f"single-device {name} step's, or {self.factor * floor:g} units of {name} "
+            f"roundoff of its scale (largest entry, or the terms summed into it), whichever "
+            f"is larger; and the norm of its distance {self.norm_factor:g}x the single-device "
+            f"step's, or {self.norm_factor * norm_floor:g} units of roundoff of its norm"
         )
 
 
-def _unravel(flat_index: int, shape: Sequence[int]) -> tuple[int, ...]:
-    index = []
-    for size in reversed(shape):
-        flat_index, rest = divmod(flat_index, size) if size else (flat_index, 0)
-        index.append(rest)
-    return tuple(reversed(index))
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
 class TensorComparison:
     """The comparison of one tensor (an output, the loss, or a parameter's gradient).
 
-    ``ratio`` is the greatest ``|difference| / allowed`` over the elements: below 1 passes,
-    and it says how close to the limit a passing tensor came. The indices and the relative
-    difference are computed for failing tensors only (they stay ``()`` and 0.0 otherwise):
-    a passing check reads each tensor once.
+    ``ratio`` is the greatest ``|difference| / allowed`` over the elements (or of the
+    tensor-level test, whichever is larger): below 1 passes, and it says how close to the
+    limit a passing tensor came. The indices and the relative difference are computed for
+    failing tensors only (they stay ``()`` and 0.0 otherwise): a passing check reads each
+    tensor a few times, never element by element in Python.
+
+    ``norm_gap``/``norm_allowed`` are the tensor-level test's numbers (0 with explicit
+    tolerances). ``nonfinite`` counts NaN and inf entries of the parallel result where the
+    single-device result is finite. ``noise`` is True when the tensor is below the working
+    dtype's resolution (zero in exact arithmetic up to rounding): it was checked only for
+    the size of its values.
     """
 
     name: str
@@ -114,10 +160,14 @@ class TensorComparison:
     ratio: float = 0.0
     reference_error: float | None = None
     problem: str | None = None
+    norm_gap: float = 0.0
+    norm_allowed: float = 0.0
+    nonfinite: int = 0
+    noise: bool = False
 
     @property
     def ok(self) -> bool:
-        return self.problem is None and self.mismatched == 0
+        return self.problem is None and self.mismatched == 0 and self.norm_gap <= self.norm_allowed
 
     def details(self) -> str:
         """The assert_close-style paragraph for this tensor."""
@@ -127,10 +177,23 @@ class TensorComparison:
             f"{self.name}: tensors are not close!" if not self.ok else f"{self.name}: close.",
             f"Mismatched elements: {self.mismatched} / {self.numel} "
             f"({100.0 * self.mismatched / max(self.numel, 1):.1f}%)",
+        ]
+        if self.nonfinite:
+            lines.append(
+                f"Non-finite values: {self.nonfinite} NaN or inf entries in the parallel step "
+                "where the single-device step is finite"
+            )
+        lines += [
             f"Greatest absolute difference: {self.max_abs:.3g} at index {self.max_abs_index} "
             f"(up to {self.allowed:.3g} allowed)",
             f"Greatest relative difference: {self.max_rel:.3g} at index {self.max_rel_index}",
         ]
+        if self.norm_allowed and self.norm_gap > self.norm_allowed:
+            lines.append(
+                f"Norm of the difference: {self.norm_gap:.3g} (up to {self.norm_allowed:.3g} "
+                "allowed): a systematic error spread over the tensor, beyond what rounding "
+                "gives"
+            )
         if self.reference_error is not None:
             lines.append(
                 f"The single-device step is {self.reference_error:.3g} from float64 on this tensor."
@@ -163,6 +226,29 @@ def _missing(name: str, actual: torch.Tensor | None, expected: torch.Tensor | No
     )
 
 
+def require_finite(name: str, tensor: torch.Tensor | None, step: str) -> None:
+    """Raises ``NonFiniteReference`` when a reference result holds NaN or inf.
+
+    A reference that is not finite cannot anchor a comparison: every parallel value would
+    be judged against NaN. The message names the tensor, the step and how many entries.
+    """
+    if tensor is None or not tensor.is_floating_point():
+        return
+    values = _dense(tensor)
+    finite = torch.isfinite(values)
+    if bool(finite.all()):
+        return
+    nan = int(values.isnan().sum())
+    inf = values.numel() - int(finite.sum()) - nan
+    raise NonFiniteReference(
+        f"{name} is not finite in the {step} step ({nan} NaN, {inf} inf of {values.numel()} "
+        f"entries), so there is nothing to compare the parallel step with. Check the inputs "
+        f"and target for NaN/inf, the loss for log(0) or division by zero, and the dtype "
+        f"for overflow ({str(tensor.dtype).removeprefix('torch.')} reaches "
+        f"{torch.finfo(tensor.dtype).max:.3g})."
+    )
+
+
 def compare_tensors(
     name: str,
     actual: torch.Tensor | None,
@@ -170,7 +256,8 @@ def compare_tensors(
     anchor: torch.Tensor | None,
     tolerance: Tolerance,
     probe: torch.Tensor | None = None,
-    terms: float | None = None,
+    terms: float | Terms | None = None,
+    jitter: torch.Tensor | None = None,
 ) -> TensorComparison:
     """Compares ``actual`` (parallel) with ``expected`` (single device) under ``tolerance``.
 
@@ -178,13 +265,18 @@ def compare_tensors(
     and ignored by the explicit one. When the working dtype is float64 itself, the anchor
     cannot measure its rounding; ``probe``, the float32 single-device result, does:
     rounding error scales with the unit roundoff, so the float32 error times
-    ``u(float64) / u(float32)`` estimates the float64 one.
+    ``u(float64) / u(float32)`` estimates the float64 one. Where float32 saturates (its
+    error a sizeable part of the value: an ill-conditioned model), that scaling says
+    nothing; ``jitter``, the float64 step rerun from parameters perturbed by a few units
+    of float64 roundoff, measures the model's sensitivity to such rounding directly.
 
-    ``terms`` is ``sum over replicas of max |g_r|``, the magnitude of what the parallel
-    reduce-add summed. When replicas cancel (their contributions large, the total near
-    zero), the single-device step can be exact by luck while the parallel sum carries
-    rounding of the size of its terms; the floor then scales with the terms, not with the
-    total (SEMANTICS.md: the scale that matters is the sum of |terms|).
+    ``terms`` is the magnitude of what the parallel step summed into the value (a float:
+    ``sum over replicas of max |g_r|``, or a ``Terms``). When terms cancel, the
+    single-device step can be exact by luck while the parallel sum carries rounding of the
+    size of its terms; the floors then scale with the terms, not with the total.
+
+    Raises:
+        NonFiniteReference: ``expected`` or ``anchor`` holds NaN or inf.
     """
     missing = _missing(name, actual, expected)
     if missing is not None:
@@ -202,57 +294,123 @@ def compare_tensors(
                 f"{tuple(expected.shape)} in the single-device step"
             ),
         )
+    require_finite(name, expected, "single-device")
+    if not tolerance.explicit:
+        require_finite(name, anchor, "float64 single-device")
     if actual.numel() == 0:
         return TensorComparison(name, tuple(actual.shape), 0)
     actual, expected = _dense(actual), _dense(expected)
-    anchor = None if anchor is None else _dense(anchor)
     device = expected.device
     actual = actual.detach().to(device)
     if tolerance.explicit:
-        reference = expected.detach().to(torch.float64)
-        allowed_each = tolerance.atol + tolerance.rtol * reference.abs()  # type: ignore[operator]
-        reference_error = None
-        over = (actual - reference).abs() > allowed_each
-        if not bool(over.any()) and not bool(actual.isnan().any()):
-            # passes: the statistics that the report needs, no indices
-            distance = (actual - reference).abs()
-            ratio = float((distance / allowed_each).nan_to_num(0.0).max())
-            return _passed(name, actual, float(distance.max()), ratio, float(allowed_each.max()), None)
-        return _detailed(name, actual, reference, allowed_each, None)
+        return _explicit(name, actual, expected.detach(), tolerance)
     if anchor is None:
         raise ValueError("the anchored tolerance needs the float64 result")
-    reference = anchor.detach().to(device=device, dtype=torch.float64)
-    roundoff = torch.finfo(expected.dtype).eps / 2 if expected.is_floating_point() else 0.0
+    reference = _dense(anchor).detach().to(device=device, dtype=torch.float64)
+    dtype = expected.dtype if expected.is_floating_point() else torch.float64
+    roundoff = torch.finfo(dtype).eps / 2
     # Distances are taken from the float64 answer rounded to the working dtype: the best a
     # working-precision step can do. Rounding moves it by half a unit of roundoff, far
-    # below the floor, and halves the memory traffic of the check.
-    rounded = reference.to(expected.dtype) if expected.is_floating_point() else reference
-    reference_error = max_abs(expected.detach() - rounded)
-    if probe is not None and expected.dtype == torch.float64:
-        probe_error = max_abs(_dense(probe).detach().to(device) - reference)
-        reference_error = max(reference_error, probe_error * _ROUNDOFF_RATIO)
-    scale = max_abs(rounded)
-    if terms is not None:
-        scale = max(scale, terms)
-    allowed = tolerance.factor * max(reference_error, tolerance.floor_ulps * roundoff * scale)
-    gap = max_abs(actual - rounded)
-    if gap <= allowed:  # False for NaN: those take the detailed path
-        ratio = 0.0 if gap == 0.0 else (gap / allowed if allowed > 0 else math.inf)
-        return _passed(name, actual, gap, ratio, allowed, reference_error)
+    # below the floors, and halves the memory traffic of the check.
+    rounded = reference.to(dtype)
+    error = (expected.detach() - rounded).to(torch.float64) if dtype in _LOW_PRECISION else expected.detach() - rounded
+    reference_error, reference_norm = max_abs(error), _norm(error)
+    if dtype == torch.float64:
+        reference_error, reference_norm = _float64_rounding(
+            reference, reference_error, reference_norm, probe, jitter, device
+        )
+    if not isinstance(terms, Terms):
+        terms = Terms(terms or 0.0, 0.0)
+    scale = max(max_abs(rounded), terms.largest)
+    scale_norm = max(_norm(rounded), terms.norm)
+    floor, norm_floor = tolerance.floors(dtype)
+    # A tensor whose single-device rounding is a sizeable part of its own size is zero in
+    # exact arithmetic up to rounding (a LayerNorm over two features, an attention key
+    # bias): its values are noise in every step, and only their size can be checked.
+    noise = reference_error >= 0.25 * max_abs(rounded)
+    if noise:
+        scale = max(scale, reference_error)
+        floor = norm_floor = 1.0 / roundoff
+    allowed = tolerance.factor * max(reference_error, floor * roundoff * scale)
+    norm_allowed = tolerance.norm_factor * max(reference_norm, norm_floor * roundoff * scale_norm)
+    difference = actual - rounded
+    if dtype in _LOW_PRECISION:
+        difference = actual.to(torch.float64) - reference
+    gap, norm_gap = max_abs(difference), _norm(difference)
+    if gap <= allowed and norm_gap <= norm_allowed:  # False for NaN: those take the detailed path
+        ratio = max(_ratio(gap, allowed), _ratio(norm_gap, norm_allowed))
+        return TensorComparison(
+            name, tuple(actual.shape), actual.numel(), max_abs=gap, allowed=allowed, ratio=ratio,
+            reference_error=reference_error, norm_gap=norm_gap, norm_allowed=norm_allowed, noise=noise,
+        )
     allowed_each = torch.full((), allowed, dtype=torch.float64, device=device)
-    return _detailed(name, actual, reference, allowed_each, reference_error)
+    detailed = _detailed(name, actual, reference, allowed_each, reference_error)
+    norm_gap = math.inf if math.isnan(norm_gap) else norm_gap
+    return replace(
+        detailed,
+        norm_gap=norm_gap,
+        norm_allowed=norm_allowed,
+        ratio=max(detailed.ratio, _ratio(norm_gap, norm_allowed)),
+        noise=noise,
+    )
+
+
+def _norm(tensor: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(tensor)) if tensor.numel() else 0.0
+
+
+def _ratio(gap: float, allowed: float) -> float:
+    if gap == 0.0:
+        return 0.0
+    return gap / allowed if allowed > 0 else math.inf
 
 
 _ROUNDOFF_RATIO = torch.finfo(torch.float64).eps / torch.finfo(torch.float32).eps
+# float32 relative error beyond which the probe is saturated: it has lost so many of its
+# 24 bits that its error no longer scales with the unit roundoff.
+_SATURATED = 2.0**-10
 
 
-def _passed(
-    name: str, actual: torch.Tensor, gap: float, ratio: float, allowed: float, reference_error: float | None
-) -> TensorComparison:
-    return TensorComparison(
-        name, tuple(actual.shape), actual.numel(), max_abs=gap, allowed=allowed, ratio=ratio,
-        reference_error=reference_error,
-    )
+def _float64_rounding(
+    reference: torch.Tensor,
+    reference_error: float,
+    reference_norm: float,
+    probe: torch.Tensor | None,
+    jitter: torch.Tensor | None,
+    device: torch.device,
+) -> tuple[float, float]:
+    """The rounding of a float64 model's step, which its own float64 anchor cannot show."""
+    size = max_abs(reference)
+    if probe is not None:
+        probe_error = _dense(probe).detach().to(device=device, dtype=torch.float64) - reference
+        largest = max_abs(probe_error)
+        if largest <= _SATURATED * size:
+            reference_error = max(reference_error, largest * _ROUNDOFF_RATIO)
+            reference_norm = max(reference_norm, _norm(probe_error) * _ROUNDOFF_RATIO)
+    if jitter is not None:
+        jitter_error = _dense(jitter).detach().to(device=device, dtype=torch.float64) - reference
+        reference_error = max(reference_error, max_abs(jitter_error))
+        reference_norm = max(reference_norm, _norm(jitter_error))
+    return reference_error, reference_norm
+
+
+def _explicit(name: str, actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance) -> TensorComparison:
+    """The explicit rule, with torch.isclose's semantics (NaN and inf included)."""
+    assert tolerance.rtol is not None
+    assert tolerance.atol is not None
+    if actual.dtype != expected.dtype:
+        actual = actual.to(expected.dtype)
+    close = torch.isclose(actual, expected, rtol=tolerance.rtol, atol=tolerance.atol)
+    reference = expected.to(torch.float64)
+    allowed_each = tolerance.atol + tolerance.rtol * reference.abs()
+    if bool(close.all()):
+        distance = (actual.to(torch.float64) - reference).abs()
+        ratio = float(torch.where(distance == 0, 0.0, distance / allowed_each).max())
+        return TensorComparison(
+            name, tuple(actual.shape), actual.numel(), max_abs=float(distance.max()), ratio=ratio,
+            allowed=float(allowed_each.max()),
+        )
+    return _detailed(name, actual, reference, allowed_each, None, mismatched=~close)
 
 
 def _detailed(
@@ -261,33 +419,43 @@ def _detailed(
     reference: torch.Tensor,
     allowed_each: torch.Tensor,
     reference_error: float | None,
+    mismatched: torch.Tensor | None = None,
 ) -> TensorComparison:
-    """Every statistic of a failing tensor: count, greatest differences and their indices."""
+    """Every statistic of a failing tensor: count, greatest differences and their indices.
+
+    ``mismatched`` marks the failing elements when the caller decided them (torch.isclose);
+    otherwise an element fails when it is farther than allowed, or non-finite where the
+    reference is finite.
+    """
     actual64 = actual.to(torch.float64)
-    both_nan = actual64.isnan() & reference.isnan()
-    nan_mismatch = actual64.isnan() != reference.isnan()
-    diff = torch.where(both_nan, 0.0, (actual64 - reference).abs())
-    over = (diff > allowed_each) | nan_mismatch
-    diff = torch.where(nan_mismatch, math.inf, diff)
+    nonfinite = ~torch.isfinite(actual64) & torch.isfinite(reference)
+    diff = (actual64 - reference).abs()
+    diff = torch.where(nonfinite, math.inf, diff.nan_to_num(nan=0.0))
+    over = (diff > allowed_each) | nonfinite if mismatched is None else mismatched
+    shape = tuple(actual.shape)
     max_abs, flat_abs = diff.reshape(-1).max(0)
     rel = torch.where(diff == 0, 0.0, diff / reference.abs())
     max_rel, flat_rel = rel.reshape(-1).max(0)
     ratios = torch.where(diff == 0, 0.0, diff / allowed_each)
     allowed_at = allowed_each if allowed_each.dim() == 0 else allowed_each.reshape(-1)[flat_abs]
-    shape = tuple(actual.shape)
     return TensorComparison(
         name,
         shape,
         actual.numel(),
         mismatched=int(over.sum()),
         max_abs=float(max_abs),
-        max_abs_index=_unravel(int(flat_abs), shape),
+        max_abs_index=_index(flat_abs, shape),
         max_rel=float(max_rel),
-        max_rel_index=_unravel(int(flat_rel), shape),
+        max_rel_index=_index(flat_rel, shape),
         allowed=float(allowed_at),
         ratio=float(ratios.max()),
         reference_error=reference_error,
+        nonfinite=int(nonfinite.sum()),
     )
+
+
+def _index(flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(i) for i in torch.unravel_index(flat, shape)) if shape else ()
 
 
 def _table(rows: Sequence[TensorComparison], title: str) -> list[str]:

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-__all__ = ["DroppedRowsWarning", "InvalidArgument", "ParallelMismatch"]
+__all__ = ["DroppedRowsWarning", "InvalidArgument", "NonFiniteReference", "ParallelMismatch"]
 
 
 class InvalidArgument(ValueError):
     """An argument cannot be used; the message names it and says what to pass instead."""
+
+
+class NonFiniteReference(InvalidArgument):
+    """The single-device (or float64) reference step produced NaN or inf.
+
+    Nothing can be compared with a reference that is not finite, so the check stops before
+    any comparison; the message names the tensor and the step.
+    """
 
 
 class ParallelMismatch(AssertionError):

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpverify._comparison import Terms
 from dpverify._errors import InvalidArgument
 from dpverify._numerics import max_abs
 from dpverify._virtual import current_virtual_device
@@ -158,6 +159,7 @@ class ReplicaGradRecorder:
     keep: bool = True
     contributions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     magnitudes: dict[str, float] = field(default_factory=dict)
+    norms: dict[str, float] = field(default_factory=dict)
     replica_devices: dict[int, int | None] = field(default_factory=dict)
     _handles: list[Any] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -193,26 +195,48 @@ class ReplicaGradRecorder:
             self._handles.append(tensor.register_hook(self._recorder(key, name)))
 
     def _recorder(self, key: int, name: str) -> Callable[[torch.Tensor], None]:
-        def record(grad: torch.Tensor) -> None:
+        def record(grad: torch.Tensor | None) -> None:
+            # A replica whose forward never used the parameter (an unused submodule, a
+            # branch not taken) has no gradient to contribute: autograd calls the hook
+            # with None, and that replica adds nothing to the reduce-add.
+            if grad is None:
+                return
             grad = grad.detach()
-            size = max_abs(grad) if grad.numel() else 0.0
+            dense = grad.to_dense() if grad.is_sparse else grad
+            size = max_abs(dense) if dense.numel() else 0.0
+            norm = float(torch.linalg.vector_norm(dense)) if dense.numel() else 0.0
             with self._lock:
                 if self.keep:
                     self.contributions[key][name] = grad.clone()
                 self.magnitudes[name] = self.magnitudes.get(name, 0.0) + size
+                self.norms[name] = self.norms.get(name, 0.0) + norm
 
         return record
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one step produced, detached: outputs by path, the loss, gradients by name."""
+    """What one step produced, detached: outputs by path, the loss, gradients by name.
+
+    ``loss_terms`` (when measured) is ``max(|loss|, sum |d loss / d output * output|)``:
+    how much the loss moves when every output entry moves by its own unit of roundoff,
+    the scale of the loss's rounding (a loss of tiny residuals of large outputs rounds
+    like the outputs, not like its own small value).
+    """
 
     outputs: tuple[tuple[str, torch.Tensor], ...]
     loss: torch.Tensor
     grads: dict[str, torch.Tensor | None]
     contributions: tuple[tuple[int | None, dict[str, torch.Tensor]], ...] = ()
     magnitudes: dict[str, float] = field(default_factory=dict)
+    norms: dict[str, float] = field(default_factory=dict)
+    loss_terms: float | None = None
+
+    def terms(self, name: str) -> Terms | None:
+        """The magnitude of the replica contributions summed into ``name``'s gradient."""
+        if name not in self.magnitudes:
+            return None
+        return Terms(self.magnitudes[name], self.norms.get(name, 0.0))
 
 
 def run_step(
@@ -227,6 +251,8 @@ def run_step(
     record_replicas: bool | str = False,
     loss_argument: str = "loss_fn",
     kwargs: dict[str, Any] | None = None,
+    measure_terms: bool = False,
+    jitter: float = 0.0,
 ) -> StepResult:
     """Runs forward, loss and backward on a deep copy of ``module``.
 
@@ -242,10 +268,16 @@ def run_step(
             sum of their magnitudes, ``sum_r max |g_r|`` (``"magnitudes"``).
         loss_argument: the argument named in errors about the loss.
         kwargs: keyword forward arguments (copied like ``inputs``).
+        measure_terms: also measure ``StepResult.loss_terms``.
+        jitter: multiply every floating parameter by ``1 +- jitter`` (random signs from a
+            fixed generator) before the step: a step perturbed by a few units of roundoff
+            shows how much rounding moves this model's results.
     """
     device = device or torch.device("cpu")
     model = copy_module(module, dtype)
     model.to(device)
+    if jitter:
+        _jitter(model, jitter)
     args = convert_tensors(inputs, dtype, device)
     keywords = convert_tensors(dict(kwargs or {}), dtype, device)
     sites = parameter_sites(model)
@@ -258,6 +290,7 @@ def run_step(
         with torch.random.fork_rng(devices=fork_devices), default_dtype(dtype), no_tf32():
             seed_step(seed, device)
             output = runner(*args, **keywords)
+            watched = _retain_output_grads(output) if measure_terms else []
             loss = loss_of_output(output)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -283,7 +316,32 @@ def run_step(
         )
     outputs = tuple((path, t.detach()) for path, t in flatten_tensors(output, "output"))
     magnitudes = recorder.magnitudes if recorder is not None else {}
-    return StepResult(outputs, loss.detach().reshape(()), grads, contributions, magnitudes)
+    norms = recorder.norms if recorder is not None else {}
+    loss_terms = None
+    if measure_terms:
+        propagated = sum(
+            float((tensor.grad * tensor.detach()).abs().sum()) for tensor in watched if tensor.grad is not None
+        )
+        loss_terms = max(abs(float(loss.detach())), propagated)
+    return StepResult(outputs, loss.detach().reshape(()), grads, contributions, magnitudes, norms, loss_terms)
+
+
+def _retain_output_grads(output: Any) -> list[torch.Tensor]:
+    watched = []
+    for _path, tensor in flatten_tensors(output, "output"):
+        if tensor.is_floating_point() and tensor.requires_grad:
+            tensor.retain_grad()
+            watched.append(tensor)
+    return watched
+
+
+def _jitter(model: nn.Module, size: float) -> None:
+    generator = torch.Generator().manual_seed(0x5EED)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point() and param.numel():
+                signs = torch.randint(0, 2, param.shape, generator=generator).to(param.device, param.dtype) * 2 - 1
+                param.mul_(1 + size * signs)
 
 
 def copy_module(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
