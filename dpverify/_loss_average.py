@@ -4,11 +4,17 @@ A forward that returns its own chunk's mean loss makes DataParallel gather one s
 replica. ``loss.mean()`` of that vector weights each sample ``1 / (k * n_i)`` instead of
 ``1 / B`` (``k`` replicas, chunk sizes ``n_i``): exact for equal chunks, biased otherwise.
 Weighting replica ``i`` by ``n_i / B`` is exact for any split.
+
+"Biased" is judged against this model's own rounding noise, measured: the ``n_i / B``
+weighted replica losses equal the full-batch loss in exact arithmetic, so their difference
+(and that of their gradients) is what rounding alone produces in the dtype the forward
+really computes in, which can be float32 inside a float64 module.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -16,10 +22,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from dpverify._assertions import Check, Parallel, raise_unless_ok
 from dpverify._comparison import Msg, StepComparison
 from dpverify._errors import InvalidArgument
+from dpverify._numerics import max_abs
 from dpverify._step import convert_tensors, default_dtype, seed_step
 from dpverify._virtual import SCALAR_GATHER_WARNING
 
@@ -32,8 +40,9 @@ __all__ = [
 
 Reduce = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
-# Bias below this, relative to the loss or gradient scale, is float64 rounding, not bias.
-_FLOAT64_NOISE = 1e-9
+# A bias counts only when it exceeds the measured rounding noise this many times: noise is
+# estimated from one sample (the weighted-vs-full difference), so the margin is generous.
+_NOISE_FACTOR = 32.0
 
 
 def extract_loss(output: Any, loss_at: int) -> torch.Tensor:
@@ -85,7 +94,9 @@ def _replica_losses(output: Any, loss_at: int, replicas: int) -> torch.Tensor:
 class LossAverageReport:
     """What ``loss.mean()`` of DataParallel's gathered per-replica losses gives.
 
-    Computed in float64, so that a bias is never confused with rounding.
+    Computed in float64 (or the coarser dtype the forward really computes in), and judged
+    against that computation's measured rounding noise, so that a bias is never confused
+    with rounding.
 
     Attributes:
         batch_size: rows in the batch.
@@ -97,10 +108,25 @@ class LossAverageReport:
         full_batch_loss: the module's loss on the whole batch on one device.
         loss_bias: ``mean_of_means - full_batch_loss``.
         weighted_error: ``weighted_mean - full_batch_loss`` (zero up to rounding).
-        grad_bias: greatest relative gradient difference, mean of means vs full batch.
+        grad_bias: greatest relative gradient difference, mean of means vs full batch. Each
+            parameter's difference is relative to its largest full-batch gradient entry, or to
+            the model's largest one when the whole parameter's gradient is within the noise
+            (zero in exact arithmetic), so rounding on a zero gradient never reads as a bias.
         grad_bias_by_parameter: the same per parameter, model order.
         weighted_grad_error: greatest relative gradient difference, weighted vs full batch.
-        is_biased: the mean of means differs from the full-batch loss or its gradients.
+        is_biased: the mean of means differs from the full-batch loss or its gradients by
+            clearly more (``_NOISE_FACTOR`` times) than the rounding noise.
+        loss_noise: the loss's rounding noise: ``|weighted_error|``, at least one roundoff
+            of ``compute_dtype`` times the largest loss, and at most ``sqrt(eps)`` times it
+            (a larger difference is no rounding).
+        grad_noise: the same for the gradients (absolute), from the weighted-vs-full
+            gradient differences and the model's largest gradient entry.
+        compute_dtype: the coarsest floating dtype the forward computed in (for example
+            float32 for a loss computed with ``.float()`` inside a float64 module).
+        weighted_is_exact: the ``n_i / B``-weighted replica losses and their gradients equal
+            the full batch's up to the noise, that is each replica returned the per-row mean
+            of its chunk. False for a summed loss, a mean over tokens whose count differs
+            between replicas, or a forward that depends on the whole batch or on randomness.
     """
 
     batch_size: int
@@ -116,6 +142,10 @@ class LossAverageReport:
     grad_bias_by_parameter: tuple[tuple[str, float], ...]
     weighted_grad_error: float
     is_biased: bool
+    loss_noise: float = 0.0
+    grad_noise: float = 0.0
+    compute_dtype: str = "float64"
+    weighted_is_exact: bool = True
 
     @property
     def sample_weights(self) -> tuple[float, ...]:
@@ -135,7 +165,6 @@ class LossAverageReport:
     def __str__(self) -> str:
         k = len(self.chunk_sizes)
         losses = ", ".join(f"{x:.6g}" for x in self.replica_losses)
-        weights = ", ".join(f"1/{round(1 / w)}" if abs(1 / w - round(1 / w)) < 1e-9 else f"{w:.4g}" for w in self.sample_weights)
         lines = [
             f"Batch of {self.batch_size} rows on devices {list(self.device_ids)}: "
             f"chunk sizes {list(self.chunk_sizes)}, {k} replica{'s' if k != 1 else ''} used.",
@@ -144,23 +173,123 @@ class LossAverageReport:
             f"chunk-weighted sum(n_i/B) = {self.weighted_mean:.8g}",
             f"full-batch loss           = {self.full_batch_loss:.8g}",
         ]
+        uneven = len(set(self.chunk_sizes)) > 1
         if self.is_biased:
             lines += [
                 f"loss.mean() is biased by {self.loss_bias:+.3g} (the chunk weights predict "
-                f"{self.predicted_bias:+.3g}), and its gradients differ from the full-batch "
+                f"{self.predicted_bias:+.3g}; {self.compute_dtype} rounding noise here is "
+                f"~{self.loss_noise:.1g}), and its gradients differ from the full-batch "
                 f"gradients by up to {self.grad_bias:.3g} (relative).",
+                *self._why(uneven),
+            ]
+        else:
+            reason = "the chunks are equal" if not uneven else "the replica losses happen to agree"
+            # "chunks that differ in size", not "uneven": an even split never reads "uneven".
+            line = (
+                f"loss.mean() equals the full-batch loss here because {reason}; it would be "
+                "biased for a batch whose chunks differ in size."
+            )
+            if self.loss_bias != 0:
+                line += (
+                    f" The {self.loss_bias:+.1g} left is {self.compute_dtype} rounding "
+                    f"(noise ~{self.loss_noise:.1g})."
+                )
+            lines.append(line)
+        return "\n".join(lines)
+
+    def _why(self, uneven: bool) -> list[str]:
+        """Why the mean of means is biased, and the fix: the chunk weights (uneven chunks),
+        replica losses that are not per-row means, or both."""
+        weights = ", ".join(
+            f"1/{round(1 / w)}" if abs(1 / w - round(1 / w)) < 1e-9 else f"{w:.4g}"
+            for w in self.sample_weights
+        )
+        not_means = (
+            f"the replica losses are not the per-row means of their chunks: even the exact "
+            f"chunk weighting sum(n_i/B * loss_i) is off the full-batch loss by "
+            f"{self.weighted_error:+.3g}, its gradients by up to {self.weighted_grad_error:.3g} "
+            "(relative). A summed loss, a mean over tokens or labels whose count differs "
+            "between replicas, or a forward that depends on the whole batch (BatchNorm) or "
+            "on randomness (dropout) does this."
+        )
+        if uneven and self.weighted_is_exact:
+            return [
                 f"Why: the chunks are uneven, so loss.mean() gives each sample of replica i the "
                 f"weight 1/(k*n_i) = [{weights}] instead of 1/B = 1/{self.batch_size}.",
                 "Fix: weight each replica's loss by n_i/B (sum(loss_i * n_i) / B), or return "
                 "per-sample (or summed) losses from forward and reduce after the gather.",
             ]
-        else:
-            reason = "the chunks are equal" if len(set(self.chunk_sizes)) <= 1 else "the replica losses happen to agree"
-            lines.append(
-                f"loss.mean() equals the full-batch loss here because {reason}; it would be "
-                "biased for a batch that splits unevenly."
-            )
-        return "\n".join(lines)
+        fix = (
+            "Fix: return per-sample losses (or each replica's summed loss and its count of "
+            "rows or tokens) from forward and reduce them after the gather; weighting the "
+            "replica losses cannot make them exact."
+        )
+        if uneven:
+            return [
+                f"Why: the chunks are uneven, so loss.mean() gives each sample of replica i the "
+                f"weight 1/(k*n_i) = [{weights}] instead of 1/B = 1/{self.batch_size}; and "
+                f"{not_means}",
+                fix,
+            ]
+        if not self.weighted_is_exact:
+            return [
+                f"Why: the chunks {list(self.chunk_sizes)} are equal, so loss.mean() weights "
+                f"every sample 1/B = 1/{self.batch_size} as it should; but {not_means}",
+                fix,
+            ]
+        # Equal chunks and exact weighting, yet the mean differs: only the gathered vector or
+        # the wrapper itself can be at fault, so say that instead of blaming the split.
+        return [
+            f"Why: the chunks {list(self.chunk_sizes)} are equal, so loss.mean() should equal "
+            f"the chunk-weighted sum {self.weighted_mean:.8g}, yet it does not: the gathered "
+            "replica losses, or the wrapper, differ from what the chunks give.",
+        ]
+
+
+class _Precision(TorchFunctionMode):
+    """Records the coarsest floating dtype among the results of the torch functions run
+    under it: the dtype a forward really computes in, since a float64 module can still
+    compute (its loss, say) in float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtype = torch.float64
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        result = func(*args, **(kwargs or {}))
+        self._see(result)
+        return result
+
+    def _see(self, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and _eps(value.dtype) > _eps(self.dtype):
+                self.dtype = value.dtype
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                self._see(item)
+
+
+def _eps(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
+
+
+def _coarsest(*dtypes: torch.dtype) -> torch.dtype:
+    return max(dtypes, key=_eps)
+
+
+def _noise(measured: float, eps: float, scale: float) -> float:
+    """Rounding noise of a quantity whose terms reach ``scale``, computed with roundoff
+    ``eps``: the measured exact-vs-computed difference, at least one roundoff of the terms.
+    A difference beyond ``sqrt(eps)`` of the terms (half the digits lost) is not believed to
+    be rounding: otherwise a real error there would pass itself off as noise and hide the
+    bias."""
+    return max(eps * scale, min(measured, math.sqrt(eps) * scale))
 
 
 def _grads(loss: torch.Tensor, params: Sequence[torch.Tensor], *, retain: bool = False) -> list[torch.Tensor]:
@@ -168,10 +297,8 @@ def _grads(loss: torch.Tensor, params: Sequence[torch.Tensor], *, retain: bool =
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
 
 
-def _relative_gap(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = float(b.abs().max()) if b.numel() else 0.0
-    gap = float((a - b).abs().max()) if a.numel() else 0.0
-    return gap / scale if scale > 0 else (0.0 if gap == 0 else float("inf"))
+def _largest(tensor: torch.Tensor) -> float:
+    return max_abs(tensor.detach()) if tensor.numel() else 0.0
 
 
 def check_forward_loss_average(
@@ -186,7 +313,10 @@ def check_forward_loss_average(
     """Measures what averaging DataParallel's per-replica losses does for this module.
 
     For modules whose ``forward`` receives the targets among ``inputs`` and returns the
-    loss (a scalar, the ``loss_at`` element of a tuple, or a ``"loss"`` key).
+    loss (a scalar, the ``loss_at`` element of a tuple, or a ``"loss"`` key). The module
+    runs in float64; the bias counts only beyond the rounding noise measured on this model
+    (see ``LossAverageReport.loss_noise``), so a loss computed in float32 inside forward is
+    judged by float32's noise.
 
     Returns:
         The report; ``str(report)`` explains it in plain words.
@@ -200,6 +330,7 @@ def check_forward_loss_average(
     args = convert_tensors(check.args, torch.float64, check.device)
     kwargs = convert_tensors(check.kwargs, torch.float64, check.device)
     fork_devices = [check.device] if check.device.type == "cuda" else []
+    precision = _Precision()
     with default_dtype(torch.float64), torch.random.fork_rng(devices=fork_devices), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
         parallel_model = copy.deepcopy(module).to(dtype=torch.float64, device=check.device)
@@ -214,7 +345,10 @@ def check_forward_loss_average(
 
         single = copy.deepcopy(module).to(dtype=torch.float64, device=check.device)
         seed_step(0, check.device)
-        full = extract_loss(single(*args, **kwargs), loss_at)
+        # Only the single-device forward is traced: it runs the same code as each replica,
+        # on this thread (the replicas run on DataParallel's threads).
+        with precision:
+            full = extract_loss(single(*args, **kwargs), loss_at)
         if full.numel() != 1:
             raise InvalidArgument(
                 f"the forward's loss has shape {tuple(full.shape)} on the whole batch; it must "
@@ -222,16 +356,42 @@ def check_forward_loss_average(
             )
         grads_full = _grads(full.reshape(()), list(single.parameters()))
 
-    names = [name for name, _ in parallel_model.named_parameters()]
-    by_param = tuple(
-        (name, _relative_gap(gm, gf)) for name, gm, gf in zip(names, grads_mean, grads_full, strict=True)
-    )
+    dtype = _coarsest(precision.dtype, losses.dtype, full.dtype)
+    eps = _eps(dtype)
     values = [float(x) for x in losses.detach()]
     full_value = float(full.detach())
-    loss_scale = max([abs(full_value), *map(abs, values), 1e-300])
+    weighted_error = float(weighted.detach()) - full_value
     loss_bias = float(mean_of_means.detach()) - full_value
-    grad_bias = max((gap for _, gap in by_param), default=0.0)
-    biased = abs(loss_bias) > _FLOAT64_NOISE * loss_scale or grad_bias > _FLOAT64_NOISE
+    loss_noise = _noise(abs(weighted_error), eps, max([abs(full_value), *map(abs, values)]))
+
+    scales = [_largest(g) for g in grads_full]
+    gaps_mean = [_largest(gm - gf) for gm, gf in zip(grads_mean, grads_full, strict=True)]
+    gaps_weighted = [_largest(gw - gf) for gw, gf in zip(grads_weighted, grads_full, strict=True)]
+    grad_scale = max(scales, default=0.0)
+    grad_noise = _noise(max(gaps_weighted, default=0.0), eps, grad_scale)
+    zero = _NOISE_FACTOR * grad_noise
+
+    def relative(gap: float, scale: float) -> float:
+        # A gradient whose largest entry is within the noise is zero in exact arithmetic
+        # (an attention key bias, say): its rounding is measured against the model's largest
+        # gradient, since against itself any rounding would read as a 100% difference.
+        reference = scale if scale > zero else grad_scale
+        if reference > 0:
+            return gap / reference
+        return 0.0 if gap == 0 else math.inf
+
+    names = [name for name, _ in parallel_model.named_parameters()]
+    by_param = tuple(
+        (name, relative(gap, scale)) for name, gap, scale in zip(names, gaps_mean, scales, strict=True)
+    )
+    biased = (
+        abs(loss_bias) > _NOISE_FACTOR * loss_noise
+        or max(gaps_mean, default=0.0) > _NOISE_FACTOR * grad_noise
+    )
+    exact = (
+        abs(weighted_error) <= _NOISE_FACTOR * loss_noise
+        and max(gaps_weighted, default=0.0) <= _NOISE_FACTOR * grad_noise
+    )
     return LossAverageReport(
         batch_size=batch,
         device_ids=tuple(check.device_ids),
@@ -241,13 +401,17 @@ def check_forward_loss_average(
         weighted_mean=float(weighted.detach()),
         full_batch_loss=full_value,
         loss_bias=loss_bias,
-        weighted_error=float(weighted.detach()) - full_value,
-        grad_bias=grad_bias,
+        weighted_error=weighted_error,
+        grad_bias=max((gap for _, gap in by_param), default=0.0),
         grad_bias_by_parameter=by_param,
         weighted_grad_error=max(
-            (_relative_gap(gw, gf) for gw, gf in zip(grads_weighted, grads_full, strict=True)), default=0.0
+            (relative(gap, scale) for gap, scale in zip(gaps_weighted, scales, strict=True)), default=0.0
         ),
         is_biased=biased,
+        loss_noise=loss_noise,
+        grad_noise=grad_noise,
+        compute_dtype=str(dtype).removeprefix("torch."),
+        weighted_is_exact=exact,
     )
 
 

@@ -144,3 +144,155 @@ def test_per_sample_losses_are_rejected_with_the_reason() -> None:
 def test_reduce_must_be_callable() -> None:
     with pytest.raises(InvalidArgument, match="reduce='mean' is not callable"):
         dpverify.assert_loss_reduction_matches_full_batch(LossHead(), (torch.randn(4, 3), torch.randn(4)), device_ids=[0, 1], reduce="mean")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- rounding noise
+
+
+class Float32Loss(nn.Module):
+    """Computes its loss in float32 even when cast to float64, as Hugging Face's causal LM
+    loss does (``logits.float()``): its noise is float32's, not float64's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.linear(x).float(), y)
+
+
+def _float32_case(batch: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    return Float32Loss(), (torch.randn(batch, 6), torch.randint(0, 5, (batch,)))
+
+
+def test_float32_loss_in_a_float64_module_is_judged_by_float32_noise() -> None:
+    module, inputs = _float32_case(8)
+    report = dpverify.check_forward_loss_average(module, inputs, device_ids=[0, 1])
+    assert report.chunk_sizes == (4, 4)
+    assert not report.is_biased, str(report)
+    assert report.loss_bias != 0  # float32 rounding is there, and is not called a bias
+    assert abs(report.loss_bias) < 1e-5 * abs(report.full_batch_loss)
+    assert report.grad_bias < 1e-5
+    assert "uneven" not in str(report)
+    assert "float32 rounding" in str(report)
+    assert report.compute_dtype == "float32"
+    assert report.loss_noise >= torch.finfo(torch.float32).eps * abs(report.full_batch_loss)
+    assert report.weighted_is_exact
+
+    # uneven chunks: biased, as the chunk weights predict up to float32 noise
+    module, inputs = _float32_case(7)
+    uneven = dpverify.check_forward_loss_average(module, inputs, device_ids=[0, 1])
+    assert uneven.chunk_sizes == (4, 3)
+    assert uneven.is_biased, str(uneven)
+    assert uneven.weighted_is_exact
+    assert abs(uneven.loss_bias - uneven.predicted_bias) < 10 * uneven.loss_noise
+    assert abs(uneven.predicted_bias) > 100 * uneven.loss_noise
+    assert uneven.grad_bias > 1e-3
+    assert "Why: the chunks are uneven" in str(uneven)
+
+
+class KeyBiasAttention(nn.Module):
+    """One attention layer: the key projection's bias adds ``q_i . b`` to every score of
+    query ``i``, which softmax ignores, so its gradient is zero in exact arithmetic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query = nn.Linear(4, 4)
+        self.key = nn.Linear(4, 4)
+        self.value = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        scores = self.query(x) @ self.key(x).transpose(-1, -2)
+        hidden = scores.softmax(-1) @ self.value(x)
+        return F.mse_loss(self.out(hidden).mean(dim=(1, 2)), y)
+
+
+class TwoFeatureNorm(nn.Module):
+    """A LayerNorm over 2 features without epsilon outputs +-1 whatever its input, so the
+    gradients of every layer before it are zero in exact arithmetic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(3, 2)
+        self.norm = nn.LayerNorm(2, eps=0.0)
+        self.last = nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.last(self.norm(self.first(x))).squeeze(-1), y)
+
+
+@pytest.mark.parametrize(
+    ("cls", "shape", "zero"),
+    [(KeyBiasAttention, (6, 5, 4), ("key.bias",)), (TwoFeatureNorm, (6, 3), ("first.weight", "first.bias"))],
+)
+def test_gradients_zero_in_exact_arithmetic_are_not_called_biased(
+    cls: type[nn.Module], shape: tuple[int, ...], zero: tuple[str, ...]
+) -> None:
+    torch.manual_seed(0)
+    inputs = (torch.randn(*shape), torch.randn(shape[0]))
+    report = dpverify.check_forward_loss_average(cls(), inputs, device_ids=[0, 1])
+    assert report.chunk_sizes == (3, 3)
+    assert not report.is_biased, str(report)
+    by_name = dict(report.grad_bias_by_parameter)
+    assert all(by_name[name] < 1e-12 for name in zero), by_name
+    assert report.grad_bias < 1e-12
+    assert report.weighted_grad_error < 1e-12
+    assert "uneven" not in str(report)
+    three = dpverify.check_forward_loss_average(cls(), inputs, device_ids=[0, 1, 2, 3])
+    assert three.chunk_sizes == (2, 2, 2)
+    assert not three.is_biased, str(three)
+    # uneven chunks: biased, and the zero gradient still reads as (near) zero difference
+    five = (inputs[0][:5], inputs[1][:5])
+    biased = dpverify.check_forward_loss_average(cls(), five, device_ids=[0, 1])
+    assert biased.is_biased, str(biased)
+    assert all(dict(biased.grad_bias_by_parameter)[name] < 1e-12 for name in zero)
+
+
+class SummedLoss(DictLoss):
+    """Returns its chunk's summed loss, not the per-row mean: wrong for any split."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return F.l1_loss(self.linear(x).squeeze(-1), y, reduction="sum")
+
+
+def test_even_chunks_biased_for_another_reason_never_blame_unevenness() -> None:
+    torch.manual_seed(0)
+    inputs = (torch.randn(6, 3), torch.randn(6))
+    report = dpverify.check_forward_loss_average(SummedLoss(), inputs, device_ids=[0, 1])
+    assert report.chunk_sizes == (3, 3)
+    assert report.is_biased
+    text = str(report)
+    assert "uneven" not in text
+    assert "the replica losses are not the per-row means of their chunks" in text
+    assert "the chunks [3, 3] are equal" in text
+    assert not report.weighted_is_exact
+    # with uneven chunks both reasons are given
+    uneven = str(dpverify.check_forward_loss_average(SummedLoss(), (inputs[0][:5], inputs[1][:5]), device_ids=[0, 1]))
+    assert "the chunks are uneven" in uneven
+    assert "the replica losses are not the per-row means" in uneven
+
+
+def _builtin_even() -> tuple[nn.Module, Any]:
+    case = builtin_case("loss-in-forward", batch=8)
+    return case.module, case.inputs
+
+
+def _attention_even() -> tuple[nn.Module, Any]:
+    torch.manual_seed(1)
+    return KeyBiasAttention(), (torch.randn(4, 5, 4), torch.randn(4))
+
+
+def _summed_even() -> tuple[nn.Module, Any]:
+    torch.manual_seed(2)
+    return SummedLoss(), (torch.randn(8, 3), torch.randn(8))
+
+
+@pytest.mark.parametrize("make", [_builtin_even, lambda: _float32_case(8), _attention_even, _summed_even])
+def test_even_chunks_never_read_uneven(make: Any) -> None:
+    module, inputs = make()
+    for ids in ([0, 1], [0, 1, 2, 3], [0]):
+        report = dpverify.check_forward_loss_average(module, inputs, device_ids=ids)
+        assert len(set(report.chunk_sizes)) == 1
+        assert "uneven" not in str(report), str(report)
