@@ -9,7 +9,13 @@ import torch
 
 from dpverify._errors import InvalidArgument
 
-__all__ = ["HOST", "cuda_device_count", "normalize_device_ids", "normalize_output_device"]
+__all__ = [
+    "HOST",
+    "cuda_device_count",
+    "device_index",
+    "normalize_device_ids",
+    "normalize_output_device",
+]
 
 #: Index torch uses for "gather on the host" (``output_device=-1``).
 HOST = -1
@@ -43,6 +49,20 @@ def _index_of(device: Any, argument: str) -> int:
     raise InvalidArgument(
         f"{argument}={device!r} has type {type(device).__name__}; pass an int or a torch.device"
     )
+
+
+def device_index(device: Any, argument: str) -> int:
+    """The index of one device argument, as torch's ``_get_device_index(device, True)`` reads it.
+
+    An int is returned as is, a ``torch.device`` or a string such as ``'cuda:1'`` gives its
+    index. Unlike torch, a device without an index (``'cuda'``, None) is rejected rather than
+    read as the current CUDA device: virtual devices have no current device.
+
+    Raises:
+        InvalidArgument: a bool, a CPU device (torch raises a ValueError too), a device
+            without an index, or anything else that is not a device.
+    """
+    return _index_of(device, argument)
 
 
 def normalize_device_ids(device_ids: Sequence[Any] | None, *, argument: str = "device_ids") -> list[int]:

@@ -10,13 +10,18 @@ torch primitive                 virtual stand-in
 ==============================  ==============================================================
 ``_functions.Scatter``          ``_VirtualScatter``: ``tensor.chunk``; the chunk for the source
                                 device is a view, the others are copies
-``_functions.Gather``           ``_VirtualGather``: ``torch.cat``, scalar warning, backward
-                                splits the gradient by chunk size
+``_functions.Gather``           ``_VirtualGather``: concatenation into the first output's
+                                dtype, scalar warning, backward splits the gradient by
+                                chunk size
 ``_functions.Broadcast``        ``_VirtualBroadcast``: replica 0 aliases the parameter, the
                                 others are copies; backward is a reduce-add (a sum)
 ``comm.broadcast_coalesced``    ``_virtual_broadcast_coalesced`` (detached replicas, buffers)
-``parallel_apply``              one thread per replica, as torch does, without CUDA streams
+``parallel_apply``              one thread per replica, as torch does, without CUDA streams;
+                                one random generator per device (``_parallel_apply``)
 ==============================  ==============================================================
+
+Device arguments are read as torch reads them: ints, ``torch.device('cuda:k')`` objects
+and ``'cuda:k'`` strings alike.
 
 Host tensors stand for tensors on the source device ``device_ids[0]``: the module's CPU
 parameters are the parameters "on device_ids[0]", and a CPU batch is a batch already moved
@@ -26,6 +31,7 @@ there. So chunk 0 is a view of the batch, exactly as with a batch on ``cuda:devi
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
@@ -40,7 +46,13 @@ from torch.nn.parallel import _functions as torch_functions
 from torch.nn.parallel import comm as torch_comm
 from torch.nn.parallel import scatter_gather as torch_scatter_gather
 
-from dpverify._devices import HOST, cuda_device_count, normalize_device_ids, normalize_output_device
+from dpverify._devices import (
+    HOST,
+    cuda_device_count,
+    device_index,
+    normalize_device_ids,
+    normalize_output_device,
+)
 from dpverify._errors import InvalidArgument
 
 __all__ = ["VirtualDataParallel", "current_virtual_device", "data_parallel", "virtual_primitives"]
@@ -88,7 +100,9 @@ class _VirtualScatter(Function):
         input: torch.Tensor,
         source: int | None = None,
     ) -> tuple[torch.Tensor, ...]:
-        targets = [int(d) for d in target_gpus]
+        # torch's Scatter reads each target with _get_device_index(x, True): ints,
+        # torch.device objects and 'cuda:k' strings alike.
+        targets = [device_index(d, "device_ids") for d in target_gpus]
         ctx.dim = dim
         ctx.input_device = targets[0] if source is None else source
         if chunk_sizes is None:
@@ -105,12 +119,29 @@ class _VirtualScatter(Function):
         return None, None, None, _VirtualGather.apply(ctx.input_device, ctx.dim, *grad_output), None  # type: ignore[no-untyped-call]
 
 
+def _gather_target(target_device: Any) -> int:
+    """The device ``Gather`` gathers on, read as torch's ``Gather.forward`` reads it.
+
+    torch special-cases the string ``"cpu"`` and passes anything else through
+    ``_get_device_index(target_device, True)``: an index (-1 is the host), a
+    ``torch.device('cuda:k')`` or ``'cuda:k'``; ``torch.device('cpu')`` is a ValueError.
+    """
+    if isinstance(target_device, str) and target_device == "cpu":
+        return HOST
+    index = device_index(target_device, "output_device")
+    if index < HOST:
+        raise InvalidArgument(
+            f"output_device={index} is not a device; pass a device index, or -1 for the host"
+        )
+    return index
+
+
 class _VirtualGather(Function):
     """``torch.nn.parallel._functions.Gather`` for virtual devices."""
 
     @staticmethod
     def forward(ctx: Any, target_device: Any, dim: int, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.target_device = HOST if target_device == "cpu" else int(target_device)
+        ctx.target_device = _gather_target(target_device)
         ctx.dim = dim
         devices = _state.devices or range(len(inputs))
         ctx.input_gpus = tuple(devices)[: len(inputs)]
@@ -121,7 +152,13 @@ class _VirtualGather(Function):
         else:
             ctx.unsqueezed_scalar = False
         ctx.input_sizes = tuple(i.size(ctx.dim) for i in inputs)
-        return torch.cat(inputs, ctx.dim)
+        # comm.gather allocates the output with the first input's dtype and copies each
+        # input into it (_gather_out_impl in torch/csrc/cuda/comm.cpp): no autocast and no
+        # type promotion. torch.cat inside the caller's autocast region would promote, or
+        # fail on replica outputs in another low-precision dtype than the caller's.
+        dtype = inputs[0].dtype
+        with torch.amp.autocast("cpu", enabled=False):
+            return torch.cat([t.to(dtype) for t in inputs], ctx.dim)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
@@ -249,57 +286,146 @@ def virtual_primitives(devices: Sequence[int] = (), *, views_only: bool = False)
         _state.depth, _state.devices, _state.views_only = saved
 
 
-def _device_seed(device: int) -> int:
-    """Seed of a virtual device's generator: like CUDA devices after torch.manual_seed, each
-    device draws from its own stream, so replicas never reuse the single-device mask."""
-    return (torch.initial_seed() * 1_000_003 + 7919 * (device + 1)) % (2**63)
+def _device_seed(host_state: bytes, device: int) -> int:
+    """Seed of virtual device ``device``'s generator for one ``parallel_apply``.
+
+    Drawn from the host generator's state as the replicas start (so from the caller's
+    seed and everything drawn since), and from the device, so devices differ from each
+    other and from one forward to the next, and a run repeats exactly after any reseeding:
+    ``torch.manual_seed``, ``torch.default_generator.manual_seed`` or ``set_rng_state``.
+    """
+    digest = hashlib.blake2b(
+        host_state + device.to_bytes(8, "little", signed=True), digest_size=8, person=b"dpverify-device"
+    ).digest()
+    return int.from_bytes(digest, "little")
+
+
+@contextlib.contextmanager
+def _intra_op_threads(count: int) -> Iterator[None]:
+    """Runs the block, in a fresh replica thread, with ``count`` intra-op threads.
+
+    ``torch.set_num_threads`` sets the calling thread's OpenMP count and a process-wide
+    count that other threads adopt on their first parallel op (ATen's ParallelOpenMP.cpp:
+    ``set_num_threads`` stores ``num_threads``, ``lazy_init_num_threads`` applies it per
+    thread). A fresh replica thread so starts with the count set last by any thread, which
+    is not the caller's once another thread has set one; the count changes how CPU kernels
+    split reductions, so replicas would round differently from the caller. torch's own
+    ``parallel_apply`` does not do this: its replicas compute on GPUs. The process-wide
+    count is put back afterwards, so threads started later see what they would have.
+    """
+    inherited = torch.get_num_threads()
+    if inherited == count:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(inherited)
+
+
+#: Serialises virtual ``parallel_apply`` calls from different threads: replicas other than
+#: the first swap the host generator (the one generator every thread draws from) for their
+#: device's, so two interleaved calls would draw from each other's streams.
+_apply_lock = threading.Lock()
 
 
 def _parallel_apply(
     replicas: Sequence[nn.Module],
     inputs: Sequence[Any],
-    kwargs_tup: Sequence[dict[str, Any]],
-    devices: Sequence[int],
+    kwargs_tup: Sequence[dict[str, Any]] | None = None,
+    devices: Sequence[int | torch.device] | None = None,
 ) -> list[Any]:
     """torch.nn.parallel.parallel_apply without CUDA.
 
-    Each replica runs in its own thread with the caller's grad mode and CPU autocast state,
-    and a failure is re-raised naming the replica, as in torch. The threads run one after
-    the other rather than at once: the host has one random generator where GPUs have one
-    each, so the replica on ``device_ids[0]`` continues the caller's generator and every
-    other replica draws from its device's own (``_device_seed``). Results are then
-    deterministic, and dropout masks differ between replicas as they do on GPUs.
+    As in torch, ``kwargs_tup=None`` gives every replica no keyword arguments, an input
+    that is not a list or tuple is the replica's only argument, each replica runs in its
+    own thread (in the calling thread when there is one replica) with the caller's grad
+    mode, and a failure is re-raised as ``Caught <error> in replica {i} on device {device}``.
+
+    Autocast is re-entered the way torch does it: the caller's autocast *flag* for the
+    device type is carried into each thread, its dtype is not. torch captures
+    ``torch.is_autocast_enabled()`` and enters ``torch.amp.autocast(device_type,
+    enabled=...)`` with no dtype, and the autocast dtype is thread-local, so with two or
+    more replicas they compute in the device type's default dtype: float16 on CUDA, and
+    bfloat16 for the host's autocast, which here stands for the device's. A caller in
+    ``torch.autocast(..., dtype=d)`` with a ``d`` other than the default gets replicas that
+    run in the default dtype, on GPUs and here alike; a single replica keeps ``d``.
+
+    Each replica thread also computes with the caller's ``torch.get_num_threads()``
+    (see ``_intra_op_threads``).
+
+    The threads run one after the other rather than at once: the host has one random
+    generator where GPUs have one each. Replicas on ``devices[0]`` continue the caller's
+    generator, as replica 0 continues the generator of ``cuda:device_ids[0]``; replicas on
+    other devices draw from their device's generator, seeded by ``_device_seed`` from the
+    host generator's state when the replicas start. Results are deterministic given the
+    caller's seed, dropout masks differ between devices and between forwards (whenever the
+    host generator moved in between, which a replica 0 that draws anything ensures), and
+    the caller's generator sees replica 0's draws only. Concurrent calls from different
+    threads are serialised; a replica's own nested DataParallel runs within its caller's
+    turn.
+
+    Args:
+        replicas: the modules to run.
+        inputs: one entry per replica: a list or tuple of positional arguments, or the
+            single argument.
+        kwargs_tup: one dict of keyword arguments per replica, or None for none.
+        devices: the virtual device of each replica: ints, ``torch.device`` objects or
+            strings such as ``'cuda:1'``; None puts replica ``i`` on device ``i``.
+
+    Raises:
+        AssertionError: ``replicas``, ``inputs``, ``kwargs_tup`` or ``devices`` differ in
+            length (torch's check and message).
+        InvalidArgument: a device that is not a CUDA device index.
     """
+    # Length checks and messages follow torch.nn.parallel.parallel_apply.
+    if len(replicas) != len(inputs):
+        raise AssertionError(
+            f"The number of modules {len(replicas)} is not equal to the number of inputs {len(inputs)}"
+        )
+    if kwargs_tup is None:
+        kwargs_tup = ({},) * len(replicas)
+    elif len(replicas) != len(kwargs_tup):
+        raise AssertionError(
+            f"The number of modules {len(replicas)} is not equal to "
+            f"the number of kwargs_tup {len(kwargs_tup)}"
+        )
+    if devices is None:
+        devices = range(len(replicas))
+    elif len(replicas) != len(devices):
+        raise AssertionError(
+            f"The number of modules {len(replicas)} is not equal to the number of devices {len(devices)}"
+        )
+    indices = [device_index(d, "devices") for d in devices]
     grad_enabled = torch.is_grad_enabled()
+    # torch reads torch.is_autocast_enabled(), the accelerator's flag; the host's autocast
+    # plays the accelerator's here.
     autocast_enabled = torch.is_autocast_enabled("cpu")
-    autocast_dtype = torch.get_autocast_dtype("cpu")
+    num_threads = torch.get_num_threads()
     results: dict[int, Any] = {}
 
     def worker(i: int, module: nn.Module, input: Any, kwargs: dict[str, Any], device: int) -> None:
         torch.set_grad_enabled(grad_enabled)
         previous, _state.device = _state.device, device
         try:
-            with torch.autocast("cpu", enabled=autocast_enabled, dtype=autocast_dtype):
+            with _intra_op_threads(num_threads), torch.amp.autocast("cpu", enabled=autocast_enabled):
                 if not isinstance(input, (list, tuple)):
                     input = (input,)
                 results[i] = module(*input, **kwargs)
         except Exception:
-            results[i] = ExceptionWrapper(where=f"in replica {i} on virtual device {device}")
+            results[i] = ExceptionWrapper(where=f"in replica {i} on device {device}")
         finally:
             _state.device = previous
 
-    jobs = list(zip(replicas, inputs, kwargs_tup, devices, strict=True))
-    for i, job in enumerate(jobs):
+    jobs = list(zip(replicas, inputs, kwargs_tup, indices, strict=True))
+    # Inside a replica, this thread's caller holds the lock and waits for it.
+    turn = _apply_lock if _state.device is None else contextlib.nullcontext()
+    with turn:
         if len(jobs) == 1:
-            worker(0, *job)
-            continue
-        with contextlib.ExitStack() as stack:
-            if i > 0:
-                stack.enter_context(torch.random.fork_rng(devices=[]))
-                torch.default_generator.manual_seed(_device_seed(job[3]))
-            thread = threading.Thread(target=worker, args=(i, *job), name=f"dpverify-replica-{i}")
-            thread.start()
-            thread.join()
+            worker(0, *jobs[0])
+        else:
+            _run_in_threads(worker, jobs)
 
     outputs = []
     for i in range(len(jobs)):
@@ -308,6 +434,28 @@ def _parallel_apply(
             output.reraise()
         outputs.append(output)
     return outputs
+
+
+def _run_in_threads(worker: Any, jobs: Sequence[tuple[nn.Module, Any, dict[str, Any], int]]) -> None:
+    """Runs ``worker(i, *job)`` in one thread per job, one after the other, each replica
+    drawing random numbers from its device's generator (see ``_parallel_apply``)."""
+    source = jobs[0][3]
+    host_state = torch.default_generator.get_state().numpy().tobytes()
+    device_states: dict[int, torch.Tensor] = {}
+    for i, job in enumerate(jobs):
+        device = job[3]
+        with contextlib.ExitStack() as stack:
+            if device != source:
+                stack.enter_context(torch.random.fork_rng(devices=[]))
+                if device in device_states:  # a second replica on one device continues it
+                    torch.default_generator.set_state(device_states[device])
+                else:
+                    torch.default_generator.manual_seed(_device_seed(host_state, device))
+            thread = threading.Thread(target=worker, args=(i, *job), name=f"dpverify-replica-{i}")
+            thread.start()
+            thread.join()
+            if device != source:
+                device_states[device] = torch.default_generator.get_state()
 
 
 def _check_on_host(module: nn.Module) -> None:
@@ -371,7 +519,9 @@ class VirtualDataParallel(nn.DataParallel[T]):
         with virtual_primitives():
             return super().replicate(module, device_ids)
 
-    def parallel_apply(self, replicas: Sequence[T], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
+    def parallel_apply(
+        self, replicas: Sequence[T], inputs: Sequence[Any], kwargs: Sequence[dict[str, Any]] | None
+    ) -> list[Any]:
         return _parallel_apply(replicas, inputs, kwargs, self.device_ids[: len(replicas)])
 
     def gather(self, outputs: Any, output_device: int | torch.device) -> Any:

@@ -297,7 +297,7 @@ def test_replica_exception_names_the_replica() -> None:
                 raise RuntimeError("boom")
             return x
 
-    with pytest.raises(RuntimeError, match=r"(?s)in replica 1 on virtual device 1.*boom"):
+    with pytest.raises(RuntimeError, match=r"(?s)in replica 1 on device 1.*boom"):
         VirtualDataParallel(Fails(), [0, 1])(torch.randn(4, 2))
 
 
@@ -377,3 +377,191 @@ def test_replicas_draw_their_own_random_numbers_deterministically() -> None:
 def test_current_virtual_device_is_none_after_a_one_replica_forward() -> None:
     VirtualDataParallel(Recorder(), [0, 1])(torch.randn(1, 3))  # one chunk: one replica, this thread
     assert current_virtual_device() is None
+
+
+# --- torch's parallel_apply semantics (kwargs None, error text, autocast, threads, RNG) ---
+
+
+def test_parallel_apply_accepts_none_kwargs_like_torch() -> None:
+    # torch.nn.parallel.parallel_apply turns kwargs_tup=None into one empty dict per module.
+    torch.manual_seed(0)
+    first, second = nn.Linear(3, 2), nn.Linear(3, 2)
+    x0, x1 = torch.randn(2, 3), torch.randn(2, 3)
+    dp = VirtualDataParallel(first, [0, 1])
+    outputs = dp.parallel_apply([first, second], [(x0,), x1], None)
+    torch.testing.assert_close(outputs[0], first(x0))
+    torch.testing.assert_close(outputs[1], second(x1))
+
+
+def test_replica_exception_text_is_torch_own() -> None:
+    # torch: ExceptionWrapper(where=f"in replica {i} on device {device}"), device an int index.
+    class Fails(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if current_virtual_device() == 3:
+                raise KeyError("wonderful")
+            return x
+
+    with pytest.raises(KeyError, match=r"Caught KeyError in replica 1 on device 3\.\nOriginal Traceback") as caught:
+        VirtualDataParallel(Fails(), [2, 3])(torch.randn(4, 2))
+    assert "virtual device" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "device_ids", [[torch.device("cuda:0"), torch.device("cuda:1")], ["cuda:0", "cuda:1"], [0, 1]]
+)
+def test_scatter_accepts_device_objects_and_strings(device_ids: list[Any]) -> None:
+    x = torch.arange(8.0).reshape(4, 2)
+    dp = VirtualDataParallel(nn.Linear(2, 2), [0, 1])
+    inputs, kwargs = dp.scatter((x,), {"y": x * 2}, device_ids)
+    assert len(inputs) == 2
+    torch.testing.assert_close(inputs[0][0], x[:2])
+    torch.testing.assert_close(inputs[1][0], x[2:])
+    torch.testing.assert_close(kwargs[1]["y"], x[2:] * 2)
+
+
+@pytest.mark.parametrize("output_device", [torch.device("cuda:1"), "cuda:1", 1, -1, "cpu"])
+def test_gather_accepts_device_objects_and_strings(output_device: Any) -> None:
+    parts = [torch.randn(2, 3, requires_grad=True), torch.randn(1, 3, requires_grad=True)]
+    dp = VirtualDataParallel(nn.Linear(3, 3), [0, 1])
+    out = dp.gather(parts, output_device)
+    torch.testing.assert_close(out, torch.cat(parts))
+    out.backward(torch.arange(9.0).reshape(3, 3))
+    torch.testing.assert_close(parts[1].grad, torch.arange(6.0, 9.0).reshape(1, 3))
+
+
+def test_gather_rejects_a_cpu_device_object_like_torch() -> None:
+    # torch's Gather special-cases the string "cpu" only; torch.device("cpu") goes through
+    # _get_device_index(..., allow_cpu=False) and raises a ValueError.
+    dp = VirtualDataParallel(nn.Linear(3, 3), [0, 1])
+    with pytest.raises(ValueError, match="cpu"):
+        dp.gather([torch.randn(1, 3), torch.randn(1, 3)], torch.device("cpu"))
+
+
+class Noise(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.rand_like(x)
+
+
+def test_replica_generators_advance_across_forwards() -> None:
+    # On GPUs every device's generator moves on with each draw: replica 1 gets a new
+    # dropout mask at every step, never the one of the step before.
+    x = torch.zeros(4, 3)
+    dp = VirtualDataParallel(Noise(), [0, 1])
+    torch.manual_seed(0)
+    first, second = dp(x), dp(x)
+    assert not torch.allclose(first[2:], second[2:])
+    assert not torch.allclose(first[:2], second[:2])
+
+
+def test_replica_generators_are_deterministic_given_the_seed() -> None:
+    x = torch.zeros(6, 3)
+    dp = VirtualDataParallel(Noise(), [0, 1, 2])
+    runs = []
+    for reseed in (torch.manual_seed, torch.default_generator.manual_seed, torch.manual_seed):
+        reseed(0)
+        runs.append(torch.cat([dp(x), dp(x), dp(x)]))
+    torch.testing.assert_close(runs[0], runs[1])  # same seed, same draws, whatever came before
+    torch.testing.assert_close(runs[0], runs[2])
+    steps = runs[0].view(3, 3, 2, 3)  # forward, replica, row, column
+    for forward in range(3):
+        for replica in range(3):
+            for other in range(replica + 1, 3):
+                assert not torch.allclose(steps[forward, replica], steps[forward, other])
+
+
+def test_replica_zero_continues_the_callers_generator_and_others_leave_it_alone() -> None:
+    x = torch.zeros(4, 3)
+    torch.manual_seed(1)
+    VirtualDataParallel(Noise(), [0, 1])(x)
+    after_dp = torch.rand(5)
+    torch.manual_seed(1)
+    Noise()(x[:2])  # only replica 0's draws come from the caller's generator
+    torch.testing.assert_close(after_dp, torch.rand(5))
+
+
+class DtypeProbe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.seen: list[tuple[bool, torch.dtype, torch.dtype]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x)
+        self.seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), out.dtype))
+        return out
+
+
+def test_autocast_replicas_run_in_the_default_dtype_like_torch() -> None:
+    # torch's parallel_apply re-enters torch.autocast(device_type, enabled=...) in each worker
+    # thread without the dtype; the dtype is thread-local, so replicas run in the device
+    # type's default autocast dtype (float16 on CUDA, bfloat16 on CPU), not the caller's.
+    default: list[torch.dtype] = []
+    fresh = threading.Thread(target=lambda: default.append(torch.get_autocast_dtype("cpu")))
+    fresh.start()
+    fresh.join()
+    assert default == [torch.bfloat16]
+    module = DtypeProbe()
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = VirtualDataParallel(module, [0, 1])(torch.randn(4, 3))
+    assert module.seen == [(True, torch.bfloat16, torch.bfloat16)] * 2
+    assert out.dtype == torch.bfloat16
+
+
+def test_autocast_dtype_kept_when_the_only_replica_runs_in_the_caller_thread() -> None:
+    # One chunk: torch runs its single worker in the calling thread, where the dtype holds.
+    module = DtypeProbe()
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = VirtualDataParallel(module, [0, 1])(torch.randn(1, 3))
+    assert module.seen == [(True, torch.float16, torch.float16)]
+    assert out.dtype == torch.float16
+
+
+def _in_new_thread(fn: Any) -> Any:
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(fn()))
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+class ThreadsProbe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.get_num_threads())
+        return x
+
+
+def test_replicas_compute_with_the_callers_intra_op_thread_count() -> None:
+    # torch.set_num_threads sets the calling thread's OpenMP count and the count that threads
+    # started later begin with; the caller's own count can differ from the latter once another
+    # thread has set one, and then fresh replica threads would compute with a different count.
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        module = ThreadsProbe()
+        VirtualDataParallel(module, [0, 1])(torch.zeros(4, 1))
+        assert module.seen == [1, 1]
+        _in_new_thread(lambda: torch.set_num_threads(2))
+        assert torch.get_num_threads() == 1
+        assert _in_new_thread(torch.get_num_threads) == 2
+        module = ThreadsProbe()
+        VirtualDataParallel(module, [0, 1, 2])(torch.zeros(6, 1))
+        assert module.seen == [1, 1, 1]
+        assert torch.get_num_threads() == 1
+        assert _in_new_thread(torch.get_num_threads) == 2  # the process default is left as found
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_gather_copies_into_the_first_outputs_dtype_outside_autocast() -> None:
+    # comm.gather copies every output into a tensor of the first one's dtype: no promotion,
+    # and no autocast (torch.cat under a float16 autocast region rejects bfloat16 inputs).
+    dp = VirtualDataParallel(nn.Linear(3, 3), [0, 1])
+    mixed = dp.gather([torch.ones(1, 2), torch.ones(1, 2, dtype=torch.float64) / 3], 0)
+    assert mixed.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.float16):
+        low = dp.gather([torch.ones(1, 2, dtype=torch.bfloat16), torch.ones(1, 2, dtype=torch.bfloat16)], 1)
+    assert low.dtype == torch.bfloat16
