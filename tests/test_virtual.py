@@ -565,3 +565,74 @@ def test_gather_copies_into_the_first_outputs_dtype_outside_autocast() -> None:
     with torch.autocast("cpu", dtype=torch.float16):
         low = dp.gather([torch.ones(1, 2, dtype=torch.bfloat16), torch.ones(1, 2, dtype=torch.bfloat16)], 1)
     assert low.dtype == torch.bfloat16
+
+
+class SeedProbe(nn.Module):
+    """Records, per replica, the seed of the generator its draws would come from."""
+
+    def __init__(self, on_forward: Any = None) -> None:
+        super().__init__()
+        self.seen: list[tuple[int | None, int]] = []
+        self.on_forward = on_forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((current_virtual_device(), torch.initial_seed()))
+        if self.on_forward is not None:
+            self.on_forward(current_virtual_device())
+        return x
+
+
+def test_concurrent_forwards_do_not_draw_from_each_others_generators() -> None:
+    # Replica 1 swaps the host generator for device 1's; a forward in another thread must
+    # not start its replicas meanwhile, or its replica 0 would draw from device 1's stream.
+    first_in_replica_1, second_ran_replica_0 = threading.Event(), threading.Event()
+
+    def first_hook(device: int | None) -> None:
+        if device == 1:
+            first_in_replica_1.set()
+            second_ran_replica_0.wait(timeout=1.0)  # times out when the forwards are serialised
+
+    def second_hook(device: int | None) -> None:
+        if device == 0:
+            second_ran_replica_0.set()
+
+    torch.manual_seed(123)
+    first, second = SeedProbe(first_hook), SeedProbe(second_hook)
+    x = torch.zeros(4, 1)
+    a = threading.Thread(target=lambda: VirtualDataParallel(first, [0, 1])(x), daemon=True)
+    b = threading.Thread(target=lambda: VirtualDataParallel(second, [0, 1])(x), daemon=True)
+    a.start()
+    assert first_in_replica_1.wait(timeout=30)
+    b.start()
+    a.join(timeout=30)
+    b.join(timeout=30)
+    assert not a.is_alive() and not b.is_alive()
+    assert dict(first.seen)[0] == 123
+    assert dict(first.seen)[1] != 123  # device 1 has a generator of its own
+    assert dict(second.seen)[0] == 123  # the caller's generator, not device 1's
+    assert torch.initial_seed() == 123
+
+
+def test_a_replica_can_run_its_own_data_parallel() -> None:
+    # The inner forward runs within the outer one's turn (no deadlock on the shared lock).
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = SeedProbe()
+            self.devices: list[tuple[int | None, int | None]] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            outer = current_virtual_device()
+            out = VirtualDataParallel(self.inner, [2, 3])(x)
+            self.devices.append((outer, current_virtual_device()))
+            return out
+
+    module = Outer()
+    runner = threading.Thread(
+        target=lambda: VirtualDataParallel(module, [0, 1])(torch.zeros(8, 1)), daemon=True
+    )
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive()
+    assert sorted(module.devices) == [(0, 0), (1, 1)]
+    assert sorted(d for d, _ in module.inner.seen) == [2, 2, 3, 3]
