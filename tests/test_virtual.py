@@ -606,7 +606,8 @@ def test_concurrent_forwards_do_not_draw_from_each_others_generators() -> None:
     b.start()
     a.join(timeout=30)
     b.join(timeout=30)
-    assert not a.is_alive() and not b.is_alive()
+    assert not a.is_alive()
+    assert not b.is_alive()
     assert dict(first.seen)[0] == 123
     assert dict(first.seen)[1] != 123  # device 1 has a generator of its own
     assert dict(second.seen)[0] == 123  # the caller's generator, not device 1's
