@@ -118,7 +118,8 @@ class LossAverageReport:
             clearly more (``_NOISE_FACTOR`` times) than the rounding noise.
         loss_noise: the loss's rounding noise: ``|weighted_error|``, at least one roundoff
             of ``compute_dtype`` times the largest loss, and at most ``sqrt(eps)`` times it
-            (a larger difference is no rounding).
+            (a larger difference is no rounding); just that roundoff when the weighted
+            reduction is not exact, since its difference then measured no rounding.
         grad_noise: the same for the gradients (absolute), from the weighted-vs-full
             gradient differences and the model's largest gradient entry.
         compute_dtype: the coarsest floating dtype the forward computed in (for example
@@ -362,13 +363,23 @@ def check_forward_loss_average(
     full_value = float(full.detach())
     weighted_error = float(weighted.detach()) - full_value
     loss_bias = float(mean_of_means.detach()) - full_value
-    loss_noise = _noise(abs(weighted_error), eps, max([abs(full_value), *map(abs, values)]))
+    loss_terms = max([abs(full_value), *map(abs, values)])
+    loss_noise = _noise(abs(weighted_error), eps, loss_terms)
 
     scales = [_largest(g) for g in grads_full]
     gaps_mean = [_largest(gm - gf) for gm, gf in zip(grads_mean, grads_full, strict=True)]
     gaps_weighted = [_largest(gw - gf) for gw, gf in zip(grads_weighted, grads_full, strict=True)]
     grad_scale = max(scales, default=0.0)
     grad_noise = _noise(max(gaps_weighted, default=0.0), eps, grad_scale)
+    exact = (
+        abs(weighted_error) <= _NOISE_FACTOR * loss_noise
+        and max(gaps_weighted, default=0.0) <= _NOISE_FACTOR * grad_noise
+    )
+    if not exact:
+        # The weighted reduction is itself wrong (the replica losses are not per-row means),
+        # so its difference measured no rounding: only the roundoff floor is left as noise.
+        loss_noise = _noise(0.0, eps, loss_terms)
+        grad_noise = _noise(0.0, eps, grad_scale)
     zero = _NOISE_FACTOR * grad_noise
 
     def relative(gap: float, scale: float) -> float:
@@ -387,10 +398,6 @@ def check_forward_loss_average(
     biased = (
         abs(loss_bias) > _NOISE_FACTOR * loss_noise
         or max(gaps_mean, default=0.0) > _NOISE_FACTOR * grad_noise
-    )
-    exact = (
-        abs(weighted_error) <= _NOISE_FACTOR * loss_noise
-        and max(gaps_weighted, default=0.0) <= _NOISE_FACTOR * grad_noise
     )
     return LossAverageReport(
         batch_size=batch,
