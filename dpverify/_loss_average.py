@@ -115,7 +115,7 @@ class LossAverageReport:
         grad_bias_by_parameter: the same per parameter, model order.
         weighted_grad_error: greatest relative gradient difference, weighted vs full batch.
         is_biased: the mean of means differs from the full-batch loss or its gradients by
-            clearly more (``_NOISE_FACTOR`` times) than the rounding noise.
+            clearly more (32 times) than the rounding noise.
         loss_noise: the loss's rounding noise: ``|weighted_error|``, at least one roundoff
             of ``compute_dtype`` times the largest loss, and at most ``sqrt(eps)`` times it
             (a larger difference is no rounding); just that roundoff when the weighted
