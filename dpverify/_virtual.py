@@ -34,7 +34,7 @@ import contextlib
 import hashlib
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import Any, TypeVar
 
@@ -436,7 +436,9 @@ def _parallel_apply(
     return outputs
 
 
-def _run_in_threads(worker: Any, jobs: Sequence[tuple[nn.Module, Any, dict[str, Any], int]]) -> None:
+def _run_in_threads(
+    worker: Callable[..., None], jobs: Sequence[tuple[nn.Module, Any, dict[str, Any], int]]
+) -> None:
     """Runs ``worker(i, *job)`` in one thread per job, one after the other, each replica
     drawing random numbers from its device's generator (see ``_parallel_apply``)."""
     source = jobs[0][3]
@@ -473,7 +475,10 @@ class VirtualDataParallel(nn.DataParallel[T]):
     Runs torch's own ``DataParallel.forward`` (and through it ``scatter_kwargs``,
     ``replicate`` and ``gather``); only the CUDA primitives are virtual, so chunking,
     idle devices, replica aliasing, lost replica state, scalar gathering and gradient
-    summation behave as on GPUs.
+    summation behave as on GPUs. So does autocast: with two or more replicas they run in
+    the default autocast dtype (bfloat16 here, float16 on CUDA), whatever dtype the caller
+    chose, because torch's ``parallel_apply`` carries the autocast flag into its threads
+    but not the dtype (see ``_parallel_apply``).
 
     Args:
         module: the module to parallelize; its parameters and buffers must be on the CPU,
