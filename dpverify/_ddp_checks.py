@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,9 +58,11 @@ from dpverify._step import (
     as_inputs,
     batch_size_of,
     convert_tensors,
+    copy_module,
     default_dtype,
     first_parameter_dtype,
     flatten_tensors,
+    parameter_sites,
     run_step,
 )
 
@@ -82,6 +86,37 @@ def _int_at_least(value: Any, name: str, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise InvalidArgument(f"{name}={value!r} must be an int >= {low}")
     return value
+
+
+def _trainable_module(module: Any) -> nn.Module:
+    """The module, once it is known to have a parameter that requires grad (DDP refuses a
+    module without one, and there would be no gradient to compare)."""
+    if not isinstance(module, nn.Module):
+        raise InvalidArgument(f"module={type(module).__name__} is not a torch.nn.Module")
+    params = list(module.parameters())
+    if not any(p.requires_grad for p in params):
+        has = f"all its {len(params)} parameters have requires_grad=False" if params else "it has no parameters"
+        raise InvalidArgument(
+            f"module has no parameter that requires grad ({has}): DistributedDataParallel "
+            "refuses such a module and there is no gradient to compare; unfreeze at least one "
+            "parameter (requires_grad_(True))"
+        )
+    return module
+
+
+def _trainable_names(module: nn.Module) -> frozenset[str]:
+    """Qualified names (as in the gradient dictionaries) of the parameters that require grad."""
+    return frozenset(
+        name for name, path, attr in parameter_sites(module)
+        if getattr(module.get_submodule(path)._parameters[attr], "requires_grad", False)
+    )
+
+
+def _unused_names(module: nn.Module, grads: Mapping[str, torch.Tensor | None]) -> list[str]:
+    """Parameters that require grad but got none on one device: they take no part in the
+    loss. A frozen parameter has no gradient either, but DDP ignores it."""
+    trainable = _trainable_names(module)
+    return [name for name, grad in grads.items() if grad is None and name in trainable]
 
 
 def _runner(pool: RankRunner | None, world_size: int) -> RankRunner:
@@ -183,8 +218,7 @@ class DDPCheck:
         atol: float | None = None,
         ddp_kwargs: Mapping[str, Any] | None = None,
     ) -> DDPCheck:
-        if not isinstance(module, nn.Module):
-            raise InvalidArgument(f"module={type(module).__name__} is not a torch.nn.Module")
+        _trainable_module(module)
         world = _int_at_least(world_size, "world_size", 1)
         args = as_inputs(inputs)
         batch = batch_size_of(args)
@@ -213,6 +247,31 @@ class DDPCheck:
     def uneven(self) -> bool:
         return len(set(self.shard_sizes)) > 1
 
+    @property
+    def find_unused(self) -> bool:
+        return bool(dict(self.ddp_kwargs).get("find_unused_parameters", False))
+
+    @property
+    def static_graph(self) -> bool:
+        return bool(dict(self.ddp_kwargs).get("static_graph", False))
+
+    def unused_findings(self, unused: Sequence[str], *, wrapped: bool = True) -> tuple[list[str], list[str]]:
+        """(failures, notes) for parameters that get no gradient on one device.
+
+        Without ``find_unused_parameters`` (or ``static_graph``) torch's DDP fails on such a
+        model whatever the gradients of this step look like: it refuses the next forward. A
+        step that never wraps the module in DDP is not concerned.
+        """
+        if not unused or not wrapped or self.find_unused:
+            return [], []
+        if self.static_graph:
+            return [], [_static_graph_note(unused)]
+        return [_unused_failure(unused)], []
+
+    def loss_reduction(self) -> str | None:
+        """How ``loss_fn`` reduces over rows on this batch and these shards (``_loss_reduction``)."""
+        return _loss_reduction(self.module, self.args, self.target, self.loss_fn, self.shard_sizes)
+
     def describe(self, step: Step | None = None) -> str:
         kwargs = ", ".join(f"{k}={v!r}" for k, v in self.ddp_kwargs)
         text = (
@@ -238,7 +297,7 @@ class DDPCheck:
             return self.runner.run(fn, task)
         except ParallelError as error:
             error.add_note(f"dpverify: raised by the ranks of: {what}. Scenario: {self.describe()}.")
-            if "Expected to have finished reduction" in str(error):
+            if _UNFINISHED_REDUCTION in str(error):
                 error.add_note(_UNUSED_HINT)
             raise
 
@@ -308,6 +367,8 @@ class DDPCheck:
         )
 
 
+_UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
+
 _UNUSED_HINT = (
     "dpverify: 'Expected to have finished reduction in the prior iteration' means some "
     "parameters got no gradient in the previous step: without find_unused_parameters=True, "
@@ -319,57 +380,192 @@ _UNUSED_HINT = (
 # --------------------------------------------------------------------------- diagnosis
 
 
-def _explain_scale(c: float, world_size: int, micro_batches: int = 1, shard_size: int | None = None) -> str:
+def _explain_scale(
+    c: float, world_size: int, micro_batches: int = 1, shard_size: int | None = None, reduction: str | None = None,
+) -> str:
     """A sentence on a uniform gradient factor between a rank and one device, naming every
-    classic mistake that produces that factor (2 can be the world size and the rows per rank)."""
+    classic mistake that produces that factor (2 can be the world size and the rows per rank).
+
+    Each factor is what torch's DDP gives (it averages the ranks' gradients) for the mistake
+    named, with ``reduction`` (``_loss_reduction``) telling a sum loss from a mean one:
+
+    - ``k`` micro-batches: mean losses of the micro-batches added up, not divided by ``k``;
+    - ``W``: the ranks' gradients summed and not averaged, or a mean loss times ``W``;
+    - ``n`` rows per rank: a step that sums its rows' losses while ``loss_fn`` averages;
+    - ``1/W``: a sum loss (each rank sums its ``n`` rows, DDP divides by ``W``: the average is
+      ``1/W`` of the full-batch sum), or a mean loss divided by ``W`` on top of DDP;
+    - ``1/(k W)``: a sum loss whose micro-batch losses were weighted by ``1/k``, as the
+      mean-loss recipe does.
+    """
     text = f"Every rank's gradient is {c:.6g} times the single-device full-batch gradient"
 
     def near(value: float) -> bool:
         return abs(c - value) < 1e-3 * value
 
+    summed = reduction == "sum"
     causes = []
-    if micro_batches > 1 and near(micro_batches):
+    if micro_batches > 1 and near(micro_batches) and not summed:
         causes.append(
             f"({micro_batches}, the number of micro-batches): each micro-batch's loss must be "
             f"divided by {micro_batches} (weighted by its rows * world_size / B), or the "
             "accumulated gradient is the sum of the micro-batch means"
         )
-    if world_size > 1 and near(world_size):
+    if world_size > 1 and near(world_size) and not summed:
         causes.append(
             f"({world_size}, the world size): the ranks' gradients were summed but not divided "
             "by the world size. DDP averages for you; a hand-written all_reduce with "
             "ReduceOp.SUM must be followed by grad /= world_size, and a loss must not be "
             "multiplied by the world size on top of DDP's average"
         )
-    if shard_size and shard_size > 1 and near(shard_size):
+    if shard_size and shard_size > 1 and near(shard_size) and not summed:
         causes.append(
-            f"({shard_size}, the rows per rank): each rank's loss was summed over its rows "
-            "and never divided by the batch size. Use a mean loss (or divide the sum by "
-            "B / world_size); DDP then averages the ranks"
+            f"({shard_size}, the rows per rank): the step's loss is the sum over the rank's "
+            "rows (or its mean times the rows) while loss_fn, which the single-device step "
+            "uses, averages: divide the step's loss by its rows (ctx.shard_size), or use "
+            "loss_fn as it is; DDP then averages the ranks"
         )
-    if world_size > 1 and abs(c * world_size - 1.0) < 1e-3:
+    if world_size > 1 and near(1.0 / world_size):
+        if reduction != "mean":
+            unweighted = " and the micro-batch losses were added up unweighted" if micro_batches > 1 else ""
+            causes.append(
+                f"(1/{world_size}, one over the world size): "
+                + ("loss_fn is a sum-reduction loss (the full batch's loss is the sum of the shards' losses)" if summed else "a sum-reduction loss (e.g. reduction='sum')")
+                + f"{unweighted}. Each rank's loss sums its own rows, and "
+                f"DDP divides the sum of the ranks' gradients by the world size, {world_size}, "
+                "so every rank gets 1/world_size of the full-batch sum that one device computes. "
+                "Use a mean loss (reduction='mean'); or keep the sum and multiply each rank's "
+                "loss by world_size (loss * ctx.world_size in a step); DataParallel, which sums "
+                "its replicas' gradients, gives the single-device gradient for the same sum loss"
+            )
+        if not summed:
+            causes.append(
+                f"(1/{world_size}, one over the world size): the gradients were divided by the "
+                "world size twice, e.g. a mean loss divided by world_size (or a hand-written "
+                "average) on top of DDP, which already averages over ranks"
+            )
+    if world_size > 1 and micro_batches > 1 and near(1.0 / (world_size * micro_batches)) and reduction != "mean":
         causes.append(
-            f"(1/{world_size}, one over the world size): the gradients were divided by the "
-            "world size twice, e.g. a loss divided by world_size (or a hand-written average) on "
-            "top of DDP, which already averages over ranks"
+            f"(1/{world_size * micro_batches} = 1/(micro-batches * world size)): "
+            f"a sum-reduction loss with each micro-batch's loss weighted by its share "
+            f"(1/{micro_batches}, the recipe for a mean loss): each rank's gradient is "
+            f"1/{micro_batches} of the sum over its rows, and DDP divides by the world size, "
+            f"{world_size}. Use a mean loss; or keep the sum, add the micro-batch losses up "
+            "unweighted and multiply them by world_size"
         )
     if not causes:
         return text + "."
     return text + " " + "; or ".join(causes) + "."
 
 
-def _unused_note(expected: StepResult, ddp_kwargs: Mapping[str, Any]) -> list[str]:
-    unused = [name for name, grad in expected.grads.items() if grad is None]
-    if not unused or ddp_kwargs.get("find_unused_parameters", False):
-        return []
-    return [
-        f"Parameters {unused} get no gradient on one device. Without "
-        "find_unused_parameters=True, DDP waits for them and never reduces the bucket that "
-        "holds them: no gradient in that bucket is averaged over ranks in this step, and the "
-        "next forward raises 'Expected to have finished reduction in the prior iteration'. "
-        "Pass ddp_kwargs={'find_unused_parameters': True} (their .grad then stays None on "
-        "every rank, as on one device)."
-    ]
+def _unused_failure(unused: Sequence[str]) -> str:
+    return (
+        f"Parameters {list(unused)} get no gradient (they take no part in the loss; on one "
+        "device their .grad stays None), and DistributedDataParallel runs without "
+        "find_unused_parameters=True: it waits for their gradients, so the step's all-reduce "
+        "never completes (the ranks' gradients are not averaged), and the next forward raises "
+        "'Expected to have finished reduction in the prior iteration before starting a new "
+        "one'. Pass ddp_kwargs={'find_unused_parameters': True} (their .grad then stays None "
+        "on every rank, as on one device), or make them take part in the loss, or freeze them "
+        "with requires_grad_(False)."
+    )
+
+
+def _static_graph_note(unused: Sequence[str]) -> str:
+    return (
+        f"Parameters {list(unused)} get no gradient on one device. DistributedDataParallel("
+        "static_graph=True) copes with parameters the forward never uses, but (torch 2.13) "
+        "not with a module output that the loss leaves out: from the second step on, the "
+        "gradients are no longer averaged. If a later step fails, pass "
+        "ddp_kwargs={'find_unused_parameters': True} instead."
+    )
+
+
+def _unused_training_error(error: ParallelError, unused_by_step: Sequence[Sequence[str]], check: DDPCheck) -> ParallelError | None:
+    """torch's 'Expected to have finished reduction' on the ranks, retold: which parameters,
+    from which step, and the fix. None when one device shows no parameter without gradient
+    (the cause is then on the ranks only, e.g. a branch that only some ranks take)."""
+    text = str(error)
+    if _UNFINISHED_REDUCTION not in text or check.find_unused:
+        return None
+    first = next((index for index, names in enumerate(unused_by_step) if names), None)
+    if first is None:
+        return None
+    names = list(unused_by_step[first])
+    found = re.search(r"dpverify: raised in optimizer step (\d+)", text)
+    where = f"at the forward of step {found.group(1)}" if found else "at a later forward"
+    ranks = [f.rank for f in error.failures if f.kind == "raised"]
+    head = (
+        f"DDP training failed {where}: ranks {ranks} raised torch's 'Expected to have finished "
+        f"reduction in the prior iteration before starting a new one', because parameters "
+        f"{names} get no gradient in step {first + 1} (they take no part in the loss; on one "
+        "device their .grad stays None). Without find_unused_parameters=True, "
+        "DistributedDataParallel waits for their gradients, never completes that step's "
+        "all-reduce, and refuses the next forward. Pass "
+        "ddp_kwargs={'find_unused_parameters': True}, or make every parameter take part in the "
+        "loss, or freeze the unused ones with requires_grad_(False)."
+    )
+    ranks_text = "\n".join(f"  rank {f.rank} {f.summary}" for f in error.failures)
+    body = (
+        f"{head}\n\nWhat the ranks reported (tracebacks in .failures):\n{ranks_text}\n\n"
+        f"Scenario: {check.describe()}."
+    )
+    return ParallelError(body, error.failures)
+
+
+# --------------------------------------------------------------------------- loss reduction
+
+
+def _loss_reduction(
+    module: nn.Module, args: tuple[Any, ...], target: Any, loss_fn: LossFn, shard_sizes: Sequence[int],
+) -> str | None:
+    """``"sum"`` when ``loss_fn`` adds up its rows' losses, ``"mean"`` when it averages them,
+    None when this batch does not tell (one shard, a zero loss, a loss that is neither).
+
+    Measured on one device, in float64, on slices of one full-batch output: the loss of the
+    whole batch is compared with the sum and with the row-weighted mean of the shards'
+    losses. Slicing one output keeps layers that mix rows (BatchNorm) out of the question.
+    """
+    batch = sum(shard_sizes)
+    if len(shard_sizes) < 2:
+        return None
+    try:
+        model = copy_module(module, torch.float64)
+        inputs = convert_tensors(args, torch.float64, CPU)
+        wanted = convert_tensors(target, torch.float64, CPU)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), default_dtype(torch.float64):
+            torch.manual_seed(0)
+            output = model(*inputs)
+            full = float(loss_fn(output, wanted))
+            parts = [
+                float(loss_fn(take_rows(output, start, stop, batch), take_rows(wanted, start, stop, batch)))
+                for start, stop in shard_bounds(shard_sizes)
+            ]
+    except Exception:  # a loss that cannot take a slice tells nothing; the check goes on
+        return None
+    summed = math.fsum(parts)
+    mean = math.fsum(n * part for n, part in zip(shard_sizes, parts, strict=True)) / batch
+    scale = max(abs(full), abs(summed), abs(mean))
+    if not math.isfinite(scale) or scale == 0.0:
+        return None
+    is_sum, is_mean = abs(full - summed) <= 1e-9 * scale, abs(full - mean) <= 1e-9 * scale
+    if is_sum and not is_mean:
+        return "sum"
+    if is_mean and not is_sum:
+        return "mean"
+    return None
+
+
+def _sum_loss_note(world_size: int) -> str:
+    return (
+        "loss_fn sums over the rows (the full batch's loss is the sum of the shards' losses, "
+        "not their mean, e.g. reduction='sum'). DDP averages the ranks' gradients, which is "
+        "right for a mean loss; with a sum loss each rank sums only its own rows and the "
+        f"average divides by the world size, {world_size}, so the gradients are not the "
+        "single-device ones. Use a mean loss; or keep the sum and multiply each rank's loss by "
+        "world_size (loss * ctx.world_size in a step, instead of ctx.loss_weight); "
+        "DataParallel, which sums its replicas' gradients, gives the single-device gradient "
+        "for the same sum loss."
+    )
 
 
 def _ranks_disagree(steps: Sequence[RankStep]) -> list[str]:
@@ -388,11 +584,15 @@ def _ranks_disagree(steps: Sequence[RankStep]) -> list[str]:
 
 def _scale_note(
     steps: Sequence[RankStep], expected: StepResult, world_size: int, micro_batches: int = 1,
-    shard_sizes: Sequence[int] = (),
+    shard_sizes: Sequence[int] = (), reduction: str | None = None,
 ) -> list[str]:
+    """The uniform factor's sentence, and the sum-loss note when the factor did not name it."""
     c = uniform_scale(steps[0].grads, expected.grads)
     equal = shard_sizes[0] if shard_sizes and len(set(shard_sizes)) == 1 else None
-    return [] if c is None else [_explain_scale(c, world_size, micro_batches, equal)]
+    notes = [] if c is None else [_explain_scale(c, world_size, micro_batches, equal, reduction)]
+    if reduction == "sum" and not any("sum-reduction loss" in note for note in notes):
+        notes.append(_sum_loss_note(world_size))
+    return notes
 
 
 def _relative_gap(actual: dict[str, torch.Tensor | None], reference: dict[str, torch.Tensor | None]) -> float:
@@ -523,21 +723,24 @@ def assert_ddp_grads_match(
     ok = all(row.ok for row in rows)
     notes: list[str] = []
     contrasts: list[TensorComparison] = []
+    reduction = None if ok else check.loss_reduction()
     if check.uneven:
         naive = [rank_steps[1] for rank_steps in results]
-        notes.append(_trap_note(check, naive, anchor or expected))
+        if reduction != "sum":  # the trap is about per-rank mean losses
+            notes.append(_trap_note(check, naive, anchor or expected))
         if step is None:
             contrasts = [c for r, s in enumerate(naive) for c in check.rows(f"rank {r} plain ddp_step ", s, expected, anchor, r) if c.name.startswith(f"rank {r} plain ddp_step grad")]
-        elif not ok and _same_up_to_rounding(verified[0].grads, naive[0].grads):
+        elif not ok and reduction != "sum" and _same_up_to_rounding(verified[0].grads, naive[0].grads):
             notes.append(
                 "The step's gradients equal the plain per-rank mean-loss step's: it falls into "
                 "the loss-averaging trap. Multiply the rank's loss by ctx.loss_weight."
             )
+    failures, unused_notes = check.unused_findings(_unused_names(module, expected.grads), wrapped=all(s.wrapped for s in verified))
+    notes += unused_notes
     if not ok:
-        notes += _scale_note(verified, expected, check.world_size, shard_sizes=check.shard_sizes)
-        notes += _unused_note(expected, dict(check.ddp_kwargs))
+        notes += _scale_note(verified, expected, check.world_size, shard_sizes=check.shard_sizes, reduction=reduction)
         notes += _ranks_disagree(verified)
-    return raise_unless_ok(check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes), msg)
+    return raise_unless_ok(check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, failures=failures), msg)
 
 
 # --------------------------------------------------------------------------- accumulation
@@ -600,17 +803,18 @@ def assert_ddp_accumulation_matches(
     results = [rank_steps[0] for rank_steps in check.send(run_step_task, task, title)]
     expected, anchor = check.reference(None), check.anchor()
     rows = [row for r, s in enumerate(results) for row in check.rows(f"rank {r} ", s, expected, anchor, r)]
-    failures: list[str] = []
-    notes: list[str] = []
+    failures, notes = check.unused_findings(_unused_names(module, expected.grads), wrapped=all(s.wrapped for s in results))
     counts = [s.syncs for s in results]
     if any(c is None for c in counts):
         notes.append(
             "Synchronisations were not counted: the step did not wrap the module with ctx.ddp()."
         )
-    elif any(c != 1 for c in counts):
+    elif any(c != 1 for c in counts) and not failures:
+        # With unused parameters DDP never completes the all-reduce, so no synchronisation is
+        # counted: that is the unused parameters' failure, not a last micro-batch in no_sync().
         failures.append(_sync_failure(counts, k))
     if not all(row.ok for row in rows):
-        notes += _scale_note(results, expected, check.world_size, k, shard_sizes=check.shard_sizes)
+        notes += _scale_note(results, expected, check.world_size, k, shard_sizes=check.shard_sizes, reduction=check.loss_reduction())
         notes += _ranks_disagree(results)
     notes.append(f"Gradient synchronisations per rank: {counts} (one expected).")
     outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures)
@@ -657,21 +861,25 @@ def _train_single_device(
     loss_fn: LossFn,
     optimizer: OptimizerFactory,
     dtype: torch.dtype | None,
-) -> list[dict[str, torch.Tensor]]:
+) -> tuple[list[dict[str, torch.Tensor]], list[list[str]]]:
+    """Parameters after every step on one device, and the parameters that required grad
+    but got none in each step (``_unused_names``)."""
     model = copy.deepcopy(module)
     if dtype is not None:
         model.to(dtype=dtype)
     opt = optimizer(model.parameters())
     history = []
+    unused: list[list[str]] = []
     with torch.random.fork_rng(devices=[]), default_dtype(dtype):
         torch.manual_seed(0)
         for inputs, target in batches:
             opt.zero_grad(set_to_none=True)
             output = model(*convert_tensors(inputs, dtype, CPU))
             loss_fn(output, convert_tensors(target, dtype, CPU)).backward()
+            unused.append(_unused_names(model, {name: p.grad for name, p in model.named_parameters()}))
             opt.step()
             history.append({name: p.detach().clone() for name, p in model.named_parameters()})
-    return history
+    return history, unused
 
 
 def assert_ddp_training_matches(
@@ -726,17 +934,30 @@ def assert_ddp_training_matches(
     require_picklable(pairs, "batches")
     task = TrainingTask(check.module, tuple(pairs), check.loss_fn, optimizer, sizes, chosen, check.ddp_kwargs)
     title = f"{len(pairs)} steps of DDP training with {_name(optimizer)} must match single-device training"
-    ranks: tuple[RankTraining, ...] = check.send(run_training_task, task, title)
-    expected = _train_single_device(module, pairs, loss_fn, optimizer, None)
-    anchor = None if check.tolerance.explicit else _train_single_device(module, pairs, loss_fn, optimizer, torch.float64)
+    # One device first: if the ranks fail, it tells which parameters got no gradient.
+    expected, unused_by_step = _train_single_device(module, pairs, loss_fn, optimizer, None)
+    try:
+        ranks: tuple[RankTraining, ...] = check.send(run_training_task, task, title)
+    except ParallelError as error:
+        retold = _unused_training_error(error, unused_by_step, check)
+        if retold is None:
+            raise
+        raise retold from None
+    anchor = None if check.tolerance.explicit else _train_single_device(module, pairs, loss_fn, optimizer, torch.float64)[0]
     rows, failing_step = _training_rows(check, ranks, expected, anchor)
     notes = [f"Parameters compared after each of the {len(pairs)} optimizer steps; the table shows step {failing_step + 1}."]
     if uneven and step is None:
         notes.append("Some batches split unevenly: each rank's loss was weighted by n_r * world_size / B (weighted_ddp_step).")
-    none_ranks = sorted({name for r in ranks for name in r.grads_none})
+    trainable = _trainable_names(module)
+    none_ranks = sorted({name for r in ranks for name in r.grads_none if name in trainable})
     if none_ranks:
         notes.append(f"Parameters whose .grad stayed None on the ranks (the optimizer skipped them): {none_ranks}.")
-    outcome = check.outcome(title, chosen, rows, notes=notes)
+    unused = list(dict.fromkeys(name for names in unused_by_step for name in names))
+    failures, unused_notes = check.unused_findings(unused, wrapped=all(r.wrapped for r in ranks))
+    notes += unused_notes
+    if not all(row.ok for row in rows) and check.loss_reduction() == "sum":
+        notes.append(_sum_loss_note(check.world_size))
+    outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures)
     return raise_unless_ok(outcome, msg)
 
 
@@ -938,10 +1159,13 @@ def assert_ddp_sync_batchnorm_matches(
         "HostSyncBatchNorm (torch's SyncBatchNorm autograd function, host stand-ins for its "
         "CUDA-only kernels; torch refuses SyncBatchNorm on CPU)"
     )
-    notes = [f"BatchNorm layers {layers} ran as {where}."]
+    failures, unused_notes = check.unused_findings(_unused_names(module, expected.grads), wrapped=all(s.wrapped for s in synced))
+    notes = [f"BatchNorm layers {layers} ran as {where}.", *unused_notes]
     if check.uneven:
         notes.append("Uneven shards: each rank's loss was weighted by n_r * world_size / B (weighted_ddp_step).")
-    outcome = check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, divergence=False)
+    if not all(row.ok for row in rows) and check.loss_reduction() == "sum":
+        notes.append(_sum_loss_note(check.world_size))
+    outcome = check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, failures=failures, divergence=False)
     return raise_unless_ok(outcome, msg)
 
 
@@ -956,6 +1180,7 @@ def assert_dp_ddp_agree(
     loss_fn: LossFn,
     world_size: int,
     pool: RankRunner | None = None,
+    ddp_kwargs: Mapping[str, Any] | None = None,
     rtol: float | None = None,
     atol: float | None = None,
     msg: Msg = None,
@@ -969,11 +1194,16 @@ def assert_dp_ddp_agree(
     mean loss the two agree; with a sum loss (``reduction='sum'``) DDP's gradients are
     ``1/world_size`` of DataParallel's, and the failure says so.
 
+    ``ddp_kwargs`` go to DistributedDataParallel, e.g. ``{'find_unused_parameters': True}``
+    for a model with parameters that take no part in the loss (DataParallel needs no flag).
+
     Raises:
         ParallelMismatch: the gradients differ (with the factor and its cause).
-        InvalidArgument: the batch is too small for DataParallel to use every device.
+        InvalidArgument: the batch is too small for DataParallel to use every device, or the
+            module has no parameter that requires grad.
     """
     __tracebackhide__ = True
+    _trainable_module(module)
     dp = Check.create(module, inputs, device_ids=list(range(_int_at_least(world_size, "world_size", 1))), rtol=rtol, atol=atol)
     if dp.plan.n_replicas != world_size:
         raise InvalidArgument(
@@ -983,7 +1213,7 @@ def assert_dp_ddp_agree(
         )
     check = DDPCheck.create(
         module, inputs, target, loss_fn=loss_fn, world_size=world_size,
-        shards=list(dp.plan.chunk_sizes), pool=pool, rtol=rtol, atol=atol,
+        shards=list(dp.plan.chunk_sizes), pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs,
     )
     title = "DataParallel and DistributedDataParallel must give the same gradients for the same training code"
     ranks = [s[0] for s in check.send(run_step_task, check.step_task([ddp_step]), title)]
@@ -996,17 +1226,25 @@ def assert_dp_ddp_agree(
         for name, grad in dp_step.grads.items()
     ]
     notes = [f"DataParallel over devices {dp.device_ids}: {dp.plan.describe()}."]
+    single = anchor or check.reference(None)
+    # One device, not DataParallel: its reduce-add gives unused parameters zeros, not None.
+    failures, unused_notes = check.unused_findings(_unused_names(module, single.grads))
+    notes += unused_notes
     if not all(row.ok for row in rows):
-        notes += _dp_ddp_diagnosis(check, ranks, dp_step, anchor or check.reference(None))
-    outcome = check.outcome(title, ddp_step, rows, notes=notes)
+        notes += _dp_ddp_diagnosis(check, ranks, dp_step, single)
+    outcome = check.outcome(title, ddp_step, rows, notes=notes, failures=failures)
     return raise_unless_ok(outcome, msg)
 
 
 def _dp_ddp_diagnosis(check: DDPCheck, ranks: Sequence[RankStep], dp_step: StepResult, reference: StepResult) -> list[str]:
+    """DataParallel computes the loss once, on the gathered full-batch output, so its gradient
+    is the single-device one for any loss; DDP averages per-rank losses' gradients. For a sum
+    loss DDP's average is 1/world_size of the full-batch sum: 1/world_size of DataParallel's."""
     world = check.world_size
     c = uniform_scale(ranks[0].grads, dp_step.grads)
     notes: list[str] = []
-    if c is not None and abs(c * world - 1.0) < 1e-3:
+    reduction = check.loss_reduction() if c is not None else None
+    if c is not None and abs(c * world - 1.0) < 1e-3 and reduction != "mean":
         notes.append(
             f"DDP's gradients are {c:.6g} = 1/{world} (one over the world size) times "
             "DataParallel's: the loss sums over the batch (e.g. reduction='sum'). DataParallel "

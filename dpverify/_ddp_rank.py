@@ -385,6 +385,7 @@ class RankTraining:
     params: tuple[dict[str, torch.Tensor], ...]
     buffers: dict[str, torch.Tensor]
     grads_none: tuple[str, ...]
+    wrapped: bool = True
 
 
 def run_training_task(info: RankInfo, task: TrainingTask) -> RankTraining:
@@ -407,15 +408,21 @@ def run_training_task(info: RankInfo, task: TrainingTask) -> RankTraining:
     fork = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork), no_tf32():
         torch.manual_seed(task.seed)
-        for (inputs, target), sizes in zip(task.batches, task.shard_sizes, strict=True):
+        for index, ((inputs, target), sizes) in enumerate(zip(task.batches, task.shard_sizes, strict=True)):
             shard_inputs, shard_target = _shard_of(inputs, target, sizes, info.rank)
             ctx.inputs, ctx.target, ctx.shard_sizes = _on(shard_inputs, device), _on(shard_target, device), sizes
             optimizer.zero_grad(set_to_none=True)
-            task.step(ctx)
+            try:
+                task.step(ctx)
+            except Exception as error:
+                # The parent retells some of torch's errors (an unfinished reduction) and
+                # needs to know in which step they came.
+                error.add_note(f"dpverify: raised in optimizer step {index + 1} of {len(task.batches)}")
+                raise
             optimizer.step()
             history.append(_params(model))
     grads_none = tuple(name for name, grad in _grads(model).items() if grad is None)
-    return RankTraining(tuple(history), _buffers(model), grads_none)
+    return RankTraining(tuple(history), _buffers(model), grads_none, ctx.wrapped)
 
 
 @dataclass(frozen=True)

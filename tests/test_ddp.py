@@ -78,6 +78,80 @@ def batch(rows: int, seed: int = 1, features: int = 5, outputs: int = 2) -> tupl
     return torch.randn(rows, features, generator=generator), torch.randn(rows, outputs, generator=generator)
 
 
+class WithPooler(nn.Module):
+    """An HF-style encoder: returns (sequence output, pooled output), and the loss uses only
+    the first, so the pooler's parameters take no part in the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.encoder = nn.Linear(5, 2)
+            self.pooler = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.tanh(self.encoder(x))
+        return hidden, torch.tanh(self.pooler(hidden))
+
+
+def first_output_mse(output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output[0], target)
+
+
+class BatchNormWithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq = bn_model()
+        self.unused = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output: torch.Tensor = self.seq(x)
+        return output
+
+
+def frozen_mlp() -> nn.Module:
+    module = mlp()
+    module[0].requires_grad_(False)
+    return module
+
+
+def frozen_bn_model() -> nn.Module:
+    module = bn_model()
+    module[0].requires_grad_(False)
+    return module
+
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+UNUSED_MODELS: dict[str, Callable[[], tuple[nn.Module, LossFn]]] = {
+    "unused-layer": lambda: (PartlyUsed(), F.mse_loss),
+    "pooler": lambda: (WithPooler(), first_output_mse),
+    "bn-unused-layer": lambda: (BatchNormWithUnused(), F.mse_loss),
+}
+
+ALL_CHECKS = ("grads", "grads-uneven", "accumulation", "training", "buffers", "sync-batchnorm", "dp-ddp")
+
+
+def run_check(check: str, module: nn.Module, loss_fn: LossFn, pool: DDPWorkerPool, ddp_kwargs: dict[str, Any] | None) -> Any:
+    """One of the DDP checks on 2 ranks, on a batch of 6 rows (5 for ``grads-uneven``)."""
+    x, y = batch(6)
+    common: dict[str, Any] = {"loss_fn": loss_fn, "world_size": 2, "pool": pool, "ddp_kwargs": ddp_kwargs}
+    if check == "grads":
+        return assert_ddp_grads_match(module, x, y, **common)
+    if check == "grads-uneven":
+        return assert_ddp_grads_match(module, x[:5], y[:5], **common)
+    if check == "accumulation":
+        return assert_ddp_accumulation_matches(module, x, y, micro_batches=3, **common)
+    if check == "training":
+        return assert_ddp_training_matches(module, [batch(6, seed=i) for i in range(3)], optimizer=SGD, **common)
+    if check == "buffers":
+        return assert_ddp_buffers_match(module, x, y, **common)
+    if check == "sync-batchnorm":
+        return assert_ddp_sync_batchnorm_matches(module, x, y, **common)
+    assert check == "dp-ddp"
+    return assert_dp_ddp_agree(module, x, y, **common)
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -705,11 +779,86 @@ def test_torch_leaves_globally_unused_grads_none_not_zero(ddp_pool: DDPWorkerPoo
     assert all(t.ok for t in unused_rows)
 
 
-def test_training_without_find_unused_raises_torchs_error_with_the_fix(ddp_pool: DDPWorkerPool) -> None:
+def test_training_without_find_unused_names_the_parameters_and_the_fix(ddp_pool: DDPWorkerPool) -> None:
+    """torch raises 'Expected to have finished reduction' at the second forward; the check says
+    which parameters got no gradient and what to pass, ahead of the ranks' tracebacks."""
+    batches = [batch(6, seed=i) for i in range(3)]
+    for module, loss_fn, names in ((PartlyUsed(), F.mse_loss, "['unused.weight', 'unused.bias']"), (WithPooler(), first_output_mse, "['pooler.weight', 'pooler.bias']")):
+        with pytest.raises(ParallelError) as caught:
+            assert_ddp_training_matches(module, batches, loss_fn=loss_fn, optimizer=SGD, world_size=2, pool=ddp_pool)
+        head = str(caught.value).split("\n\n", 1)[0]
+        assert f"parameters {names} get no gradient" in head
+        assert "ddp_kwargs={'find_unused_parameters': True}" in head
+        assert "at the forward of step 2" in head
+        assert "Expected to have finished reduction" in head  # torch's own words, to search for
+        assert "TORCH_DISTRIBUTED_DEBUG" not in head
+        assert [f.kind for f in caught.value.failures] == ["raised", "raised"]
+
+
+@pytest.mark.parametrize(("check", "model"), [
+    ("grads", "unused-layer"), ("grads", "pooler"), ("grads-uneven", "pooler"), ("accumulation", "pooler"),
+    ("training", "pooler"), ("buffers", "bn-unused-layer"), ("sync-batchnorm", "bn-unused-layer"),
+    ("dp-ddp", "unused-layer"), ("dp-ddp", "pooler"),
+])
+def test_unused_parameters_with_find_unused_pass_every_check(ddp_pool: DDPWorkerPool, check: str, model: str) -> None:
+    module, loss_fn = UNUSED_MODELS[model]()
+    result = run_check(check, module, loss_fn, ddp_pool, {"find_unused_parameters": True})
+    assert result.ok
+    grad_rows = [t for t in result.tensors if "unused" in t.name or "pooler" in t.name]
+    assert grad_rows or check == "buffers"
+    assert all(t.ok for t in grad_rows)
+
+
+@pytest.mark.parametrize(("check", "model"), [
+    ("grads", "pooler"), ("accumulation", "pooler"), ("sync-batchnorm", "bn-unused-layer"), ("dp-ddp", "unused-layer"),
+])
+def test_unused_parameters_without_find_unused_fail_naming_them_and_the_fix(ddp_pool: DDPWorkerPool, check: str, model: str) -> None:
+    module, loss_fn = UNUSED_MODELS[model]()
+    with pytest.raises(ParallelMismatch) as caught:
+        run_check(check, module, loss_fn, ddp_pool, None)
+    text = str(caught.value)
+    names = [name for name, p in module.named_parameters() if "unused" in name or "pooler" in name]
+    assert f"parameters {names} get no gradient" in text.lower()
+    assert "ddp_kwargs={'find_unused_parameters': True}" in text
+    assert "last micro-batch also ran inside no_sync()" not in text  # not the accumulation mistake
+
+
+def test_buffers_check_with_unused_parameters_passes_without_find_unused(ddp_pool: DDPWorkerPool) -> None:
+    """Only buffers are compared; an eval forward under no_grad does not hit torch's error."""
+    module, loss_fn = UNUSED_MODELS["bn-unused-layer"]()
+    assert run_check("buffers", module, loss_fn, ddp_pool, None).ok
+
+
+@pytest.mark.parametrize("check", ALL_CHECKS)
+def test_frozen_parameters_pass_every_check(ddp_pool: DDPWorkerPool, check: str) -> None:
+    module = frozen_bn_model() if check in ("buffers", "sync-batchnorm") else frozen_mlp()
+    result = run_check(check, module, F.mse_loss, ddp_pool, None)
+    assert result.ok
+    frozen_rows = [t for t in result.tensors if "'0." in t.name or "'seq.0." in t.name]
+    assert all(t.ok for t in frozen_rows)
+
+
+def test_frozen_parameters_are_not_mistaken_for_unused_ones(ddp_pool: DDPWorkerPool) -> None:
+    """A frozen parameter has grad None on one device too, but DDP ignores it: no advice about
+    find_unused_parameters when something else fails."""
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_ddp_grads_match(frozen_mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=doubled_loss, pool=ddp_pool)
+    text = str(caught.value)
+    assert "Every rank's gradient is 2 times" in text
+    assert "find_unused_parameters" not in text
+    assert "get no gradient" not in text
     batches = [batch(6, seed=i) for i in range(2)]
-    with pytest.raises(ParallelError, match="Expected to have finished reduction") as caught:
-        assert_ddp_training_matches(PartlyUsed(), batches, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, pool=ddp_pool)
-    assert any("find_unused_parameters': True" in note for note in caught.value.__notes__)
+    result = assert_ddp_training_matches(frozen_mlp(), batches, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, pool=ddp_pool)
+    assert not any("'0.weight'" in note for note in result.notes)
+
+
+@pytest.mark.parametrize("check", ALL_CHECKS)
+def test_a_module_without_trainable_parameters_is_an_argument_error(ddp_pool: DDPWorkerPool, check: str) -> None:
+    module = bn_model().requires_grad_(False)
+    with pytest.raises(InvalidArgument, match=r"module has no parameter that requires grad") as caught:
+        run_check(check, module, F.mse_loss, ddp_pool, None)
+    assert "loss_fn" not in str(caught.value)
 
 
 # --------------------------------------------------------------------------- buffers

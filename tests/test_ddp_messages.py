@@ -1,0 +1,180 @@
+"""What the DDP checks say when something is wrong: the factor between DDP's and one device's
+gradients and its cause, checked against torch's real DDP on gloo ranks; and what a script
+that the ranks cannot import is told."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dpverify._ddp_checks import (
+    _loss_reduction,
+    assert_ddp_accumulation_matches,
+    assert_ddp_grads_match,
+    assert_ddp_training_matches,
+)
+from dpverify._ddp_pool import DDPWorkerPool
+from dpverify._ddp_rank import ShardContext
+from dpverify._errors import ParallelMismatch
+
+SUM_MSE = functools.partial(F.mse_loss, reduction="sum")
+SGD = functools.partial(torch.optim.SGD, lr=0.05)
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def batch(rows: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 5, generator=generator), torch.randn(rows, 2, generator=generator)
+
+
+# --------------------------------------------------------------------------- rank steps
+# Top-level functions: the ranks unpickle them by name.
+
+
+def loss_times_world_size(ctx: ShardContext) -> Any:
+    """The fix for a sum loss: DDP's average of W * (sum over each shard) is the full sum."""
+    model = ctx.ddp()
+    output = model(*ctx.inputs)
+    (ctx.loss_fn(output, ctx.target) * ctx.world_size).backward()
+    return output
+
+
+def accumulate_sum_loss_times_world_size(ctx: ShardContext) -> None:
+    """The fix for a sum loss under accumulation: micro-batch losses unweighted, times W."""
+    model = ctx.ddp()
+    parts = ctx.micro_batch_split()
+    for index, part in enumerate(parts):
+        last = index == len(parts) - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            (ctx.loss_fn(model(*part.inputs), part.target) * ctx.world_size).backward()
+
+
+def loss_over_world_size(ctx: ShardContext) -> Any:
+    model = ctx.ddp()
+    output = model(*ctx.inputs)
+    (ctx.loss_fn(output, ctx.target) / ctx.world_size).backward()
+    return output
+
+
+def loss_times_rows(ctx: ShardContext) -> Any:
+    """A mean loss times the shard's rows: the sum over the rank's rows."""
+    model = ctx.ddp()
+    output = model(*ctx.inputs)
+    (ctx.loss_fn(output, ctx.target) * ctx.shard_size).backward()
+    return output
+
+
+def all_reduce_sum_without_division(ctx: ShardContext) -> Any:
+    output = ctx.module(*ctx.inputs)
+    ctx.loss_fn(output, ctx.target).backward()
+    for param in ctx.module.parameters():
+        assert param.grad is not None
+        dist.all_reduce(param.grad)
+    return output
+
+
+# --------------------------------------------------------------------------- the loss's reduction
+
+
+def test_loss_reduction_tells_a_sum_from_a_mean() -> None:
+    x, y = batch(6)
+    labels = torch.tensor([0, 1, 1, 0, 1, 0])
+    weighted_ce = functools.partial(F.cross_entropy, weight=torch.tensor([1.0, 3.0]))
+    assert _loss_reduction(mlp(), (x,), y, SUM_MSE, (3, 3)) == "sum"
+    assert _loss_reduction(mlp(), (x,), y, F.mse_loss, (4, 2)) == "mean"
+    assert _loss_reduction(mlp(), (x,), labels, F.cross_entropy, (3, 3)) == "mean"
+    assert _loss_reduction(mlp(), (x,), labels, weighted_ce, (3, 3)) is None  # a weighted mean is neither
+    assert _loss_reduction(mlp(), (x,), y, F.mse_loss, (6,)) is None  # one shard tells nothing
+
+
+# --------------------------------------------------------------------------- factors
+
+
+@pytest.mark.parametrize("ddp_pool", [2, 4], indirect=True)
+def test_a_sum_loss_gives_one_over_the_world_size_and_is_named(ddp_pool: DDPWorkerPool) -> None:
+    """DDP averages the ranks' gradients; each rank's sum loss covers its own rows, so the
+    average is 1/W of the full-batch sum that one device computes."""
+    world = ddp_pool.world_size
+    x, y = batch(3 * world)
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_ddp_grads_match(mlp(), x, y, loss_fn=SUM_MSE, world_size=world, pool=ddp_pool)
+    text = str(caught.value)
+    assert f"Every rank's gradient is {1 / world:.6g} times the single-device" in text
+    assert f"(1/{world}, one over the world size): loss_fn is a sum-reduction loss" in text
+    assert "Use a mean loss" in text
+    assert "multiply each rank's loss by world_size (loss * ctx.world_size" in text
+    assert "DataParallel, which sums its replicas' gradients" in text
+    assert "divided by the world size twice" not in text
+
+
+def test_the_fixes_named_for_a_sum_loss_pass(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(7)
+    for rows, shards in ((6, None), (7, [5, 2])):  # even, and uneven without ctx.loss_weight
+        assert_ddp_grads_match(mlp(), x[:rows], y[:rows], loss_fn=SUM_MSE, world_size=2, shards=shards, step=loss_times_world_size, pool=ddp_pool)
+    assert_ddp_accumulation_matches(mlp(), x, y, loss_fn=SUM_MSE, world_size=2, micro_batches=3, step=accumulate_sum_loss_times_world_size, pool=ddp_pool)
+    # A hand-written SUM all-reduce without division is right for a sum loss.
+    assert_ddp_grads_match(mlp(), x, y, loss_fn=SUM_MSE, world_size=2, step=all_reduce_sum_without_division, pool=ddp_pool)
+
+
+def test_a_sum_loss_under_accumulation_gives_one_over_k_times_the_world_size(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_ddp_accumulation_matches(mlp(), x, y, loss_fn=SUM_MSE, world_size=2, micro_batches=3, pool=ddp_pool)
+    text = str(caught.value)
+    assert "Every rank's gradient is 0.166667 times" in text
+    assert "(1/6 = 1/(micro-batches * world size)): a sum-reduction loss" in text
+    assert "(3, the number of micro-batches)" not in text
+
+
+def test_a_sum_loss_without_a_single_factor_is_named(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(5)
+    with pytest.raises(ParallelMismatch) as caught:  # uneven shards: no uniform factor
+        assert_ddp_grads_match(mlp(), x, y, loss_fn=SUM_MSE, world_size=2, pool=ddp_pool)
+    text = str(caught.value)
+    assert "loss_fn sums over the rows" in text
+    assert "(the loss-averaging trap)" not in text  # a mean-loss diagnosis
+    batches = [batch(6, seed=i) for i in range(2)]
+    with pytest.raises(ParallelMismatch, match="loss_fn sums over the rows"):
+        assert_ddp_training_matches(mlp(), batches, loss_fn=SUM_MSE, optimizer=SGD, world_size=2, pool=ddp_pool)
+
+
+def test_a_mean_loss_divided_by_the_world_size_is_not_blamed_on_the_loss(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=loss_over_world_size, pool=ddp_pool)
+    text = str(caught.value)
+    assert "is 0.5 times" in text
+    assert "(1/2, one over the world size): the gradients were divided by the world size twice" in text
+    assert "sum-reduction" not in text
+
+
+def test_a_step_that_sums_its_rows_is_named(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=loss_times_rows, pool=ddp_pool)
+    text = str(caught.value)
+    assert "is 3 times" in text
+    assert "(3, the rows per rank): the step's loss is the sum over the rank's rows" in text
+    assert "the world size)" not in text
+
+
+def test_summed_but_not_averaged_gradients_are_named(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=all_reduce_sum_without_division, pool=ddp_pool)
+    text = str(caught.value)
+    assert "is 2 times" in text
+    assert "(2, the world size): the ranks' gradients were summed but not divided" in text
+    assert "rows per rank" not in text
