@@ -470,7 +470,8 @@ def build(spec: Spec | str) -> Scenario:
             net.eval()
         net.to(s.dtype)
         if "frozen" in s.mods:
-            params = list(net.parameters())
+            # among the parameters forward uses, leaving at least one trainable
+            params = [p for name, p in net.named_parameters() if not name.startswith("unused.")]
             for index in rng.sample(range(len(params)), min(len(params) - 1, rng.randint(1, 2))):
                 params[index].requires_grad_(False)
         shape = {"lstm": (s.B, s.T, s.w), "gru": (s.B, s.T, s.w), "attention": (s.B, s.T, s.w), "conv": (s.B, s.w, s.T)}
@@ -609,6 +610,7 @@ class Tally:
     no_gradient_to_perturb: int = 0
     warnings: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
 
 def _first_line(error: BaseException) -> str:
@@ -670,7 +672,7 @@ def _run_check(
 def run_scenario(spec: Spec, tally: Tally, *, verbose: bool = False) -> str:
     """Builds and checks one scenario; returns its outcome ("pass", "false alarm", "crash",
     "skipped")."""
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         outcome, ratio = _scenario_checks(spec, tally, verbose)
@@ -678,6 +680,7 @@ def run_scenario(spec: Spec, tally: Tally, *, verbose: bool = False) -> str:
         tally.warnings[f"{w.category.__name__}: {str(w.message).splitlines()[0][:100]}"] += 1
     seconds = time.perf_counter() - started
     tally.seconds += seconds
+    tally.cpu_seconds += time.process_time() - cpu_started
     for name in ["all", *spec.classes]:
         ct = tally.by_class[name]
         ct.seconds += seconds
@@ -823,7 +826,8 @@ def _rate(hits: Sequence[Injection]) -> str:
 def report(tally: Tally, seed: int, show: int) -> None:
     n_all = tally.scenarios + tally.skipped
     per = 1000 * tally.seconds / max(n_all, 1)
-    print(f"\n{n_all} scenarios (seed {seed}) in {tally.seconds:.0f} s, {per:.0f} ms per scenario; "
+    cpu = 1000 * tally.cpu_seconds / max(n_all, 1)
+    print(f"\n{n_all} scenarios (seed {seed}) in {tally.seconds:.0f} s, {per:.0f} ms per scenario ({cpu:.0f} ms CPU); "
           f"{tally.skipped} skipped (loss or gradients not finite in the working dtype)\n")
     r = tally.ratios
     print("| | count |")
