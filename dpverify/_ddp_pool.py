@@ -35,6 +35,7 @@ import pickle
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -75,6 +76,9 @@ DEATH_GRACE_S = 0.25
 #: How long ``close()`` waits for ranks to leave their loop before killing them.
 CLOSE_GRACE_S = 5.0
 
+#: What a failed start of the ranks is called in its ParallelError.
+_START = "process group start"
+
 #: Default per-task timeout of a pool, in seconds.
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -82,6 +86,12 @@ DEFAULT_TIMEOUT_S = 60.0
 #: second: torch, DDP, and torch._dynamo, which torch.manual_seed imports on first use
 #: (about 3 s per fresh rank on a 2-core machine otherwise).
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dpverify._ddp_pool", "dpverify._ddp_rank"]
+
+#: Every rank process's name starts so: how a fork server's child knows it is a rank.
+_RANK_NAME = "dpverify-ddp-rank"
+
+#: In the error a rank raises when it finds itself re-running the main module.
+_RERUN_MARKER = "re-ran the main module"
 
 _STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
 _PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
@@ -268,10 +278,58 @@ def _in_fork_server() -> bool:
     return False
 
 
+def _summary(error: BaseException) -> str:
+    """``Type: first line of the message``, at most 240 characters: a rank's one-line story."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = type(error).__name__ + (f": {lines[0]}" if lines else "")
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+def _send_bootstrap_failure(error: BaseException) -> bool:
+    """From a rank that failed before ``_rank_main`` ran, the failure to the parent.
+
+    That happens while multiprocessing prepares the new process, typically re-importing the
+    main module; the rank's task pipe is then already open (a socket among the descriptors
+    the fork server handed over), and the parent reads the failure as the start-up answer.
+    """
+    from multiprocessing import forkserver
+
+    if not multiprocessing.current_process().name.startswith(_RANK_NAME):
+        return False  # another library's process, started through the same fork server
+    server = getattr(forkserver, "_forkserver", None)
+    for fd in getattr(server, "_inherited_fds", None) or ():
+        # The rank's arguments are (spec, task pipe, parent-alive pipe): the first socket.
+        if stat.S_ISSOCK(os.fstat(fd).st_mode):
+            conn = Connection(os.dup(fd))
+            try:
+                text = _describe_exception(error, skip_caller=False)
+                conn.send_bytes(pickle.dumps((0, False, (_summary(error), text)), protocol=_PICKLE_PROTOCOL))
+            finally:
+                conn.close()
+            return True
+    return False
+
+
+def _report_bootstrap_failure(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    """``sys.excepthook`` in the fork server, so in every process it starts: the fork server
+    calls it when preparing a child fails. A rank tells its parent, which shows the failure
+    in its ParallelError; anything else prints as usual."""
+    sent = False
+    with contextlib.suppress(BaseException):
+        sent = _send_bootstrap_failure(value)
+    if not sent:
+        _DEFAULT_EXCEPTHOOK(kind, value, tb)
+
+
+_DEFAULT_EXCEPTHOOK = sys.excepthook
+
 if _in_fork_server():
     # The fork server leaves (SystemExit) when its last client has gone; tearing torch down
     # would keep it alive for another second after the program that used it.
     atexit.register(os._exit, 0)
+    # A rank that fails before its entry point (re-importing the main module) would
+    # otherwise only print to the terminal, and the parent would see a silent exit.
+    sys.excepthook = _report_bootstrap_failure
 
 _FORK_SERVER_STOP: multiprocessing.util.Finalize | None = None
 
@@ -289,7 +347,7 @@ def _stop_fork_server() -> None:
     if server is None or pid is None or not hasattr(server, "_stop"):
         return
     for child in multiprocessing.active_children():
-        if not child.name.startswith("dpverify-ddp-rank"):
+        if not child.name.startswith(_RANK_NAME):
             return
     with contextlib.suppress(OSError):
         os.kill(pid, signal.SIGKILL)
@@ -382,12 +440,12 @@ def _serve(conn: Connection, info: RankInfo) -> None:
             return
         task_id, sys_path, payload = message
         _extend_sys_path(sys_path)
-        reply: tuple[int, bool, bytes | str]
+        reply: tuple[int, bool, bytes | tuple[str, str]]
         try:
             fn, args = pickle.loads(payload)
             reply = (task_id, True, pickle.dumps(fn(info, *args), protocol=_PICKLE_PROTOCOL))
         except BaseException as error:  # a rank reports everything, SystemExit included
-            reply = (task_id, False, _describe_exception(error))
+            reply = (task_id, False, (_summary(error), _describe_exception(error)))
         conn.send_bytes(pickle.dumps(reply, protocol=_PICKLE_PROTOCOL))
 
 
@@ -402,7 +460,7 @@ def _rank_main(spec: _WorkerSpec, conn: Connection, alive: Connection) -> None:
     try:
         info = _init_rank(spec)
     except BaseException as error:
-        failure = _describe_exception(error, skip_caller=False)
+        failure = (_summary(error), _describe_exception(error, skip_caller=False))
         conn.send_bytes(pickle.dumps((0, False, failure), protocol=_PICKLE_PROTOCOL))
         return
     conn.send_bytes(pickle.dumps((0, True, b""), protocol=_PICKLE_PROTOCOL))
@@ -423,6 +481,122 @@ def _signal_name(code: int) -> str:
         return signal.Signals(code).name
     except ValueError:
         return f"signal {code}"
+
+
+def _raised(rank: int, body: tuple[str, str] | str) -> RankFailure:
+    """A rank's exception: its (summary, traceback), or a bare traceback."""
+    if isinstance(body, tuple):
+        summary, text = body
+    else:
+        text = body
+        summary = body.rstrip().splitlines()[-1] if body.strip() else "an exception"
+    return RankFailure(rank, "raised", f"raised {summary}", text)
+
+
+def _main_module() -> tuple[str, str]:
+    """How a new process (forkserver, spawn) finds this process's main module: ``(kind,
+    where)`` with kind ``"module"`` (``python -m``, run again by name), ``"script"`` (run
+    again from its file), ``"nofile"`` (``<stdin>``: multiprocessing tries a file of that
+    name), ``"none"`` (``python -c``, a REPL, a notebook: not imported at all) or
+    ``"package"`` (a package's ``__main__``, which multiprocessing leaves alone)."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if isinstance(name, str):
+        return ("package" if name == "__main__" or name.endswith(".__main__") else "module"), name
+    path = getattr(main, "__file__", None)
+    if not isinstance(path, str):
+        return "none", ""
+    origin = multiprocessing.process.ORIGINAL_DIR or os.getcwd()  # type: ignore[attr-defined]
+    full = path if os.path.isabs(path) else os.path.join(origin, path)
+    return ("script", full) if os.path.isfile(full) else ("nofile", path)
+
+
+_GUARD = "`if __name__ == '__main__':`"
+_IMPORTABLE = (
+    "define models, loss functions and steps in an importable module (a .py file on "
+    "sys.path) and import them"
+)
+
+
+def _main_module_advice(failures: Sequence[RankFailure], starting: bool) -> str:
+    """The likely cause and the fix when the ranks could not import the main module, or what
+    it defines; empty otherwise. Every rank is a new process that imports the main module
+    again (forkserver and spawn start methods), so its top-level code runs in every rank."""
+    text = "\n".join(f.traceback for f in failures)
+    kind, where = _main_module()
+    anew = (
+        "Every DDP rank is a new process that imports the main module again "
+        "(multiprocessing's forkserver and spawn start methods run it as '__mp_main__')"
+    )
+    again = f"{anew}, so its top-level code runs in every rank."
+    if _RERUN_MARKER in text:
+        script = f"the script {where}" if kind == "script" else f"the main module {where or '__main__'}"
+        return (
+            f"dpverify: likely cause: {script} has no {_GUARD} guard. {again} The ranks re-ran "
+            "the code that calls dpverify and tried to start ranks of their own. Fix: put the "
+            f"code that calls dpverify under {_GUARD}, keeping models, loss functions and steps "
+            "defined at the top level, where the ranks import them from."
+        )
+    reimport = "_fixup_main_from_path" in text or "_fixup_main_from_name" in text
+    silent = starting and bool(failures) and all(f.kind == "exited" for f in failures)
+    if kind == "nofile" and (reimport or silent):
+        return (
+            f"dpverify: likely cause: the main module is {where!r}, code fed on standard input "
+            f"(python - < script.py). {anew}, and code read from standard input has no file to "
+            "import it from. Fix: save the "
+            f"code as a script and run it as a file, with the code that calls dpverify under "
+            f"{_GUARD}; for stdin and notebooks, {_IMPORTABLE}."
+        )
+    if reimport:
+        return (
+            f"dpverify: the ranks failed while importing the main module {where} again. {again} "
+            f"Fix: keep only definitions at its top level and put the rest, including the code "
+            f"that calls dpverify, under {_GUARD}."
+        )
+    if "on <module '__main__'" in text or "on <module '__mp_main__'" in text:
+        if kind in ("none", "nofile"):
+            return (
+                "dpverify: likely cause: the main module has no file (python -c, an interactive "
+                "session, a notebook or standard input), so the ranks cannot import the classes "
+                f"and functions defined in it. Fix: {_IMPORTABLE}; or run a script file with "
+                f"the code that calls dpverify under {_GUARD}."
+            )
+        return (
+            f"dpverify: likely cause: a class or function sent to the ranks is defined under "
+            f"{_GUARD} or inside a function of the main module {where}; the ranks import the "
+            "main module without running that block. Fix: define it at the top level of the "
+            f"script, or {_IMPORTABLE}."
+        )
+    if silent and kind in ("script", "module"):
+        return (
+            "dpverify: the ranks exited while starting, before they could report anything; "
+            f"their error is on this process's standard error. {again} If that error shows the "
+            f"main module {where} being imported again, put the code that calls dpverify under "
+            f"{_GUARD}."
+        )
+    return ""
+
+
+def _refuse_while_importing_main() -> None:
+    """Raises in a new process that is still importing the main module: the main module
+    starts DDP ranks at its top level, and this process is one of those ranks (or any other
+    process that multiprocessing started), re-running it.
+
+    Raises:
+        ParallelError: with the cause and the fix; the pool's parent shows it.
+    """
+    process = multiprocessing.current_process()
+    if not getattr(process, "_inheriting", False):  # set by multiprocessing while it prepares a child
+        return
+    # multiprocessing runs the main script as '__mp_main__'; '__main__' is still the fork
+    # server's own until that run ends.
+    rerun = sys.modules.get("__mp_main__")
+    where = getattr(rerun, "__file__", None) or getattr(getattr(rerun, "__spec__", None), "name", None)
+    raise ParallelError(
+        f"{process.name} {_RERUN_MARKER} {where or '__main__'}, which starts DDP ranks at its "
+        f"top level (no {_GUARD} guard)\nThe ranks are new processes that import the main "
+        f"module again; put the code that calls dpverify under {_GUARD}."
+    )
 
 
 def _exit_failure(rank: int, exitcode: int | None) -> RankFailure:
@@ -577,6 +751,7 @@ class DDPWorkerPool:
         start_timeout: float = 120.0,
         start_method: str | None = None,
     ) -> None:
+        _refuse_while_importing_main()
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise InvalidArgument(f"world_size={world_size!r} must be an int >= 1")
         for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
@@ -732,7 +907,7 @@ class DDPWorkerPool:
             proc = context.Process(  # type: ignore[attr-defined]
                 target=_rank_main,
                 args=(spec, child_end, alive_r),
-                name=f"dpverify-ddp-rank{rank}",
+                name=f"{_RANK_NAME}{rank}",
                 daemon=False,  # a daemon may not start children (DataLoader workers)
             )
             proc.start()
@@ -743,7 +918,7 @@ class DDPWorkerPool:
         outcome = _Outcome(pending=set(range(self._world_size)))
         self._collect(generation, 0, outcome, self._start_timeout)
         if outcome.failures or outcome.pending:
-            raise self._fail(generation, outcome, self._start_timeout, "process group start")
+            raise self._fail(generation, outcome, self._start_timeout, _START)
         return generation
 
     def _collect(self, generation: _Generation, task_id: int, outcome: _Outcome, limit: float) -> None:
@@ -789,8 +964,7 @@ class DDPWorkerPool:
         if ok:
             outcome.values[rank] = body
         else:
-            last = body.rstrip().splitlines()[-1] if body.strip() else "an exception"
-            outcome.failures[rank] = RankFailure(rank, "raised", f"raised {last}", body)
+            outcome.failures[rank] = _raised(rank, body)
 
     def _fail(self, generation: _Generation, outcome: _Outcome, limit: float, what: str) -> ParallelError:
         """Turns a failed outcome into a ParallelError and stops every rank."""
@@ -815,6 +989,9 @@ class DDPWorkerPool:
         head = f"DDP task {what} failed on {len(failures)} of {self._world_size} ranks ({self._backend}): "
         head += "; ".join(f"rank {f.rank} {f.summary.splitlines()[0]}" for f in failures) + "."
         lines = [head, ""]
+        advice = _main_module_advice(failures, starting=what == _START)
+        if advice:
+            lines += [advice, ""]
         lines += [f.describe() + "\n" for f in failures]
         lines.append(
             f"Every rank was stopped; the pool starts {self._world_size} new ranks for the "
@@ -917,14 +1094,10 @@ class ProcessGroupRunner:
         try:
             reply: tuple[bool, Any] = (True, pickle.dumps(fn(self._info, *args), protocol=_PICKLE_PROTOCOL))
         except BaseException as error:
-            reply = (False, _describe_exception(error))
+            reply = (False, (_summary(error), _describe_exception(error)))
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, reply)
-        failures = []
-        for rank, (ok, body) in enumerate(gathered):
-            if not ok:
-                last = body.rstrip().splitlines()[-1] if body.strip() else "an exception"
-                failures.append(RankFailure(rank, "raised", f"raised {last}", body))
+        failures = [_raised(rank, body) for rank, (ok, body) in enumerate(gathered) if not ok]
         if failures:
             head = "; ".join(f"rank {f.rank} {f.summary}" for f in failures)
             detail = "\n".join(f.describe() for f in failures)

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +25,7 @@ from dpverify._ddp_checks import (
     assert_ddp_grads_match,
     assert_ddp_training_matches,
 )
-from dpverify._ddp_pool import DDPWorkerPool
+from dpverify._ddp_pool import DDPWorkerPool, RankFailure, _main_module_advice
 from dpverify._ddp_rank import ShardContext
 from dpverify._errors import ParallelMismatch
 
@@ -178,3 +183,110 @@ def test_summed_but_not_averaged_gradients_are_named(ddp_pool: DDPWorkerPool) ->
     assert "is 2 times" in text
     assert "(2, the world size): the ranks' gradients were summed but not divided" in text
     assert "rows per rank" not in text
+
+
+# --------------------------------------------------------------------------- the main module
+# Every DDP rank is a new process (forkserver, or spawn) that imports the main module again.
+
+SCRIPT_BODY = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpverify
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def check():
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 5), torch.randn(6, 2)
+    print(dpverify.assert_ddp_grads_match(Net(), x, y, loss_fn=F.mse_loss, world_size=2), flush=True)
+
+"""
+
+#: Seconds a script may take: starting torch and the ranks takes a few; a hang takes forever.
+SCRIPT_TIMEOUT_S = 90
+
+
+def run_python(tmp_path: Path, args: list[str], stdin: str | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, *args], input=stdin, cwd=tmp_path, capture_output=True, text=True,
+        timeout=SCRIPT_TIMEOUT_S,
+    )
+    return done, time.monotonic() - started
+
+
+def parallel_error(stderr: str) -> str:
+    """The ParallelError that ended the script, as Python printed it (the ranks' tracebacks,
+    indented, are part of its message)."""
+    return stderr[stderr.index("\ndpverify._ddp_pool.ParallelError: DDP task") + 1 :]
+
+
+@pytest.mark.timeout(2 * SCRIPT_TIMEOUT_S)
+def test_a_script_with_the_main_guard_passes(tmp_path: Path) -> None:
+    (tmp_path / "guarded.py").write_text(SCRIPT_BODY + 'if __name__ == "__main__":\n    check()\n')
+    done, _ = run_python(tmp_path, ["guarded.py"])
+    assert done.returncode == 0, done.stderr
+    assert "passed" in done.stdout
+
+
+@pytest.mark.timeout(2 * SCRIPT_TIMEOUT_S)
+def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path: Path) -> None:
+    (tmp_path / "unguarded.py").write_text(SCRIPT_BODY + "check()\n")
+    done, elapsed = run_python(tmp_path, ["unguarded.py"])
+    assert done.returncode == 1
+    error = parallel_error(done.stderr)
+    head = error.split("\n\n", 1)[0]
+    assert "failed on 2 of 2 ranks" in head
+    assert "rank 0 raised ParallelError" in head  # the ranks' own failure, not a silent exit
+    assert "exited with code 1 without answering" not in error
+    assert "unguarded.py has no `if __name__ == '__main__':` guard" in error
+    assert "put the code that calls dpverify under `if __name__ == '__main__':`" in error
+    assert "unguarded.py" in error.split("rank 0 traceback", 1)[1]  # the rank's own story
+    assert elapsed < SCRIPT_TIMEOUT_S
+
+
+@pytest.mark.timeout(2 * SCRIPT_TIMEOUT_S)
+@pytest.mark.parametrize("how", ["stdin", "-c"])
+def test_code_without_a_file_is_told_to_use_an_importable_module(tmp_path: Path, how: str) -> None:
+    code = SCRIPT_BODY + 'if __name__ == "__main__":\n    check()\n'
+    done, elapsed = run_python(tmp_path, ["-"] if how == "stdin" else ["-c", code], stdin=code if how == "stdin" else None)
+    assert done.returncode == 1
+    error = parallel_error(done.stderr)
+    assert "exited with code 1 without answering" not in error
+    assert "define models, loss functions and steps in an importable module" in error
+    if how == "stdin":
+        assert "code fed on standard input" in error
+        assert "No such file or directory" in error  # the ranks' failure, shown
+    else:
+        assert "Can't get attribute 'Net'" in error
+    assert elapsed < SCRIPT_TIMEOUT_S
+
+
+def test_advice_for_ranks_that_exit_silently_or_cannot_unpickle(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Without the fork server's report (the spawn start method), the ranks exit at start-up
+    without a word; and from python -c or a notebook, they cannot import what __main__ defines."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    silent = [RankFailure(r, "exited", "exited with code 1 without answering") for r in range(2)]
+    advice = _main_module_advice(silent, starting=True)
+    assert "their error is on this process's standard error" in advice
+    assert "train.py" in advice
+    assert "under `if __name__ == '__main__':`" in advice
+    assert _main_module_advice(silent, starting=False) == ""  # a death during a task is not this
+    unpickle = [RankFailure(0, "raised", "raised AttributeError", "AttributeError: Can't get attribute 'Net' on <module '__main__' from 'x'>")]
+    assert "defined under `if __name__ == '__main__':` or inside a function" in _main_module_advice(unpickle, starting=False)
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # python -c: no file
+    assert "define models, loss functions and steps in an importable module" in _main_module_advice(unpickle, starting=False)
