@@ -701,10 +701,20 @@ def assert_ddp_grads_match(
     Returns:
         The comparison (``str()`` summarises it).
 
+    Parameters that require grad but take no part in the loss (an unused layer, a pooler
+    whose output the loss ignores) must have ``.grad`` None on every rank, as on one device:
+    that needs ``ddp_kwargs={'find_unused_parameters': True}``, and without it the check
+    fails naming them (torch's DDP never completes the step's all-reduce and refuses the next
+    forward). Frozen parameters (``requires_grad=False``) are ignored by DDP and compared as
+    None. A gradient that is uniformly off by a factor gets its likely causes named, among
+    them a sum-reduction loss (``1/world_size``: DDP averages the ranks' gradients).
+
     Raises:
-        ParallelMismatch: a rank's gradient or output differs beyond tolerance.
+        ParallelMismatch: a rank's gradient or output differs beyond tolerance, or parameters
+            get no gradient under DDP without ``find_unused_parameters``.
         ParallelError: a rank raised, died or hung; the pool restarts for the next check.
-        InvalidArgument: an argument cannot be used (unpicklable loss or step included).
+        InvalidArgument: an argument cannot be used (unpicklable loss or step included), or
+            the module has no parameter that requires grad.
     """
     __tracebackhide__ = True
     check = DDPCheck.create(
@@ -782,7 +792,9 @@ def assert_ddp_accumulation_matches(
         Others: as ``assert_dp_grads_match`` and ``assert_ddp_grads_match``.
 
     Raises:
-        ParallelMismatch: gradients differ, or the synchronisation count is not one.
+        ParallelMismatch: gradients differ, or the synchronisation count is not one, or
+            parameters get no gradient under DDP without ``find_unused_parameters`` (no
+            synchronisation is then counted: DDP never completes the all-reduce).
     """
     __tracebackhide__ = True
     check = DDPCheck.create(
@@ -917,6 +929,9 @@ def assert_ddp_training_matches(
     Raises:
         ParallelMismatch: a rank's parameters differ after some step; the message shows the
             first such step.
+        ParallelError: a rank raised. When torch's DDP refuses a forward because parameters
+            got no gradient in the step before (no ``find_unused_parameters``), the message
+            names them, the step, and the fix.
     """
     __tracebackhide__ = True
     pairs = _describe_batches(batches)
