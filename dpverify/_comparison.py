@@ -313,7 +313,9 @@ def compare_tensors(
     # working-precision step can do. Rounding moves it by half a unit of roundoff, far
     # below the floors, and halves the memory traffic of the check.
     rounded = reference.to(dtype)
-    error = (expected.detach() - rounded).to(torch.float64) if dtype in _LOW_PRECISION else expected.detach() - rounded
+    # 16-bit differences are taken in float64: a float16 subtraction would round them.
+    wide = torch.float64 if dtype in _LOW_PRECISION else dtype
+    error = expected.detach().to(wide) - rounded.to(wide)
     reference_error, reference_norm = max_abs(error), _norm(error)
     if dtype == torch.float64:
         reference_error, reference_norm = _float64_rounding(
@@ -333,9 +335,7 @@ def compare_tensors(
         floor = norm_floor = 1.0 / roundoff
     allowed = tolerance.factor * max(reference_error, floor * roundoff * scale)
     norm_allowed = tolerance.norm_factor * max(reference_norm, norm_floor * roundoff * scale_norm)
-    difference = actual - rounded
-    if dtype in _LOW_PRECISION:
-        difference = actual.to(torch.float64) - reference
+    difference = actual.to(wide) - rounded.to(wide)
     gap, norm_gap = max_abs(difference), _norm(difference)
     if gap <= allowed and norm_gap <= norm_allowed:  # False for NaN: those take the detailed path
         ratio = max(_ratio(gap, allowed), _ratio(norm_gap, norm_allowed))

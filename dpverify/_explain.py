@@ -865,14 +865,24 @@ def _answer_sum(e: Explanation) -> str:
 def _answer_loss_mean(e: Explanation) -> str:
     r = e.loss_average
     moved = "" if e.loss.startswith("computed in forward") else "Measured with your loss moved into forward. "
-    verdict = (
-        f"No: the chunks {list(r.chunk_sizes)} are uneven, so loss.mean() = {r.mean_of_means:.6g} "
-        f"is biased by {r.loss_bias:+.3g} against the full-batch loss {r.full_batch_loss:.6g}, "
-        f"and its gradients differ by up to {r.grad_bias:.3g} (relative)."
-        if r.is_biased
-        else f"Here yes, because the chunks {list(r.chunk_sizes)} are equal: loss.mean() = "
-        f"{r.mean_of_means:.6g}, full batch {r.full_batch_loss:.6g}; an uneven split would bias it."
-    )
+    uneven = len(set(r.chunk_sizes)) > 1
+    if r.is_biased:
+        reason = (
+            f"the chunks {list(r.chunk_sizes)} are uneven" if uneven and r.weighted_is_exact
+            else f"the replica losses are not per-row means (chunks {list(r.chunk_sizes)})"
+        )
+        verdict = (
+            f"No: {reason}, so loss.mean() = {r.mean_of_means:.6g} is biased by "
+            f"{r.loss_bias:+.3g} against the full-batch loss {r.full_batch_loss:.6g}, and its "
+            f"gradients differ by up to {r.grad_bias:.3g} (relative)."
+        )
+    else:
+        why = "the chunks are equal" if not uneven else "the replica losses happen to agree"
+        verdict = (
+            f"Here yes, because {why} ({list(r.chunk_sizes)}): loss.mean() = "
+            f"{r.mean_of_means:.6g}, full batch {r.full_batch_loss:.6g}; chunks of different "
+            "sizes would bias it."
+        )
     return (
         f"{moved}{verdict} The exact reduction weights replica i by n_i/B: {r.weighted_mean:.6g} "
         f"(off the full-batch loss by {abs(r.weighted_error):.1g})."

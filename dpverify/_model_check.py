@@ -239,7 +239,8 @@ def _loss_average(module: nn.Module, batch: Batch, ids: list[int], name: str, sp
     if report.is_biased:
         return CheckResult(
             name, split, Verdict.WARN,
-            f"biased by {report.loss_bias:+.3g} (chunks {list(report.chunk_sizes)}): weight by n_i/B",
+            f"biased by {report.loss_bias:+.3g} (chunks {list(report.chunk_sizes)}): "
+            + ("weight by n_i/B" if report.weighted_is_exact else "the replica losses are not per-row means"),
             str(report),
         )
     return CheckResult(name, split, Verdict.PASS, f"exact here (chunks {list(report.chunk_sizes)})", str(report))

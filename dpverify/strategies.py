@@ -300,9 +300,16 @@ def loss_specs(*, names: Sequence[str] | None = None, reductions: Sequence[str] 
     )
 
 
-def dtypes(*, bfloat16: bool = False) -> SearchStrategy[torch.dtype]:
-    """float32 and float64, and bfloat16 when asked. Shrinks toward float32."""
-    options = [torch.float32, torch.float64] + ([torch.bfloat16] if bfloat16 else [])
+def dtypes(*, bfloat16: bool = False, float16: bool = False) -> SearchStrategy[torch.dtype]:
+    """float32 and float64, and the 16-bit dtypes when asked. Shrinks toward float32.
+
+    Args:
+        bfloat16: also draw ``torch.bfloat16``.
+        float16: also draw ``torch.float16``.
+    """
+    options = [torch.float32, torch.float64]
+    options += [torch.bfloat16] if bfloat16 else []
+    options += [torch.float16] if float16 else []
     return st.sampled_from(options)
 
 

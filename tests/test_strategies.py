@@ -133,6 +133,7 @@ def test_specs_declare_whether_they_are_exact(spec: ModelSpec) -> None:
 def test_dtypes() -> None:
     assert find(dtypes(), lambda d: True) == torch.float32
     assert find(dtypes(bfloat16=True), lambda d: d == torch.bfloat16) == torch.bfloat16
+    assert find(dtypes(float16=True), lambda d: d == torch.float16) == torch.float16
 
 
 @pytest.mark.parametrize(
