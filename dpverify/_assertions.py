@@ -383,9 +383,10 @@ def _diagnose(check: Check, actual: StepResult, expected: StepResult) -> list[st
             "copy.deepcopy per replica instead of torch's replicate, whose Broadcast sums "
             "replica gradients back into the parameters)."
         )
-    scale = uniform_scale(actual.grads, expected.grads)
+    rounding = max(1e-4, 4 * torch.finfo(check.dtype).eps)
+    scale = uniform_scale(actual.grads, expected.grads, rounding)
     if scale is not None:
-        notes.append(explain_scale(scale, check.plan.n_replicas))
+        notes.append(explain_scale(scale, check.plan.n_replicas, rounding))
     return notes
 
 
@@ -492,8 +493,9 @@ def assert_grad_sum_equals_mean_loss_grad(
     if replicas > 1 and significant and not averages_differ and not sums_match:
         failures.append(
             f"The plain average of the {replicas} replica gradients matches the full-batch "
-            "gradient and their sum does not: each replica's gradient was already divided by "
-            "the number of replicas; torch sums replica gradients (ReduceAddCoalesced)."
+            "gradient and their sum does not: each replica's gradient is already full-size "
+            "(its own chunk's mean rather than 1/B times its sum), and torch sums replica "
+            f"gradients (ReduceAddCoalesced), which counts the batch {replicas} times."
         )
     return raise_unless_ok(check.outcome(title, rows, contrasts=contrasts, notes=notes, failures=failures), msg)
 

@@ -83,7 +83,7 @@ class Tolerance:
     factor: float = 8.0
     floor_ulps: float = 32.0
     norm_factor: float = 8.0
-    norm_floor_ulps: float = 16.0
+    norm_floor_ulps: float = 4.0
     low_precision_floor_ulps: float = 4.0
 
     def __post_init__(self) -> None:
@@ -547,7 +547,7 @@ class StepComparison:
 
 
 def uniform_scale(
-    actual: dict[str, torch.Tensor | None], expected: dict[str, torch.Tensor | None]
+    actual: dict[str, torch.Tensor | None], expected: dict[str, torch.Tensor | None], rounding: float = 1e-4
 ) -> float | None:
     """The factor ``c`` when every actual gradient is ``c`` times the expected one (c != 1).
 
@@ -568,21 +568,21 @@ def uniform_scale(
         return None
     c = dot / norm_e
     residual = max(norm_a - c * dot, 0.0) ** 0.5 / norm_a**0.5
-    if residual > 1e-4 or abs(c - 1.0) < 1e-3:
+    if residual > rounding or abs(c - 1.0) < 10 * rounding:
         return None
     return c
 
 
-def explain_scale(c: float, replicas: int) -> str:
+def explain_scale(c: float, replicas: int, rounding: float = 1e-4) -> str:
     """A sentence on a uniform gradient factor, naming the likely reduction bug."""
     text = f"Every parallel gradient is {c:.6g} times the single-device gradient"
-    if replicas > 1 and abs(c * replicas - 1.0) < 1e-3:
+    if replicas > 1 and abs(c * replicas - 1.0) < 10 * rounding:
         return text + (
             f" (1/{replicas}, one over the number of replicas used): the replica gradients "
             "were averaged. torch sums them: with a mean loss over the gathered batch, each "
             "replica already contributes (1/B) times the sum over its own rows."
         )
-    if replicas > 1 and abs(c - replicas) < 1e-3 * replicas:
+    if replicas > 1 and abs(c - replicas) < 10 * rounding * replicas:
         return text + f" ({replicas}, the number of replicas): the loss or gradients were summed over replicas twice."
     return text + "."
 

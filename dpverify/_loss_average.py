@@ -335,7 +335,8 @@ def check_forward_loss_average(
     with default_dtype(torch.float64), torch.random.fork_rng(devices=fork_devices), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
         parallel_model = copy.deepcopy(module).to(dtype=torch.float64, device=check.device)
-        params = list(parallel_model.parameters())
+        # Frozen parameters have no gradient to compare (autograd.grad refuses them).
+        params = [p for p in parallel_model.parameters() if p.requires_grad]
         seed_step(0, check.device)
         losses = _replica_losses(check.wrap(parallel_model)(*args, **kwargs), loss_at, check.plan.n_replicas)
         weights = torch.tensor(sizes, dtype=losses.dtype, device=losses.device) / batch
@@ -355,7 +356,7 @@ def check_forward_loss_average(
                 f"the forward's loss has shape {tuple(full.shape)} on the whole batch; it must "
                 "be a scalar (the batch's mean loss)"
             )
-        grads_full = _grads(full.reshape(()), list(single.parameters()))
+        grads_full = _grads(full.reshape(()), [p for p in single.parameters() if p.requires_grad])
 
     dtype = _coarsest(precision.dtype, losses.dtype, full.dtype)
     eps = _eps(dtype)
@@ -391,7 +392,7 @@ def check_forward_loss_average(
             return gap / reference
         return 0.0 if gap == 0 else math.inf
 
-    names = [name for name, _ in parallel_model.named_parameters()]
+    names = [name for name, p in parallel_model.named_parameters() if p.requires_grad]
     by_param = tuple(
         (name, relative(gap, scale)) for name, gap, scale in zip(names, gaps_mean, scales, strict=True)
     )

@@ -226,3 +226,136 @@ def test_str_of_a_passing_result_summarises_it() -> None:
     result = dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=[0, 1, 2, 3])
     assert str(result).startswith("DataParallel outputs and gradients must match the single-device step: passed (")
     assert "chunk sizes [2, 2, 1]" in str(result)
+
+
+# --- Models nobody here designed: unused, frozen and tied parameters, low precision,
+# gradients that are zero in exact arithmetic, near-converged targets --------------------
+
+BOTH = (dpverify.assert_dp_grads_match, dpverify.assert_grad_sum_equals_mean_loss_grad)
+
+
+class _Pooled(nn.Module):
+    """An encoder with a pooler whose output the loss ignores (as an HF classifier that
+    reads the first token), a frozen embedding-like projection and an unused head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(6, 8).requires_grad_(False)
+        self.encoder = nn.Linear(8, 8)
+        self.pooler = nn.Linear(8, 8)
+        self.unused = nn.Linear(8, 3)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.encoder(self.frozen(x)))
+        self.pooler(hidden)  # computed, never used by the loss
+        return self.head(hidden)
+
+
+@pytest.mark.parametrize("check", BOTH)
+@pytest.mark.parametrize(("batch", "ids"), [(8, [0, 1]), (5, [0, 1, 2, 3]), (2, [1, 0, 3])])
+def test_unused_and_frozen_parameters_are_as_on_one_device(check: Any, batch: int, ids: list[int]) -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(batch, 6), torch.randn(batch, 3)
+    result = check(_Pooled(), x, y, loss_fn=F.mse_loss, device_ids=ids)
+    assert result.ok
+    names = {t.name for t in result.tensors}
+    assert "grad 'unused.weight'" in names or "sum of replica grads 'unused.weight'" in names
+    frozen = [t for t in result.tensors if "frozen" in t.name]
+    assert frozen
+    assert all(t.ok and t.numel == 0 for t in frozen)  # None on both sides, as torch leaves it
+
+
+def test_no_trainable_parameter_is_an_argument_error() -> None:
+    frozen = nn.Linear(4, 2).requires_grad_(False)
+    for check in BOTH:
+        with pytest.raises(InvalidArgument, match=r"module=Linear has no parameter that requires grad"):
+            check(frozen, torch.randn(4, 4), torch.randn(4, 2), loss_fn=F.mse_loss, device_ids=[0, 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("batch", "ids"), [(6, [0, 1, 2]), (5, [0, 1, 2, 3])])
+def test_low_precision_models_pass_and_averaging_is_still_caught(dtype: torch.dtype, batch: int, ids: list[int]) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
+    x, y = torch.randn(batch, 4, dtype=dtype), torch.randn(batch, 3, dtype=dtype)
+    for check in BOTH:
+        assert check(model, x, y, loss_fn=F.mse_loss, device_ids=ids).ok
+    with pytest.raises(ParallelMismatch, match="replica gradients were averaged"):
+        dpverify.assert_dp_grads_match(model, x, y, loss_fn=F.mse_loss, device_ids=ids, parallel=AveragingDataParallel)
+
+
+class _TwoFeatureNorm(nn.Module):
+    """LayerNorm over two features: its output is +-1 whatever the input, so the gradient
+    of everything before it is zero in exact arithmetic, and only rounding noise in floats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 2)
+        self.norm = nn.LayerNorm(2, eps=0.0)
+        self.out = nn.Linear(2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.inp(x)))
+
+
+class _KeyBiasAttention(nn.Module):
+    """Self-attention: the key bias's gradient is zero in exact arithmetic (softmax is shift
+    invariant along the keys)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True, dtype=dtype)
+        self.out = nn.Linear(8, 3, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.attention(x, x, x, need_weights=False)[0].mean(1))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(("batch", "ids"), [(8, [0, 1]), (7, [0, 1, 2, 3]), (3, [0, 2, 1])])
+def test_gradients_zero_in_exact_arithmetic_are_no_false_alarm(seed: int, batch: int, ids: list[int]) -> None:
+    torch.manual_seed(seed)
+    x, y = torch.randn(batch, 5), torch.randn(batch, 3)
+    for check in BOTH:
+        check(_TwoFeatureNorm(), x, y, loss_fn=F.mse_loss, device_ids=ids)
+    for dtype in (torch.float32, torch.float64):
+        torch.manual_seed(seed)
+        tokens, target = torch.randn(batch, 5, 8, dtype=dtype) * 4, torch.randn(batch, 3, dtype=dtype)
+        for check in BOTH:
+            result = check(_KeyBiasAttention(dtype), tokens, target, loss_fn=F.mse_loss, device_ids=ids)
+            assert result.ok
+
+
+@pytest.mark.parametrize("residual", [1e-3, 1e-6, 1e-9])
+def test_near_converged_targets_are_no_false_alarm(residual: float) -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 4))
+    x = torch.randn(13, 6)
+    with torch.no_grad():
+        y = model.double()(x.double()).float()
+    model.float()
+    y = y + residual * torch.randn_like(y)
+    for ids in ([0, 1], [0, 1, 2, 3], [3, 1, 2]):
+        for check in BOTH:
+            assert check(model, x, y, loss_fn=F.mse_loss, device_ids=ids).ok
+
+
+def test_full_size_replica_gradients_are_still_named() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    with pytest.raises(ParallelMismatch, match=r"matches the full-batch gradient and their sum does not"):
+        dpverify.assert_grad_sum_equals_mean_loss_grad(model, x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2], parallel=_FullSizeReplicas)
+
+
+class _FullSizeReplicas(dpverify.VirtualDataParallel):  # type: ignore[type-arg]
+    """Scales every replica's contribution by the number of replicas (as a loss that is each
+    chunk's own mean would, on even chunks): the average of the replica gradients then
+    equals the full-batch gradient, and their sum is k times too large."""
+
+    def parallel_apply(self, replicas: Any, inputs: Any, kwargs: Any) -> list[Any]:
+        outputs = super().parallel_apply(replicas, inputs, kwargs)
+        for output in outputs:
+            output.register_hook(lambda g, k=len(outputs): g * k)
+        return outputs

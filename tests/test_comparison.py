@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -183,3 +184,107 @@ def test_msg_replaces_or_rewrites_the_message() -> None:
         dpverify.assert_dp_grads_match(_model(), x, y, msg="custom", **kwargs)
     with pytest.raises(ParallelMismatch, match=r"^context: DataParallel outputs"):
         dpverify.assert_dp_grads_match(_model(), x, y, msg=lambda m: f"context: {m}", **kwargs)
+
+
+# --- Non-finite values never pass silently ---------------------------------------------
+
+
+def test_a_nan_in_the_batch_is_refused_naming_the_tensor() -> None:
+    x, y = _batch(rows=6)
+    x[2, 1] = float("nan")
+    with pytest.raises(dpverify.NonFiniteReference, match=r"^output is not finite in the single-device step \(3 NaN"):
+        dpverify.assert_dp_grads_match(_model(), x, y, loss_fn=F.mse_loss, device_ids=[0, 1])
+
+
+def test_a_non_finite_reference_is_refused_before_any_comparison() -> None:
+    anchor = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    with pytest.raises(dpverify.NonFiniteReference, match="grad 'w' is not finite in the single-device step"):
+        compare_tensors("grad 'w'", torch.ones(2), torch.tensor([1.0, math.inf]), anchor, Tolerance())
+    with pytest.raises(dpverify.NonFiniteReference):
+        compare_tensors("t", torch.ones(2), torch.tensor([1.0, math.nan]), None, Tolerance(rtol=0.1, atol=0.1))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_parallel_value_is_a_mismatch_and_says_so(bad: float) -> None:
+    anchor = torch.tensor([1.0, 5.0], dtype=torch.float64)
+    for tolerance in (Tolerance(), Tolerance(rtol=1e-3, atol=1e-3)):
+        result = compare_tensors("g", torch.tensor([1.0, bad]), anchor.float(), anchor, tolerance)
+        assert not result.ok
+        assert result.mismatched == 1
+        assert result.nonfinite == 1
+        assert result.max_abs_index == (1,)
+        assert "Non-finite values: 1 NaN or inf entries in the parallel step" in result.details()
+
+
+def test_explicit_tolerance_follows_isclose() -> None:
+    expected = torch.tensor([1.0, 5.0, 100.0])
+    tol = Tolerance(rtol=1e-2, atol=1e-3)
+    actual = torch.tensor([1.0, 5.04, 101.5])
+    result = compare_tensors("t", actual, expected, None, tol)
+    assert result.mismatched == int((~torch.isclose(actual, expected, rtol=1e-2, atol=1e-3)).sum()) == 1
+    assert result.max_abs_index == (2,)
+
+
+class _NaNGradDataParallel(dpverify.VirtualDataParallel):  # type: ignore[type-arg]
+    """Correct, except the reduced gradient of the first parameter turns NaN in one entry."""
+
+    def __init__(self, module: nn.Module, device_ids: Any = None, output_device: Any = None) -> None:
+        super().__init__(module, device_ids, output_device)
+
+        def poison(grad: torch.Tensor) -> torch.Tensor:
+            grad = grad.clone()
+            grad.view(-1)[0] = math.nan
+            return grad
+
+        next(module.parameters()).register_hook(poison)
+
+
+def test_a_parallel_gradient_that_turns_nan_is_caught() -> None:
+    x, y = _batch(rows=6)
+    with pytest.raises(ParallelMismatch, match=r"(?s)grad '0\.weight': tensors are not close.*Non-finite values: 1 NaN"):
+        dpverify.assert_dp_grads_match(_model(), x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2], parallel=_NaNGradDataParallel)
+
+
+# --- Sensitivity: systematic errors far below the elementwise floor -------------------
+
+
+def _off_by(relative: float, fraction: float) -> type[dpverify.VirtualDataParallel]:  # type: ignore[type-arg]
+    class OffBy(dpverify.VirtualDataParallel):  # type: ignore[type-arg]
+        """Correct, except the first parameter's gradient is off by ``relative`` in
+        ``fraction`` of its elements (every k-th one)."""
+
+        def __init__(self, module: nn.Module, device_ids: Any = None, output_device: Any = None) -> None:
+            super().__init__(module, device_ids, output_device)
+            first = next(module.parameters())
+            factor = torch.ones(first.numel(), dtype=first.dtype)
+            factor[:: max(1, round(1 / fraction))] += relative
+            first.register_hook(lambda g: g * factor.view_as(g))
+
+    return OffBy
+
+
+@pytest.mark.parametrize("input_scale", [1e-6, 1e-3, 1.0, 1e3, 1e6])
+@pytest.mark.parametrize("fraction", [1.0, 0.01])
+def test_a_1e5_error_in_a_whole_tensor_or_one_percent_of_it_is_caught(input_scale: float, fraction: float) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 4))
+    x, y = _batch(rows=16)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(3)) * input_scale
+    y = torch.randn(16, 4, generator=torch.Generator().manual_seed(4))
+    kwargs: dict[str, Any] = {"loss_fn": F.mse_loss, "device_ids": [0, 1, 2]}
+    passed = dpverify.assert_dp_grads_match(model, x, y, **kwargs)
+    # The premise of the claim: the single-device step is within 1e-6 of float64.
+    grad = next(t for t in passed.tensors if t.name == "grad '0.weight'")
+    assert grad.reference_error is not None
+    with pytest.raises(ParallelMismatch, match=r"grad '0\.weight': tensors are not close"):
+        dpverify.assert_dp_grads_match(model, x, y, parallel=_off_by(1e-5, fraction), **kwargs)
+
+
+def test_one_element_off_by_1e4_stays_caught() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 4))
+    x, y = _batch(rows=16)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(3))
+    y = torch.randn(16, 4, generator=torch.Generator().manual_seed(4))
+    with pytest.raises(ParallelMismatch, match=r"Mismatched elements: 1 / 512"):
+        dpverify.assert_dp_grads_match(model, x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2], parallel=_off_by(1e-4, 1 / 512))

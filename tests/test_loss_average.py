@@ -296,3 +296,20 @@ def test_even_chunks_never_read_uneven(make: Any) -> None:
         report = dpverify.check_forward_loss_average(module, inputs, device_ids=ids)
         assert len(set(report.chunk_sizes)) == 1
         assert "uneven" not in str(report), str(report)
+
+
+def test_frozen_parameters_are_left_out_of_the_gradient_comparison() -> None:
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.frozen = nn.Linear(3, 4).requires_grad_(False)
+            self.out = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(self.out(torch.tanh(self.frozen(x))), y)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 3), torch.randn(5, 1)
+    report = dpverify.check_forward_loss_average(Head(), (x, y), device_ids=[0, 1])
+    assert report.is_biased
+    assert [name for name, _ in report.grad_bias_by_parameter] == ["out.weight", "out.bias"]
