@@ -63,28 +63,37 @@ class Tolerance:
     ``torch.isclose`` semantics: ``|actual - expected| <= atol + rtol * |expected|``, and
     NaN or inf never close to a finite value.
 
-    Without them the float64-anchored rule applies, in two tests that must both pass:
+    Without them the float64-anchored rule applies, in two tests that must both pass. ``e``
+    is the single-device step's distance from the float64 step, ``u`` the working dtype's
+    unit roundoff and ``S`` the tensor's scale: its largest float64 entry, or the terms it
+    was summed from if larger (``Terms``).
 
-    - **elementwise**: the greatest ``|parallel - float64|`` may be ``factor`` times the
-      single-device step's, or ``factor * floor_ulps`` units of roundoff of the scale
-      (the largest float64 entry, or the terms it was summed from, if larger);
-    - **tensor-level**: ``||parallel - float64||`` (2-norm) may be ``norm_factor`` times
-      the single-device step's, or ``norm_factor * norm_floor_ulps`` units of roundoff of
-      the tensor's norm (or its terms' norm). Rounding is incoherent and averages out over
-      a tensor while a systematic error (a whole tensor 1e-5 off) adds up, so this test
-      catches errors far below the elementwise one's floor.
+    - **elementwise**: ``max |parallel - float64| <= max(f(n) * e, factor * floor(n) * u * S)``;
+    - **tensor-level**: ``||parallel - float64|| <= max(f(n) * ||e||, norm_factor *
+      norm_floor(n) * u * ||S||)`` (2-norms; skipped for a single element, where it is the
+      elementwise test). Rounding is incoherent and averages out over a tensor while a
+      systematic error (a whole tensor 1e-5 off) adds up, so this test catches errors far
+      below the elementwise one's floor.
 
-    16-bit dtypes (float16, bfloat16) use ``low_precision_floor_ulps`` for both floors:
-    their unit roundoff is already 2**-9 or 2**-12 of the value.
+    The floors shrink with the number of elements ``n``: ``floor(n) = max(2, floor_ulps /
+    n**(1/4))`` and ``norm_floor(n) = max(1/2, norm_floor_ulps / sqrt(n))``. They guard
+    against a single-device step that is exact by luck, which is likely for one element and
+    vanishingly unlikely for thousands. For the same reason the factor on ``e`` is
+    ``f(n) = factor * max(1, sqrt(16 / n))``: the rounding of two runs of a handful of
+    elements can differ by a large ratio by chance, that of many elements cannot.
+    16-bit dtypes (float16, bfloat16) use ``low_precision_floor_ulps`` for both floors,
+    whatever ``n``; and no allowance is below ``subnormal_floor`` units of the dtype's
+    smallest subnormal (float16 gradients of 1e-7 are spaced 6e-8 apart).
     """
 
     rtol: float | None = None
     atol: float | None = None
     factor: float = 8.0
-    floor_ulps: float = 32.0
+    floor_ulps: float = 16.0
     norm_factor: float = 8.0
-    norm_floor_ulps: float = 4.0
+    norm_floor_ulps: float = 8.0
     low_precision_floor_ulps: float = 4.0
+    subnormal_floor: float = 4.0
 
     def __post_init__(self) -> None:
         if (self.rtol is None) != (self.atol is None):
@@ -93,7 +102,10 @@ class Tolerance:
                 f"rtol={self.rtol!r}, atol={self.atol!r}: pass both or neither "
                 f"(add {missing}=...), or neither to use the float64-anchored tolerance"
             )
-        for name in ("rtol", "atol", "factor", "floor_ulps", "norm_factor", "norm_floor_ulps", "low_precision_floor_ulps"):
+        for name in (
+            "rtol", "atol", "factor", "floor_ulps", "norm_factor", "norm_floor_ulps",
+            "low_precision_floor_ulps", "subnormal_floor",
+        ):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, (int, float))
@@ -105,11 +117,20 @@ class Tolerance:
     def explicit(self) -> bool:
         return self.rtol is not None
 
-    def floors(self, dtype: torch.dtype) -> tuple[float, float]:
-        """(elementwise, tensor-level) floors in units of ``dtype``'s roundoff."""
+    def floors(self, dtype: torch.dtype, numel: int = 1) -> tuple[float, float]:
+        """(elementwise, tensor-level) floors for ``numel`` elements, in units of
+        ``dtype``'s roundoff."""
         if dtype in _LOW_PRECISION:
             return self.low_precision_floor_ulps, self.low_precision_floor_ulps
-        return self.floor_ulps, self.norm_floor_ulps
+        n = max(numel, 1)
+        return (
+            min(self.floor_ulps, max(2.0, self.floor_ulps / n**0.25)),
+            min(self.norm_floor_ulps, max(0.5, self.norm_floor_ulps / n**0.5)),
+        )
+
+    def reference_factor(self, numel: int) -> float:
+        """The factor on the single-device step's own error, for ``numel`` elements."""
+        return self.factor * max(1.0, math.sqrt(16.0 / max(numel, 1)))
 
     def describe(self, working_dtype: torch.dtype) -> str:
         if self.explicit:
@@ -118,13 +139,18 @@ class Tolerance:
                 f"with rtol={self.rtol:.1e}, atol={self.atol:.1e}"
             )
         name = str(working_dtype).removeprefix("torch.")
-        floor, norm_floor = self.floors(working_dtype)
+        if working_dtype in _LOW_PRECISION:
+            floors = f"{self.factor * self.low_precision_floor_ulps:g} units of {name} roundoff"
+        else:
+            floors = (
+                f"{self.factor * self.floor_ulps:g} units of {name} roundoff for one element, "
+                f"down to {self.factor * 2:g} for thousands"
+            )
         return (
-            f"a tensor's greatest distance from the float64 step may be {self.factor:g}x the "
-            f"single-device {name} step's, or {self.factor * floor:g} units of {name} "
-            f"roundoff of its scale (largest entry, or the terms summed into it), whichever "
-            f"is larger; and the norm of its distance {self.norm_factor:g}x the single-device "
-            f"step's, or {self.norm_factor * norm_floor:g} units of roundoff of its norm"
+            f"a tensor's distance from the float64 step may be {self.factor:g}x the "
+            f"single-device {name} step's (more for tensors of under 16 elements), or {floors} "
+            f"of its scale (largest entry, or the terms summed into it), in its largest "
+            f"element and, {self.norm_factor:g}x likewise, in its norm"
         )
 
 
@@ -323,20 +349,32 @@ def compare_tensors(
         )
     if not isinstance(terms, Terms):
         terms = Terms(terms or 0.0, 0.0)
+    numel = actual.numel()
     scale = max(max_abs(rounded), terms.largest)
     scale_norm = max(_norm(rounded), terms.norm)
-    floor, norm_floor = tolerance.floors(dtype)
+    floor, norm_floor = tolerance.floors(dtype, numel)
     # A tensor whose single-device rounding is a sizeable part of its own size is zero in
     # exact arithmetic up to rounding (a LayerNorm over two features, an attention key
     # bias): its values are noise in every step, and only their size can be checked.
     noise = reference_error >= 0.25 * max_abs(rounded)
     if noise:
         scale = max(scale, reference_error)
+        scale_norm = max(scale_norm, reference_norm)
         floor = norm_floor = 1.0 / roundoff
-    allowed = tolerance.factor * max(reference_error, floor * roundoff * scale)
-    norm_allowed = tolerance.norm_factor * max(reference_norm, norm_floor * roundoff * scale_norm)
+    spacing = tolerance.subnormal_floor * torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+    by_reference = tolerance.reference_factor(numel)
+    allowed = max(
+        by_reference * reference_error, tolerance.factor * floor * roundoff * scale, tolerance.factor * spacing
+    )
+    norm_allowed = max(
+        by_reference * reference_norm,
+        tolerance.norm_factor * norm_floor * roundoff * scale_norm,
+        tolerance.norm_factor * spacing * math.sqrt(numel),
+    )
     difference = actual.to(wide) - rounded.to(wide)
     gap, norm_gap = max_abs(difference), _norm(difference)
+    if numel == 1:  # one element: the norm is the elementwise test
+        norm_allowed = max(norm_allowed, allowed)
     if gap <= allowed and norm_gap <= norm_allowed:  # False for NaN: those take the detailed path
         ratio = max(_ratio(gap, allowed), _ratio(norm_gap, norm_allowed))
         return TensorComparison(

@@ -15,4 +15,4 @@ def max_abs(tensor: torch.Tensor) -> float:
     low_value, high_value = float(low), float(high)
     if math.isnan(low_value) or math.isnan(high_value):
         return math.nan
-    return max(-low_value, high_value)
+    return max(high_value, -low_value)  # +0.0, not -0.0, for an all-zero tensor

@@ -503,7 +503,7 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("last-replica-buffers", LastReplicaBuffersDataParallel, "dp", "keeps the last replica's buffers instead of the first's", "assert_dp_buffers_match", "buffer '"),
         Mutant("tiny-error", TinyErrorDataParallel, "dp", "scales one parameter's gradient by 1 + 1e-4", "assert_dp_grads_match", "tensors are not close"),
         Mutant("mean-of-means", mean_of_replica_losses, "reduce", "averages per-replica losses with loss.mean() on uneven chunks", "assert_loss_reduction_matches_full_batch", "The chunks are uneven"),
-        Mutant("ddp-summed-loss", summed_loss_step, "ddp-step", "sums each rank's losses and never divides by the batch", "assert_ddp_grads_match", "summed over its rows"),
+        Mutant("ddp-summed-loss", summed_loss_step, "ddp-step", "sums each rank's losses and never divides by the batch", "assert_ddp_grads_match", "the sum over the rank's rows"),
         Mutant("ddp-summed-allreduce", summed_allreduce_step, "ddp-step", "a hand-written all-reduce that sums gradients without dividing by the world size", "assert_ddp_grads_match", "the world size"),
         Mutant("ddp-rank-seeded-init", rank_seeded_init_step, "ddp-step", "initialises each rank with its own seed and never broadcasts rank 0's parameters", "assert_ddp_grads_match", "tensors are not close"),
         Mutant("ddp-forward-outside-no-sync", forward_outside_no_sync_step, "ddp-step", "runs the forward outside no_sync(), so every micro-batch synchronises", "assert_ddp_accumulation_matches", "synchronised"),

@@ -356,6 +356,7 @@ class _FullSizeReplicas(dpverify.VirtualDataParallel):  # type: ignore[type-arg]
 
     def parallel_apply(self, replicas: Any, inputs: Any, kwargs: Any) -> list[Any]:
         outputs = super().parallel_apply(replicas, inputs, kwargs)
+        k = len(outputs)
         for output in outputs:
-            output.register_hook(lambda g, k=len(outputs): g * k)
+            output.register_hook(lambda g: g * k)
         return outputs
