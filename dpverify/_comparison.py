@@ -142,15 +142,13 @@ class Tolerance:
         if working_dtype in _LOW_PRECISION:
             floors = f"{self.factor * self.low_precision_floor_ulps:g} units of {name} roundoff"
         else:
-            floors = (
-                f"{self.factor * self.floor_ulps:g} units of {name} roundoff for one element, "
-                f"down to {self.factor * 2:g} for thousands"
-            )
+            low, high = self.factor * 2, self.factor * self.floor_ulps
+            floors = f"{low:g} to {high:g} units of {name} roundoff (fewer for larger tensors)"
         return (
-            f"a tensor's distance from the float64 step may be {self.factor:g}x the "
-            f"single-device {name} step's (more for tensors of under 16 elements), or {floors} "
-            f"of its scale (largest entry, or the terms summed into it), in its largest "
-            f"element and, {self.norm_factor:g}x likewise, in its norm"
+            f"per tensor, the distance from the float64 step may be {self.factor:g}x the "
+            f"single-device {name} step's ({self.reference_factor(1):g}x for one element), or "
+            f"{floors} of the tensor's scale (its largest entry, or the terms summed into it), "
+            "in its largest element and, likewise, in its norm"
         )
 
 

@@ -40,13 +40,8 @@ def test_calibration_smoke_counts_every_scenario_and_nothing_crashes(capsys: pyt
     assert len(tally.injections) % 7 == 0
     assert {i.mode for i in tally.injections} == {"whole", "1%", "one"}
     assert "| false alarms (ParallelMismatch or is_biased on correct code) |" in out
-    # No crashes. (False alarms are not asserted yet: the tolerance is being reworked.)
-    # Known dpverify bug, allowed until fixed: check_forward_loss_average differentiates
-    # frozen parameters (torch.autograd.grad: "One of the differentiated Tensors does not
-    # require grad"); scenario 7 of seed 0 is a loss head with frozen parameters.
-    crashes = [f for f in tally.failures if f.outcome == "crash"]
-    known = [f for f in crashes if f.check == "check_forward_loss_average" and "does not require grad" in f.message]
-    assert crashes == known, [f"{f.check}: {f.message}: {f.spec}" for f in crashes]
+    # correct code: no crash, no false alarm
+    assert [f"{f.outcome} {f.check}: {f.message}: {f.spec}" for f in tally.failures] == []
 
 
 def test_calibration_spec_round_trips_and_rebuilds_the_same_scenario() -> None:
