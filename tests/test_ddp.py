@@ -991,3 +991,14 @@ def test_selftest_with_a_local_pool(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.count("PASS") == 12
     assert "FAIL" not in out
     assert "OK, 12 of 12 checks passed on 3 ranks (gloo)" in out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_models_pass_the_ddp_checks(dtype: torch.dtype) -> None:
+    model = mlp().to(dtype)
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(8, 5, generator=g).to(dtype), torch.randn(8, 2, generator=g).to(dtype)
+    assert assert_ddp_grads_match(model, x, y, loss_fn=F.mse_loss, world_size=2).ok
+    assert assert_ddp_grads_match(model, x, y, loss_fn=F.mse_loss, world_size=2, shards=[5, 3]).ok
+    assert assert_ddp_accumulation_matches(model, x, y, loss_fn=F.mse_loss, world_size=2, micro_batches=2).ok
+    assert assert_ddp_buffers_match(bn_model().to(dtype), x, y, loss_fn=F.mse_loss, world_size=2).ok
