@@ -380,7 +380,10 @@ def compare_tensors(
             reference_error=reference_error, norm_gap=norm_gap, norm_allowed=norm_allowed, noise=noise,
         )
     allowed_each = torch.full((), allowed, dtype=torch.float64, device=device)
-    detailed = _detailed(name, actual, reference, allowed_each, reference_error)
+    target = rounded.to(torch.float64)
+    # The same isclose rule as the explicit path, with the anchored allowance as atol.
+    outside = ~torch.isclose(actual.to(torch.float64), target, rtol=0.0, atol=allowed)
+    detailed = _detailed(name, actual, target, allowed_each, reference_error, mismatched=outside)
     norm_gap = math.inf if math.isnan(norm_gap) else norm_gap
     return replace(
         detailed,

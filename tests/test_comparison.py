@@ -327,3 +327,19 @@ def test_one_element_off_by_1e4_stays_caught() -> None:
     y = torch.randn(16, 4, generator=torch.Generator().manual_seed(4))
     with pytest.raises(ParallelMismatch, match=r"Mismatched elements: 1 / 512"):
         dpverify.assert_dp_grads_match(model, x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2], parallel=_off_by(1e-4, 1 / 512))
+
+
+def test_a_saturated_float32_probe_is_not_trusted_for_a_float64_model() -> None:
+    anchor = torch.linspace(1.0, 2.0, 32, dtype=torch.float64)
+    expected = anchor.clone()  # a float64 step is its own anchor: no rounding visible
+    u64, u32 = torch.finfo(torch.float64).eps, torch.finfo(torch.float32).eps
+    calm = (anchor * (1 + 4 * u32)).float()
+    saturated = (anchor * 1.5).float()  # float32 lost every digit: an ill-conditioned model
+    jitter = anchor + 1e-9
+    trusted = compare_tensors("g", anchor, expected, anchor, Tolerance(), probe=calm)
+    assert trusted.reference_error == pytest.approx(float((calm.double() - anchor).abs().max()) * u64 / u32, rel=1e-6)
+    distrusted = compare_tensors("g", anchor, expected, anchor, Tolerance(), probe=saturated, jitter=jitter)
+    assert distrusted.reference_error == pytest.approx(1e-9, rel=1e-3)
+    # what the jitter measured is what the parallel step may deviate by (8x for 32 elements)
+    assert compare_tensors("g", anchor + 7e-9, expected, anchor, Tolerance(), probe=saturated, jitter=jitter).ok
+    assert not compare_tensors("g", anchor + 9e-9, expected, anchor, Tolerance(), probe=saturated, jitter=jitter).ok
