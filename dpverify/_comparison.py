@@ -128,9 +128,18 @@ class Tolerance:
             min(self.norm_floor_ulps, max(0.5, self.norm_floor_ulps / n**0.5)),
         )
 
-    def reference_factor(self, numel: int) -> float:
-        """The factor on the single-device step's own error, for ``numel`` elements."""
-        return self.factor * max(1.0, math.sqrt(16.0 / max(numel, 1)))
+    def reference_factor(self, numel: int, conditioning: float = 0.0) -> float:
+        """The factor on the single-device step's own error, for ``numel`` elements whose
+        single-device error is ``conditioning`` units of roundoff of their scale.
+
+        Rounding errors of an ill-conditioned computation (a saturated softmax, a long
+        recurrence) are heavy-tailed: two runs that differ only in summation order can be
+        far apart by chance. Beyond 64 units the factor grows by half for every decade.
+        """
+        factor = self.factor * max(1.0, math.sqrt(16.0 / max(numel, 1)))
+        if conditioning > 64.0:
+            factor *= 1.0 + 0.5 * math.log10(conditioning / 64.0)
+        return factor
 
     def describe(self, working_dtype: torch.dtype) -> str:
         if self.explicit:
@@ -345,6 +354,10 @@ def compare_tensors(
         reference_error, reference_norm = _float64_rounding(
             reference, reference_error, reference_norm, probe, jitter, device
         )
+    elif jitter is not None:  # a second sample of the working dtype's rounding
+        jittered = _dense(jitter).detach().to(device=device, dtype=wide) - rounded.to(wide)
+        reference_error = max(reference_error, max_abs(jittered))
+        reference_norm = max(reference_norm, _norm(jittered))
     if not isinstance(terms, Terms):
         terms = Terms(terms or 0.0, 0.0)
     numel = actual.numel()
@@ -360,12 +373,16 @@ def compare_tensors(
         scale_norm = max(scale_norm, reference_norm)
         floor = norm_floor = 1.0 / roundoff
     spacing = tolerance.subnormal_floor * torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
-    by_reference = tolerance.reference_factor(numel)
+    def conditioning(error: float, size: float) -> float:
+        return error / (roundoff * size) if size > 0 else 0.0
+
     allowed = max(
-        by_reference * reference_error, tolerance.factor * floor * roundoff * scale, tolerance.factor * spacing
+        tolerance.reference_factor(numel, conditioning(reference_error, scale)) * reference_error,
+        tolerance.factor * floor * roundoff * scale,
+        tolerance.factor * spacing,
     )
     norm_allowed = max(
-        by_reference * reference_norm,
+        tolerance.reference_factor(numel, conditioning(reference_norm, scale_norm)) * reference_norm,
         tolerance.norm_factor * norm_floor * roundoff * scale_norm,
         tolerance.norm_factor * spacing * math.sqrt(numel),
     )

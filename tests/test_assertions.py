@@ -360,3 +360,19 @@ class _FullSizeReplicas(dpverify.VirtualDataParallel):  # type: ignore[type-arg]
         for output in outputs:
             output.register_hook(lambda g: g * k)
         return outputs
+
+
+@pytest.mark.parametrize(
+    ("seed", "batch", "ids", "dtype", "check"),
+    [
+        # false alarms of the fixed 256-ulp floor on ill-conditioned attention (scaled inputs)
+        (24, 7, [0, 1, 2, 3], torch.float64, dpverify.assert_grad_sum_equals_mean_loss_grad),
+        (28, 3, [0, 2, 1], torch.float32, dpverify.assert_dp_grads_match),
+        (28, 3, [0, 2, 1], torch.float32, dpverify.assert_grad_sum_equals_mean_loss_grad),
+    ],
+)
+def test_ill_conditioned_attention_is_no_false_alarm(seed: int, batch: int, ids: list[int], dtype: torch.dtype, check: Any) -> None:
+    torch.manual_seed(seed)
+    model = _KeyBiasAttention(dtype)
+    tokens, target = torch.randn(batch, 5, 8, dtype=dtype) * 30, torch.randn(batch, 3, dtype=dtype)
+    assert check(model, tokens, target, loss_fn=F.mse_loss, device_ids=ids).ok
