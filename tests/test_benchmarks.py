@@ -78,3 +78,17 @@ def test_ddp_pool_benchmark_smoke() -> None:
     seconds, rate = bench_ddp_pool.through_pool(examples, 2)
     assert seconds > 0
     assert rate > 0
+
+
+# Scenarios of the calibration generator (seed 0) that earlier tolerances called mismatches
+# on correct code: float16 gradients in the subnormal range (205, 563, 818, 932, 1574, 1897,
+# 2452) and the loss-average report of a float64 attention whose gradients rounding wipes
+# out (4587).
+KNOWN_FALSE_ALARMS = (205, 563, 818, 932, 1574, 1897, 2452, 4587)
+
+
+@pytest.mark.parametrize("index", KNOWN_FALSE_ALARMS)
+def test_former_false_alarms_pass(index: int) -> None:
+    tally = calibrate.Tally()
+    outcome = calibrate.run_scenario(calibrate.generate(index, 0), tally)
+    assert outcome == "pass", [f"{f.check}: {f.message}" for f in tally.failures]
