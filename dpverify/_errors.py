@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+# Hypothesis is a hard dependency today, so the engine may import its errors module (a small
+# module: no strategies, no engine). Subclassing Hypothesis's InvalidArgument gives one
+# exception for every bad argument: the strategies raise what Hypothesis documents for a
+# strategy's bad arguments (so ``except hypothesis.errors.InvalidArgument`` still works), and
+# ``except dpverify.InvalidArgument`` catches ``scenarios(max_batch=0)`` too. The engine
+# should not need Hypothesis at import time in the long run: then this base becomes
+# conditional (a plain ValueError when Hypothesis is absent).
+from hypothesis.errors import InvalidArgument as _HypothesisInvalidArgument
+
 __all__ = ["DroppedRowsWarning", "InvalidArgument", "NonFiniteReference", "ParallelMismatch"]
 
 
-class InvalidArgument(ValueError):
-    """An argument cannot be used; the message names it and says what to pass instead."""
+class InvalidArgument(_HypothesisInvalidArgument, ValueError):
+    """An argument cannot be used; the message names it and says what to pass instead.
+
+    The one exception for bad arguments anywhere in dpverify: the assertion helpers, the
+    strategies (it is also Hypothesis's ``InvalidArgument``), and the command line, which
+    prints the message and exits with status 2. It stays a ``ValueError`` for callers that
+    catch that (and is a ``TypeError`` too, as Hypothesis's is).
+    """
 
 
 class NonFiniteReference(InvalidArgument):

@@ -5,6 +5,10 @@ Every strategy draws frozen, picklable data (``ModelSpec``, ``LossSpec``, ``Devi
 into modules and tensors deterministically. Shrinking ends on the simplest model (one
 ``Linear`` layer), the smallest batch, the fewest devices and seed 0 that still fail.
 
+A bad argument raises ``dpverify.InvalidArgument`` (also Hypothesis's ``InvalidArgument``):
+eagerly when the strategy is made, or when a value drawn from a strategy argument cannot be
+used.
+
 Example::
 
     from hypothesis import given
@@ -20,18 +24,18 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
-from hypothesis.errors import InvalidArgument
 from hypothesis.strategies import SearchStrategy
 from torch import nn
 
 from dpverify._devices import cuda_device_count
+from dpverify._errors import InvalidArgument
 from dpverify._model_specs import ACTIVATIONS, KINDS, POOLINGS, ModelSpec, primary_output
 
 __all__ = [
@@ -69,9 +73,9 @@ class LossSpec:
 
     def __post_init__(self) -> None:
         if self.name not in LOSSES:
-            raise ValueError(f"name={self.name!r} is not one of {LOSSES}")
+            raise InvalidArgument(f"name={self.name!r} is not one of {LOSSES}")
         if self.reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction={self.reduction!r} must be 'mean' or 'sum'")
+            raise InvalidArgument(f"reduction={self.reduction!r} must be 'mean' or 'sum'")
 
     def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         logits = primary_output(output)
@@ -165,17 +169,45 @@ class Scenario:
         )
 
 
-def _value_or_strategy(value: T | SearchStrategy[T], name: str) -> SearchStrategy[T]:
+def _check_type(name: str, value: object, expected: type[Any]) -> None:
+    """Raises unless ``value`` (given, or drawn from a strategy) is an ``expected``."""
+    if not isinstance(value, expected):
+        # torch.dtype alone would read "a dtype": name torch's types by their module
+        what = f"torch.{expected.__qualname__}" if expected.__module__.startswith("torch") else expected.__qualname__
+        raise InvalidArgument(f"{name}={value!r} is {type(value).__name__}; pass a {what} or a strategy of them")
+
+
+def _value_or_strategy(value: T | SearchStrategy[T], name: str, expected: type[Any]) -> SearchStrategy[T]:
     if isinstance(value, SearchStrategy):
-        return value
+        return value  # drawn values are checked where they are drawn
     if value is None:
         raise InvalidArgument(f"{name}=None: pass a value or a strategy")
+    _check_type(name, value, expected)
     return st.just(value)
 
 
 def _check_int(name: str, value: int, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise InvalidArgument(f"{name}={value!r} must be an int >= {low}")
+
+
+def _check_bool(name: str, value: bool) -> None:
+    # 1 or "yes" would work as a flag, but is more likely a misplaced positional value
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{name}={value!r} must be True or False")
+
+
+def _subset(name: str, value: Iterable[str], allowed: Sequence[str], hint: str) -> tuple[str, ...]:
+    """``value`` as a tuple, when it is a non-empty collection of names from ``allowed``.
+
+    A bare string is refused rather than read as its characters.
+    """
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise InvalidArgument(f"{name}={value!r}: {hint}")
+    chosen = tuple(value)
+    if not chosen or any(item not in allowed for item in chosen):
+        raise InvalidArgument(f"{name}={list(chosen)!r}: {hint}")
+    return chosen
 
 
 def model_specs(
@@ -199,10 +231,8 @@ def model_specs(
 
     Shrinks toward ``ModelSpec(kind='linear')`` with the smallest widths.
     """
-    chosen = tuple(KINDS if kinds is None else kinds)
-    unknown = sorted(set(chosen) - set(KINDS))
-    if not chosen or unknown:
-        raise InvalidArgument(f"kinds={list(chosen)!r}: choose a non-empty subset of {KINDS}")
+    chosen = KINDS if kinds is None else _subset("kinds", kinds, KINDS, f"choose a non-empty subset of {KINDS}")
+    _check_bool("exact", exact)
     for name, value in (("max_features", max_features), ("max_hidden", max_hidden), ("max_depth", max_depth)):
         _check_int(name, value, 1)
     if exact:
@@ -255,7 +285,7 @@ def batch_sizes(n_devices: int | SearchStrategy[int] = 2, *, max_size: int = 16)
     _check_int("max_size", max_size, 1)
     if not isinstance(n_devices, SearchStrategy):
         _check_int("n_devices", n_devices, 1)
-    return _batch_sizes(_value_or_strategy(n_devices, "n_devices"), max_size)
+    return _batch_sizes(_value_or_strategy(n_devices, "n_devices", int), max_size)
 
 
 def device_lists(*, min_devices: int = 1, max_devices: int = 4) -> SearchStrategy[DeviceList]:
@@ -288,11 +318,8 @@ def device_lists(*, min_devices: int = 1, max_devices: int = 4) -> SearchStrateg
 
 def loss_specs(*, names: Sequence[str] | None = None, reductions: Sequence[str] = ("mean", "sum")) -> SearchStrategy[LossSpec]:
     """Losses from ``LOSSES`` with mean or sum reduction. Shrinks toward mean MSE."""
-    chosen = tuple(LOSSES if names is None else names)
-    if not chosen or set(chosen) - set(LOSSES):
-        raise InvalidArgument(f"names={list(chosen)!r}: choose a non-empty subset of {LOSSES}")
-    if not reductions or set(reductions) - {"mean", "sum"}:
-        raise InvalidArgument(f"reductions={list(reductions)!r}: choose from 'mean' and 'sum'")
+    chosen = LOSSES if names is None else _subset("names", names, LOSSES, f"choose a non-empty subset of {LOSSES}")
+    reductions = _subset("reductions", reductions, ("mean", "sum"), "choose from 'mean' and 'sum'")
     return st.builds(
         LossSpec,
         name=st.sampled_from([n for n in LOSSES if n in chosen]),
@@ -307,6 +334,8 @@ def dtypes(*, bfloat16: bool = False, float16: bool = False) -> SearchStrategy[t
         bfloat16: also draw ``torch.bfloat16``.
         float16: also draw ``torch.float16``.
     """
+    _check_bool("bfloat16", bfloat16)
+    _check_bool("float16", float16)
     options = [torch.float32, torch.float64]
     options += [torch.bfloat16] if bfloat16 else []
     options += [torch.float16] if float16 else []
@@ -323,13 +352,20 @@ def _scenarios(
     max_batch: int,
     seeds: SearchStrategy[int],
 ) -> Scenario:
+    # a strategy argument is only known by what it draws: check each value before use, so a
+    # wrong one is an InvalidArgument naming the argument, not an AttributeError later
     model = draw(models)
+    _check_type("models", model, ModelSpec)
     device_list = draw(devices)
+    _check_type("devices", device_list, DeviceList)
     batch = draw(batch_sizes(len(device_list.device_ids), max_size=max_batch))
     loss = draw(losses)
+    _check_type("losses", loss, LossSpec)
     if loss.name in _CLASSIFICATION and model.output_dim < 2:
         loss = LossSpec("mse", loss.reduction)  # one logit is no classifier
-    return Scenario(model, batch, device_list, loss, draw(dtype_strategy), draw(seeds))
+    dtype = draw(dtype_strategy)
+    _check_type("dtype", dtype, torch.dtype)
+    return Scenario(model, batch, device_list, loss, dtype, draw(seeds))
 
 
 def scenarios(
@@ -349,10 +385,10 @@ def scenarios(
     """
     _check_int("max_batch", max_batch, 1)
     return _scenarios(
-        model_specs() if models is None else _value_or_strategy(models, "models"),
-        device_lists() if devices is None else _value_or_strategy(devices, "devices"),
-        loss_specs() if losses is None else _value_or_strategy(losses, "losses"),
-        dtypes() if dtype is None else _value_or_strategy(dtype, "dtype"),
+        model_specs() if models is None else _value_or_strategy(models, "models", ModelSpec),
+        device_lists() if devices is None else _value_or_strategy(devices, "devices", DeviceList),
+        loss_specs() if losses is None else _value_or_strategy(losses, "losses", LossSpec),
+        dtypes() if dtype is None else _value_or_strategy(dtype, "dtype", torch.dtype),
         max_batch,
         st.integers(0, 2**16),
     )

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import find, given, settings
 from hypothesis import strategies as st
-from hypothesis.errors import InvalidArgument
+from hypothesis.errors import InvalidArgument as HypothesisInvalidArgument
 
 import dpverify
 from dpverify import strategies
@@ -152,12 +152,58 @@ def test_dtypes() -> None:
     ],
 )
 def test_bad_arguments_fail_eagerly_naming_the_argument(make: Any, match: str) -> None:
-    with pytest.raises(InvalidArgument, match=match):
+    with pytest.raises(dpverify.InvalidArgument, match=match):
+        make()
+
+
+def test_one_invalid_argument_for_dpverify_and_hypothesis() -> None:
+    # one class: what dpverify's helpers raise, what Hypothesis expects of a strategy, a ValueError
+    assert issubclass(dpverify.InvalidArgument, HypothesisInvalidArgument)
+    assert issubclass(dpverify.InvalidArgument, ValueError)
+    # pytest.raises matches as ``except dpverify.InvalidArgument`` does (by isinstance)
+    with pytest.raises(dpverify.InvalidArgument, match="max_batch=0 must be an int >= 1"):
+        find(scenarios(max_batch=0), lambda scenario: True)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "match"),
+    [
+        (batch_sizes(st.just(0)), "n_devices=0 must be an int >= 1"),
+        (scenarios(models=st.just("linear")), "models='linear' is str; pass a ModelSpec"),
+        (scenarios(dtype=st.just("float32")), "dtype='float32' is str; pass a torch.dtype"),
+    ],
+)
+def test_bad_drawn_values_raise_dpverify_invalid_argument_under_given(strategy: st.SearchStrategy[Any], match: str) -> None:
+    @given(strategy)
+    @settings(max_examples=5, database=None)
+    def test(value: Any) -> None:
+        pass
+
+    with pytest.raises(dpverify.InvalidArgument, match=match):
+        test()
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: model_specs(kinds=5), "kinds=5: choose a non-empty subset of"),
+        (lambda: model_specs(kinds="linear"), "kinds='linear': choose a non-empty subset of"),
+        (lambda: loss_specs(names="mse"), "names='mse': choose a non-empty subset of"),
+        (lambda: loss_specs(reductions="mean"), "reductions='mean': choose from 'mean' and 'sum'"),
+        (lambda: dtypes(bfloat16=1), "bfloat16=1 must be True or False"),
+        (lambda: model_specs(exact="yes"), "exact='yes' must be True or False"),
+        (lambda: scenarios(devices=(0, 1)), "devices=\\(0, 1\\) is tuple; pass a DeviceList"),
+    ],
+)
+def test_wrongly_typed_arguments_are_invalid_arguments(make: Any, match: str) -> None:
+    with pytest.raises(dpverify.InvalidArgument, match=match):
         make()
 
 
 def test_spec_validation() -> None:
     with pytest.raises(ValueError, match="kind='resnet'"):
         ModelSpec("resnet")
-    with pytest.raises(ValueError, match="reduction='none'"):
+    with pytest.raises(dpverify.InvalidArgument, match="reduction='none'"):
         LossSpec("mse", "none")
+    with pytest.raises(dpverify.InvalidArgument, match="name='hinge'"):
+        LossSpec("hinge")
