@@ -11,13 +11,18 @@ What it adds to a pytest run:
   with ``--hypothesis-profile NAME`` or ``HYPOTHESIS_PROFILE=NAME``;
 - a report header line with the devices, the Hypothesis profile and the seed of the run.
 
-Importing this module imports neither torch nor CUDA: torch is imported the first time the
-device count is needed (the report header, a ``multigpu`` test, or a fixture).
+Importing this module imports neither torch nor CUDA, and a session imports torch for this
+plugin only when a test that will run uses dpverify: it carries the ``multigpu`` marker or
+requests one of the plugin's fixtures. Such tests are found at collection, which is when the
+device count is first needed (to skip ``multigpu`` tests); the report header shows the
+devices when torch was imported before the session started, else after collection, and not
+at all when no test uses dpverify and nothing imported torch.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,6 +32,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis.errors import InvalidArgument
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from pluggy import Result
 
     from dpverify._ddp_pool import DDPWorkerPool
@@ -42,6 +49,9 @@ _SEED_OPTION = "--hypothesis-seed"
 MARKER = "multigpu"
 #: Devices a ``multigpu`` test needs when the marker gives no ``n``.
 DEFAULT_DEVICES = 2
+#: The fixtures this plugin defines: a test that requests one, directly or through another
+#: fixture, uses dpverify, and makes the session import torch at collection.
+FIXTURES = frozenset({"gpu_count", "cuda_device_ids", "dp_devices", "ddp_pool", "ddp_pools"})
 
 _QUIET_CHECKS = (HealthCheck.too_slow, HealthCheck.data_too_large)
 
@@ -93,6 +103,14 @@ def _real_cuda_count() -> int:
     return torch.cuda.device_count()
 
 
+def _imported_torch() -> ModuleType | None:
+    """torch if this process has imported it already, else None; never imports it.
+
+    A session that has torch already pays nothing to show the devices in the report header.
+    """
+    return sys.modules.get("torch")
+
+
 def _visible_devices_text() -> str:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return "CUDA_VISIBLE_DEVICES unset" if visible is None else f"CUDA_VISIBLE_DEVICES={visible!r}"
@@ -141,6 +159,9 @@ class _Devices:
 
 
 _DEVICES = pytest.StashKey[_Devices]()
+# True while the report header has been shown without the devices (torch was not imported
+# yet): the collection report then shows them if a collected test uses dpverify.
+_DEVICES_PENDING = pytest.StashKey[bool]()
 _RESTORE_PROFILE = pytest.StashKey[str]()
 
 
@@ -209,6 +230,14 @@ def _needed_devices(node: pytest.Item) -> int:
     return DEFAULT_DEVICES if marker is None else _marker_devices(marker)
 
 
+def _uses_dpverify(item: pytest.Item) -> bool:
+    """Whether the test carries the ``multigpu`` marker or requests a dpverify fixture."""
+    if item.get_closest_marker(MARKER) is not None:
+        return True
+    # fixturenames is the closure: a fixture of the project that requests gpu_count counts.
+    return not FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+
+
 def _skip_reason(needed: int, found: int) -> str:
     return f"needs {needed} CUDA devices, found {found}"
 
@@ -254,19 +283,21 @@ def pytest_configure(config: pytest.Config) -> None:
     Runs before Hypothesis' own ``pytest_configure``, which derives its
     ``--hypothesis-verbosity`` profile from the profile loaded here.
 
+    An override that is not a non-negative integer is an error here. One that asks for more
+    devices than are visible is an error when the count is first needed (at collection, when
+    a test uses dpverify): checking it needs torch, which a session that does not use
+    dpverify must not import.
+
     Raises:
-        pytest.UsageError: A bad ``--dpverify-gpus``, ``DPVERIFY_GPUS`` or
-            ``HYPOTHESIS_PROFILE`` value.
+        pytest.UsageError: A malformed ``--dpverify-gpus`` or ``DPVERIFY_GPUS`` value, or a
+            bad ``HYPOTHESIS_PROFILE`` value.
     """
     config.addinivalue_line(
         "markers",
         f"{MARKER}(n={DEFAULT_DEVICES}): the test needs n distinct CUDA devices; skipped at "
         f"collection when fewer are visible (see {GPUS_OPTION})",
     )
-    devices = _read_devices(config)
-    config.stash[_DEVICES] = devices
-    if devices.override is not None:
-        devices.count()  # An impossible override is a usage error now, not at collection.
+    config.stash[_DEVICES] = _read_devices(config)
     _load_profile_from_env(config)
 
 
@@ -284,10 +315,12 @@ def _seed_text(config: pytest.Config) -> str:
     return "seed derandomized" if settings().derandomize else "seed random"
 
 
-def pytest_report_header(config: pytest.Config) -> str:
-    """One line with what a run needs to be reproduced: devices, Hypothesis profile, seed."""
-    import torch
+def _devices_text(config: pytest.Config, torch_version: str) -> str:
+    """torch's version and the devices of the run, as the report shows them.
 
+    Raises:
+        pytest.UsageError: The override asks for more devices than are visible.
+    """
     devices = _devices(config)
     count = devices.count()
     if devices.override is None:
@@ -297,11 +330,46 @@ def pytest_report_header(config: pytest.Config) -> str:
             f"CUDA devices {count} of {devices.real_count()} "
             f"({devices.source}, {_visible_devices_text()})"
         )
-    profile = settings.get_current_profile_name()
-    return (
-        f"dpverify: torch {torch.__version__}, {seen}, hypothesis profile {profile}, "
-        f"{_seed_text(config)}"
-    )
+    return f"torch {torch_version}, {seen}"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """One line with what a run needs to be reproduced: devices, Hypothesis profile, seed.
+
+    The devices only if torch is imported already: importing it here would cost every
+    session in the environment seconds. Otherwise the line says so, and the collection
+    report adds the devices if a test uses dpverify.
+
+    Raises:
+        pytest.UsageError: torch is imported and the override asks for more devices than
+            are visible.
+    """
+    profile = f"hypothesis profile {settings.get_current_profile_name()}, {_seed_text(config)}"
+    torch = _imported_torch()
+    config.stash[_DEVICES_PENDING] = torch is None
+    if torch is None:
+        return f"dpverify: torch not imported, {profile}"
+    return f"dpverify: {_devices_text(config, torch.__version__)}, {profile}"
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
+    """The devices the header left out, once collection has imported torch.
+
+    Nothing when the header was not shown (``-q``, ``--no-header``) or already had them,
+    or when no collected test uses dpverify and nothing else imported torch.
+
+    Raises:
+        pytest.UsageError: The override asks for more devices than are visible.
+    """
+    if not config.stash.get(_DEVICES_PENDING, False):
+        return []
+    if _devices(config).real is None and _imported_torch() is None:
+        return []
+    config.stash[_DEVICES_PENDING] = False
+    # Collection computed the count (which imports torch) or imported torch: this is free.
+    import torch
+
+    return [f"dpverify: {_devices_text(config, torch.__version__)}"]
 
 
 def _marker_problem(item: pytest.Item) -> str | None:
@@ -344,13 +412,26 @@ def pytest_make_collect_report(
         report.result = []
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skips ``multigpu`` tests that need more CUDA devices than the run has."""
-    marked = [(item, _needed_devices(item)) for item in items if item.get_closest_marker(MARKER)]
-    if not marked:
-        return  # Nothing needs the count: do not import torch for it.
+    """Skips ``multigpu`` tests that need more CUDA devices than the run has.
+
+    The count (and torch) is computed only when a test that will run uses dpverify: the
+    hook runs last, after ``-m`` and ``-k`` have deselected tests, so that
+    ``-m "not multigpu"`` imports no torch for the marked tests it leaves out. A test that
+    only requests a fixture computes it here too, so that an impossible override is a usage
+    error before any test runs rather than an error in each fixture.
+
+    Raises:
+        pytest.UsageError: The override asks for more devices than are visible.
+    """
+    if not any(_uses_dpverify(item) for item in items):
+        return
     found = _devices(config).count()
-    for item, needed in marked:
+    for item in items:
+        if item.get_closest_marker(MARKER) is None:
+            continue
+        needed = _needed_devices(item)
         if needed > found:
             item.add_marker(pytest.mark.skip(reason=_skip_reason(needed, found)))
 
@@ -412,8 +493,9 @@ def ddp_pools() -> Iterator[Callable[[int], DDPWorkerPool]]:
 
 
 @pytest.fixture(scope="session")
-def ddp_pool(request: pytest.FixtureRequest, ddp_pools: Callable[[int], DDPWorkerPool]) -> DDPWorkerPool:
+def ddp_pool(
+    request: pytest.FixtureRequest, ddp_pools: Callable[[int], DDPWorkerPool]
+) -> DDPWorkerPool:
     """The session's pool of ``request.param`` ranks (default 2); choose the world size with
     ``@pytest.mark.parametrize("ddp_pool", [2, 4], indirect=True)``."""
     return ddp_pools(getattr(request, "param", 2))
-

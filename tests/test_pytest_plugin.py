@@ -2,14 +2,18 @@
 
 The nested sessions run in this process (``runpytest_inprocess``), so the plugin module they
 load is the one imported here: patching its ``_real_cuda_count`` decides how many CUDA
-devices they see, on any machine.
+devices they see, on any machine, and patching its ``_imported_torch`` makes them behave as
+in a fresh process, where torch is not imported yet. The tests of what a session imports
+run pytest in a subprocess (``runpytest_subprocess``), whose ``sys.modules`` is its own.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
@@ -25,6 +29,16 @@ pytest_plugins = ["pytester"]
 # by the next (its C extension cannot be initialised twice: SystemError, then a segfault).
 
 REAL_CUDA_COUNT = pytest_plugin._real_cuda_count
+
+# A subprocess session loads the plugin through its pytest11 entry point when dpverify is
+# installed, as a user's session does; from a source tree, through -p. Passing -p as well as
+# the entry point would register the module twice, which pluggy refuses.
+_ENTRY_POINT = any(ep.value == pytest_plugin.__name__ for ep in entry_points(group="pytest11"))
+PLUGIN_ARGS: tuple[str, ...] = (
+    ()
+    if _ENTRY_POINT and not os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")
+    else ("-p", pytest_plugin.__name__)
+)
 
 MARKED_TESTS = """
 import pytest
@@ -83,6 +97,24 @@ def fake_gpus(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
         monkeypatch.setattr(pytest_plugin, "_real_cuda_count", lambda: count)
 
     return fake
+
+
+@pytest.fixture
+def torch_not_imported(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Nested sessions behave as if torch were not imported; returns the counts they compute.
+
+    Each time a nested session asks for the real device count (which imports torch in a
+    fresh process), 0 is appended to the list.
+    """
+    counts: list[int] = []
+
+    def count() -> int:
+        counts.append(0)
+        return 0
+
+    monkeypatch.setattr(pytest_plugin, "_imported_torch", lambda: None)
+    monkeypatch.setattr(pytest_plugin, "_real_cuda_count", count)
+    return counts
 
 
 # The multigpu marker
@@ -213,6 +245,7 @@ def test_option_wins_over_env_var(
 def test_bad_override_is_a_usage_error(
     pytester: pytest.Pytester,
     monkeypatch: pytest.MonkeyPatch,
+    torch_not_imported: list[int],
     fake_gpus: Callable[[int], None],
     args: list[str],
     env: str | None,
@@ -221,10 +254,30 @@ def test_bad_override_is_a_usage_error(
     fake_gpus(1)
     if env is not None:
         monkeypatch.setenv("DPVERIFY_GPUS", env)
-    pytester.makepyfile("def test_nothing():\n    pass\n")
+    pytester.makepyfile("def test_count(gpu_count):\n    pass\n")
     result = pytester.runpytest_inprocess(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: {message}"])
+
+
+def test_impossible_override_is_not_checked_when_no_test_uses_dpverify(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, torch_not_imported: list[int]
+) -> None:
+    # Checking it needs torch, which such a session must not import.
+    monkeypatch.setenv("DPVERIFY_GPUS", "3")
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    pytester.runpytest_inprocess().assert_outcomes(passed=1)
+    assert torch_not_imported == []
+
+
+def test_impossible_override_with_torch_imported_is_a_usage_error_at_the_header(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DPVERIFY_GPUS", "3")
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    result = pytester.runpytest_inprocess()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: DPVERIFY_GPUS=3 asks for 3 CUDA devices but only 0*"])
 
 
 # Fixtures
@@ -320,10 +373,13 @@ def test_dp_devices_work_with_data_parallel_on_this_machine(
     pytester.runpytest_inprocess().assert_outcomes(passed=1)
 
 
-# Report header
+# Report header. In this process torch is imported, so the header shows the devices; the
+# torch_not_imported tests show what a fresh process does.
 
 
-def test_header_shows_devices_profile_and_seed(pytester: pytest.Pytester) -> None:
+def test_header_shows_devices_profile_and_seed_when_torch_is_imported(
+    pytester: pytest.Pytester,
+) -> None:
     result = pytester.runpytest_inprocess()
     result.stdout.fnmatch_lines(
         [
@@ -353,6 +409,125 @@ def test_header_shows_the_override_and_visible_devices(
 def test_header_shows_the_hypothesis_seed(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_inprocess("--hypothesis-seed", "1234")
     result.stdout.fnmatch_lines(["dpverify: *, hypothesis profile default, seed 1234"])
+
+
+PLAIN_TEST = "def test_plain():\n    pass\n"
+
+
+@pytest.mark.parametrize(
+    ("source", "args"),
+    [
+        (MARKED_TESTS, ()),
+        ("def test_count(gpu_count):\n    pass\n", ()),
+        ("def test_ids(dp_devices):\n    pass\n", ()),
+        ("def test_pool(ddp_pool):\n    pass\n", ()),
+        ("def test_pools(ddp_pools):\n    pass\n", ()),
+        (
+            "import pytest\n\n@pytest.fixture\ndef ranks(gpu_count):\n    return gpu_count\n\n"
+            "def test_ranks(ranks):\n    pass\n",
+            (),
+        ),
+        (MARKED_TESTS, ("-m", "multigpu")),
+    ],
+    ids=["marker", "gpu_count", "dp_devices", "ddp_pool", "ddp_pools", "indirect", "-m multigpu"],
+)
+def test_a_test_that_uses_dpverify_shows_the_devices_after_collection(
+    pytester: pytest.Pytester,
+    torch_not_imported: list[int],
+    source: str,
+    args: tuple[str, ...],
+) -> None:
+    pytester.makepyfile(source)
+    result = pytester.runpytest_inprocess("--collect-only", *args)
+    result.stdout.fnmatch_lines(
+        [
+            "dpverify: torch not imported, hypothesis profile default, seed random",
+            "collected *",
+            f"dpverify: torch {torch.__version__}, CUDA devices 0 (CUDA_VISIBLE_DEVICES unset)",
+        ]
+    )
+    assert torch_not_imported == [0]
+
+
+@pytest.mark.parametrize(
+    ("source", "args"),
+    [
+        (PLAIN_TEST, ()),
+        (MARKED_TESTS, ("-m", "not multigpu")),
+        (MARKED_TESTS, ("-k", "plain")),
+    ],
+    ids=["plain", "-m not multigpu", "-k plain"],
+)
+def test_a_session_that_does_not_use_dpverify_computes_no_devices(
+    pytester: pytest.Pytester,
+    torch_not_imported: list[int],
+    source: str,
+    args: tuple[str, ...],
+) -> None:
+    pytester.makepyfile(source)
+    result = pytester.runpytest_inprocess(*args)
+    result.assert_outcomes(passed=1, deselected=0 if source == PLAIN_TEST else 3)
+    result.stdout.fnmatch_lines(["dpverify: torch not imported, hypothesis profile default, *"])
+    result.stdout.no_fnmatch_line("*CUDA devices*")
+    assert torch_not_imported == []
+
+
+def test_devices_after_collection_only_with_the_header(
+    pytester: pytest.Pytester, torch_not_imported: list[int]
+) -> None:
+    pytester.makepyfile(MARKED_TESTS)
+    for args in (["-q"], ["--no-header"]):
+        result = pytester.runpytest_inprocess("-rs", *args)
+        result.assert_outcomes(passed=1, skipped=3)
+        result.stdout.no_fnmatch_line("dpverify: *")
+
+
+def test_fixtures_are_the_plugins_fixtures(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_inprocess("--fixtures", "-p", "no:hypothesispytest")
+    listed = set(result.stdout.str().split())
+    assert pytest_plugin.FIXTURES.issubset(listed)
+    defined = {
+        name
+        for name, value in vars(pytest_plugin).items()
+        if type(value).__name__ == "FixtureFunctionDefinition"
+    }
+    assert defined == pytest_plugin.FIXTURES
+
+
+# What a session imports, in a fresh process
+
+
+def test_a_session_that_does_not_use_dpverify_imports_no_torch(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import sys
+
+        def test_plain():
+            assert "torch" not in sys.modules
+        """
+    )
+    result = pytester.runpytest_subprocess(*PLUGIN_ARGS)
+    result.assert_outcomes(passed=1)
+    # The plugin was loaded and its header hook ran (pytest calls it unless -q).
+    result.stdout.fnmatch_lines(["dpverify: torch not imported, hypothesis profile *"])
+    result.stdout.no_fnmatch_line("*CUDA devices*")
+
+
+def test_a_session_with_a_multigpu_test_shows_the_devices_after_collection(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # 0 devices, on any machine
+    pytester.makepyfile(MARKED_TESTS)
+    result = pytester.runpytest_subprocess(*PLUGIN_ARGS, "-rs")
+    result.stdout.fnmatch_lines(
+        [
+            "dpverify: torch not imported, hypothesis profile *",
+            "collected 4 items",
+            f"dpverify: torch {torch.__version__}, CUDA devices 0 (CUDA_VISIBLE_DEVICES='')",
+        ]
+    )
+    result.assert_outcomes(passed=1, skipped=3)
+    result.stdout.fnmatch_lines(["SKIPPED * needs 2 CUDA devices, found 0"])
 
 
 # Hypothesis profiles
