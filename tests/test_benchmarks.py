@@ -14,7 +14,9 @@ import bench_ddp_pool
 import bench_overhead
 import calibrate
 import mutants as mutants_benchmark
+import noise_stats
 
+import dpverify
 from dpverify.mutants import MUTANTS
 
 
@@ -92,3 +94,12 @@ def test_former_false_alarms_pass(index: int) -> None:
     tally = calibrate.Tally()
     outcome = calibrate.run_scenario(calibrate.generate(index, 0), tally)
     assert outcome == "pass", [f"{f.check}: {f.message}" for f in tally.failures]
+
+
+def test_noise_stats_smoke_records_tensors_and_correct_code_stays_under_the_allowance(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = noise_stats.main(["--n", "6"])
+    assert rows
+    assert all(row["e"] >= 0 and row["S"] >= 0 for row in rows)
+    out = capsys.readouterr().out
+    assert "| float32 |" in out
+    assert all(noise_stats._allowed(row, dpverify.Tolerance())[0] >= row["gap"] for row in rows)
