@@ -3,7 +3,12 @@
 Subcommands: ``verify`` (the built-in models, one line per check), ``fuzz`` (the property
 suite's checks on random scenarios), ``check MODULE:FACTORY`` (every check on your model)
 and ``explain [MODULE:FACTORY]`` (the questions of QUESTIONS.md answered by measurement).
-Exit status: 0 when everything passed, 1 when a check failed, 2 for a usage error.
+
+Exit status (``EXIT_*`` below): 0 when everything checked passed, 1 when a check failed
+(including code under test that raised or called ``sys.exit()`` during a check), 2 for a
+usage error (an argument, or user code that cannot be loaded or run to make a batch), 3 when
+nothing was checked (every check skipped), 130 for an interrupted ``fuzz``. Every
+``InvalidArgument`` raised while a command runs becomes exit 2 in one place, ``main``.
 """
 
 from __future__ import annotations
@@ -27,15 +32,41 @@ from dpverify._loss_average import (
     assert_loss_reduction_matches_full_batch,
     check_forward_loss_average,
 )
-from dpverify._user_model import UsageError, UserModel, builtin_model, user_model
-from dpverify._user_model import load_object as _load_object
+from dpverify._user_model import (
+    UserModel,
+    builtin_model,
+    describe_exception,
+    failure_detail,
+    load_object,
+    user_model,
+    user_traceback,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from dpverify._fuzz import FuzzConfig, FuzzReport
 
-__all__ = ["load_object", "main"]
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_NOTHING_CHECKED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "load_object",
+    "main",
+]
+
+#: Every check that ran passed (or differed for an explained reason).
+EXIT_OK = 0
+#: A check failed; the report says which and why.
+EXIT_FAILED = 1
+#: An argument cannot be used; the message names it (argparse's own errors exit 2 too).
+EXIT_USAGE = 2
+#: Nothing was checked: every check was skipped, and the reasons are printed.
+EXIT_NOTHING_CHECKED = 3
+#: ``fuzz`` was interrupted (Ctrl-C) before a failure or its limit: 128 + SIGINT.
+EXIT_INTERRUPTED = 130
 
 #: (batch size, device count): even chunks, uneven chunks, fewer rows than devices.
 SPLITS: tuple[tuple[int, int], ...] = ((8, 2), (5, 4), (2, 4))
@@ -55,15 +86,6 @@ class Verdict:
 
 def _weighted(losses: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     return (losses * torch.tensor(sizes, dtype=losses.dtype, device=losses.device)).sum() / sum(sizes)
-
-
-def load_object(spec: str, option: str) -> Any:
-    """Imports ``package.module:attribute`` (the current directory is importable); exits
-    with the reason when it cannot."""
-    try:
-        return _load_object(spec, option)
-    except UsageError as error:
-        raise SystemExit(f"dpverify: {error}") from None
 
 
 # --------------------------------------------------------------------------- verify
@@ -106,13 +128,45 @@ def _checks(case: BuiltinCase, ids: list[int], parallel: Any = None) -> list[tup
     return [("gradients match one device", grads), ("replica grads sum to full batch", grad_sum)]
 
 
+def _load_parallel(spec: str | None) -> Any:
+    """The ``--parallel`` wrapper, or None for torch's DataParallel.
+
+    Raises:
+        InvalidArgument: it cannot be imported, or is not callable.
+    """
+    if spec is None:
+        return None
+    parallel = load_object(spec, "--parallel")
+    if not callable(parallel):
+        raise InvalidArgument(
+            f"--parallel {spec!r} is {type(parallel).__name__}, not callable; pass a DataParallel-like "
+            "class or function called as CALLABLE(module, device_ids=..., output_device=...)"
+        )
+    return parallel
+
+
+def _run_check(run: Callable[[], str]) -> tuple[bool, str]:
+    """Runs one check: ``(passed, detail)``.
+
+    Whatever the wrapper under test does is its verdict: a mismatch, an exception, or a
+    ``sys.exit()``/``quit()`` (a ``SystemExit`` that would otherwise end the run with
+    status 0 and no verdict) fails this check, with the traceback's frames of the user's
+    code. KeyboardInterrupt still stops the run.
+    """
+    try:
+        return True, run()
+    except ParallelMismatch as failure:
+        return False, str(failure)
+    except (Exception, SystemExit) as error:
+        return False, failure_detail(error)
+
+
 def _verify(args: argparse.Namespace) -> int:
     models = args.models or list(BUILTIN_MODELS)
     unknown = sorted(set(models) - set(BUILTIN_MODELS))
     if unknown:
-        print(f"dpverify verify: unknown --models {unknown}; choose from {sorted(BUILTIN_MODELS)}", file=sys.stderr)
-        return 2
-    parallel = load_object(args.parallel, "--parallel") if args.parallel else None
+        raise InvalidArgument(f"unknown --models {unknown}; choose from {sorted(BUILTIN_MODELS)}")
+    parallel = _load_parallel(args.parallel)
     gpus = cuda_device_count()
     where = f"{gpus} CUDA devices" if gpus else "virtual devices (no CUDA here)"
     wrapper = args.parallel or "DataParallel"
@@ -125,10 +179,7 @@ def _verify(args: argparse.Namespace) -> int:
             ids = list(range(n_devices))
             split = f"B={batch} on {n_devices} devices"
             for label, run in _checks(case, ids, parallel):
-                try:
-                    verdicts.append(Verdict(name, split, label, True, run()))
-                except ParallelMismatch as failure:
-                    verdicts.append(Verdict(name, split, label, False, str(failure)))
+                verdicts.append(Verdict(name, split, label, *_run_check(run)))
                 mark = "PASS" if verdicts[-1].passed else "FAIL"
                 print(f"  {mark}  {name:<16} {split:<18} {label:<34} {verdicts[-1].detail.splitlines()[0]}")
     failed = [v for v in verdicts if not v.passed]
@@ -137,7 +188,7 @@ def _verify(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     status = "OK" if not failed else "FAILED"
     print(f"\n{status}: {len(verdicts) - len(failed)} passed, {len(failed)} failed in {elapsed:.1f}s")
-    return 1 if failed else 0
+    return EXIT_FAILED if failed else EXIT_OK
 
 
 # --------------------------------------------------------------------------- shared
@@ -152,9 +203,14 @@ def _console(args: argparse.Namespace, *, record: bool = False) -> Console:
     return Console(no_color=bool(args.no_color) or None, highlight=False, record=record, width=width)
 
 
-def _usage_error(command: str, message: str) -> int:
-    print(f"dpverify {command}: {message}", file=sys.stderr)
-    return 2
+def _usage_error(command: str, error: InvalidArgument) -> int:
+    """Prints the message, and the user's frames when the user's code raised it (its
+    ``__cause__``); returns ``EXIT_USAGE``."""
+    print(f"dpverify {command}: {error}", file=sys.stderr)
+    frames = user_traceback(error.__cause__) if error.__cause__ is not None else ""
+    if frames:
+        print(frames, file=sys.stderr)
+    return EXIT_USAGE
 
 
 def _positive(option: str) -> Callable[[str], int]:
@@ -179,24 +235,23 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _ddp_missing(backend: str) -> str | None:
+def _require_ddp(backend: str) -> None:
     from dpverify._model_check import ddp_checks
 
     if backend in ("ddp", "all") and ddp_checks() is None:
-        return f"--backend {backend}: the DDP backend is not available in this build; use --backend dp"
-    return None
+        raise InvalidArgument(f"--backend {backend}: the DDP backend is not available in this build; use --backend dp")
 
 
 def _load_model(args: argparse.Namespace, *, default: str | None) -> UserModel:
     if args.factory:
         if args.model:
-            raise UsageError("give either MODULE:FACTORY or --model NAME, not both")
+            raise InvalidArgument("give either MODULE:FACTORY or --model NAME, not both")
         return user_model(args.factory, inputs_spec=args.inputs, loss=args.loss, seed=args.seed)
     if args.inputs or args.loss:
-        raise UsageError("--inputs and --loss apply to MODULE:FACTORY; the built-in models bring their own")
+        raise InvalidArgument("--inputs and --loss apply to MODULE:FACTORY; the built-in models bring their own")
     name = args.model or default
     if name is None:
-        raise UsageError("give MODULE:FACTORY (a function returning your nn.Module), or --model NAME for a built-in model")
+        raise InvalidArgument("give MODULE:FACTORY (a function returning your nn.Module), or --model NAME for a built-in model")
     return builtin_model(name, seed=args.seed)
 
 
@@ -206,11 +261,9 @@ def _load_model(args: argparse.Namespace, *, default: str | None) -> UserModel:
 def _fuzz(args: argparse.Namespace) -> int:
     from dpverify._fuzz import FuzzConfig, FuzzProgress, devices_text, fuzz
 
-    missing = _ddp_missing(args.backend)
-    if missing:
-        return _usage_error("fuzz", missing)
+    _require_ddp(args.backend)
     if args.target and args.backend == "all":
-        return _usage_error("fuzz", "--target fuzzes one backend: pass --backend dp (a DataParallel-like wrapper) or --backend ddp (a DDP step)")
+        raise InvalidArgument("--target fuzzes one backend: pass --backend dp (a DataParallel-like wrapper) or --backend ddp (a DDP step)")
     if args.profile:
         from hypothesis import settings
 
@@ -219,13 +272,10 @@ def _fuzz(args: argparse.Namespace) -> int:
         try:
             settings.get_profile(args.profile)
         except Exception:
-            return _usage_error("fuzz", f"--profile {args.profile!r} is not a Hypothesis profile; try dpverify-dev, dpverify-ci or dpverify-fuzz")
-    try:
-        target = _load_object(args.target, "--target") if args.target else None
-    except UsageError as error:
-        return _usage_error("fuzz", str(error))
+            raise InvalidArgument(f"--profile {args.profile!r} is not a Hypothesis profile; try dpverify-dev, dpverify-ci or dpverify-fuzz") from None
+    target = load_object(args.target, "--target") if args.target else None
     if target is not None and not callable(target):
-        return _usage_error("fuzz", f"--target {args.target!r} is {type(target).__name__}, not callable")
+        raise InvalidArgument(f"--target {args.target!r} is {type(target).__name__}, not callable")
     config = FuzzConfig(
         backend=args.backend, devices=args.devices, max_examples=args.max_examples,
         time_budget=args.time_budget, seed=args.seed, profile=args.profile, target=args.target,
@@ -276,13 +326,13 @@ def _fuzz_summary(console: Console, config: FuzzConfig, report: FuzzReport) -> i
         console.print(failure.report, markup=False, soft_wrap=True)
         console.print(f"\nReproduce with: python {failure.repro}", markup=False)
         console.print(f"[bold red]FAILED[/]: a failure after {report.examples} example{'s' if report.examples != 1 else ''} ({rerun})", soft_wrap=True)
-        return 1
+        return EXIT_FAILED
     if report.stopped_by == "interrupt":
         console.print(f"INTERRUPTED after {report.examples} examples, no failure so far ({rerun})", soft_wrap=True)
-        return 130
+        return EXIT_INTERRUPTED
     stop = "time budget reached" if report.stopped_by == "time-budget" else "all examples run"
     console.print(f"[bold green]OK[/]: {report.examples} examples, no failure; {stop} ({rerun})", soft_wrap=True)
-    return 0
+    return EXIT_OK
 
 
 # --------------------------------------------------------------------------- check
@@ -293,26 +343,21 @@ def _check(args: argparse.Namespace) -> int:
 
     from dpverify._model_check import check_model, plan_checks, render_model_check
 
-    missing = _ddp_missing(args.backend)
-    if missing:
-        return _usage_error("check", missing)
-    try:
-        model = _load_model(args, default=None)
-        planned = len(plan_checks(model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend))
-    except UsageError as error:
-        return _usage_error("check", str(error))
+    _require_ddp(args.backend)
+    model = _load_model(args, default=None)
+    planned = len(plan_checks(model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend))
     console = _console(args)
     with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("checking", total=planned)
-        try:
-            report = check_model(
-                model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend,
-                on_result=lambda result: progress.update(task, advance=1, description=f"{result.check}, {result.split.label}"),
-            )
-        except InvalidArgument as error:
-            return _usage_error("check", str(error))
+        report = check_model(
+            model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend,
+            on_result=lambda result: progress.update(task, advance=1, description=f"{result.check}, {result.split.label}"),
+        )
     render_model_check(console, model, report, backend=args.backend)
-    return 1 if report.failed else 0
+    if report.failed:
+        return EXIT_FAILED
+    # a run that compared nothing is no pass: the skip reasons are printed above
+    return EXIT_NOTHING_CHECKED if report.checked_nothing else EXIT_OK
 
 
 # --------------------------------------------------------------------------- explain
@@ -321,17 +366,15 @@ def _check(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace) -> int:
     from dpverify._explain import explain
     from dpverify._explain_view import explanation_json, render_explanation
+    from dpverify._model_check import ddp_checks
 
-    try:
-        model = _load_model(args, default=DEFAULT_EXPLAIN_MODEL)
-        ids = list(range(args.devices))
-        if args.output_device is not None and args.output_device not in ids:
-            raise UsageError(f"--output-device {args.output_device} is not one of the devices {ids}; pick one of them")
-        if args.ddp and _ddp_missing("ddp"):
-            raise UsageError("--ddp: the DDP backend is not available in this build; leave --ddp out for the simulated answer")
-        explanation = explain(model, batch_size=args.batch, device_ids=ids, output_device=args.output_device, real_ddp=args.ddp)
-    except (UsageError, InvalidArgument) as error:
-        return _usage_error("explain", str(error))
+    model = _load_model(args, default=DEFAULT_EXPLAIN_MODEL)
+    ids = list(range(args.devices))
+    if args.output_device is not None and args.output_device not in ids:
+        raise InvalidArgument(f"--output-device {args.output_device} is not one of the devices {ids}; pick one of them")
+    if args.ddp and ddp_checks() is None:
+        raise InvalidArgument("--ddp: the DDP backend is not available in this build; leave --ddp out for the simulated answer")
+    explanation = explain(model, batch_size=args.batch, device_ids=ids, output_device=args.output_device, real_ddp=args.ddp)
     if args.json:
         print(explanation_json(explanation))
     else:
@@ -340,7 +383,7 @@ def _explain(args: argparse.Namespace) -> int:
         if args.svg is not None:
             console.save_svg(str(args.svg), title=f"dpverify explain {explanation.model}")
             print(f"wrote {args.svg}", file=sys.stderr)
-    return 0
+    return EXIT_OK
 
 
 # --------------------------------------------------------------------------- parser
@@ -453,7 +496,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``dpverify`` and ``python -m dpverify``; returns the exit code."""
+    """Entry point of ``dpverify`` and ``python -m dpverify``; returns the exit code.
+
+    The one place that turns errors into exit codes: an ``InvalidArgument`` from any
+    command is a usage error (``EXIT_USAGE``, the message and the user's frames on stderr),
+    and a ``SystemExit`` that the code under test raised outside a check (a model's forward
+    under ``explain``, a ``fuzz`` target) is ``EXIT_FAILED``, never the status it carried.
+    argparse's own errors exit 2 through ``SystemExit`` as usual.
+    """
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["ddp-selftest"]:
         # Dispatched before argparse: a subparser taking the remaining arguments mishandles a
@@ -465,6 +515,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(arguments)
     if not getattr(args, "run", None):
         parser.print_help()
-        return 2
-    code: int = args.run(args)
+        return EXIT_USAGE
+    try:
+        code: int = args.run(args)
+    except InvalidArgument as error:
+        return _usage_error(args.command, error)
+    except SystemExit as error:
+        # No command raises SystemExit itself: this one is the user's code asking to exit,
+        # and its status (None and 0 read as success) must not become dpverify's.
+        print(f"dpverify {args.command}: {describe_exception(error)}; nothing after it ran", file=sys.stderr)
+        frames = user_traceback(error)
+        if frames:
+            print(frames, file=sys.stderr)
+        return EXIT_FAILED
     return code

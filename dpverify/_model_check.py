@@ -6,6 +6,11 @@ loss-in-forward checks when the model returns its loss, and the DDP check when a
 model with BatchNorm in train mode or Dropout cannot match exactly: its mismatches are
 explained (the module and the fix) rather than failed, and the same checks then run on an
 eval-mode copy, which must match.
+
+Whatever a check's code raises (the model's forward, a loss, a ``sys.exit()`` in either) is
+that check's failure, with the user's frames of the traceback; only an ``InvalidArgument``
+stops the run, as the command line's usage error. A run whose every check was skipped
+checked nothing, and says so (``ModelCheckReport.checked_nothing``).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dpverify._loss_average import (
     assert_loss_reduction_matches_full_batch,
     check_forward_loss_average,
 )
-from dpverify._user_model import Batch, UserModel
+from dpverify._user_model import Batch, UserModel, describe_exception, failure_detail
 
 __all__ = [
     "DEFAULT_BATCH_SIZES",
@@ -108,6 +113,11 @@ class ModelCheckReport:
     @property
     def failed(self) -> tuple[CheckResult, ...]:
         return tuple(r for r in self.results if r.verdict == Verdict.FAIL)
+
+    @property
+    def checked_nothing(self) -> bool:
+        """Whether no check ran: every one was skipped (or none was planned)."""
+        return all(r.verdict == Verdict.SKIP for r in self.results)
 
     def count(self, verdict: str) -> int:
         return sum(r.verdict == verdict for r in self.results)
@@ -219,13 +229,16 @@ def _comparison(name: str, split: Split, sources: Sequence[DivergenceSource], ru
         return CheckResult(name, split, Verdict.FAIL, summary, str(failure), tensors)
     except InvalidArgument:
         raise
-    except Exception as error:
+    except (Exception, SystemExit) as error:
         if sources and ONE_ROW_BATCHNORM in str(error):
             return _explained(name, split, sources, ())
-        text = f"{type(error).__name__}: {error}"
-        notes = "\n".join(getattr(error, "__notes__", ()))
-        return CheckResult(name, split, Verdict.FAIL, text.splitlines()[0], f"{text}\n{notes}".rstrip())
+        return _raised(name, split, error)
     return CheckResult(name, split, Verdict.PASS, f"worst at {result.worst_ratio:.2g} of tolerance", "", result.tensors)
+
+
+def _raised(name: str, split: Split, error: BaseException) -> CheckResult:
+    """A check whose code raised, or called ``sys.exit()``: a failure, with the user's frames."""
+    return CheckResult(name, split, Verdict.FAIL, describe_exception(error), failure_detail(error))
 
 
 def _explained(name: str, split: Split, sources: Sequence[DivergenceSource], tensors: tuple[TensorComparison, ...]) -> CheckResult:
@@ -254,10 +267,20 @@ def check_model(
     backend: str = "dp",
     on_result: Callable[[CheckResult], None] | None = None,
 ) -> ModelCheckReport:
-    """Runs every planned check; ``on_result`` sees each result as it comes."""
+    """Runs every planned check; ``on_result`` sees each result as it comes.
+
+    Raises:
+        InvalidArgument: the model, its batches or the arguments cannot be checked (the
+            message says why); anything else a check raises is that check's failure.
+    """
     results: list[CheckResult] = []
     for planned in plan_checks(model, batch_sizes=batch_sizes, device_counts=device_counts, backend=backend):
-        result = planned.run()
+        try:
+            result = planned.run()
+        except InvalidArgument:
+            raise
+        except (Exception, SystemExit) as error:  # the loss-average checks run the forward unguarded
+            result = _raised(planned.check, planned.split, error)
         results.append(result)
         if on_result is not None:
             on_result(result)
@@ -351,7 +374,13 @@ def render_model_check(console: Any, model: UserModel, report: ModelCheckReport,
     _render_parameters(console, report)
     words = {Verdict.PASS: "passed", Verdict.FAIL: "failed", Verdict.EXPLAINED: "explained", Verdict.WARN: "warned", Verdict.SKIP: "skipped"}
     text = ", ".join(f"{report.count(v)} {word}" for v, word in words.items() if report.count(v) or v in (Verdict.PASS, Verdict.FAIL))
-    status = Text("FAILED" if report.failed else "OK", style="bold red" if report.failed else "bold green")
+    if report.failed:
+        status = Text("FAILED", style="bold red")
+    elif report.checked_nothing:
+        # not OK: a run that compared nothing must not read as a pass
+        status = Text("NOTHING CHECKED", style="bold yellow")
+    else:
+        status = Text("OK", style="bold green")
     console.print(Text.assemble(status, f": {text}"))
 
 
@@ -368,6 +397,12 @@ def _render_notes(console: Any, report: ModelCheckReport) -> None:
     warned = [r for r in report.results if r.verdict == Verdict.WARN]
     if warned:
         console.print(Panel(Text(warned[0].detail), title=f"loss.mean() of replica losses is biased ({warned[0].split.label})", title_align="left", border_style="yellow"))
+    skipped = [r for r in report.results if r.verdict == Verdict.SKIP]
+    if skipped:
+        # the reasons, so that a skip is a decision to read rather than a silent gap
+        lines = "\n".join(f"{r.check}, {r.split.label}: {r.summary}" for r in skipped)
+        title = "Nothing was checked: every check was skipped" if report.checked_nothing else f"Skipped: {len(skipped)} checks did not run"
+        console.print(Panel(Text(lines), title=title, title_align="left", border_style="yellow" if report.checked_nothing else "dim"))
     for result in report.failed:
         console.print(Panel(Text(result.detail or result.summary), title=f"FAIL: {result.check}, {result.split.label}", title_align="left", border_style="red"))
 

@@ -7,6 +7,11 @@ forward computes the loss itself), or is inferred from the first layer that fixe
 shape (Linear, Conv, Embedding, batch-first RNN/attention, LayerNorm, BatchNorm). The loss
 is ``--loss NAME`` or inferred: cross-entropy for integer targets, MSE otherwise, and MSE
 against a fixed random target when there is none.
+
+Everything that cannot be used (a malformed spec, a module that fails to import, a factory
+or batch function that raises) is a ``dpverify.InvalidArgument`` naming the option; when the
+user's code raised, that exception is its ``__cause__``, and ``user_traceback`` shows the
+user's frames of it.
 """
 
 from __future__ import annotations
@@ -15,28 +20,35 @@ import copy
 import importlib
 import os
 import sys
+import sysconfig
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
 from dpverify._builtin import BUILTIN_MODELS, builtin_case
+from dpverify._errors import InvalidArgument
 from dpverify._loss_average import extract_loss
 from dpverify._model_specs import primary_output
 from dpverify.strategies import LOSSES, LossSpec
 
 __all__ = [
     "Batch",
-    "UsageError",
     "UserModel",
     "builtin_model",
+    "describe_exception",
+    "failure_detail",
     "first_layer_batch",
     "load_object",
     "user_model",
+    "user_traceback",
 ]
+
+T = TypeVar("T")
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -48,33 +60,88 @@ _SPATIAL = {1: (16,), 2: (8, 8), 3: (4, 4, 4)}
 _SEQUENCE = 6
 
 
-class UsageError(Exception):
-    """A command-line argument cannot be used; the message names the option and the fix.
+#: Frames a user never wrote: dpverify's own, and the import machinery's.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_IMPORTLIB_DIR = os.path.dirname(os.path.abspath(importlib.__file__)) + os.sep
+#: Where installed libraries and the standard library live (torch, site, ...).
+_LIBRARY_DIRS = tuple(
+    {os.path.abspath(path) + os.sep for key, path in sysconfig.get_paths().items() if key in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
 
-    The command line prints it and exits with status 2.
+
+def describe_exception(error: BaseException) -> str:
+    """``Type: message`` on one line; a ``SystemExit`` says that something asked to exit.
+
+    ``quit()`` and ``sys.exit()`` print nothing and carry no message, so the text names them.
     """
+    if isinstance(error, SystemExit):
+        return f"SystemExit({error.code!r}): the code under test called sys.exit(), exit() or quit()"
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def _hidden_frame(filename: str) -> bool:
+    return filename.startswith("<frozen ") or os.path.abspath(filename).startswith((_PACKAGE_DIR, _IMPORTLIB_DIR))
+
+
+def user_traceback(error: BaseException) -> str:
+    """The traceback of ``error`` as the user's code saw it, or ``""`` if none of it is theirs.
+
+    dpverify's frames and the import machinery's are left out, and so are the library frames
+    (torch's ``Module.__call__``) above the first frame of the user's code; the library
+    frames below it stay, as they say where the error was raised. The exception's notes
+    are kept.
+    """
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not _hidden_frame(frame.filename)]
+    first_own = next((i for i, frame in enumerate(frames) if not os.path.abspath(frame.filename).startswith(_LIBRARY_DIRS)), None)
+    if first_own is None:
+        return ""  # nothing of the user's: the message alone says it better
+    lines = ["Traceback (most recent call last; dpverify's own frames left out):\n"]
+    lines += traceback.format_list(frames[first_own:])
+    lines += traceback.format_exception_only(type(error), error)
+    return "".join(lines).rstrip("\n")
+
+
+def failure_detail(error: BaseException) -> str:
+    """A failed check's report of ``error``: ``describe_exception``'s line, then the user's
+    frames, or the exception and its notes alone when none of the frames is the user's."""
+    frames = user_traceback(error) or "".join(traceback.format_exception_only(type(error), error)).rstrip("\n")
+    return f"{describe_exception(error)}\n{frames}"
+
+
+def _call_user(what: str, call: Callable[[], T], how: str) -> T:
+    """Runs the user's ``call``; whatever it raises, or a ``sys.exit()`` in it, becomes an
+    ``InvalidArgument`` naming ``what`` and ``how`` it was called, caused by the original."""
+    try:
+        return call()
+    except (Exception, SystemExit) as error:  # not KeyboardInterrupt: the user stops the run
+        raise InvalidArgument(f"{what} raised {describe_exception(error)} ({how})") from error
 
 
 def load_object(spec: str, option: str) -> Any:
     """Imports ``package.module:attribute`` (the current directory is importable).
 
     Raises:
-        UsageError: ``spec`` is malformed, the module cannot be imported, or it lacks the
-            attribute.
+        InvalidArgument: ``spec`` is malformed, the module cannot be imported (or raises
+            while it is), or it lacks the attribute. The error the import raised is the
+            ``__cause__``.
     """
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
-        raise UsageError(f"{option} {spec!r} must look like 'module:attribute'")
+        raise InvalidArgument(f"{option} {spec!r} must look like 'module:attribute'")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise UsageError(f"{option} {spec!r}: cannot import {module_name!r} ({error})") from None
+        # chained: an import inside the user's module that fails shows the user's line
+        raise InvalidArgument(f"{option} {spec!r}: cannot import {module_name!r} ({error})") from error
+    except (Exception, SystemExit) as error:
+        raise InvalidArgument(f"{option} {spec!r}: importing {module_name!r} raised {describe_exception(error)}") from error
     try:
         return getattr(module, attribute)
     except AttributeError:
-        raise UsageError(f"{option} {spec!r}: {module_name!r} has no attribute {attribute!r}") from None
+        raise InvalidArgument(f"{option} {spec!r}: {module_name!r} has no attribute {attribute!r}") from None
 
 
 @dataclass(frozen=True)
@@ -124,10 +191,10 @@ def builtin_model(name: str, *, seed: int = 0) -> UserModel:
     ``loss-in-forward``) with its batches.
 
     Raises:
-        UsageError: unknown name.
+        InvalidArgument: unknown name.
     """
     if name not in BUILTIN_MODELS:
-        raise UsageError(f"--model {name!r} is not a built-in model; choose from {sorted(BUILTIN_MODELS)}")
+        raise InvalidArgument(f"--model {name!r} is not a built-in model; choose from {sorted(BUILTIN_MODELS)}")
 
     def make(batch_size: int) -> Batch:
         case = builtin_case(name, batch=batch_size, seed=seed)
@@ -155,29 +222,27 @@ def user_model(
         seed: seeds the factory, the batch and any made-up target.
 
     Raises:
-        UsageError: the factory, inputs function or loss cannot be used, or no batch can be
-            inferred; the message says what to pass.
+        InvalidArgument: the factory, inputs function or loss cannot be used, raises (the
+            user's exception is the ``__cause__``), or no batch can be inferred; the
+            message says what to pass.
     """
     if loss is not None and loss not in LOSSES:
-        raise UsageError(f"--loss {loss!r} is not one of {list(LOSSES)}")
+        raise InvalidArgument(f"--loss {loss!r} is not one of {list(LOSSES)}")
     factory = load_object(factory_spec, "MODULE:FACTORY")
     if not callable(factory):
-        raise UsageError(f"MODULE:FACTORY {factory_spec!r} is {type(factory).__name__}, not callable; pass a function or class that returns the model")
+        raise InvalidArgument(f"MODULE:FACTORY {factory_spec!r} is {type(factory).__name__}, not callable; pass a function or class that returns the model")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        try:
-            module = factory()
-        except Exception as error:
-            raise UsageError(f"MODULE:FACTORY {factory_spec!r}: calling it with no arguments raised {type(error).__name__}: {error}") from error
+        module = _call_user(f"MODULE:FACTORY {factory_spec!r}", factory, "called with no arguments")
     if not isinstance(module, nn.Module):
-        raise UsageError(
+        raise InvalidArgument(
             f"MODULE:FACTORY {factory_spec!r} returned {type(module).__name__}; it must return a "
             "torch.nn.Module (the factory is called with no arguments)"
         )
     if inputs_spec is not None:
         fn = load_object(inputs_spec, "--inputs")
         if not callable(fn):
-            raise UsageError(f"--inputs {inputs_spec!r} is not callable; pass a function fn(batch_size) -> (inputs, target)")
+            raise InvalidArgument(f"--inputs {inputs_spec!r} is not callable; pass a function fn(batch_size) -> (inputs, target)")
         raw = _user_batches(fn, inputs_spec, seed)
         source = f"--inputs {inputs_spec}"
     else:
@@ -195,16 +260,16 @@ def _user_batches(fn: Callable[[int], Any], spec: str, seed: int) -> RawBatches:
     def make(batch_size: int) -> tuple[tuple[Any, ...], Any]:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            result = fn(batch_size)
+            result = _call_user(f"--inputs {spec!r}", lambda: fn(batch_size), f"called with batch_size={batch_size}")
         if isinstance(result, torch.Tensor):
             return (result,), None
         if isinstance(result, tuple) and len(result) == 2:
             inputs, target = result
             inputs = inputs if isinstance(inputs, tuple) else (inputs,)
             if target is not None and not isinstance(target, torch.Tensor):
-                raise UsageError(f"--inputs {spec!r}: the target is {type(target).__name__}; return a tensor or None")
+                raise InvalidArgument(f"--inputs {spec!r}: the target is {type(target).__name__}; return a tensor or None")
             return inputs, target
-        raise UsageError(
+        raise InvalidArgument(
             f"--inputs {spec!r} returned {type(result).__name__}; fn(batch_size) must return "
             "(inputs, target): inputs a tensor or a tuple of forward arguments, target a "
             "tensor, or None when the forward returns the loss"
@@ -224,7 +289,7 @@ def first_layer_batch(module: nn.Module, *, seed: int = 0) -> tuple[RawBatches, 
         ``make(batch_size) -> (inputs, None)`` and a description of the inferred shape.
 
     Raises:
-        UsageError: the first such layer gives no shape (or scatters along time); the
+        InvalidArgument: the first such layer gives no shape (or scatters along time); the
             message asks for ``--inputs``.
     """
     for name, layer in module.named_modules():
@@ -239,7 +304,7 @@ def first_layer_batch(module: nn.Module, *, seed: int = 0) -> tuple[RawBatches, 
         if integer_high is not None:
             text = f"token ids of shape (B, {', '.join(map(str, shape))}) in [0, {integer_high}) inferred from {where}"
         return _random_batches(shape, integer_high, seed), text
-    raise UsageError(
+    raise InvalidArgument(
         "cannot infer a batch: the model has no layer that fixes the input shape; pass "
         "--inputs MODULE:FN where FN(batch_size) returns (inputs, target)"
     )
@@ -256,7 +321,7 @@ def _row_shape(name: str, layer: nn.Module) -> tuple[tuple[int, ...], int | None
         return (cast(_ConvNd, layer).in_channels, *_SPATIAL[conv]), None
     if isinstance(layer, (nn.RNNBase, nn.MultiheadAttention)):
         if not layer.batch_first:
-            raise UsageError(
+            raise InvalidArgument(
                 f"cannot infer a batch: {_describe_layer(name, layer)} is not batch_first, and "
                 "DataParallel scatters along dim 0; pass --inputs MODULE:FN where FN(batch_size) "
                 "returns (inputs, target)"
@@ -268,7 +333,7 @@ def _row_shape(name: str, layer: nn.Module) -> tuple[tuple[int, ...], int | None
     if isinstance(layer, nn.modules.batchnorm._BatchNorm):
         dims = {nn.BatchNorm1d: 0, nn.BatchNorm2d: 2, nn.BatchNorm3d: 3}.get(type(layer), 0)
         return (layer.num_features, *_SPATIAL.get(dims, ())), None
-    raise UsageError(
+    raise InvalidArgument(
         f"cannot infer a batch from the first layer, {_describe_layer(name, layer)}; pass "
         "--inputs MODULE:FN where FN(batch_size) returns (inputs, target)"
     )
@@ -300,10 +365,10 @@ def _returns_loss(module: nn.Module, inputs: tuple[Any, ...], target: Any, sourc
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             output = model(*inputs)  # two rows: enough for BatchNorm in train mode
-    except Exception as error:
-        raise UsageError(
+    except (Exception, SystemExit) as error:
+        raise InvalidArgument(
             f"the model's forward failed on a batch of 2 rows from {source}: "
-            f"{type(error).__name__}: {error}. Pass --inputs MODULE:FN where FN(batch_size) "
+            f"{describe_exception(error)}. Pass --inputs MODULE:FN where FN(batch_size) "
             "returns (inputs, target) matching your forward"
         ) from error
     if target is not None:
@@ -312,7 +377,7 @@ def _returns_loss(module: nn.Module, inputs: tuple[Any, ...], target: Any, sourc
         return output.dim() == 0
     try:
         return extract_loss(output, -1).dim() == 0
-    except ValueError:  # InvalidArgument: no loss in this output
+    except InvalidArgument:  # no loss in this output
         return False
 
 
@@ -333,8 +398,11 @@ def _batch_maker(module: nn.Module, raw: RawBatches, loss: str | None, returns_l
 
 def _made_up_target(module: nn.Module, inputs: tuple[Any, ...], loss: str | None) -> torch.Tensor:
     model = copy.deepcopy(module).eval()  # only the output's shape matters
+    batch = f"{int(inputs[0].shape[0])} rows" if inputs and isinstance(inputs[0], torch.Tensor) else "a batch"
     with torch.random.fork_rng(devices=[]), torch.no_grad():
-        logits = primary_output(model(*inputs))
+        # before any check runs: a forward that fails here is the batch's fault, as in _returns_loss
+        output = _call_user("the model's forward", lambda: model(*inputs), f"on {batch}, to shape a made-up target")
+        logits = primary_output(output)
     rows = int(logits.shape[0])
     g = torch.Generator().manual_seed(12345)
     if loss in ("cross_entropy", "nll"):

@@ -4,12 +4,78 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
+from dpverify._cli import main
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dpverify", *args], capture_output=True, text=True, timeout=240, check=False)
+#: User code that misbehaves: wrappers that leave or raise during a check, a factory and
+#: batch functions that raise, a module that cannot be imported.
+USER_CODE = textwrap.dedent(
+    """
+    import sys
+
+    import torch
+    from torch import nn
+
+
+    class Quitting(nn.DataParallel):
+        def forward(self, *inputs, **kwargs):
+            quit()
+
+
+    class Exiting(nn.DataParallel):
+        def forward(self, *inputs, **kwargs):
+            sys.exit(0)
+
+
+    class Raising(nn.DataParallel):
+        def forward(self, *inputs, **kwargs):
+            raise RuntimeError("the wrapper broke")
+
+
+    def broken_factory():
+        raise RuntimeError("no weights file")
+
+
+    def linear():
+        return nn.Linear(3, 2)
+
+
+    def broken_inputs(batch_size):
+        raise ValueError("no data here")
+
+
+    def even_inputs(batch_size):
+        if batch_size % 2:
+            raise ValueError(f"only even batches, not {batch_size}")
+        return torch.randn(batch_size, 3), torch.randn(batch_size, 2)
+    """
+)
+
+
+def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dpverify", *args], capture_output=True, text=True, timeout=240, check=False, cwd=cwd)
+
+
+@pytest.fixture
+def user_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "user_code.py").write_text(USER_CODE)
+    (tmp_path / "import_fails.py").write_text("import torch\n\nraise RuntimeError('cannot load at import')\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_exit_codes_are_the_documented_ones() -> None:
+    from dpverify import _cli
+
+    codes = (_cli.EXIT_OK, _cli.EXIT_FAILED, _cli.EXIT_USAGE, _cli.EXIT_NOTHING_CHECKED)
+    assert codes == (0, 1, 2, 3)
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for code in codes:
+        assert f"| {code} |" in readme, f"exit status {code} is not in the README's table"
 
 
 @pytest.mark.timeout(240)
@@ -65,8 +131,83 @@ def test_verify_a_wrong_wrapper_fails_with_the_reason() -> None:
 
 def test_verify_bad_parallel_option() -> None:
     result = _run("verify", "--parallel", "no_such_module:X")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "--parallel 'no_such_module:X': cannot import 'no_such_module'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("import_fails:X", "importing 'import_fails' raised RuntimeError: cannot load at import"),
+        ("user_code:USER_CODE_MISSING", "'user_code' has no attribute 'USER_CODE_MISSING'"),
+        ("user_code:sys", "--parallel 'user_code:sys' is module, not callable"),
+    ],
+)
+def test_verify_unusable_parallel_is_a_usage_error(user_code: Path, spec: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "--models", "mlp", "--parallel", spec]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    if spec.startswith("import_fails"):
+        # the user's own line, not the import machinery or dpverify's frames
+        assert "import_fails.py\", line 3" in err
+        assert "raise RuntimeError('cannot load at import')" in err
+        assert "importlib" not in err
+        assert "dpverify/" not in err
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("wrapper", "message"),
+    [
+        ("Quitting", "SystemExit(None): the code under test called sys.exit(), exit() or quit()"),
+        ("Exiting", "SystemExit(0): the code under test called sys.exit(), exit() or quit()"),
+        ("Raising", "RuntimeError: the wrapper broke"),
+    ],
+)
+def test_a_wrapper_that_leaves_or_raises_fails_its_checks(user_code: Path, wrapper: str, message: str) -> None:
+    result = _run("verify", "--models", "mlp", "--parallel", f"user_code:{wrapper}", cwd=user_code)
+    assert result.returncode == 1, result.stdout + result.stderr
+    failures = [line.rstrip() for line in result.stdout.splitlines() if line.lstrip().startswith("FAIL  mlp")]
+    assert len(failures) == 6
+    assert all(line.endswith(message) for line in failures), failures
+    # the report names the check and shows the user's frame
+    assert "--- mlp, B=8 on 2 devices: gradients match one device" in result.stdout
+    assert "user_code.py\", line" in result.stdout
+    assert result.stdout.splitlines()[-1].startswith("FAILED: 0 passed, 6 failed")
+
+
+def test_a_factory_that_raises_is_a_usage_error_with_its_frames(user_code: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "user_code:broken_factory"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dpverify check: MODULE:FACTORY 'user_code:broken_factory' raised RuntimeError: no weights file")
+    assert 'raise RuntimeError("no weights file")' in err
+    assert "user_code.py\", line" in err
+    assert "dpverify/" not in err
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ("user_code:broken_inputs", "--inputs 'user_code:broken_inputs' raised ValueError: no data here (called with batch_size=2)"),
+        ("user_code:even_inputs", "--inputs 'user_code:even_inputs' raised ValueError: only even batches, not 5 (called with batch_size=5)"),
+    ],
+)
+def test_an_inputs_function_that_raises_is_a_usage_error(user_code: Path, inputs: str, message: str) -> None:
+    result = _run("check", "user_code:linear", "--inputs", inputs, "--batch-sizes", "4", "5", "--devices", "2", cwd=user_code)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith(f"dpverify check: {message}")
+    assert "raise ValueError(" in result.stderr
+    assert "dpverify/" not in result.stderr
+
+
+def test_a_check_that_checked_nothing_exits_three_with_the_reasons(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["check", "--model", "mlp", "--backend", "ddp", "--batch-sizes", "1", "--devices", "2", "4", "--no-color"])
+    out = capsys.readouterr().out
+    assert code == 3
+    assert "fewer rows than ranks (1 < 2)" in out
+    assert "fewer rows than ranks (1 < 4)" in out
+    assert out.splitlines()[-1] == "NOTHING CHECKED: 0 passed, 0 failed, 2 skipped"
 
 
 @pytest.mark.timeout(240)

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from dpverify._cli import main
+from dpverify._errors import InvalidArgument
 from dpverify._model_check import Verdict, check_model, parameter_errors
-from dpverify._user_model import UsageError, builtin_model, first_layer_batch, user_model
+from dpverify._user_model import builtin_model, first_layer_batch, user_model
 
 MODELS = textwrap.dedent(
     """
@@ -167,7 +168,7 @@ def test_first_layer_inference() -> None:
     assert text.startswith("token ids of shape (B, 6) in [0, 10) inferred from 1 (Embedding(10, 3))")
     make, _ = first_layer_batch(nn.Sequential(nn.Conv2d(3, 2, 3)))
     assert make(2)[0][0].shape == (2, 3, 8, 8)
-    with pytest.raises(UsageError, match="pass --inputs MODULE:FN"):
+    with pytest.raises(InvalidArgument, match="pass --inputs MODULE:FN"):
         first_layer_batch(nn.Sequential(nn.ReLU()))
 
 
