@@ -1,6 +1,6 @@
 """Comparison of a parallel step with the single-device step, and the tolerance it uses.
 
-The default tolerance is anchored in float64 (SEMANTICS.md, Floating point). The same step
+The default tolerance is anchored in float64 (docs/semantics.md, Floating point). The same step
 runs three times from the same weights: through the parallel wrapper, alone in the working
 dtype (float32), and alone in float64. The float64 run is the answer up to about 1e-16;
 the single-device float32 run's distance from it measures how much rounding this model and

@@ -4,7 +4,7 @@ Every check sends one task to the ranks of a ``RankRunner`` (a ``DDPWorkerPool``
 world size by default, or the current process group under torchrun), runs the same
 scenario on one device in the parent (float32, plus the float64 anchor of the tolerance),
 and compares each rank's tensors with the single-device ones through the Core comparison,
-so that messages read like the DataParallel ones. See SEMANTICS.md, DistributedDataParallel.
+so that messages read like the DataParallel ones. See docs/semantics.md, DistributedDataParallel.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ storage with the module, its activations, the rows of the output gradient that G
 backward sent it, and its gradient contribution. Further runs measure the loss-averaging
 trap, gradient sum versus average versus the full batch, state lost on replicas, the effect
 of ``output_device``, and what DDP's averaging gives for the same chunks. ``explain`` returns
-an ``Explanation`` (frozen dataclasses, JSON-ready); ``_explain_render`` draws it.
+an ``Explanation`` (frozen dataclasses, JSON-ready); ``_explain_view`` draws it with rich
+(``render_explanation``) or writes it as JSON (``explanation_json``).
 
-The numbered answers follow ``QUESTIONS.md``.
+The numbered answers follow ``docs/questions.md``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ __all__ = [
     "explain",
 ]
 
-#: The questions of QUESTIONS.md, in its order: answer ``i`` answers ``QUESTIONS[i - 1]``.
+#: The questions of docs/questions.md, in its order: answer ``i`` answers ``QUESTIONS[i - 1]``.
 QUESTIONS: tuple[str, ...] = (
     "When the batch is sliced, does the first GPU receive its own slice again? Is the model copied to the first GPU again?",
     "Is the loss computed once on the gathered output of the whole batch, and how does its gradient get back to each replica?",
@@ -192,7 +193,7 @@ class DDPFact:
 
 @dataclass(frozen=True)
 class Answer:
-    """The answer to question ``number`` of QUESTIONS.md, with the values measured."""
+    """The answer to question ``number`` of docs/questions.md, with the values measured."""
 
     number: int
     question: str
@@ -1022,7 +1023,7 @@ def explain(
     real_ddp: bool = False,
 ) -> Explanation:
     """Measures one DataParallel step of ``model`` on virtual devices and answers every
-    question of QUESTIONS.md with the values measured.
+    question of docs/questions.md with the values measured.
 
     Args:
         model: the model and its batches.

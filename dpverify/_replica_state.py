@@ -3,8 +3,8 @@
 torch's ``replicate`` gives replica 0 the module's own buffers and every other replica a
 copy (``comm.broadcast_coalesced``), so in-place updates made by replica 0 persist and the
 others' are lost: after one step, the module's buffers are those of the module run on the
-first chunk alone (SEMANTICS.md, Replicate). BatchNorm's running statistics and
-``num_batches_tracked``, and spectral norm's power-iteration vectors, rely on this.
+first chunk alone (docs/semantics.md, section 5, Replicate). BatchNorm's running statistics
+and ``num_batches_tracked``, and spectral norm's power-iteration vectors, rely on this.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A catalogue of real data-parallel bugs, and correct implementations to compare with.
 
 Each mutant is a small, readable data-parallel implementation with one bug that people
-really make (SEMANTICS.md, QUESTIONS.md). The DataParallel mutants have DataParallel's
+really make (docs/semantics.md, docs/questions.md). The DataParallel mutants have DataParallel's
 signature, ``Wrapper(module, device_ids=..., output_device=...)``, and can be passed as
 ``parallel=`` to every assertion helper or as ``dpverify verify --parallel``; reduction
 mutants have ``reduce(replica_losses, chunk_sizes)``'s signature; DDP mutants are per-rank
