@@ -764,8 +764,9 @@ def test_find_unused_parameters_matches_one_device(ddp_pool: DDPWorkerPool) -> N
 
 
 def test_torch_leaves_globally_unused_grads_none_not_zero(ddp_pool: DDPWorkerPool) -> None:
-    """SEMANTICS.md says find_unused_parameters gives unused parameters zero grads; torch 2.13
-    leaves a parameter that no rank used with grad None, so momentum and weight decay skip it."""
+    """find_unused_parameters is often said to give unused parameters zero grads; torch 2.13
+    leaves a parameter that no rank used with grad None, so momentum and weight decay skip it
+    (docs/semantics.md, DistributedDataParallel)."""
     x, _ = batch(6)
     for rank_result in ddp_pool.run(unused_grads_after_ddp, PartlyUsed(), x):
         assert rank_result == {"used.weight": False, "used.bias": False, "unused.weight": True, "unused.bias": True}

@@ -1,4 +1,4 @@
-"""VirtualDataParallel reproduces torch.nn.DataParallel's behaviour (SEMANTICS.md 1-8)."""
+"""VirtualDataParallel reproduces torch.nn.DataParallel's behaviour (docs/semantics.md, sections 1-8)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def _by_device(calls: list[dict[str, Any]]) -> dict[Any, dict[str, Any]]:
 
 
 def test_cpu_data_parallel_tests_nothing() -> None:
-    # SEMANTICS 1: without CUDA torch's DataParallel keeps device_ids=[] and calls the module.
+    # docs/semantics.md section 1: without CUDA torch's DataParallel keeps device_ids=[] and
+    # calls the module.
     module = Recorder()
     real = nn.DataParallel(module, device_ids=[0, 1])
     assert real.device_ids == []
@@ -188,7 +189,7 @@ def test_recursive_scatter_and_gather_of_structures_and_kwargs() -> None:
 
 
 def test_mismatched_batch_sizes_silently_drop_rows() -> None:
-    # SEMANTICS 3 / pytorch issue 7358: 8 rows and 2 rows on 4 devices -> 2 replicas.
+    # docs/semantics.md section 3 / pytorch issue 7358: 8 rows and 2 rows on 4 devices -> 2 replicas.
     class Two(nn.Module):
         def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return x + y.sum()
@@ -235,8 +236,9 @@ def test_output_device(output_device: Any) -> None:
 
 
 def test_output_device_cpu_is_rejected_like_torch() -> None:
-    # SEMANTICS.md says output_device "may also be 'cpu'"; torch's DataParallel.__init__
-    # rejects it (torch._utils._get_device_index(..., allow_cpu=False)); -1 means the host.
+    # output_device is often said to accept 'cpu'; torch's DataParallel.__init__
+    # rejects it (torch._utils._get_device_index(..., allow_cpu=False)); -1 means the host
+    # (docs/semantics.md section 7).
     from torch._utils import _get_device_index
 
     with pytest.raises(ValueError, match="Expected a non cpu device"):
