@@ -222,3 +222,44 @@ def test_ddp_selftest_bad_world_size() -> None:
     result = _run("ddp-selftest", "--world-size", "0")
     assert result.returncode == 2
     assert "--world-size=0 must be at least 1" in result.stderr
+
+
+#: Hugging Face-like parameter names: the head says which model part, the tail which layer
+#: and tensor; they differ only in the middle (the layer number) or at the very end.
+HF_NAMES = [
+    f"bert.encoder.layer.{layer}.attention.{part}.{leaf}"
+    for layer in (0, 1, 11)
+    for part in ("self.query", "self.key", "output.dense", "output.LayerNorm")
+    for leaf in ("weight", "bias")
+]
+
+
+def test_shorten_middle_keeps_the_head_and_the_tail_of_long_names() -> None:
+    from dpverify._cli import shorten_middle
+
+    name = "bert.encoder.layer.0.attention.self.key.bias"
+    assert shorten_middle(name, len(name)) == name
+    # cut at dots: the head's whole components, then the distinctive tail
+    assert shorten_middle(name, 40) == "bert.encoder…0.attention.self.key.bias"
+    for width in range(5, len(name)):
+        short = shorten_middle(name, width)
+        assert len(short) <= width, (width, short)
+        head, tail = short.split("…")
+        assert head, (width, short)
+        assert tail, (width, short)
+        assert name.startswith(head), (width, short)
+        assert name.endswith(tail), (width, short)
+
+
+def test_shortened_names_stay_distinct() -> None:
+    from dpverify._cli import shorten_names
+
+    for width in (12, 20, 28, 36, 44):
+        shortened = shorten_names(HF_NAMES, width)
+        assert len(set(shortened)) == len(HF_NAMES), (width, shortened)
+        for name, short in zip(HF_NAMES, shortened, strict=True):
+            head, cut, tail = short.partition("…")
+            assert name.startswith(head), (name, short)
+            assert name.endswith(tail), (name, short)
+            assert short == name if not cut else bool(tail), short  # never cut off at the end
+
