@@ -13,7 +13,8 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from dpverify._explain import ChunkFact, Explanation, ReplicaFact
+from dpverify._cli import name_list, plural, shorten_names
+from dpverify._explain import ChunkFact, Explanation, ReplicaFact, StateFact
 
 __all__ = ["explanation_json", "render_explanation"]
 
@@ -121,15 +122,17 @@ def _loss_table(e: Explanation) -> Table:
     return outer
 
 
-def _grad_table(e: Explanation) -> Table:
-    table = Table(title=f"Gradient: sum vs average of the {e.replicas_used} replica gradients vs full batch (float64)", box=box.SIMPLE_HEAD, title_justify="left")
-    table.add_column("parameter")
+def _grad_table(e: Explanation, width: int) -> Table:
+    # cut in the middle, never at the end, and wide enough that rich does not cut again
+    names = shorten_names([g.parameter for g in e.grads], max(24, width * 2 // 5))
+    table = Table(title=f"Gradient: sum vs average of the {plural(e.replicas_used, 'replica gradient')} vs full batch (float64)", box=box.SIMPLE_HEAD, title_justify="left")
+    table.add_column("parameter", no_wrap=True, min_width=max(map(len, names), default=0))
     table.add_column("|full|", justify="right")
     table.add_column("max |sum - full|", justify="right")
     table.add_column("max |average - full|", justify="right")
     table.add_column("|average| / |full|", justify="right")
-    for g in e.grads:
-        table.add_row(g.parameter, f"{g.full_norm:.4g}", Text(f"{g.sum_error:.2g}", style="green"), Text(f"{g.average_error:.3g}", style="red" if g.average_error > 1e-9 else ""), f"{g.average_ratio:.3g}")
+    for g, name in zip(e.grads, names, strict=True):
+        table.add_row(name, f"{g.full_norm:.4g}", Text(f"{g.sum_error:.2g}", style="green"), Text(f"{g.average_error:.3g}", style="red" if g.average_error > 1e-9 else ""), f"{g.average_ratio:.3g}")
     return table
 
 
@@ -164,15 +167,31 @@ def _splits_table(e: Explanation) -> Table:
     return table
 
 
-def _state_table(e: Explanation) -> Table | None:
+def _grouped(state: Sequence[StateFact]) -> list[tuple[str, list[str], str]]:
+    """``(kind, wheres, detail)``: facts with the same kind and detail as one row (every
+    BatchNorm layer has the same explanation: it is shown once, for all of them)."""
+    rows: dict[tuple[str, str], list[str]] = {}
+    for fact in state:
+        rows.setdefault((fact.kind, fact.detail), []).append(fact.where)
+    return [(kind, wheres, detail) for (kind, detail), wheres in rows.items()]
+
+
+def _state_table(e: Explanation, width: int) -> Table | None:
     if not e.state:
         return None
+    rows = _grouped(e.state)
+    room = max(24, width // 3)
+    wheres = [shorten_names(names, room) for _kind, names, _detail in rows]
+    # wide enough for every name, quoted and followed by a comma in a list, so that rich
+    # wraps between names and never cuts one
+    widest = max(len(name) + (3 if len(names) > 1 else 0) for names in wheres for name in names)
     table = Table(box=box.SIMPLE_HEAD)
     table.add_column("kind")
-    table.add_column("where")
+    table.add_column("where", min_width=widest)
     table.add_column("measured, and why")
-    for fact in e.state:
-        table.add_row(fact.kind, fact.where, fact.detail)
+    for (kind, names, detail), short in zip(rows, wheres, strict=True):
+        where = short[0] if len(names) == 1 else f"{plural(len(names), 'module')}: {name_list(names, room, most=12)}"
+        table.add_row(kind, where, detail)
     return table
 
 
@@ -193,12 +212,12 @@ def render_explanation(console: Console, e: Explanation) -> None:
     console.print()
     console.print(_diagram(e))
     extras: dict[int, RenderableType] = {
-        3: _grad_table(e),
+        3: _grad_table(e, console.width),
         4: _loss_table(e),
         7: _bytes_table(e),
         9: _splits_table(e),
     }
-    state = _state_table(e)
+    state = _state_table(e, console.width)
     if state is not None:
         extras[10] = state
     for number in range(1, len(e.answers) + 1):
