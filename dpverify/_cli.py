@@ -330,7 +330,7 @@ def _verify(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"unknown --models {unknown}; choose from {sorted(BUILTIN_MODELS)}")
     parallel = _load_parallel(args.parallel)
     gpus = cuda_device_count()
-    where = f"{gpus} CUDA devices" if gpus else "virtual devices (no CUDA here)"
+    where = plural(gpus, "CUDA device") if gpus else "virtual devices (no CUDA here)"
     wrapper = args.parallel or "DataParallel"
     print(f"dpverify verify: {wrapper} on {where}, torch {torch.__version__}")
     verdicts: list[Verdict] = []
@@ -343,7 +343,8 @@ def _verify(args: argparse.Namespace) -> int:
             for label, run in _checks(case, ids, parallel):
                 verdicts.append(Verdict(name, split, label, *_run_check(run)))
                 mark = "PASS" if verdicts[-1].passed else "FAIL"
-                print(f"  {mark}  {name:<16} {split:<18} {label:<34} {verdicts[-1].detail.splitlines()[0]}")
+                # flushed: piped into a log, each verdict shows as it comes
+                print(f"  {mark}  {name:<16} {split:<18} {label:<34} {verdicts[-1].detail.splitlines()[0]}", flush=True)
     failed = [v for v in verdicts if not v.passed]
     for verdict in failed:
         print(f"\n--- {verdict.model}, {verdict.split}: {verdict.check}\n{verdict.detail}")
@@ -501,21 +502,28 @@ def _fuzz_summary(console: Console, config: FuzzConfig, report: FuzzReport) -> i
 
 
 def _check(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
-
-    from dpverify._model_check import check_model, plan_checks, render_model_check
+    from dpverify._model_check import (
+        CheckProgress,
+        check_model,
+        plan_checks,
+        render_model_check,
+        render_model_check_header,
+    )
 
     _require_ddp(args.backend)
     model = _load_model(args, default=None)
-    planned = len(plan_checks(model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend))
+    # planning makes every batch: a batch that cannot be made is a usage error before any output
+    plan = plan_checks(model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend)
+    loss = model.make_batch(max(args.batch_sizes)).loss_name
     console = _console(args)
-    with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
-        task = progress.add_task("checking", total=planned)
+    # the header first: a run of minutes says at once what it is checking, on what
+    render_model_check_header(console, model, loss=loss, backend=args.backend, device_counts=args.devices)
+    with CheckProgress(console, len(plan)) as progress:
         report = check_model(
             model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend,
-            on_result=lambda result: progress.update(task, advance=1, description=f"{result.check}, {result.split.label}"),
+            on_start=progress.start, on_result=progress.finished, plan=plan,
         )
-    render_model_check(console, model, report, backend=args.backend)
+    render_model_check(console, report)
     if report.failed:
         return EXIT_FAILED
     # a run that compared nothing is no pass: the skip reasons are printed above

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dpverify._assertions import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
+from dpverify._cli import name_list, plural, shorten_names
 from dpverify._comparison import StepComparison, TensorComparison
 from dpverify._divergence import DivergenceSource, divergence_sources
 from dpverify._errors import InvalidArgument, ParallelMismatch
@@ -39,14 +40,20 @@ __all__ = [
     "DEFAULT_BATCH_SIZES",
     "DEFAULT_DEVICE_COUNTS",
     "ONE_ROW_BATCHNORM",
+    "CheckProgress",
     "CheckResult",
     "ModelCheckReport",
+    "SourceGroup",
     "Split",
     "Verdict",
     "check_model",
     "ddp_checks",
+    "group_sources",
     "parameter_errors",
     "plan_checks",
+    "render_model_check",
+    "render_model_check_header",
+    "runs_on",
     "weighted_loss",
 ]
 
@@ -103,12 +110,21 @@ class CheckResult:
 
 @dataclass(frozen=True)
 class ModelCheckReport:
-    """Everything ``dpverify check`` found."""
+    """Everything ``dpverify check`` found.
+
+    Attributes:
+        model: the model's name.
+        loss: the loss, in words.
+        results: every check on every split, in the order they ran.
+        divergence: the modules that make train mode differ (BatchNorm, Dropout).
+        groups: the same, one group per shared explanation.
+    """
 
     model: str
     loss: str
     results: tuple[CheckResult, ...]
     divergence: tuple[DivergenceSource, ...]
+    groups: tuple[SourceGroup, ...] = ()
 
     @property
     def failed(self) -> tuple[CheckResult, ...]:
@@ -121,6 +137,63 @@ class ModelCheckReport:
 
     def count(self, verdict: str) -> int:
         return sum(r.verdict == verdict for r in self.results)
+
+
+@dataclass(frozen=True)
+class SourceGroup:
+    """Divergence sources that share one explanation: modules of one class, with the same
+    reason and fix (a MobileNet's 34 BatchNorm2d layers are one group).
+
+    Attributes:
+        modules: the modules' dotted names, in model order (``""`` for the root).
+        module_type: their class, e.g. ``"BatchNorm2d"``.
+        kind: ``"batch statistics"`` or ``"randomness"``.
+        reason: what these modules do differently under DataParallel.
+        fix: how to get an exact comparison.
+    """
+
+    modules: tuple[str, ...]
+    module_type: str
+    kind: str
+    reason: str
+    fix: str
+
+    def names(self, width: int | None = None, *, most: int | None = None) -> str:
+        """The modules, quoted: all of them in full by default; ``width`` shortens each in
+        the middle, and ``most`` keeps the first and last few of a long list."""
+        named = [m for m in self.modules if m]
+        longest = max(map(len, named), default=0)
+        text = name_list(named, width or longest, most=most or len(named)) if named else ""
+        if len(named) < len(self.modules):
+            text = f"the root module and {text}" if text else "the root module"
+        return text
+
+    def describe(self, names: str | None = None) -> str:
+        """The explanation, once, for every module of the group (``names``: the modules as
+        they should read, by default ``self.names()``)."""
+        count = f", {plural(len(self.modules), 'module')}" if len(self.modules) > 1 else ""
+        return f"{names or self.names()} ({self.kind}{count}): {self.reason} Fix: {self.fix}"
+
+    def cause(self) -> str:
+        """The group in a few words: ``'norm' (batch statistics)`` or ``4 BatchNorm1d
+        modules (batch statistics)``."""
+        who = self.names() if len(self.modules) == 1 else plural(len(self.modules), f"{self.module_type} module")
+        return f"{who} ({self.kind})"
+
+
+def _and(items: Sequence[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def group_sources(module: nn.Module, sources: Sequence[DivergenceSource] | None = None) -> tuple[SourceGroup, ...]:
+    """``module``'s divergence sources (by default all of them), one group per shared
+    explanation, in the order the groups first occur."""
+    groups: dict[tuple[str, str, str, str], list[str]] = {}
+    for source in divergence_sources(module) if sources is None else sources:
+        key = (type(module.get_submodule(source.module)).__name__, source.kind, source.reason, source.fix)
+        groups.setdefault(key, []).append(source.module)
+    return tuple(SourceGroup(tuple(names), *key) for key, names in groups.items())
 
 
 def weighted_loss(losses: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -178,7 +251,7 @@ Runner = Callable[[str, Split], CheckResult]
 
 def _checks_for(module: nn.Module, batch: Batch, split: Split, backend: str, explain: bool) -> Iterator[tuple[str, Runner]]:
     ids = list(range(split.devices))
-    sources = divergence_sources(module) if explain else ()
+    sources = group_sources(module) if explain else ()
     if backend in ("dp", "all"):
         if batch.returns_loss:
             yield "loss.mean() of replica losses", lambda name, split: _loss_average(module, batch, ids, name, split)
@@ -201,7 +274,7 @@ def _checks_for(module: nn.Module, batch: Batch, split: Split, backend: str, exp
         yield "DDP grads match one device", lambda name, split: _ddp(module, batch, name, split, sources)
 
 
-def _ddp(module: nn.Module, batch: Batch, name: str, split: Split, sources: Sequence[DivergenceSource]) -> CheckResult:
+def _ddp(module: nn.Module, batch: Batch, name: str, split: Split, sources: Sequence[SourceGroup]) -> CheckResult:
     checks = ddp_checks()
     if checks is None:
         return CheckResult(name, split, Verdict.FAIL, "the DDP backend is not available in this build")
@@ -216,7 +289,7 @@ def _ddp(module: nn.Module, batch: Batch, name: str, split: Split, sources: Sequ
     )
 
 
-def _comparison(name: str, split: Split, sources: Sequence[DivergenceSource], run: Callable[[], StepComparison]) -> CheckResult:
+def _comparison(name: str, split: Split, sources: Sequence[SourceGroup], run: Callable[[], StepComparison]) -> CheckResult:
     try:
         result = run()
     except ParallelMismatch as failure:
@@ -241,10 +314,11 @@ def _raised(name: str, split: Split, error: BaseException) -> CheckResult:
     return CheckResult(name, split, Verdict.FAIL, describe_exception(error), failure_detail(error))
 
 
-def _explained(name: str, split: Split, sources: Sequence[DivergenceSource], tensors: tuple[TensorComparison, ...]) -> CheckResult:
-    modules = ", ".join(repr(s.module) if s.module else "the root module" for s in sources)
-    detail = "\n".join(s.describe() for s in sources)
-    return CheckResult(name, split, Verdict.EXPLAINED, f"differs because of {modules}", detail, tensors)
+def _explained(name: str, split: Split, sources: Sequence[SourceGroup], tensors: tuple[TensorComparison, ...]) -> CheckResult:
+    # one explanation per group, not per module: 34 BatchNorm layers share one
+    summary = "differs because of " + _and([group.cause() for group in sources])
+    detail = "\n".join(group.describe() for group in sources)
+    return CheckResult(name, split, Verdict.EXPLAINED, summary, detail, tensors)
 
 
 def _loss_average(module: nn.Module, batch: Batch, ids: list[int], name: str, split: Split) -> CheckResult:
@@ -266,15 +340,32 @@ def check_model(
     device_counts: Sequence[int] = DEFAULT_DEVICE_COUNTS,
     backend: str = "dp",
     on_result: Callable[[CheckResult], None] | None = None,
+    on_start: Callable[[str, Split], None] | None = None,
+    plan: Sequence[_Planned] | None = None,
 ) -> ModelCheckReport:
-    """Runs every planned check; ``on_result`` sees each result as it comes.
+    """Runs every planned check; ``on_start`` sees each check's name and split before it
+    runs, and ``on_result`` its result as it comes.
+
+    Args:
+        model: the model and its batches.
+        batch_sizes: the batch sizes to check.
+        device_counts: the device counts (DataParallel) or world sizes (DDP).
+        backend: ``"dp"``, ``"ddp"`` or ``"all"``.
+        on_result: called with each result.
+        on_start: called before each check.
+        plan: the checks ``plan_checks`` returned for these arguments, when the caller has
+            them already (planning makes every batch).
 
     Raises:
         InvalidArgument: the model, its batches or the arguments cannot be checked (the
             message says why); anything else a check raises is that check's failure.
     """
     results: list[CheckResult] = []
-    for planned in plan_checks(model, batch_sizes=batch_sizes, device_counts=device_counts, backend=backend):
+    if plan is None:
+        plan = plan_checks(model, batch_sizes=batch_sizes, device_counts=device_counts, backend=backend)
+    for planned in plan:
+        if on_start is not None:
+            on_start(planned.check, planned.split)
         try:
             result = planned.run()
         except InvalidArgument:
@@ -285,7 +376,7 @@ def check_model(
         if on_result is not None:
             on_result(result)
     loss = model.make_batch(max(batch_sizes)).loss_name
-    return ModelCheckReport(model.name, loss, tuple(results), divergence_sources(model.module))
+    return ModelCheckReport(model.name, loss, tuple(results), divergence_sources(model.module), group_sources(model.module))
 
 
 _PARAMETER = re.compile(r"grad '(?P<name>[^']+)'$")
@@ -342,22 +433,117 @@ _STYLES = {
 }
 
 
-def render_model_check(console: Any, model: UserModel, report: ModelCheckReport, *, backend: str) -> None:
-    """Prints the header, a verdict per check and split, explanations, failures, the
-    per-parameter error table and the final verdict line."""
+def _ddp_backend(world_size: int) -> str:
+    """The process group backend the DDP check's pool of ``world_size`` ranks gets."""
+    try:
+        from dpverify._ddp_pool import default_backend
+    except ImportError:  # no DDP in this build: the command refused --backend ddp already
+        return "gloo"
+    return default_backend(world_size)
+
+
+def runs_on(backend: str, device_counts: Sequence[int]) -> str:
+    """What runs the checks, in words: DataParallel on virtual or CUDA devices; DDP as
+    real processes, one per rank, in gloo or nccl process groups.
+
+    Args:
+        backend: ``"dp"``, ``"ddp"`` or ``"all"``.
+        device_counts: the device counts, which are the world sizes under DDP.
+    """
+    from dpverify._devices import cuda_device_count
+
+    parts: list[str] = []
+    if backend in ("dp", "all"):
+        gpus = cuda_device_count()
+        where = f"{plural(gpus, 'CUDA device')} where enough exist, virtual ones otherwise" if gpus else "virtual devices (no CUDA here)"
+        parts.append(f"DataParallel on {where}")
+    if backend in ("ddp", "all"):
+        sizes: dict[str, list[int]] = {}
+        for size in sorted(set(device_counts)):
+            sizes.setdefault(_ddp_backend(size), []).append(size)
+        groups = [
+            f"{name} ranks ({_and([str(n) for n in counts])} {'process' if counts == [1] else 'processes'})"
+            for name, counts in sizes.items()
+        ]
+        parts.append(f"real DDP on {_and(groups)}")
+    return _and(parts)
+
+
+def render_model_check_header(console: Any, model: UserModel, *, loss: str, backend: str, device_counts: Sequence[int]) -> None:
+    """Prints what is checked, on what, before any check runs (a long run shows at once
+    what it is doing)."""
+    from rich.text import Text
+
+    console.print(Text(f"dpverify check: {model.name}", style="bold"))
+    console.print(
+        f"{plural(model.parameter_count, 'parameter')}; batch: {model.batch_source}; loss: {loss}; "
+        f"{runs_on(backend, device_counts)}; torch {torch.__version__}",
+        markup=False,
+    )
+
+
+class CheckProgress:
+    """The progress of ``dpverify check``.
+
+    On a terminal, a live bar: checks done of all, the time so far, the check running. Elsewhere
+    (a pipe, a CI log) one line per check as it finishes, ``[3/12] PASS  check, split:
+    summary``, each flushed at once, so that a run of minutes shows its progress in a log.
+    """
+
+    def __init__(self, console: Any, total: int) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self.console = console
+        self.total = total
+        self.done = 0
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("[bold]check"),
+            BarColumn(bar_width=30),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.description}"),
+            console=console,
+            transient=True,
+            disable=not console.is_terminal,
+        )
+        self.task = self.progress.add_task("starting", total=total)
+
+    def __enter__(self) -> CheckProgress:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.progress.stop()
+
+    def start(self, check: str, split: Split) -> None:
+        """Shows the check about to run (a check can take minutes on a large model)."""
+        self.progress.update(self.task, description=f"{check}, {split.label}")
+
+    def finished(self, result: CheckResult) -> None:
+        """Counts a finished check; off a terminal, prints its line."""
+        self.done += 1
+        self.progress.update(self.task, advance=1)
+        if not self.console.is_terminal:
+            summary = result.summary.splitlines()[0] if result.summary else ""
+            count = f"[{self.done:>{len(str(self.total))}}/{self.total}]"
+            self.console.print(f"{count} {result.verdict}  {result.check}, {result.split.label}: {summary}", markup=False, highlight=False, soft_wrap=True)
+            self.console.file.flush()  # a pipe is block-buffered: the line must reach the log now
+
+
+def render_model_check(console: Any, report: ModelCheckReport) -> None:
+    """Prints a verdict per check and split, explanations, failures, the per-parameter
+    error table and the final verdict line (the header came before the checks ran)."""
     from rich.table import Table
     from rich.text import Text
 
-    from dpverify._devices import cuda_device_count
-
-    gpus = cuda_device_count()
-    where = f"{gpus} CUDA devices where enough exist, virtual ones otherwise" if gpus else "virtual devices (no CUDA here)"
-    console.print(Text(f"dpverify check: {model.name}", style="bold"))
-    console.print(
-        f"{model.parameter_count:,} parameters; batch: {model.batch_source}; loss: {report.loss}; "
-        f"{'DataParallel' if backend == 'dp' else 'DDP' if backend == 'ddp' else 'DataParallel and DDP'} "
-        f"on {where}; torch {torch.__version__}"
-    )
     splits = list(dict.fromkeys(r.split for r in report.results))
     table = Table(title="Verdict per check and split", title_justify="left")
     table.add_column("check")
@@ -390,8 +576,13 @@ def _render_notes(console: Any, report: ModelCheckReport) -> None:
 
     explained = [r for r in report.results if r.verdict == Verdict.EXPLAINED]
     if explained:
+        # each explanation once, for all its modules (a long list keeps its first and last few)
+        width = max(24, console.width // 2)
+        text = "\n".join(group.describe(group.names(width, most=12)) for group in report.groups) or explained[0].detail
+        reason = "this reason" if len(report.groups) <= 1 else "these reasons"
+        differ = "differs" if len(explained) == 1 else "differ"
         console.print(Panel(
-            Text(explained[0].detail + f"\n{len(explained)} checks differ for this reason; they are not failures. The eval-mode rows are the verdict."),
+            Text(f"{text}\n{plural(len(explained), 'check')} {differ} for {reason}; they are not failures. The eval-mode rows are the verdict."),
             title="Expected divergence (train mode)", title_align="left", border_style="cyan",
         ))
     warned = [r for r in report.results if r.verdict == Verdict.WARN]
@@ -401,7 +592,7 @@ def _render_notes(console: Any, report: ModelCheckReport) -> None:
     if skipped:
         # the reasons, so that a skip is a decision to read rather than a silent gap
         lines = "\n".join(f"{r.check}, {r.split.label}: {r.summary}" for r in skipped)
-        title = "Nothing was checked: every check was skipped" if report.checked_nothing else f"Skipped: {len(skipped)} checks did not run"
+        title = "Nothing was checked: every check was skipped" if report.checked_nothing else f"Skipped: {plural(len(skipped), 'check')} did not run"
         console.print(Panel(Text(lines), title=title, title_align="left", border_style="yellow" if report.checked_nothing else "dim"))
     for result in report.failed:
         console.print(Panel(Text(result.detail or result.summary), title=f"FAIL: {result.check}, {result.split.label}", title_align="left", border_style="red"))
@@ -414,14 +605,16 @@ def _render_parameters(console: Any, report: ModelCheckReport) -> None:
     rows = parameter_errors(report)
     if not rows:
         return
+    # cut in the middle, never at the end, and wide enough that rich does not cut again
+    names = shorten_names([row.name for row in rows], max(24, console.width // 3))
     table = Table(title="Per-parameter gradient error (worst over checks and splits)", title_justify="left")
-    table.add_column("parameter")
+    table.add_column("parameter", no_wrap=True, min_width=max(map(len, names)))
     table.add_column("shape")
     table.add_column("error / tolerance", justify="right")
     table.add_column("max |Δ|", justify="right")
     table.add_column("allowed", justify="right")
     table.add_column("where")
-    for row in rows:
+    for row, name in zip(rows, names, strict=True):
         style = "bold red" if row.ratio > 1 else "green"
-        table.add_row(row.name, "x".join(map(str, row.shape)) or "scalar", Text(f"{row.ratio:.3g}", style=style), f"{row.max_abs:.3g}", f"{row.allowed:.3g}", row.where)
+        table.add_row(name, "x".join(map(str, row.shape)) or "scalar", Text(f"{row.ratio:.3g}", style=style), f"{row.max_abs:.3g}", f"{row.allowed:.3g}", row.where)
     console.print(table)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -178,3 +179,234 @@ def test_attention_first_gives_sequences() -> None:
     make, text = first_layer_batch(nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True))
     assert make(3)[0][0].shape == (3, 6, 8)
     assert "MultiheadAttention" in text
+
+
+#: A model whose forward, on the batch of 5 rows with gradients on (the B=5 checks), waits
+#: until the test creates the file ``go``: the checks of B=8 are over by then, and their
+#: lines must already be out.
+GATED = textwrap.dedent(
+    """
+    import os
+    import time
+
+    import torch
+    from torch import nn
+
+
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            if torch.is_grad_enabled() and x.shape[0] == 5:
+                deadline = time.monotonic() + 60
+                while not os.path.exists("go") and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            return self.lin(x)
+
+
+    def gated():
+        return Gated()
+    """
+)
+
+
+@pytest.mark.timeout(150)
+def test_piped_check_prints_a_line_per_check_as_it_finishes(tmp_path: Path) -> None:
+    import queue
+    import threading
+    import time
+
+    (tmp_path / "gated_model.py").write_text(GATED)
+    env = {key: value for key, value in os.environ.items() if key != "COLUMNS"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dpverify", "check", "gated_model:gated", "--batch-sizes", "8", "5", "--devices", "2", "--no-color"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env,
+    )
+    assert process.stdout is not None
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line.rstrip("\n")) for line in process.stdout], daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 45
+        while not any(line.startswith("[1/4] ") for line in seen):
+            seen.append(lines.get(timeout=max(deadline - time.monotonic(), 0.01)))
+        # the first check's line came while the B=5 checks were still waiting: it was flushed
+        assert process.poll() is None, seen
+    except queue.Empty:
+        pytest.fail(f"no line for the first check within 45 s; got {seen}")
+    finally:
+        (tmp_path / "go").touch()
+    assert process.wait(timeout=120) == 0
+    reader.join(timeout=10)
+    while not lines.empty():
+        seen.append(lines.get())
+    assert seen[0] == "dpverify check: gated_model:gated"
+    progress = [line for line in seen if re.match(r"\[\d/4\] ", line)]
+    assert [line[:6] for line in progress] == ["[1/4] ", "[2/4] ", "[3/4] ", "[4/4] "]
+    assert progress[0].startswith("[1/4] PASS  DP grads match one device, B=8 on 2: worst at ")
+    assert progress[3].startswith("[4/4] PASS  replica grads sum to full, B=5 on 2: ")
+    # every check line comes before the tables and the verdict
+    assert seen.index(progress[-1]) < seen.index(next(line for line in seen if line.startswith("Verdict per check")))
+    assert seen[-1] == "OK: 4 passed, 0 failed"
+
+
+#: Four BatchNorm layers: one explanation, naming all four.
+NORMS = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dense = nn.Linear(6, 6)
+            self.norm = nn.BatchNorm1d(6)
+
+        def forward(self, x):
+            return torch.relu(self.norm(self.dense(x)))
+
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(5, 6)
+            self.layer = nn.ModuleList(Block() for _ in range(4))
+            self.out = nn.Linear(6, 3)
+
+        def forward(self, x):
+            x = self.inp(x)
+            for block in self.layer:
+                x = block(x)
+            return self.out(x)
+
+
+    def stack():
+        return Stack()
+    """
+)
+
+
+def test_a_repeated_explanation_is_printed_once_with_its_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "norm_stack.py").write_text(NORMS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["check", "norm_stack:stack", "--batch-sizes", "4", "--devices", "2", "--no-color"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("in train mode normalises each replica's chunk") == 1, out
+    panel = " ".join(out.split("Expected divergence (train mode)")[1].split("checks differ for this reason")[0].replace("│", " ").split())
+    assert "'layer.0.norm', 'layer.1.norm', 'layer.2.norm' and 'layer.3.norm' (batch statistics, 4 modules): BatchNorm1d" in panel
+    report = check_model(user_model("norm_stack:stack"), batch_sizes=(4,), device_counts=(2,))
+    explained = [r for r in report.results if r.verdict == Verdict.EXPLAINED]
+    assert explained
+    assert all(r.summary == "differs because of 4 BatchNorm1d modules (batch statistics)" for r in explained)
+    assert all(r.detail.count("Fix: ") == 1 for r in explained)
+
+
+#: Long Hugging Face-like names: only the middle of a name may be cut.
+LONG_NAMES = textwrap.dedent(
+    """
+    from torch import nn
+
+
+    class SelfAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.key = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.key(x)
+
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self = SelfAttention()
+
+        def forward(self, x):
+            return self.self(x)
+
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = Attention()
+
+        def forward(self, x):
+            return self.attention(x)
+
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.ModuleList(Layer() for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layer:
+                x = layer(x)
+            return x
+
+
+    class Bert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = Encoder()
+
+        def forward(self, x):
+            return self.encoder(x)
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = Bert()
+
+        def forward(self, x):
+            return self.bert(x)
+
+
+    def model():
+        return Model()
+    """
+)
+
+
+def test_long_parameter_names_are_shortened_in_the_middle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "long_names.py").write_text(LONG_NAMES)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["check", "long_names:model", "--batch-sizes", "4", "--devices", "2", "--no-color"]) == 0
+    out = capsys.readouterr().out
+    table = out.split("Per-parameter gradient error")[1]
+    cells = [line.split("│")[1].strip() for line in table.splitlines() if line.startswith("│") and "│" in line[1:]]
+    names = [f"bert.encoder.layer.{i}.attention.self.key.{leaf}" for i in range(3) for leaf in ("weight", "bias")]
+    shown = [cell for cell in cells if cell]
+    assert len(shown) == len(names) == len(set(shown)), shown
+    matched = set()
+    for cell in shown:
+        head, _, tail = cell.partition("…")
+        assert head, cell
+        assert tail, cell  # never cut off at the end
+        (name,) = [n for n in names if n.startswith(head) and n.endswith(tail)]
+        assert name.split(".")[3] in re.split(r"[.…]", cell)  # the layer number tells rows apart
+        matched.add(name)
+    assert matched == set(names)
+
+
+@pytest.mark.timeout(180)
+def test_the_header_says_what_ran(capsys: pytest.CaptureFixture[str]) -> None:
+    from dpverify._devices import cuda_device_count
+
+    if cuda_device_count():
+        pytest.skip("the wording below is that of a machine without CUDA")
+    # DDP runs as real processes, one per rank, in a gloo process group: nothing virtual
+    assert main(["check", "--model", "mlp", "--backend", "ddp", "--batch-sizes", "4", "--devices", "2", "--no-color"]) == 0
+    ddp = " ".join(capsys.readouterr().out.split())
+    assert "real DDP on gloo ranks (2 processes)" in ddp
+    assert "virtual" not in ddp
+    assert main(["check", "--model", "mlp", "--backend", "all", "--batch-sizes", "1", "--devices", "2", "4", "--no-color"]) == 0
+    both = " ".join(capsys.readouterr().out.split())
+    assert "DataParallel on virtual devices (no CUDA here) and real DDP on gloo ranks (2 and 4 processes)" in both
