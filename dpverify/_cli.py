@@ -459,9 +459,9 @@ def _fuzz_header(console: Console, config: FuzzConfig, where: str) -> None:
     }[config.backend]
     if config.target:
         under_test = f"{config.target} ({'DataParallel-like wrapper' if config.backend == 'dp' else 'DDP step'})"
-    limits = [f"{config.max_examples} examples"] if config.max_examples is not None else []
+    limits = [plural(config.max_examples, "example")] if config.max_examples is not None else []
     limits += [f"time budget {config.time_budget:g}s"] if config.time_budget is not None else []
-    limit = " or ".join(limits) or f"{config.examples} examples"
+    limit = " or ".join(limits) or plural(config.examples, "example")
     if config.seed is None:
         replay = f"random seed; failures kept in {config.state_dir}/examples and replayed first"
     else:
@@ -482,19 +482,26 @@ def _fuzz_summary(console: Console, config: FuzzConfig, report: FuzzReport) -> i
     rerun = "pass --seed S for a repeatable session" if config.seed is None else f"seed {config.seed}"
     if report.failure is not None:
         failure = report.failure
-        where = "replayed from the example database" if failure.first_found_at == 1 else f"found at example {failure.first_found_at}"
-        console.print(f"\n[bold red]Counterexample[/] (check {failure.check!r}, {where}, shrunk):")
+        # "replayed" only when the failing example was a saved one: a seeded session reads
+        # no database, and an unseeded one with nothing saved generates its first example
+        if failure.replayed:
+            where = "replayed from the example database"
+        elif config.seed is not None:
+            where = f"found at example {failure.first_found_at} of a seeded session (the example database is not used)"
+        else:
+            where = f"found at example {failure.first_found_at}"
+        console.print(f"\n[bold red]Counterexample[/] (check {failure.check!r}, {where}, shrunk):", soft_wrap=True)
         console.print(repr(failure.scenario), markup=False, soft_wrap=True)
         console.print("\nFull report:", markup=False)
         console.print(failure.report, markup=False, soft_wrap=True)
         console.print(f"\nReproduce with: python {failure.repro}", markup=False)
-        console.print(f"[bold red]FAILED[/]: a failure after {report.examples} example{'s' if report.examples != 1 else ''} ({rerun})", soft_wrap=True)
+        console.print(f"[bold red]FAILED[/]: a failure after {plural(report.examples, 'example')} ({rerun})", soft_wrap=True)
         return EXIT_FAILED
     if report.stopped_by == "interrupt":
-        console.print(f"INTERRUPTED after {report.examples} examples, no failure so far ({rerun})", soft_wrap=True)
+        console.print(f"INTERRUPTED after {plural(report.examples, 'example')}, no failure so far ({rerun})", soft_wrap=True)
         return EXIT_INTERRUPTED
     stop = "time budget reached" if report.stopped_by == "time-budget" else "all examples run"
-    console.print(f"[bold green]OK[/]: {report.examples} examples, no failure; {stop} ({rerun})", soft_wrap=True)
+    console.print(f"[bold green]OK[/]: {plural(report.examples, 'example')}, no failure; {stop} ({rerun})", soft_wrap=True)
     return EXIT_OK
 
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpverify._builtin import builtin_case
+from dpverify._cli import plural
 from dpverify._ddp_checks import (
     assert_ddp_accumulation_matches,
     assert_ddp_buffers_match,
@@ -179,8 +180,8 @@ def _run_all(runner: RankRunner, seed: int, show: Callable[[str], None]) -> int:
     elapsed = time.perf_counter() - started
     status = "OK" if not failed else "FAILED"
     show(
-        f"\ndpverify ddp-selftest: {status}, {len(checks) - len(failed)} of {len(checks)} checks "
-        f"passed on {runner.world_size} ranks ({runner.backend}) in {elapsed:.1f}s"
+        f"\ndpverify ddp-selftest: {status}, {len(checks) - len(failed)} of {plural(len(checks), 'check')} "
+        f"passed on {plural(runner.world_size, 'rank')} ({runner.backend}) in {elapsed:.1f}s"
     )
     return 1 if failed else 0
 
@@ -196,7 +197,7 @@ def main_selftest(argv: Sequence[str] | None = None) -> int:
             if rank == 0:
                 print(line, flush=True)
 
-        show(f"dpverify ddp-selftest: torchrun process group, {runner.world_size} ranks ({runner.backend}), torch {torch.__version__}")
+        show(f"dpverify ddp-selftest: torchrun process group, {plural(runner.world_size, 'rank')} ({runner.backend}), torch {torch.__version__}")
         try:
             return _run_all(runner, args.seed, show)
         finally:
@@ -212,7 +213,7 @@ def main_selftest(argv: Sequence[str] | None = None) -> int:
         print(f"dpverify ddp-selftest: {error}", file=sys.stderr)
         return 2
     with pool:
-        print(f"dpverify ddp-selftest: local pool, {pool.world_size} ranks ({pool.backend}), torch {torch.__version__}", flush=True)
+        print(f"dpverify ddp-selftest: local pool, {plural(pool.world_size, 'rank')} ({pool.backend}), torch {torch.__version__}", flush=True)
         return _run_all(pool, args.seed, lambda line: print(line, flush=True))
 
 

@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.strategies import SearchStrategy
 
+from dpverify._cli import plural
 from dpverify._comparison import StepComparison
 from dpverify._devices import cuda_device_count
 from dpverify._divergence import divergence_sources
@@ -439,7 +440,10 @@ class FuzzFailure:
         scenario: the scenario, as it prints (pasteable).
         report: the full mismatch report (or the traceback of another error).
         repro: the standalone script that reproduces it.
-        first_found_at: which example first failed (1: replayed from the database).
+        first_found_at: which example first failed.
+        replayed: whether that example was one saved in the example database (replayed
+            first) rather than a new one; never for a seeded session, which reads no
+            database.
     """
 
     check: str
@@ -447,6 +451,7 @@ class FuzzFailure:
     report: str
     repro: Path
     first_found_at: int
+    replayed: bool = False
 
 
 @dataclass(frozen=True)
@@ -502,13 +507,20 @@ def scenario_strategy(config: FuzzConfig) -> SearchStrategy[Scenario]:
 
 
 def devices_text(config: FuzzConfig) -> str:
-    """Where the session runs, in words."""
+    """Where the session runs, in words: DataParallel's devices, virtual or CUDA, and
+    DDP's ranks, which are real processes."""
     visible = cuda_device_count()
+    ranks = f"{plural(config.devices, 'DDP rank')} ({'nccl' if visible >= config.devices else 'gloo'})"
     if config.backend == "ddp":
-        return f"{config.devices} DDP ranks ({'nccl' if visible >= config.devices else 'gloo'})"
+        return ranks
     if visible >= 2:
-        return f"CUDA devices 0-{min(visible, config.devices) - 1}"
-    return f"virtual devices 0-{config.devices - 1} (no CUDA here)" if not visible else f"virtual devices 0-{config.devices - 1}"
+        last = min(visible, config.devices) - 1
+        where = f"CUDA devices 0-{last}" if last else "CUDA device 0"
+    else:
+        where = f"virtual devices 0-{config.devices - 1}" if config.devices > 1 else "virtual device 0"
+        where += "" if visible else " (no CUDA here)"
+    # under "all" the DDP examples run on real ranks, not on DataParallel's virtual devices
+    return f"{where}, and {ranks}" if config.backend == "all" else where
 
 
 def _example_runner(config: FuzzConfig) -> Callable[[Scenario], Outcome]:
@@ -526,13 +538,27 @@ def _example_runner(config: FuzzConfig) -> Callable[[Scenario], Outcome]:
     return example
 
 
-def _settings(config: FuzzConfig) -> settings:
+class _CountingDatabase(DirectoryBasedExampleDatabase):
+    """The example database, counting the saved examples Hypothesis reads from it: a
+    failure is "replayed" only if it was one of them, not because it came first."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.fetched = 0
+
+    def fetch(self, key: bytes) -> Iterator[bytes]:
+        for value in super().fetch(key):
+            self.fetched += 1
+            yield value
+
+
+def _settings(config: FuzzConfig, database: DirectoryBasedExampleDatabase) -> settings:
     parent = settings.get_profile(config.profile) if config.profile else settings.get_profile("default")
     return settings(
         parent,
         max_examples=config.examples,
         deadline=None,
-        database=DirectoryBasedExampleDatabase(str(config.state_dir / "examples")),
+        database=database,
         derandomize=False,
         report_multiple_bugs=False,
         suppress_health_check=list(HealthCheck),
@@ -550,8 +576,14 @@ def fuzz(config: FuzzConfig, *, on_example: Callable[[Tally], None] | None = Non
     """
     tally = Tally()
     example = _example_runner(config)
+    database = _CountingDatabase(str(config.state_dir / "examples"))
+    # Hypothesis reads every saved example before it runs the first one, and replays them
+    # first: this many of the first examples (if any) came from the database
+    saved: list[int] = []
 
     def check(scenario: Scenario) -> None:
+        if not saved:
+            saved.append(database.fetched)
         if config.time_budget is not None and tally.first_failure_at is None and tally.elapsed > config.time_budget:
             raise _TimeUp
         try:
@@ -566,7 +598,7 @@ def fuzz(config: FuzzConfig, *, on_example: Callable[[Tally], None] | None = Non
 
     check.__name__ = "dpverify_fuzz"
     check._hypothesis_internal_add_digest = config.database_key  # type: ignore[attr-defined]
-    session = _settings(config)(given(scenario_strategy(config))(check))
+    session = _settings(config, database)(given(scenario_strategy(config))(check))
     if config.seed is not None:
         session = seed(config.seed)(session)
     stopped_by = "max-examples"
@@ -580,7 +612,7 @@ def fuzz(config: FuzzConfig, *, on_example: Callable[[Tally], None] | None = Non
         if tally.last_failure is None:
             raise
         stopped_by = "failure"
-    failure = _failure(config, tally) if stopped_by == "failure" else None
+    failure = _failure(config, tally, replayable=saved[0] if saved else 0) if stopped_by == "failure" else None
     return FuzzReport(
         examples=tally.run,
         passed=tally.passed,
@@ -591,7 +623,7 @@ def fuzz(config: FuzzConfig, *, on_example: Callable[[Tally], None] | None = Non
     )
 
 
-def _failure(config: FuzzConfig, tally: Tally) -> FuzzFailure:
+def _failure(config: FuzzConfig, tally: Tally, *, replayable: int) -> FuzzFailure:
     last = tally.last_failure
     assert last is not None
     assert tally.first_failure_at is not None
@@ -603,7 +635,8 @@ def _failure(config: FuzzConfig, tally: Tally) -> FuzzFailure:
     script = repro_script(last.check, last.scenario, target=config.target, world_size=config.devices, path=path, expected=expected)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
-    return FuzzFailure(last.check, last.scenario, report, path, tally.first_failure_at)
+    replayed = tally.first_failure_at <= replayable
+    return FuzzFailure(last.check, last.scenario, report, path, tally.first_failure_at, replayed)
 
 
 def _traceback_from(check: Callable[..., Any], error: BaseException) -> str:

@@ -263,3 +263,16 @@ def test_shortened_names_stay_distinct() -> None:
             assert name.endswith(tail), (name, short)
             assert short == name if not cut else bool(tail), short  # never cut off at the end
 
+
+def test_ddp_selftest_with_one_rank_says_rank(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from dpverify import _ddp_selftest
+
+    every = _ddp_selftest._checks
+    # one check is enough to see the wording; the full self-test is run above
+    monkeypatch.setattr(_ddp_selftest, "_checks", lambda world, seed: every(world, seed)[:1])
+    assert main(["ddp-selftest", "--world-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "local pool, 1 rank (gloo)" in out
+    assert "OK, 1 of 1 check passed on 1 rank (gloo)" in out
+    assert "1 ranks" not in out
+    assert "1 checks" not in out

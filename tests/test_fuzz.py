@@ -206,3 +206,36 @@ def test_bad_values_are_argparse_errors(args: list[str], message: str, capsys: p
         main(["fuzz", *args])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+#: A wrapper that always raises: every session fails at its first example.
+RAISING = textwrap.dedent(
+    """
+    from torch import nn
+
+
+    class Raising(nn.DataParallel):
+        def forward(self, *inputs, **kwargs):
+            raise RuntimeError("the wrapper broke")
+    """
+)
+
+
+def test_a_failure_is_said_to_be_replayed_only_when_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from dpverify._cli import main
+
+    (tmp_path / "raising_wrapper.py").write_text(RAISING)
+    monkeypatch.chdir(tmp_path)
+    session = ["fuzz", "--target", "raising_wrapper:Raising", "--max-examples", "5", "--no-color"]
+    # seeded: the example database is neither read nor written
+    assert main([*session, "--seed", "0"]) == 1
+    seeded = capsys.readouterr().out
+    assert "replayed from the example database" not in seeded
+    assert "found at example 1 of a seeded session (the example database is not used)" in seeded
+    # unseeded, with nothing saved yet: generated, not replayed; the next session replays it
+    assert main(session) == 1
+    first = capsys.readouterr().out
+    assert "replayed from the example database" not in first
+    assert "Counterexample (check 'dp-grads', found at example 1, shrunk)" in first
+    assert main(session) == 1
+    assert "Counterexample (check 'dp-grads', replayed from the example database, shrunk)" in capsys.readouterr().out
