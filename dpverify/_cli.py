@@ -2,7 +2,7 @@
 
 Subcommands: ``verify`` (the built-in models, one line per check), ``fuzz`` (the property
 suite's checks on random scenarios), ``check MODULE:FACTORY`` (every check on your model)
-and ``explain [MODULE:FACTORY]`` (the questions of QUESTIONS.md answered by measurement).
+and ``explain [MODULE:FACTORY]`` (the questions of ``docs/questions.md`` answered by measurement).
 
 Exit status (``EXIT_*`` below): 0 when everything checked passed, 1 when a check failed
 (including code under test that raised or called ``sys.exit()`` during a check), 2 for a
