@@ -71,6 +71,9 @@ EXIT_USAGE = 2
 EXIT_NOTHING_CHECKED = 3
 #: ``fuzz`` was interrupted (Ctrl-C) before a failure or its limit: 128 + SIGINT.
 EXIT_INTERRUPTED = 130
+#: The reader of the output went away (``dpverify check ... | head``): 128 + SIGPIPE, as a
+#: shell tool killed by the closed pipe reports it.
+EXIT_BROKEN_PIPE = 141
 
 #: (batch size, device count): even chunks, uneven chunks, fewer rows than devices.
 SPLITS: tuple[tuple[int, int], ...] = ((8, 2), (5, 4), (2, 4))
@@ -672,6 +675,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _closed_pipe() -> int:
+    # Nothing more can be said to a reader that left; point stdout at /dev/null so that the
+    # interpreter's final flush does not raise again.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return EXIT_BROKEN_PIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``dpverify`` and ``python -m dpverify``; returns the exit code.
 
@@ -697,7 +708,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.run(args)
     except InvalidArgument as error:
         return _usage_error(args.command, error)
+    except BrokenPipeError:
+        return _closed_pipe()
     except SystemExit as error:
+        if isinstance(error.__context__, BrokenPipeError):
+            # rich turns a closed stdout into SystemExit(1): not the code under test exiting.
+            return _closed_pipe()
         # No command raises SystemExit itself: this one is the user's code asking to exit,
         # and its status (None and 0 read as success) must not become dpverify's.
         print(f"dpverify {args.command}: {describe_exception(error)}; nothing after it ran", file=sys.stderr)

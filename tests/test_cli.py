@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -276,3 +277,24 @@ def test_ddp_selftest_with_one_rank_says_rank(monkeypatch: pytest.MonkeyPatch, c
     assert "OK, 1 of 1 check passed on 1 rank (gloo)" in out
     assert "1 ranks" not in out
     assert "1 checks" not in out
+
+
+@pytest.mark.parametrize("command", [["verify", "--models", "mlp"], ["explain", "--no-color"]])
+def test_a_reader_that_goes_away_ends_the_command_quietly(command: list[str]) -> None:
+    # `dpverify ... | head -1`: print (verify) and rich (explain) both meet a closed pipe.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dpverify", *command],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "100"},
+    )
+    assert process.stdout is not None
+    assert process.stderr is not None
+    assert process.stdout.readline().startswith(b"dpverify ")
+    process.stdout.close()
+    try:
+        stderr = process.stderr.read().decode()
+        process.wait(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 141, stderr
+    assert "sys.exit" not in stderr
+    assert "Traceback" not in stderr
