@@ -802,17 +802,19 @@ def _answer_views(e: Explanation) -> str:
         f"which already lives there: nothing is sent. "
     )
     if copies:
-        text += f"Devices {_list([c.device for c in copies])} received copies ({_list([_bytes(c.copied_bytes) for c in copies])}). "
+        which = f"Devices {_list([c.device for c in copies])} received copies" if len(copies) > 1 else f"Device {copies[0].device} received a copy"
+        text += f"{which} ({_list([_bytes(c.copied_bytes) for c in copies])}). "
     text += (
         f"Nor is the model copied to device {r0.device}: replica 0 shares storage with the module "
         f"for {r0.shared_parameters} of {total} parameters ({_bytes(r0.parameter_bytes)} extra)"
     )
     others = e.replicas[1:]
     if others:
-        text += (
-            f"; replicas {_list([r.replica for r in others])} hold copies "
-            f"({_list([_bytes(r.parameter_bytes) for r in others])})"
+        holders = (
+            f"; replicas {_list([r.replica for r in others])} hold copies" if len(others) > 1
+            else f"; replica {others[0].replica} holds a copy"
         )
+        text += f"{holders} ({_list([_bytes(r.parameter_bytes) for r in others])})"
     return text + "."
 
 
