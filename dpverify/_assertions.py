@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,44 +159,68 @@ class Check:
                 )
             raise
 
-    def references(self, loss_in: Callable[[torch.dtype | None], Callable[[Any], torch.Tensor]], loss_argument: str = "loss_fn") -> References:
+    def references(
+        self, loss_in: Callable[[torch.dtype | None], Callable[[Any], torch.Tensor]], loss_argument: str = "loss_fn",
+        *, loss_key: tuple[Any, ...] | None = None,
+    ) -> References:
         """The single-device step, plus what anchors the tolerance unless explicit
         tolerances were given: its float64 twin, and for float64 models a float32 probe and
         a jittered float64 run. ``loss_in(dtype)`` gives the loss for a run in ``dtype``
         (None: the working dtype).
 
+        ``loss_key`` names the objects ``loss_in`` is built from (the loss function and the
+        target). Given, these steps are shared with earlier and later checks of the same
+        module, inputs and loss, unchanged since (``_ReferenceCache``): the checks of one
+        split, and of one batch on several device counts, need them once.
+
         Raises:
             NonFiniteReference: the single-device or float64 step is not finite; nothing
                 is compared then.
         """
-        expected = self.run(loss_in(None), parallel=False, loss_argument=loss_argument)
-        _require_finite_step(expected, "single-device")
+        steps = _REFERENCES.steps_for(self, loss_key) if loss_key is not None else {}
+
+        def step(kind: str, run: Callable[[], StepResult]) -> StepResult:
+            # Stored only once it ran and proved finite: a failing step fails every check.
+            if kind not in steps:
+                steps[kind] = run()
+            return steps[kind]
+
+        def expected_step() -> StepResult:
+            result = self.run(loss_in(None), parallel=False, loss_argument=loss_argument)
+            _require_finite_step(result, "single-device")
+            return result
+
+        expected = step("expected", expected_step)
         if self.tolerance.explicit:
             return References(expected)
-        anchor = self.run(
-            loss_in(torch.float64), parallel=False, dtype=torch.float64, loss_argument=loss_argument,
-            measure_terms=True,
-        )
-        _require_finite_step(anchor, "float64 single-device")
-        probe = jitter = None
+
+        def anchor_step() -> StepResult:
+            result = self.run(
+                loss_in(torch.float64), parallel=False, dtype=torch.float64, loss_argument=loss_argument,
+                measure_terms=True,
+            )
+            _require_finite_step(result, "float64 single-device")
+            return result
+
+        anchor = step("anchor", anchor_step)
         if self.dtype == torch.float64:
-            probe = self.run(loss_in(torch.float32), parallel=False, dtype=torch.float32, loss_argument=loss_argument)
-            jitter = self.run(
+            probe = step("probe", lambda: self.run(loss_in(torch.float32), parallel=False, dtype=torch.float32, loss_argument=loss_argument))
+            jitter = step("jitter", lambda: self.run(
                 loss_in(torch.float64), parallel=False, dtype=torch.float64, loss_argument=loss_argument,
                 jitter=_JITTER,
-            )
+            ))
             return References(expected, anchor, probe, jitter)
 
-        def settle() -> StepResult:
+        def settle_step() -> StepResult:
             # Parameters one unit in the last place off: how far rounding alone moves this step.
-            step = self.run(
+            result = self.run(
                 loss_in(None), parallel=False, loss_argument=loss_argument,
                 jitter=torch.finfo(self.dtype).eps,
             )
-            _require_finite_step(step, "jittered single-device")
-            return step
+            _require_finite_step(result, "jittered single-device")
+            return result
 
-        return References(expected, anchor, settle=settle)
+        return References(expected, anchor, settle=lambda: step("settle", settle_step))
 
     def compare(self, actual: StepResult, refs: References, *, outputs: bool = True) -> list[TensorComparison]:
         """Outputs (when asked), the loss, and every parameter's gradient."""
@@ -342,9 +368,122 @@ def _require_finite_step(step: StepResult, stage: str) -> None:
         require_finite(f"grad {name!r}", grad, stage)
 
 
+class _Same:
+    """An object compared by identity, and held so that its id cannot be reused."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+_SCALARS = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _tensor_state(tensor: torch.Tensor) -> tuple[Any, ...]:
+    # The version counter sees in-place updates (optimizer steps, load_state_dict); the
+    # content (a hash of the bits and the float64 sum: a few milliseconds for 1e7
+    # elements) also sees writes through ``.data``, which bypass the counter.
+    strided = tensor.layout == torch.strided and not tensor.is_meta
+    content: Any = None
+    if strided and tensor.numel():
+        values = tensor.detach()
+        values = torch.view_as_real(values) if values.is_complex() else values
+        total = float(values.sum(dtype=torch.float64)) if values.is_floating_point() else None
+        content = (int(torch.hash_tensor(values).view(torch.int64)), total)
+    return (
+        _Same(tensor), tensor._version, tensor.data_ptr() if strided else None, tuple(tensor.shape),
+        tensor.stride() if strided else None, tensor.dtype, tensor.device, tensor.requires_grad, content,
+    )
+
+
+def _state(obj: Any, depth: int = 0) -> Any:
+    """What a step reads of ``obj``: tensors by identity, version and content, scalars by
+    value, containers item by item (a few levels deep), anything else by identity."""
+    if isinstance(obj, torch.Tensor):
+        return _tensor_state(obj)
+    if isinstance(obj, _SCALARS):
+        return (type(obj), obj)
+    if depth < 4 and isinstance(obj, (tuple, list)):
+        return (type(obj), tuple(_state(item, depth + 1) for item in obj))
+    if depth < 4 and isinstance(obj, dict):
+        return (type(obj), tuple((_state(key, depth + 1), _state(value, depth + 1)) for key, value in obj.items()))
+    return _Same(obj)
+
+
+def _module_state(module: nn.Module) -> tuple[Any, ...]:
+    """Every submodule's attributes: parameters, buffers, children, hooks, the train flag
+    and the hyperparameters a forward reads (``eps``, ``p``...). A module attribute that is
+    a mutable object changed in place (a list appended to) is not seen. The root is not
+    held (only its attributes): the cache must not keep it alive."""
+    return tuple(
+        (path, None if sub is module else _Same(sub), _state(vars(sub)))
+        for path, sub in module.named_modules(remove_duplicate=False)
+    )
+
+
+@dataclass
+class _Entry:
+    module: weakref.ReferenceType[nn.Module]
+    key: tuple[Any, ...]
+    steps: dict[str, StepResult]
+
+
+class _ReferenceCache:
+    """The single-device steps of the last check, for the next check that needs the same.
+
+    ``dpverify check`` runs two checks per split, and one batch on several device counts;
+    their single-device steps (working dtype, float64 anchor, jittered sample) do not
+    depend on the split, and are the same computation each time. A check reuses them only
+    when the module, every forward argument, the loss function and the target are the same
+    objects, unchanged since (versions, contents, attributes: ``_module_state``), on the
+    same device with the same default dtype; anything else starts a new entry.
+
+    One entry: consecutive checks are what share. It holds the module only weakly, so it
+    never keeps a model, or its steps' gradients, alive after the caller lets go of it.
+    """
+
+    def __init__(self) -> None:
+        self._entry: _Entry | None = None
+        # Reentrant: the weakref callback may run inside steps_for, when a collection frees a module.
+        self._lock = threading.RLock()
+
+    def steps_for(self, check: Check, loss_key: tuple[Any, ...]) -> dict[str, StepResult]:
+        """The steps stored for ``check``'s state (filled in by the caller as they run)."""
+        key = (
+            check.device, check.dtype, torch.get_default_dtype(), _module_state(check.module),
+            _state(check.args), _state(check.kwargs), _state(loss_key),
+        )
+        with self._lock:
+            entry = self._entry
+            if entry is not None and entry.module() is check.module and entry.key == key:
+                return entry.steps
+            self._entry = _Entry(weakref.ref(check.module, self._forget), key, {})
+            return self._entry.steps
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entry = None
+
+    def _forget(self, module: weakref.ReferenceType[nn.Module]) -> None:
+        # The module is gone: its steps can never be asked for again.
+        with self._lock:
+            if self._entry is not None and self._entry.module is module:
+                self._entry = None
+
+
+_REFERENCES = _ReferenceCache()
+
+
 def _steps(check: Check, loss_fn: LossFn, target: Any, *, record_replicas: bool | str = "magnitudes") -> tuple[StepResult, References]:
     parallel = check.run(_loss_of(loss_fn, _target_on(target, check, None)), parallel=True, record_replicas=record_replicas)
-    return parallel, check.references(lambda dtype: _loss_of(loss_fn, _target_on(target, check, dtype)))
+    refs = check.references(lambda dtype: _loss_of(loss_fn, _target_on(target, check, dtype)), loss_key=(loss_fn, target))
+    return parallel, refs
 
 
 def assert_dp_grads_match(

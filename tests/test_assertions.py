@@ -376,3 +376,129 @@ def test_ill_conditioned_attention_is_no_false_alarm(seed: int, batch: int, ids:
     model = _KeyBiasAttention(dtype)
     tokens, target = torch.randn(batch, 5, 8, dtype=dtype) * 30, torch.randn(batch, 3, dtype=dtype)
     assert check(model, tokens, target, loss_fn=F.mse_loss, device_ids=ids).ok
+
+
+# --------------------------------------------------------------------------- shared references
+
+
+def _count_steps(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the steps the checks run, by kind, from now on (the cache starts empty)."""
+    from dpverify import _assertions
+
+    _assertions._REFERENCES.clear()
+    counts: dict[str, int] = {}
+    from dpverify._step import run_step as real
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        kind = "parallel" if kwargs.get("wrap") else f"{kwargs.get('dtype')}{' jittered' if kwargs.get('jitter') else ''}"
+        counts[kind] = counts.get(kind, 0) + 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_assertions, "run_step", counting)
+    return counts
+
+
+def _both_checks(module: nn.Module, inputs: Any, target: Any, ids: list[int]) -> tuple[Any, Any]:
+    first = dpverify.assert_dp_grads_match(module, inputs, target, loss_fn=F.mse_loss, device_ids=ids)
+    second = dpverify.assert_grad_sum_equals_mean_loss_grad(module, inputs, target, loss_fn=F.mse_loss, device_ids=ids)
+    return first, second
+
+
+def test_checks_of_one_split_run_the_single_device_and_float64_steps_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = _count_steps(monkeypatch)
+    case = builtin_case("mlp", batch=8)
+    first, second = _both_checks(case.module, case.inputs, case.target, [0, 1])
+    assert first.ok
+    assert second.ok
+    # each check runs its own parallel step; the references are one computation
+    assert counts == {"parallel": 2, "None": 1, "torch.float64": 1, "None jittered": 1}
+    # the same batch on another device count needs the same references
+    _both_checks(case.module, case.inputs, case.target, [0, 1, 2, 3])
+    assert counts == {"parallel": 4, "None": 1, "torch.float64": 1, "None jittered": 1}
+
+
+def test_shared_references_give_the_verdicts_of_fresh_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dpverify import _assertions
+
+    case = builtin_case("mlp", batch=5)
+    shared = _both_checks(case.module, case.inputs, case.target, [0, 1, 2])
+    _assertions._REFERENCES.clear()
+    fresh = dpverify.assert_grad_sum_equals_mean_loss_grad(case.module, case.inputs, case.target, loss_fn=F.mse_loss, device_ids=[0, 1, 2])
+    assert [(t.name, t.max_abs, t.allowed) for t in shared[1].tensors] == [(t.name, t.max_abs, t.allowed) for t in fresh.tensors]
+
+
+def _add_in_place(module: nn.Module) -> None:
+    with torch.no_grad():
+        next(module.parameters()).add_(0.5)
+
+
+def _write_through_data(module: nn.Module) -> None:
+    # ``.data`` bypasses the version counter: only the content shows the change
+    next(module.parameters()).data.mul_(-1)
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scaled: torch.Tensor = self.linear(x) * self.scale
+        return scaled
+
+
+def _swap_a_parameter(module: _Scaled) -> None:
+    module.linear.weight = nn.Parameter(module.linear.weight.detach() * 2)
+
+
+def _change_a_hyperparameter(module: _Scaled) -> None:
+    module.scale = 3.0
+
+
+@pytest.mark.parametrize("change", [_add_in_place, _write_through_data, _swap_a_parameter, _change_a_hyperparameter, lambda m: m.eval()])
+def test_a_module_changed_between_checks_gets_fresh_references(monkeypatch: pytest.MonkeyPatch, change: Any) -> None:
+    counts = _count_steps(monkeypatch)
+    torch.manual_seed(0)
+    module = _Scaled()
+    x, y = torch.randn(6, 4), torch.randn(6, 3)
+    _both_checks(module, x, y, [0, 1])
+    assert counts["None"] == counts["torch.float64"] == 1
+    change(module)
+    # stale references would not match the changed module's parallel step
+    first, second = _both_checks(module, x, y, [0, 1])
+    assert first.ok
+    assert second.ok
+    assert counts["None"] == counts["torch.float64"] == 2
+
+
+def test_another_batch_or_target_gets_fresh_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = _count_steps(monkeypatch)
+    case = builtin_case("mlp", batch=8)
+    _both_checks(case.module, case.inputs, case.target, [0, 1])
+    other = builtin_case("mlp", batch=5)
+    assert other.target is not None
+    _both_checks(case.module, other.inputs, other.target, [0, 1])  # another split's batch
+    assert counts["None"] == counts["torch.float64"] == 2
+    _both_checks(case.module, other.inputs, other.target.clone(), [0, 1])  # an equal but new target
+    assert counts["None"] == counts["torch.float64"] == 3
+    with torch.no_grad():
+        other.inputs[0].add_(1)  # the batch changed in place
+    _both_checks(case.module, other.inputs, other.target, [0, 1])
+    assert counts["None"] == counts["torch.float64"] == 4
+
+
+def test_the_reference_cache_does_not_keep_a_module_alive() -> None:
+    import gc
+    import weakref
+
+    from dpverify import _assertions
+
+    case = builtin_case("mlp", batch=4)
+    dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=F.mse_loss, device_ids=[0, 1])
+    assert _assertions._REFERENCES._entry is not None
+    gone = weakref.ref(case.module)
+    del case
+    gc.collect()
+    assert gone() is None
+    assert _assertions._REFERENCES._entry is None

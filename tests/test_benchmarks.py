@@ -103,3 +103,23 @@ def test_noise_stats_smoke_records_tensors_and_correct_code_stays_under_the_allo
     out = capsys.readouterr().out
     assert "| float32 |" in out
     assert all(noise_stats._allowed(row, dpverify.Tolerance())[0] >= row["gap"] for row in rows)
+
+
+@pytest.mark.timeout(300)
+def test_check_benchmark_quick_smoke_counts_the_steps_of_both_modes(capsys: pytest.CaptureFixture[str]) -> None:
+    import bench_check
+
+    result = bench_check.main(["--quick", "--repeats", "1"])
+    out = capsys.readouterr().out
+    # BatchNorm: every split as given (explained) and in eval mode, two checks each
+    assert result.checks == 2 * 2 * len(bench_check.DEFAULT_BATCH_SIZES) * len(bench_check.DEFAULT_DEVICE_COUNTS)
+    assert result.verdicts.get("FAIL", 0) == 0
+    assert result.verdicts["EXPLAINED"] > 0
+    assert result.strict_steps["parallel"] == result.split_steps["parallel"] == result.checks
+    for kind in ("single-device float32", "single-device float64", "jittered single-device float32"):
+        assert 0 < result.strict_steps[kind] <= result.split_steps[kind]
+    assert 0 < result.strict_floor <= result.split_floor * 2  # the same steps, fewer of them, under noise
+    assert result.check > 0
+    assert result.ratio > 0
+    assert result.split_ratio > 0
+    assert "| parameters | floor per split | strict floor | dpverify check |" in out
