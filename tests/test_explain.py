@@ -338,7 +338,7 @@ def test_long_names_keep_both_ends_and_a_repeated_explanation_is_shown_once(tmp_
 
 
 def test_one_copy_is_spoken_of_in_the_singular() -> None:
-    answer = explain(builtin_model("embedding"), batch_size=2, device_ids=[0, 1]).answers[0].text
+    answer = explain(builtin_model("embedding"), batch_size=2, device_ids=[0, 1]).answers[0].answer
     assert "Device 1 received a copy" in answer
     assert "replica 1 holds a copy" in answer
     assert "Devices 1 " not in answer
