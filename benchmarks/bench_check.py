@@ -18,7 +18,8 @@ beforehand (as in ``bench_overhead.py``), in the same run, interleaved, medians 
   (the references and the tolerance's anchor);
 * per split where a tensor differs (BatchNorm in train mode: the divergence dpverify
   explains), ONE more single-device float32 step from jittered parameters (the second
-  rounding sample dpverify takes before calling a tensor a mismatch).
+  rounding sample dpverify takes before calling a tensor a mismatch; passing splits, the
+  eval-mode ones, need none).
 
 BatchNorm makes ``check`` run every split twice, as the model is (mismatches explained)
 and on an eval-mode copy (mismatches fail): the floor counts both modes' steps.
@@ -161,10 +162,9 @@ def build_floors(model: UserModel, report: ModelCheckReport) -> tuple[Floor, Flo
     """The steps ``report``'s checks needed, counted two ways.
 
     Both have the two parallel steps of every split. Where a parallel step ran, the
-    references: a float32 and a float64 single-device step, and the jittered float32 step
-    (the second rounding sample; any differing tensor asks for it, and so does the
-    replica-sum check's contrast, the plain average of the replica gradients, which must
-    differ from the full gradient whenever more than one replica ran, as here). The first
+    references: a float32 and a float64 single-device step, and, where a tensor differs
+    (a failed or explained verdict), the jittered float32 step (the second rounding
+    sample; contrasts, meant to differ, ask for none). The first
     floor counts the references once per split, as the issue does; the second, strict one
     once per batch and mode, as they do not depend on the device count (the minimum).
     """
@@ -179,9 +179,9 @@ def build_floors(model: UserModel, report: ModelCheckReport) -> tuple[Floor, Flo
             references = [
                 ("single-device float32", _bare(single, single, batch, None)),
                 ("single-device float64", _bare(double, double, batch, torch.float64)),
-                ("jittered single-device float32", _bare(jittered, jittered, batch, None)),
             ]
-            batch_needs = False
+            second_sample = ("jittered single-device float32", _bare(jittered, jittered, batch, None))
+            batch_needs = batch_differs = False
             for devices in DEFAULT_DEVICE_COUNTS:
                 results = [r for r in report.results if r.split == Split(batch_size, devices) and r.check.endswith(" (eval mode)") == bool(suffix)]
                 for _ in results:
@@ -192,10 +192,13 @@ def build_floors(model: UserModel, report: ModelCheckReport) -> tuple[Floor, Flo
                 # a check without compared tensors stopped at its parallel step
                 if any(r.tensors for r in results):
                     batch_needs = True
-                    for kind, step in references:
+                    # only a tensor that differs asks for the second rounding sample
+                    differs = any(r.verdict in (Verdict.FAIL, Verdict.EXPLAINED) for r in results if r.tensors)
+                    batch_differs |= differs
+                    for kind, step in references + ([second_sample] if differs else []):
                         per_split.add(kind, step)
             if batch_needs:
-                for kind, step in references:
+                for kind, step in references + ([second_sample] if batch_differs else []):
                     per_batch.add(kind, step)
     return per_split, per_batch
 
