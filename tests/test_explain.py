@@ -229,86 +229,14 @@ def test_real_ddp_for_question_eleven() -> None:
     assert "Measured: real DDP on 2 ranks agrees" in e.answers[10].answer
 
 
-#: Long Hugging Face-like names and a BatchNorm in every layer.
-NORM_LAYERS = textwrap.dedent(
-    """
-    import torch
-    from torch import nn
-
-
-    class SelfAttention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.key = nn.Linear(4, 4)
-
-        def forward(self, x):
-            return self.key(x)
-
-
-    class Attention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.self = SelfAttention()
-            self.batch_norm = nn.BatchNorm1d(4)
-
-        def forward(self, x):
-            return torch.tanh(self.batch_norm(self.self(x)))
-
-
-    class Layer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attention = Attention()
-
-        def forward(self, x):
-            return self.attention(x)
-
-
-    class Encoder(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layer = nn.ModuleList(Layer() for _ in range(3))
-
-        def forward(self, x):
-            for layer in self.layer:
-                x = layer(x)
-            return x
-
-
-    class Bert(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.encoder = Encoder()
-
-        def forward(self, x):
-            return self.encoder(x)
-
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.bert = Bert()
-
-        def forward(self, x):
-            return self.bert(x)
-
-
-    def model():
-        return Model()
-    """
-)
-
-
-def test_long_names_keep_both_ends_and_a_repeated_explanation_is_shown_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_long_names_keep_both_ends_and_a_repeated_explanation_is_shown_once() -> None:
     import io
 
     from rich.console import Console
 
     from dpverify._explain_view import render_explanation
 
-    (tmp_path / "norm_layers.py").write_text(NORM_LAYERS)
-    monkeypatch.chdir(tmp_path)
-    e = explain(user_model("norm_layers:model"), batch_size=6, device_ids=[0, 1])
+    e = explain(user_model("hf_like_models:with_norm"), batch_size=6, device_ids=[0, 1])
     console = Console(width=100, no_color=True, record=True, file=io.StringIO())
     render_explanation(console, e)
     text = console.export_text()
