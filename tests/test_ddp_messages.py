@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from test_ddp import SUM_MSE, batch, loss_over_world_size, mlp
 
 from dpverify._ddp_checks import (
     _loss_reduction,
@@ -29,19 +29,7 @@ from dpverify._ddp_pool import DDPWorkerPool, RankFailure, _main_module_advice
 from dpverify._ddp_rank import ShardContext
 from dpverify._errors import ParallelMismatch
 
-SUM_MSE = functools.partial(F.mse_loss, reduction="sum")
 SGD = functools.partial(torch.optim.SGD, lr=0.05)
-
-
-def mlp(seed: int = 0) -> nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
-
-
-def batch(rows: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, 5, generator=generator), torch.randn(rows, 2, generator=generator)
 
 
 # --------------------------------------------------------------------------- rank steps
@@ -64,13 +52,6 @@ def accumulate_sum_loss_times_world_size(ctx: ShardContext) -> None:
         last = index == len(parts) - 1
         with contextlib.nullcontext() if last else model.no_sync():
             (ctx.loss_fn(model(*part.inputs), part.target) * ctx.world_size).backward()
-
-
-def loss_over_world_size(ctx: ShardContext) -> Any:
-    model = ctx.ddp()
-    output = model(*ctx.inputs)
-    (ctx.loss_fn(output, ctx.target) / ctx.world_size).backward()
-    return output
 
 
 def loss_times_rows(ctx: ShardContext) -> Any:
