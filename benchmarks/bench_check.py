@@ -49,7 +49,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dpverify
-from dpverify._model_check import (
+from dpverify.checks.model import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_DEVICE_COUNTS,
     ONE_ROW_BATCHNORM,
@@ -58,8 +58,8 @@ from dpverify._model_check import (
     Verdict,
     check_model,
 )
-from dpverify._step import copy_module
-from dpverify._user_model import Batch, UserModel, user_model
+from dpverify.cli.user_model import Batch, UserModel, user_model
+from dpverify.core.step import copy_module
 
 CLASSES = 10
 IMAGE = (3, 32, 32)

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpverify._ddp_checks import assert_ddp_grads_match
-from dpverify._ddp_pool import DDPWorkerPool
+from dpverify.ddp.checks import assert_ddp_grads_match
+from dpverify.ddp.pool import DDPWorkerPool
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import calibrate
 
 import dpverify
-import dpverify._assertions as assertions
-from dpverify._comparison import TensorComparison, Terms, Tolerance, compare_tensors
-from dpverify._numerics import max_abs
+import dpverify.checks.dp as assertions
+from dpverify.core.comparison import TensorComparison, Terms, Tolerance, compare_tensors
+from dpverify.core.numerics import max_abs
 
 Row = dict[str, Any]
 

@@ -12,45 +12,60 @@ from typing import TYPE_CHECKING, Any
 # Public names load on first use (PEP 562): ``import dpverify.pytest_plugin``, which pytest
 # does at start-up, must not import torch or initialise CUDA.
 _EXPORTS = {
-    "assert_dp_grads_match": "dpverify._assertions",
-    "assert_grad_sum_equals_mean_loss_grad": "dpverify._assertions",
-    "assert_dp_buffers_match": "dpverify._replica_state",
-    "assert_ddp_accumulation_matches": "dpverify._ddp_checks",
-    "assert_ddp_buffers_match": "dpverify._ddp_checks",
-    "assert_ddp_grads_match": "dpverify._ddp_checks",
-    "assert_ddp_sync_batchnorm_matches": "dpverify._ddp_checks",
-    "assert_ddp_training_matches": "dpverify._ddp_checks",
-    "assert_dp_ddp_agree": "dpverify._ddp_checks",
-    "DDPWorkerPool": "dpverify._ddp_pool",
-    "ParallelError": "dpverify._ddp_pool",
-    "ShardContext": "dpverify._ddp_rank",
-    "ddp_step": "dpverify._ddp_rank",
-    "no_sync_accumulation_step": "dpverify._ddp_rank",
-    "weighted_ddp_step": "dpverify._ddp_rank",
-    "StepComparison": "dpverify._comparison",
-    "TensorComparison": "dpverify._comparison",
-    "Tolerance": "dpverify._comparison",
-    "DivergenceSource": "dpverify._divergence",
-    "divergence_sources": "dpverify._divergence",
-    "DroppedRowsWarning": "dpverify._errors",
-    "InvalidArgument": "dpverify._errors",
-    "NonFiniteReference": "dpverify._errors",
-    "ParallelMismatch": "dpverify._errors",
-    "LossAverageReport": "dpverify._loss_average",
-    "assert_loss_reduction_matches_full_batch": "dpverify._loss_average",
-    "check_forward_loss_average": "dpverify._loss_average",
-    "ScatterPlan": "dpverify._scatter",
-    "chunk_sizes": "dpverify._scatter",
-    "plan_scatter": "dpverify._scatter",
-    "VirtualDataParallel": "dpverify._virtual",
-    "current_virtual_device": "dpverify._virtual",
-    "data_parallel": "dpverify._virtual",
+    "assert_dp_grads_match": "dpverify.checks.dp",
+    "assert_grad_sum_equals_mean_loss_grad": "dpverify.checks.dp",
+    "assert_dp_buffers_match": "dpverify.checks.buffers",
+    "assert_ddp_accumulation_matches": "dpverify.ddp.checks",
+    "assert_ddp_buffers_match": "dpverify.ddp.checks",
+    "assert_ddp_grads_match": "dpverify.ddp.checks",
+    "assert_ddp_sync_batchnorm_matches": "dpverify.ddp.checks",
+    "assert_ddp_training_matches": "dpverify.ddp.checks",
+    "assert_dp_ddp_agree": "dpverify.ddp.checks",
+    "DDPWorkerPool": "dpverify.ddp.pool",
+    "ParallelError": "dpverify.ddp.pool",
+    "ShardContext": "dpverify.ddp.rank",
+    "ddp_step": "dpverify.ddp.rank",
+    "no_sync_accumulation_step": "dpverify.ddp.rank",
+    "weighted_ddp_step": "dpverify.ddp.rank",
+    "StepComparison": "dpverify.core.comparison",
+    "TensorComparison": "dpverify.core.comparison",
+    "Tolerance": "dpverify.core.comparison",
+    "DivergenceSource": "dpverify.core.divergence",
+    "divergence_sources": "dpverify.core.divergence",
+    "DroppedRowsWarning": "dpverify.core.errors",
+    "InvalidArgument": "dpverify.core.errors",
+    "NonFiniteReference": "dpverify.core.errors",
+    "ParallelMismatch": "dpverify.core.errors",
+    "LossAverageReport": "dpverify.checks.loss_average",
+    "assert_loss_reduction_matches_full_batch": "dpverify.checks.loss_average",
+    "check_forward_loss_average": "dpverify.checks.loss_average",
+    "ScatterPlan": "dpverify.core.scatter",
+    "chunk_sizes": "dpverify.core.scatter",
+    "plan_scatter": "dpverify.core.scatter",
+    "VirtualDataParallel": "dpverify.core.virtual",
+    "current_virtual_device": "dpverify.core.virtual",
+    "data_parallel": "dpverify.core.virtual",
 }
 
 if TYPE_CHECKING:
-    from dpverify._assertions import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
-    from dpverify._comparison import StepComparison, TensorComparison, Tolerance
-    from dpverify._ddp_checks import (
+    from dpverify.checks.buffers import assert_dp_buffers_match
+    from dpverify.checks.dp import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
+    from dpverify.checks.loss_average import (
+        LossAverageReport,
+        assert_loss_reduction_matches_full_batch,
+        check_forward_loss_average,
+    )
+    from dpverify.core.comparison import StepComparison, TensorComparison, Tolerance
+    from dpverify.core.divergence import DivergenceSource, divergence_sources
+    from dpverify.core.errors import (
+        DroppedRowsWarning,
+        InvalidArgument,
+        NonFiniteReference,
+        ParallelMismatch,
+    )
+    from dpverify.core.scatter import ScatterPlan, chunk_sizes, plan_scatter
+    from dpverify.core.virtual import VirtualDataParallel, current_virtual_device, data_parallel
+    from dpverify.ddp.checks import (
         assert_ddp_accumulation_matches,
         assert_ddp_buffers_match,
         assert_ddp_grads_match,
@@ -58,28 +73,13 @@ if TYPE_CHECKING:
         assert_ddp_training_matches,
         assert_dp_ddp_agree,
     )
-    from dpverify._ddp_pool import DDPWorkerPool, ParallelError
-    from dpverify._ddp_rank import (
+    from dpverify.ddp.pool import DDPWorkerPool, ParallelError
+    from dpverify.ddp.rank import (
         ShardContext,
         ddp_step,
         no_sync_accumulation_step,
         weighted_ddp_step,
     )
-    from dpverify._divergence import DivergenceSource, divergence_sources
-    from dpverify._errors import (
-        DroppedRowsWarning,
-        InvalidArgument,
-        NonFiniteReference,
-        ParallelMismatch,
-    )
-    from dpverify._loss_average import (
-        LossAverageReport,
-        assert_loss_reduction_matches_full_batch,
-        check_forward_loss_average,
-    )
-    from dpverify._replica_state import assert_dp_buffers_match
-    from dpverify._scatter import ScatterPlan, chunk_sizes, plan_scatter
-    from dpverify._virtual import VirtualDataParallel, current_virtual_device, data_parallel
 
 
 def __getattr__(name: str) -> Any:

@@ -1,5 +1,5 @@
 """``python -m dpverify`` runs the command line, as ``dpverify`` does."""
 
-from dpverify._cli import main
+from dpverify.cli.main import main
 
 raise SystemExit(main())

@@ -27,10 +27,10 @@ from hypothesis.strategies import SearchStrategy
 from torch import nn
 
 import dpverify
-from dpverify._ddp_rank import ShardContext
-from dpverify._model_specs import KINDS
-from dpverify._scenario_checks import dp_buffers, dp_grad_sum, dp_grads
-from dpverify._virtual import VirtualDataParallel
+from dpverify.checks.scenario import dp_buffers, dp_grad_sum, dp_grads
+from dpverify.core.virtual import VirtualDataParallel
+from dpverify.ddp.rank import ShardContext
+from dpverify.models.specs import KINDS
 from dpverify.strategies import Scenario, device_lists, loss_specs, model_specs, scenarios
 
 __all__ = [

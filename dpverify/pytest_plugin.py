@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from pluggy import Result
 
-    from dpverify._ddp_pool import DDPWorkerPool
+    from dpverify.ddp.pool import DDPWorkerPool
 
 __all__ = ["PROFILES", "cuda_device_ids", "ddp_pool", "ddp_pools", "dp_devices", "gpu_count"]
 
@@ -485,7 +485,7 @@ def ddp_pools() -> Iterator[Callable[[int], DDPWorkerPool]]:
     The DDP checks use the same registry when called with ``pool=None``, so a session has
     one pool per world size, closed (every rank process ended) when the session ends.
     """
-    from dpverify._ddp_pool import shared_pools  # torch is imported only when a test asks
+    from dpverify.ddp.pool import shared_pools  # torch is imported only when a test asks
 
     registry = shared_pools()
     yield registry.get

@@ -34,9 +34,9 @@ from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 from torch import nn
 
-from dpverify._devices import cuda_device_count
-from dpverify._errors import InvalidArgument
-from dpverify._model_specs import ACTIVATIONS, KINDS, POOLINGS, ModelSpec, primary_output
+from dpverify.core.devices import cuda_device_count
+from dpverify.core.errors import InvalidArgument
+from dpverify.models.specs import ACTIVATIONS, KINDS, POOLINGS, ModelSpec, primary_output
 
 __all__ = [
     "LOSSES",
@@ -141,7 +141,7 @@ class Scenario:
 
     @property
     def chunk_sizes(self) -> list[int]:
-        from dpverify._scatter import chunk_sizes
+        from dpverify.core.scatter import chunk_sizes
 
         return chunk_sizes(self.batch_size, len(self.devices.device_ids))
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import dpverify
 from dpverify import InvalidArgument, ParallelMismatch
-from dpverify._builtin import builtin_case
+from dpverify.models.builtin import builtin_case
 from dpverify.mutants import AveragingDataParallel, DeepCopyDataParallel
 
 MODELS = ["mlp", "conv", "embedding"]
@@ -383,11 +383,11 @@ def test_ill_conditioned_attention_is_no_false_alarm(seed: int, batch: int, ids:
 
 def _count_steps(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts the steps the checks run, by kind, from now on (the cache starts empty)."""
-    from dpverify import _assertions
+    from dpverify.checks import dp as _assertions
 
     _assertions._REFERENCES.clear()
     counts: dict[str, int] = {}
-    from dpverify._step import run_step as real
+    from dpverify.core.step import run_step as real
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         kind = "parallel" if kwargs.get("wrap") else f"{kwargs.get('dtype')}{' jittered' if kwargs.get('jitter') else ''}"
@@ -419,7 +419,7 @@ def test_checks_of_one_split_run_the_single_device_and_float64_steps_once(monkey
 
 
 def test_shared_references_give_the_verdicts_of_fresh_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dpverify import _assertions
+    from dpverify.checks import dp as _assertions
 
     case = builtin_case("mlp", batch=5)
     shared = _both_checks(case.module, case.inputs, case.target, [0, 1, 2])
@@ -493,7 +493,7 @@ def test_the_reference_cache_does_not_keep_a_module_alive() -> None:
     import gc
     import weakref
 
-    from dpverify import _assertions
+    from dpverify.checks import dp as _assertions
 
     case = builtin_case("mlp", batch=4)
     dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=F.mse_loss, device_ids=[0, 1])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dpverify._cli import main
+from dpverify.cli.main import main
 
 #: User code that misbehaves: wrappers that leave or raise during a check, a factory and
 #: batch functions that raise, a module that cannot be imported.
@@ -70,7 +70,7 @@ def user_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_exit_codes_are_the_documented_ones() -> None:
-    from dpverify import _cli
+    from dpverify.cli import main as _cli
 
     codes = (_cli.EXIT_OK, _cli.EXIT_FAILED, _cli.EXIT_USAGE, _cli.EXIT_NOTHING_CHECKED)
     assert codes == (0, 1, 2, 3)
@@ -236,7 +236,7 @@ HF_NAMES = [
 
 
 def test_shorten_middle_keeps_the_head_and_the_tail_of_long_names() -> None:
-    from dpverify._cli import shorten_middle
+    from dpverify.cli.main import shorten_middle
 
     name = "bert.encoder.layer.0.attention.self.key.bias"
     assert shorten_middle(name, len(name)) == name
@@ -253,7 +253,7 @@ def test_shorten_middle_keeps_the_head_and_the_tail_of_long_names() -> None:
 
 
 def test_shortened_names_stay_distinct() -> None:
-    from dpverify._cli import shorten_names
+    from dpverify.cli.main import shorten_names
 
     for width in (12, 20, 28, 36, 44):
         shortened = shorten_names(HF_NAMES, width)
@@ -266,7 +266,7 @@ def test_shortened_names_stay_distinct() -> None:
 
 
 def test_ddp_selftest_with_one_rank_says_rank(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from dpverify import _ddp_selftest
+    from dpverify.cli import selftest as _ddp_selftest
 
     every = _ddp_selftest._checks
     # one check is enough to see the wording; the full self-test is run above

@@ -14,7 +14,7 @@ from torch import nn
 
 import dpverify
 from dpverify import InvalidArgument, ParallelMismatch, Tolerance
-from dpverify._comparison import compare_tensors
+from dpverify.core.comparison import compare_tensors
 from dpverify.mutants import TinyErrorDataParallel
 
 SCALES = [1e-8, 1e-4, 1.0, 1e4, 1e8]

@@ -27,7 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from dpverify._ddp_checks import (
+from dpverify.cli.selftest import PartlyUsed, main_selftest
+from dpverify.core.errors import InvalidArgument, ParallelMismatch
+from dpverify.ddp.checks import (
     assert_ddp_accumulation_matches,
     assert_ddp_buffers_match,
     assert_ddp_grads_match,
@@ -35,11 +37,9 @@ from dpverify._ddp_checks import (
     assert_ddp_training_matches,
     assert_dp_ddp_agree,
 )
-from dpverify._ddp_pool import DDPWorkerPool, ParallelError, RankInfo
-from dpverify._ddp_rank import ShardContext, ddp_step, even_shards
-from dpverify._ddp_selftest import PartlyUsed, main_selftest
-from dpverify._errors import InvalidArgument, ParallelMismatch
-from dpverify._model_specs import KINDS
+from dpverify.ddp.pool import DDPWorkerPool, ParallelError, RankInfo
+from dpverify.ddp.rank import ShardContext, ddp_step, even_shards
+from dpverify.models.specs import KINDS
 from dpverify.strategies import Scenario, device_lists, loss_specs, model_specs, scenarios
 
 LINUX = sys.platform.startswith("linux")
@@ -523,7 +523,7 @@ def test_no_process_outlives_a_pytest_session(tmp_path: Path) -> None:
         + textwrap.dedent(
             f"""
             import json
-            from dpverify._ddp_pool import shared_pool
+            from dpverify.ddp.pool import shared_pool
 
             def rank_of(info):
                 return info.rank
@@ -556,7 +556,7 @@ def test_ranks_exit_when_their_parent_is_killed(tmp_path: Path) -> None:
         + textwrap.dedent(
             """
             import json, signal
-            from dpverify._ddp_pool import DDPWorkerPool
+            from dpverify.ddp.pool import DDPWorkerPool
 
             if __name__ == "__main__":
                 pool = DDPWorkerPool(2)
@@ -977,7 +977,7 @@ def test_property_ddp_matches_one_device_for_any_shards(ddp_pools: Callable[[int
 def test_selftest_under_torchrun_prints_one_verdict() -> None:
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     done = subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "dpverify._ddp_selftest"],
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "dpverify.cli.selftest"],
         capture_output=True, text=True, timeout=170,
     )
     assert done.returncode == 0, done.stdout + done.stderr

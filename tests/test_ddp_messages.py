@@ -19,15 +19,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from test_ddp import SUM_MSE, batch, loss_over_world_size, mlp
 
-from dpverify._ddp_checks import (
+from dpverify.core.errors import ParallelMismatch
+from dpverify.ddp.checks import (
     _loss_reduction,
     assert_ddp_accumulation_matches,
     assert_ddp_grads_match,
     assert_ddp_training_matches,
 )
-from dpverify._ddp_pool import DDPWorkerPool, RankFailure, _main_module_advice
-from dpverify._ddp_rank import ShardContext
-from dpverify._errors import ParallelMismatch
+from dpverify.ddp.pool import DDPWorkerPool, RankFailure, _main_module_advice
+from dpverify.ddp.rank import ShardContext
 
 SGD = functools.partial(torch.optim.SGD, lr=0.05)
 
@@ -209,7 +209,7 @@ def run_python(tmp_path: Path, args: list[str], stdin: str | None = None) -> tup
 def parallel_error(stderr: str) -> str:
     """The ParallelError that ended the script, as Python printed it (the ranks' tracebacks,
     indented, are part of its message)."""
-    return stderr[stderr.index("\ndpverify._ddp_pool.ParallelError: DDP task") + 1 :]
+    return stderr[stderr.index("\ndpverify.ddp.pool.ParallelError: DDP task") + 1 :]
 
 
 @pytest.mark.timeout(2 * SCRIPT_TIMEOUT_S)

@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from dpverify._cli import main
-from dpverify._explain import QUESTIONS, Explanation, explain
-from dpverify._user_model import UserModel, builtin_model, user_model
+from dpverify.cli.explain import QUESTIONS, Explanation, explain
+from dpverify.cli.main import main
+from dpverify.cli.user_model import UserModel, builtin_model, user_model
 
 QUESTIONS_DOC = Path(__file__).resolve().parents[1] / "docs" / "questions.md"
 
@@ -234,7 +234,7 @@ def test_long_names_keep_both_ends_and_a_repeated_explanation_is_shown_once() ->
 
     from rich.console import Console
 
-    from dpverify._explain_view import render_explanation
+    from dpverify.cli.explain_view import render_explanation
 
     e = explain(user_model("hf_like_models:with_norm"), batch_size=6, device_ids=[0, 1])
     console = Console(width=100, no_color=True, record=True, file=io.StringIO())

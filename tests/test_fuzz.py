@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dpverify._fuzz import CHECKS, FuzzConfig, fuzz, parse_duration, repro_script
+from dpverify.cli.fuzz import CHECKS, FuzzConfig, fuzz, parse_duration, repro_script
 from dpverify.strategies import DeviceList, LossSpec, ModelSpec, Scenario
 
 #: A DataParallel-like wrapper with a planted bug: it averages replica gradients.
@@ -106,7 +106,7 @@ def test_planted_wrapper_fails_shrinks_and_its_repro_fails_the_same_way(tmp_path
     ran = subprocess.run([sys.executable, str(tmp_path / repro)], capture_output=True, text=True, timeout=120, check=False)
     assert ran.returncode == 1
     report_head = out.split("Full report:\n")[1].splitlines()[0]
-    assert f"dpverify._errors.ParallelMismatch: {report_head}" in ran.stderr
+    assert f"dpverify.core.errors.ParallelMismatch: {report_head}" in ran.stderr
     assert "the replica gradients were averaged" in ran.stderr
 
     # the failure is replayed first next time
@@ -192,7 +192,7 @@ def test_repro_with_target_imports_it_from_the_fuzzed_directory() -> None:
     ],
 )
 def test_usage_errors_exit_two_naming_the_option(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from dpverify._cli import main
+    from dpverify.cli.main import main
 
     assert main(["fuzz", *args]) == 2
     assert message in capsys.readouterr().err
@@ -200,7 +200,7 @@ def test_usage_errors_exit_two_naming_the_option(args: list[str], message: str, 
 
 @pytest.mark.parametrize(("args", "message"), [(["--time-budget", "ten"], "'ten' is not a duration"), (["--devices", "0"], "--devices '0' must be a positive integer")])
 def test_bad_values_are_argparse_errors(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from dpverify._cli import main
+    from dpverify.cli.main import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["fuzz", *args])
@@ -222,7 +222,7 @@ RAISING = textwrap.dedent(
 
 
 def test_a_failure_is_said_to_be_replayed_only_when_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from dpverify._cli import main
+    from dpverify.cli.main import main
 
     (tmp_path / "raising_wrapper.py").write_text(RAISING)
     monkeypatch.chdir(tmp_path)

@@ -12,7 +12,7 @@ from torch import nn
 
 import dpverify
 from dpverify import InvalidArgument, ParallelMismatch
-from dpverify._builtin import LossHead, builtin_case
+from dpverify.models.builtin import LossHead, builtin_case
 
 Out = namedtuple("Out", ["prediction", "loss"])
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from dpverify._cli import main
-from dpverify._errors import InvalidArgument
-from dpverify._model_check import Verdict, check_model, parameter_errors
-from dpverify._user_model import builtin_model, first_layer_batch, user_model
+from dpverify.checks.model import Verdict, check_model, parameter_errors
+from dpverify.cli.main import main
+from dpverify.cli.user_model import builtin_model, first_layer_batch, user_model
+from dpverify.core.errors import InvalidArgument
 
 MODELS = textwrap.dedent(
     """
@@ -328,7 +328,7 @@ def test_long_parameter_names_are_shortened_in_the_middle(monkeypatch: pytest.Mo
 
 @pytest.mark.timeout(180)
 def test_the_header_says_what_ran(capsys: pytest.CaptureFixture[str]) -> None:
-    from dpverify._devices import cuda_device_count
+    from dpverify.core.devices import cuda_device_count
 
     if cuda_device_count():
         pytest.skip("the wording below is that of a machine without CUDA")

@@ -18,8 +18,8 @@ import torch
 from hypothesis import given
 
 import dpverify
-from dpverify._model_specs import primary_output
-from dpverify._step import no_tf32
+from dpverify.core.step import no_tf32
+from dpverify.models.specs import primary_output
 from dpverify.strategies import ModelSpec, Scenario, device_lists, dtypes, model_specs, scenarios
 
 pytestmark = pytest.mark.multigpu(2)

@@ -28,7 +28,7 @@ from torch.autograd import gradcheck, gradgradcheck
 from torch.nn import parallel as torch_parallel
 
 from dpverify import VirtualDataParallel, current_virtual_device
-from dpverify._virtual import _parallel_apply, virtual_primitives
+from dpverify.core.virtual import _parallel_apply, virtual_primitives
 
 
 def _scatter(x: torch.Tensor, devices: Sequence[int] = (0, 1)) -> tuple[torch.Tensor, ...]:

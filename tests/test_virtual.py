@@ -307,7 +307,7 @@ def test_virtual_primitives_are_per_thread() -> None:
     VirtualDataParallel(nn.Linear(2, 2), [0, 1])  # installs the switches
     switch = scatter_gather.Scatter
     assert switch._pick() is switch._dpverify_original  # torch's own outside the block
-    with dpverify._virtual.virtual_primitives():
+    with dpverify.core.virtual.virtual_primitives():
         assert switch._pick() is switch._dpverify_virtual
         seen: list[Any] = []
         other = threading.Thread(target=lambda: seen.append(switch._pick()))

@@ -24,13 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpverify._divergence import divergence_sources
-from dpverify._loss_average import LossAverageReport, check_forward_loss_average, extract_loss
-from dpverify._model_check import ONE_ROW_BATCHNORM, weighted_loss
-from dpverify._scatter import plan_scatter
-from dpverify._step import flatten_tensors, parameter_sites, run_step, seed_step
-from dpverify._user_model import Batch, UserModel
-from dpverify._virtual import SCALAR_GATHER_WARNING, VirtualDataParallel, current_virtual_device
+from dpverify.checks.loss_average import LossAverageReport, check_forward_loss_average, extract_loss
+from dpverify.checks.model import ONE_ROW_BATCHNORM, weighted_loss
+from dpverify.cli.user_model import Batch, UserModel
+from dpverify.core.divergence import divergence_sources
+from dpverify.core.scatter import plan_scatter
+from dpverify.core.step import flatten_tensors, parameter_sites, run_step, seed_step
+from dpverify.core.virtual import SCALAR_GATHER_WARNING, VirtualDataParallel, current_virtual_device
 
 __all__ = [
     "QUESTIONS",
@@ -743,8 +743,8 @@ def _ddp_fact(module: nn.Module, batch: Batch, device_ids: list[int], sizes: Seq
 
 
 def _measured_ddp(module: nn.Module, batch: Batch, world_size: int, simulated: DDPFact) -> DDPFact:
-    from dpverify._errors import ParallelMismatch
-    from dpverify._model_check import ddp_checks
+    from dpverify.checks.model import ddp_checks
+    from dpverify.core.errors import ParallelMismatch
 
     checks = ddp_checks()
     if checks is None:

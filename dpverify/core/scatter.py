@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch.nn.parallel.scatter_gather import scatter_kwargs
 
-from dpverify._devices import normalize_device_ids
-from dpverify._errors import DroppedRowsWarning, InvalidArgument
-from dpverify._virtual import virtual_primitives
+from dpverify.core.devices import normalize_device_ids
+from dpverify.core.errors import DroppedRowsWarning, InvalidArgument
+from dpverify.core.virtual import virtual_primitives
 
 __all__ = ["ScatterPlan", "chunk_sizes", "plan_scatter"]
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpverify._comparison import (
+from dpverify.core.comparison import (
     Msg,
     StepComparison,
     TensorComparison,
@@ -23,12 +23,12 @@ from dpverify._comparison import (
     require_finite,
     uniform_scale,
 )
-from dpverify._devices import cuda_device_count, normalize_device_ids, normalize_output_device
-from dpverify._divergence import divergence_sources
-from dpverify._errors import InvalidArgument, ParallelMismatch
-from dpverify._scatter import ScatterPlan, plan_scatter
-from dpverify._step import StepResult, as_inputs, batch_size_of, first_parameter_dtype, run_step
-from dpverify._virtual import data_parallel
+from dpverify.core.devices import cuda_device_count, normalize_device_ids, normalize_output_device
+from dpverify.core.divergence import divergence_sources
+from dpverify.core.errors import InvalidArgument, ParallelMismatch
+from dpverify.core.scatter import ScatterPlan, plan_scatter
+from dpverify.core.step import StepResult, as_inputs, batch_size_of, first_parameter_dtype, run_step
+from dpverify.core.virtual import data_parallel
 
 __all__ = ["Check", "assert_dp_grads_match", "assert_grad_sum_equals_mean_loss_grad", "raise_unless_ok"]
 

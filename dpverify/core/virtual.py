@@ -46,14 +46,14 @@ from torch.nn.parallel import _functions as torch_functions
 from torch.nn.parallel import comm as torch_comm
 from torch.nn.parallel import scatter_gather as torch_scatter_gather
 
-from dpverify._devices import (
+from dpverify.core.devices import (
     HOST,
     cuda_device_count,
     device_index,
     normalize_device_ids,
     normalize_output_device,
 )
-from dpverify._errors import InvalidArgument
+from dpverify.core.errors import InvalidArgument
 
 __all__ = ["VirtualDataParallel", "current_virtual_device", "data_parallel", "virtual_primitives"]
 

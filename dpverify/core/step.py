@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpverify._comparison import Terms
-from dpverify._errors import InvalidArgument
-from dpverify._numerics import max_abs
-from dpverify._virtual import current_virtual_device
+from dpverify.core.comparison import Terms
+from dpverify.core.errors import InvalidArgument
+from dpverify.core.numerics import max_abs
+from dpverify.core.virtual import current_virtual_device
 
 __all__ = [
     "ReplicaGradRecorder",

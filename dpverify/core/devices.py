@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from dpverify._errors import InvalidArgument
+from dpverify.core.errors import InvalidArgument
 
 __all__ = [
     "HOST",

@@ -24,15 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dpverify._assertions import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
-from dpverify._builtin import BUILTIN_MODELS, BuiltinCase, builtin_case
-from dpverify._devices import cuda_device_count
-from dpverify._errors import InvalidArgument, ParallelMismatch
-from dpverify._loss_average import (
+from dpverify.checks.dp import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
+from dpverify.checks.loss_average import (
     assert_loss_reduction_matches_full_batch,
     check_forward_loss_average,
 )
-from dpverify._user_model import (
+from dpverify.cli.user_model import (
     UserModel,
     builtin_model,
     describe_exception,
@@ -41,11 +38,14 @@ from dpverify._user_model import (
     user_model,
     user_traceback,
 )
+from dpverify.core.devices import cuda_device_count
+from dpverify.core.errors import InvalidArgument, ParallelMismatch
+from dpverify.models.builtin import BUILTIN_MODELS, BuiltinCase, builtin_case
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from dpverify._fuzz import FuzzConfig, FuzzReport
+    from dpverify.cli.fuzz import FuzzConfig, FuzzReport
 
 __all__ = [
     "EXIT_FAILED",
@@ -393,7 +393,7 @@ def _positive(option: str) -> Callable[[str], int]:
 
 
 def _duration(text: str) -> float:
-    from dpverify._fuzz import parse_duration
+    from dpverify.cli.fuzz import parse_duration
 
     try:
         return parse_duration(text)
@@ -402,7 +402,7 @@ def _duration(text: str) -> float:
 
 
 def _require_ddp(backend: str) -> None:
-    from dpverify._model_check import ddp_checks
+    from dpverify.checks.model import ddp_checks
 
     if backend in ("ddp", "all") and ddp_checks() is None:
         raise InvalidArgument(f"--backend {backend}: the DDP backend is not available in this build; use --backend dp")
@@ -425,7 +425,7 @@ def _load_model(args: argparse.Namespace, *, default: str | None) -> UserModel:
 
 
 def _fuzz(args: argparse.Namespace) -> int:
-    from dpverify._fuzz import FuzzConfig, FuzzProgress, devices_text, fuzz
+    from dpverify.cli.fuzz import FuzzConfig, FuzzProgress, devices_text, fuzz
 
     _require_ddp(args.backend)
     if args.target and args.backend == "all":
@@ -512,7 +512,7 @@ def _fuzz_summary(console: Console, config: FuzzConfig, report: FuzzReport) -> i
 
 
 def _check(args: argparse.Namespace) -> int:
-    from dpverify._model_check import (
+    from dpverify.checks.model import (
         CheckProgress,
         check_model,
         plan_checks,
@@ -544,9 +544,9 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from dpverify._explain import explain
-    from dpverify._explain_view import explanation_json, render_explanation
-    from dpverify._model_check import ddp_checks
+    from dpverify.checks.model import ddp_checks
+    from dpverify.cli.explain import explain
+    from dpverify.cli.explain_view import explanation_json, render_explanation
 
     model = _load_model(args, default=DEFAULT_EXPLAIN_MODEL)
     ids = list(range(args.devices))
@@ -599,7 +599,7 @@ def _add_fuzz(commands: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
-    from dpverify._model_check import DEFAULT_BATCH_SIZES, DEFAULT_DEVICE_COUNTS
+    from dpverify.checks.model import DEFAULT_BATCH_SIZES, DEFAULT_DEVICE_COUNTS
 
     check = commands.add_parser(
         "check", parents=[common],
@@ -696,7 +696,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments[:1] == ["ddp-selftest"]:
         # Dispatched before argparse: a subparser taking the remaining arguments mishandles a
         # leading --option on Python 3.11.
-        from dpverify._ddp_selftest import main_selftest
+        from dpverify.cli.selftest import main_selftest
 
         return main_selftest(arguments[1:])
     parser = _parser()

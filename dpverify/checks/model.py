@@ -24,17 +24,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpverify._assertions import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
-from dpverify._cli import name_list, plural, shorten_names
-from dpverify._comparison import StepComparison, TensorComparison
-from dpverify._divergence import DivergenceSource, divergence_sources
-from dpverify._errors import InvalidArgument, ParallelMismatch
-from dpverify._loss_average import (
+from dpverify.checks.dp import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
+from dpverify.checks.loss_average import (
     LossAverageReport,
     assert_loss_reduction_matches_full_batch,
     check_forward_loss_average,
 )
-from dpverify._user_model import Batch, UserModel, describe_exception, failure_detail
+from dpverify.cli.main import name_list, plural, shorten_names
+from dpverify.cli.user_model import Batch, UserModel, describe_exception, failure_detail
+from dpverify.core.comparison import StepComparison, TensorComparison
+from dpverify.core.divergence import DivergenceSource, divergence_sources
+from dpverify.core.errors import InvalidArgument, ParallelMismatch
 
 __all__ = [
     "DEFAULT_BATCH_SIZES",
@@ -205,7 +205,7 @@ def weighted_loss(losses: torch.Tensor, sizes: list[int]) -> torch.Tensor:
 def ddp_checks() -> Any:
     """The DDP check module, or None when this build has no DDP backend."""
     try:
-        from dpverify import _ddp_checks
+        from dpverify.ddp import checks as _ddp_checks
     except ImportError:
         return None
     return _ddp_checks
@@ -436,7 +436,7 @@ _STYLES = {
 def _ddp_backend(world_size: int) -> str:
     """The process group backend the DDP check's pool of ``world_size`` ranks gets."""
     try:
-        from dpverify._ddp_pool import default_backend
+        from dpverify.ddp.pool import default_backend
     except ImportError:  # no DDP in this build: the command refused --backend ddp already
         return "gloo"
     return default_backend(world_size)
@@ -450,7 +450,7 @@ def runs_on(backend: str, device_counts: Sequence[int]) -> str:
         backend: ``"dp"``, ``"ddp"`` or ``"all"``.
         device_counts: the device counts, which are the world sizes under DDP.
     """
-    from dpverify._devices import cuda_device_count
+    from dpverify.core.devices import cuda_device_count
 
     parts: list[str] = []
     if backend in ("dp", "all"):

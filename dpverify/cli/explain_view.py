@@ -13,8 +13,8 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from dpverify._cli import name_list, plural, shorten_names
-from dpverify._explain import ChunkFact, Explanation, ReplicaFact, StateFact
+from dpverify.cli.explain import ChunkFact, Explanation, ReplicaFact, StateFact
+from dpverify.cli.main import name_list, plural, shorten_names
 
 __all__ = ["explanation_json", "render_explanation"]
 

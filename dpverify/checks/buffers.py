@@ -16,10 +16,10 @@ import torch
 from torch import nn
 from torch.nn.parallel.scatter_gather import scatter_kwargs
 
-from dpverify._assertions import Check, Parallel, raise_unless_ok
-from dpverify._comparison import Msg, StepComparison, TensorComparison, compare_tensors
-from dpverify._step import convert_tensors, copy_module, default_dtype, seed_step
-from dpverify._virtual import virtual_primitives
+from dpverify.checks.dp import Check, Parallel, raise_unless_ok
+from dpverify.core.comparison import Msg, StepComparison, TensorComparison, compare_tensors
+from dpverify.core.step import convert_tensors, copy_module, default_dtype, seed_step
+from dpverify.core.virtual import virtual_primitives
 
 __all__ = ["assert_dp_buffers_match"]
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from dpverify._divergence import DivergenceSource
-from dpverify._errors import InvalidArgument, NonFiniteReference
-from dpverify._numerics import max_abs
+from dpverify.core.divergence import DivergenceSource
+from dpverify.core.errors import InvalidArgument, NonFiniteReference
+from dpverify.core.numerics import max_abs
 
 __all__ = [
     "StepComparison",

@@ -24,12 +24,12 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dpverify._assertions import Check, Parallel, raise_unless_ok
-from dpverify._comparison import Msg, StepComparison
-from dpverify._errors import InvalidArgument
-from dpverify._numerics import max_abs
-from dpverify._step import convert_tensors, default_dtype, seed_step
-from dpverify._virtual import SCALAR_GATHER_WARNING
+from dpverify.checks.dp import Check, Parallel, raise_unless_ok
+from dpverify.core.comparison import Msg, StepComparison
+from dpverify.core.errors import InvalidArgument
+from dpverify.core.numerics import max_abs
+from dpverify.core.step import convert_tensors, default_dtype, seed_step
+from dpverify.core.virtual import SCALAR_GATHER_WARNING
 
 __all__ = [
     "LossAverageReport",

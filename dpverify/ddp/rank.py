@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dpverify._ddp_pool import RankInfo
-from dpverify._errors import InvalidArgument
-from dpverify._step import convert_tensors, flatten_tensors, no_tf32, parameter_sites
+from dpverify.core.errors import InvalidArgument
+from dpverify.core.step import convert_tensors, flatten_tensors, no_tf32, parameter_sites
+from dpverify.ddp.pool import RankInfo
 
 __all__ = [
     "BufferTask",
@@ -274,7 +274,7 @@ def _module_copy(module: nn.Module, device: torch.device, *, sync_batchnorm: boo
         if device.type == "cuda":
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         else:
-            from dpverify._ddp_syncbn import convert_to_host_sync_batchnorm
+            from dpverify.ddp.syncbn import convert_to_host_sync_batchnorm
 
             model = convert_to_host_sync_batchnorm(model)
     return model

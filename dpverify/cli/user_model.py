@@ -30,10 +30,10 @@ import torch
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
-from dpverify._builtin import BUILTIN_MODELS, builtin_case
-from dpverify._errors import InvalidArgument
-from dpverify._loss_average import extract_loss
-from dpverify._model_specs import primary_output
+from dpverify.checks.loss_average import extract_loss
+from dpverify.core.errors import InvalidArgument
+from dpverify.models.builtin import BUILTIN_MODELS, builtin_case
+from dpverify.models.specs import primary_output
 from dpverify.strategies import LOSSES, LossSpec
 
 __all__ = [

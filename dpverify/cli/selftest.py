@@ -6,8 +6,8 @@ prints the verdict. Without torchrun, the same checks run through a ``DDPWorkerP
 ``--world-size`` ranks on this machine. The exit code is 0 when every check passed, 1 when
 one failed, 2 for bad usage, on every rank.
 
-    torchrun --standalone --nproc-per-node 2 -m dpverify._ddp_selftest
-    python -m dpverify._ddp_selftest --world-size 4
+    torchrun --standalone --nproc-per-node 2 -m dpverify.cli.selftest
+    python -m dpverify.cli.selftest --world-size 4
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpverify._builtin import builtin_case
-from dpverify._cli import plural
-from dpverify._ddp_checks import (
+from dpverify.cli.main import plural
+from dpverify.core.errors import InvalidArgument, ParallelMismatch
+from dpverify.ddp.checks import (
     assert_ddp_accumulation_matches,
     assert_ddp_buffers_match,
     assert_ddp_grads_match,
@@ -34,8 +34,8 @@ from dpverify._ddp_checks import (
     assert_ddp_training_matches,
     assert_dp_ddp_agree,
 )
-from dpverify._ddp_pool import DDPWorkerPool, ParallelError, ProcessGroupRunner, RankRunner
-from dpverify._errors import InvalidArgument, ParallelMismatch
+from dpverify.ddp.pool import DDPWorkerPool, ParallelError, ProcessGroupRunner, RankRunner
+from dpverify.models.builtin import builtin_case
 
 __all__ = ["PartlyUsed", "main_selftest"]
 

@@ -48,7 +48,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol, TypeVar
 
-from dpverify._errors import InvalidArgument
+from dpverify.core.errors import InvalidArgument
 
 __all__ = [
     "DDPWorkerPool",
@@ -85,7 +85,7 @@ DEFAULT_TIMEOUT_S = 60.0
 #: Imported once by the fork server, so that a rank starts (and restarts) in well under a
 #: second: torch, DDP, and torch._dynamo, which torch.manual_seed imports on first use
 #: (about 3 s per fresh rank on a 2-core machine otherwise).
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dpverify._ddp_pool", "dpverify._ddp_rank"]
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dpverify.ddp.pool", "dpverify.ddp.rank"]
 
 #: Every rank process's name starts so: how a fork server's child knows it is a rank.
 _RANK_NAME = "dpverify-ddp-rank"

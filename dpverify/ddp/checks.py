@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from dpverify._assertions import Check, raise_unless_ok
-from dpverify._comparison import (
+from dpverify.checks.dp import Check, raise_unless_ok
+from dpverify.core.comparison import (
     Msg,
     StepComparison,
     TensorComparison,
@@ -30,8 +30,22 @@ from dpverify._comparison import (
     compare_tensors,
     uniform_scale,
 )
-from dpverify._ddp_pool import ParallelError, RankRunner, require_picklable, shared_pool
-from dpverify._ddp_rank import (
+from dpverify.core.divergence import divergence_sources
+from dpverify.core.errors import InvalidArgument
+from dpverify.core.step import (
+    StepResult,
+    as_inputs,
+    batch_size_of,
+    convert_tensors,
+    copy_module,
+    default_dtype,
+    first_parameter_dtype,
+    flatten_tensors,
+    parameter_sites,
+    run_step,
+)
+from dpverify.ddp.pool import ParallelError, RankRunner, require_picklable, shared_pool
+from dpverify.ddp.rank import (
     BufferTask,
     LossFn,
     OptimizerFactory,
@@ -50,20 +64,6 @@ from dpverify._ddp_rank import (
     shard_bounds,
     take_rows,
     weighted_ddp_step,
-)
-from dpverify._divergence import divergence_sources
-from dpverify._errors import InvalidArgument
-from dpverify._step import (
-    StepResult,
-    as_inputs,
-    batch_size_of,
-    convert_tensors,
-    copy_module,
-    default_dtype,
-    first_parameter_dtype,
-    flatten_tensors,
-    parameter_sites,
-    run_step,
 )
 
 __all__ = [

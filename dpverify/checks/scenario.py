@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpverify._assertions import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
-from dpverify._replica_state import assert_dp_buffers_match
+from dpverify.checks.buffers import assert_dp_buffers_match
+from dpverify.checks.dp import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
 from dpverify.strategies import Scenario
 
 __all__ = ["dp_buffers", "dp_grad_sum", "dp_grads"]

@@ -38,19 +38,19 @@ from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.strategies import SearchStrategy
 
-from dpverify._cli import plural
-from dpverify._comparison import StepComparison
-from dpverify._devices import cuda_device_count
-from dpverify._divergence import divergence_sources
-from dpverify._errors import ParallelMismatch
-from dpverify._loss_average import (
+from dpverify.checks.loss_average import (
     assert_loss_reduction_matches_full_batch,
     check_forward_loss_average,
 )
-from dpverify._model_check import ONE_ROW_BATCHNORM, ddp_checks, weighted_loss
-from dpverify._model_specs import KINDS
-from dpverify._scenario_checks import dp_buffers, dp_grad_sum, dp_grads
-from dpverify._virtual import data_parallel
+from dpverify.checks.model import ONE_ROW_BATCHNORM, ddp_checks, weighted_loss
+from dpverify.checks.scenario import dp_buffers, dp_grad_sum, dp_grads
+from dpverify.cli.main import plural
+from dpverify.core.comparison import StepComparison
+from dpverify.core.devices import cuda_device_count
+from dpverify.core.divergence import divergence_sources
+from dpverify.core.errors import ParallelMismatch
+from dpverify.core.virtual import data_parallel
+from dpverify.models.specs import KINDS
 from dpverify.strategies import (
     DeviceList,
     Scenario,
