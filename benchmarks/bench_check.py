@@ -52,14 +52,15 @@ import dpverify
 from dpverify.checks.model import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_DEVICE_COUNTS,
-    ONE_ROW_BATCHNORM,
     ModelCheckReport,
     Split,
     Verdict,
     check_model,
 )
-from dpverify.cli.user_model import Batch, UserModel, user_model
+from dpverify.cli.user_model import user_model
+from dpverify.core.divergence import ONE_ROW_BATCHNORM
 from dpverify.core.step import copy_module
+from dpverify.models.user import Batch, UserModel
 
 CLASSES = 10
 IMAGE = (3, 32, 32)

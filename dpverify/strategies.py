@@ -25,18 +25,26 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
-import torch.nn.functional as F
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
-from torch import nn
 
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
-from dpverify.models.specs import ACTIVATIONS, KINDS, POOLINGS, ModelSpec, primary_output
+from dpverify.models.specs import (
+    ACTIVATIONS,
+    CLASSIFICATION_LOSSES,
+    KINDS,
+    LOSSES,
+    POOLINGS,
+    BuiltScenario,
+    DeviceList,
+    LossSpec,
+    ModelSpec,
+    Scenario,
+)
 
 __all__ = [
     "LOSSES",
@@ -54,120 +62,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-#: Loss functions, simplest first.
-LOSSES: tuple[str, ...] = ("mse", "l1", "smooth_l1", "cross_entropy", "nll", "bce_with_logits")
-_CLASSIFICATION = ("cross_entropy", "nll")
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    """A loss function and its reduction; callable as ``loss(output, target)``.
-
-    ``output`` may be any spec model's output (the logits are taken out of tuples, dicts
-    and namedtuples).
-    """
-
-    name: str = "mse"
-    reduction: str = "mean"
-
-    def __post_init__(self) -> None:
-        if self.name not in LOSSES:
-            raise InvalidArgument(f"name={self.name!r} is not one of {LOSSES}")
-        if self.reduction not in ("mean", "sum"):
-            raise InvalidArgument(f"reduction={self.reduction!r} must be 'mean' or 'sum'")
-
-    def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        logits = primary_output(output)
-        r = self.reduction
-        if self.name == "mse":
-            return F.mse_loss(logits, target, reduction=r)
-        if self.name == "l1":
-            return F.l1_loss(logits, target, reduction=r)
-        if self.name == "smooth_l1":
-            return F.smooth_l1_loss(logits, target, reduction=r)
-        if self.name == "cross_entropy":
-            return F.cross_entropy(logits, target, reduction=r)
-        if self.name == "nll":
-            return F.nll_loss(F.log_softmax(logits, dim=-1), target, reduction=r)
-        return F.binary_cross_entropy_with_logits(logits, target, reduction=r)
-
-    def target(self, batch: int, outputs: int, seed: int = 0) -> torch.Tensor:
-        """A target batch for ``(batch, outputs)`` logits, drawn from ``seed``."""
-        g = torch.Generator().manual_seed(seed + 1)
-        if self.name in _CLASSIFICATION:
-            return torch.randint(0, outputs, (batch,), generator=g)
-        if self.name == "bce_with_logits":
-            return torch.randint(0, 2, (batch, outputs), generator=g).float()
-        return torch.randn(batch, outputs, generator=g)
-
-
-@dataclass(frozen=True)
-class DeviceList:
-    """DataParallel's ``device_ids`` and ``output_device`` (None: ``device_ids[0]``)."""
-
-    device_ids: tuple[int, ...] = (0, 1)
-    output_device: int | None = None
-
-    @property
-    def real(self) -> bool:
-        """Whether these are visible CUDA devices (else virtual ids)."""
-        return cuda_device_count() > max(self.device_ids)
-
-
-@dataclass(frozen=True)
-class BuiltScenario:
-    """A scenario made concrete: pass these to the assertion helpers."""
-
-    module: nn.Module
-    inputs: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    target: torch.Tensor
-    loss_fn: LossSpec
-    device_ids: list[int]
-    output_device: int | None
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """One data-parallel step to check: a model, a batch, devices, a loss, a dtype, a seed."""
-
-    model: ModelSpec = field(default_factory=ModelSpec)
-    batch_size: int = 2
-    devices: DeviceList = field(default_factory=DeviceList)
-    loss: LossSpec = field(default_factory=LossSpec)
-    dtype: torch.dtype = torch.float32
-    seed: int = 0
-
-    @property
-    def chunk_sizes(self) -> list[int]:
-        from dpverify.core.scatter import chunk_sizes
-
-        return chunk_sizes(self.batch_size, len(self.devices.device_ids))
-
-    def build(self) -> BuiltScenario:
-        """The module (in ``dtype``), inputs, keyword inputs and target, deterministically."""
-        target = self.loss.target(self.batch_size, self.model.output_dim, self.seed)
-        if self.model.returns_loss:
-            target = torch.randn(self.batch_size, self.model.outputs, generator=torch.Generator().manual_seed(self.seed + 2))
-        args, kwargs = self.model.inputs(self.batch_size, self.seed, target=target)
-        module = self.model.build(self.seed).to(self.dtype)
-
-        def cast(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and value.is_floating_point():
-                return value.to(self.dtype)
-            return value
-
-        return BuiltScenario(
-            module=module,
-            inputs=tuple(cast(a) for a in args),
-            kwargs={k: cast(v) for k, v in kwargs.items()},
-            target=cast(target),
-            loss_fn=self.loss,
-            device_ids=list(self.devices.device_ids),
-            output_device=self.devices.output_device,
-        )
-
 
 def _check_type(name: str, value: object, expected: type[Any]) -> None:
     """Raises unless ``value`` (given, or drawn from a strategy) is an ``expected``."""
@@ -361,7 +255,7 @@ def _scenarios(
     batch = draw(batch_sizes(len(device_list.device_ids), max_size=max_batch))
     loss = draw(losses)
     _check_type("losses", loss, LossSpec)
-    if loss.name in _CLASSIFICATION and model.output_dim < 2:
+    if loss.name in CLASSIFICATION_LOSSES and model.output_dim < 2:
         loss = LossSpec("mse", loss.reduction)  # one logit is no classifier
     dtype = draw(dtype_strategy)
     _check_type("dtype", dtype, torch.dtype)

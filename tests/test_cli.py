@@ -236,7 +236,7 @@ HF_NAMES = [
 
 
 def test_shorten_middle_keeps_the_head_and_the_tail_of_long_names() -> None:
-    from dpverify.cli.main import shorten_middle
+    from dpverify.core.text import shorten_middle
 
     name = "bert.encoder.layer.0.attention.self.key.bias"
     assert shorten_middle(name, len(name)) == name
@@ -253,7 +253,7 @@ def test_shorten_middle_keeps_the_head_and_the_tail_of_long_names() -> None:
 
 
 def test_shortened_names_stay_distinct() -> None:
-    from dpverify.cli.main import shorten_names
+    from dpverify.core.text import shorten_names
 
     for width in (12, 20, 28, 36, 44):
         shortened = shorten_names(HF_NAMES, width)

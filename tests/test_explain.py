@@ -16,7 +16,8 @@ from torch import nn
 
 from dpverify.cli.explain import QUESTIONS, Explanation, explain
 from dpverify.cli.main import main
-from dpverify.cli.user_model import UserModel, builtin_model, user_model
+from dpverify.cli.user_model import user_model
+from dpverify.models.user import UserModel, builtin_model
 
 QUESTIONS_DOC = Path(__file__).resolve().parents[1] / "docs" / "questions.md"
 

@@ -13,8 +13,9 @@ import pytest
 
 from dpverify.checks.model import Verdict, check_model, parameter_errors
 from dpverify.cli.main import main
-from dpverify.cli.user_model import builtin_model, first_layer_batch, user_model
+from dpverify.cli.user_model import first_layer_batch, user_model
 from dpverify.core.errors import InvalidArgument
+from dpverify.models.user import builtin_model
 
 MODELS = textwrap.dedent(
     """

@@ -201,7 +201,7 @@ def test_wrongly_typed_arguments_are_invalid_arguments(make: Any, match: str) ->
 
 
 def test_spec_validation() -> None:
-    with pytest.raises(ValueError, match="kind='resnet'"):
+    with pytest.raises(dpverify.InvalidArgument, match="kind='resnet'"):
         ModelSpec("resnet")
     with pytest.raises(dpverify.InvalidArgument, match="reduction='none'"):
         LossSpec("mse", "none")

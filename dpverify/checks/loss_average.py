@@ -90,6 +90,12 @@ def _replica_losses(output: Any, loss_at: int, replicas: int) -> torch.Tensor:
     return losses
 
 
+def chunk_weighted_loss(losses: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """The exact reduction of per-replica mean losses: ``sum(n_i * loss_i) / B``."""
+    weights = torch.tensor(sizes, dtype=losses.dtype, device=losses.device)
+    return (losses * weights).sum() / sum(sizes)
+
+
 @dataclass(frozen=True)
 class LossAverageReport:
     """What ``loss.mean()`` of DataParallel's gathered per-replica losses gives.

@@ -29,40 +29,42 @@ from dpverify.checks.loss_average import (
     LossAverageReport,
     assert_loss_reduction_matches_full_batch,
     check_forward_loss_average,
+    chunk_weighted_loss,
 )
-from dpverify.cli.main import name_list, plural, shorten_names
-from dpverify.cli.user_model import Batch, UserModel, describe_exception, failure_detail
 from dpverify.core.comparison import StepComparison, TensorComparison
-from dpverify.core.divergence import DivergenceSource, divergence_sources
+from dpverify.core.divergence import (
+    ONE_ROW_BATCHNORM,
+    DivergenceSource,
+    SourceGroup,
+    divergence_sources,
+    group_sources,
+)
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
+from dpverify.core.text import and_list, plural, shorten_names
+from dpverify.core.tracebacks import describe_exception, failure_detail
+from dpverify.ddp import checks_if_available
+from dpverify.models.user import Batch, UserModel
 
 __all__ = [
     "DEFAULT_BATCH_SIZES",
     "DEFAULT_DEVICE_COUNTS",
-    "ONE_ROW_BATCHNORM",
     "CheckProgress",
     "CheckResult",
     "ModelCheckReport",
-    "SourceGroup",
     "Split",
     "Verdict",
     "check_model",
-    "ddp_checks",
-    "group_sources",
     "parameter_errors",
     "plan_checks",
     "render_model_check",
     "render_model_check_header",
     "runs_on",
-    "weighted_loss",
 ]
 
 #: Even chunks, uneven chunks, one-row chunks and fewer rows than devices, on 2 and 4 devices.
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (8, 5, 2)
 DEFAULT_DEVICE_COUNTS: tuple[int, ...] = (2, 4)
 
-#: torch's error when BatchNorm in train mode gets a chunk of one row.
-ONE_ROW_BATCHNORM = "Expected more than 1 value per channel when training"
 
 
 class Verdict:
@@ -140,78 +142,6 @@ class ModelCheckReport:
 
 
 @dataclass(frozen=True)
-class SourceGroup:
-    """Divergence sources that share one explanation: modules of one class, with the same
-    reason and fix (a MobileNet's 34 BatchNorm2d layers are one group).
-
-    Attributes:
-        modules: the modules' dotted names, in model order (``""`` for the root).
-        module_type: their class, e.g. ``"BatchNorm2d"``.
-        kind: ``"batch statistics"`` or ``"randomness"``.
-        reason: what these modules do differently under DataParallel.
-        fix: how to get an exact comparison.
-    """
-
-    modules: tuple[str, ...]
-    module_type: str
-    kind: str
-    reason: str
-    fix: str
-
-    def names(self, width: int | None = None, *, most: int | None = None) -> str:
-        """The modules, quoted: all of them in full by default; ``width`` shortens each in
-        the middle, and ``most`` keeps the first and last few of a long list."""
-        named = [m for m in self.modules if m]
-        longest = max(map(len, named), default=0)
-        text = name_list(named, width or longest, most=most or len(named)) if named else ""
-        if len(named) < len(self.modules):
-            text = f"the root module and {text}" if text else "the root module"
-        return text
-
-    def describe(self, names: str | None = None) -> str:
-        """The explanation, once, for every module of the group (``names``: the modules as
-        they should read, by default ``self.names()``)."""
-        count = f", {plural(len(self.modules), 'module')}" if len(self.modules) > 1 else ""
-        return f"{names or self.names()} ({self.kind}{count}): {self.reason} Fix: {self.fix}"
-
-    def cause(self) -> str:
-        """The group in a few words: ``'norm' (batch statistics)`` or ``4 BatchNorm1d
-        modules (batch statistics)``."""
-        who = self.names() if len(self.modules) == 1 else plural(len(self.modules), f"{self.module_type} module")
-        return f"{who} ({self.kind})"
-
-
-def _and(items: Sequence[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``."""
-    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
-
-
-def group_sources(module: nn.Module, sources: Sequence[DivergenceSource] | None = None) -> tuple[SourceGroup, ...]:
-    """``module``'s divergence sources (by default all of them), one group per shared
-    explanation, in the order the groups first occur."""
-    groups: dict[tuple[str, str, str, str], list[str]] = {}
-    for source in divergence_sources(module) if sources is None else sources:
-        key = (type(module.get_submodule(source.module)).__name__, source.kind, source.reason, source.fix)
-        groups.setdefault(key, []).append(source.module)
-    return tuple(SourceGroup(tuple(names), *key) for key, names in groups.items())
-
-
-def weighted_loss(losses: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """The exact reduction of per-replica mean losses: ``sum(n_i * loss_i) / B``."""
-    weights = torch.tensor(sizes, dtype=losses.dtype, device=losses.device)
-    return (losses * weights).sum() / sum(sizes)
-
-
-def ddp_checks() -> Any:
-    """The DDP check module, or None when this build has no DDP backend."""
-    try:
-        from dpverify.ddp import checks as _ddp_checks
-    except ImportError:
-        return None
-    return _ddp_checks
-
-
-@dataclass(frozen=True)
 class _Planned:
     check: str
     split: Split
@@ -257,7 +187,7 @@ def _checks_for(module: nn.Module, batch: Batch, split: Split, backend: str, exp
             yield "loss.mean() of replica losses", lambda name, split: _loss_average(module, batch, ids, name, split)
             yield "n_i/B-weighted loss is exact", lambda name, split: _comparison(
                 name, split, sources,
-                lambda: assert_loss_reduction_matches_full_batch(module, batch.inputs, device_ids=ids, reduce=weighted_loss),
+                lambda: assert_loss_reduction_matches_full_batch(module, batch.inputs, device_ids=ids, reduce=chunk_weighted_loss),
             )
         else:
             loss_fn = batch.loss_fn
@@ -275,7 +205,7 @@ def _checks_for(module: nn.Module, batch: Batch, split: Split, backend: str, exp
 
 
 def _ddp(module: nn.Module, batch: Batch, name: str, split: Split, sources: Sequence[SourceGroup]) -> CheckResult:
-    checks = ddp_checks()
+    checks = checks_if_available()
     if checks is None:
         return CheckResult(name, split, Verdict.FAIL, "the DDP backend is not available in this build")
     if batch.loss_fn is None:
@@ -316,7 +246,7 @@ def _raised(name: str, split: Split, error: BaseException) -> CheckResult:
 
 def _explained(name: str, split: Split, sources: Sequence[SourceGroup], tensors: tuple[TensorComparison, ...]) -> CheckResult:
     # one explanation per group, not per module: 34 BatchNorm layers share one
-    summary = "differs because of " + _and([group.cause() for group in sources])
+    summary = "differs because of " + and_list([group.cause() for group in sources])
     detail = "\n".join(group.describe() for group in sources)
     return CheckResult(name, split, Verdict.EXPLAINED, summary, detail, tensors)
 
@@ -462,11 +392,11 @@ def runs_on(backend: str, device_counts: Sequence[int]) -> str:
         for size in sorted(set(device_counts)):
             sizes.setdefault(_ddp_backend(size), []).append(size)
         groups = [
-            f"{name} ranks ({_and([str(n) for n in counts])} {'process' if counts == [1] else 'processes'})"
+            f"{name} ranks ({and_list([str(n) for n in counts])} {'process' if counts == [1] else 'processes'})"
             for name, counts in sizes.items()
         ]
-        parts.append(f"real DDP on {_and(groups)}")
-    return _and(parts)
+        parts.append(f"real DDP on {and_list(groups)}")
+    return and_list(parts)
 
 
 def render_model_check_header(console: Any, model: UserModel, *, loss: str, backend: str, device_counts: Sequence[int]) -> None:

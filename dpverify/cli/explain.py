@@ -24,13 +24,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpverify.checks.loss_average import LossAverageReport, check_forward_loss_average, extract_loss
-from dpverify.checks.model import ONE_ROW_BATCHNORM, weighted_loss
-from dpverify.cli.user_model import Batch, UserModel
-from dpverify.core.divergence import divergence_sources
+from dpverify.checks.loss_average import (
+    LossAverageReport,
+    check_forward_loss_average,
+    chunk_weighted_loss,
+    extract_loss,
+)
+from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
 from dpverify.core.scatter import plan_scatter
 from dpverify.core.step import flatten_tensors, parameter_sites, run_step, seed_step
 from dpverify.core.virtual import SCALAR_GATHER_WARNING, VirtualDataParallel, current_virtual_device
+from dpverify.models.user import Batch, UserModel
 
 __all__ = [
     "QUESTIONS",
@@ -312,7 +316,7 @@ def _loss_of(batch: Batch, sizes: Sequence[int]) -> Callable[[Any], torch.Tensor
         losses = extract_loss(output, -1)
         if losses.dim() == 0:
             return losses
-        return weighted_loss(losses.reshape(-1), list(sizes))
+        return chunk_weighted_loss(losses.reshape(-1), list(sizes))
 
     return from_forward
 
@@ -743,10 +747,10 @@ def _ddp_fact(module: nn.Module, batch: Batch, device_ids: list[int], sizes: Seq
 
 
 def _measured_ddp(module: nn.Module, batch: Batch, world_size: int, simulated: DDPFact) -> DDPFact:
-    from dpverify.checks.model import ddp_checks
     from dpverify.core.errors import ParallelMismatch
+    from dpverify.ddp import checks_if_available
 
-    checks = ddp_checks()
+    checks = checks_if_available()
     if checks is None:
         return DDPFact("simulated", simulated.mean_loss_gap, simulated.sum_loss_ratio, "the DDP backend is not available in this build")
     if batch.loss_fn is None:

@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dpverify.cli.explain import ChunkFact, Explanation, ReplicaFact, StateFact
-from dpverify.cli.main import name_list, plural, shorten_names
+from dpverify.core.text import name_list, plural, shorten_names
 
 __all__ = ["explanation_json", "render_explanation"]
 

@@ -41,15 +41,16 @@ from hypothesis.strategies import SearchStrategy
 from dpverify.checks.loss_average import (
     assert_loss_reduction_matches_full_batch,
     check_forward_loss_average,
+    chunk_weighted_loss,
 )
-from dpverify.checks.model import ONE_ROW_BATCHNORM, ddp_checks, weighted_loss
 from dpverify.checks.scenario import dp_buffers, dp_grad_sum, dp_grads
-from dpverify.cli.main import plural
 from dpverify.core.comparison import StepComparison
 from dpverify.core.devices import cuda_device_count
-from dpverify.core.divergence import divergence_sources
+from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
 from dpverify.core.errors import ParallelMismatch
+from dpverify.core.text import plural
 from dpverify.core.virtual import data_parallel
+from dpverify.ddp import checks_if_available
 from dpverify.models.specs import KINDS
 from dpverify.strategies import (
     DeviceList,
@@ -137,7 +138,7 @@ def _dp_loss_average(scenario: Scenario, run: _Run) -> None:
             report,
         )
     assert_loss_reduction_matches_full_batch(
-        s.module, s.inputs, device_ids=s.device_ids, reduce=weighted_loss, parallel=run.target
+        s.module, s.inputs, device_ids=s.device_ids, reduce=chunk_weighted_loss, parallel=run.target
     )
 
 
@@ -165,7 +166,7 @@ def _dp_state(scenario: Scenario, run: _Run) -> None:
 
 def _ddp_grads(scenario: Scenario, run: _Run) -> None:
     s = scenario.build()
-    checks = ddp_checks()
+    checks = checks_if_available()
     if checks is None:
         raise RuntimeError("the DDP backend is not available in this build")
     checks.assert_ddp_grads_match(
@@ -200,7 +201,7 @@ CHECKS: dict[str, tuple[Callable[[Scenario, _Run], None], str]] = {
         return (losses * torch.tensor(sizes, dtype=losses.dtype, device=losses.device)).sum() / sum(sizes)
 
     dpverify.assert_loss_reduction_matches_full_batch(
-        s.module, s.inputs, device_ids=s.device_ids, reduce=weighted_loss, parallel=target
+        s.module, s.inputs, device_ids=s.device_ids, reduce=chunk_weighted_loss, parallel=target
     )"""),
     "dp-buffers": (_dp_buffers, """\
     dpverify.assert_dp_buffers_match(

@@ -29,18 +29,13 @@ from dpverify.checks.loss_average import (
     assert_loss_reduction_matches_full_batch,
     check_forward_loss_average,
 )
-from dpverify.cli.user_model import (
-    UserModel,
-    builtin_model,
-    describe_exception,
-    failure_detail,
-    load_object,
-    user_model,
-    user_traceback,
-)
+from dpverify.cli.user_model import load_object, user_model
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
+from dpverify.core.text import plural
+from dpverify.core.tracebacks import describe_exception, failure_detail, user_traceback
 from dpverify.models.builtin import BUILTIN_MODELS, BuiltinCase, builtin_case
+from dpverify.models.user import UserModel, builtin_model
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -55,10 +50,6 @@ __all__ = [
     "EXIT_USAGE",
     "load_object",
     "main",
-    "name_list",
-    "plural",
-    "shorten_middle",
-    "shorten_names",
 ]
 
 #: Every check that ran passed (or differed for an explained reason).
@@ -89,164 +80,6 @@ class Verdict:
     check: str
     passed: bool
     detail: str
-
-
-#: Stands for the characters ``shorten_middle`` leaves out.
-ELLIPSIS = "…"
-
-
-def plural(count: int, word: str, many: str | None = None) -> str:
-    """``"1 rank"``, ``"2 ranks"``: the count and the word, plural unless the count is 1.
-
-    Args:
-        count: how many.
-        word: the singular.
-        many: the plural where it is not ``word + "s"``.
-    """
-    return f"{count:,} {word if count == 1 else many or word + 's'}"
-
-
-def _indices(parts: Sequence[str]) -> int:
-    """How many components are ModuleList/Sequential indices (``layer.11``): they are what
-    tells repeated blocks apart."""
-    return sum(part.isdigit() for part in parts)
-
-
-def _prefix(parts: Sequence[str], room: int) -> list[str]:
-    """The most leading components whose dotted join fits ``room`` characters."""
-    taken: list[str] = []
-    for part in parts:
-        if len(".".join([*taken, part])) > room:
-            break
-        taken.append(part)
-    return taken
-
-
-def _suffix(parts: Sequence[str], room: int) -> list[str]:
-    """The most trailing components whose dotted join fits ``room`` characters."""
-    return _prefix(parts[::-1], room)[::-1]
-
-
-def _split(parts: Sequence[str], room: int) -> tuple[list[str], list[str]] | None:
-    """Whole components for the head and the tail within ``room`` characters, or None when
-    not even the first and the last component fit.
-
-    The balanced split gives the tail about two thirds of the room (then the head takes
-    what fits, and the tail what the head left). Where it drops a ModuleList index that
-    another split keeps, the split keeping the most indices wins: the tail from the last
-    index on, or the head up to it.
-    """
-    if len(parts) < 2 or len(parts[0]) + len(parts[-1]) > room:
-        return None
-    # the head keeps at least the first component
-    tail = _suffix(parts[1:], min(room - max(room // 3, 1), room - len(parts[0]))) or parts[-1:]
-    head = _prefix(parts[: len(parts) - len(tail)], room - len(".".join(tail)))
-    tail = _suffix(parts[len(head):], room - len(".".join(head)))
-    candidates = [(head, tail)]
-    last = max((i for i, part in enumerate(parts) if part.isdigit() and 0 < i < len(parts) - 1), default=None)
-    if last is not None:
-        from_index = list(parts[last:])
-        if len(parts[0]) + len(".".join(from_index)) <= room:
-            candidates.append((_prefix(parts[:last], room - len(".".join(from_index))), from_index))
-        through = list(parts[: last + 1])
-        if len(".".join(through)) + len(parts[-1]) <= room:
-            candidates.append((through, _suffix(parts[last + 1:], room - len(".".join(through)))))
-
-    def score(split: tuple[list[str], list[str]]) -> tuple[int, int]:
-        kept = [*split[0], *split[1]]
-        return _indices(kept), len(".".join(split[0])) + len(".".join(split[1]))
-
-    # max keeps the first of equals: the balanced split unless another keeps more
-    return max(candidates, key=score)
-
-
-def shorten_middle(name: str, width: int) -> str:
-    """``name`` in at most ``width`` characters, cut in the middle, never at the end.
-
-    The head (which part of the model) and the tail (which layer, which tensor) are what
-    tell rows apart, so an ellipsis replaces the middle: whole dotted components are kept
-    at both ends, as many ModuleList indices as fit first, then as many characters, e.g.
-    ``bert.encoder…0.attention.self.key.bias``. Where not even the first and the last
-    component fit, the head (and if need be the tail) is cut by characters instead.
-
-    Args:
-        name: a dotted parameter, buffer or module name (any text works).
-        width: the most characters the result may have.
-
-    Returns:
-        ``name`` itself when it fits, else ``head + "…" + tail``.
-    """
-    if len(name) <= width:
-        return name
-    if width < 3:
-        # no room for both ends; the head alone still says where the name starts
-        return (name[: width - 1] + ELLIPSIS) if width > 0 else ""
-    room = width - len(ELLIPSIS)
-    parts = name.split(".")
-    split = _split(parts, room)
-    if split is not None:
-        return ".".join(split[0]) + ELLIPSIS + ".".join(split[1])
-    # a component too long for whole ones: the tail's whole components in two thirds of
-    # the room (or its last characters), the head's first characters in the rest
-    share = room - max(room // 3, 1)
-    taken: list[str] = []
-    for part in reversed(parts[1:]):
-        if len(".".join([part, *taken])) > share:
-            break
-        taken.insert(0, part)
-    tail = ".".join(taken) if taken else name[len(name) - share:]
-    return name[: room - len(tail)] + ELLIPSIS + tail
-
-
-def _kept_indices(short: str) -> int:
-    """The indices a shortened name still shows, in its head and in its tail."""
-    return sum(_indices(side.split(".")) for side in short.split(ELLIPSIS))
-
-
-def shorten_names(names: Sequence[str], width: int) -> list[str]:
-    """Each name shortened in the middle to ``width``, and distinct names kept distinct.
-
-    Names that would read the same (``layer.0…weight`` and ``layer.1…weight`` both losing
-    their layer number) are given more characters until they differ and keep their
-    indices; at worst they are shown whole. Names that clash with none keep ``width``.
-
-    Args:
-        names: the names of one table column.
-        width: the characters each may have, unless it must have more to stay distinct.
-    """
-    widths = dict.fromkeys(names, width)
-    widening: set[str] = set()
-    while True:
-        short = {name: shorten_middle(name, room) for name, room in widths.items()}
-        seen: dict[str, int] = {}
-        for text in short.values():
-            seen[text] = seen.get(text, 0) + 1
-        widening.update(name for name, text in short.items() if seen[text] > 1)
-        # a clashing name that still drops an index would be told apart by luck, not by it
-        grow = [
-            name for name in widening
-            if short[name] != name and (seen[short[name]] > 1 or _kept_indices(short[name]) < _indices(name.split(".")))
-        ]
-        if not grow:
-            return [short[name] for name in names]
-        for name in grow:
-            widths[name] += 1
-
-
-def name_list(names: Sequence[str], width: int, *, most: int = 8) -> str:
-    """``'a', 'b' and 'c'``: the names quoted, each shortened in the middle to ``width``;
-    over ``most`` names, the first and last few with the count of the others between.
-
-    Args:
-        names: module or tensor names.
-        width: the characters each name may have.
-        most: the most names shown.
-    """
-    shown = [repr(name) for name in shorten_names(names, width)]
-    if len(shown) > most:
-        keep = most // 2
-        shown = [*shown[:keep], f"{ELLIPSIS} {len(shown) - 2 * keep} more {ELLIPSIS}", *shown[-keep:]]
-    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} and {shown[-1]}"
 
 
 def _weighted(losses: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -402,9 +235,9 @@ def _duration(text: str) -> float:
 
 
 def _require_ddp(backend: str) -> None:
-    from dpverify.checks.model import ddp_checks
+    from dpverify.ddp import checks_if_available
 
-    if backend in ("ddp", "all") and ddp_checks() is None:
+    if backend in ("ddp", "all") and checks_if_available() is None:
         raise InvalidArgument(f"--backend {backend}: the DDP backend is not available in this build; use --backend dp")
 
 
@@ -544,15 +377,15 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from dpverify.checks.model import ddp_checks
     from dpverify.cli.explain import explain
     from dpverify.cli.explain_view import explanation_json, render_explanation
+    from dpverify.ddp import checks_if_available
 
     model = _load_model(args, default=DEFAULT_EXPLAIN_MODEL)
     ids = list(range(args.devices))
     if args.output_device is not None and args.output_device not in ids:
         raise InvalidArgument(f"--output-device {args.output_device} is not one of the devices {ids}; pick one of them")
-    if args.ddp and ddp_checks() is None:
+    if args.ddp and checks_if_available() is None:
         raise InvalidArgument("--ddp: the DDP backend is not available in this build; leave --ddp out for the simulated answer")
     explanation = explain(model, batch_size=args.batch, device_ids=ids, output_device=args.output_device, real_ddp=args.ddp)
     if args.json:

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpverify.cli.main import plural
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
+from dpverify.core.text import plural
 from dpverify.ddp.checks import (
     assert_ddp_accumulation_matches,
     assert_ddp_buffers_match,

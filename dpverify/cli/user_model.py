@@ -20,10 +20,7 @@ import copy
 import importlib
 import os
 import sys
-import sysconfig
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
@@ -32,20 +29,14 @@ from torch.nn.modules.conv import _ConvNd
 
 from dpverify.checks.loss_average import extract_loss
 from dpverify.core.errors import InvalidArgument
-from dpverify.models.builtin import BUILTIN_MODELS, builtin_case
-from dpverify.models.specs import primary_output
-from dpverify.strategies import LOSSES, LossSpec
+from dpverify.core.tracebacks import describe_exception
+from dpverify.models.specs import LOSSES, LossSpec, primary_output
+from dpverify.models.user import Batch, UserModel
 
 __all__ = [
-    "Batch",
-    "UserModel",
-    "builtin_model",
-    "describe_exception",
-    "failure_detail",
     "first_layer_batch",
     "load_object",
     "user_model",
-    "user_traceback",
 ]
 
 T = TypeVar("T")
@@ -58,55 +49,6 @@ _SHAPE_KEEPING = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Alpha
 #: Spatial extent of an inferred batch for 1-, 2- and 3-d convolutions, and sequence length.
 _SPATIAL = {1: (16,), 2: (8, 8), 3: (4, 4, 4)}
 _SEQUENCE = 6
-
-
-#: Frames a user never wrote: dpverify's own, and the import machinery's.
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_IMPORTLIB_DIR = os.path.dirname(os.path.abspath(importlib.__file__)) + os.sep
-#: Where installed libraries and the standard library live (torch, site, ...).
-_LIBRARY_DIRS = tuple(
-    {os.path.abspath(path) + os.sep for key, path in sysconfig.get_paths().items() if key in ("stdlib", "platstdlib", "purelib", "platlib")}
-)
-
-
-def describe_exception(error: BaseException) -> str:
-    """``Type: message`` on one line; a ``SystemExit`` says that something asked to exit.
-
-    ``quit()`` and ``sys.exit()`` print nothing and carry no message, so the text names them.
-    """
-    if isinstance(error, SystemExit):
-        return f"SystemExit({error.code!r}): the code under test called sys.exit(), exit() or quit()"
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
-
-
-def _hidden_frame(filename: str) -> bool:
-    return filename.startswith("<frozen ") or os.path.abspath(filename).startswith((_PACKAGE_DIR, _IMPORTLIB_DIR))
-
-
-def user_traceback(error: BaseException) -> str:
-    """The traceback of ``error`` as the user's code saw it, or ``""`` if none of it is theirs.
-
-    dpverify's frames and the import machinery's are left out, and so are the library frames
-    (torch's ``Module.__call__``) above the first frame of the user's code; the library
-    frames below it stay, as they say where the error was raised. The exception's notes
-    are kept.
-    """
-    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not _hidden_frame(frame.filename)]
-    first_own = next((i for i, frame in enumerate(frames) if not os.path.abspath(frame.filename).startswith(_LIBRARY_DIRS)), None)
-    if first_own is None:
-        return ""  # nothing of the user's: the message alone says it better
-    lines = ["Traceback (most recent call last; dpverify's own frames left out):\n"]
-    lines += traceback.format_list(frames[first_own:])
-    lines += traceback.format_exception_only(type(error), error)
-    return "".join(lines).rstrip("\n")
-
-
-def failure_detail(error: BaseException) -> str:
-    """A failed check's report of ``error``: ``describe_exception``'s line, then the user's
-    frames, or the exception and its notes alone when none of the frames is the user's."""
-    frames = user_traceback(error) or "".join(traceback.format_exception_only(type(error), error)).rstrip("\n")
-    return f"{describe_exception(error)}\n{frames}"
 
 
 def _call_user(what: str, call: Callable[[], T], how: str) -> T:
@@ -142,68 +84,6 @@ def load_object(spec: str, option: str) -> Any:
         return getattr(module, attribute)
     except AttributeError:
         raise InvalidArgument(f"{option} {spec!r}: {module_name!r} has no attribute {attribute!r}") from None
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One batch for the user's model, and how its loss is computed.
-
-    Attributes:
-        inputs: positional forward arguments.
-        target: the loss target, or None when the forward returns the loss.
-        loss_fn: ``loss_fn(output, target)``, or None when the forward returns the loss.
-        loss_name: the loss in words.
-    """
-
-    inputs: tuple[Any, ...]
-    target: Any
-    loss_fn: LossFn | None
-    loss_name: str
-
-    @property
-    def returns_loss(self) -> bool:
-        return self.loss_fn is None
-
-
-@dataclass(frozen=True)
-class UserModel:
-    """A model and a recipe for batches of any size.
-
-    Attributes:
-        name: what the user named (``pkg.models:make`` or a built-in name).
-        module: the model, as the factory returned it.
-        batch_source: where batches come from, in words.
-        make_batch: ``make_batch(batch_size)`` gives a ``Batch``, deterministically.
-    """
-
-    name: str
-    module: nn.Module
-    batch_source: str
-    make_batch: Callable[[int], Batch]
-
-    @property
-    def parameter_count(self) -> int:
-        return sum(p.numel() for p in self.module.parameters())
-
-
-def builtin_model(name: str, *, seed: int = 0) -> UserModel:
-    """One of dpverify's built-in models (``mlp``, ``conv``, ``embedding``,
-    ``loss-in-forward``) with its batches.
-
-    Raises:
-        InvalidArgument: unknown name.
-    """
-    if name not in BUILTIN_MODELS:
-        raise InvalidArgument(f"--model {name!r} is not a built-in model; choose from {sorted(BUILTIN_MODELS)}")
-
-    def make(batch_size: int) -> Batch:
-        case = builtin_case(name, batch=batch_size, seed=seed)
-        if case.loss_fn is None:
-            return Batch(case.inputs, None, None, "computed in forward (each replica's chunk mean)")
-        return Batch(case.inputs, case.target, case.loss_fn, getattr(case.loss_fn, "__name__", "loss"))
-
-    module = builtin_case(name, batch=1, seed=seed).module
-    return UserModel(name, module, "built in", make)
 
 
 def user_model(

@@ -10,14 +10,29 @@ kinds), or, for ``loss-head``, takes the targets and returns ``(logits, loss)``.
 from __future__ import annotations
 
 from collections import namedtuple
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ACTIVATIONS", "KINDS", "ModelSpec", "Output"]
+from dpverify.core.devices import cuda_device_count
+from dpverify.core.errors import InvalidArgument
+
+__all__ = [
+    "ACTIVATIONS",
+    "CLASSIFICATION_LOSSES",
+    "KINDS",
+    "LOSSES",
+    "BuiltScenario",
+    "DeviceList",
+    "LossSpec",
+    "ModelSpec",
+    "Output",
+    "Scenario",
+    "primary_output",
+]
 
 #: Architecture kinds, simplest first: hypothesis shrinks toward the front.
 KINDS: tuple[str, ...] = (
@@ -285,14 +300,14 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"kind={self.kind!r} is not one of {KINDS}")
+            raise InvalidArgument(f"kind={self.kind!r} is not one of {KINDS}")
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation={self.activation!r} is not one of {ACTIVATIONS}")
+            raise InvalidArgument(f"activation={self.activation!r} is not one of {ACTIVATIONS}")
         if self.pooling not in POOLINGS:
-            raise ValueError(f"pooling={self.pooling!r} is not one of {POOLINGS}")
+            raise InvalidArgument(f"pooling={self.pooling!r} is not one of {POOLINGS}")
         for name in ("features", "hidden", "outputs", "depth"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+                raise InvalidArgument(f"{name}={getattr(self, name)} must be at least 1")
 
     @property
     def batch_independent(self) -> bool:
@@ -389,3 +404,117 @@ def primary_output(output: Any) -> torch.Tensor:
         return logits
     first: torch.Tensor = output[0]
     return first
+
+
+#: Loss functions, simplest first.
+LOSSES: tuple[str, ...] = ("mse", "l1", "smooth_l1", "cross_entropy", "nll", "bce_with_logits")
+CLASSIFICATION_LOSSES = ("cross_entropy", "nll")
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A loss function and its reduction; callable as ``loss(output, target)``.
+
+    ``output`` may be any spec model's output (the logits are taken out of tuples, dicts
+    and namedtuples).
+    """
+
+    name: str = "mse"
+    reduction: str = "mean"
+
+    def __post_init__(self) -> None:
+        if self.name not in LOSSES:
+            raise InvalidArgument(f"name={self.name!r} is not one of {LOSSES}")
+        if self.reduction not in ("mean", "sum"):
+            raise InvalidArgument(f"reduction={self.reduction!r} must be 'mean' or 'sum'")
+
+    def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = primary_output(output)
+        r = self.reduction
+        if self.name == "mse":
+            return F.mse_loss(logits, target, reduction=r)
+        if self.name == "l1":
+            return F.l1_loss(logits, target, reduction=r)
+        if self.name == "smooth_l1":
+            return F.smooth_l1_loss(logits, target, reduction=r)
+        if self.name == "cross_entropy":
+            return F.cross_entropy(logits, target, reduction=r)
+        if self.name == "nll":
+            return F.nll_loss(F.log_softmax(logits, dim=-1), target, reduction=r)
+        return F.binary_cross_entropy_with_logits(logits, target, reduction=r)
+
+    def target(self, batch: int, outputs: int, seed: int = 0) -> torch.Tensor:
+        """A target batch for ``(batch, outputs)`` logits, drawn from ``seed``."""
+        g = torch.Generator().manual_seed(seed + 1)
+        if self.name in CLASSIFICATION_LOSSES:
+            return torch.randint(0, outputs, (batch,), generator=g)
+        if self.name == "bce_with_logits":
+            return torch.randint(0, 2, (batch, outputs), generator=g).float()
+        return torch.randn(batch, outputs, generator=g)
+
+
+@dataclass(frozen=True)
+class DeviceList:
+    """DataParallel's ``device_ids`` and ``output_device`` (None: ``device_ids[0]``)."""
+
+    device_ids: tuple[int, ...] = (0, 1)
+    output_device: int | None = None
+
+    @property
+    def real(self) -> bool:
+        """Whether these are visible CUDA devices (else virtual ids)."""
+        return cuda_device_count() > max(self.device_ids)
+
+
+@dataclass(frozen=True)
+class BuiltScenario:
+    """A scenario made concrete: pass these to the assertion helpers."""
+
+    module: nn.Module
+    inputs: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    target: torch.Tensor
+    loss_fn: LossSpec
+    device_ids: list[int]
+    output_device: int | None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One data-parallel step to check: a model, a batch, devices, a loss, a dtype, a seed."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    batch_size: int = 2
+    devices: DeviceList = field(default_factory=DeviceList)
+    loss: LossSpec = field(default_factory=LossSpec)
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+
+    @property
+    def chunk_sizes(self) -> list[int]:
+        from dpverify.core.scatter import chunk_sizes
+
+        return chunk_sizes(self.batch_size, len(self.devices.device_ids))
+
+    def build(self) -> BuiltScenario:
+        """The module (in ``dtype``), inputs, keyword inputs and target, deterministically."""
+        target = self.loss.target(self.batch_size, self.model.output_dim, self.seed)
+        if self.model.returns_loss:
+            target = torch.randn(self.batch_size, self.model.outputs, generator=torch.Generator().manual_seed(self.seed + 2))
+        args, kwargs = self.model.inputs(self.batch_size, self.seed, target=target)
+        module = self.model.build(self.seed).to(self.dtype)
+
+        def cast(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                return value.to(self.dtype)
+            return value
+
+        return BuiltScenario(
+            module=module,
+            inputs=tuple(cast(a) for a in args),
+            kwargs={k: cast(v) for k, v in kwargs.items()},
+            target=cast(target),
+            loss_fn=self.loss,
+            device_ids=list(self.devices.device_ids),
+            output_device=self.devices.output_device,
+        )

@@ -1,0 +1,80 @@
+"""A model and a recipe for its batches, whoever wrote it: the built-in models, or a
+user's factory as the command line loads it (``dpverify.cli.user_model``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpverify.core.errors import InvalidArgument
+from dpverify.models.builtin import BUILTIN_MODELS, builtin_case
+
+__all__ = ["Batch", "LossFn", "UserModel", "builtin_model"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch for the user's model, and how its loss is computed.
+
+    Attributes:
+        inputs: positional forward arguments.
+        target: the loss target, or None when the forward returns the loss.
+        loss_fn: ``loss_fn(output, target)``, or None when the forward returns the loss.
+        loss_name: the loss in words.
+    """
+
+    inputs: tuple[Any, ...]
+    target: Any
+    loss_fn: LossFn | None
+    loss_name: str
+
+    @property
+    def returns_loss(self) -> bool:
+        return self.loss_fn is None
+
+
+@dataclass(frozen=True)
+class UserModel:
+    """A model and a recipe for batches of any size.
+
+    Attributes:
+        name: what the user named (``pkg.models:make`` or a built-in name).
+        module: the model, as the factory returned it.
+        batch_source: where batches come from, in words.
+        make_batch: ``make_batch(batch_size)`` gives a ``Batch``, deterministically.
+    """
+
+    name: str
+    module: nn.Module
+    batch_source: str
+    make_batch: Callable[[int], Batch]
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+
+def builtin_model(name: str, *, seed: int = 0) -> UserModel:
+    """One of dpverify's built-in models (``mlp``, ``conv``, ``embedding``,
+    ``loss-in-forward``) with its batches.
+
+    Raises:
+        InvalidArgument: unknown name.
+    """
+    if name not in BUILTIN_MODELS:
+        raise InvalidArgument(f"--model {name!r} is not a built-in model; choose from {sorted(BUILTIN_MODELS)}")
+
+    def make(batch_size: int) -> Batch:
+        case = builtin_case(name, batch=batch_size, seed=seed)
+        if case.loss_fn is None:
+            return Batch(case.inputs, None, None, "computed in forward (each replica's chunk mean)")
+        return Batch(case.inputs, case.target, case.loss_fn, getattr(case.loss_fn, "__name__", "loss"))
+
+    module = builtin_case(name, batch=1, seed=seed).module
+    return UserModel(name, module, "built in", make)
