@@ -201,7 +201,7 @@ CHECKS: dict[str, tuple[Callable[[Scenario, _Run], None], str]] = {
         return (losses * torch.tensor(sizes, dtype=losses.dtype, device=losses.device)).sum() / sum(sizes)
 
     dpverify.assert_loss_reduction_matches_full_batch(
-        s.module, s.inputs, device_ids=s.device_ids, reduce=chunk_weighted_loss, parallel=target
+        s.module, s.inputs, device_ids=s.device_ids, reduce=weighted_loss, parallel=target
     )"""),
     "dp-buffers": (_dp_buffers, """\
     dpverify.assert_dp_buffers_match(
