@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections import namedtuple
 from typing import Any
 
 import pytest
 import torch
 
-from dpverify import InvalidArgument, chunk_sizes, plan_scatter
+from dpverify import DroppedRowsWarning, InvalidArgument, chunk_sizes, plan_scatter
+
+Pair = namedtuple("Pair", ["tokens", "mask"])
 
 
 @pytest.mark.parametrize(
@@ -51,3 +54,14 @@ def test_plan_of_nested_arguments_and_kwargs() -> None:
         "kwargs['mask']": (2, 2, 2),
     }
     assert plan.dropped == ()
+
+
+def test_plan_names_namedtuple_fields_and_dict_keys() -> None:
+    """A one-row mask beside five-row tokens: torch zips one chunk of each, so one replica
+    runs and the other rows are lost; the plan names them by field and key."""
+    tokens, mask, ids = torch.randn(5, 2), torch.ones(1, 1), torch.arange(5)
+    with pytest.warns(DroppedRowsWarning, match=r"inputs\[0\]\.tokens loses 2 rows"):
+        plan = plan_scatter((Pair(tokens, mask), {"ids": ids}), None, [0, 1])
+    assert plan.tensor_chunks == (("inputs[0].tokens", (3,)), ("inputs[0].mask", (1,)), ("inputs[1]['ids']", (3,)))
+    assert plan.dropped == (("inputs[0].tokens", 2), ("inputs[1]['ids']", 2))
+    assert plan.n_replicas == 1

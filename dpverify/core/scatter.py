@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +13,7 @@ from torch.nn.parallel.scatter_gather import scatter_kwargs
 
 from dpverify.core.devices import normalize_device_ids
 from dpverify.core.errors import DroppedRowsWarning, InvalidArgument
+from dpverify.core.tree import tensor_leaves
 from dpverify.core.virtual import virtual_primitives
 
 __all__ = ["ScatterPlan", "chunk_sizes", "plan_scatter"]
@@ -80,20 +81,6 @@ class ScatterPlan:
         return text + ")"
 
 
-def _tensor_paths(obj: Any, path: str) -> Iterator[tuple[str, tuple[Any, ...]]]:
-    """Yields (printable path, accessor keys) for every tensor in a nested argument."""
-    if isinstance(obj, torch.Tensor):
-        yield path, ()
-    elif isinstance(obj, (tuple, list)):
-        for i, item in enumerate(obj):
-            for sub, keys in _tensor_paths(item, f"{path}[{i}]"):
-                yield sub, (i, *keys)
-    elif isinstance(obj, dict):
-        for key, item in obj.items():
-            for sub, keys in _tensor_paths(item, f"{path}[{key!r}]"):
-                yield sub, (key, *keys)
-
-
 def _rows(replica_args: Any, keys: tuple[Any, ...], dim: int) -> int:
     try:
         value = replica_args
@@ -133,10 +120,7 @@ def plan_scatter(
     )
     for prefix, arg, (which, key) in arguments:
         source = scattered_inputs if which == 0 else scattered_kwargs
-        for path, keys in _tensor_paths(arg, prefix):
-            tensor = arg
-            for k in keys:
-                tensor = operator.getitem(tensor, k)
+        for path, keys, tensor in tensor_leaves(arg, prefix):
             if tensor.dim() == 0:
                 continue
             rows = tuple(_rows(replica, (key, *keys), dim) for replica in source)

@@ -15,6 +15,7 @@ from torch import nn
 from dpverify.core.comparison import Terms
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.numerics import max_abs
+from dpverify.core.tree import map_tensors, tensor_leaves
 from dpverify.core.virtual import current_virtual_device
 
 __all__ = [
@@ -46,7 +47,7 @@ def as_inputs(inputs: Any) -> tuple[Any, ...]:
 
 def batch_size_of(inputs: tuple[Any, ...], *, argument: str = "inputs") -> int:
     """Rows along dim 0 of the first tensor argument; an empty batch is an error."""
-    for _path, tensor in flatten_tensors(inputs, argument):
+    for _path, _keys, tensor in tensor_leaves(inputs):
         if tensor.dim() == 0:
             continue
         rows = int(tensor.size(0))
@@ -61,32 +62,20 @@ def batch_size_of(inputs: tuple[Any, ...], *, argument: str = "inputs") -> int:
 
 
 def flatten_tensors(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor in a nested output with a readable path (``output['logits']``)."""
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        for name, item in zip(obj._fields, obj, strict=True):
-            yield from flatten_tensors(item, f"{path}.{name}")
-    elif isinstance(obj, (tuple, list)):
-        for i, item in enumerate(obj):
-            yield from flatten_tensors(item, f"{path}[{i}]")
-    elif isinstance(obj, dict):
-        for key, item in obj.items():
-            yield from flatten_tensors(item, f"{path}[{key!r}]")
+    """Every tensor in a nested output with a readable path (``output['logits']``): the
+    paths and tensors of ``tensor_leaves``, without the keys."""
+    for name, _keys, tensor in tensor_leaves(obj, path):
+        yield name, tensor
 
 
 def convert_tensors(obj: Any, dtype: torch.dtype | None, device: torch.device) -> Any:
     """Fresh copies of every tensor, floating ones cast to ``dtype``; other objects kept."""
-    if isinstance(obj, torch.Tensor):
-        cast = dtype if dtype is not None and obj.is_floating_point() else None
-        return obj.detach().to(device=device, dtype=cast, copy=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(convert_tensors(item, dtype, device) for item in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(convert_tensors(item, dtype, device) for item in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, convert_tensors(v, dtype, device)) for k, v in obj.items())
-    return obj
+
+    def convert(tensor: torch.Tensor) -> torch.Tensor:
+        cast = dtype if dtype is not None and tensor.is_floating_point() else None
+        return tensor.detach().to(device=device, dtype=cast, copy=True)
+
+    return map_tensors(obj, convert)
 
 
 @contextlib.contextmanager
@@ -328,7 +317,7 @@ def run_step(
 
 def _retain_output_grads(output: Any) -> list[torch.Tensor]:
     watched = []
-    for _path, tensor in flatten_tensors(output, "output"):
+    for _path, _keys, tensor in tensor_leaves(output):
         if tensor.is_floating_point() and tensor.requires_grad:
             tensor.retain_grad()
             watched.append(tensor)
