@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 import dpverify
 from dpverify import InvalidArgument, ParallelMismatch
@@ -190,6 +191,35 @@ def test_float32_loss_in_a_float64_module_is_judged_by_float32_noise() -> None:
     assert abs(uneven.predicted_bias) > 100 * uneven.loss_noise
     assert uneven.grad_bias > 1e-3
     assert "Why: the chunks are uneven" in str(uneven)
+
+
+def _float32_head(logits: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A loss head that takes part in ``__torch_function__`` dispatch, as the functions of
+    ``torch.nn.functional`` do, and returns a dict: a torch function mode sees the dict it
+    returns, not the float32 ops inside it."""
+    if has_torch_function_variadic(logits, y):
+        result: dict[str, torch.Tensor] = handle_torch_function(_float32_head, (logits, y), logits, y)
+        return result
+    return {"loss": F.cross_entropy(logits.float(), y)}
+
+
+class DictFloat32Loss(Float32Loss):
+    """Returns a dict whose loss the head computed in float32, cast back to the module's
+    dtype: only the head's dict shows that the loss was computed in float32."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        logits = self.linear(x)
+        return {"logits": logits, "loss": _float32_head(logits, y)["loss"].to(logits.dtype)}
+
+
+def test_a_float32_loss_returned_in_a_dict_is_judged_by_float32_noise() -> None:
+    torch.manual_seed(0)
+    inputs = (torch.randn(8, 6), torch.randint(0, 5, (8,)))
+    report = dpverify.check_forward_loss_average(DictFloat32Loss(), inputs, device_ids=[0, 1])
+    assert report.compute_dtype == "float32"
+    assert report.chunk_sizes == (4, 4)
+    assert report.loss_bias != 0  # float32 rounding is there, and is not called a bias
+    assert not report.is_biased, str(report)
 
 
 class KeyBiasAttention(nn.Module):

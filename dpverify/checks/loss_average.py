@@ -29,6 +29,7 @@ from dpverify.core.comparison import Msg, StepComparison
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.numerics import max_abs
 from dpverify.core.step import convert_tensors, default_dtype, seed_step
+from dpverify.core.tree import tensor_leaves
 from dpverify.core.virtual import SCALAR_GATHER_WARNING
 
 __all__ = [
@@ -274,12 +275,12 @@ class _Precision(TorchFunctionMode):
         return result
 
     def _see(self, value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            if value.is_floating_point() and _eps(value.dtype) > _eps(self.dtype):
-                self.dtype = value.dtype
-        elif isinstance(value, (tuple, list)):
-            for item in value:
-                self._see(item)
+        # Every tensor of the result, in dicts too: a function that takes part in
+        # __torch_function__ dispatch runs its own ops with this mode off, so a dtype it
+        # computes in shows only in what it returns.
+        for _path, _keys, tensor in tensor_leaves(value):
+            if tensor.is_floating_point() and _eps(tensor.dtype) > _eps(self.dtype):
+                self.dtype = tensor.dtype
 
 
 def _eps(dtype: torch.dtype) -> float:
