@@ -32,7 +32,8 @@ from dpverify.checks.loss_average import (
 )
 from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
 from dpverify.core.scatter import plan_scatter
-from dpverify.core.step import flatten_tensors, parameter_sites, run_step, seed_step
+from dpverify.core.step import parameter_sites, run_step, seed_step
+from dpverify.core.tree import tensor_leaves
 from dpverify.core.virtual import SCALAR_GATHER_WARNING, VirtualDataParallel, current_virtual_device
 from dpverify.models.user import Batch, UserModel
 
@@ -269,7 +270,8 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for _path, t in flatten_tensors(obj, "x")]
+    """The tensors nested in ``obj``, in the order scatter and gather see them."""
+    return [tensor for _path, _keys, tensor in tensor_leaves(obj)]
 
 
 def _storage(tensor: torch.Tensor) -> int:
