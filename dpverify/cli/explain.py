@@ -33,7 +33,7 @@ from dpverify.checks.loss_average import (
 from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
 from dpverify.core.scatter import plan_scatter
 from dpverify.core.step import parameter_sites, run_step, seed_step
-from dpverify.core.tree import tensor_leaves
+from dpverify.core.tree import map_tensors, tensor_leaves
 from dpverify.core.virtual import SCALAR_GATHER_WARNING, VirtualDataParallel, current_virtual_device
 from dpverify.models.user import Batch, UserModel
 
@@ -715,11 +715,8 @@ def _ddp_fact(module: nn.Module, batch: Batch, device_ids: list[int], sizes: Seq
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
 
     def rows(obj: Any, start: int, size: int) -> Any:
-        if isinstance(obj, torch.Tensor) and obj.dim() > 0:
-            return obj.narrow(0, start, size)
-        if isinstance(obj, tuple):
-            return tuple(rows(o, start, size) for o in obj)
-        return obj
+        # the shard's rows of every batched tensor, wherever scatter would find it
+        return map_tensors(obj, lambda t: t.narrow(0, start, size) if t.dim() > 0 else t)
 
     def grads(loss_scale: Callable[[int], float], start: int, size: int) -> list[torch.Tensor]:
         shard = Batch(rows(batch.inputs, start, size), rows(batch.target, start, size), batch.loss_fn, batch.loss_name)
