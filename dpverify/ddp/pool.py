@@ -49,6 +49,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Protocol, TypeVar
 
 from dpverify.core.errors import InvalidArgument
+from dpverify.ddp.rank import RankInfo
 
 __all__ = [
     "DDPWorkerPool",
@@ -146,23 +147,6 @@ class RankFailure:
 
 # A death comes first: the other ranks' errors ("Connection closed by peer") follow from it.
 _KIND_ORDER = {"signal": 0, "exited": 1, "raised": 2, "hung": 3, "blocked": 4}
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """Who a task runs as: passed to every task function as its first argument.
-
-    Attributes:
-        rank: this process's rank in the default process group.
-        world_size: number of ranks.
-        backend: ``"gloo"`` or ``"nccl"``.
-        device: where this rank computes, ``"cpu"`` or ``"cuda:<local rank>"``.
-    """
-
-    rank: int
-    world_size: int
-    backend: str
-    device: str
 
 
 class RankRunner(Protocol):

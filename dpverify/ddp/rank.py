@@ -23,12 +23,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.step import convert_tensors, flatten_tensors, no_tf32, parameter_sites
-from dpverify.ddp.pool import RankInfo
+from dpverify.core.tree import map_tensors
 
 __all__ = [
     "BufferTask",
     "MicroBatch",
     "RankBuffers",
+    "RankInfo",
     "RankStep",
     "RankTraining",
     "ShardContext",
@@ -48,6 +49,26 @@ __all__ = [
 LossFn = Callable[[Any, Any], torch.Tensor]
 Step = Callable[["ShardContext"], Any]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Who a task runs as: passed to every task function as its first argument.
+
+    Defined here, with the per-rank code that reads it, rather than in the pool that makes
+    it, so that what runs on a rank does not depend on how the ranks are managed.
+
+    Attributes:
+        rank: this process's rank in the default process group.
+        world_size: number of ranks.
+        backend: ``"gloo"`` or ``"nccl"``.
+        device: where this rank computes, ``"cpu"`` or ``"cuda:<local rank>"``.
+    """
+
+    rank: int
+    world_size: int
+    backend: str
+    device: str
 
 
 def even_shards(batch_size: int, world_size: int) -> tuple[int, ...]:
@@ -78,17 +99,13 @@ def shard_bounds(shard_sizes: Sequence[int]) -> list[tuple[int, int]]:
 def take_rows(obj: Any, start: int, stop: int, batch_size: int) -> Any:
     """Rows ``start:stop`` of every tensor with ``batch_size`` rows in a nested structure;
     other tensors (parameters-like, scalars) and objects are passed whole."""
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() > 0 and obj.size(0) == batch_size:
-            return obj[start:stop]
-        return obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(take_rows(item, start, stop, batch_size) for item in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(take_rows(item, start, stop, batch_size) for item in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, take_rows(v, start, stop, batch_size)) for k, v in obj.items())
-    return obj
+
+    def rows(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() > 0 and tensor.size(0) == batch_size:
+            return tensor[start:stop]
+        return tensor
+
+    return map_tensors(obj, rows)
 
 
 @dataclass(frozen=True)
