@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
-# Hypothesis is a hard dependency today, so the engine may import its errors module (a small
-# module: no strategies, no engine). Subclassing Hypothesis's InvalidArgument gives one
-# exception for every bad argument: the strategies raise what Hypothesis documents for a
-# strategy's bad arguments (so ``except hypothesis.errors.InvalidArgument`` still works), and
-# ``except dpverify.InvalidArgument`` catches ``scenarios(max_batch=0)`` too. The engine
-# should not need Hypothesis at import time in the long run: then this base becomes
-# conditional (a plain ValueError when Hypothesis is absent).
-from hypothesis.errors import InvalidArgument as _HypothesisInvalidArgument
+# Subclassing Hypothesis's InvalidArgument gives one exception for every bad argument: the
+# strategies raise what Hypothesis documents for a strategy's bad arguments (so
+# ``except hypothesis.errors.InvalidArgument`` still works), and ``except
+# dpverify.InvalidArgument`` catches ``scenarios(max_batch=0)`` too. The import is guarded
+# because the engine must run where Hypothesis is not installed (it is needed only by the
+# strategies, the fuzzer and the pytest plugin); the base is then a plain TypeError, as
+# Hypothesis's is. This is the one import of Hypothesis the engine may make
+# (tests/test_layout.py).
+try:
+    from hypothesis.errors import InvalidArgument as _Base
+except ImportError:
+
+    class _Base(TypeError):  # type: ignore[no-redef]
+        """Stands in for Hypothesis's InvalidArgument (a TypeError) when it is absent."""
+
 
 __all__ = ["DroppedRowsWarning", "InvalidArgument", "NonFiniteReference", "ParallelMismatch"]
 
 
-class InvalidArgument(_HypothesisInvalidArgument, ValueError):
+class InvalidArgument(_Base, ValueError):
     """An argument cannot be used; the message names it and says what to pass instead.
 
     The one exception for bad arguments anywhere in dpverify: the assertion helpers, the
-    strategies (it is also Hypothesis's ``InvalidArgument``), and the command line, which
-    prints the message and exits with status 2. It stays a ``ValueError`` for callers that
-    catch that (and is a ``TypeError`` too, as Hypothesis's is).
+    strategies (it is also Hypothesis's ``InvalidArgument`` when Hypothesis is installed),
+    and the command line, which prints the message and exits with status 2. It stays a
+    ``ValueError`` for callers that catch that (and is a ``TypeError`` too, as Hypothesis's
+    is).
     """
 
 

@@ -1,0 +1,168 @@
+"""The engine (dpverify/core, models, checks, ddp) stands alone: no Hypothesis, no rich, no CLI.
+
+The assertion helpers and the DDP checks are a library for test suites. What only the
+command line (rich, dpverify.cli) or property-based testing (Hypothesis, dpverify.strategies,
+dpverify.mutants) needs must not be imported by them, or every ``import dpverify`` pays for,
+and depends on, all of it.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = ("core", "models", "checks", "ddp")
+FORBIDDEN = ("rich", "hypothesis", "dpverify.cli", "dpverify.strategies", "dpverify.mutants")
+
+#: The one sanctioned exception: InvalidArgument subclasses Hypothesis's, so that the
+#: strategies raise it too, through an import that falls back when Hypothesis is absent.
+GUARDED_FILE, GUARDED_MODULE = Path("dpverify/core/errors.py"), "hypothesis.errors"
+
+
+def _package_of(path: Path) -> list[str]:
+    """The package a module's relative imports start from."""
+    return list(path.with_suffix("").parts[:-1])
+
+
+def _imported(node: ast.AST, path: Path) -> set[str]:
+    """The modules a statement or call may load (``from a import b`` may load ``a.b``)."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names}
+    if isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            package = _package_of(path)[: len(_package_of(path)) - node.level + 1]
+            base = ".".join([*package, base] if base else package)
+        return {base} | {f"{base}.{alias.name}" for alias in node.names}
+    # importlib.import_module("x") and __import__("x") with a literal name
+    if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+        if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+            return {node.args[0].value}
+    return set()
+
+
+def _guarded(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    """Whether ``node`` is a statement of a ``try`` body that handles ImportError."""
+    parent = parents.get(node)
+    if not isinstance(parent, ast.Try) or node not in parent.body:
+        return False
+    caught = {
+        name.id
+        for handler in parent.handlers
+        if handler.type is not None
+        for name in ast.walk(handler.type)
+        if isinstance(name, ast.Name)
+    }
+    return bool(caught & {"ImportError", "ModuleNotFoundError"})
+
+
+def violations(source: str, path: Path) -> list[str]:
+    """``path:line: imports ...`` for every forbidden import in ``source``, at any depth.
+
+    Args:
+        source: the module's text.
+        path: its path relative to the repository root (``dpverify/core/x.py``).
+    """
+    tree = ast.parse(source, str(path))
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    found = []
+    for node in ast.walk(tree):
+        bad = sorted(
+            name
+            for name in _imported(node, path)
+            if any(name == f or name.startswith(f + ".") for f in FORBIDDEN)
+        )
+        if not bad:
+            continue
+        sanctioned = (
+            path == GUARDED_FILE
+            and isinstance(node, ast.ImportFrom)
+            and node.module == GUARDED_MODULE
+            and _guarded(node, parents)
+        )
+        if not sanctioned:
+            found.append((node.lineno, f"{path}:{node.lineno}: imports {', '.join(bad)}"))
+    return [text for _, text in sorted(found)]
+
+
+def test_the_engine_imports_no_hypothesis_rich_cli_strategies_or_mutants() -> None:
+    files = sorted(p for sub in ENGINE for p in (ROOT / "dpverify" / sub).rglob("*.py"))
+    assert len(files) > len(ENGINE)
+    problems = [
+        problem
+        for file in files
+        for problem in violations(file.read_text(), file.relative_to(ROOT))
+    ]
+    assert problems == []
+
+
+def test_the_import_check_sees_nested_relative_and_dynamic_imports() -> None:
+    source = textwrap.dedent(
+        """
+        import os
+        from dpverify.core.errors import InvalidArgument
+
+        def render():
+            from rich.console import Console
+            import importlib
+            return importlib.import_module("dpverify.cli.fuzz")
+
+        from .. import strategies
+        try:
+            from hypothesis.errors import InvalidArgument
+        except ImportError:
+            pass
+        """
+    )
+    found = violations(source, Path("dpverify/core/probe.py"))
+    assert [text.split(": ", 1)[1] for text in found] == [
+        "imports rich.console, rich.console.Console",
+        "imports dpverify.cli.fuzz",
+        "imports dpverify.strategies",
+        # guarded, but only dpverify/core/errors.py may do it
+        "imports hypothesis.errors, hypothesis.errors.InvalidArgument",
+    ]
+    assert violations(source, GUARDED_FILE)[-1].endswith("dpverify.strategies")
+
+
+# Run in a fresh interpreter in which importing Hypothesis or rich raises ImportError.
+WITHOUT_HYPOTHESIS_AND_RICH = """
+import sys
+sys.modules["hypothesis"] = None
+sys.modules["rich"] = None
+
+import torch
+import dpverify
+
+torch.manual_seed(0)
+module = torch.nn.Linear(3, 2)
+result = dpverify.assert_dp_grads_match(
+    module,
+    torch.randn(6, 3),
+    torch.randn(6, 2),
+    loss_fn=torch.nn.functional.mse_loss,
+    device_ids=[0, 1],
+)
+assert isinstance(result, dpverify.StepComparison), result
+assert issubclass(dpverify.InvalidArgument, ValueError)
+assert not any(name.split(".")[0] in ("hypothesis", "rich") for name, mod in sys.modules.items() if mod)
+print("OK")
+"""
+
+
+def test_a_check_runs_without_hypothesis_and_rich() -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", WITHOUT_HYPOTHESIS_AND_RICH],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["OK"]
