@@ -6,7 +6,7 @@ import os
 
 from hypothesis import settings
 
-import dpverify.pytest_plugin  # noqa: F401  (registers the dpverify-* profiles)
+import pytest_dpverify  # noqa: F401  (registers the dpverify-* profiles)
 
 # The suite runs under the derandomized CI profile unless a profile is asked for.
 if "HYPOTHESIS_PROFILE" not in os.environ:

@@ -1,12 +1,18 @@
 """pytest plugin for dpverify, registered through the ``pytest11`` entry point.
 
+A top-level module rather than ``dpverify.pytest_plugin``: pytest imports every installed
+plugin in every session, and importing a submodule of dpverify would run
+``dpverify/__init__.py``, which imports torch. This module imports dpverify only inside the
+fixtures that need it.
+
 What it adds to a pytest run:
 
 - the marker ``multigpu(n=2)``: the test needs ``n`` distinct CUDA devices. Tests with too few
   devices are skipped at collection with the reason ``needs N CUDA devices, found M``;
 - the option ``--dpverify-gpus N`` and the environment variable ``DPVERIFY_GPUS``: use at
   most ``N`` of the CUDA devices torch sees (after ``CUDA_VISIBLE_DEVICES``);
-- the fixtures ``gpu_count``, ``cuda_device_ids`` and ``dp_devices``;
+- the fixtures ``gpu_count``, ``cuda_device_ids``, ``dp_devices``, ``ddp_pool`` and
+  ``ddp_pools``;
 - the Hypothesis profiles ``dpverify-dev``, ``dpverify-ci`` and ``dpverify-fuzz``, selected
   with ``--hypothesis-profile NAME`` or ``HYPOTHESIS_PROFILE=NAME``;
 - a report header line with the devices, the Hypothesis profile and the seed of the run.
