@@ -85,9 +85,13 @@ def test_verify_prints_a_verdict_and_exits_zero() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("dpverify verify: DataParallel on ")
-    assert sum(line.lstrip().startswith("PASS") for line in lines) == 24
-    assert lines[-1].startswith("OK: 24 passed, 0 failed in ")
-    assert "loss.mean() bias +0.133 (chunks [2, 2, 1])" in result.stdout
+    # four models, three splits, two checks each: verify is `check` on the built-in models
+    assert sum(line.lstrip().startswith("PASS") for line in lines) == 23
+    # the loss-in-forward model's loss.mean() on chunks [2, 2, 1] is the trap, as predicted
+    warned = [line for line in lines if line.lstrip().startswith("WARN")]
+    assert len(warned) == 1
+    assert "loss-in-forward  B=5 on 4   loss.mean() of replica losses      biased by +0.133 (chunks [2, 2, 1])" in warned[0]
+    assert lines[-1].startswith("OK: 23 passed, 0 failed, 1 warned in ")
     assert result.stderr == ""
 
 
@@ -173,7 +177,7 @@ def test_a_wrapper_that_leaves_or_raises_fails_its_checks(user_code: Path, wrapp
     assert len(failures) == 6
     assert all(line.endswith(message) for line in failures), failures
     # the report names the check and shows the user's frame
-    assert "--- mlp, B=8 on 2 devices: gradients match one device" in result.stdout
+    assert "--- mlp, B=8 on 2: DP grads match one device" in result.stdout
     assert "user_code.py\", line" in result.stdout
     assert result.stdout.splitlines()[-1].startswith("FAILED: 0 passed, 6 failed")
 

@@ -278,6 +278,7 @@ class Check:
         contrasts: Sequence[TensorComparison] = (),
         notes: Sequence[str] = (),
         failures: Sequence[str] = (),
+        scale: float | None = None,
     ) -> StepComparison:
         return StepComparison(
             check=check,
@@ -288,6 +289,7 @@ class Check:
             divergence=divergence_sources(self.module),
             notes=tuple(notes),
             failures=tuple(failures),
+            scale=scale,
         )
 
 
@@ -539,12 +541,13 @@ def assert_dp_grads_match(
     title = "DataParallel outputs and gradients must match the single-device step"
     rows = check.compare(parallel_step, refs)
     failed = not all(row.ok for row in rows)
-    notes = _diagnose(check, parallel_step, refs.expected) if failed else []
-    return raise_unless_ok(check.outcome(title, rows, notes=notes), msg)
+    notes, scale = _diagnose(check, parallel_step, refs.expected) if failed else ([], None)
+    return raise_unless_ok(check.outcome(title, rows, notes=notes, scale=scale), msg)
 
 
-def _diagnose(check: Check, actual: StepResult, expected: StepResult) -> list[str]:
-    """Names the classic wrapper bugs when their signature is in the results."""
+def _diagnose(check: Check, actual: StepResult, expected: StepResult) -> tuple[list[str], float | None]:
+    """Names the classic wrapper bugs when their signature is in the results; and the
+    uniform factor between the gradients, when there is one."""
     notes = [text for path, got in actual.outputs if (text := _reordered(path, got, dict(expected.outputs).get(path)))]
     present = [g for g in expected.grads.values() if g is not None and bool(g.any())]
     if present and all(actual.grads.get(n) is None for n, g in expected.grads.items() if g is not None):
@@ -558,7 +561,7 @@ def _diagnose(check: Check, actual: StepResult, expected: StepResult) -> list[st
     scale = uniform_scale(actual.grads, expected.grads, rounding)
     if scale is not None:
         notes.append(explain_scale(scale, check.plan.n_replicas, rounding))
-    return notes
+    return notes, scale
 
 
 def _reordered(path: str, actual: torch.Tensor, expected: torch.Tensor | None) -> str | None:

@@ -18,23 +18,17 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dpverify.checks.dp import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
-from dpverify.checks.loss_average import (
-    assert_loss_reduction_matches_full_batch,
-    check_forward_loss_average,
-)
 from dpverify.cli.user_model import load_object, user_model
 from dpverify.core.devices import cuda_device_count
-from dpverify.core.errors import InvalidArgument, ParallelMismatch
+from dpverify.core.errors import InvalidArgument
 from dpverify.core.text import plural
-from dpverify.core.tracebacks import describe_exception, failure_detail, user_traceback
-from dpverify.models.builtin import BUILTIN_MODELS, BuiltinCase, builtin_case
+from dpverify.core.tracebacks import describe_exception, user_traceback
+from dpverify.models.builtin import BUILTIN_MODELS
 from dpverify.models.user import UserModel, builtin_model
 
 if TYPE_CHECKING:
@@ -73,57 +67,7 @@ SPLITS: tuple[tuple[int, int], ...] = ((8, 2), (5, 4), (2, 4))
 DEFAULT_EXPLAIN_MODEL = "embedding"
 
 
-@dataclass(frozen=True)
-class Verdict:
-    model: str
-    split: str
-    check: str
-    passed: bool
-    detail: str
-
-
-def _weighted(losses: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    return (losses * torch.tensor(sizes, dtype=losses.dtype, device=losses.device)).sum() / sum(sizes)
-
-
 # --------------------------------------------------------------------------- verify
-
-
-def _checks(case: BuiltinCase, ids: list[int], parallel: Any = None) -> list[tuple[str, Callable[[], str]]]:
-    if case.loss_fn is None:
-        def averaging() -> str:
-            report = check_forward_loss_average(case.module, case.inputs, device_ids=ids, parallel=parallel)
-            uneven = len(set(report.chunk_sizes)) > 1
-            if report.is_biased != uneven:
-                raise ParallelMismatch(
-                    f"loss.mean() of replica losses should be biased exactly when chunks are "
-                    f"uneven; chunks {list(report.chunk_sizes)}, is_biased={report.is_biased}\n{report}"
-                )
-            return f"loss.mean() bias {report.loss_bias:+.3g} (chunks {list(report.chunk_sizes)})"
-
-        def weighted() -> str:
-            result = assert_loss_reduction_matches_full_batch(
-                case.module, case.inputs, device_ids=ids, reduce=_weighted, parallel=parallel
-            )
-            return f"worst error at {result.worst_ratio:.2g} of tolerance"
-
-        return [("loss.mean() bias is as predicted", averaging), ("n_i/B-weighted loss is exact", weighted)]
-
-    loss_fn = case.loss_fn
-
-    def grads() -> str:
-        result = assert_dp_grads_match(
-            case.module, case.inputs, case.target, loss_fn=loss_fn, device_ids=ids, parallel=parallel
-        )
-        return f"worst error at {result.worst_ratio:.2g} of tolerance"
-
-    def grad_sum() -> str:
-        result = assert_grad_sum_equals_mean_loss_grad(
-            case.module, case.inputs, case.target, loss_fn=loss_fn, device_ids=ids, parallel=parallel
-        )
-        return f"worst error at {result.worst_ratio:.2g} of tolerance"
-
-    return [("gradients match one device", grads), ("replica grads sum to full batch", grad_sum)]
 
 
 def _load_parallel(spec: str | None) -> Any:
@@ -143,51 +87,44 @@ def _load_parallel(spec: str | None) -> Any:
     return parallel
 
 
-def _run_check(run: Callable[[], str]) -> tuple[bool, str]:
-    """Runs one check: ``(passed, detail)``.
-
-    Whatever the wrapper under test does is its verdict: a mismatch, an exception, or a
-    ``sys.exit()``/``quit()`` (a ``SystemExit`` that would otherwise end the run with
-    status 0 and no verdict) fails this check, with the traceback's frames of the user's
-    code. KeyboardInterrupt still stops the run.
-    """
-    try:
-        return True, run()
-    except ParallelMismatch as failure:
-        return False, str(failure)
-    except (Exception, SystemExit) as error:
-        return False, failure_detail(error)
-
-
 def _verify(args: argparse.Namespace) -> int:
+    """``check`` on the built-in models, one line per check, for a wrapper under test."""
+    from dpverify.checks.model import check_model
+    from dpverify.checks.registry import CheckResult, Target, Verdict
+
     models = args.models or list(BUILTIN_MODELS)
     unknown = sorted(set(models) - set(BUILTIN_MODELS))
     if unknown:
         raise InvalidArgument(f"unknown --models {unknown}; choose from {sorted(BUILTIN_MODELS)}")
-    parallel = _load_parallel(args.parallel)
+    target = Target(parallel=_load_parallel(args.parallel))
     gpus = cuda_device_count()
     where = plural(gpus, "CUDA device") if gpus else "virtual devices (no CUDA here)"
     wrapper = args.parallel or "DataParallel"
     print(f"dpverify verify: {wrapper} on {where}, torch {torch.__version__}")
-    verdicts: list[Verdict] = []
+    results: list[tuple[str, CheckResult]] = []
     started = time.perf_counter()
     for name in models:
-        for batch, n_devices in SPLITS:
-            case = builtin_case(name, batch=batch, seed=args.seed)
-            ids = list(range(n_devices))
-            split = f"B={batch} on {n_devices} devices"
-            for label, run in _checks(case, ids, parallel):
-                verdicts.append(Verdict(name, split, label, *_run_check(run)))
-                mark = "PASS" if verdicts[-1].passed else "FAIL"
-                # flushed: piped into a log, each verdict shows as it comes
-                print(f"  {mark}  {name:<16} {split:<18} {label:<34} {verdicts[-1].detail.splitlines()[0]}", flush=True)
-    failed = [v for v in verdicts if not v.passed]
-    for verdict in failed:
-        print(f"\n--- {verdict.model}, {verdict.split}: {verdict.check}\n{verdict.detail}")
+        def show(result: CheckResult, name: str = name) -> None:
+            # flushed: piped into a log, each verdict shows as it comes
+            print(f"  {result.verdict:<4}  {name:<16} {result.split.label:<10} {result.title:<34} {result.summary}", flush=True)
+
+        report = check_model(builtin_model(name, seed=args.seed), splits=SPLITS, target=target, on_result=show)
+        results += [(name, result) for result in report.results]
+    failed = [(name, r) for name, r in results if r.verdict is Verdict.FAIL]
+    for name, result in failed:
+        print(f"\n--- {name}, {result.split.label}: {result.title}\n{result.detail}")
     elapsed = time.perf_counter() - started
-    status = "OK" if not failed else "FAILED"
-    print(f"\n{status}: {len(verdicts) - len(failed)} passed, {len(failed)} failed in {elapsed:.1f}s")
-    return EXIT_FAILED if failed else EXIT_OK
+    counts = {v: sum(r.verdict is v for _, r in results) for v in Verdict}
+    text = f"{counts[Verdict.PASS]} passed, {counts[Verdict.FAIL]} failed"
+    text += "".join(f", {counts[v]} {word}" for v, word in ((Verdict.WARN, "warned"), (Verdict.EXPLAINED, "explained"), (Verdict.SKIP, "skipped")) if counts[v])
+    if failed:
+        print(f"\nFAILED: {text} in {elapsed:.1f}s")
+        return EXIT_FAILED
+    if all(r.verdict is Verdict.SKIP for _, r in results):
+        print(f"\nNOTHING CHECKED: {text} in {elapsed:.1f}s")
+        return EXIT_NOTHING_CHECKED
+    print(f"\nOK: {text} in {elapsed:.1f}s")
+    return EXIT_OK
 
 
 # --------------------------------------------------------------------------- shared
@@ -266,7 +203,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     if args.profile:
         from hypothesis import settings
 
-        import dpverify.pytest_plugin  # noqa: F401  (registers the dpverify-* profiles)
+        import pytest_dpverify  # noqa: F401  (registers the dpverify-* profiles)
 
         try:
             settings.get_profile(args.profile)
@@ -345,13 +282,8 @@ def _fuzz_summary(console: Console, config: FuzzConfig, report: FuzzReport) -> i
 
 
 def _check(args: argparse.Namespace) -> int:
-    from dpverify.checks.model import (
-        CheckProgress,
-        check_model,
-        plan_checks,
-        render_model_check,
-        render_model_check_header,
-    )
+    from dpverify.checks.model import check_model, plan_checks
+    from dpverify.cli.check_view import CheckProgress, render_model_check, render_model_check_header
 
     _require_ddp(args.backend)
     model = _load_model(args, default=None)

@@ -560,6 +560,10 @@ class StepComparison:
             replica gradients next to their sum).
         divergence: modules that legitimately make the parallel step differ.
         notes: further facts worth printing with the verdict.
+        failures: findings that fail the check whatever the tensors say.
+        scale: the uniform factor between the parallel gradients and the expected ones,
+            when one factor explains them all (0.5: halved; ``1 / world_size``: a sum loss
+            under DDP); None when none does or the check passed.
     """
 
     check: str
@@ -570,6 +574,7 @@ class StepComparison:
     divergence: tuple[DivergenceSource, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
     failures: tuple[str, ...] = field(default_factory=tuple)
+    scale: float | None = None
 
     @property
     def ok(self) -> bool:

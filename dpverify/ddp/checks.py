@@ -354,6 +354,7 @@ class DDPCheck:
         notes: Sequence[str] = (),
         failures: Sequence[str] = (),
         divergence: bool = True,
+        scale: float | None = None,
     ) -> StepComparison:
         return StepComparison(
             check=title,
@@ -364,6 +365,7 @@ class DDPCheck:
             divergence=divergence_sources(self.module) if divergence else (),
             notes=tuple(notes),
             failures=tuple(failures),
+            scale=scale,
         )
 
 
@@ -585,14 +587,15 @@ def _ranks_disagree(steps: Sequence[RankStep]) -> list[str]:
 def _scale_note(
     steps: Sequence[RankStep], expected: StepResult, world_size: int, micro_batches: int = 1,
     shard_sizes: Sequence[int] = (), reduction: str | None = None,
-) -> list[str]:
-    """The uniform factor's sentence, and the sum-loss note when the factor did not name it."""
+) -> tuple[list[str], float | None]:
+    """The uniform factor's sentence, and the sum-loss note when the factor did not name it;
+    and the factor."""
     c = uniform_scale(steps[0].grads, expected.grads)
     equal = shard_sizes[0] if shard_sizes and len(set(shard_sizes)) == 1 else None
     notes = [] if c is None else [_explain_scale(c, world_size, micro_batches, equal, reduction)]
     if reduction == "sum" and not any("sum-reduction loss" in note for note in notes):
         notes.append(_sum_loss_note(world_size))
-    return notes
+    return notes, c
 
 
 def _relative_gap(actual: dict[str, torch.Tensor | None], reference: dict[str, torch.Tensor | None]) -> float:
@@ -747,10 +750,11 @@ def assert_ddp_grads_match(
             )
     failures, unused_notes = check.unused_findings(_unused_names(module, expected.grads), wrapped=all(s.wrapped for s in verified))
     notes += unused_notes
+    scale = None
     if not ok:
-        notes += _scale_note(verified, expected, check.world_size, shard_sizes=check.shard_sizes, reduction=reduction)
-        notes += _ranks_disagree(verified)
-    return raise_unless_ok(check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, failures=failures), msg)
+        more, scale = _scale_note(verified, expected, check.world_size, shard_sizes=check.shard_sizes, reduction=reduction)
+        notes += more + _ranks_disagree(verified)
+    return raise_unless_ok(check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, failures=failures, scale=scale), msg)
 
 
 # --------------------------------------------------------------------------- accumulation
@@ -825,11 +829,12 @@ def assert_ddp_accumulation_matches(
         # With unused parameters DDP never completes the all-reduce, so no synchronisation is
         # counted: that is the unused parameters' failure, not a last micro-batch in no_sync().
         failures.append(_sync_failure(counts, k))
+    scale = None
     if not all(row.ok for row in rows):
-        notes += _scale_note(results, expected, check.world_size, k, shard_sizes=check.shard_sizes, reduction=check.loss_reduction())
-        notes += _ranks_disagree(results)
+        more, scale = _scale_note(results, expected, check.world_size, k, shard_sizes=check.shard_sizes, reduction=check.loss_reduction())
+        notes += more + _ranks_disagree(results)
     notes.append(f"Gradient synchronisations per rank: {counts} (one expected).")
-    outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures)
+    outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures, scale=scale)
     return raise_unless_ok(outcome, msg)
 
 
@@ -1245,13 +1250,15 @@ def assert_dp_ddp_agree(
     # One device, not DataParallel: its reduce-add gives unused parameters zeros, not None.
     failures, unused_notes = check.unused_findings(_unused_names(module, single.grads))
     notes += unused_notes
+    scale = None
     if not all(row.ok for row in rows):
-        notes += _dp_ddp_diagnosis(check, ranks, dp_step, single)
-    outcome = check.outcome(title, ddp_step, rows, notes=notes, failures=failures)
+        more, scale = _dp_ddp_diagnosis(check, ranks, dp_step, single)
+        notes += more
+    outcome = check.outcome(title, ddp_step, rows, notes=notes, failures=failures, scale=scale)
     return raise_unless_ok(outcome, msg)
 
 
-def _dp_ddp_diagnosis(check: DDPCheck, ranks: Sequence[RankStep], dp_step: StepResult, reference: StepResult) -> list[str]:
+def _dp_ddp_diagnosis(check: DDPCheck, ranks: Sequence[RankStep], dp_step: StepResult, reference: StepResult) -> tuple[list[str], float | None]:
     """DataParallel computes the loss once, on the gathered full-batch output, so its gradient
     is the single-device one for any loss; DDP averages per-rank losses' gradients. For a sum
     loss DDP's average is 1/world_size of the full-batch sum: 1/world_size of DataParallel's."""
@@ -1272,4 +1279,4 @@ def _dp_ddp_diagnosis(check: DDPCheck, ranks: Sequence[RankStep], dp_step: StepR
         notes.append(f"DDP's gradients are {c:.6g} times DataParallel's.")
     if check.uneven:
         notes.append(_trap_note(check, ranks, reference))
-    return notes
+    return notes, c

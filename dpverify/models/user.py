@@ -27,12 +27,16 @@ class Batch:
         target: the loss target, or None when the forward returns the loss.
         loss_fn: ``loss_fn(output, target)``, or None when the forward returns the loss.
         loss_name: the loss in words.
+        per_row_mean_loss: the forward's loss is known to be its chunk's per-row mean (the
+            built-in models), so ``loss.mean()`` of replica losses must be biased exactly
+            when the chunks are uneven.
     """
 
     inputs: tuple[Any, ...]
     target: Any
     loss_fn: LossFn | None
     loss_name: str
+    per_row_mean_loss: bool = False
 
     @property
     def returns_loss(self) -> bool:
@@ -73,7 +77,7 @@ def builtin_model(name: str, *, seed: int = 0) -> UserModel:
     def make(batch_size: int) -> Batch:
         case = builtin_case(name, batch=batch_size, seed=seed)
         if case.loss_fn is None:
-            return Batch(case.inputs, None, None, "computed in forward (each replica's chunk mean)")
+            return Batch(case.inputs, None, None, "computed in forward (each replica's chunk mean)", per_row_mean_loss=True)
         return Batch(case.inputs, case.target, case.loss_fn, getattr(case.loss_fn, "__name__", "loss"))
 
     module = builtin_case(name, batch=1, seed=seed).module

@@ -1,0 +1,601 @@
+"""Every check dpverify runs, by name, with one result type and one verdict.
+
+A check is a ``CheckSpec``: a name, whether it applies to a ``Case`` (a module, one batch,
+how its loss is computed, the devices or ranks), and how it runs on a ``Target`` (the
+wrapper, reduction or per-rank DDP step under test; torch's own when empty). Every front
+end reads ``CHECKS``:
+
+- ``dpverify check`` runs the checks that apply to a user's model on several splits;
+- ``dpverify verify`` is ``check`` on the built-in models;
+- ``dpverify ddp-selftest`` runs the DDP checks on ranks (torchrun or a local pool);
+- ``dpverify fuzz``, the mutant catalogue and the property suite run them on drawn
+  scenarios, and a fuzz failure's repro script imports its check from here by name.
+
+``CheckSpec.run`` never raises for what the code under test does: a mismatch, an exception
+or a ``sys.exit()`` is a ``FAIL`` with its report; a train-mode BatchNorm or Dropout that
+makes the parallel step differ is ``EXPLAINED``, with the modules; only an
+``InvalidArgument`` (the case itself cannot be checked) propagates. ``CheckSpec.check``
+is the same check raising the original error, for tests and repro scripts.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from dpverify.checks.buffers import assert_dp_buffers_match
+from dpverify.checks.dp import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
+from dpverify.checks.loss_average import (
+    LossAverageReport,
+    assert_loss_reduction_matches_full_batch,
+    check_forward_loss_average,
+    chunk_weighted_loss,
+)
+from dpverify.core.comparison import StepComparison, TensorComparison
+from dpverify.core.divergence import ONE_ROW_BATCHNORM, SourceGroup, group_sources
+from dpverify.core.errors import InvalidArgument, ParallelMismatch
+from dpverify.core.scatter import chunk_sizes
+from dpverify.core.step import batch_size_of
+from dpverify.core.text import and_list
+from dpverify.core.tracebacks import describe_exception, failure_detail
+from dpverify.ddp import checks_if_available
+from dpverify.models.specs import AttributeCounter, BufferCounter, Scenario
+
+__all__ = [
+    "CHECKS",
+    "Case",
+    "CheckResult",
+    "CheckSpec",
+    "Split",
+    "Target",
+    "Verdict",
+]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+#: Micro-batches per rank in the DDP accumulation check.
+MICRO_BATCHES = 2
+#: Optimizer steps in the DDP training check.
+TRAINING_STEPS = 3
+
+
+class Verdict(str, enum.Enum):
+    """What a check concluded."""
+
+    PASS = "PASS"
+    FAIL = "FAIL"
+    #: differs because of BatchNorm or Dropout in train mode: expected, not a bug
+    EXPLAINED = "EXPLAINED"
+    #: the parallel code is right, but the training loop falls into a trap (loss.mean())
+    WARN = "WARN"
+    #: could not run on this split (the reason is the summary)
+    SKIP = "SKIP"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Split:
+    """A batch size on a number of devices (DataParallel) or ranks (DDP)."""
+
+    batch_size: int
+    devices: int
+
+    @property
+    def label(self) -> str:
+        return f"B={self.batch_size} on {self.devices}"
+
+
+@dataclass(frozen=True)
+class Case:
+    """What a check runs on.
+
+    Attributes:
+        module: the model (left unchanged: checks run on copies).
+        inputs: positional forward arguments.
+        target: the loss target (None when the forward returns its loss).
+        loss_fn: ``loss_fn(output, target)``; None when the forward returns its loss.
+        device_ids: DataParallel's devices; their count is the DDP world size.
+        output_device: DataParallel's output device (None: ``device_ids[0]``).
+        forward_kwargs: keyword arguments of the forward (DataParallel checks only).
+        per_row_mean_loss: the forward's loss is known to be each chunk's per-row mean (the
+            built-in and generated models), so ``loss.mean()`` of replica losses must be
+            biased exactly when the chunks are uneven; False for a user's model, whose bias
+            is a warning either way.
+        batches: the batches of the DDP training check (default: this batch, three times).
+        optimizer: the DDP training check's optimizer factory (default: SGD with momentum).
+    """
+
+    module: nn.Module
+    inputs: tuple[Any, ...]
+    target: Any = None
+    loss_fn: LossFn | None = None
+    device_ids: tuple[int, ...] = (0, 1)
+    output_device: int | None = None
+    forward_kwargs: Mapping[str, Any] | None = None
+    per_row_mean_loss: bool = False
+    batches: tuple[tuple[Any, Any], ...] = ()
+    optimizer: Callable[..., torch.optim.Optimizer] | None = None
+
+    @classmethod
+    def from_scenario(cls, scenario: Scenario) -> Case:
+        """A generated scenario, built (its models' losses are per-row means)."""
+        s = scenario.build()
+        return cls(
+            s.module, s.inputs, s.target, None if scenario.model.returns_loss else s.loss_fn,
+            tuple(s.device_ids), s.output_device, s.kwargs or None, per_row_mean_loss=True,
+        )
+
+    @property
+    def returns_loss(self) -> bool:
+        return self.loss_fn is None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.device_ids)
+
+    @property
+    def batch_size(self) -> int:
+        return batch_size_of(self.inputs)
+
+    @property
+    def chunk_sizes(self) -> list[int]:
+        return chunk_sizes(self.batch_size, len(self.device_ids))
+
+    @property
+    def split(self) -> Split:
+        return Split(self.batch_size, len(self.device_ids))
+
+    def sources(self) -> tuple[SourceGroup, ...]:
+        """The modules that make train mode differ, grouped (empty in eval mode)."""
+        return group_sources(self.module)
+
+    def in_eval_mode(self) -> Case:
+        """This case with an eval-mode copy of its module: what must match exactly when
+        train mode is explained."""
+        return replace(self, module=copy.deepcopy(self.module).eval())
+
+
+@dataclass(frozen=True)
+class Target:
+    """The code under test; each field None means torch's own.
+
+    Attributes:
+        parallel: a DataParallel-like wrapper, ``parallel(module, device_ids=...,
+            output_device=...)``.
+        reduce: a reduction of per-replica losses, ``reduce(losses, chunk_sizes)``
+            (default: the exact ``chunk_weighted_loss``).
+        step: a per-rank DDP step, ``step(ctx)``.
+        pool: the ranks the DDP checks run on (default: a pool of the world size).
+        ddp_kwargs: keyword arguments for ``DistributedDataParallel``.
+    """
+
+    parallel: Any = None
+    reduce: Any = None
+    step: Any = None
+    pool: Any = None
+    ddp_kwargs: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check on one case.
+
+    Attributes:
+        check: the check's name, a key of ``CHECKS``.
+        title: what was checked, short (a table row), with `` (eval mode)`` when the case
+            was an eval-mode copy of the model.
+        split: the batch size and device count.
+        verdict: the conclusion.
+        summary: one line for a table.
+        detail: the full report of a failure, the explanation of a divergence, or the
+            report of the loss-average check.
+        tensors: the compared tensors.
+        scale: the uniform factor between parallel and expected gradients, when one
+            factor explains a failure (a structured diagnosis, e.g. ``1 / world_size``).
+        bias: ``loss.mean()``'s bias, for the loss-average check.
+        chunks: the rows per replica or rank.
+        groups: the modules that explain an ``EXPLAINED`` verdict.
+        error: what the check raised (a ``ParallelMismatch`` or the code's exception).
+    """
+
+    check: str
+    title: str
+    split: Split
+    verdict: Verdict
+    summary: str
+    detail: str = ""
+    tensors: tuple[TensorComparison, ...] = ()
+    scale: float | None = None
+    bias: float | None = None
+    chunks: tuple[int, ...] = ()
+    groups: tuple[SourceGroup, ...] = ()
+    error: BaseException | None = field(default=None, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        """Not a failure: passed, explained, warned or skipped."""
+        return self.verdict is not Verdict.FAIL
+
+    @property
+    def worst(self) -> TensorComparison | None:
+        """The worst failing tensor, if any."""
+        return max((t for t in self.tensors if not t.ok), key=lambda t: t.ratio, default=None)
+
+
+#: What a check's body returns: the comparison, or the loss-average report.
+Report = StepComparison | LossAverageReport
+Body = Callable[[Case, Target], Report]
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """One check, as data.
+
+    Attributes:
+        name: the registry key (``"dp-grads"``).
+        title: a table row's label.
+        backend: ``"dp"`` or ``"ddp"``.
+        statement: what passing means, in one sentence.
+        body: runs the check; raises ``ParallelMismatch`` on a mismatch.
+        wanted: whether the check means anything for a case (a loss-in-forward model has
+            no ``loss_fn`` to check gradients with); cases it does not want are not run.
+        skip: why a wanted check cannot run on this case's split, or None.
+        explains_divergence: a mismatch on a model with train-mode BatchNorm or Dropout is
+            ``EXPLAINED`` (the same check on an eval-mode copy must pass).
+    """
+
+    name: str
+    title: str
+    backend: str
+    statement: str
+    body: Body
+    wanted: Callable[[Case], bool] = lambda case: True
+    skip: Callable[[Case], str | None] = lambda case: None
+    explains_divergence: bool = True
+
+    def applies(self, case: Case) -> bool:
+        """Whether the check is meant for ``case`` (it may still be skipped on its split)."""
+        return self.wanted(case)
+
+    def check(self, case: Case, target: Target | None = None) -> Report:
+        """Runs the check, raising what it raises (``ParallelMismatch`` on a mismatch).
+
+        Raises:
+            InvalidArgument: the check does not apply to ``case``, or cannot run on it.
+        """
+        __tracebackhide__ = True
+        reason = self.skip(case) if self.wanted(case) else f"{self.name} does not apply to this case"
+        if reason is not None:
+            raise InvalidArgument(f"check {self.name!r} cannot run here: {reason}")
+        return self.body(case, target or Target())
+
+    def run(self, case: Case, target: Target | None = None, *, eval_copy: bool = False) -> CheckResult:
+        """Runs the check and returns its verdict; whatever the code under test raises is
+        the verdict's evidence, never an exception here.
+
+        Args:
+            case: what to check.
+            target: the code under test (default: torch's own).
+            eval_copy: ``case.module`` is an eval-mode copy of the user's model (the title
+                says so).
+
+        Raises:
+            InvalidArgument: ``case`` cannot be checked at all (for example a module without
+                trainable parameters); the message names the argument.
+        """
+        title = self.title + (" (eval mode)" if eval_copy else "")
+        split = case.split
+
+        def result(verdict: Verdict, summary: str, **fields: Any) -> CheckResult:
+            return CheckResult(self.name, title, split, verdict, summary, **fields)
+
+        reason = self.skip(case)
+        if reason is not None:
+            return result(Verdict.SKIP, reason)
+        groups = case.sources() if self.explains_divergence else ()
+        try:
+            report = self.body(case, target or Target())
+        except InvalidArgument:
+            raise
+        except ParallelMismatch as failure:
+            comparison = failure.report if isinstance(failure.report, StepComparison) else None
+            tensors = comparison.tensors if comparison is not None else ()
+            if groups:
+                return _explained(result, groups, tensors)
+            worst = max((t for t in tensors if not t.ok), key=lambda t: t.ratio, default=None)
+            summary = f"{worst.name}: {worst.max_abs:.3g} > {worst.allowed:.3g} allowed" if worst else str(failure).splitlines()[0]
+            loss = failure.report if isinstance(failure.report, LossAverageReport) else None
+            return result(
+                Verdict.FAIL, summary, detail=str(failure), tensors=tensors, error=failure,
+                scale=comparison.scale if comparison is not None else None,
+                **_loss_fields(loss),
+            )
+        except (Exception, SystemExit) as error:  # the code under test's, not KeyboardInterrupt
+            if groups and ONE_ROW_BATCHNORM in str(error):
+                return _explained(result, groups, ())
+            return result(Verdict.FAIL, describe_exception(error), detail=failure_detail(error), error=error)
+        if isinstance(report, LossAverageReport):
+            return _loss_verdict(result, report)
+        return result(Verdict.PASS, f"worst at {report.worst_ratio:.2g} of tolerance", tensors=report.tensors)
+
+
+def _explained(result: Callable[..., CheckResult], groups: Sequence[SourceGroup], tensors: tuple[TensorComparison, ...]) -> CheckResult:
+    # one explanation per group, not per module: 34 BatchNorm layers share one
+    summary = "differs because of " + and_list([group.cause() for group in groups])
+    detail = "\n".join(group.describe() for group in groups)
+    return result(Verdict.EXPLAINED, summary, detail=detail, tensors=tensors, groups=tuple(groups))
+
+
+def _loss_fields(report: LossAverageReport | None) -> dict[str, Any]:
+    return {} if report is None else {"bias": report.loss_bias, "chunks": tuple(report.chunk_sizes)}
+
+
+def _loss_verdict(result: Callable[..., CheckResult], report: LossAverageReport) -> CheckResult:
+    chunks = list(report.chunk_sizes)
+    fields = _loss_fields(report) | {"detail": str(report)}
+    if not report.is_biased:
+        return result(Verdict.PASS, f"exact here (chunks {chunks})", **fields)
+    how = "weight by n_i/B" if report.weighted_is_exact else "the replica losses are not per-row means"
+    return result(Verdict.WARN, f"biased by {report.loss_bias:+.3g} (chunks {chunks}): {how}", **fields)
+
+
+# --------------------------------------------------------------------------- bodies
+
+
+def _dp_grads(case: Case, target: Target) -> Report:
+    assert case.loss_fn is not None
+    return assert_dp_grads_match(
+        case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=list(case.device_ids),
+        output_device=case.output_device, forward_kwargs=case.forward_kwargs, parallel=target.parallel,
+    )
+
+
+def _dp_grad_sum(case: Case, target: Target) -> Report:
+    assert case.loss_fn is not None
+    return assert_grad_sum_equals_mean_loss_grad(
+        case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=list(case.device_ids),
+        forward_kwargs=case.forward_kwargs, parallel=target.parallel,
+    )
+
+
+def _dp_buffers(case: Case, target: Target) -> Report:
+    return assert_dp_buffers_match(
+        case.module, case.inputs, device_ids=list(case.device_ids), output_device=case.output_device,
+        forward_kwargs=case.forward_kwargs, parallel=target.parallel,
+    )
+
+
+def _dp_loss_average(case: Case, target: Target) -> Report:
+    report = check_forward_loss_average(
+        case.module, case.inputs, device_ids=list(case.device_ids), parallel=target.parallel,
+        forward_kwargs=case.forward_kwargs,
+    )
+    uneven = len(set(report.chunk_sizes)) > 1
+    if report.is_biased and not uneven and report.weighted_is_exact:
+        # equal chunks, per-row means, yet loss.mean() is off: the gathered losses are wrong
+        raise ParallelMismatch(f"loss.mean() of replica losses is off although the chunks are equal\n{report}", report)
+    if case.per_row_mean_loss and report.is_biased != uneven:
+        raise ParallelMismatch(
+            "loss.mean() of per-row-mean replica losses must be biased exactly when the chunks "
+            f"are uneven; chunks {list(report.chunk_sizes)}, biased: {report.is_biased}\n{report}",
+            report,
+        )
+    return report
+
+
+def _dp_weighted_loss(case: Case, target: Target) -> Report:
+    return assert_loss_reduction_matches_full_batch(
+        case.module, case.inputs, device_ids=list(case.device_ids), reduce=target.reduce or chunk_weighted_loss,
+        parallel=target.parallel, forward_kwargs=case.forward_kwargs,
+    )
+
+
+def _dp_state(case: Case, target: Target) -> Report:
+    """torch's DataParallel keeps replica 0's in-place buffer updates and loses attributes
+    set in forward; with one device it runs the module itself."""
+    from dpverify.core.virtual import data_parallel
+
+    del target  # torch's semantics; a user's wrapper may differ
+    module = case.module
+    data_parallel(module, list(case.device_ids), output_device=case.output_device)(*case.inputs)
+    one_device = len(case.device_ids) == 1
+    if isinstance(module, BufferCounter):
+        expected = case.batch_size if one_device else case.chunk_sizes[0]
+        seen = int(module.rows_seen)
+        what = "rows_seen (a buffer updated in place) must keep replica 0's update only"
+    else:
+        expected, seen = (1 if one_device else 0), int(vars(module)["calls"])
+        what = "calls (an attribute set in forward) must be lost on every replica"
+    if seen != expected:
+        raise ParallelMismatch(f"{what}: expected {expected}, found {seen}; chunks {case.chunk_sizes}")
+    return StepComparison(check=what, scenario=f"chunks {case.chunk_sizes}", tolerance="exact", tensors=())
+
+
+def _ddp() -> Any:
+    checks = checks_if_available()
+    if checks is None:
+        raise RuntimeError("the DDP backend is not available in this build of torch")
+    return checks
+
+
+def _ddp_grads(case: Case, target: Target) -> Report:
+    assert case.loss_fn is not None
+    result: StepComparison = _ddp().assert_ddp_grads_match(
+        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
+        step=target.step, pool=target.pool, ddp_kwargs=target.ddp_kwargs,
+    )
+    return result
+
+
+def _ddp_accumulation(case: Case, target: Target) -> Report:
+    assert case.loss_fn is not None
+    result: StepComparison = _ddp().assert_ddp_accumulation_matches(
+        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
+        micro_batches=MICRO_BATCHES, step=target.step, pool=target.pool, ddp_kwargs=target.ddp_kwargs,
+    )
+    return result
+
+
+def _ddp_training(case: Case, target: Target) -> Report:
+    assert case.loss_fn is not None
+    batches = case.batches or ((case.inputs, case.target),) * TRAINING_STEPS
+    optimizer = case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    result: StepComparison = _ddp().assert_ddp_training_matches(
+        case.module, list(batches), loss_fn=case.loss_fn, optimizer=optimizer, world_size=case.world_size,
+        step=target.step, pool=target.pool, ddp_kwargs=target.ddp_kwargs,
+    )
+    return result
+
+
+def _ddp_buffers(case: Case, target: Target) -> Report:
+    assert case.loss_fn is not None
+    result: StepComparison = _ddp().assert_ddp_buffers_match(
+        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
+        pool=target.pool, ddp_kwargs=target.ddp_kwargs,
+    )
+    return result
+
+
+def _ddp_sync_batchnorm(case: Case, target: Target) -> Report:
+    assert case.loss_fn is not None
+    result: StepComparison = _ddp().assert_ddp_sync_batchnorm_matches(
+        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
+        pool=target.pool, ddp_kwargs=target.ddp_kwargs,
+    )
+    return result
+
+
+def _dp_ddp_agree(case: Case, target: Target) -> Report:
+    assert case.loss_fn is not None
+    result: StepComparison = _ddp().assert_dp_ddp_agree(
+        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
+        pool=target.pool, ddp_kwargs=target.ddp_kwargs,
+    )
+    return result
+
+
+# --------------------------------------------------------------------------- applicability
+
+
+def _has_loss_fn(case: Case) -> bool:
+    return case.loss_fn is not None
+
+
+def _returns_loss(case: Case) -> bool:
+    return case.loss_fn is None
+
+
+def _train_buffers(case: Case) -> bool:
+    """Buffers that a train-mode forward may update (BatchNorm's running statistics, a
+    counter): which replica's update the module keeps is the question."""
+    return case.module.training and any(b.dtype != torch.bool for b in case.module.buffers())
+
+
+def _one_row_chunk_batchnorm(case: Case, sizes: Sequence[int]) -> str | None:
+    training_bn = any(isinstance(m, _BatchNorm) and m.training for m in case.module.modules())
+    if training_bn and min(sizes, default=0) < 2:
+        return f"BatchNorm in train mode cannot normalise a one-row chunk (chunks {list(sizes)})"
+    return None
+
+
+def _ddp_skip(case: Case, *, rows_per_rank: int = 1) -> str | None:
+    if case.loss_fn is None:
+        return "needs loss_fn(output, target); this forward returns its loss"
+    if case.forward_kwargs:
+        return "the DDP checks take positional inputs only"
+    if case.batch_size < rows_per_rank * case.world_size:
+        need = "rows than ranks" if rows_per_rank == 1 else f"rows than {rows_per_rank} per rank"
+        return f"fewer {need} ({case.batch_size} < {rows_per_rank * case.world_size})"
+    return None
+
+
+def _has_batchnorm(case: Case) -> bool:
+    return any(isinstance(m, _BatchNorm) for m in case.module.modules())
+
+
+def _counter(case: Case) -> bool:
+    return isinstance(case.module, (BufferCounter, AttributeCounter))
+
+
+_SPECS = (
+    CheckSpec(
+        "dp-grads", "DP grads match one device", "dp",
+        "The module's gradients after a DataParallel step equal the single-device step's.",
+        _dp_grads, wanted=_has_loss_fn,
+    ),
+    CheckSpec(
+        "dp-grad-sum", "replica grads sum to full batch", "dp",
+        "The replicas' gradients sum to the full-batch gradient of the loss (DataParallel "
+        "sums them; it does not average).",
+        _dp_grad_sum, wanted=_has_loss_fn,
+    ),
+    CheckSpec(
+        "dp-loss-average", "loss.mean() of replica losses", "dp",
+        "A loss computed in forward and averaged with loss.mean() equals the full-batch loss "
+        "only when the chunks are equal; a warning says how far off it is otherwise.",
+        _dp_loss_average, wanted=_returns_loss, explains_divergence=False,
+    ),
+    CheckSpec(
+        "dp-weighted-loss", "n_i/B-weighted loss is exact", "dp",
+        "Weighting each replica's loss by its share of the rows, sum(n_i * loss_i) / B, gives "
+        "the full-batch loss and gradients.",
+        _dp_weighted_loss, wanted=_returns_loss,
+    ),
+    CheckSpec(
+        "dp-buffers", "buffers keep replica 0's update", "dp",
+        "Buffers updated in forward (BatchNorm's running statistics) keep replica 0's update.",
+        _dp_buffers, wanted=_train_buffers,
+        skip=lambda case: _one_row_chunk_batchnorm(case, case.chunk_sizes), explains_divergence=False,
+    ),
+    CheckSpec(
+        "dp-state", "torch's state semantics", "dp",
+        "torch's DataParallel keeps replica 0's in-place buffer update and loses attributes set "
+        "in forward.",
+        _dp_state, wanted=_counter, explains_divergence=False,
+    ),
+    CheckSpec(
+        "ddp-grads", "DDP grads match one device", "ddp",
+        "Every rank's gradients after a DDP step equal the single-device full-batch step's.",
+        _ddp_grads, skip=_ddp_skip,
+    ),
+    CheckSpec(
+        "ddp-accumulation", f"no_sync accumulation, k={MICRO_BATCHES}", "ddp",
+        f"Accumulating {MICRO_BATCHES} micro-batches per rank under no_sync() gives the full-batch "
+        "gradient, with one synchronisation.",
+        _ddp_accumulation, skip=functools.partial(_ddp_skip, rows_per_rank=MICRO_BATCHES),
+    ),
+    CheckSpec(
+        "ddp-training", f"training, {TRAINING_STEPS} optimizer steps", "ddp",
+        "Parameters after several DDP optimizer steps equal single-device training's.",
+        _ddp_training, skip=_ddp_skip,
+    ),
+    CheckSpec(
+        "ddp-buffers", "DDP buffers come from rank 0", "ddp",
+        "DDP broadcasts rank 0's buffers before each forward.",
+        _ddp_buffers, wanted=_train_buffers, skip=_ddp_skip, explains_divergence=False,
+    ),
+    CheckSpec(
+        "ddp-sync-batchnorm", "SyncBatchNorm = full-batch BN", "ddp",
+        "SyncBatchNorm over the ranks normalises with the full batch's statistics.",
+        _ddp_sync_batchnorm, wanted=_has_batchnorm, skip=_ddp_skip, explains_divergence=False,
+    ),
+    CheckSpec(
+        "dp-ddp-agree", "DP = DDP", "ddp",
+        "DataParallel and DDP give the same gradients for the same loss code (they do for a "
+        "mean loss; a sum loss differs by the world size).",
+        _dp_ddp_agree, skip=_ddp_skip,
+    ),
+)
+
+#: Every check, by name.
+CHECKS: dict[str, CheckSpec] = {spec.name: spec for spec in _SPECS}

@@ -1,0 +1,212 @@
+"""How ``dpverify check`` looks: the header, the live progress, the verdict table, the
+explanations and the per-parameter errors (rich)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dpverify.checks.model import ModelCheckReport, parameter_errors
+from dpverify.checks.registry import CheckResult, Split, Verdict
+from dpverify.core.text import and_list, plural, shorten_names
+from dpverify.models.user import UserModel
+
+__all__ = ["CheckProgress", "render_model_check", "render_model_check_header", "runs_on"]
+
+
+_STYLES = {
+    Verdict.PASS: "green",
+    Verdict.FAIL: "bold red",
+    Verdict.EXPLAINED: "cyan",
+    Verdict.WARN: "yellow",
+    Verdict.SKIP: "dim",
+}
+
+
+def _ddp_backend(world_size: int) -> str:
+    """The process group backend the DDP check's pool of ``world_size`` ranks gets."""
+    try:
+        from dpverify.ddp.pool import default_backend
+    except ImportError:  # no DDP in this build: the command refused --backend ddp already
+        return "gloo"
+    return default_backend(world_size)
+
+
+def runs_on(backend: str, device_counts: Sequence[int]) -> str:
+    """What runs the checks, in words: DataParallel on virtual or CUDA devices; DDP as
+    real processes, one per rank, in gloo or nccl process groups.
+
+    Args:
+        backend: ``"dp"``, ``"ddp"`` or ``"all"``.
+        device_counts: the device counts, which are the world sizes under DDP.
+    """
+    from dpverify.core.devices import cuda_device_count
+
+    parts: list[str] = []
+    if backend in ("dp", "all"):
+        gpus = cuda_device_count()
+        where = f"{plural(gpus, 'CUDA device')} where enough exist, virtual ones otherwise" if gpus else "virtual devices (no CUDA here)"
+        parts.append(f"DataParallel on {where}")
+    if backend in ("ddp", "all"):
+        sizes: dict[str, list[int]] = {}
+        for size in sorted(set(device_counts)):
+            sizes.setdefault(_ddp_backend(size), []).append(size)
+        groups = [
+            f"{name} ranks ({and_list([str(n) for n in counts])} {'process' if counts == [1] else 'processes'})"
+            for name, counts in sizes.items()
+        ]
+        parts.append(f"real DDP on {and_list(groups)}")
+    return and_list(parts)
+
+
+def render_model_check_header(console: Any, model: UserModel, *, loss: str, backend: str, device_counts: Sequence[int]) -> None:
+    """Prints what is checked, on what, before any check runs (a long run shows at once
+    what it is doing)."""
+    from rich.text import Text
+
+    console.print(Text(f"dpverify check: {model.name}", style="bold"))
+    console.print(
+        f"{plural(model.parameter_count, 'parameter')}; batch: {model.batch_source}; loss: {loss}; "
+        f"{runs_on(backend, device_counts)}; torch {torch.__version__}",
+        markup=False,
+    )
+
+
+class CheckProgress:
+    """The progress of ``dpverify check``.
+
+    On a terminal, a live bar: checks done of all, the time so far, the check running. Elsewhere
+    (a pipe, a CI log) one line per check as it finishes, ``[3/12] PASS  check, split:
+    summary``, each flushed at once, so that a run of minutes shows its progress in a log.
+    """
+
+    def __init__(self, console: Any, total: int) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self.console = console
+        self.total = total
+        self.done = 0
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("[bold]check"),
+            BarColumn(bar_width=30),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.description}"),
+            console=console,
+            transient=True,
+            disable=not console.is_terminal,
+        )
+        self.task = self.progress.add_task("starting", total=total)
+
+    def __enter__(self) -> CheckProgress:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.progress.stop()
+
+    def start(self, check: str, split: Split) -> None:
+        """Shows the check about to run (a check can take minutes on a large model)."""
+        self.progress.update(self.task, description=f"{check}, {split.label}")
+
+    def finished(self, result: CheckResult) -> None:
+        """Counts a finished check; off a terminal, prints its line."""
+        self.done += 1
+        self.progress.update(self.task, advance=1)
+        if not self.console.is_terminal:
+            summary = result.summary.splitlines()[0] if result.summary else ""
+            count = f"[{self.done:>{len(str(self.total))}}/{self.total}]"
+            self.console.print(f"{count} {result.verdict}  {result.title}, {result.split.label}: {summary}", markup=False, highlight=False, soft_wrap=True)
+            self.console.file.flush()  # a pipe is block-buffered: the line must reach the log now
+
+
+def render_model_check(console: Any, report: ModelCheckReport) -> None:
+    """Prints a verdict per check and split, explanations, failures, the per-parameter
+    error table and the final verdict line (the header came before the checks ran)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    splits = list(dict.fromkeys(r.split for r in report.results))
+    table = Table(title="Verdict per check and split", title_justify="left")
+    table.add_column("check")
+    for split in splits:
+        table.add_column(split.label)
+    for check in dict.fromkeys(r.title for r in report.results):
+        cells: list[Text | str] = []
+        for split in splits:
+            found = [r for r in report.results if r.title == check and r.split == split]
+            cells.append(Text(found[0].verdict, style=_STYLES[found[0].verdict]) if found else "")
+        table.add_row(check, *cells)
+    console.print(table)
+    _render_notes(console, report)
+    _render_parameters(console, report)
+    words = {Verdict.PASS: "passed", Verdict.FAIL: "failed", Verdict.EXPLAINED: "explained", Verdict.WARN: "warned", Verdict.SKIP: "skipped"}
+    text = ", ".join(f"{report.count(v)} {word}" for v, word in words.items() if report.count(v) or v in (Verdict.PASS, Verdict.FAIL))
+    if report.failed:
+        status = Text("FAILED", style="bold red")
+    elif report.checked_nothing:
+        # not OK: a run that compared nothing must not read as a pass
+        status = Text("NOTHING CHECKED", style="bold yellow")
+    else:
+        status = Text("OK", style="bold green")
+    console.print(Text.assemble(status, f": {text}"))
+
+
+def _render_notes(console: Any, report: ModelCheckReport) -> None:
+    from rich.panel import Panel
+    from rich.text import Text
+
+    explained = [r for r in report.results if r.verdict == Verdict.EXPLAINED]
+    if explained:
+        # each explanation once, for all its modules (a long list keeps its first and last few)
+        width = max(24, console.width // 2)
+        text = "\n".join(group.describe(group.names(width, most=12)) for group in report.groups) or explained[0].detail
+        reason = "this reason" if len(report.groups) <= 1 else "these reasons"
+        differ = "differs" if len(explained) == 1 else "differ"
+        console.print(Panel(
+            Text(f"{text}\n{plural(len(explained), 'check')} {differ} for {reason}; they are not failures. The eval-mode rows are the verdict."),
+            title="Expected divergence (train mode)", title_align="left", border_style="cyan",
+        ))
+    warned = [r for r in report.results if r.verdict == Verdict.WARN]
+    if warned:
+        console.print(Panel(Text(warned[0].detail), title=f"loss.mean() of replica losses is biased ({warned[0].split.label})", title_align="left", border_style="yellow"))
+    skipped = [r for r in report.results if r.verdict == Verdict.SKIP]
+    if skipped:
+        # the reasons, so that a skip is a decision to read rather than a silent gap
+        lines = "\n".join(f"{r.title}, {r.split.label}: {r.summary}" for r in skipped)
+        title = "Nothing was checked: every check was skipped" if report.checked_nothing else f"Skipped: {plural(len(skipped), 'check')} did not run"
+        console.print(Panel(Text(lines), title=title, title_align="left", border_style="yellow" if report.checked_nothing else "dim"))
+    for result in report.failed:
+        console.print(Panel(Text(result.detail or result.summary), title=f"FAIL: {result.title}, {result.split.label}", title_align="left", border_style="red"))
+
+
+def _render_parameters(console: Any, report: ModelCheckReport) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    rows = parameter_errors(report)
+    if not rows:
+        return
+    # cut in the middle, never at the end, and wide enough that rich does not cut again
+    names = shorten_names([row.name for row in rows], max(24, console.width // 3))
+    table = Table(title="Per-parameter gradient error (worst over checks and splits)", title_justify="left")
+    table.add_column("parameter", no_wrap=True, min_width=max(map(len, names)))
+    table.add_column("shape")
+    table.add_column("error / tolerance", justify="right")
+    table.add_column("max |Δ|", justify="right")
+    table.add_column("allowed", justify="right")
+    table.add_column("where")
+    for row, name in zip(rows, names, strict=True):
+        style = "bold red" if row.ratio > 1 else "green"
+        table.add_row(name, "x".join(map(str, row.shape)) or "scalar", Text(f"{row.ratio:.3g}", style=style), f"{row.max_abs:.3g}", f"{row.allowed:.3g}", row.where)
+    console.print(table)
