@@ -994,6 +994,24 @@ def test_selftest_with_a_local_pool(capsys: pytest.CaptureFixture[str]) -> None:
     assert "OK, 12 of 12 checks passed on 3 ranks (gloo)" in out
 
 
+def test_selftest_reads_the_sum_loss_factor_from_the_result_not_its_text(ddp_pool: DDPWorkerPool) -> None:
+    """The sum-loss self-check passes on the diagnosed factor (a structured field), and
+    fails when the factor is not the one expected."""
+    import dataclasses
+
+    from dpverify.cli import selftest
+
+    sum_loss = selftest._checks(2, 0)[-1]
+    assert sum_loss.expect_scale == 0.5
+    ok, line, _ = selftest._verdict(sum_loss, ddp_pool)
+    assert ok, line
+    assert "0.5 x DP's" in line
+    wrong = dataclasses.replace(sum_loss, expect_scale=0.25)
+    ok, line, _ = selftest._verdict(wrong, ddp_pool)
+    assert not ok
+    assert line.startswith("expected DDP grads at 0.25 x DP's, got FAIL")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_models_pass_the_ddp_checks(dtype: torch.dtype) -> None:
     model = mlp().to(dtype)

@@ -195,7 +195,8 @@ def _load_model(args: argparse.Namespace, *, default: str | None) -> UserModel:
 
 
 def _fuzz(args: argparse.Namespace) -> int:
-    from dpverify.cli.fuzz import FuzzConfig, FuzzProgress, devices_text, fuzz
+    from dpverify.cli.fuzz import FuzzConfig, devices_text, fuzz
+    from dpverify.cli.fuzz_view import FuzzProgress
 
     _require_ddp(args.backend)
     if args.target and args.backend == "all":
@@ -463,7 +464,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # leading --option on Python 3.11.
         from dpverify.cli.selftest import main_selftest
 
-        return main_selftest(arguments[1:])
+        try:
+            return main_selftest(arguments[1:])
+        except InvalidArgument as error:
+            return _usage_error("ddp-selftest", error)
     parser = _parser()
     args = parser.parse_args(arguments)
     if not getattr(args, "run", None):

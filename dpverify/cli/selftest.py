@@ -18,24 +18,18 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpverify.core.errors import InvalidArgument, ParallelMismatch
+from dpverify.checks.registry import CHECKS, Case, Target, Verdict
+from dpverify.core.errors import InvalidArgument
 from dpverify.core.text import plural
-from dpverify.ddp.checks import (
-    assert_ddp_accumulation_matches,
-    assert_ddp_buffers_match,
-    assert_ddp_grads_match,
-    assert_ddp_sync_batchnorm_matches,
-    assert_ddp_training_matches,
-    assert_dp_ddp_agree,
-)
-from dpverify.ddp.pool import DDPWorkerPool, ParallelError, ProcessGroupRunner, RankRunner
-from dpverify.models.builtin import builtin_case
+from dpverify.ddp.pool import DDPWorkerPool, ProcessGroupRunner, RankRunner
+from dpverify.models.builtin import BuiltinCase, builtin_case
 
 __all__ = ["PartlyUsed", "main_selftest"]
 
@@ -72,66 +66,70 @@ def _data(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True)
 class SelfCheck:
-    """One named check of the self-test; ``run`` returns a one-line detail or raises."""
+    """One registry check of the self-test, on a built-in case.
 
-    name: str
-    run: Callable[[RankRunner], str]
+    Attributes:
+        label: the row's name.
+        check: the registry name (a key of ``CHECKS``).
+        case: the model and batch; its device count is replaced by the world size.
+        target: DDP options (the ranks are the runner's).
+        expect_scale: the check must fail with exactly this uniform factor between DDP and
+            the reference (a sum loss under DDP is 1/world_size of DataParallel's: the
+            diagnosis is the point, not a bug); None when it must pass.
+    """
+
+    label: str
+    check: str
+    case: Case
+    target: Target = field(default_factory=Target)
+    expect_scale: float | None = None
 
 
-def _passed(result: object) -> str:
-    return str(result).split(": passed", 1)[-1].split(". Scenario", 1)[0].strip(" ()") or "passed"
+def _case(case: BuiltinCase | tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]], world: int, loss_fn: Any = F.mse_loss, **fields: Any) -> Case:
+    if isinstance(case, BuiltinCase):
+        return Case(case.module, case.inputs, case.target, case.loss_fn, tuple(range(world)), **fields)
+    module, (x, y) = case
+    return Case(module, (x,), y, loss_fn, tuple(range(world)), **fields)
 
 
 def _checks(world: int, seed: int) -> list[SelfCheck]:
     even, uneven = 2 * world, 2 * world + 1
-    mlp = builtin_case("mlp", batch=even, seed=seed)
-    mlp_odd = builtin_case("mlp", batch=uneven, seed=seed)
-    conv = builtin_case("conv", batch=even, seed=seed)
-    embedding = builtin_case("embedding", batch=uneven, seed=seed)
-    x, y = _data(even, seed)
-    batches = [_data(even, seed + i) for i in range(3)]
-    sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
-    adam = functools.partial(torch.optim.Adam, lr=0.01)
+    x_y = _data(even, seed)
+    batches = tuple(((x,), y) for x, y in (_data(even, seed + i) for i in range(3)))
     linear = _seeded(lambda: nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)), seed)
     bn = _seeded(_bn_model, seed)
-    unused = _seeded(PartlyUsed, seed)
+    summed = functools.partial(F.mse_loss, reduction="sum")
 
-    def grads(case_name: str) -> Callable[[RankRunner], str]:
-        case = {"mlp": mlp, "mlp-uneven": mlp_odd, "conv": conv, "embedding": embedding}[case_name]
-        assert case.loss_fn is not None
-        loss_fn = case.loss_fn
+    def builtin(name: str, rows: int) -> Case:
+        return _case(builtin_case(name, batch=rows, seed=seed), world)
 
-        def run(pool: RankRunner) -> str:
-            return _passed(assert_ddp_grads_match(case.module, case.inputs, case.target, loss_fn=loss_fn, world_size=world, pool=pool))
-
-        return run
-
-    def sum_loss_differs(pool: RankRunner) -> str:
-        summed = functools.partial(F.mse_loss, reduction="sum")
-        try:
-            assert_dp_ddp_agree(linear, x, y, loss_fn=summed, world_size=world, pool=pool)
-        except ParallelMismatch as failure:
-            if world > 1 and f"differ by the world size, {world}" not in str(failure):
-                raise
-            return f"DDP grads are 1/{world} of DP's for a sum loss, as reported"
-        if world > 1:
-            raise ParallelMismatch("a sum loss gave the same gradients under DP and DDP")
-        return "world size 1: DP and DDP agree"
+    def training(optimizer: Any) -> Case:
+        return _case((linear, x_y), world, batches=batches, optimizer=optimizer)
 
     return [
-        SelfCheck("grads: mlp, even shards", grads("mlp")),
-        SelfCheck("grads: mlp, uneven shards", grads("mlp-uneven")),
-        SelfCheck("grads: conv, even shards", grads("conv")),
-        SelfCheck("grads: embedding, uneven", grads("embedding")),
-        SelfCheck("train: SGD momentum, 3 steps", lambda p: _passed(assert_ddp_training_matches(linear, batches, loss_fn=F.mse_loss, optimizer=sgd, world_size=world, pool=p))),
-        SelfCheck("train: Adam, 3 steps", lambda p: _passed(assert_ddp_training_matches(linear, batches, loss_fn=F.mse_loss, optimizer=adam, world_size=world, pool=p))),
-        SelfCheck("no_sync accumulation, k=2", lambda p: _passed(assert_ddp_accumulation_matches(linear, x, y, loss_fn=F.mse_loss, world_size=world, micro_batches=2, pool=p))),
-        SelfCheck("find_unused_parameters", lambda p: _passed(assert_ddp_grads_match(unused, x, y, loss_fn=F.mse_loss, world_size=world, pool=p, ddp_kwargs={"find_unused_parameters": True}))),
-        SelfCheck("buffers come from rank 0", lambda p: _passed(assert_ddp_buffers_match(bn, x, y, loss_fn=F.mse_loss, world_size=world, pool=p))),
-        SelfCheck("SyncBatchNorm = full-batch BN", lambda p: _passed(assert_ddp_sync_batchnorm_matches(bn, x, y, loss_fn=F.mse_loss, world_size=world, pool=p))),
-        SelfCheck("DP = DDP for a mean loss", lambda p: _passed(assert_dp_ddp_agree(linear, x, y, loss_fn=F.mse_loss, world_size=world, pool=p))),
-        SelfCheck("DP = W x DDP for a sum loss", sum_loss_differs),
+        SelfCheck("grads: mlp, even shards", "ddp-grads", builtin("mlp", even)),
+        SelfCheck("grads: mlp, uneven shards", "ddp-grads", builtin("mlp", uneven)),
+        SelfCheck("grads: conv, even shards", "ddp-grads", builtin("conv", even)),
+        SelfCheck("grads: embedding, uneven", "ddp-grads", builtin("embedding", uneven)),
+        SelfCheck("train: SGD momentum, 3 steps", "ddp-training", training(functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))),
+        SelfCheck("train: Adam, 3 steps", "ddp-training", training(functools.partial(torch.optim.Adam, lr=0.01))),
+        SelfCheck("no_sync accumulation, k=2", "ddp-accumulation", _case((linear, x_y), world)),
+        SelfCheck("find_unused_parameters", "ddp-grads", _case((_seeded(PartlyUsed, seed), x_y), world), Target(ddp_kwargs={"find_unused_parameters": True})),
+        SelfCheck("buffers come from rank 0", "ddp-buffers", _case((bn, x_y), world)),
+        SelfCheck("SyncBatchNorm = full-batch BN", "ddp-sync-batchnorm", _case((bn, x_y), world)),
+        SelfCheck("DP = DDP for a mean loss", "dp-ddp-agree", _case((linear, x_y), world)),
+        SelfCheck("DP = W x DDP for a sum loss", "dp-ddp-agree", _case((linear, x_y), world, summed), expect_scale=1 / world if world > 1 else None),
     ]
+
+
+def _verdict(check: SelfCheck, runner: RankRunner) -> tuple[bool, str, str]:
+    """``(ok, one line, report)`` of one self-check on ``runner``'s ranks."""
+    result = CHECKS[check.check].run(check.case, replace(check.target, pool=runner))
+    if check.expect_scale is None:
+        return result.verdict is Verdict.PASS, result.summary, result.detail
+    if result.verdict is Verdict.FAIL and result.scale is not None and abs(result.scale / check.expect_scale - 1) < 1e-3:
+        return True, f"DDP grads are {result.scale:.3g} x DP's for a sum loss, as diagnosed", ""
+    return False, f"expected DDP grads at {check.expect_scale:.3g} x DP's, got {result.verdict}: {result.summary}", result.detail
 
 
 def _under_torchrun() -> bool:
@@ -170,11 +168,12 @@ def _run_all(runner: RankRunner, seed: int, show: Callable[[str], None]) -> int:
     checks = _checks(runner.world_size, seed)
     for check in checks:
         try:
-            detail, ok = check.run(runner), True
-        except (ParallelMismatch, ParallelError, InvalidArgument) as failure:
-            detail, ok = str(failure), False
-            failed.append((check.name, detail))
-        show(f"  {'PASS' if ok else 'FAIL'}  {check.name:<32} {detail.splitlines()[0]}")
+            ok, line, report = _verdict(check, runner)
+        except InvalidArgument as error:  # a self-check that cannot run here is a failure too
+            ok, line, report = False, str(error).splitlines()[0], str(error)
+        if not ok:
+            failed.append((check.label, report or line))
+        show(f"  {'PASS' if ok else 'FAIL'}  {check.label:<32} {line}")
     for name, detail in failed:
         show(f"\n--- {name}\n{detail}")
     elapsed = time.perf_counter() - started
@@ -187,7 +186,11 @@ def _run_all(runner: RankRunner, seed: int, show: Callable[[str], None]) -> int:
 
 
 def main_selftest(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``dpverify ddp-selftest``; returns the exit code (same on every rank)."""
+    """Entry point of ``dpverify ddp-selftest``; returns the exit code (same on every rank).
+
+    Raises:
+        InvalidArgument: an unusable option (``dpverify.cli.main`` makes it exit 2).
+    """
     args = _parser().parse_args(argv)
     if _under_torchrun():
         runner = _join_torchrun_group(args.backend)
@@ -205,17 +208,13 @@ def main_selftest(argv: Sequence[str] | None = None) -> int:
 
             dist.destroy_process_group()
     if args.world_size < 1:
-        print(f"dpverify ddp-selftest: --world-size={args.world_size} must be at least 1", file=sys.stderr)
-        return 2
-    try:
-        pool = DDPWorkerPool(args.world_size, args.backend, timeout=args.timeout)
-    except InvalidArgument as error:
-        print(f"dpverify ddp-selftest: {error}", file=sys.stderr)
-        return 2
-    with pool:
+        raise InvalidArgument(f"--world-size={args.world_size} must be at least 1")
+    with DDPWorkerPool(args.world_size, args.backend, timeout=args.timeout) as pool:
         print(f"dpverify ddp-selftest: local pool, {plural(pool.world_size, 'rank')} ({pool.backend}), torch {torch.__version__}", flush=True)
         return _run_all(pool, args.seed, lambda line: print(line, flush=True))
 
 
-if __name__ == "__main__":
-    raise SystemExit(main_selftest(sys.argv[1:]))
+if __name__ == "__main__":  # torchrun -m dpverify.cli.selftest: the command line's error policy
+    from dpverify.cli.main import main
+
+    raise SystemExit(main(["ddp-selftest", *sys.argv[1:]]))
