@@ -9,12 +9,14 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from dpverify.cli.explain import QUESTIONS, Explanation, explain
+from dpverify.cli.explain import Explanation, explain
+from dpverify.cli.explain_answers import QUESTIONS, answers
 from dpverify.cli.main import main
 from dpverify.cli.user_model import user_model
 from dpverify.models.user import UserModel, builtin_model
@@ -67,14 +69,14 @@ def test_views_copies_and_replica_zero_sharing_are_measured(default: Explanation
     assert first.parameter_bytes == 0
     assert all(r.shared_parameters == 0 and r.parameter_bytes == first.shared_parameters * 0 + 141 * 4 for r in others)
     assert all(r.equal_to_module and r.leaf_parameters == 0 for r in default.replicas)
-    assert "is a view of the batch" in default.answers[0].answer
+    assert "is a view of the batch" in answers(default)[0].answer
 
 
 def test_gather_loss_and_backward_split_by_chunk(default: Explanation) -> None:
     assert default.gathered_on == 0
     assert default.output_shape == (5, 3)
     assert [r.output_grad_rows for r in default.replicas] == [2, 2, 1]
-    assert "[2, 2, 1] rows" in default.answers[1].answer
+    assert "[2, 2, 1] rows" in answers(default)[1].answer
 
 
 def test_grad_sum_is_the_full_gradient_and_the_average_a_third_of_it(default: Explanation) -> None:
@@ -128,7 +130,7 @@ def test_lost_state_and_batchnorm_are_found(tmp_path: Path, monkeypatch: pytest.
     found = {(s.kind, s.where) for s in e.state}
     assert {("attribute", "calls"), ("buffer", "norm.running_mean"), ("batch statistics", "norm")} <= found
     assert e.eval_mode_for_losses
-    assert e.answers[2].answer.startswith("Measured on an eval-mode copy")
+    assert answers(e)[2].answer.startswith("Measured on an eval-mode copy")
     assert all(g.sum_error < 1e-12 for g in e.grads)
     # a one-row chunk makes BatchNorm raise in train mode: the step is shown in eval mode
     one_row = explain(user_model("stateful_models:make"), batch_size=5, device_ids=[0, 1, 2, 3])
@@ -139,7 +141,7 @@ def test_single_device_runs_the_module_itself() -> None:
     e = explain(builtin_model("loss-in-forward"), batch_size=3, device_ids=[0])
     assert not e.replicated
     assert e.returned_loss_shape == ()
-    assert e.answers[1].answer.startswith("With one device DataParallel runs the module itself")
+    assert answers(e)[1].answer.startswith("With one device DataParallel runs the module itself")
 
 
 @pytest.mark.timeout(120)
@@ -227,7 +229,7 @@ def test_real_ddp_for_question_eleven() -> None:
     e = explain(builtin_model("mlp"), batch_size=4, device_ids=[0, 1], real_ddp=True)
     assert e.ddp.mode == "measured"
     assert e.ddp.detail.startswith("real DDP on 2 ranks agrees with DataParallel")
-    assert "Measured: real DDP on 2 ranks agrees" in e.answers[10].answer
+    assert "Measured: real DDP on 2 ranks agrees" in answers(e)[10].answer
 
 
 def test_long_names_keep_both_ends_and_a_repeated_explanation_is_shown_once() -> None:
@@ -267,7 +269,36 @@ def test_long_names_keep_both_ends_and_a_repeated_explanation_is_shown_once() ->
 
 
 def test_one_copy_is_spoken_of_in_the_singular() -> None:
-    answer = explain(builtin_model("embedding"), batch_size=2, device_ids=[0, 1]).answers[0].answer
+    answer = answers(explain(builtin_model("embedding"), batch_size=2, device_ids=[0, 1]))[0].answer
     assert "Device 1 received a copy" in answer
     assert "replica 1 holds a copy" in answer
     assert "Devices 1 " not in answer
+
+
+def test_the_measurement_does_not_import_the_prose() -> None:
+    """explain measures, explain_answers words it, explain_view shows both: importing the
+    measurement alone loads neither of the others."""
+    code = "import sys, dpverify.cli.explain; print(sorted(m for m in sys.modules if m.startswith('dpverify.cli.explain')))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "['dpverify.cli.explain']"
+
+
+@pytest.mark.parametrize("module", ["explain", "explain_answers", "explain_view"])
+def test_the_explain_modules_name_only_what_exists(module: str) -> None:
+    """Every ``dpverify.x.y`` the explain modules name is a module, or a name in one."""
+    import importlib
+
+    source = (Path(__file__).resolve().parents[1] / "dpverify" / "cli" / f"{module}.py").read_text(encoding="utf-8")
+    named = set(re.findall(r"\bdpverify(?:\.\w+)+", source))
+    assert named
+    for dotted in sorted(named):
+        parts = dotted.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                found: Any = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ModuleNotFoundError:
+                continue
+        for attribute in parts[cut:]:
+            assert hasattr(found, attribute), dotted
+            found = getattr(found, attribute)

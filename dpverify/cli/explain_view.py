@@ -1,4 +1,5 @@
-"""``dpverify explain`` drawn with rich: the step diagram, the tables, the numbered answers."""
+"""``dpverify explain`` drawn with rich: the step diagram and the tables from the facts of
+``dpverify.cli.explain``, the numbered answers from ``dpverify.cli.explain_answers``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dpverify.cli.explain import ChunkFact, Explanation, ReplicaFact, StateFact
+from dpverify.cli.explain_answers import Answer, answers
 from dpverify.core.text import name_list, plural, shorten_names
 
 __all__ = ["explanation_json", "render_explanation"]
@@ -22,6 +24,7 @@ __all__ = ["explanation_json", "render_explanation"]
 def explanation_json(e: Explanation) -> str:
     """The explanation as JSON: every measured value, and the numbered answers."""
     data: dict[str, Any] = dataclasses.asdict(e)
+    data["answers"] = [dataclasses.asdict(answer) for answer in answers(e)]
     data["replicas_used"] = e.replicas_used
     data["idle_devices"] = list(e.idle_devices)
     for row, device in zip(data["bytes"], e.bytes, strict=True):
@@ -195,8 +198,7 @@ def _state_table(e: Explanation, width: int) -> Table | None:
     return table
 
 
-def _answer(number: int, e: Explanation, extra: RenderableType | None = None) -> RenderableType:
-    answer = e.answers[number - 1]
+def _answer(answer: Answer, extra: RenderableType | None = None) -> RenderableType:
     body: list[RenderableType] = [Text(f"{answer.number}. {answer.question}", style="bold"), Padding(Text(answer.answer), (0, 0, 0, 4))]
     if extra is not None:
         body.append(Padding(extra, (0, 0, 0, 4)))
@@ -220,5 +222,5 @@ def render_explanation(console: Console, e: Explanation) -> None:
     state = _state_table(e, console.width)
     if state is not None:
         extras[10] = state
-    for number in range(1, len(e.answers) + 1):
-        console.print(_answer(number, e, extras.get(number)))
+    for answer in answers(e):
+        console.print(_answer(answer, extras.get(answer.number)))
