@@ -24,6 +24,13 @@ from dpverify.checks.loss_average import (
 )
 from dpverify.checks.loss_average import check_forward_loss_average as check_forward_loss_average
 from dpverify.checks.loss_average import chunk_weighted_loss as chunk_weighted_loss
+from dpverify.checks.registry import CHECKS as CHECKS
+from dpverify.checks.registry import Case as Case
+from dpverify.checks.registry import CheckResult as CheckResult
+from dpverify.checks.registry import CheckSpec as CheckSpec
+from dpverify.checks.registry import Split as Split
+from dpverify.checks.registry import Target as Target
+from dpverify.checks.registry import Verdict as Verdict
 from dpverify.core.comparison import StepComparison as StepComparison
 from dpverify.core.comparison import TensorComparison as TensorComparison
 from dpverify.core.comparison import Tolerance as Tolerance
