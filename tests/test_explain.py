@@ -232,6 +232,26 @@ def test_real_ddp_for_question_eleven() -> None:
     assert "Measured: real DDP on 2 ranks agrees" in answers(e)[10].answer
 
 
+
+@pytest.mark.timeout(180)
+def test_real_ddp_with_a_sum_loss_reports_the_measured_factor() -> None:
+    import dataclasses
+    import functools
+
+    import torch.nn.functional as F
+
+    from dpverify.cli.explain import _measured_ddp
+    from dpverify.models.user import Batch
+
+    model = builtin_model("mlp")
+    batch = model.make_batch(4)
+    summed = Batch(batch.inputs, batch.target, functools.partial(F.mse_loss, reduction="sum"), "sum of squares")
+    simulated = explain(model, batch_size=4, device_ids=[0, 1]).ddp
+    fact = _measured_ddp(model.module, summed, 2, dataclasses.replace(simulated))
+    assert fact.mode == "measured"
+    # DDP averages the ranks' gradients of a summed loss: half of DataParallel's sum
+    assert fact.detail == "real DDP on 2 ranks gives 0.5 times DataParallel's gradients"
+
 def test_long_names_keep_both_ends_and_a_repeated_explanation_is_shown_once() -> None:
     import io
 

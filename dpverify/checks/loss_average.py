@@ -346,9 +346,8 @@ def check_forward_loss_average(
         params = [p for p in parallel_model.parameters() if p.requires_grad]
         seed_step(0, check.device)
         losses = _replica_losses(check.wrap(parallel_model)(*args, **kwargs), loss_at, check.plan.n_replicas)
-        weights = torch.tensor(sizes, dtype=losses.dtype, device=losses.device) / batch
         mean_of_means = losses.mean()
-        weighted = (losses * weights).sum()
+        weighted = chunk_weighted_loss(losses, sizes)
         grads_mean = _grads(mean_of_means, params, retain=True)
         grads_weighted = _grads(weighted, params)
 

@@ -721,20 +721,21 @@ def _ddp_fact(module: nn.Module, batch: Batch, device_ids: list[int], sizes: Seq
 
 
 def _measured_ddp(module: nn.Module, batch: Batch, world_size: int, simulated: DDPFact) -> DDPFact:
-    from dpverify.core.errors import ParallelMismatch
+    from dpverify.checks.registry import CHECKS, Case, Verdict
     from dpverify.ddp import checks_if_available
 
-    checks = checks_if_available()
-    if checks is None:
+    if checks_if_available() is None:
         return DDPFact("simulated", simulated.mean_loss_gap, simulated.sum_loss_ratio, "the DDP backend is not available in this build")
     if batch.loss_fn is None:
         return DDPFact("simulated", simulated.mean_loss_gap, simulated.sum_loss_ratio, "real DDP needs loss_fn(output, target); this forward returns its loss")
-    try:
-        result = checks.assert_dp_ddp_agree(module, batch.inputs, batch.target, loss_fn=batch.loss_fn, world_size=world_size)
-        detail = f"real DDP on {world_size} ranks agrees with DataParallel (worst at {result.worst_ratio:.2g} of tolerance)"
-    except ParallelMismatch as failure:
-        head = str(failure).splitlines()[0].split(": ", 1)[-1].rstrip(".")
-        detail = f"real DDP on {world_size} ranks gives other gradients than DataParallel ({head})"
+    case = Case(module, batch.inputs, batch.target, batch.loss_fn, tuple(range(world_size)))
+    result = CHECKS["dp-ddp-agree"].run(case)
+    if result.verdict is Verdict.PASS:
+        detail = f"real DDP on {world_size} ranks agrees with DataParallel ({result.summary})"
+    elif result.scale is not None:
+        detail = f"real DDP on {world_size} ranks gives {result.scale:.6g} times DataParallel's gradients"
+    else:
+        detail = f"real DDP on {world_size} ranks gives other gradients than DataParallel ({result.summary})"
     return DDPFact("measured", simulated.mean_loss_gap, simulated.sum_loss_ratio, detail)
 
 
