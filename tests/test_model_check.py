@@ -345,3 +345,19 @@ def test_the_header_says_what_ran(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "--model", "mlp", "--backend", "all", "--batch-sizes", "1", "--devices", "2", "4", "--no-color"]) == 0
     both = " ".join(capsys.readouterr().out.split())
     assert "DataParallel on virtual devices (no CUDA here) and real DDP on gloo ranks (2 and 4 processes)" in both
+
+
+def test_checks_option_runs_the_named_registry_checks(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["check", "--model", "mlp", "--batch-sizes", "8", "--devices", "2", "--no-color"]
+    assert main([*args, "--checks", "dp-grad-sum"]) == 0
+    out = capsys.readouterr().out
+    assert "replica grads sum to full batch" in out
+    assert "DP grads match one device" not in out
+    assert out.splitlines()[-1] == "OK: 1 passed, 0 failed"
+
+
+def test_checks_that_do_not_apply_are_a_usage_error_naming_those_that_do(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--model", "loss-in-forward", "--checks", "dp-grads"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dpverify check: --checks dp-grads --backend dp: none of these applies to this model;")
+    assert err.rstrip().endswith("these do: dp-loss-average, dp-weighted-loss")
