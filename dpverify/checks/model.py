@@ -47,10 +47,10 @@ __all__ = [
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (8, 5, 2)
 DEFAULT_DEVICE_COUNTS: tuple[int, ...] = (2, 4)
 
-#: The checks ``dpverify check`` runs by default (those that apply to the model).
-DEFAULT_CHECKS: tuple[str, ...] = (
-    "dp-grads", "dp-grad-sum", "dp-loss-average", "dp-weighted-loss", "dp-buffers", "ddp-grads",
-)
+#: The checks ``dpverify check`` runs by default, where they apply: what a user's model and
+#: training loop can get wrong. The others (buffers, accumulation, training, SyncBatchNorm,
+#: ...) test the parallel wrapper itself, torch's unless one is given: ``--checks`` adds them.
+DEFAULT_CHECKS: tuple[str, ...] = ("dp-grads", "dp-grad-sum", "dp-loss-average", "dp-weighted-loss", "ddp-grads")
 
 
 @dataclass(frozen=True)
