@@ -25,7 +25,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from hypothesis import strategies as st
@@ -33,6 +33,7 @@ from hypothesis.strategies import SearchStrategy
 
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
+from dpverify.core.validation import require_bool, require_instance, require_int_at_least
 from dpverify.models.specs import (
     ACTIVATIONS,
     CLASSIFICATION_LOSSES,
@@ -63,32 +64,18 @@ __all__ = [
 
 T = TypeVar("T")
 
-def _check_type(name: str, value: object, expected: type[Any]) -> None:
-    """Raises unless ``value`` (given, or drawn from a strategy) is an ``expected``."""
-    if not isinstance(value, expected):
-        # torch.dtype alone would read "a dtype": name torch's types by their module
-        what = f"torch.{expected.__qualname__}" if expected.__module__.startswith("torch") else expected.__qualname__
-        raise InvalidArgument(f"{name}={value!r} is {type(value).__name__}; pass a {what} or a strategy of them")
+
+def _drawn(value: object, name: str, expected: type[T]) -> T:
+    """``value`` (given, or drawn from a strategy argument) when it is an ``expected``."""
+    return require_instance(value, name, expected, alternative="a strategy of them")
 
 
-def _value_or_strategy(value: T | SearchStrategy[T], name: str, expected: type[Any]) -> SearchStrategy[T]:
+def _value_or_strategy(value: T | SearchStrategy[T], name: str, expected: type[T]) -> SearchStrategy[T]:
     if isinstance(value, SearchStrategy):
         return value  # drawn values are checked where they are drawn
     if value is None:
         raise InvalidArgument(f"{name}=None: pass a value or a strategy")
-    _check_type(name, value, expected)
-    return st.just(value)
-
-
-def _check_int(name: str, value: int, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InvalidArgument(f"{name}={value!r} must be an int >= {low}")
-
-
-def _check_bool(name: str, value: bool) -> None:
-    # 1 or "yes" would work as a flag, but is more likely a misplaced positional value
-    if not isinstance(value, bool):
-        raise InvalidArgument(f"{name}={value!r} must be True or False")
+    return st.just(_drawn(value, name, expected))
 
 
 def _subset(name: str, value: Iterable[str], allowed: Sequence[str], hint: str) -> tuple[str, ...]:
@@ -126,9 +113,9 @@ def model_specs(
     Shrinks toward ``ModelSpec(kind='linear')`` with the smallest widths.
     """
     chosen = KINDS if kinds is None else _subset("kinds", kinds, KINDS, f"choose a non-empty subset of {KINDS}")
-    _check_bool("exact", exact)
+    require_bool(exact, "exact")
     for name, value in (("max_features", max_features), ("max_hidden", max_hidden), ("max_depth", max_depth)):
-        _check_int(name, value, 1)
+        require_int_at_least(value, name, 1)
     if exact:
         chosen = tuple(k for k in chosen if k != "loss-head")
         if not chosen:
@@ -151,8 +138,7 @@ def model_specs(
 
 @st.composite
 def _batch_sizes(draw: st.DrawFn, n_devices: SearchStrategy[int], max_size: int) -> int:
-    n = draw(n_devices)
-    _check_int("n_devices", n, 1)
+    n = require_int_at_least(draw(n_devices), "n_devices", 1)
     options = [st.just(1)]
     if n > 1:
         options.append(st.integers(1, min(n - 1, max_size)))  # fewer rows than devices
@@ -176,9 +162,9 @@ def batch_sizes(n_devices: int | SearchStrategy[int] = 2, *, max_size: int = 16)
     chunks than devices (5 rows on 4 devices: [2, 2, 1]); and any size up to ``max_size``.
     Shrinks toward 1.
     """
-    _check_int("max_size", max_size, 1)
+    require_int_at_least(max_size, "max_size", 1)
     if not isinstance(n_devices, SearchStrategy):
-        _check_int("n_devices", n_devices, 1)
+        require_int_at_least(n_devices, "n_devices", 1)
     return _batch_sizes(_value_or_strategy(n_devices, "n_devices", int), max_size)
 
 
@@ -189,8 +175,8 @@ def device_lists(*, min_devices: int = 1, max_devices: int = 4) -> SearchStrateg
     visible, virtual ids ``0 .. max_devices - 1`` otherwise. Shrinks toward
     ``DeviceList((0,) * min_devices ...)`` in natural order with the default output device.
     """
-    _check_int("min_devices", min_devices, 1)
-    _check_int("max_devices", max_devices, min_devices)
+    require_int_at_least(min_devices, "min_devices", 1)
+    require_int_at_least(max_devices, "max_devices", min_devices)
     visible = cuda_device_count()
     if visible >= min_devices:
         pool, most = list(range(visible)), min(max_devices, visible)
@@ -228,8 +214,8 @@ def dtypes(*, bfloat16: bool = False, float16: bool = False) -> SearchStrategy[t
         bfloat16: also draw ``torch.bfloat16``.
         float16: also draw ``torch.float16``.
     """
-    _check_bool("bfloat16", bfloat16)
-    _check_bool("float16", float16)
+    require_bool(bfloat16, "bfloat16")
+    require_bool(float16, "float16")
     options = [torch.float32, torch.float64]
     options += [torch.bfloat16] if bfloat16 else []
     options += [torch.float16] if float16 else []
@@ -248,17 +234,13 @@ def _scenarios(
 ) -> Scenario:
     # a strategy argument is only known by what it draws: check each value before use, so a
     # wrong one is an InvalidArgument naming the argument, not an AttributeError later
-    model = draw(models)
-    _check_type("models", model, ModelSpec)
-    device_list = draw(devices)
-    _check_type("devices", device_list, DeviceList)
+    model = _drawn(draw(models), "models", ModelSpec)
+    device_list = _drawn(draw(devices), "devices", DeviceList)
     batch = draw(batch_sizes(len(device_list.device_ids), max_size=max_batch))
-    loss = draw(losses)
-    _check_type("losses", loss, LossSpec)
+    loss = _drawn(draw(losses), "losses", LossSpec)
     if loss.name in CLASSIFICATION_LOSSES and model.output_dim < 2:
         loss = LossSpec("mse", loss.reduction)  # one logit is no classifier
-    dtype = draw(dtype_strategy)
-    _check_type("dtype", dtype, torch.dtype)
+    dtype = _drawn(draw(dtype_strategy), "dtype", torch.dtype)
     return Scenario(model, batch, device_list, loss, dtype, draw(seeds))
 
 
@@ -277,7 +259,7 @@ def scenarios(
     module, inputs, keyword inputs, target, loss function and device ids. Shrinks toward
     one Linear layer, batch 1, one device, mean MSE, float32 and seed 0.
     """
-    _check_int("max_batch", max_batch, 1)
+    require_int_at_least(max_batch, "max_batch", 1)
     return _scenarios(
         model_specs() if models is None else _value_or_strategy(models, "models", ModelSpec),
         device_lists() if devices is None else _value_or_strategy(devices, "devices", DeviceList),

@@ -182,6 +182,7 @@ def test_loss_in_forward_model_gets_a_shape_explanation() -> None:
         ({"loss_fn": "mse"}, "loss_fn='mse' is not callable"),
         ({"loss_fn": lambda o, t: (o - t).pow(2)}, r"loss_fn returned \(4, 2\); it must return a scalar"),
         ({"parallel": 3}, "parallel=3 is not callable"),
+        ({"forward_kwargs": 3}, "forward_kwargs=3 is int; pass a mapping of keyword arguments"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], match: str) -> None:

@@ -21,6 +21,7 @@ from dpverify.core.comparison import (
     explain_scale,
     render,
     require_finite,
+    step_comparison,
     uniform_scale,
 )
 from dpverify.core.devices import cuda_device_count, normalize_device_ids, normalize_output_device
@@ -28,9 +29,10 @@ from dpverify.core.divergence import divergence_sources
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.core.scatter import ScatterPlan, plan_scatter
 from dpverify.core.step import StepResult, as_inputs, batch_size_of, first_parameter_dtype, run_step
+from dpverify.core.validation import require_callable, require_mapping, require_module_with_grads
 from dpverify.core.virtual import data_parallel
 
-__all__ = ["Check", "assert_dp_grads_match", "assert_grad_sum_equals_mean_loss_grad", "raise_unless_ok"]
+__all__ = ["Check", "assert_dp_grads_match", "assert_grad_sum_equals_mean_loss_grad", "raise_unless_ok", "require_loss_fn"]
 
 Parallel = Callable[..., Callable[..., Any]]
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -68,29 +70,19 @@ class Check:
         atol: float | None = None,
         forward_kwargs: Mapping[str, Any] | None = None,
     ) -> Check:
-        if not isinstance(module, nn.Module):
-            raise InvalidArgument(f"module={type(module).__name__} is not a torch.nn.Module")
-        if parallel is not None and not callable(parallel):
-            raise InvalidArgument(
-                f"parallel={parallel!r} is not callable; pass a DataParallel-like class or "
-                "function (module, device_ids=..., output_device=...) -> module"
-            )
-        if not any(p.requires_grad for p in module.parameters()):
-            count = sum(1 for _ in module.parameters())
-            raise InvalidArgument(
-                f"module={type(module).__name__} has no parameter that requires grad "
-                f"({count} parameters, all frozen or none at all), so there is no gradient to "
-                "compare; unfreeze the parameters to check (requires_grad_(True))"
+        require_module_with_grads(module, why="there is no gradient to compare")
+        if parallel is not None:
+            require_callable(
+                parallel, "parallel",
+                "a DataParallel-like class or function (module, device_ids=..., output_device=...) -> module",
             )
         ids = normalize_device_ids(device_ids)
         target = normalize_output_device(output_device, ids)
         args = as_inputs(inputs)
         batch_size_of(args)
-        if forward_kwargs is not None and not isinstance(forward_kwargs, Mapping):
-            raise InvalidArgument(
-                f"forward_kwargs={forward_kwargs!r} must be a mapping of keyword arguments"
-            )
-        kwargs = dict(forward_kwargs or {})
+        kwargs: dict[str, Any] = {}
+        if forward_kwargs is not None:
+            kwargs = dict(require_mapping(forward_kwargs, "forward_kwargs", "{'attention_mask': mask}"))
         # Real devices when they exist, for torch's DataParallel and a user's wrapper alike.
         real = cuda_device_count() > max(ids)
         device = torch.device("cuda", ids[0]) if real else torch.device("cpu")
@@ -280,16 +272,9 @@ class Check:
         failures: Sequence[str] = (),
         scale: float | None = None,
     ) -> StepComparison:
-        return StepComparison(
-            check=check,
-            scenario=self.scenario,
-            tolerance=self.tolerance.describe(self.dtype),
-            tensors=tuple(rows),
-            contrasts=tuple(contrasts),
-            divergence=divergence_sources(self.module),
-            notes=tuple(notes),
-            failures=tuple(failures),
-            scale=scale,
+        return step_comparison(
+            check, self.scenario, self.tolerance, self.dtype, self.module, rows,
+            contrasts=contrasts, notes=notes, failures=failures, scale=scale,
         )
 
 
@@ -300,12 +285,13 @@ def raise_unless_ok(result: StepComparison, msg: Msg) -> StepComparison:
     return result
 
 
+def require_loss_fn(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` when callable: the contract of every helper's ``loss_fn``, DDP's too."""
+    return require_callable(loss_fn, "loss_fn", "loss_fn(output, target) -> scalar, e.g. torch.nn.functional.mse_loss")
+
+
 def _loss_of(loss_fn: LossFn, target: Any) -> Callable[[Any], torch.Tensor]:
-    if not callable(loss_fn):
-        raise InvalidArgument(
-            f"loss_fn={loss_fn!r} is not callable; pass loss_fn(output, target) -> scalar, "
-            "e.g. torch.nn.functional.mse_loss"
-        )
+    require_loss_fn(loss_fn)
     return lambda output: loss_fn(output, target)
 
 

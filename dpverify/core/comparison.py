@@ -20,8 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
+from torch import nn
 
-from dpverify.core.divergence import DivergenceSource
+from dpverify.core.divergence import DivergenceSource, divergence_sources
 from dpverify.core.errors import InvalidArgument, NonFiniteReference
 from dpverify.core.numerics import max_abs
 
@@ -34,6 +35,7 @@ __all__ = [
     "explain_scale",
     "render",
     "require_finite",
+    "step_comparison",
     "uniform_scale",
 ]
 
@@ -615,6 +617,38 @@ class StepComparison:
                 f"{self.worst_ratio:.2g} of the allowed difference). Scenario: {self.scenario}."
             )
         return self.message()
+
+
+def step_comparison(
+    check: str,
+    scenario: str,
+    tolerance: Tolerance,
+    dtype: torch.dtype,
+    module: nn.Module,
+    rows: Sequence[TensorComparison],
+    *,
+    contrasts: Sequence[TensorComparison] = (),
+    notes: Sequence[str] = (),
+    failures: Sequence[str] = (),
+    scale: float | None = None,
+    divergence: bool = True,
+) -> StepComparison:
+    """The outcome of a check, built the same way by the DataParallel and the DDP helpers so
+    that their messages read alike: the tolerance in words for the working ``dtype``, and
+    ``module``'s divergence sources, the likely cause of a mismatch (unless ``divergence``
+    is False: a check whose reference already splits the batch as the parallel step does,
+    such as DDP's buffer and SyncBatchNorm checks)."""
+    return StepComparison(
+        check=check,
+        scenario=scenario,
+        tolerance=tolerance.describe(dtype),
+        tensors=tuple(rows),
+        contrasts=tuple(contrasts),
+        divergence=divergence_sources(module) if divergence else (),
+        notes=tuple(notes),
+        failures=tuple(failures),
+        scale=scale,
+    )
 
 
 def uniform_scale(

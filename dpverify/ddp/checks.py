@@ -21,16 +21,16 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from dpverify.checks.dp import Check, raise_unless_ok
+from dpverify.checks.dp import Check, raise_unless_ok, require_loss_fn
 from dpverify.core.comparison import (
     Msg,
     StepComparison,
     TensorComparison,
     Tolerance,
     compare_tensors,
+    step_comparison,
     uniform_scale,
 )
-from dpverify.core.divergence import divergence_sources
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.step import (
     StepResult,
@@ -43,6 +43,12 @@ from dpverify.core.step import (
     flatten_tensors,
     parameter_sites,
     run_step,
+)
+from dpverify.core.validation import (
+    require_callable,
+    require_int_at_least,
+    require_mapping,
+    require_module_with_grads,
 )
 from dpverify.ddp.pool import ParallelError, RankRunner, require_picklable, shared_pool
 from dpverify.ddp.rank import (
@@ -82,26 +88,13 @@ _RESERVED_DDP_KWARGS = ("module", "device_ids", "output_device", "process_group"
 # --------------------------------------------------------------------------- validation
 
 
-def _int_at_least(value: Any, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InvalidArgument(f"{name}={value!r} must be an int >= {low}")
-    return value
-
-
 def _trainable_module(module: Any) -> nn.Module:
-    """The module, once it is known to have a parameter that requires grad (DDP refuses a
-    module without one, and there would be no gradient to compare)."""
-    if not isinstance(module, nn.Module):
-        raise InvalidArgument(f"module={type(module).__name__} is not a torch.nn.Module")
-    params = list(module.parameters())
-    if not any(p.requires_grad for p in params):
-        has = f"all its {len(params)} parameters have requires_grad=False" if params else "it has no parameters"
-        raise InvalidArgument(
-            f"module has no parameter that requires grad ({has}): DistributedDataParallel "
-            "refuses such a module and there is no gradient to compare; unfreeze at least one "
-            "parameter (requires_grad_(True))"
-        )
-    return module
+    """The module, once it is known to have a parameter that requires grad."""
+    return require_module_with_grads(
+        module,
+        why="DistributedDataParallel raises when the module has no parameter that requires grad, "
+        "and there is no gradient to compare",
+    )
 
 
 def _trainable_names(module: nn.Module) -> frozenset[str]:
@@ -157,28 +150,32 @@ def _shards(shards: Sequence[int] | None, batch_size: int, world_size: int) -> t
     return sizes
 
 
-def _callable(value: Any, name: str, expected: str) -> None:
-    if not callable(value):
-        raise InvalidArgument(f"{name}={value!r} is not callable; pass {expected}")
+def _sendable(value: Any, name: str, expected: str) -> None:
+    """A callable the ranks can unpickle (by name: a top-level function or a partial of one)."""
+    require_callable(value, name, expected)
     require_picklable(value, name)
 
 
+def _step(step: Step | None) -> None:
+    """A custom step, when given, is a callable the ranks can unpickle."""
+    if step is not None:
+        _sendable(step, "step", "a top-level function step(ctx: ShardContext)")
+
+
 def _ddp_kwargs(ddp_kwargs: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+    """The keyword arguments each rank gives DistributedDataParallel, as sorted pairs; the
+    ones each rank sets for itself are refused, and the rest must pickle to reach the ranks."""
     if ddp_kwargs is None:
         return ()
-    if not isinstance(ddp_kwargs, Mapping):
-        raise InvalidArgument(
-            f"ddp_kwargs={ddp_kwargs!r}: pass a dict of DistributedDataParallel keyword "
-            "arguments, e.g. {'find_unused_parameters': True}"
-        )
-    for key in ddp_kwargs:
+    kwargs = require_mapping(ddp_kwargs, "ddp_kwargs", "{'find_unused_parameters': True}")
+    for key in kwargs:
         if key in _RESERVED_DDP_KWARGS:
             raise InvalidArgument(
                 f"ddp_kwargs[{key!r}] is set by each rank (its own device and the default "
                 "process group); leave it out"
             )
-    require_picklable(dict(ddp_kwargs), "ddp_kwargs")
-    return tuple(sorted(ddp_kwargs.items()))
+    require_picklable(dict(kwargs), "ddp_kwargs")
+    return tuple(sorted(kwargs.items()))
 
 
 def _name(fn: Any) -> str:
@@ -219,10 +216,11 @@ class DDPCheck:
         ddp_kwargs: Mapping[str, Any] | None = None,
     ) -> DDPCheck:
         _trainable_module(module)
-        world = _int_at_least(world_size, "world_size", 1)
+        world = require_int_at_least(world_size, "world_size", 1)
         args = as_inputs(inputs)
         batch = batch_size_of(args)
-        _callable(loss_fn, "loss_fn", "loss_fn(output, target) -> scalar, e.g. torch.nn.functional.mse_loss")
+        require_loss_fn(loss_fn)
+        require_picklable(loss_fn, "loss_fn")
         require_picklable(module, "module")
         require_picklable(args, "inputs")
         require_picklable(target, "target")
@@ -356,16 +354,9 @@ class DDPCheck:
         divergence: bool = True,
         scale: float | None = None,
     ) -> StepComparison:
-        return StepComparison(
-            check=title,
-            scenario=self.describe(step),
-            tolerance=self.tolerance.describe(self.dtype),
-            tensors=tuple(rows),
-            contrasts=tuple(contrasts),
-            divergence=divergence_sources(self.module) if divergence else (),
-            notes=tuple(notes),
-            failures=tuple(failures),
-            scale=scale,
+        return step_comparison(
+            title, self.describe(step), self.tolerance, self.dtype, self.module, rows,
+            contrasts=contrasts, notes=notes, failures=failures, scale=scale, divergence=divergence,
         )
 
 
@@ -724,8 +715,7 @@ def assert_ddp_grads_match(
         module, inputs, target, loss_fn=loss_fn, world_size=world_size, shards=shards,
         pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs,
     )
-    if step is not None:
-        _callable(step, "step", "a top-level function step(ctx: ShardContext)")
+    _step(step)
     chosen = step or (weighted_ddp_step if check.uneven else ddp_step)
     steps: list[Step] = [chosen, ddp_step] if check.uneven else [chosen]
     title = "DistributedDataParallel gradients must match the single-device full-batch gradient on every rank"
@@ -805,14 +795,13 @@ def assert_ddp_accumulation_matches(
         module, inputs, target, loss_fn=loss_fn, world_size=world_size, shards=shards,
         pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs,
     )
-    k = _int_at_least(micro_batches, "micro_batches", 1)
+    k = require_int_at_least(micro_batches, "micro_batches", 1)
     if min(check.shard_sizes) < k:
         raise InvalidArgument(
             f"micro_batches={k} but the shards are {list(check.shard_sizes)}; every shard "
             f"needs at least {k} rows (pass a larger batch or fewer micro-batches)"
         )
-    if step is not None:
-        _callable(step, "step", "a top-level function step(ctx: ShardContext)")
+    _step(step)
     chosen = step or no_sync_accumulation_step
     title = f"DDP gradient accumulation over {k} micro-batches must match one full-batch step"
     task = check.step_task([chosen], micro_batches=k, count_syncs=True)
@@ -945,10 +934,9 @@ def assert_ddp_training_matches(
         module, first_inputs, first_target, loss_fn=loss_fn, world_size=world_size,
         shards=shards, pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs,
     )
-    _callable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
+    _sendable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
     sizes = tuple(_shards(shards, batch_size_of(inputs, argument=f"batches[{i}] inputs"), check.world_size) for i, (inputs, _t) in enumerate(pairs))
-    if step is not None:
-        _callable(step, "step", "a top-level function step(ctx: ShardContext)")
+    _step(step)
     uneven = any(len(set(s)) > 1 for s in sizes)
     chosen = step or (weighted_ddp_step if uneven else ddp_step)
     require_picklable(pairs, "batches")
@@ -1224,7 +1212,7 @@ def assert_dp_ddp_agree(
     """
     __tracebackhide__ = True
     _trainable_module(module)
-    dp = Check.create(module, inputs, device_ids=list(range(_int_at_least(world_size, "world_size", 1))), rtol=rtol, atol=atol)
+    dp = Check.create(module, inputs, device_ids=list(range(require_int_at_least(world_size, "world_size", 1))), rtol=rtol, atol=atol)
     if dp.plan.n_replicas != world_size:
         raise InvalidArgument(
             f"DataParallel splits {sum(dp.plan.chunk_sizes)} rows into only {dp.plan.n_replicas} "

@@ -1,0 +1,97 @@
+"""Argument validators shared by the assertion helpers, the DDP checks and the strategies.
+
+One function per rule, so that the same mistake gets the same message wherever it is made:
+each raises ``InvalidArgument`` naming the argument, the value it got and what to pass,
+and returns the value (narrowed for the type checker) when it is usable. Part of the
+engine: nothing here imports Hypothesis or rich.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from torch import nn
+
+from dpverify.core.errors import InvalidArgument
+
+__all__ = [
+    "require_bool",
+    "require_callable",
+    "require_instance",
+    "require_int_at_least",
+    "require_mapping",
+    "require_module_with_grads",
+]
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def require_instance(value: object, name: str, expected: type[T], *, alternative: str = "") -> T:
+    """``value`` when it is an ``expected``; ``alternative`` names what else the caller
+    accepts (the strategies take "a strategy of them" too).
+
+    torch's own types are named with their module: "a dtype" alone reads like a string.
+    """
+    if not isinstance(value, expected):
+        module = expected.__module__
+        what = f"torch.{expected.__qualname__}" if module.split(".")[0] == "torch" else expected.__qualname__
+        other = f" or {alternative}" if alternative else ""
+        raise InvalidArgument(f"{name}={value!r} is {type(value).__name__}; pass a {what}{other}")
+    return value
+
+
+def require_int_at_least(value: object, name: str, low: int) -> int:
+    """``value`` when it is an int >= ``low``. ``True`` is refused although Python counts it
+    as 1: a bool where a count belongs is a misplaced flag, not a count."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidArgument(f"{name}={value!r} must be an int >= {low}")
+    return value
+
+
+def require_bool(value: object, name: str) -> bool:
+    """``value`` when it is ``True`` or ``False``: 1 or "yes" would work as a flag, but is
+    more likely a positional value in the wrong place."""
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{name}={value!r} must be True or False")
+    return value
+
+
+def require_callable(value: F, name: str, expected: str) -> F:
+    """``value`` when it can be called; ``expected`` says what to pass instead, with its
+    signature (``"loss_fn(output, target) -> scalar, e.g. ..."``)."""
+    if not callable(value):
+        raise InvalidArgument(f"{name}={value!r} is not callable; pass {expected}")
+    return value
+
+
+def require_mapping(value: object, name: str, example: str) -> Mapping[str, Any]:
+    """``value`` when it is a mapping of keyword arguments; ``example`` is one such mapping,
+    as it would be written in the call (``"{'find_unused_parameters': True}"``)."""
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(
+            f"{name}={value!r} is {type(value).__name__}; pass a mapping of keyword arguments, "
+            f"e.g. {name}={example}"
+        )
+    return value
+
+
+def require_module_with_grads(module: object, *, why: str) -> nn.Module:
+    """``module`` when it is an ``nn.Module`` with a parameter that requires grad.
+
+    ``why`` completes the sentence "module=X has no parameter that requires grad (...): ..."
+    with what the caller cannot do without one (a check has no gradient to compare;
+    DistributedDataParallel refuses the module). The module is named by its type: the
+    repr of a model runs to pages.
+    """
+    if not isinstance(module, nn.Module):
+        raise InvalidArgument(f"module={type(module).__name__} is not a torch.nn.Module")
+    params = list(module.parameters())
+    if not any(p.requires_grad for p in params):
+        has = f"all its {len(params)} parameters have requires_grad=False" if params else "it has no parameters"
+        raise InvalidArgument(
+            f"module={type(module).__name__} has no parameter that requires grad ({has}): {why}; "
+            "unfreeze at least one parameter (requires_grad_(True))"
+        )
+    return module
