@@ -5,8 +5,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
 import dpverify
 
 README = Path(__file__).resolve().parent.parent / "README.md"

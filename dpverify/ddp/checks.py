@@ -92,8 +92,7 @@ def _trainable_module(module: Any) -> nn.Module:
     """The module, once it is known to have a parameter that requires grad."""
     return require_module_with_grads(
         module,
-        why="DistributedDataParallel raises when the module has no parameter that requires grad, "
-        "and there is no gradient to compare",
+        why="DistributedDataParallel refuses such a module, and there is no gradient to compare",
     )
 
 
