@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import re
-import runpy
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from dpverify.cli.fuzz import CHECKS, FuzzConfig, fuzz, parse_duration, repro_script
+from dpverify.checks.registry import CHECKS, Case
+from dpverify.cli import fuzz as engine
+from dpverify.cli.fuzz import (
+    DDP_CHECKS,
+    DP_CHECKS,
+    FuzzConfig,
+    Outcome,
+    Tally,
+    _CheckFailed,
+    _error_line,
+    _example_runner,
+    _failure,
+    _on_ranks,
+    fuzz,
+    parse_duration,
+    repro_script,
+)
 from dpverify.strategies import DeviceList, LossSpec, ModelSpec, Scenario
 
 #: A DataParallel-like wrapper with a planted bug: it averages replica gradients.
@@ -144,42 +162,214 @@ def test_ddp_step_target_fails_with_a_repro(tmp_path: Path) -> None:
     assert out.startswith("dpverify fuzz: steps:halved_step (DDP step) on 2 DDP ranks (gloo)")
     assert "Counterexample (check 'ddp-grads'" in out
     assert "divided by the world size twice" in out
-    repro = (tmp_path / out.split("Reproduce with: python ")[1].split()[0]).read_text()
+    path = tmp_path / out.split("Reproduce with: python ")[1].split()[0]
+    repro = path.read_text()
     assert "from steps import halved_step as target" in repro
-    assert "dpverify.assert_ddp_grads_match(" in repro
-    assert "world_size=2, step=target" in repro
+    assert 'CHECKS["ddp-grads"].check(Case.from_scenario(scenario), Target(step=target))' in repro
+    assert "devices=DeviceList(device_ids=(0, 1)" in repro  # the world size the session ran
     assert 'if __name__ == "__main__":' in repro  # rank processes import the script
+    # run from elsewhere, it raises what the session reported
+    ran = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=150, check=False)
+    assert ran.returncode == 1, ran.stdout + ran.stderr
+    report_head = out.split("Full report:\n")[1].splitlines()[0]
+    assert f"dpverify.core.errors.ParallelMismatch: {report_head}" in ran.stderr.splitlines()
 
 
-SCENARIOS = {
-    "dp-grads": Scenario(ModelSpec(kind="mlp"), batch_size=5, devices=DeviceList((0, 1, 2))),
-    "dp-grad-sum": Scenario(ModelSpec(kind="kwargs"), batch_size=3, devices=DeviceList((0, 1))),
-    "dp-loss-average": Scenario(ModelSpec(kind="loss-head"), batch_size=5, devices=DeviceList((0, 1, 2, 3))),
-    "dp-buffers": Scenario(ModelSpec(kind="batchnorm"), batch_size=6, devices=DeviceList((0, 1, 2))),
-    "dp-state": Scenario(ModelSpec(kind="buffer-counter"), batch_size=5, devices=DeviceList((0, 1))),
-    "ddp-grads": Scenario(ModelSpec(kind="linear"), batch_size=4, loss=LossSpec("mse")),
+#: Planted bugs, one module: an importable ``--target`` for the session and its repro scripts.
+PLANTED_TARGETS = PLANTED + textwrap.dedent(
+    """
+    from torch import nn
+
+
+    class Raising(nn.DataParallel):
+        def forward(self, *inputs, **kwargs):
+            raise RuntimeError("the wrapper broke")
+
+
+    class EvalAveraging(AveragingDataParallel):
+        \"\"\"Right in train mode, averaging in eval mode: only the eval-mode copy fails.\"\"\"
+
+        def replicate(self, module, device_ids):
+            if module.training:
+                return VirtualDataParallel.replicate(self, module, device_ids)
+            return super().replicate(module, device_ids)
+    """
+) + PLANTED_STEP
+
+#: torch's DataParallel with a planted bug: the module runs once on the whole batch.
+WHOLE_BATCH = "import dpverify.core.virtual as v; v.data_parallel = lambda module, ids, output_device=None: module"
+
+#: For each check a session runs: a scenario it applies to, and the planted target that makes
+#: it fail (None: torch's own, broken by ``WHOLE_BATCH``).
+FAILING = {
+    "dp-grads": (Scenario(ModelSpec(kind="mlp"), batch_size=5, devices=DeviceList((0, 1, 2))), "AveragingDataParallel"),
+    "dp-grad-sum": (Scenario(ModelSpec(kind="kwargs"), batch_size=3, devices=DeviceList((0, 1))), "AveragingDataParallel"),
+    "dp-loss-average": (Scenario(ModelSpec(kind="loss-head"), batch_size=5, devices=DeviceList((0, 1, 2, 3))), "Raising"),
+    "dp-weighted-loss": (Scenario(ModelSpec(kind="loss-head"), batch_size=5, devices=DeviceList((0, 1, 2))), "AveragingDataParallel"),
+    "dp-buffers": (Scenario(ModelSpec(kind="batchnorm"), batch_size=6, devices=DeviceList((0, 1, 2))), "Raising"),
+    "dp-state": (Scenario(ModelSpec(kind="buffer-counter"), batch_size=5, devices=DeviceList((0, 1))), None),
+    "ddp-grads": (Scenario(ModelSpec(kind="linear"), batch_size=4, devices=DeviceList((0, 1)), loss=LossSpec("mse")), "halved_step"),
 }
 
 
-@pytest.mark.parametrize("check", sorted(CHECKS))
-def test_every_repro_template_is_a_script_that_runs_the_check(check: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    script = repro_script(check, SCENARIOS[check], target=None, path=Path(".dpverify/repro_x.py"), expected="x")
-    compile(script, "repro", "exec")
-    assert f"scenario = {SCENARIOS[check]!r}" in script
-    if check == "ddp-grads":
-        assert "world_size=2, step=target" in script
-        return  # needs rank processes; test_ddp_backend_session covers the check itself
-    path = tmp_path / "repro.py"
-    path.write_text(script)
-    runpy.run_path(str(path), run_name="__main__")
-    assert capsys.readouterr().out.strip() == "passed: the failure does not reproduce"
+def _planted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str | None) -> Any:
+    """The planted target ``name`` (None: none), importable here and in rank processes, from
+    ``tmp_path/fuzzed``: the directory a session would run in, whose ``.dpverify`` folder
+    the repro scripts are written to."""
+    if name is None:
+        return None
+    (tmp_path / "fuzzed").mkdir(exist_ok=True)
+    (tmp_path / "fuzzed" / "planted_targets.py").write_text(PLANTED_TARGETS)
+    monkeypatch.syspath_prepend(str(tmp_path / "fuzzed"))
+    sys.modules.pop("planted_targets", None)
+    return getattr(importlib.import_module("planted_targets"), name)
+
+
+def _run_script(path: Path, *, patch: str = "") -> subprocess.CompletedProcess[str]:
+    """Runs a repro script from outside the fuzzed directory, as a user may (``patch``
+    first)."""
+    run = f"{patch}; import runpy; runpy.run_path({str(path)!r}, run_name='__main__')" if patch else None
+    command = [sys.executable, "-c", run] if run else [sys.executable, str(path)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=150, check=False, cwd=path.parent.parent.parent)
+
+
+def test_the_session_runs_registry_checks() -> None:
+    assert set(FAILING) == {*DP_CHECKS, *DDP_CHECKS}
+    assert {*DP_CHECKS, *DDP_CHECKS} <= set(CHECKS)
+    assert {CHECKS[name].backend for name in DP_CHECKS} == {"dp"}
+    assert {CHECKS[name].backend for name in DDP_CHECKS} == {"ddp"}
+    assert engine.CHECKS is CHECKS  # one table of checks: the registry's
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("check", sorted(FAILING))
+def test_every_check_s_repro_script_raises_what_the_session_saw(check: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    scenario, planted = FAILING[check]
+    ddp = check in DDP_CHECKS
+    target = _planted(tmp_path, monkeypatch, planted)
+    if planted is None:
+        monkeypatch.setattr("dpverify.core.virtual.data_parallel", lambda module, ids, output_device=None: module)
+    # the session's own path: the example fails at this check, and the failure writes its repro
+    monkeypatch.setattr(engine, "DDP_CHECKS" if ddp else "DP_CHECKS", (check,))
+    config = FuzzConfig(
+        backend="ddp" if ddp else "dp", devices=2, target=planted and f"planted_targets:{planted}",
+        target_object=target, state_dir=tmp_path / "fuzzed" / ".dpverify",
+    )
+    with pytest.raises(_CheckFailed) as failed:
+        _example_runner(config)(scenario)
+    assert failed.value.check == check
+    tally = Tally()
+    tally.record(failed.value)
+    failure = _failure(config, tally, replayable=0)
+    script = failure.repro.read_text()
+    field = "step" if ddp else "parallel"
+    assert f'CHECKS["{check}"].check(Case.from_scenario(scenario), Target({field}=target))' in script
+    assert f"scenario = {scenario!r}" in script
+    assert "dpverify.strategies" not in script  # torch and dpverify only, no Hypothesis
+    expected = _error_line(failed.value.error)
+    assert expected in script  # its docstring says what it raises
+
+    # run alone, from elsewhere, with the bug: the same error
+    ran = _run_script(failure.repro, patch="" if planted else WHOLE_BATCH)
+    assert ran.returncode == 1, ran.stdout + ran.stderr
+    assert expected in ran.stderr.splitlines()  # the traceback's exception line
+    assert "passed" not in ran.stdout
+    # without it (torch's own code), the same script passes
+    clean = failure.repro.with_name("repro_clean.py")
+    clean.write_text(repro_script(check, scenario, target=None))
+    passed = _run_script(clean)
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert passed.stdout.strip() == "passed: the failure does not reproduce"
+
+
+def test_an_eval_mode_failure_is_reproduced_on_the_eval_mode_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wrapper = _planted(tmp_path, monkeypatch, "EvalAveraging")
+    scenario = Scenario(ModelSpec(kind="batchnorm"), batch_size=6, devices=DeviceList((0, 1, 2)))
+    config = FuzzConfig(target="planted_targets:EvalAveraging", target_object=wrapper, state_dir=tmp_path / "fuzzed" / ".dpverify")
+    with pytest.raises(_CheckFailed) as failed:
+        _example_runner(config)(scenario)
+    assert (failed.value.check, failed.value.eval_mode) == ("dp-grads", True)
+    tally = Tally()
+    tally.record(failed.value)
+    failure = _failure(config, tally, replayable=0)
+    assert failure.report.startswith("On the eval-mode copy")
+    script = failure.repro.read_text()
+    assert 'CHECKS["dp-grads"].check(Case.from_scenario(scenario).in_eval_mode(), Target(parallel=target))' in script
+    ran = _run_script(failure.repro)
+    assert ran.returncode == 1, ran.stdout + ran.stderr
+    assert _error_line(failed.value.error) in ran.stderr.splitlines()
+    assert "the replica gradients were averaged" in ran.stderr
+
+
+@pytest.mark.parametrize(
+    ("scenario", "diverged"),
+    [
+        (Scenario(ModelSpec(kind="mlp"), batch_size=5, devices=DeviceList((0, 1, 2))), ()),
+        (Scenario(ModelSpec(kind="batchnorm"), batch_size=6, devices=DeviceList((0, 1, 2))), ("BatchNorm",)),
+        # a one-row chunk: train-mode BatchNorm raises, which is explained too
+        (Scenario(ModelSpec(kind="batchnorm"), batch_size=3, devices=DeviceList((0, 1, 2))), ("BatchNorm",)),
+        (Scenario(ModelSpec(kind="dropout"), batch_size=6, devices=DeviceList((0, 1))), ("Dropout",)),
+        (Scenario(ModelSpec(kind="batchnorm", train=False), batch_size=6, devices=DeviceList((0, 1, 2))), ()),
+    ],
+)
+def test_expected_divergences_are_counted_by_module_class(scenario: Scenario, diverged: tuple[str, ...]) -> None:
+    assert _example_runner(FuzzConfig())(scenario) == Outcome(diverged)
+
+
+@pytest.mark.parametrize(
+    ("kind", "torch_wrapper", "checks"),
+    [
+        ("mlp", True, ["dp-grads", "dp-grad-sum"]),
+        ("loss-head", True, ["dp-loss-average", "dp-weighted-loss"]),
+        ("batchnorm", True, ["dp-grads", "dp-buffers"]),
+        ("dropout", True, ["dp-grads"]),
+        ("buffer-counter", True, ["dp-grads", "dp-grad-sum", "dp-buffers", "dp-state"]),
+        ("buffer-counter", False, ["dp-grads", "dp-grad-sum", "dp-buffers"]),
+        ("attribute-counter", True, ["dp-grads", "dp-grad-sum", "dp-state"]),
+    ],
+)
+def test_which_checks_a_dp_example_runs(kind: str, torch_wrapper: bool, checks: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[str] = []
+
+    def record(name: str, scenario: Scenario, target: object) -> tuple[str, ...]:
+        ran.append(name)
+        return ()
+
+    monkeypatch.setattr(engine, "_run_check", record)
+    config = FuzzConfig(target=None if torch_wrapper else "x:y")
+    _example_runner(config)(Scenario(ModelSpec(kind=kind), batch_size=4, devices=DeviceList((0, 1))))
+    assert ran == checks
+
+
+def test_ddp_examples_run_on_one_device_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[tuple[str, Scenario]] = []
+
+    def record(name: str, scenario: Scenario, target: object) -> tuple[str, ...]:
+        ran.append((name, scenario))
+        return ()
+
+    monkeypatch.setattr(engine, "_run_check", record)
+    drawn = Scenario(ModelSpec(kind="mlp"), batch_size=4, devices=DeviceList((0, 1), output_device=1))
+    _example_runner(FuzzConfig(backend="all", devices=3))(drawn)
+    # DataParallel on the drawn devices, DDP on --devices ranks: its Case has that world size
+    assert [(name, s.devices) for name, s in ran] == [
+        ("dp-grads", drawn.devices), ("dp-grad-sum", drawn.devices), ("ddp-grads", DeviceList((0, 1, 2))),
+    ]
+    assert Case.from_scenario(ran[-1][1]).world_size == 3
+    assert _on_ranks(ran[-1][1], 3) is ran[-1][1]
+    # fewer rows than ranks, or a summed loss: not DDP's contract, no DDP check
+    for devices, scenario in ((5, drawn), (3, dataclasses.replace(drawn, loss=LossSpec("mse", "sum")))):
+        ran.clear()
+        _example_runner(FuzzConfig(backend="all", devices=devices))(scenario)
+        assert [name for name, _ in ran] == ["dp-grads", "dp-grad-sum"]
 
 
 def test_repro_with_target_imports_it_from_the_fuzzed_directory() -> None:
-    script = repro_script("dp-grads", SCENARIOS["dp-grads"], target="pkg.wrappers:MyDP", expected='a """quoted""" \\ line')
+    scenario = FAILING["dp-grads"][0]
+    script = repro_script("dp-grads", scenario, target="pkg.wrappers:MyDP", expected='a """quoted""" \\ line')
     assert "sys.path.insert(0, str(Path(__file__).resolve().parent.parent))" in script
     assert "from pkg.wrappers import MyDP as target" in script
-    assert "parallel=target" in script
+    assert "Target(parallel=target)" in script
     compile(script, "repro", "exec")
 
 
@@ -239,3 +429,8 @@ def test_a_failure_is_said_to_be_replayed_only_when_it_was(tmp_path: Path, monke
     assert "Counterexample (check 'dp-grads', found at example 1, shrunk)" in first
     assert main(session) == 1
     assert "Counterexample (check 'dp-grads', replayed from the example database, shrunk)" in capsys.readouterr().out
+    # seeded again, with the failure now saved: still not read, so not "replayed"
+    assert main([*session, "--seed", "0"]) == 1
+    seeded_again = capsys.readouterr().out
+    assert "replayed from the example database" not in seeded_again
+    assert "found at example 1 of a seeded session (the example database is not used)" in seeded_again

@@ -1,22 +1,22 @@
-"""``dpverify fuzz``: the property suite's checks on random scenarios, with a live display.
+"""``dpverify fuzz``: the registry's checks on random scenarios, counted for a live display.
 
-Each example is a ``Scenario`` drawn by Hypothesis and checked by the properties it calls
-for, as in the property suite (``tests/test_properties.py``):
+Each example is a ``Scenario`` drawn by Hypothesis, made a ``Case``
+(``Case.from_scenario``) and checked by the checks of ``dpverify.checks.registry.CHECKS``
+that apply to it, as the property suite checks (``tests/test_properties.py``):
 
-- models DataParallel must reproduce exactly: ``assert_dp_grads_match`` and
-  ``assert_grad_sum_equals_mean_loss_grad``;
-- buffers updated in forward (a counter, BatchNorm): ``assert_dp_buffers_match``, the module
-  keeps replica 0's update; for torch's own DataParallel, attributes set in forward are lost;
-- BatchNorm or Dropout in train mode: the mismatch is classified (the module is named), not
-  failed, and the same model in eval mode must match;
-- a loss computed in forward: ``loss.mean()`` of the replica losses is biased exactly when the
-  chunks are uneven, and the n_i/B-weighted reduction is exact;
-- ``--backend ddp``: ``assert_ddp_grads_match`` on ``--devices`` ranks, for mean losses.
+- DataParallel (``DP_CHECKS``): the gradients, their sum over replicas, buffers updated in
+  forward (the module keeps replica 0's update), torch's state semantics, and for a loss
+  computed in forward the bias of ``loss.mean()`` (exactly when the chunks are uneven) and
+  the exact n_i/B-weighted reduction;
+- ``--backend ddp`` (``DDP_CHECKS``): the gradients on ``--devices`` ranks, for mean losses;
+- BatchNorm or Dropout in train mode: a check that comes back ``EXPLAINED`` counts as an
+  expected divergence of its module classes, not a failure, and the same check on the
+  eval-mode copy must pass.
 
 Failing examples are kept in a Hypothesis example database under ``.dpverify/examples``
 and replayed first next time. A failure is shrunk, printed as a pasteable spec with the
-full mismatch report, and written as a standalone script, ``.dpverify/repro_<id>.py``,
-that calls the same assertion.
+full report, and written as a standalone script, ``.dpverify/repro_<id>.py``, that runs
+the same registry check by name. The live display is ``fuzz_view.py``.
 """
 
 from __future__ import annotations
@@ -25,32 +25,21 @@ import dataclasses
 import hashlib
 import re
 import time
-import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.strategies import SearchStrategy
 
-from dpverify.checks.loss_average import (
-    assert_loss_reduction_matches_full_batch,
-    check_forward_loss_average,
-    chunk_weighted_loss,
-)
-from dpverify.checks.scenario import dp_buffers, dp_grad_sum, dp_grads
-from dpverify.core.comparison import StepComparison
+from dpverify.checks.registry import CHECKS, Case, CheckResult, Target, Verdict
 from dpverify.core.devices import cuda_device_count
-from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
 from dpverify.core.errors import ParallelMismatch
 from dpverify.core.text import plural
-from dpverify.core.virtual import data_parallel
-from dpverify.ddp import checks_if_available
 from dpverify.models.specs import KINDS
 from dpverify.strategies import (
     DeviceList,
@@ -62,9 +51,10 @@ from dpverify.strategies import (
 )
 
 __all__ = [
-    "CHECKS",
+    "DDP_CHECKS",
     "DEFAULT_MAX_EXAMPLES",
     "DEFAULT_TIME_BUDGET",
+    "DP_CHECKS",
     "FuzzConfig",
     "FuzzFailure",
     "FuzzReport",
@@ -84,14 +74,17 @@ DEFAULT_TIME_BUDGET = 60.0
 #: Where the example database and repro scripts live, relative to the working directory.
 STATE_DIR = Path(".dpverify")
 
+#: The registry checks a DataParallel example runs, in this order, where they apply.
+DP_CHECKS: tuple[str, ...] = ("dp-grads", "dp-grad-sum", "dp-loss-average", "dp-weighted-loss", "dp-buffers", "dp-state")
+#: The registry checks a DDP example runs: each costs a pool of rank processes, so the
+#: session keeps to the gradients (``dpverify check --backend ddp`` runs the others).
+DDP_CHECKS: tuple[str, ...] = ("ddp-grads",)
+
 #: Model kinds the DDP check takes: it has no forward keyword arguments, and a loss computed
 #: in forward is DataParallel's trap (DDP's is the uneven-shard average, checked anyway).
 DDP_KINDS: tuple[str, ...] = tuple(k for k in KINDS if k not in ("kwargs", "loss-head"))
 
-_STATE_KINDS = ("buffer-counter", "attribute-counter")
 _DIVERGENT_KINDS = ("batchnorm", "dropout")
-#: Kinds whose buffers change in forward: only replica 0's update may reach the module.
-_BUFFER_KINDS = ("buffer-counter", "batchnorm")
 _DURATION = re.compile(r"^\s*(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>s|m|h)?\s*$")
 
 
@@ -108,127 +101,6 @@ def parse_duration(text: str) -> float:
     return float(match.group("value")) * unit
 
 
-# --------------------------------------------------------------------------- the checks
-
-
-@dataclass(frozen=True)
-class _Run:
-    """What a check needs besides the scenario: the wrapper or DDP step under test."""
-
-    target: Any = None
-    world_size: int = 2
-
-
-def _dp_grads(scenario: Scenario, run: _Run) -> None:
-    dp_grads(scenario, run.target)
-
-
-def _dp_grad_sum(scenario: Scenario, run: _Run) -> None:
-    dp_grad_sum(scenario, run.target)
-
-
-def _dp_loss_average(scenario: Scenario, run: _Run) -> None:
-    s = scenario.build()
-    report = check_forward_loss_average(s.module, s.inputs, device_ids=s.device_ids, parallel=run.target)
-    uneven = len(set(report.chunk_sizes)) > 1
-    if report.is_biased != uneven:
-        raise ParallelMismatch(
-            f"loss.mean() of replica losses must be biased exactly when chunks are uneven; "
-            f"chunks {list(report.chunk_sizes)}, is_biased={report.is_biased}\n{report}",
-            report,
-        )
-    assert_loss_reduction_matches_full_batch(
-        s.module, s.inputs, device_ids=s.device_ids, reduce=chunk_weighted_loss, parallel=run.target
-    )
-
-
-def _dp_buffers(scenario: Scenario, run: _Run) -> None:
-    dp_buffers(scenario, run.target)
-
-
-def _dp_state(scenario: Scenario, run: _Run) -> None:
-    del run  # state semantics are torch's DataParallel's; a user's wrapper may differ
-    s = scenario.build()
-    device = torch.device("cuda", s.device_ids[0]) if scenario.devices.real else torch.device("cpu")
-    s.module.to(device)
-    data_parallel(s.module, s.device_ids, output_device=s.output_device)(*[x.to(device) for x in s.inputs])
-    one_device = len(s.device_ids) == 1  # DataParallel then runs the module itself
-    if scenario.model.kind == "buffer-counter":
-        expected = scenario.batch_size if one_device else scenario.chunk_sizes[0]
-        seen = int(s.module.get_buffer("rows_seen"))
-        what = "rows_seen (a buffer updated in place) must keep replica 0's update only"
-    else:
-        expected, seen = (1 if one_device else 0), int(vars(s.module)["calls"])
-        what = "calls (an attribute set in forward) must be lost on every replica"
-    if seen != expected:
-        raise ParallelMismatch(f"{what}: expected {expected}, found {seen}; chunks {scenario.chunk_sizes}")
-
-
-def _ddp_grads(scenario: Scenario, run: _Run) -> None:
-    s = scenario.build()
-    checks = checks_if_available()
-    if checks is None:
-        raise RuntimeError("the DDP backend is not available in this build")
-    checks.assert_ddp_grads_match(
-        s.module, s.inputs, s.target, loss_fn=s.loss_fn, world_size=run.world_size, step=run.target
-    )
-
-
-#: Every check, by name: the function, and the statement a repro script runs (``s`` is the
-#: built scenario, ``target`` the wrapper or DDP step under test, None for torch's).
-CHECKS: dict[str, tuple[Callable[[Scenario, _Run], None], str]] = {
-    "dp-grads": (_dp_grads, """\
-    dpverify.assert_dp_grads_match(
-        s.module, s.inputs, s.target, loss_fn=s.loss_fn, device_ids=s.device_ids,
-        output_device=s.output_device, forward_kwargs=s.kwargs, parallel=target,
-    )"""),
-    "dp-grad-sum": (_dp_grad_sum, """\
-    dpverify.assert_grad_sum_equals_mean_loss_grad(
-        s.module, s.inputs, s.target, loss_fn=s.loss_fn, device_ids=s.device_ids,
-        forward_kwargs=s.kwargs, parallel=target,
-    )"""),
-    "dp-loss-average": (_dp_loss_average, """\
-    report = dpverify.check_forward_loss_average(s.module, s.inputs, device_ids=s.device_ids, parallel=target)
-    uneven = len(set(report.chunk_sizes)) > 1
-    if report.is_biased != uneven:
-        raise dpverify.ParallelMismatch(
-            f"loss.mean() of replica losses must be biased exactly when chunks are uneven; "
-            f"chunks {list(report.chunk_sizes)}, is_biased={report.is_biased}\\n{report}",
-            report,
-        )
-
-    def weighted_loss(losses: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        return (losses * torch.tensor(sizes, dtype=losses.dtype, device=losses.device)).sum() / sum(sizes)
-
-    dpverify.assert_loss_reduction_matches_full_batch(
-        s.module, s.inputs, device_ids=s.device_ids, reduce=weighted_loss, parallel=target
-    )"""),
-    "dp-buffers": (_dp_buffers, """\
-    dpverify.assert_dp_buffers_match(
-        s.module, s.inputs, device_ids=s.device_ids, output_device=s.output_device,
-        forward_kwargs=s.kwargs, parallel=target,
-    )"""),
-    "dp-state": (_dp_state, """\
-    device = torch.device("cuda", s.device_ids[0]) if scenario.devices.real else torch.device("cpu")
-    s.module.to(device)
-    dpverify.data_parallel(s.module, s.device_ids, output_device=s.output_device)(*[x.to(device) for x in s.inputs])
-    one_device = len(s.device_ids) == 1  # DataParallel then runs the module itself
-    if scenario.model.kind == "buffer-counter":
-        expected = scenario.batch_size if one_device else scenario.chunk_sizes[0]
-        seen = int(s.module.get_buffer("rows_seen"))
-        what = "rows_seen (a buffer updated in place) must keep replica 0's update only"
-    else:
-        expected, seen = (1 if one_device else 0), int(vars(s.module)["calls"])
-        what = "calls (an attribute set in forward) must be lost on every replica"
-    if seen != expected:
-        raise dpverify.ParallelMismatch(f"{what}: expected {expected}, found {seen}; chunks {scenario.chunk_sizes}")"""),
-    "ddp-grads": (_ddp_grads, """\
-    dpverify.assert_ddp_grads_match(
-        s.module, s.inputs, s.target, loss_fn=s.loss_fn, world_size={world_size}, step=target
-    )"""),
-}
-
-
 # --------------------------------------------------------------------------- one example
 
 
@@ -240,82 +112,69 @@ class Outcome:
 
 
 class _CheckFailed(Exception):
-    """A check failed on an example; carries what a repro script needs."""
+    """A check failed on an example; carries what the report and the repro script need.
 
-    def __init__(self, check: str, scenario: Scenario, error: BaseException) -> None:
-        super().__init__(str(error))
-        self.check = check
+    Attributes:
+        check: the registry name of the failing check.
+        scenario: the scenario its ``Case`` was made from.
+        result: the failing result (its ``detail`` is the full report).
+        error: what the check raised; ``CHECKS[check].check`` raises it again.
+        eval_mode: the failure is on the eval-mode copy (``Case.in_eval_mode``) of a model
+            whose train-mode run diverged as expected.
+    """
+
+    def __init__(self, scenario: Scenario, result: CheckResult, *, eval_mode: bool = False) -> None:
+        super().__init__(result.summary)
+        self.check = result.check
         self.scenario = scenario
-        self.error = error
-
-
-def _run_check(check: str, scenario: Scenario, run: _Run) -> None:
-    try:
-        CHECKS[check][0](scenario, run)
-    except Exception as error:
-        raise _CheckFailed(check, scenario, error) from error
-
-
-def _divergence_classes(scenario: Scenario, error: BaseException) -> tuple[str, ...] | None:
-    """Module classes that explain ``error`` (None: the error is a real failure)."""
-    module = scenario.model.build(scenario.seed)
-    sources = divergence_sources(module)
-    if isinstance(error, ParallelMismatch):
-        report = error.report
-        if not isinstance(report, StepComparison) or not report.divergence:
-            return None
-    elif not (sources and ONE_ROW_BATCHNORM in str(error)):
-        return None
-    classes = {_bucket(type(module.get_submodule(s.module)).__name__) for s in sources}
-    return tuple(sorted(classes))
+        self.result = result
+        # a FAIL always carries its error; the fallback keeps the type honest
+        self.error: BaseException = result.error or ParallelMismatch(result.detail or result.summary)
+        self.eval_mode = eval_mode
 
 
 def _bucket(name: str) -> str:
+    """A divergence's module class by family: BatchNorm1d and BatchNorm2d count together."""
     for family in ("BatchNorm", "Dropout"):
         if name.startswith(family):
             return family
     return name
 
 
-def _divergent(check: str, scenario: Scenario, run: _Run) -> Outcome:
-    """A train-mode BatchNorm/Dropout model: classify its mismatch, then the same model in
-    eval mode must match."""
-    diverged: tuple[str, ...] = ()
-    try:
-        CHECKS[check][0](scenario, run)
-    except Exception as error:
-        classes = _divergence_classes(scenario, error)
-        if classes is None:
-            raise _CheckFailed(check, scenario, error) from error
-        diverged = classes
-    exact = dataclasses.replace(scenario, model=dataclasses.replace(scenario.model, train=False))
-    _run_check(check, exact, run)
-    return Outcome(diverged)
+def _run_check(name: str, scenario: Scenario, target: Target) -> tuple[str, ...]:
+    """Runs one registry check on a fresh ``Case`` of ``scenario`` (a check may change its
+    module, as ``dp-state`` does, and a repro script starts from a fresh one too).
+
+    Returns:
+        The module classes of an expected divergence; empty when the check passed.
+
+    Raises:
+        _CheckFailed: the check failed, in train mode or on the eval-mode copy.
+    """
+    spec = CHECKS[name]
+    case = Case.from_scenario(scenario)
+    result = spec.run(case, target)
+    if result.verdict is Verdict.FAIL:
+        raise _CheckFailed(scenario, result)
+    if result.verdict is not Verdict.EXPLAINED:
+        return ()
+    # train-mode BatchNorm/Dropout explain the difference; without them it must vanish (an
+    # eval-mode copy has no divergence source, so it is PASS or FAIL, never EXPLAINED)
+    exact = spec.run(case.in_eval_mode(), target, eval_copy=True)
+    if exact.verdict is Verdict.FAIL:
+        raise _CheckFailed(scenario, exact, eval_mode=True)
+    return tuple(sorted({_bucket(group.module_type) for group in result.groups}))
 
 
-def _buffers_usable(scenario: Scenario) -> bool:
-    """A buffer check needs every chunk normalisable: BatchNorm in train mode raises on a
-    chunk of one row."""
-    model = scenario.model
-    return model.kind in _BUFFER_KINDS and not (model.kind == "batchnorm" and model.train and min(scenario.chunk_sizes) < 2)
-
-
-def _dp_example(scenario: Scenario, run: _Run, *, torch_wrapper: bool) -> Outcome:
-    model = scenario.model
-    if model.returns_loss:
-        _run_check("dp-loss-average", scenario, run)
-        return Outcome()
-    if model.exact:
-        _run_check("dp-grads", scenario, run)
-        _run_check("dp-grad-sum", scenario, run)
-        outcome = Outcome()
-    else:
-        outcome = _divergent("dp-grads", scenario, run)
-    if _buffers_usable(scenario):
-        _run_check("dp-buffers", scenario, run)
-    if model.kind in _STATE_KINDS and torch_wrapper:
-        _run_check("dp-state", scenario, run)
-    return outcome
+def _dp_checks(case: Case, *, torch_wrapper: bool) -> list[str]:
+    """The DataParallel checks for ``case``: those of ``DP_CHECKS`` that apply, except
+    ``dp-grad-sum`` on train-mode BatchNorm/Dropout (``dp-grads`` already classifies that
+    divergence and checks the eval-mode copy) and ``dp-state`` under ``--target`` (it checks
+    torch's own DataParallel, whatever the target)."""
+    left_out = {"dp-grad-sum"} if case.sources() else set()
+    if not torch_wrapper:
+        left_out.add("dp-state")
+    return [name for name in DP_CHECKS if name not in left_out and CHECKS[name].applies(case)]
 
 
 def _ddp_applies(scenario: Scenario, world_size: int) -> bool:
@@ -327,11 +186,12 @@ def _ddp_applies(scenario: Scenario, world_size: int) -> bool:
     )
 
 
-def _ddp_example(scenario: Scenario, run: _Run) -> Outcome:
-    if not scenario.model.exact:
-        return _divergent("ddp-grads", scenario, run)
-    _run_check("ddp-grads", scenario, run)
-    return Outcome()
+def _on_ranks(scenario: Scenario, world_size: int) -> Scenario:
+    """``scenario`` with one device per DDP rank: a ``Case``'s device count is its world
+    size, so the session's DDP case and the repro script's both have ``world_size`` ranks
+    (under ``--backend all`` the drawn device list is DataParallel's, 1 to N devices)."""
+    ranks = DeviceList(tuple(range(world_size)))
+    return scenario if scenario.devices == ranks else dataclasses.replace(scenario, devices=ranks)
 
 
 # --------------------------------------------------------------------------- the session
@@ -437,9 +297,11 @@ class FuzzFailure:
     """The shrunk counterexample.
 
     Attributes:
-        check: the failing check's name (a key of ``CHECKS``).
-        scenario: the scenario, as it prints (pasteable).
-        report: the full mismatch report (or the traceback of another error).
+        check: the failing check's name (a key of the registry's ``CHECKS``).
+        scenario: the scenario, as it prints (pasteable); for a DDP check, one device per
+            rank.
+        report: the failing result's full report (the mismatch, or the error and the
+            frames of the code under test), said to be the eval-mode copy's if it is.
         repro: the standalone script that reproduces it.
         first_found_at: which example first failed.
         replayed: whether that example was one saved in the example database (replayed
@@ -525,16 +387,21 @@ def devices_text(config: FuzzConfig) -> str:
 
 
 def _example_runner(config: FuzzConfig) -> Callable[[Scenario], Outcome]:
-    run = _Run(target=config.target_object, world_size=config.devices)
+    """One example: the DataParallel checks that apply, then (``ddp``, or ``all`` where DDP's
+    contract holds) the DDP checks on ``--devices`` ranks; raises ``_CheckFailed``."""
     torch_wrapper = config.target is None
+    dp, ddp = Target(parallel=config.target_object), Target(step=config.target_object)
 
     def example(scenario: Scenario) -> Outcome:
-        outcomes: list[Outcome] = []
+        diverged: set[str] = set()
         if config.backend in ("dp", "all"):
-            outcomes.append(_dp_example(scenario, run, torch_wrapper=torch_wrapper))
+            for name in _dp_checks(Case.from_scenario(scenario), torch_wrapper=torch_wrapper):
+                diverged.update(_run_check(name, scenario, dp))
         if config.backend == "ddp" or (config.backend == "all" and _ddp_applies(scenario, config.devices)):
-            outcomes.append(_ddp_example(scenario, run))
-        return Outcome(tuple(sorted({c for o in outcomes for c in o.diverged})))
+            ranks = _on_ranks(scenario, config.devices)
+            for name in DDP_CHECKS:
+                diverged.update(_run_check(name, ranks, ddp))
+        return Outcome(tuple(sorted(diverged)))
 
     return example
 
@@ -595,7 +462,9 @@ def fuzz(config: FuzzConfig, *, on_example: Callable[[Tally], None] | None = Non
         if on_example is not None:
             on_example(tally)
         if isinstance(outcome, _CheckFailed):
-            raise outcome.error
+            # the failure itself, not its error: a SystemExit of the code under test must
+            # be shrunk like any failure, not end the session
+            raise outcome
 
     check.__name__ = "dpverify_fuzz"
     check._hypothesis_internal_add_digest = config.database_key  # type: ignore[attr-defined]
@@ -628,25 +497,29 @@ def _failure(config: FuzzConfig, tally: Tally, *, replayable: int) -> FuzzFailur
     last = tally.last_failure
     assert last is not None
     assert tally.first_failure_at is not None
-    error = last.error
-    report = str(error) if isinstance(error, ParallelMismatch) else _traceback_from(CHECKS[last.check][0], error)
-    key = f"{last.check} {last.scenario!r} {config.target} {config.devices}"
+    report = last.result.detail or last.result.summary
+    if last.eval_mode:
+        report = f"On the eval-mode copy (train mode diverges as expected; eval mode must match):\n{report}"
+    key = f"{last.check} {last.scenario!r} {last.eval_mode} {config.target} {config.devices}"
     path = config.state_dir / f"repro_{hashlib.sha1(key.encode()).hexdigest()[:8]}.py"
-    expected = f"{type(error).__module__}.{type(error).__qualname__}: {report.splitlines()[0]}"
-    script = repro_script(last.check, last.scenario, target=config.target, world_size=config.devices, path=path, expected=expected)
+    script = repro_script(
+        last.check, last.scenario, target=config.target, eval_mode=last.eval_mode, path=path,
+        expected=_error_line(last.error),
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
-    replayed = tally.first_failure_at <= replayable
+    # a seeded session reads no database, whatever the counts say
+    replayed = config.seed is None and tally.first_failure_at <= replayable
     return FuzzFailure(last.check, last.scenario, report, path, tally.first_failure_at, replayed)
 
 
-def _traceback_from(check: Callable[..., Any], error: BaseException) -> str:
-    """The error's traceback from the check function on (Hypothesis' and the session's own
-    frames say nothing about the failure)."""
-    tb = error.__traceback__
-    while tb is not None and tb.tb_frame.f_code is not check.__code__:
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(error), error, tb or error.__traceback__)).rstrip()
+def _error_line(error: BaseException) -> str:
+    """``error``'s line in a traceback, as Python prints it (``Type: first line of the
+    message``): what the repro script's docstring says it raises."""
+    kind = type(error)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    text = str(error).strip()
+    return f"{name}: {text.splitlines()[0]}" if text else name
 
 
 def _target_import(target: str | None) -> list[str]:
@@ -666,26 +539,28 @@ def repro_script(
     scenario: Scenario,
     *,
     target: str | None,
-    world_size: int = 2,
+    eval_mode: bool = False,
     path: Path | None = None,
     expected: str = "",
 ) -> str:
-    """A standalone script that runs ``check`` on ``scenario`` (with ``target``) and raises
-    the same error; it needs only torch and dpverify.
+    """A standalone script that runs registry check ``check`` on ``scenario`` (with
+    ``target``) and raises the same error; it needs only torch and dpverify.
 
     Args:
         check: a key of ``CHECKS``.
-        scenario: the (shrunk) scenario.
+        scenario: the (shrunk) scenario; a DDP check's world size is its device count.
         target: ``MODULE:CALLABLE`` under test, or None for torch's own.
-        world_size: DDP ranks, for ``ddp-grads``.
+        eval_mode: run the check on the eval-mode copy of the model.
         path: where the script will live (named in its docstring).
         expected: the error it should raise, for its docstring.
     """
-    statement = CHECKS[check][1].replace("{world_size}", str(world_size))
+    field_name = "step" if CHECKS[check].backend == "ddp" else "parallel"
+    case = "Case.from_scenario(scenario)" + (".in_eval_mode()" if eval_mode else "")
     run = f"python {path.as_posix()}" if path is not None else "python <this file>"
     raises = _docstring_safe(expected) if expected else "the error the fuzz session reported."
+    where = " on the eval-mode copy of" if eval_mode else " on"
     lines = [
-        f'"""Reproduces a failure found by `dpverify fuzz`: check {check!r} on its shrunk scenario.',
+        f'"""Reproduces a failure found by `dpverify fuzz`: check {check!r}{where} its shrunk scenario.',
         "",
         f"Run: {run}. It needs only torch and dpverify, and raises",
         raises,
@@ -694,8 +569,8 @@ def repro_script(
         *(["import sys", "from pathlib import Path", ""] if target else []),
         "import torch",
         "",
-        "import dpverify",
-        "from dpverify.strategies import DeviceList, LossSpec, ModelSpec, Scenario",
+        "from dpverify.checks.registry import CHECKS, Case, Target",
+        "from dpverify.models.specs import DeviceList, LossSpec, ModelSpec, Scenario",
         "",
         *_target_import(target),
         "",
@@ -703,8 +578,7 @@ def repro_script(
         "",
         "",
         "def main() -> None:",
-        "    s = scenario.build()",
-        statement,
+        f'    CHECKS["{check}"].check({case}, Target({field_name}=target))',
         '    print("passed: the failure does not reproduce")',
         "",
         "",
@@ -718,79 +592,3 @@ def repro_script(
 def _docstring_safe(text: str) -> str:
     """``text`` inside a triple-quoted docstring: no escapes, no closing quotes."""
     return text.replace("\\", "\\\\").replace('"' * 3, "'" * 3)
-
-
-# --------------------------------------------------------------------------- display
-
-
-class FuzzProgress:
-    """The live display: a progress bar with examples per second, and below it the
-    outcomes (passed, expected divergences by class, failures).
-
-    On a terminal it redraws in place; elsewhere (a CI log, a pipe) it prints one plain
-    status line every ``log_every`` seconds and none in between, so logs stay readable.
-    """
-
-    def __init__(self, console: Any, config: FuzzConfig, *, log_every: float = 10.0) -> None:
-        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-        from rich.text import Text
-
-        self.console = console
-        self.config = config
-        self.log_every = log_every
-        self.logged_at = time.perf_counter()
-        self.outcomes = Text("starting")
-        outcomes = self.outcomes
-
-        class _Progress(Progress):
-            def get_renderables(self) -> Iterator[Any]:
-                yield self.make_tasks_table(self.tasks)
-                yield outcomes
-
-        self.progress = _Progress(
-            SpinnerColumn(),
-            TextColumn("[bold]fuzz"),
-            BarColumn(bar_width=30),
-            TextColumn("{task.fields[count]}"),
-            TextColumn("{task.fields[rate]}"),
-            TimeElapsedColumn(),
-            console=console,
-            refresh_per_second=4,
-            transient=True,
-            disable=not console.is_terminal,
-        )
-        total = config.time_budget if config.max_examples is None and config.time_budget is not None else config.examples
-        self.task = self.progress.add_task("fuzz", total=total, count="", rate="")
-
-    def __enter__(self) -> FuzzProgress:
-        self.progress.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.progress.stop()
-
-    def update(self, tally: Tally) -> None:
-        budget = self.config.time_budget
-        if self.config.max_examples is None and budget is not None:
-            completed: float = min(tally.elapsed, budget)
-            count = f"{tally.run} examples, budget {budget:g}s"
-        else:
-            completed = tally.run
-            count = f"{tally.run}/{self.config.examples} examples"
-            if budget is not None:
-                count += f" or {budget:g}s"
-        status = outcome_line(tally)
-        self.outcomes.plain = status
-        self.progress.update(self.task, completed=completed, count=count, rate=f"{tally.rate:.1f}/s")
-        now = time.perf_counter()
-        if not self.console.is_terminal and now - self.logged_at >= self.log_every:
-            self.logged_at = now
-            self.console.print(f"fuzz: {count}, {tally.rate:.1f}/s; {status}", markup=False, soft_wrap=True)
-
-
-def outcome_line(tally: Tally) -> str:
-    """``passed 38 · expected divergences 2 (BatchNorm 1, Dropout 1) · failed 0``."""
-    text = f"passed {tally.passed} · {tally.describe_divergence()} · failed {tally.failed}"
-    if tally.first_failure_at is not None:
-        text += f" · shrinking the failure ({tally.shrink_runs} tried)"
-    return text
