@@ -40,12 +40,14 @@ from dpverify.checks.loss_average import (
     chunk_weighted_loss,
 )
 from dpverify.core.comparison import StepComparison, TensorComparison
+from dpverify.core.devices import cuda_device_count
 from dpverify.core.divergence import ONE_ROW_BATCHNORM, SourceGroup, group_sources
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.core.scatter import chunk_sizes
 from dpverify.core.step import batch_size_of
 from dpverify.core.text import and_list
 from dpverify.core.tracebacks import describe_exception, failure_detail
+from dpverify.core.tree import map_tensors
 from dpverify.ddp import checks_if_available
 from dpverify.models.specs import AttributeCounter, BufferCounter, Scenario
 
@@ -406,8 +408,11 @@ def _dp_state(case: Case, target: Target) -> Report:
     from dpverify.core.virtual import data_parallel
 
     del target  # torch's semantics; a user's wrapper may differ
-    module = case.module
-    data_parallel(module, list(case.device_ids), output_device=case.output_device)(*case.inputs)
+    real = cuda_device_count() > max(case.device_ids)  # torch's own DataParallel needs them there
+    device = torch.device("cuda", case.device_ids[0]) if real else torch.device("cpu")
+    module = copy.deepcopy(case.module).to(device)
+    inputs = map_tensors(case.inputs, lambda tensor: tensor.to(device))
+    data_parallel(module, list(case.device_ids), output_device=case.output_device)(*inputs)
     one_device = len(case.device_ids) == 1
     if isinstance(module, BufferCounter):
         expected = case.batch_size if one_device else case.chunk_sizes[0]
@@ -495,10 +500,15 @@ def _returns_loss(case: Case) -> bool:
     return case.loss_fn is None
 
 
+def _buffers(case: Case) -> bool:
+    """Buffers a forward may update (BatchNorm's running statistics in train mode, a counter
+    in any mode): which replica's update the module keeps is the question."""
+    return any(b.dtype != torch.bool for b in case.module.buffers())
+
+
 def _train_buffers(case: Case) -> bool:
-    """Buffers that a train-mode forward may update (BatchNorm's running statistics, a
-    counter): which replica's update the module keeps is the question."""
-    return case.module.training and any(b.dtype != torch.bool for b in case.module.buffers())
+    """Buffers DDP broadcasts from rank 0 before a train-mode forward."""
+    return case.module.training and _buffers(case)
 
 
 def _one_row_chunk_batchnorm(case: Case, sizes: Sequence[int]) -> str | None:
@@ -554,7 +564,7 @@ _SPECS = (
     CheckSpec(
         "dp-buffers", "buffers keep replica 0's update", "dp",
         "Buffers updated in forward (BatchNorm's running statistics) keep replica 0's update.",
-        _dp_buffers, wanted=_train_buffers,
+        _dp_buffers, wanted=_buffers,
         skip=lambda case: _one_row_chunk_batchnorm(case, case.chunk_sizes), explains_divergence=False,
     ),
     CheckSpec(
