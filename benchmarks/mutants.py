@@ -1,8 +1,9 @@
 """How fast the property suite finds each catalogued bug (``dpverify.mutants``).
 
-For every mutant: the examples and seconds until the first failing scenario (random
-generation, several seeds, medians), then the counterexample Hypothesis shrinks it to and
-that counterexample's size (model kind, rows, devices).
+For every mutant: the registry check that catches it (``dpverify.checks.registry.CHECKS``,
+run on ``PROPERTIES``' scenarios), the examples and seconds until the first failing scenario
+(random generation, several seeds, medians), then the counterexample Hypothesis shrinks it
+to and that counterexample's size (model kind, rows, devices).
 
 Usage: python benchmarks/mutants.py [--seeds 5] [--max-examples 500]
 """

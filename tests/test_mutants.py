@@ -8,6 +8,7 @@ import torch
 from hypothesis import Phase, given, settings
 
 import dpverify
+from dpverify.checks.registry import CHECKS, Target
 from dpverify.mutants import (
     MUTANTS,
     PROPERTIES,
@@ -38,15 +39,16 @@ def test_every_mutant_is_caught_with_a_message_that_points_at_the_bug(name: str)
         _search(mutant)
 
 
-#: The correct implementation each property runs: a DataParallel from scratch, a reduction
-#: weighted by chunk size, a DDP step with a hand-written all-reduce, torch's no_sync recipe.
+#: The correct implementation each property runs, by registry check: a DataParallel from
+#: scratch, a reduction weighted by chunk size, a DDP step with a hand-written all-reduce,
+#: torch's no_sync recipe.
 CORRECT = {
-    "assert_dp_grads_match": ScratchDataParallel,
-    "assert_grad_sum_equals_mean_loss_grad": ScratchDataParallel,
-    "assert_dp_buffers_match": ScratchDataParallel,
-    "assert_loss_reduction_matches_full_batch": weighted_replica_losses,
-    "assert_ddp_grads_match": manual_allreduce_step,
-    "assert_ddp_accumulation_matches": dpverify.no_sync_accumulation_step,
+    "dp-grads": Target(parallel=ScratchDataParallel),
+    "dp-grad-sum": Target(parallel=ScratchDataParallel),
+    "dp-buffers": Target(parallel=ScratchDataParallel),
+    "dp-weighted-loss": Target(reduce=weighted_replica_losses),
+    "ddp-grads": Target(step=manual_allreduce_step),
+    "ddp-accumulation": Target(step=dpverify.no_sync_accumulation_step),
 }
 
 
@@ -62,10 +64,15 @@ def test_correct_implementations_pass_every_property(check: str) -> None:
     run()
 
 
-def test_catalogue_entries_are_documented() -> None:
+def test_catalogue_entries_are_documented_and_name_registry_checks() -> None:
     assert len(MUTANTS) >= 15
     assert set(CORRECT) == set(PROPERTIES)
+    assert set(PROPERTIES) <= set(CHECKS)
+    for name, prop in PROPERTIES.items():
+        assert prop.check == name
     for mutant in MUTANTS.values():
         assert mutant.implementation.__doc__, mutant.name
         assert mutant.caught_by in PROPERTIES
+        assert mutant.caught_by in CHECKS
+        assert CHECKS[mutant.caught_by].backend == ("ddp" if mutant.kind == "ddp-step" else "dp")
         assert torch.is_tensor(torch.zeros(1))  # the catalogue imports without side effects
