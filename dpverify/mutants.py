@@ -397,7 +397,7 @@ def _runs(name: str) -> Callable[[Scenario], bool]:
 
     def runs(scenario: Scenario) -> bool:
         case = Case.from_scenario(scenario)
-        return spec.applies(case) and spec.skip(case) is None
+        return spec.why_not(case) is None
 
     return runs
 

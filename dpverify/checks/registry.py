@@ -53,6 +53,8 @@ from dpverify.models.specs import AttributeCounter, BufferCounter, Scenario
 
 __all__ = [
     "CHECKS",
+    "MICRO_BATCHES",
+    "TRAINING_STEPS",
     "Case",
     "CheckResult",
     "CheckSpec",
@@ -269,6 +271,13 @@ class CheckSpec:
         """Whether the check is meant for ``case`` (it may still be skipped on its split)."""
         return self.wanted(case)
 
+    def why_not(self, case: Case) -> str | None:
+        """Why the check cannot run on ``case`` (not meant for it, or its split cannot be
+        checked), or None when it runs."""
+        if not self.wanted(case):
+            return f"{self.name} does not apply to this case"
+        return self.skip(case)
+
     def check(self, case: Case, target: Target | None = None) -> Report:
         """Runs the check, raising what it raises (``ParallelMismatch`` on a mismatch).
 
@@ -276,7 +285,7 @@ class CheckSpec:
             InvalidArgument: the check does not apply to ``case``, or cannot run on it.
         """
         __tracebackhide__ = True
-        reason = self.skip(case) if self.wanted(case) else f"{self.name} does not apply to this case"
+        reason = self.why_not(case)
         if reason is not None:
             raise InvalidArgument(f"check {self.name!r} cannot run here: {reason}")
         return self.body(case, target or Target())

@@ -293,7 +293,7 @@ def _check(args: argparse.Namespace) -> int:
     plan = plan_checks(model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend, checks=args.checks)
     if not plan:
         every = plan_checks(model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend="all", checks=list(CHECKS))
-        fitting = sorted({planned.spec.name for planned in every if planned.spec.skip(planned.case) is None})
+        fitting = sorted({planned.spec.name for planned in every if planned.spec.why_not(planned.case) is None})
         raise InvalidArgument(f"--checks {' '.join(args.checks)} --backend {args.backend}: none of these applies to this model; these do: {', '.join(fitting)}")
     loss = model.make_batch(max(args.batch_sizes)).loss_name
     console = _console(args)
