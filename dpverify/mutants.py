@@ -28,6 +28,7 @@ import torch.distributed as dist
 from hypothesis.strategies import SearchStrategy
 from torch import nn
 
+from dpverify.checks.loss_average import chunk_weighted_loss
 from dpverify.checks.registry import CHECKS, MICRO_BATCHES, Case, Target
 from dpverify.core.virtual import VirtualDataParallel
 from dpverify.ddp.rank import ShardContext
@@ -293,9 +294,9 @@ def mean_of_replica_losses(losses: torch.Tensor, chunk_sizes: list[int]) -> torc
 
 
 def weighted_replica_losses(losses: torch.Tensor, chunk_sizes: list[int]) -> torch.Tensor:
-    """Each replica's loss weighted by its share of the batch: exact for any split."""
-    sizes = torch.tensor(chunk_sizes, dtype=losses.dtype, device=losses.device)
-    return (losses * sizes).sum() / sizes.sum()
+    """Each replica's loss weighted by its share of the batch: exact for any split (the
+    correct reduction the ``mean-of-means`` mutant is compared with)."""
+    return chunk_weighted_loss(losses, chunk_sizes)
 
 
 # --------------------------------------------------------------------------- DDP steps
