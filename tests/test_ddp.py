@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from dpverify.cli.selftest import PartlyUsed, main_selftest
+from dpverify.core.comparison import StepComparison
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.ddp.checks import (
     assert_ddp_accumulation_matches,
@@ -39,7 +40,7 @@ from dpverify.ddp.checks import (
 )
 from dpverify.ddp.pool import DDPWorkerPool, ParallelError, RankInfo
 from dpverify.ddp.rank import ShardContext, ddp_step, even_shards
-from dpverify.models.specs import KINDS
+from dpverify.models.specs import KINDS, DeviceList, LossSpec, ModelSpec
 from dpverify.strategies import Scenario, device_lists, loss_specs, model_specs, scenarios
 
 LINUX = sys.platform.startswith("linux")
@@ -279,6 +280,16 @@ def accumulate_without_dividing(ctx: ShardContext) -> None:
         last = index == len(parts) - 1
         with model.no_sync() if not last else contextlib.nullcontext():
             ctx.loss_fn(model(*part.inputs), part.target).backward()  # not divided by k
+
+
+def one_grad_slightly_off(ctx: ShardContext) -> Any:
+    """torch's DDP step, then the first parameter's gradient 1e-6 too large (relative): below
+    float32's resolution of a sum of a few terms, far above float64's."""
+    output = ddp_step(ctx)
+    grad = next(ctx.module.parameters()).grad
+    assert grad is not None
+    grad.mul_(1 + 1e-6)
+    return output
 
 
 def accumulate_all_inside_no_sync(ctx: ShardContext) -> None:
@@ -967,6 +978,54 @@ def test_property_ddp_matches_one_device_for_any_shards(ddp_pools: Callable[[int
     assert result.ok
     with pytest.raises(ParallelMismatch, match=rf"\({world}, the world size\)"):
         assert_ddp_grads_match(s.module, s.inputs, s.target, loss_fn=s.loss_fn, world_size=world, shards=shards, step=hand_all_reduce_without_division, pool=pool)
+
+
+# --------------------------------------------------------------------------- float64
+
+#: torch's own DDP on 3 ranks, in float64. L1's sign gradients of the bias cancel to 0 over
+#: the 12 rows, not over each rank's 4: one device rounds the sum to 2.8e-17, the all-reduce's
+#: sum of the ranks' thirds to 0, rounding of the size of the terms summed (1/3), which the
+#: near-zero full-batch gradient cannot scale.
+L1_LINEAR_F64 = Scenario(
+    ModelSpec("linear", features=3, outputs=1, train=False), 12, DeviceList((0, 1, 2)), LossSpec("l1"), torch.float64, seed=1,
+)
+#: A 2-layer GRU, 2 micro-batches of one row per rank: accumulation reorders the sums, by
+#: float64 rounding of the model that the float64 anchor (the single-device step itself) cannot show.
+GRU_F64 = Scenario(
+    ModelSpec("gru", features=1, hidden=3, outputs=1, depth=2, train=False), 6, DeviceList((0, 1, 2)), LossSpec("mse"), torch.float64, seed=2,
+)
+
+
+def test_cancelling_rank_gradients_in_float64_are_no_false_alarm(ddp_pools: Callable[[int], DDPWorkerPool]) -> None:
+    s = L1_LINEAR_F64.build()
+    result = assert_ddp_grads_match(s.module, s.inputs, s.target, loss_fn=s.loss_fn, world_size=3, pool=ddp_pools(3))
+    assert result.ok
+    # the scenario still shows the cancellation: the bias gradient, the mean of the rows'
+    # signs, is 0 in exact arithmetic; one device and the ranks round it differently
+    with torch.no_grad():
+        signs = torch.sign(s.module(*s.inputs) - s.target)
+    assert float(signs.sum()) == 0.0
+    bias = [t for t in result.tensors if t.name.endswith("grad 'bias'")]
+    assert len(bias) == 3
+    assert all(0.0 < t.max_abs < 1e-15 for t in bias)
+
+
+def test_accumulation_rounding_in_float64_is_no_false_alarm(ddp_pools: Callable[[int], DDPWorkerPool]) -> None:
+    s = GRU_F64.build()
+    result = assert_ddp_accumulation_matches(s.module, s.inputs, s.target, loss_fn=s.loss_fn, world_size=3, micro_batches=2, pool=ddp_pools(3))
+    assert result.ok
+    assert any(t.max_abs > 0 for t in result.tensors if "grad" in t.name)  # the ranks did round differently
+
+
+def test_a_gradient_off_by_one_in_a_million_still_fails_in_float64(ddp_pools: Callable[[int], DDPWorkerPool]) -> None:
+    s = L1_LINEAR_F64.build()
+    with pytest.raises(ParallelMismatch, match=r"rank [012] grad 'weight': tensors are not close!") as caught:
+        assert_ddp_grads_match(s.module, s.inputs, s.target, loss_fn=s.loss_fn, world_size=3, step=one_grad_slightly_off, pool=ddp_pools(3))
+    report = caught.value.report
+    assert isinstance(report, StepComparison)
+    failing = {t.name for t in report.tensors if not t.ok}
+    assert failing == {f"rank {r} grad 'weight'" for r in range(3)}  # the bias's rounding still passes
+    assert all(t.max_abs > 1e3 * t.allowed for t in report.tensors if not t.ok)
 
 
 # --------------------------------------------------------------------------- torchrun

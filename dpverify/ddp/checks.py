@@ -4,7 +4,8 @@ Every check sends one task to the ranks of a ``RankRunner`` (a ``DDPWorkerPool``
 world size by default, or the current process group under torchrun), runs the same
 scenario on one device in the parent (float32, plus the float64 anchor of the tolerance),
 and compares each rank's tensors with the single-device ones through the Core comparison,
-so that messages read like the DataParallel ones. See docs/semantics.md, DistributedDataParallel.
+so that messages read like the DataParallel ones; a tensor that fails is compared again with
+the rounding a correct DDP step makes (``DDPReferences``). See docs/semantics.md, DistributedDataParallel.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import functools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -26,12 +27,14 @@ from dpverify.core.comparison import (
     Msg,
     StepComparison,
     TensorComparison,
+    Terms,
     Tolerance,
     compare_tensors,
     step_comparison,
     uniform_scale,
 )
 from dpverify.core.errors import InvalidArgument
+from dpverify.core.numerics import max_abs
 from dpverify.core.step import (
     StepResult,
     as_inputs,
@@ -82,6 +85,7 @@ __all__ = [
 ]
 
 CPU = torch.device("cpu")
+_T = TypeVar("_T")
 _RESERVED_DDP_KWARGS = ("module", "device_ids", "output_device", "process_group")
 
 
@@ -280,14 +284,22 @@ class DDPCheck:
     def target_as(self, dtype: torch.dtype | None) -> Any:
         return convert_tensors(self.target, dtype, CPU)
 
-    def reference(self, dtype: torch.dtype | None) -> StepResult:
-        """The single-device full-batch step in ``dtype`` (None: the module's own)."""
+    def reference(self, dtype: torch.dtype | None, *, jitter: float = 0.0) -> StepResult:
+        """The single-device full-batch step in ``dtype`` (None: the module's own), from
+        parameters perturbed by ``jitter`` (``run_step``) when given."""
         target = self.target_as(dtype)
         loss_fn = self.loss_fn
-        return run_step(self.module, self.args, lambda output: loss_fn(output, target), dtype=dtype)
+        return run_step(self.module, self.args, lambda output: loss_fn(output, target), dtype=dtype, jitter=jitter)
 
     def anchor(self) -> StepResult | None:
         return None if self.tolerance.explicit else self.reference(torch.float64)
+
+    def references(self, micro_batches: int = 1, *, expected: StepResult | None = None) -> DDPReferences:
+        """What the ranks' tensors are compared with: the single-device full-batch step
+        (or ``expected``, e.g. DataParallel's step) and the float64 anchor, with the
+        rounding samples a failing tensor gets (``DDPReferences``). ``micro_batches``: the
+        pieces each rank's shard is cut into, as the ranks cut it."""
+        return DDPReferences(self, self.reference(None) if expected is None else expected, self.anchor(), micro_batches)
 
     def send(self, fn: Callable[..., Any], task: Any, what: str) -> tuple[Any, ...]:
         try:
@@ -310,35 +322,18 @@ class DDPCheck:
             **options,
         )
 
-    def rows(self, label: str, actual: RankStep, expected: StepResult, anchor: StepResult | None, rank: int) -> list[TensorComparison]:
-        """This rank's outputs (its rows of the full-batch output) and gradients."""
+    def rows(self, label: str, actual: RankStep, refs: DDPReferences, rank: int, *, contrast: bool = False) -> list[TensorComparison]:
+        """This rank's outputs (its rows of the full-batch output) and gradients. A
+        ``contrast`` is expected to differ: it gets no second look (``DDPReferences.compare``)."""
         found: list[TensorComparison] = []
         start, stop = shard_bounds(self.shard_sizes)[rank]
         mine = dict(actual.outputs)
-        anchors = dict(anchor.outputs) if anchor else {}
-        for path, tensor in expected.outputs:
+        for path, tensor in refs.expected.outputs:
             if path not in mine or tensor.dim() == 0 or tensor.size(0) != self.batch_size:
                 continue
-            reference = anchors.get(path)
-            found.append(
-                compare_tensors(
-                    f"{label}{path}[{start}:{stop}]",
-                    mine[path],
-                    tensor[start:stop],
-                    reference[start:stop] if reference is not None else None,
-                    self.tolerance,
-                )
-            )
-        for name, grad in expected.grads.items():
-            found.append(
-                compare_tensors(
-                    f"{label}grad {name!r}",
-                    actual.grads.get(name),
-                    grad,
-                    anchor.grads.get(name) if anchor else None,
-                    self.tolerance,
-                )
-            )
+            found.append(refs.compare(f"{label}{path}[{start}:{stop}]", mine[path], _output_rows(path, start, stop), contrast=contrast))
+        for name in refs.expected.grads:
+            found.append(refs.compare(f"{label}grad {name!r}", actual.grads.get(name), _grad(name), name, contrast=contrast))
         return found
 
     def outcome(
@@ -357,6 +352,140 @@ class DDPCheck:
             title, self.describe(step), self.tolerance, self.dtype, self.module, rows,
             contrasts=contrasts, notes=notes, failures=failures, scale=scale, divergence=divergence,
         )
+
+
+_Key = Callable[[StepResult], "torch.Tensor | None"]
+
+
+def _grad(name: str) -> _Key:
+    return lambda step: step.grads.get(name)
+
+
+def _output_rows(path: str, start: int, stop: int) -> _Key:
+    def key(step: StepResult) -> torch.Tensor | None:
+        tensor = dict(step.outputs).get(path)
+        return tensor[start:stop] if tensor is not None and tensor.dim() > 0 else tensor
+
+    return key
+
+
+# Relative size of the parameter perturbation of a float64 model's jittered run, as in the
+# DataParallel checks (dpverify/checks/dp.py): a few units of float64 roundoff, the size of
+# the rounding a step makes in each parameter use.
+_JITTER = 8 * torch.finfo(torch.float64).eps
+
+
+@dataclass(frozen=True)
+class _Rounding:
+    """What measures the rounding of a correct DDP step beyond the single-device step's own
+    (see ``DDPReferences``): the terms of every gradient, and two more single-device runs."""
+
+    terms: dict[str, Terms]
+    probe: StepResult | None
+    jitter: StepResult | None
+
+
+@dataclass
+class DDPReferences:
+    """The single-device tensors a DDP check compares the ranks' with, and a second look
+    for the tensors that fail against them.
+
+    ``expected`` is the full-batch step in the working dtype (DataParallel's step for
+    ``assert_dp_ddp_agree``) and ``anchor`` its float64 twin (None with explicit
+    tolerances). That alone misjudges two things a correct DDP step does. Its all-reduce
+    sums the ranks' gradients, ``n_r / B`` times each rank's mean-loss gradient (and each
+    rank sums its micro-batches' first): where those terms cancel (an l1 loss's sign
+    gradients summing to an exact 0), the result carries rounding of the size of the
+    terms, not of the near-zero total. And in float64 the anchor is the single-device step
+    itself, so the rounding of the model cannot be measured against it. So a tensor that
+    fails is compared again as the DataParallel checks compare theirs: with ``terms``
+    (``sum over pieces of n / B * max |g_piece|``, and the same in the 2-norm, each piece's
+    gradient from a single-device step on its rows), and with a float32 ``probe`` and a
+    jittered float64 run for float64 models, or a working-dtype run from parameters one
+    unit in the last place off for other dtypes. These steps run once per check, and only
+    when a tensor fails: a passing check never pays for them.
+    """
+
+    check: DDPCheck
+    expected: StepResult
+    anchor: StepResult | None
+    micro_batches: int = 1
+    _rounding: list[_Rounding] = field(default_factory=list, repr=False)
+
+    def compare(
+        self, name: str, actual: torch.Tensor | None, key: _Key, grad: str | None = None, *, contrast: bool = False,
+    ) -> TensorComparison:
+        """``actual`` against the tensor ``key`` picks; ``grad``: the parameter whose
+        gradient it is (the terms apply to gradients only). A ``contrast`` is expected to
+        differ and gets no second look."""
+        expected = key(self.expected)
+        anchor = key(self.anchor) if self.anchor is not None else None
+        first = compare_tensors(name, actual, expected, anchor, self.check.tolerance)
+        if first.ok or first.problem is not None or contrast or self.anchor is None:
+            return first
+        second = self.rounding()
+        return compare_tensors(
+            name, actual, expected, anchor, self.check.tolerance,
+            probe=key(second.probe) if second.probe is not None else None,
+            terms=second.terms.get(grad) if grad is not None else None,
+            jitter=key(second.jitter) if second.jitter is not None else None,
+        )
+
+    def rounding(self) -> _Rounding:
+        """The second look's steps (``DDPReferences``), run once, on first need."""
+        if not self._rounding:
+            check = self.check
+            wide = check.dtype == torch.float64
+            probe = _optional(lambda: check.reference(torch.float32)) if wide else None
+            if wide:
+                jitter = _optional(lambda: check.reference(torch.float64, jitter=_JITTER))
+            else:
+                jitter = _optional(lambda: check.reference(None, jitter=torch.finfo(check.dtype).eps))
+            terms = _optional(lambda: _all_reduce_terms(check, self.micro_batches)) or {}
+            self._rounding.append(_Rounding(terms, probe, jitter))
+        return self._rounding[0]
+
+
+def _optional(run: Callable[[], _T]) -> _T | None:
+    """``run()``, or None when it raises: a second look that cannot be had (a BatchNorm
+    given a one-row shard, a loss that refuses float32) leaves the first verdict standing."""
+    try:
+        return run()
+    except Exception:
+        return None
+
+
+def _loss_against(loss_fn: LossFn, target: Any, output: Any) -> torch.Tensor:
+    return loss_fn(output, target)
+
+
+def _all_reduce_terms(check: DDPCheck, micro_batches: int) -> dict[str, Terms]:
+    """The magnitude of what a correct DDP step sums into every gradient: each rank's
+    shard, cut into ``micro_batches`` pieces as the ranks cut it (``micro_batch_split``),
+    contributes ``n / B`` times its piece's mean-loss gradient (each rank's loss weighted
+    by ``n_r * world_size / B``, the all-reduce's average dividing by ``world_size``).
+    Measured with a single-device step on each piece's rows, in the working dtype."""
+    largest: dict[str, float] = {}
+    norms: dict[str, float] = {}
+    batch = check.batch_size
+    target = check.target_as(None)
+    loss_fn = check.loss_fn
+    for start, stop in shard_bounds(check.shard_sizes):
+        rows = stop - start
+        shard, shard_target = take_rows(check.args, start, stop, batch), take_rows(target, start, stop, batch)
+        for low, high in shard_bounds(even_shards(rows, micro_batches)):
+            loss = functools.partial(_loss_against, loss_fn, take_rows(shard_target, low, high, rows))
+            step = run_step(check.module, take_rows(shard, low, high, rows), loss)
+            weight = (high - low) / batch
+            for name, grad in step.grads.items():
+                if grad is None or not grad.numel():
+                    continue
+                dense = grad.to_dense() if grad.is_sparse else grad
+                size, norm = max_abs(dense), float(torch.linalg.vector_norm(dense))
+                if math.isfinite(size) and math.isfinite(norm):
+                    largest[name] = largest.get(name, 0.0) + weight * size
+                    norms[name] = norms.get(name, 0.0) + weight * norm
+    return {name: Terms(largest[name], norms[name]) for name in largest}
 
 
 _UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
@@ -720,8 +849,9 @@ def assert_ddp_grads_match(
     title = "DistributedDataParallel gradients must match the single-device full-batch gradient on every rank"
     results = check.send(run_step_task, check.step_task(steps), title)
     verified = [rank_steps[0] for rank_steps in results]
-    expected, anchor = check.reference(None), check.anchor()
-    rows = [row for r, s in enumerate(verified) for row in check.rows(f"rank {r} ", s, expected, anchor, r)]
+    refs = check.references()
+    expected, anchor = refs.expected, refs.anchor
+    rows = [row for r, s in enumerate(verified) for row in check.rows(f"rank {r} ", s, refs, r)]
     ok = all(row.ok for row in rows)
     notes: list[str] = []
     contrasts: list[TensorComparison] = []
@@ -731,7 +861,7 @@ def assert_ddp_grads_match(
         if reduction != "sum":  # the trap is about per-rank mean losses
             notes.append(_trap_note(check, naive, anchor or expected))
         if step is None:
-            contrasts = [c for r, s in enumerate(naive) for c in check.rows(f"rank {r} plain ddp_step ", s, expected, anchor, r) if c.name.startswith(f"rank {r} plain ddp_step grad")]
+            contrasts = [c for r, s in enumerate(naive) for c in check.rows(f"rank {r} plain ddp_step ", s, refs, r, contrast=True) if c.name.startswith(f"rank {r} plain ddp_step grad")]
         elif not ok and reduction != "sum" and _same_up_to_rounding(verified[0].grads, naive[0].grads):
             notes.append(
                 "The step's gradients equal the plain per-rank mean-loss step's: it falls into "
@@ -805,8 +935,9 @@ def assert_ddp_accumulation_matches(
     title = f"DDP gradient accumulation over {k} micro-batches must match one full-batch step"
     task = check.step_task([chosen], micro_batches=k, count_syncs=True)
     results = [rank_steps[0] for rank_steps in check.send(run_step_task, task, title)]
-    expected, anchor = check.reference(None), check.anchor()
-    rows = [row for r, s in enumerate(results) for row in check.rows(f"rank {r} ", s, expected, anchor, r)]
+    refs = check.references(k)
+    expected = refs.expected
+    rows = [row for r, s in enumerate(results) for row in check.rows(f"rank {r} ", s, refs, r)]
     failures, notes = check.unused_findings(_unused_names(module, expected.grads), wrapped=all(s.wrapped for s in results))
     counts = [s.syncs for s in results]
     if any(c is None for c in counts):
@@ -1154,14 +1285,15 @@ def assert_ddp_sync_batchnorm_matches(
     title = "SyncBatchNorm under DDP must match BatchNorm on the full batch on one device"
     synced = [s[0] for s in check.send(run_step_task, check.step_task([chosen], sync_batchnorm=True), title)]
     plain = [s[0] for s in check.send(run_step_task, check.step_task([chosen]), title)]
-    expected, anchor = check.reference(None), check.anchor()
-    rows = [row for r, s in enumerate(synced) for row in check.rows(f"rank {r} ", s, expected, anchor, r)]
+    refs = check.references()
+    expected, anchor = refs.expected, refs.anchor
+    rows = [row for r, s in enumerate(synced) for row in check.rows(f"rank {r} ", s, refs, r)]
     buffers = dict(_buffers_after_train_forward(module, check.args, None).named_buffers())
     anchors = None if anchor is None else dict(_buffers_after_train_forward(module, check.args, torch.float64).named_buffers())
     for r, s in enumerate(synced):
         for name, value in buffers.items():
             rows.append(compare_tensors(f"rank {r} buffer {name!r}", s.buffers.get(name), value, anchors.get(name) if anchors else None, check.tolerance))
-    contrasts = [c for r, s in enumerate(plain) for c in check.rows(f"rank {r} plain BatchNorm ", s, expected, anchor, r) if "grad" in c.name]
+    contrasts = [c for r, s in enumerate(plain) for c in check.rows(f"rank {r} plain BatchNorm ", s, refs, r, contrast=True) if "grad" in c.name]
     where = "torch's nn.SyncBatchNorm" if check.runner.backend == "nccl" else (
         "HostSyncBatchNorm (torch's SyncBatchNorm autograd function, host stand-ins for its "
         "CUDA-only kernels; torch refuses SyncBatchNorm on CPU)"
@@ -1226,14 +1358,14 @@ def assert_dp_ddp_agree(
     ranks = [s[0] for s in check.send(run_step_task, check.step_task([ddp_step]), title)]
     target_now = check.target_as(None)
     dp_step = dp.run(lambda output: loss_fn(output, target_now), parallel=True)
-    anchor = check.anchor()
+    refs = check.references(expected=dp_step)
     rows = [
-        compare_tensors(f"rank {r} grad {name!r} vs DataParallel", s.grads.get(name), grad, anchor.grads.get(name) if anchor else None, check.tolerance)
+        refs.compare(f"rank {r} grad {name!r} vs DataParallel", s.grads.get(name), _grad(name), name)
         for r, s in enumerate(ranks)
-        for name, grad in dp_step.grads.items()
+        for name in dp_step.grads
     ]
     notes = [f"DataParallel over devices {dp.device_ids}: {dp.plan.describe()}."]
-    single = anchor or check.reference(None)
+    single = refs.anchor or check.reference(None)
     # One device, not DataParallel: its reduce-add gives unused parameters zeros, not None.
     failures, unused_notes = check.unused_findings(_unused_names(module, single.grads))
     notes += unused_notes
