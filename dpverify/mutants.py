@@ -430,12 +430,11 @@ def _properties() -> dict[str, Property]:
     exact = scenarios(models=model_specs(exact=True), devices=devices)
     ddp_models = model_specs(kinds=[k for k in KINDS if k != "kwargs"], exact=True)
     # the DDP checks take a mean loss (their exact recipe weights it by n_r * W / B); the
-    # device list's length is the world size (2 or 3 ranks, one pool each). float32 only:
-    # in float64 the DDP checks' tolerance has no scale for the terms the all-reduce sums,
-    # so torch's own DDP can fail them (tests/test_properties.py, the xfail test).
+    # device list's length is the world size (2 or 3 ranks, one pool each); float32 and
+    # float64, as the DataParallel properties.
     ddp = scenarios(
         models=ddp_models, devices=device_lists(min_devices=2, max_devices=3),
-        losses=loss_specs(reductions=("mean",)), dtype=torch.float32, max_batch=12,
+        losses=loss_specs(reductions=("mean",)), max_batch=12,
     )
     drawn = {
         "dp-grads": exact,

@@ -74,10 +74,7 @@ def test_forward_loss_averaging_is_biased_exactly_by_the_chunk_weights(scenario:
     # biased on uneven chunks is a warning about the training loop, never a failure
     assert CHECKS["dp-loss-average"].run(case).verdict is (Verdict.WARN if uneven else Verdict.PASS)
 
-    def weighted(losses: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        return (losses * torch.tensor(sizes, dtype=losses.dtype, device=losses.device)).sum() / sum(sizes)
-
-    CHECKS["dp-weighted-loss"].check(case, Target(reduce=weighted))
+    CHECKS["dp-weighted-loss"].check(case, Target(reduce=dpverify.chunk_weighted_loss))
 
 
 @given(scenarios(models=model_specs(kinds=["batchnorm", "dropout"])))
@@ -111,26 +108,12 @@ def test_state_survives_from_replica_zero_only(scenario: Scenario) -> None:
     CHECKS["dp-state"].check(_placed(Case.from_scenario(scenario), scenario))
 
 
-def _in_either_dtype(name: str) -> st.SearchStrategy[Scenario]:
-    """``PROPERTIES[name]``'s scenarios, each in float32 or float64. The DDP properties draw
-    float32 only (mutants.py): they did while the DDP checks called float64 rounding a
-    mismatch (FLOAT64_DDP below). torch's own DDP must pass them in float64 too; the
-    DataParallel properties draw both dtypes already."""
-    strategy = PROPERTIES[name].scenarios
-    if not name.startswith("ddp-"):
-        return strategy
-    spec = CHECKS[name]
-    return st.tuples(strategy, st.booleans()).map(
-        lambda drawn: dataclasses.replace(drawn[0], dtype=torch.float64) if drawn[1] else drawn[0]
-    ).filter(lambda scenario: spec.why_not(Case.from_scenario(scenario)) is None)
-
-
 @pytest.mark.parametrize("name", sorted(PROPERTIES))
 def test_torch_passes_every_property_the_mutants_fail(name: str) -> None:
     """torch's own DataParallel, reduction and DDP step pass the scenarios each mutant is
     searched on, in float32 and float64: a caught mutant is the mutant's fault."""
 
-    @given(_in_either_dtype(name))
+    @given(PROPERTIES[name].scenarios)
     def run(scenario: Scenario) -> None:
         PROPERTIES[name].run(scenario)
 
