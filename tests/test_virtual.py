@@ -303,17 +303,46 @@ def test_replica_exception_names_the_replica() -> None:
         VirtualDataParallel(Fails(), [0, 1])(torch.randn(4, 2))
 
 
-def test_virtual_primitives_are_per_thread() -> None:
-    VirtualDataParallel(nn.Linear(2, 2), [0, 1])  # installs the switches
-    switch = scatter_gather.Scatter
-    assert switch._pick() is switch._dpverify_original  # torch's own outside the block
+def test_virtual_primitives_are_per_thread_and_leave_torch_as_it_was() -> None:
+    from torch.autograd import Function
+
+    from dpverify.core.virtual import _primitives_active
+
+    def torch_own() -> bool:
+        return "apply" not in scatter_gather.Scatter.__dict__
+
+    VirtualDataParallel(nn.Linear(2, 2), [0, 1])(torch.randn(4, 2))
+    assert torch_own()  # nothing stays switched after a forward
+    devices = torch.cuda.device_count()
     with dpverify.core.virtual.virtual_primitives():
-        assert switch._pick() is switch._dpverify_virtual
-        seen: list[Any] = []
-        other = threading.Thread(target=lambda: seen.append(switch._pick()))
+        assert not torch_own()
+        assert _primitives_active()
+        seen: list[bool] = []
+        other = threading.Thread(target=lambda: seen.append(_primitives_active()))
         other.start()
         other.join()
-        assert seen == [switch._dpverify_original]
+        assert seen == [False]  # another thread keeps torch's own
+        assert torch.cuda.device_count() == devices  # the devices are virtual_devices' business
+    assert torch_own()
+    assert scatter_gather.Scatter.apply.__func__ is Function.apply.__func__  # type: ignore[attr-defined]
+
+
+def test_complex_buffers_are_copied_to_replicas() -> None:
+    # replicate() copies buffers with comm.broadcast_coalesced, which hands complex tensors
+    # back as real views (torch's _handle_complex) for replicate to view as complex again.
+    class Rotate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("phase", torch.randn(1, 3, dtype=torch.cfloat))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.phase
+
+    module = Rotate()
+    x = torch.randn(4, 3, dtype=torch.cfloat)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            torch.testing.assert_close(VirtualDataParallel(module, [0, 1])(x), module(x))
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -105,6 +105,19 @@ def normalize_output_device(output_device: Any, device_ids: Sequence[int]) -> in
     return index
 
 
+#: torch's own ``is_available`` and ``device_count`` while ``dpverify.core.virtual`` has
+#: switched them for its virtual devices (set and cleared there), else None.
+_torch_queries: tuple[Callable[[], bool], Callable[[], int]] | None = None
+
+
 def cuda_device_count() -> int:
-    """Number of CUDA devices torch can use here (0 without CUDA); respects CUDA_VISIBLE_DEVICES."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """Number of CUDA devices torch can use here (0 without CUDA); respects CUDA_VISIBLE_DEVICES.
+
+    The machine's devices, inside ``virtual_devices`` blocks too (where torch reports the
+    virtual ones): dpverify puts a step on real devices only where they exist.
+    """
+    queries = _torch_queries
+    if queries is None:
+        queries = (torch.cuda.is_available, torch.cuda.device_count)
+    is_available, device_count = queries
+    return device_count() if is_available() else 0

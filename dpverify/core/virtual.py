@@ -1,24 +1,86 @@
 """DataParallel on any machine: torch's own orchestration over virtual devices.
 
-``VirtualDataParallel`` subclasses ``torch.nn.DataParallel`` and keeps its ``forward`` and
-the ``scatter_kwargs``, ``scatter``, ``gather`` and ``replicate`` functions of
-``torch.nn.parallel``. Only the CUDA communication primitives are replaced, for the calling
-thread alone, by CPU autograd functions with the same forward and backward semantics:
+Two ways in, both running torch's own DataParallel code with CPU stand-ins for the CUDA
+primitives:
 
-==============================  ==============================================================
-torch primitive                 virtual stand-in
-==============================  ==============================================================
-``_functions.Scatter``          ``_VirtualScatter``: ``tensor.chunk``; the chunk for the source
-                                device is a view, the others are copies
-``_functions.Gather``           ``_VirtualGather``: concatenation into the first output's
-                                dtype, scalar warning, backward splits the gradient by
-                                chunk size
-``_functions.Broadcast``        ``_VirtualBroadcast``: replica 0 aliases the parameter, the
-                                others are copies; backward is a reduce-add (a sum)
-``comm.broadcast_coalesced``    ``_virtual_broadcast_coalesced`` (detached replicas, buffers)
-``parallel_apply``              one thread per replica, as torch does, without CUDA streams;
-                                one random generator per device (``_parallel_apply``)
-==============================  ==============================================================
+* ``VirtualDataParallel`` subclasses ``torch.nn.DataParallel`` and keeps its ``forward``
+  and the ``scatter_kwargs``, ``scatter``, ``gather`` and ``replicate`` functions of
+  ``torch.nn.parallel``; the primitives are virtual for the calling thread alone, while its
+  own ``scatter``, ``replicate`` and ``gather`` run (``virtual_primitives``), and its
+  ``parallel_apply`` is ``_parallel_apply``.
+* ``virtual_devices(n)`` is a block in which torch believes ``n`` CUDA devices exist:
+  ``torch.nn.DataParallel`` and its subclasses, built and called there, get
+  ``device_ids=[0, ..., n-1]`` and run their own ``forward``, ``scatter``, ``replicate``,
+  ``parallel_apply`` and ``gather``, overridden or not, over virtual devices. The block is
+  process-wide (see ``virtual_devices``).
+
+The primitives, virtual in both:
+
+==================================  ========================================================
+torch primitive                     virtual stand-in
+==================================  ========================================================
+``_functions.Scatter``              ``_VirtualScatter``: ``tensor.chunk`` (or ``split`` by
+                                    the chunk sizes); the chunk for the source device is a
+                                    view, the others are copies
+``_functions.Gather``               ``_VirtualGather``: concatenation into the first
+                                    output's dtype, scalar warning, backward splits the
+                                    gradient by chunk size
+``_functions.Broadcast``            ``_VirtualBroadcast``: replica 0 aliases the parameter,
+                                    the others are copies; backward is a reduce-add (a sum)
+``_functions.ReduceAddCoalesced``   ``_VirtualReduceAddCoalesced``: a sum in replica order;
+                                    backward is a broadcast
+``comm.broadcast``                  the first device gets the tensor itself, the others
+                                    copies
+``comm.broadcast_coalesced``        ``_virtual_broadcast_coalesced`` (detached replicas,
+                                    buffers)
+``comm.scatter``                    as ``Scatter``, without autograd (``out=`` too)
+``comm.gather``                     as ``Gather``, without autograd (``out=`` too)
+``comm.reduce_add``                 a sum, the destination's input first, then the others in
+                                    order, as torch sums without NCCL
+``parallel_apply``                  ``_parallel_apply``: one thread per replica, as torch
+                                    does, without CUDA streams; one random generator per
+                                    device
+==================================  ========================================================
+
+The devices, virtual inside ``virtual_devices(n)`` only:
+
+====================================  ======================================================
+torch                                 inside ``virtual_devices(n)``
+====================================  ======================================================
+``torch.cuda.is_available``           True
+``torch.cuda.device_count``           ``n`` (the innermost block's on this thread)
+``torch.cuda.current_device``         the thread's virtual device: a replica's, or the one
+                                      ``torch.cuda.device(i)`` or ``set_device`` selected; 0
+                                      otherwise
+``torch.cuda.set_device``             selects the thread's virtual device
+``torch.cuda.get_device_properties``  the same properties for every virtual device, so
+                                      ``_check_balance`` does not warn
+``torch.cuda.device`` (the class)     ``__enter__``/``__exit__`` select a virtual device for
+                                      the block (``device_of`` inherits them)
+``DataParallel.src_device_obj``       reads as ``torch.device('cpu')``: the host stands for
+                                      ``device_ids[0]``, so CPU modules pass ``forward``'s
+                                      check and ``__init__``'s one-device ``module.to``
+``torch.nn.parallel.data_parallel``   torch's function with the host for ``device_ids[0]``
+====================================  ======================================================
+
+Everything is switched in place, on the objects torch defines, so code that imported a name
+(``from torch.nn.parallel._functions import Scatter``, ``from torch.cuda.comm import
+reduce_add``) is covered too: a function gets a trampoline ``__code__``, an autograd
+Function class an ``apply`` attribute, ``torch.cuda.device`` its two methods, and
+``DataParallel`` a ``src_device_obj`` descriptor (``_SWITCHES``). They are installed when
+the first block of either kind opens and removed, restoring torch's objects exactly, when
+the last one closes. ``replicate``, ``scatter``, ``scatter_kwargs``, ``gather`` and
+``comm.reduce_add_coalesced`` stay torch's own: they reach the devices only through the
+switched primitives, so their imported names run virtually too.
+
+Not covered: ``tensor.get_device()`` is -1 and ``tensor.is_cuda`` False for every tensor;
+``.cuda()``, ``.to('cuda:k')``, streams, events, ``synchronize``, the CUDA random
+generators, memory statistics and ``torch.accelerator`` are torch's, and fail as on any
+CPU-only machine; only replicas that ``parallel_apply`` runs draw from per-device
+generators (code run under ``torch.cuda.device(i)`` draws from the host's); subclasses of
+the four autograd Functions run torch's code; a DataParallel built outside
+``virtual_devices`` keeps the ``device_ids`` it got then. dpverify's own device discovery
+(``devices.cuda_device_count``) still finds the machine's devices in a block.
 
 Device arguments are read as torch reads them: ints, ``torch.device('cuda:k')`` objects
 and ``'cuda:k'`` strings alike.
@@ -31,8 +93,11 @@ there. So chunk 0 is a view of the batch, exactly as with a batch on ``cuda:devi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
@@ -40,12 +105,19 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch._utils import ExceptionWrapper
+from torch._utils import ExceptionWrapper, _handle_complex
+from torch._utils import _get_device_index as _torch_device_index
 from torch.autograd import Function
+from torch.cuda._utils import _get_device_index as _cuda_device_index
 from torch.nn.parallel import _functions as torch_functions
 from torch.nn.parallel import comm as torch_comm
-from torch.nn.parallel import scatter_gather as torch_scatter_gather
+from torch.nn.parallel.data_parallel import data_parallel as _torch_data_parallel
+from torch.nn.parallel.parallel_apply import parallel_apply as _torch_parallel_apply
+from torch.nn.parallel.replicate import replicate as _torch_replicate
+from torch.nn.parallel.scatter_gather import gather as _torch_gather
+from torch.nn.parallel.scatter_gather import scatter_kwargs as _torch_scatter_kwargs
 
+from dpverify.core import devices as devices_module
 from dpverify.core.devices import (
     HOST,
     cuda_device_count,
@@ -55,7 +127,13 @@ from dpverify.core.devices import (
 )
 from dpverify.core.errors import InvalidArgument
 
-__all__ = ["VirtualDataParallel", "current_virtual_device", "data_parallel", "virtual_primitives"]
+__all__ = [
+    "VirtualDataParallel",
+    "current_virtual_device",
+    "data_parallel",
+    "virtual_devices",
+    "virtual_primitives",
+]
 
 T = TypeVar("T", bound=nn.Module)
 
@@ -67,17 +145,23 @@ SCALAR_GATHER_WARNING = (
 
 
 class _ThreadState(threading.local):
-    depth: int = 0
+    depth: int = 0  # open virtual_primitives blocks on this thread
     views_only: bool = False
-    device: int | None = None
+    device: int | None = None  # the thread's virtual device: its replica's, or selected
     devices: list[int] | None = None
+    count: int | None = None  # the innermost virtual_devices(n) open on this thread
+    replica: bool = False  # the thread runs a replica for _parallel_apply
 
 
 _state = _ThreadState()
 
 
 def current_virtual_device() -> int | None:
-    """The virtual device whose replica runs in the calling thread, or None outside replicas."""
+    """The virtual device of the calling thread, or None when it has none.
+
+    A replica's thread has its replica's device; inside ``virtual_devices``, a block of
+    ``torch.cuda.device(i)`` (or ``torch.cuda.set_device(i)``) selects device ``i``.
+    """
     return _state.device
 
 
@@ -86,6 +170,22 @@ def _copy_to(chunk: torch.Tensor, device: int, source: int) -> torch.Tensor:
     if device == source or _state.views_only:
         return chunk
     return chunk.clone()
+
+
+def _scatter_chunks(
+    input: torch.Tensor, targets: Sequence[int], chunk_sizes: Sequence[int] | None, dim: int, source: int
+) -> tuple[torch.Tensor, ...]:
+    """``comm.scatter``'s chunks: ``chunk`` or ``split`` by the sizes, one per device used."""
+    if chunk_sizes is None:
+        chunks = input.chunk(len(targets), dim)
+    else:
+        if len(chunk_sizes) != len(targets):
+            raise RuntimeError(
+                f"Expected devices and chunk_sizes to be of same length, but got "
+                f"len(devices) = {len(targets)} and len(chunk_sizes) = {len(chunk_sizes)}"
+            )
+        chunks = input.split(list(chunk_sizes), dim)
+    return tuple(_copy_to(chunk, device, source) for chunk, device in zip(chunks, targets, strict=False))
 
 
 class _VirtualScatter(Function):
@@ -105,14 +205,7 @@ class _VirtualScatter(Function):
         targets = [device_index(d, "device_ids") for d in target_gpus]
         ctx.dim = dim
         ctx.input_device = targets[0] if source is None else source
-        if chunk_sizes is None:
-            chunks = input.chunk(len(targets), dim)
-        else:
-            chunks = input.split(list(chunk_sizes), dim)
-        return tuple(
-            _copy_to(chunk, device, ctx.input_device)
-            for chunk, device in zip(chunks, targets, strict=False)
-        )
+        return _scatter_chunks(input, targets, chunk_sizes, dim, ctx.input_device)
 
     @staticmethod
     def backward(ctx: Any, *grad_output: torch.Tensor) -> tuple[Any, ...]:
@@ -136,6 +229,16 @@ def _gather_target(target_device: Any) -> int:
     return index
 
 
+def _concatenate(inputs: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    # comm.gather allocates the output with the first input's dtype and copies each
+    # input into it (_gather_out_impl in torch/csrc/cuda/comm.cpp): no autocast and no
+    # type promotion. torch.cat inside the caller's autocast region would promote, or
+    # fail on replica outputs in another low-precision dtype than the caller's.
+    dtype = inputs[0].dtype
+    with torch.amp.autocast("cpu", enabled=False):
+        return torch.cat([t.to(dtype) for t in inputs], dim)
+
+
 class _VirtualGather(Function):
     """``torch.nn.parallel._functions.Gather`` for virtual devices."""
 
@@ -152,13 +255,7 @@ class _VirtualGather(Function):
         else:
             ctx.unsqueezed_scalar = False
         ctx.input_sizes = tuple(i.size(ctx.dim) for i in inputs)
-        # comm.gather allocates the output with the first input's dtype and copies each
-        # input into it (_gather_out_impl in torch/csrc/cuda/comm.cpp): no autocast and no
-        # type promotion. torch.cat inside the caller's autocast region would promote, or
-        # fail on replica outputs in another low-precision dtype than the caller's.
-        dtype = inputs[0].dtype
-        with torch.amp.autocast("cpu", enabled=False):
-            return torch.cat([t.to(dtype) for t in inputs], ctx.dim)
+        return _concatenate(inputs, ctx.dim)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
@@ -171,7 +268,7 @@ class _VirtualGather(Function):
 
 
 def _virtual_broadcast_coalesced(
-    tensors: Sequence[torch.Tensor], devices: Sequence[int], buffer_size: int = 0
+    tensors: Sequence[torch.Tensor], devices: Sequence[Any], buffer_size: int = 0
 ) -> list[list[torch.Tensor]]:
     """``comm.broadcast_coalesced``: the first device gets the tensors themselves."""
     del buffer_size  # coalescing is a transfer optimisation with no semantic effect
@@ -183,8 +280,8 @@ class _VirtualBroadcast(Function):
     """``torch.nn.parallel._functions.Broadcast``: parameters to every replica."""
 
     @staticmethod
-    def forward(ctx: Any, target_gpus: Sequence[int], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.target_gpus = [int(d) for d in target_gpus]
+    def forward(ctx: Any, target_gpus: Sequence[Any], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.target_gpus = [device_index(d, "target_gpus") for d in target_gpus]
         if len(inputs) == 0:
             return ()
         ctx.num_inputs = len(inputs)
@@ -228,62 +325,506 @@ class _VirtualReduceAddCoalesced(Function):
         return (None, None, None, *_VirtualBroadcast.apply(ctx.target_gpus, *grad_outputs))  # type: ignore[no-untyped-call]
 
 
-class _PerThreadSwitch:
-    """Stands in for one torch primitive: the virtual one inside ``virtual_primitives()``
-    on the calling thread, torch's own everywhere else (a real DataParallel running in
-    another thread meanwhile is unaffected)."""
+def _source_devices(count: int) -> list[int]:
+    """The virtual devices of ``count`` per-replica tensors, in replica order.
 
-    def __init__(self, original: Any, virtual: Any) -> None:
-        self._dpverify_original = original
-        self._dpverify_virtual = virtual
-
-    def _pick(self) -> Any:
-        return self._dpverify_virtual if _state.depth else self._dpverify_original
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._pick()(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pick(), name)
-
-
-# (module, attribute, virtual stand-in): every place torch's DataParallel code looks up a
-# CUDA primitive. replicate() imports Broadcast from _functions at call time.
-_PRIMITIVES: tuple[tuple[Any, str, Any], ...] = (
-    (torch_scatter_gather, "Scatter", _VirtualScatter),
-    (torch_scatter_gather, "Gather", _VirtualGather),
-    (torch_functions, "Broadcast", _VirtualBroadcast),
-    (torch_comm, "broadcast_coalesced", _virtual_broadcast_coalesced),
-)
-_install_lock = threading.Lock()
-
-
-def _install_switches() -> None:
-    with _install_lock:
-        for module, name, virtual in _PRIMITIVES:
-            current = getattr(module, name)
-            if not isinstance(current, _PerThreadSwitch):
-                setattr(module, name, _PerThreadSwitch(current, virtual))
-
-
-@contextlib.contextmanager
-def virtual_primitives(devices: Sequence[int] = (), *, views_only: bool = False) -> Iterator[None]:
-    """Within the block, torch's DataParallel primitives run virtually on this thread.
-
-    Args:
-        devices: the virtual devices of the tensors being gathered, in replica order.
-        views_only: scatter and broadcast hand out views instead of copies (for planning a
-            scatter without paying for the copies).
+    A tensor does not say which virtual device it is on (``get_device()`` is -1 for every
+    host tensor), so this is the devices a ``VirtualDataParallel`` gather names, or
+    ``0, 1, ...``: the devices of the replicas a ``virtual_devices`` DataParallel runs.
     """
-    _install_switches()
-    saved = (_state.depth, _state.devices, _state.views_only)
-    _state.depth += 1
-    _state.devices = list(devices)
-    _state.views_only = views_only
+    return list(_state.devices or range(count))[:count]
+
+
+def _reduce_add_coalesced_apply(destination: Any, num_inputs: int, *grads: torch.Tensor) -> Any:
+    """``ReduceAddCoalesced.apply(destination, num_inputs, *grads)``, torch's signature."""
+    devices = _source_devices(len(grads) // num_inputs if num_inputs else 0)
+    return _VirtualReduceAddCoalesced.apply(destination, num_inputs, devices, *grads)  # type: ignore[no-untyped-call]
+
+
+# --- torch.nn.parallel.comm (torch.cuda.comm) -------------------------------------------
+
+
+def _virtual_comm_broadcast(tensor: torch.Tensor, devices: Any = None, *, out: Any = None) -> tuple[torch.Tensor, ...]:
+    """``comm.broadcast``: the first device gets the tensor itself, the others copies."""
+    tensor = _handle_complex(tensor)
+    if not ((devices is None) ^ (out is None)):
+        raise RuntimeError(
+            f"Exactly one of 'devices' and 'out' must be specified, but got devices={devices} and out={out}"
+        )
+    if devices is not None:
+        targets = [device_index(d, "devices") for d in devices]
+        return tuple(tensor if i == 0 else tensor.clone() for i in range(len(targets)))
+    for target in out:
+        if target.shape != tensor.shape:
+            raise RuntimeError(
+                f"Expected all output tensors to have the same shape as the source tensor "
+                f"{tuple(tensor.shape)}, but got one of shape {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+    return tuple(out)
+
+
+def _virtual_comm_broadcast_coalesced(
+    tensors: Sequence[torch.Tensor], devices: Sequence[Any], buffer_size: int = 10485760
+) -> list[list[torch.Tensor]]:
+    """``comm.broadcast_coalesced``: complex tensors as real views, as torch returns them."""
+    targets = [device_index(d, "devices") for d in devices]
+    return _virtual_broadcast_coalesced([_handle_complex(t) for t in tensors], targets, buffer_size)
+
+
+def _virtual_comm_scatter(
+    tensor: torch.Tensor,
+    devices: Any = None,
+    chunk_sizes: Sequence[int] | None = None,
+    dim: int = 0,
+    streams: Any = None,
+    *,
+    out: Any = None,
+) -> tuple[torch.Tensor, ...]:
+    """``comm.scatter``: ``Scatter`` without autograd; the first device's chunk is a view."""
+    del streams
+    tensor = _handle_complex(tensor)
+    if out is None:
+        targets = [device_index(d, "devices") for d in devices]
+        return _scatter_chunks(tensor, targets, chunk_sizes, dim, targets[0])
+    if devices is not None:
+        raise RuntimeError(
+            f"'devices' must not be specified when 'out' is specified, but got devices={devices}"
+        )
+    if chunk_sizes is not None:
+        raise RuntimeError(
+            f"'chunk_sizes' must not be specified when 'out' is specified, but got chunk_sizes={chunk_sizes}"
+        )
+    for target, chunk in zip(out, tensor.split([o.size(dim) for o in out], dim), strict=True):
+        target.copy_(chunk)
+    return tuple(out)
+
+
+def _virtual_comm_gather(
+    tensors: Sequence[torch.Tensor], dim: int = 0, destination: Any = None, *, out: Any = None
+) -> torch.Tensor:
+    """``comm.gather``: ``Gather`` without autograd, into the first tensor's dtype."""
+    tensors = [_handle_complex(t) for t in tensors]
+    if out is None:
+        if destination == -1:
+            warnings.warn(
+                "Using -1 to represent CPU tensor is deprecated. Please use a "
+                'device object or string instead, e.g., "cpu".',
+                FutureWarning,
+                stacklevel=2,
+            )
+        return _concatenate(tensors, dim)
+    if destination is not None:
+        raise RuntimeError(
+            f"'destination' must not be specified when 'out' is specified, but got destination={destination}"
+        )
+    return torch.cat(tensors, dim, out=out)
+
+
+def _virtual_reduce_add(inputs: Sequence[torch.Tensor], destination: Any = None) -> torch.Tensor:
+    """``comm.reduce_add``: the destination's input plus the others, in order.
+
+    Input ``i`` is on virtual device ``i`` (``_source_devices``); ``destination`` (default:
+    the current virtual device) picks the input the sum starts from, as torch's sum without
+    NCCL does; a destination none of the inputs is on starts from the first.
+    """
+    destination = _torch_device_index(destination, optional=True)
+    input_size = inputs[0].size()
+    for i, inp in enumerate(inputs):
+        if inp.size() != input_size:
+            got = "x".join(str(x) for x in inp.size())
+            expected = "x".join(str(x) for x in input_size)
+            raise ValueError(f"input {i} has invalid size: got {got}, but expected {expected}")
+    if len(inputs) == 1:
+        return inputs[0]
+    devices = _source_devices(len(inputs))
+    root = devices.index(destination) if destination in devices else 0
+    nonroot = [t for i, t in enumerate(inputs) if i != root]
+    result = inputs[root] + nonroot[0]
+    for other in nonroot[1:]:
+        result.add_(other)
+    return result
+
+
+# --- torch.cuda's devices -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _VirtualDeviceProperties:
+    """What ``torch.cuda.get_device_properties`` returns for a virtual device.
+
+    Every virtual device has the same properties, so DataParallel's ``_check_balance``
+    (memory and multiprocessor counts within 75% of each other) never warns.
+    """
+
+    name: str = "dpverify virtual device"
+    major: int = 8
+    minor: int = 0
+    total_memory: int = 16 * 2**30
+    multi_processor_count: int = 108
+    is_integrated: int = 0
+    is_multi_gpu_board: int = 0
+
+
+def _device_count() -> int:
+    if _state.count is not None:
+        return _state.count
+    with _switch_lock:
+        return _open_blocks[-1].count if _open_blocks else 0
+
+
+def _checked_device(index: int) -> int:
+    count = _device_count()
+    if not 0 <= index < count:
+        raise InvalidArgument(
+            f"device {index} is not a virtual device: virtual_devices({count}) has devices "
+            f"0 to {count - 1}"
+        )
+    return index
+
+
+def _virtual_is_available() -> bool:
+    return True
+
+
+def _virtual_device_count() -> int:
+    return _device_count()
+
+
+def _virtual_current_device() -> int:
+    return 0 if _state.device is None else _state.device
+
+
+def _virtual_set_device(device: Any) -> None:
+    index = _cuda_device_index(device)
+    if index >= 0:  # torch: a no-op for a negative index
+        _state.device = _checked_device(index)
+
+
+def _virtual_get_device_properties(device: Any = None) -> _VirtualDeviceProperties:
+    _checked_device(_cuda_device_index(device, optional=True))
+    return _VirtualDeviceProperties()
+
+
+def _virtual_device_enter(self: Any) -> None:
+    """``torch.cuda.device.__enter__``: selects the virtual device ``self.idx``."""
+    if self.idx is None or self.idx < 0:  # torch: a no-op for a negative index
+        self.prev_idx = -1
+        return
+    _checked_device(self.idx)
+    self.prev_idx = _virtual_current_device()
+    self._dpverify_previous = _state.device
+    _state.device = self.idx
+
+
+def _virtual_device_exit(self: Any, exc_type: Any, exc_value: Any, traceback: Any) -> bool:
+    """``torch.cuda.device.__exit__``: gives the thread back the device it had."""
+    previous = self.__dict__.pop("_dpverify_previous", _MISSING)
+    if previous is not _MISSING:
+        _state.device = previous
+    return False
+
+
+class _HostSourceDevice:
+    """``DataParallel.src_device_obj`` inside ``virtual_devices``: the host.
+
+    torch's ``__init__`` stores ``torch.device('cuda', device_ids[0])``, which the instance
+    keeps (and shows again once the switches are gone); inside the block the attribute
+    reads as the CPU, which stands for ``device_ids[0]``.
+    """
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            return self
+        if _devices_active():
+            return torch.device("cpu")
+        try:
+            return instance.__dict__["src_device_obj"]
+        except KeyError:
+            raise AttributeError(
+                f"'{type(instance).__name__}' object has no attribute 'src_device_obj'"
+            ) from None
+
+    def __set__(self, instance: Any, value: Any) -> None:
+        instance.__dict__["src_device_obj"] = value
+
+    def __delete__(self, instance: Any) -> None:
+        del instance.__dict__["src_device_obj"]
+
+
+def _virtual_data_parallel_function(
+    module: nn.Module,
+    inputs: Any,
+    device_ids: Sequence[int | torch.device] | None = None,
+    output_device: int | torch.device | None = None,
+    dim: int = 0,
+    module_kwargs: Any | None = None,
+) -> Any:
+    """``torch.nn.parallel.data_parallel`` with the host standing for ``device_ids[0]``.
+
+    torch's function, step for step, except the device the parameters must be on: torch
+    builds ``torch.device('cuda', device_ids[0])`` in a local variable, out of reach of
+    ``DataParallel.src_device_obj``'s switch.
+    """
+    if not isinstance(inputs, tuple):
+        inputs = (inputs,) if inputs is not None else ()
+    if device_ids is None:
+        device_ids = list(range(_device_count()))
+    if output_device is None:
+        output_device = device_ids[0]
+    ids = [_torch_device_index(x, True) for x in device_ids]
+    target = _torch_device_index(output_device, True)
+    src_device_obj = torch.device("cpu")
+    for t in chain(module.parameters(), module.buffers()):
+        if t.device != src_device_obj:
+            raise RuntimeError(
+                "module must have its parameters and buffers "
+                f"on device {src_device_obj} (device_ids[0]) but found one of "
+                f"them on device: {t.device}"
+            )
+    scattered, scattered_kwargs = _torch_scatter_kwargs(inputs, module_kwargs, ids, dim)
+    if not scattered and not scattered_kwargs:
+        scattered = ((),)
+        scattered_kwargs = ({},)
+    if len(ids) == 1:
+        return module(*scattered[0], **scattered_kwargs[0])
+    used_device_ids = ids[: len(scattered)]
+    replicas = _torch_replicate(module, used_device_ids)
+    outputs = _parallel_apply(replicas, scattered, scattered_kwargs, used_device_ids)
+    return _torch_gather(outputs, target, dim)
+
+
+# --- switching torch's objects in place ---------------------------------------------------
+
+_MISSING: Any = object()
+
+#: Prefix of the string constant that names a switch in its trampoline's code.
+_SWITCH_KEY = "dpverify-switch:"
+
+_switch_lock = threading.Lock()
+#: Open blocks of either kind, on every thread: the switches are installed while > 0.
+_users = 0
+#: Open ``virtual_devices`` blocks, on every thread: everything is virtual while > 0.
+_process_depth = 0
+
+
+@dataclasses.dataclass(eq=False)
+class _OpenBlock:
+    """One open ``virtual_devices(count)`` block (compared by identity)."""
+
+    count: int
+
+
+_open_blocks: list[_OpenBlock] = []
+
+
+def _primitives_active() -> bool:
+    """The primitives are virtual: a ``virtual_devices`` block is open (on any thread), or a
+    ``virtual_primitives`` block on this one."""
+    return _process_depth > 0 or _state.depth > 0
+
+
+def _devices_active() -> bool:
+    """The devices are virtual: a ``virtual_devices`` block is open, on any thread."""
+    return _process_depth > 0
+
+
+def _trampoline_template(*args: Any, **kwargs: Any) -> Any:
+    # Becomes the __code__ of a switched torch function, so it runs with that function's
+    # globals, a torch module's: it can name nothing of this module, so it imports it (a
+    # lookup in sys.modules once dpverify is imported). _CodeSwitch replaces the string
+    # constant with the switch's key.
+    from dpverify.core.virtual import _dispatch
+
+    return _dispatch("dpverify-switch:", args, kwargs)
+
+
+def _is_trampoline(code: types.CodeType) -> bool:
+    return any(isinstance(c, str) and c.startswith(_SWITCH_KEY) for c in code.co_consts)
+
+
+class _CodeSwitch:
+    """Switches a torch function in place: its ``__code__`` becomes a trampoline.
+
+    ``from torch.cuda.comm import reduce_add`` binds the function object itself, in modules
+    nobody can list, so rebinding module attributes would miss it; every binding shares the
+    function object, and so its ``__code__``. (A wrapper needs a new object; scanning
+    ``gc.get_referrers`` for old bindings misses closures, defaults and containers.) The
+    trampoline passes the call to ``_dispatch``, which runs the stand-in while the switch is
+    active (``active()``), and otherwise a copy of torch's function made when the switch
+    was installed: its code, globals, defaults and closure, as torch's own. Removing the
+    switch puts torch's code object back, so the function is torch's again, down to
+    ``__code__`` identity. Only plain functions without a closure can be switched
+    (CPython requires a new ``__code__`` to have the old one's free variables).
+    """
+
+    def __init__(
+        self, function: Callable[..., Any], virtual: Callable[..., Any], active: Callable[[], bool]
+    ) -> None:
+        if not isinstance(function, types.FunctionType) or function.__closure__:
+            raise TypeError(f"{function!r} is not a plain function without a closure")
+        self.function = function
+        self.virtual = virtual
+        self.active = active
+        self.key = f"{_SWITCH_KEY}{function.__module__}.{function.__qualname__}"
+        code = function.__code__
+        template = _trampoline_template.__code__
+        consts = tuple(self.key if c == _SWITCH_KEY else c for c in template.co_consts)
+        trampoline = template.replace(co_consts=consts, co_name=code.co_name)
+        if sys.version_info >= (3, 11):
+            trampoline = trampoline.replace(co_qualname=code.co_qualname)
+        self.trampoline = trampoline
+        self.saved_code = code
+        self.original: types.FunctionType = function  # replaced by a copy when installed
+
+    def install(self) -> None:
+        function = self.function
+        code = function.__code__
+        original = self.original
+        if (
+            original is function
+            or code is not self.saved_code
+            or function.__defaults__ is not original.__defaults__
+            or function.__kwdefaults__ is not original.__kwdefaults__
+        ):  # first install, or torch's function changed since: copy it again
+            if _is_trampoline(code):
+                raise RuntimeError(f"{self.key} is already switched (by another copy of dpverify?)")
+            copy = types.FunctionType(
+                code, function.__globals__, function.__name__, function.__defaults__, function.__closure__
+            )
+            copy.__kwdefaults__ = function.__kwdefaults__
+            copy.__qualname__ = function.__qualname__
+            copy.__module__ = function.__module__
+            self.saved_code = code
+            self.original = copy
+        function.__code__ = self.trampoline
+
+    def uninstall(self) -> None:
+        self.function.__code__ = self.saved_code
+
+
+def _dispatch(key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Called by a switched function's trampoline: the stand-in or torch's own."""
+    switch = _CODE_SWITCHES[key]
+    target = switch.virtual if switch.active() else switch.original
+    return target(*args, **kwargs)
+
+
+class _AttributeSwitch:
+    """Switches a class attribute in place, and puts back exactly what the class had."""
+
+    def __init__(self, owner: type, name: str, replacement: Any) -> None:
+        self.owner = owner
+        self.name = name
+        self.replacement = replacement
+        self.saved: Any = _MISSING
+
+    def install(self) -> None:
+        self.saved = self.owner.__dict__.get(self.name, _MISSING)
+        setattr(self.owner, self.name, self.replacement)
+
+    def uninstall(self) -> None:
+        if self.saved is _MISSING:
+            delattr(self.owner, self.name)
+        else:
+            setattr(self.owner, self.name, self.saved)
+
+
+class _MethodSwitch(_AttributeSwitch):
+    """Switches a method the class defines: the stand-in while active, torch's otherwise."""
+
+    def __init__(
+        self, owner: type, name: str, virtual: Callable[..., Any], active: Callable[[], bool]
+    ) -> None:
+        if name not in owner.__dict__:
+            raise TypeError(f"{owner.__qualname__} does not define {name}")
+
+        def method(*args: Any, **kwargs: Any) -> Any:
+            return (virtual if active() else self.saved)(*args, **kwargs)
+
+        method.__name__ = name
+        method.__qualname__ = f"{owner.__qualname__}.{name}"
+        super().__init__(owner, name, method)
+
+
+class _ApplySwitch(_AttributeSwitch):
+    """Switches an autograd Function's ``apply`` on the class object itself.
+
+    ``from torch.nn.parallel._functions import Scatter`` binds the class, so the switch is
+    an ``apply`` classmethod set on it (torch's classes inherit ``Function.apply``). While
+    the primitives are virtual it applies dpverify's Function instead, so the graph nodes
+    are dpverify's and their backward, looked up on the node's Function class, stays virtual
+    after the block closes (a backward outside the block works); torch's ``forward`` and
+    ``backward`` are never touched. Subclasses of torch's class apply torch's code.
+    """
+
+    def __init__(self, function_class: type, virtual_apply: Callable[..., Any]) -> None:
+        self.inherited: Any = None
+
+        def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+            if cls is function_class and _primitives_active():
+                return virtual_apply(*args, **kwargs)
+            return self.inherited.__get__(None, cls)(*args, **kwargs)
+
+        apply.__qualname__ = f"{function_class.__qualname__}.apply"
+        super().__init__(function_class, "apply", classmethod(apply))
+
+    def install(self) -> None:
+        # The classmethod the class has now (Function's), as inspect.getattr_static finds it.
+        self.inherited = next(k.__dict__["apply"] for k in self.owner.__mro__ if "apply" in k.__dict__)
+        super().install()
+
+
+def _install_all() -> None:
+    done: list[_CodeSwitch | _AttributeSwitch] = []
     try:
-        yield
-    finally:
-        _state.depth, _state.devices, _state.views_only = saved
+        for switch in _SWITCHES:
+            switch.install()
+            done.append(switch)
+    except BaseException:
+        for switch in reversed(done):
+            switch.uninstall()
+        raise
+    # dpverify's own device discovery keeps finding the machine's devices.
+    devices_module._torch_queries = (
+        _switch_of(torch.cuda.is_available).original,
+        _switch_of(torch.cuda.device_count).original,
+    )
+
+
+def _uninstall_all() -> None:
+    devices_module._torch_queries = None
+    for switch in reversed(_SWITCHES):
+        switch.uninstall()
+
+
+def _switch_of(function: Callable[..., Any]) -> _CodeSwitch:
+    return next(s for s in _CODE_SWITCHES.values() if s.function is function)
+
+
+def _acquire(block: _OpenBlock | None) -> None:
+    """Counts a block in, installing the switches for the first (a virtual_devices block
+    also makes everything virtual, process-wide)."""
+    global _users, _process_depth
+    with _switch_lock:
+        if _users == 0:
+            _install_all()
+        _users += 1
+        if block is not None:
+            _open_blocks.append(block)
+            _process_depth += 1
+
+
+def _release(block: _OpenBlock | None) -> None:
+    """Counts a block out, restoring torch's objects after the last."""
+    global _users, _process_depth
+    with _switch_lock:
+        if block is not None:
+            _open_blocks.remove(block)
+            _process_depth -= 1
+        _users -= 1
+        if _users == 0:
+            _uninstall_all()
 
 
 def _device_seed(host_state: bytes, device: int) -> int:
@@ -334,7 +875,7 @@ def _parallel_apply(
     replicas: Sequence[nn.Module],
     inputs: Sequence[Any],
     kwargs_tup: Sequence[dict[str, Any]] | None = None,
-    devices: Sequence[int | torch.device] | None = None,
+    devices: Sequence[int | torch.device | str | None] | None = None,
 ) -> list[Any]:
     """torch.nn.parallel.parallel_apply without CUDA.
 
@@ -372,7 +913,9 @@ def _parallel_apply(
             single argument.
         kwargs_tup: one dict of keyword arguments per replica, or None for none.
         devices: the virtual device of each replica: ints, ``torch.device`` objects or
-            strings such as ``'cuda:1'``; None puts replica ``i`` on device ``i``.
+            strings such as ``'cuda:1'``; None, or a None entry, puts replica ``i`` on
+            device ``i`` (torch puts it on the current device; replicas made by
+            ``replicate`` live on their own devices, whose generators they draw from).
 
     Raises:
         AssertionError: ``replicas``, ``inputs``, ``kwargs_tup`` or ``devices`` differ in
@@ -397,17 +940,20 @@ def _parallel_apply(
         raise AssertionError(
             f"The number of modules {len(replicas)} is not equal to the number of devices {len(devices)}"
         )
-    indices = [device_index(d, "devices") for d in devices]
+    # torch reads a None entry as the current device; replica i runs on device i here.
+    indices = [i if d is None else device_index(d, "devices") for i, d in enumerate(devices)]
     grad_enabled = torch.is_grad_enabled()
     # torch reads torch.is_autocast_enabled(), the accelerator's flag; the host's autocast
     # plays the accelerator's here.
     autocast_enabled = torch.is_autocast_enabled("cpu")
     num_threads = torch.get_num_threads()
+    count = _state.count  # a replica sees its caller's virtual_devices(n)
     results: dict[int, Any] = {}
 
     def worker(i: int, module: nn.Module, input: Any, kwargs: dict[str, Any], device: int) -> None:
         torch.set_grad_enabled(grad_enabled)
-        previous, _state.device = _state.device, device
+        previous = (_state.device, _state.count, _state.replica)
+        _state.device, _state.count, _state.replica = device, count, True
         try:
             with _intra_op_threads(num_threads), torch.amp.autocast("cpu", enabled=autocast_enabled):
                 if not isinstance(input, (list, tuple)):
@@ -416,11 +962,11 @@ def _parallel_apply(
         except Exception:
             results[i] = ExceptionWrapper(where=f"in replica {i} on device {device}")
         finally:
-            _state.device = previous
+            _state.device, _state.count, _state.replica = previous
 
     jobs = list(zip(replicas, inputs, kwargs_tup, indices, strict=True))
     # Inside a replica, this thread's caller holds the lock and waits for it.
-    turn = _apply_lock if _state.device is None else contextlib.nullcontext()
+    turn = contextlib.nullcontext() if _state.replica else _apply_lock
     with turn:
         if len(jobs) == 1:
             worker(0, *jobs[0])
@@ -458,6 +1004,123 @@ def _run_in_threads(
             thread.join()
             if device != source:
                 device_states[device] = torch.default_generator.get_state()
+
+
+# Every switch, in install order (removed in reverse). _CODE_SWITCHES maps a trampoline's
+# key to its switch.
+_CODE_SWITCHES: dict[str, _CodeSwitch] = {}
+
+
+def _code_switch(
+    function: Callable[..., Any], virtual: Callable[..., Any], active: Callable[[], bool]
+) -> _CodeSwitch:
+    switch = _CodeSwitch(function, virtual, active)
+    _CODE_SWITCHES[switch.key] = switch
+    return switch
+
+
+_SWITCHES: tuple[_CodeSwitch | _AttributeSwitch, ...] = (
+    # The primitives: virtual in virtual_devices and in virtual_primitives.
+    _ApplySwitch(torch_functions.Scatter, _VirtualScatter.apply),
+    _ApplySwitch(torch_functions.Gather, _VirtualGather.apply),
+    _ApplySwitch(torch_functions.Broadcast, _VirtualBroadcast.apply),
+    _ApplySwitch(torch_functions.ReduceAddCoalesced, _reduce_add_coalesced_apply),
+    _code_switch(torch_comm.broadcast, _virtual_comm_broadcast, _primitives_active),
+    _code_switch(torch_comm.broadcast_coalesced, _virtual_comm_broadcast_coalesced, _primitives_active),
+    _code_switch(torch_comm.scatter, _virtual_comm_scatter, _primitives_active),
+    _code_switch(torch_comm.gather, _virtual_comm_gather, _primitives_active),
+    _code_switch(torch_comm.reduce_add, _virtual_reduce_add, _primitives_active),
+    _code_switch(_torch_parallel_apply, _parallel_apply, _primitives_active),
+    # The devices: virtual in virtual_devices only.
+    _code_switch(torch.cuda.is_available, _virtual_is_available, _devices_active),
+    _code_switch(torch.cuda.device_count, _virtual_device_count, _devices_active),
+    _code_switch(torch.cuda.current_device, _virtual_current_device, _devices_active),
+    _code_switch(torch.cuda.set_device, _virtual_set_device, _devices_active),
+    _code_switch(torch.cuda.get_device_properties, _virtual_get_device_properties, _devices_active),
+    _MethodSwitch(torch.cuda.device, "__enter__", _virtual_device_enter, _devices_active),
+    _MethodSwitch(torch.cuda.device, "__exit__", _virtual_device_exit, _devices_active),
+    _AttributeSwitch(nn.DataParallel, "src_device_obj", _HostSourceDevice()),
+    _code_switch(_torch_data_parallel, _virtual_data_parallel_function, _devices_active),
+)
+
+
+@contextlib.contextmanager
+def virtual_primitives(devices: Sequence[int] = (), *, views_only: bool = False) -> Iterator[None]:
+    """Within the block, torch's DataParallel primitives run virtually on this thread.
+
+    The primitives of the module docstring's first table; other threads keep torch's own
+    meanwhile (a real DataParallel running in another thread is unaffected), and the
+    devices stay the machine's (``torch.cuda.device_count()`` is unchanged).
+
+    Args:
+        devices: the virtual devices of the tensors being gathered, in replica order.
+        views_only: scatter and broadcast hand out views instead of copies (for planning a
+            scatter without paying for the copies).
+    """
+    _acquire(None)
+    saved = (_state.depth, _state.devices, _state.views_only)
+    _state.depth += 1
+    _state.devices = list(devices)
+    _state.views_only = views_only
+    try:
+        yield
+    finally:
+        _state.depth, _state.devices, _state.views_only = saved
+        _release(None)
+
+
+@contextlib.contextmanager
+def virtual_devices(n: int) -> Iterator[None]:
+    """Within the block, torch believes ``n`` CUDA devices exist, and they are virtual.
+
+    ``torch.nn.DataParallel`` and its subclasses built in the block get ``device_ids``
+    ``[0, ..., n-1]`` by default and ``output_device`` 0, and run their own code, torch's
+    or overridden (``forward``, ``scatter``, ``replicate``, ``parallel_apply``, ``gather``),
+    on the CPU stand-ins of the module docstring's tables. The module's parameters and the
+    batch stay on the CPU, which stands for ``device_ids[0]``; replicas run in threads with
+    ``current_virtual_device()`` (and ``torch.cuda.current_device()``) set to their device.
+    torch's objects are switched in place, so third-party wrappers that imported
+    ``Scatter``, ``parallel_apply``, ``reduce_add``... by name are covered, and so are
+    ``Broadcast`` and ``reduce_add`` called by a custom Function's backward, provided the
+    backward runs in the block. Graphs built from DataParallel's own primitives can be
+    backpropagated after the block too.
+
+    Blocks nest (the innermost ``n`` applies on its thread, the outer one again after it)
+    and may be opened from several threads at once. While any block is open the switch is
+    process-wide, not per thread, because replicas run in threads of their own: a
+    DataParallel, or any other use of the switched objects, in another thread during the
+    block is virtualized too, and a thread with no block of its own sees the ``n`` of the
+    most recently opened block. On a CPU-only machine that is harmless for DataParallel
+    (torch's primitives cannot run there anyway); on a GPU machine keep real DataParallel
+    out of the block's time. Code that branches on ``torch.cuda.is_available()``, in the
+    block or in another thread meanwhile, takes its CUDA branch (``.cuda()``, CUDA
+    autocast, a gradient scaler), and fails as torch's CUDA calls do here; so open the
+    block around building and running the wrappers (and the backward of custom
+    Functions), not around a whole program. torch's objects are restored, by identity, when
+    the last block closes.
+
+    Example::
+
+        with virtual_devices(4):
+            model = BalancedDataParallel(1, module)  # any DataParallel subclass
+            loss_fn(model(x), y).backward()
+
+    Raises:
+        InvalidArgument: ``n`` is not a positive int; in the block,
+            ``torch.cuda.device(i)``, ``set_device(i)`` or ``get_device_properties(i)`` for
+            an ``i`` that is not one of the ``n`` devices.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidArgument(f"n={n!r}: pass the number of virtual devices, an int of at least 1")
+    block = _OpenBlock(n)
+    _acquire(block)
+    saved = (_state.count, _state.device)
+    _state.count = n
+    try:
+        yield
+    finally:
+        _state.count, _state.device = saved
+        _release(block)
 
 
 def _check_on_host(module: nn.Module) -> None:
@@ -512,7 +1175,6 @@ class VirtualDataParallel(nn.DataParallel[T]):
         self.device_ids = ids
         self.output_device = normalize_output_device(output_device, ids)
         self.src_device_obj = torch.device("cpu")
-        _install_switches()
 
     def scatter(
         self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Sequence[int | torch.device]
