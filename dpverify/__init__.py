@@ -46,6 +46,7 @@ from dpverify.core.scatter import plan_scatter as plan_scatter
 from dpverify.core.virtual import VirtualDataParallel as VirtualDataParallel
 from dpverify.core.virtual import current_virtual_device as current_virtual_device
 from dpverify.core.virtual import data_parallel as data_parallel
+from dpverify.core.virtual import virtual_devices as virtual_devices
 from dpverify.ddp.checks import assert_ddp_accumulation_matches as assert_ddp_accumulation_matches
 from dpverify.ddp.checks import assert_ddp_buffers_match as assert_ddp_buffers_match
 from dpverify.ddp.checks import assert_ddp_grads_match as assert_ddp_grads_match

@@ -53,6 +53,7 @@ PUBLIC = [
     "divergence_sources",
     "no_sync_accumulation_step",
     "plan_scatter",
+    "virtual_devices",
     "weighted_ddp_step",
 ]
 
