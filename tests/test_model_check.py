@@ -370,3 +370,15 @@ def test_buffers_check_on_request_skips_a_one_row_batchnorm_chunk(models: Path, 
     assert [r.verdict for r in report.results if r.title.endswith("(eval mode)")] == [Verdict.PASS] * 2
     assert verdicts[5].verdict == Verdict.SKIP
     assert verdicts[5].summary == "BatchNorm in train mode cannot normalise a one-row chunk (chunks [2, 2, 1])"
+
+
+def test_check_parallel_checks_your_wrapper(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["check", "--model", "mlp", "--batch-sizes", "5", "--devices", "4", "--no-color"]
+    assert main([*args, "--parallel", "dpverify.mutants:AveragingDataParallel"]) == 1
+    out = capsys.readouterr().out
+    words = " ".join(out.split())  # the header and panels wrap at the console's width
+    assert "dpverify.mutants:AveragingDataParallel on virtual devices" in words
+    assert "the replica gradients were averaged" in words
+    assert out.splitlines()[-1] == "FAILED: 0 passed, 2 failed"
+    assert main([*args, "--parallel", "dpverify.mutants:ScratchDataParallel"]) == 0
+    assert main([*args, "--parallel", "no_such_module:X"]) == 2

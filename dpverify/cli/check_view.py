@@ -34,13 +34,14 @@ def _ddp_backend(world_size: int) -> str:
     return default_backend(world_size)
 
 
-def runs_on(backend: str, device_counts: Sequence[int]) -> str:
+def runs_on(backend: str, device_counts: Sequence[int], wrapper: str | None = None) -> str:
     """What runs the checks, in words: DataParallel on virtual or CUDA devices; DDP as
     real processes, one per rank, in gloo or nccl process groups.
 
     Args:
         backend: ``"dp"``, ``"ddp"`` or ``"all"``.
         device_counts: the device counts, which are the world sizes under DDP.
+        wrapper: the DataParallel-like wrapper under test (default torch's DataParallel).
     """
     from dpverify.core.devices import cuda_device_count
 
@@ -48,7 +49,7 @@ def runs_on(backend: str, device_counts: Sequence[int]) -> str:
     if backend in ("dp", "all"):
         gpus = cuda_device_count()
         where = f"{plural(gpus, 'CUDA device')} where enough exist, virtual ones otherwise" if gpus else "virtual devices (no CUDA here)"
-        parts.append(f"DataParallel on {where}")
+        parts.append(f"{wrapper or 'DataParallel'} on {where}")
     if backend in ("ddp", "all"):
         sizes: dict[str, list[int]] = {}
         for size in sorted(set(device_counts)):
@@ -61,7 +62,9 @@ def runs_on(backend: str, device_counts: Sequence[int]) -> str:
     return and_list(parts)
 
 
-def render_model_check_header(console: Any, model: UserModel, *, loss: str, backend: str, device_counts: Sequence[int]) -> None:
+def render_model_check_header(
+    console: Any, model: UserModel, *, loss: str, backend: str, device_counts: Sequence[int], wrapper: str | None = None,
+) -> None:
     """Prints what is checked, on what, before any check runs (a long run shows at once
     what it is doing)."""
     from rich.text import Text
@@ -69,7 +72,7 @@ def render_model_check_header(console: Any, model: UserModel, *, loss: str, back
     console.print(Text(f"dpverify check: {model.name}", style="bold"))
     console.print(
         f"{plural(model.parameter_count, 'parameter')}; batch: {model.batch_source}; loss: {loss}; "
-        f"{runs_on(backend, device_counts)}; torch {torch.__version__}",
+        f"{runs_on(backend, device_counts, wrapper)}; torch {torch.__version__}",
         markup=False,
     )
 

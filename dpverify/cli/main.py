@@ -284,13 +284,17 @@ def _fuzz_summary(console: Console, config: FuzzConfig, report: FuzzReport) -> i
 
 def _check(args: argparse.Namespace) -> int:
     from dpverify.checks.model import check_model, plan_checks
-    from dpverify.checks.registry import CHECKS
+    from dpverify.checks.registry import CHECKS, Target
     from dpverify.cli.check_view import CheckProgress, render_model_check, render_model_check_header
 
     _require_ddp(args.backend)
     model = _load_model(args, default=None)
     # planning makes every batch: a batch that cannot be made is a usage error before any output
-    plan = plan_checks(model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend, checks=args.checks)
+    target = Target(parallel=_load_parallel(args.parallel))
+    plan = plan_checks(
+        model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend,
+        checks=args.checks, target=target,
+    )
     if not plan:
         every = plan_checks(model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend="all", checks=list(CHECKS))
         fitting = sorted({planned.spec.name for planned in every if planned.spec.why_not(planned.case) is None})
@@ -298,11 +302,11 @@ def _check(args: argparse.Namespace) -> int:
     loss = model.make_batch(max(args.batch_sizes)).loss_name
     console = _console(args)
     # the header first: a run of minutes says at once what it is checking, on what
-    render_model_check_header(console, model, loss=loss, backend=args.backend, device_counts=args.devices)
+    render_model_check_header(console, model, loss=loss, backend=args.backend, device_counts=args.devices, wrapper=args.parallel)
     with CheckProgress(console, len(plan)) as progress:
         report = check_model(
             model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend,
-            checks=args.checks, on_start=progress.start, on_result=progress.finished, plan=plan,
+            checks=args.checks, target=target, on_start=progress.start, on_result=progress.finished, plan=plan,
         )
     render_model_check(console, report)
     if report.failed:
@@ -387,6 +391,10 @@ def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
     check.add_argument("--backend", choices=("dp", "ddp", "all"), default="dp", help="DataParallel (default), DDP, or both")
     check.add_argument("--batch-sizes", type=_positive("--batch-sizes"), nargs="+", default=list(DEFAULT_BATCH_SIZES), metavar="B", help=f"batch sizes (default {' '.join(map(str, DEFAULT_BATCH_SIZES))})")
     check.add_argument("--devices", type=_positive("--devices"), nargs="+", default=list(DEFAULT_DEVICE_COUNTS), metavar="N", help=f"device counts or DDP world sizes (default {' '.join(map(str, DEFAULT_DEVICE_COUNTS))})")
+    check.add_argument(
+        "--parallel", metavar="MODULE:CALLABLE",
+        help="check your own DataParallel-like wrapper, called as CALLABLE(module, device_ids=..., output_device=...), instead of torch's",
+    )
     check.add_argument(
         "--checks", nargs="+", choices=list(CHECKS), default=list(DEFAULT_CHECKS), metavar="NAME",
         help=f"the checks to run where they apply (default {' '.join(DEFAULT_CHECKS)}; all: {' '.join(CHECKS)})",
