@@ -8,21 +8,31 @@ cross-entropy. It is timed through the command's own code path: ``user_model`` l
 and ``check_model`` runs every planned check with the default batch sizes and device
 counts.
 
-The floor is the distinct forward/backward steps those checks need, timed on copies made
-beforehand (as in ``bench_overhead.py``), in the same run, interleaved, medians compared:
+The floor is the bare forward/backward steps a correct check must run, timed on copies
+made beforehand (as in ``bench_overhead.py``), in the same run, interleaved, medians
+compared:
 
-* per split, the parallel step of each of its two checks (virtual DataParallel; a step
-  that raises, as BatchNorm in train mode does on one-row chunks, is timed up to its
-  error, as the check pays it);
-* per split whose parallel step ran, ONE single-device step in float32 and ONE in float64
-  (the references and the tolerance's anchor);
-* per split where a tensor differs (BatchNorm in train mode: the divergence dpverify
-  explains), ONE more single-device float32 step from jittered parameters (the second
-  rounding sample dpverify takes before calling a tensor a mismatch; passing splits, the
-  eval-mode ones, need none).
+* per split, ONE parallel step (virtual DataParallel): the split's two checks (gradients
+  and replica sum) are the same step of the same module through the same wrapper, and
+  the one recording every replica's gradient gives both what they compare. A step that
+  raises, as BatchNorm in train mode does on one-row chunks, is timed up to its error;
+* per batch size whose parallel steps ran, ONE single-device float32 step and ONE in
+  float64 (the references and the tolerance's anchor): they depend on the batch, not on
+  the split, so the batch on 2 and on 4 devices needs them once;
+* per batch size where a tensor fails on a module without divergence sources, ONE more
+  single-device float32 step from jittered parameters (the second rounding sample
+  dpverify takes before calling a tensor a mismatch). Passing checks need none, and
+  neither do the train-mode BatchNorm mismatches, which are explained whatever the
+  rounding.
 
 BatchNorm makes ``check`` run every split twice, as the model is (mismatches explained)
 and on an eval-mode copy (mismatches fail): the floor counts both modes' steps.
+
+Everything else is the check's own cost, against the floor: the deep copies of the model
+each step runs on (one in float64), recording each replica's gradient (a copy, a max and
+a norm pass per replica), the fingerprint of the model that lets checks share steps, the
+comparisons, and a parallel step that raises, which the second check of its split runs
+again.
 
 Usage: python benchmarks/bench_check.py [--repeats 3] [--quick] [--profile 20]
 """
@@ -58,7 +68,7 @@ from dpverify.checks.model import (
     check_model,
 )
 from dpverify.cli.user_model import user_model
-from dpverify.core.divergence import ONE_ROW_BATCHNORM
+from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
 from dpverify.core.step import copy_module
 from dpverify.models.user import Batch, UserModel
 
@@ -159,49 +169,43 @@ def _bare(runner: Callable[..., Any], module: nn.Module, batch: Batch, dtype: to
     return step
 
 
-def build_floors(model: UserModel, report: ModelCheckReport) -> tuple[Floor, Floor]:
-    """The steps ``report``'s checks needed, counted two ways.
+EVAL = " (eval mode)"
 
-    Both have the two parallel steps of every split. Where a parallel step ran, the
-    references: a float32 and a float64 single-device step, and, where a tensor differs
-    (a failed or explained verdict), the jittered float32 step (the second rounding
-    sample; contrasts, meant to differ, ask for none). The first
-    floor counts the references once per split, as the issue does; the second, strict one
-    once per batch and mode, as they do not depend on the device count (the minimum).
-    """
-    per_split, per_batch = Floor(), Floor()
+
+def build_floor(model: UserModel, report: ModelCheckReport) -> Floor:
+    """The steps ``report``'s checks needed (see the module's docstring): per split and mode
+    one parallel step; per batch size and mode whose parallel steps ran the float32 and
+    float64 references; and the jittered float32 step where a tensor failed on a module
+    without divergence sources (contrasts, meant to differ, ask for none)."""
+    floor = Floor()
     modes = [("", model.module)]
-    if any(r.check.endswith(" (eval mode)") for r in report.results):
-        modes.append((" (eval mode)", copy.deepcopy(model.module).eval()))
+    if any(r.title.endswith(EVAL) for r in report.results):
+        modes.append((EVAL, copy.deepcopy(model.module).eval()))
     for suffix, module in modes:
+        settles = not divergence_sources(module)
         for batch_size in DEFAULT_BATCH_SIZES:
             batch = model.make_batch(batch_size)
-            single, double, jittered = (copy_module(module, dtype) for dtype in (None, torch.float64, None))
-            references = [
-                ("single-device float32", _bare(single, single, batch, None)),
-                ("single-device float64", _bare(double, double, batch, torch.float64)),
-            ]
-            second_sample = ("jittered single-device float32", _bare(jittered, jittered, batch, None))
-            batch_needs = batch_differs = False
+            needs_references = needs_second_sample = False
             for devices in DEFAULT_DEVICE_COUNTS:
-                results = [r for r in report.results if r.split == Split(batch_size, devices) and r.check.endswith(" (eval mode)") == bool(suffix)]
-                for _ in results:
-                    wrapped = dpverify.VirtualDataParallel(copy_module(module, None), list(range(devices)))
-                    step = _bare(wrapped, wrapped.module, batch, None)
-                    per_split.add("parallel", step)
-                    per_batch.add("parallel", step)
+                results = [
+                    r for r in report.results
+                    if r.split == Split(batch_size, devices) and r.title.endswith(EVAL) == bool(suffix) and r.verdict is not Verdict.SKIP
+                ]
+                if not results:
+                    continue
+                wrapped = dpverify.VirtualDataParallel(copy_module(module, None), list(range(devices)))
+                floor.add("parallel", _bare(wrapped, wrapped.module, batch, None))
                 # a check without compared tensors stopped at its parallel step
-                if any(r.tensors for r in results):
-                    batch_needs = True
-                    # only a tensor that differs asks for the second rounding sample
-                    differs = any(r.verdict in (Verdict.FAIL, Verdict.EXPLAINED) for r in results if r.tensors)
-                    batch_differs |= differs
-                    for kind, step in references + ([second_sample] if differs else []):
-                        per_split.add(kind, step)
-            if batch_needs:
-                for kind, step in references + ([second_sample] if batch_differs else []):
-                    per_batch.add(kind, step)
-    return per_split, per_batch
+                needs_references |= any(r.tensors for r in results)
+                needs_second_sample |= settles and any(r.verdict is Verdict.FAIL and r.tensors for r in results)
+            if needs_references:
+                single, double = copy_module(module, None), copy_module(module, torch.float64)
+                floor.add("single-device float32", _bare(single, single, batch, None))
+                floor.add("single-device float64", _bare(double, double, batch, torch.float64))
+            if needs_second_sample:
+                jittered = copy_module(module, None)
+                floor.add("jittered single-device float32", _bare(jittered, jittered, batch, None))
+    return floor
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -215,38 +219,28 @@ class Measurement:
     parameters: int
     checks: int
     verdicts: dict[str, int]
-    split_steps: dict[str, int]
-    strict_steps: dict[str, int]
-    split_floor: float
-    strict_floor: float
+    steps: dict[str, int]
+    floor: float
     check: float
 
     @property
     def ratio(self) -> float:
-        """Against the strict floor: the fewest steps the checks can run."""
-        return self.check / self.strict_floor
-
-    @property
-    def split_ratio(self) -> float:
-        """Against the issue's floor: references counted once per split."""
-        return self.check / self.split_floor
+        """``dpverify check`` over the bare steps it must run."""
+        return self.check / self.floor
 
 
 def measure(quick: bool, repeats: int) -> Measurement:
     model = load(quick)
     report = run_check(model)  # warm-up, and which steps the verdicts needed
-    per_split, per_batch = build_floors(model, report)
-    per_split()
-    per_batch()
-    splits, stricts, checks = [], [], []
+    floor = build_floor(model, report)
+    floor()
+    floors, checks = [], []
     for _ in range(repeats):
-        splits.append(_timed(per_split))
-        stricts.append(_timed(per_batch))
+        floors.append(_timed(floor))
         checks.append(_timed(lambda: run_check(model)))
     verdicts = {v: report.count(v) for v in (Verdict.PASS, Verdict.EXPLAINED, Verdict.FAIL, Verdict.WARN, Verdict.SKIP) if report.count(v)}
     return Measurement(
-        model.parameter_count, len(report.results), verdicts, per_split.counts, per_batch.counts,
-        statistics.median(splits), statistics.median(stricts), statistics.median(checks),
+        model.parameter_count, len(report.results), verdicts, floor.counts, statistics.median(floors), statistics.median(checks),
     )
 
 
@@ -274,14 +268,10 @@ def main(argv: list[str] | None = None) -> Measurement:
         f"{list(DEFAULT_BATCH_SIZES)} on {list(DEFAULT_DEVICE_COUNTS)} virtual devices; medians of {args.repeats}"
     )
     print(f"checks: {result.checks} ({', '.join(f'{n} {v}' for v, n in result.verdicts.items())})")
-    print("floor per split: " + ", ".join(f"{n} {kind}" for kind, n in result.split_steps.items()))
-    print("strict floor (references once per batch and mode): " + ", ".join(f"{n} {kind}" for kind, n in result.strict_steps.items()))
-    print("| parameters | floor per split | strict floor | dpverify check | ratio (per split) | ratio (strict) |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    print(
-        f"| {result.parameters:,} | {result.split_floor:.2f} s | {result.strict_floor:.2f} s | {result.check:.2f} s "
-        f"| {result.split_ratio:.2f}x | {result.ratio:.2f}x |"
-    )
+    print("floor: " + ", ".join(f"{n} {kind}" for kind, n in result.steps.items()))
+    print("| parameters | floor (bare steps) | dpverify check | ratio |")
+    print("|---:|---:|---:|---:|")
+    print(f"| {result.parameters:,} | {result.floor:.2f} s | {result.check:.2f} s | {result.ratio:.2f}x |")
     if args.profile:
         print(profile(args.quick, args.profile))
     return result

@@ -411,12 +411,12 @@ def test_checks_of_one_split_run_the_single_device_and_float64_steps_once(monkey
     first, second = _both_checks(case.module, case.inputs, case.target, [0, 1])
     assert first.ok
     assert second.ok
-    # each check runs its own parallel step; the references are one computation, and no
+    # the checks of a split run one parallel step and one set of references, and no
     # second rounding sample: every tensor passed (contrasts, meant to differ, ask for none)
-    assert counts == {"parallel": 2, "None": 1, "torch.float64": 1}
-    # the same batch on another device count needs the same references
+    assert counts == {"parallel": 1, "None": 1, "torch.float64": 1}
+    # the same batch on another device count needs another parallel step, the same references
     _both_checks(case.module, case.inputs, case.target, [0, 1, 2, 3])
-    assert counts == {"parallel": 4, "None": 1, "torch.float64": 1}
+    assert counts == {"parallel": 2, "None": 1, "torch.float64": 1}
 
 
 def test_shared_references_give_the_verdicts_of_fresh_ones(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -482,25 +482,215 @@ def test_another_batch_or_target_gets_fresh_references(monkeypatch: pytest.Monke
     assert other.target is not None
     _both_checks(case.module, other.inputs, other.target, [0, 1])  # another split's batch
     assert counts["None"] == counts["torch.float64"] == 2
-    _both_checks(case.module, other.inputs, other.target.clone(), [0, 1])  # an equal but new target
+    target = other.target.clone()
+    target[0, 0] += 1e-3  # a new target, one value off
+    _both_checks(case.module, other.inputs, target, [0, 1])
     assert counts["None"] == counts["torch.float64"] == 3
     with torch.no_grad():
         other.inputs[0].add_(1)  # the batch changed in place
-    _both_checks(case.module, other.inputs, other.target, [0, 1])
+    _both_checks(case.module, other.inputs, target, [0, 1])
     assert counts["None"] == counts["torch.float64"] == 4
 
 
-def test_the_reference_cache_does_not_keep_a_module_alive() -> None:
-    import gc
-    import weakref
+def test_an_equal_batch_and_target_in_new_tensors_share_the_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    # dpverify check makes the batch of a batch size afresh for every device count
+    counts = _count_steps(monkeypatch)
+    case = builtin_case("mlp", batch=8)
+    (x,) = case.inputs
+    _both_checks(case.module, x, case.target, [0, 1])
+    _both_checks(case.module, (x.clone(),), case.target.clone(), [0, 1, 2, 3])
+    assert counts == {"parallel": 2, "None": 1, "torch.float64": 1}
 
+
+def test_equal_loss_specs_share_the_references_and_other_ones_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dpverify.models.specs import LossSpec
+
+    counts = _count_steps(monkeypatch)
+    case = builtin_case("mlp", batch=8)
+
+    def check(loss: LossSpec) -> None:
+        dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=loss, device_ids=[0, 1])
+
+    check(LossSpec("mse"))
+    check(LossSpec("mse"))  # a new object, the same loss (dpverify check makes one per batch)
+    assert counts["None"] == 1
+    check(LossSpec("mse", reduction="sum"))
+    check(LossSpec("l1"))
+    assert counts["None"] == 3
+
+
+def _rows_reversed(x: torch.Tensor) -> torch.Tensor:
+    return x.flip(0)  # the same values (the same sum and xor of the bits) in other rows
+
+
+def _zeros_signed(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    y[0, 0], y[1, 0] = -0.0, 0.0  # equal to the batch below for torch.equal, not bitwise
+    return y
+
+
+def _zeros_signed_the_other_way(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    y[0, 0], y[1, 0] = 0.0, -0.0
+    return y
+
+
+@pytest.mark.parametrize(("make_first", "make_second"), [(lambda x: x, _rows_reversed), (_zeros_signed, _zeros_signed_the_other_way)])
+def test_a_batch_of_the_same_values_in_other_places_gets_fresh_references(monkeypatch: pytest.MonkeyPatch, make_first: Any, make_second: Any) -> None:
+    counts = _count_steps(monkeypatch)
+    case = builtin_case("mlp", batch=8)
+    (x,) = case.inputs
+    first, second = make_first(x), make_second(x)
+    dpverify.assert_dp_grads_match(case.module, first, case.target, loss_fn=F.mse_loss, device_ids=[0, 1])
+    # stale references would compare the rows of one batch with the other's
+    assert dpverify.assert_dp_grads_match(case.module, second, case.target, loss_fn=F.mse_loss, device_ids=[0, 1]).ok
+    assert counts == {"parallel": 2, "None": 2, "torch.float64": 2}
+
+
+# --------------------------------------------------------------------------- shared parallel step
+
+
+def test_the_checks_of_a_split_share_the_parallel_step_and_give_the_verdicts_of_fresh_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     from dpverify.checks import dp as _assertions
 
-    case = builtin_case("mlp", batch=4)
-    dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=F.mse_loss, device_ids=[0, 1])
+    counts = _count_steps(monkeypatch)
+    case = builtin_case("mlp", batch=5)
+    shared = _both_checks(case.module, case.inputs, case.target, [0, 1, 2])
+    assert counts["parallel"] == 1
+    # the replica-sum check took the step: it is not kept
     assert _assertions._REFERENCES._entry is not None
-    gone = weakref.ref(case.module)
-    del case
-    gc.collect()
-    assert gone() is None
-    assert _assertions._REFERENCES._entry is None
+    assert _assertions._REFERENCES._entry.parallel is None
+    _assertions._REFERENCES.clear()
+    fresh = dpverify.assert_grad_sum_equals_mean_loss_grad(case.module, case.inputs, case.target, loss_fn=F.mse_loss, device_ids=[0, 1, 2])
+    assert counts["parallel"] == 2
+    assert str(shared[1]) == str(fresh)
+    assert shared[1].tensors == fresh.tensors
+    assert shared[1].contrasts == fresh.contrasts
+    _assertions._REFERENCES.clear()
+    alone = dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=F.mse_loss, device_ids=[0, 1, 2])
+    assert shared[0].tensors == alone.tensors
+
+
+@pytest.mark.parametrize("change", [_add_in_place, _write_through_data, _swap_a_parameter, _change_a_hyperparameter, lambda m: m.eval()])
+def test_a_module_changed_between_checks_gets_a_fresh_parallel_step(monkeypatch: pytest.MonkeyPatch, change: Any) -> None:
+    counts = _count_steps(monkeypatch)
+    torch.manual_seed(0)
+    module = _Scaled()
+    x, y = torch.randn(6, 4), torch.randn(6, 3)
+    dpverify.assert_dp_grads_match(module, x, y, loss_fn=F.mse_loss, device_ids=[0, 1])
+    change(module)
+    # a stale parallel step would carry the old module's gradients into the sum check
+    second = dpverify.assert_grad_sum_equals_mean_loss_grad(module, x, y, loss_fn=F.mse_loss, device_ids=[0, 1])
+    assert second.ok
+    assert counts["parallel"] == 2
+
+
+def test_another_wrapper_split_or_output_device_gets_a_fresh_parallel_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = _count_steps(monkeypatch)
+    case = builtin_case("mlp", batch=8)
+
+    def grads(**kwargs: Any) -> Any:
+        return dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=F.mse_loss, **kwargs)
+
+    def summed(**kwargs: Any) -> Any:
+        return dpverify.assert_grad_sum_equals_mean_loss_grad(case.module, case.inputs, case.target, loss_fn=F.mse_loss, **kwargs)
+
+    grads(device_ids=[0, 1])
+    summed(device_ids=[0, 1])  # the same split and wrapper: shared
+    assert counts["parallel"] == 1
+    grads(device_ids=[0, 1])
+    summed(device_ids=[0, 1, 2])  # another split
+    grads(device_ids=[1, 0], output_device=0)
+    summed(device_ids=[1, 0])  # outputs gathered on device 1, not 0
+    assert counts["parallel"] == 5
+    # another wrapper never gets this one's step: the averaging bug must be found
+    grads(device_ids=[1, 0])
+    with pytest.raises(ParallelMismatch, match=r"sum of replica grads '\S+': tensors are not close"):
+        summed(device_ids=[1, 0], parallel=AveragingDataParallel)
+    assert counts["parallel"] == 7
+
+
+def test_calling_a_check_again_samples_the_wrapper_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = _count_steps(monkeypatch)
+    case = builtin_case("mlp", batch=8)
+    for _ in range(2):
+        dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=F.mse_loss, device_ids=[0, 1])
+    assert counts["parallel"] == 2
+    _both_checks(case.module, case.inputs, case.target, [0, 1])  # the pair shares one
+    for _ in range(2):
+        dpverify.assert_grad_sum_equals_mean_loss_grad(case.module, case.inputs, case.target, loss_fn=F.mse_loss, device_ids=[0, 1])
+    assert counts["parallel"] == 5
+    assert counts["None"] == counts["torch.float64"] == 1  # the references, deterministic, are shared
+
+
+def test_a_wrapper_whose_attributes_changed_gets_a_fresh_parallel_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = _count_steps(monkeypatch)
+    case = builtin_case("mlp", batch=8)
+
+    class Wrapper:
+        def __init__(self) -> None:
+            self.factor = 1.0
+
+        def __call__(self, module: nn.Module, device_ids: list[int], output_device: int) -> Any:
+            wrapped = dpverify.VirtualDataParallel(module, device_ids, output_device)
+            for param in module.parameters():
+                param.register_hook(lambda g: g * self.factor)
+            return wrapped
+
+    wrapper = Wrapper()
+    dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=F.mse_loss, device_ids=[0, 1], parallel=wrapper)
+    wrapper.factor = 0.5  # the accumulated gradients are now halved, the replicas' are not
+    with pytest.raises(ParallelMismatch, match=r"accumulated grad '\S+'"):
+        dpverify.assert_grad_sum_equals_mean_loss_grad(case.module, case.inputs, case.target, loss_fn=F.mse_loss, device_ids=[0, 1], parallel=wrapper)
+    assert counts["parallel"] == 2
+
+
+def test_a_failing_parallel_step_is_run_again_by_the_next_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = _count_steps(monkeypatch)
+    module = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 1))
+    x, y = torch.randn(3, 4), torch.randn(3, 1)
+    for helper in (dpverify.assert_dp_grads_match, dpverify.assert_grad_sum_equals_mean_loss_grad):
+        with pytest.raises(ValueError, match="Expected more than 1 value per channel") as caught:
+            helper(module, x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2])
+        assert "raised by the parallel step" in "\n".join(caught.value.__notes__)
+    assert counts == {"parallel": 2}
+
+
+# --------------------------------------------------------------------------- second rounding sample
+
+
+def _one_tensor_off() -> Any:
+    """A wrapper that moves the first parameter's gradient by a relative 1e-3: a failing
+    tensor, which gets the second sample where the module has no divergence source."""
+
+    class Nudged(dpverify.VirtualDataParallel[Any]):
+        def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+            first = next(self.module.parameters())
+            if not getattr(first, "_nudged", False):
+                first._nudged = True  # type: ignore[attr-defined]
+                first.register_hook(lambda g: g * (1 + 1e-3))
+            return super().forward(*inputs, **kwargs)
+
+    return Nudged
+
+
+@pytest.mark.parametrize("divergence", [False, True])
+def test_the_second_rounding_sample_is_taken_only_without_divergence_sources(monkeypatch: pytest.MonkeyPatch, divergence: bool) -> None:
+    counts = _count_steps(monkeypatch)
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)]
+    if divergence:
+        layers.insert(1, nn.Dropout(0.5))
+    module = nn.Sequential(*layers)
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+    with pytest.raises(ParallelMismatch) as caught:
+        dpverify.assert_dp_grads_match(module, x, y, loss_fn=F.mse_loss, device_ids=[0, 1], parallel=_one_tensor_off())
+    jittered = counts.get("None jittered", 0)
+    if divergence:
+        # the mismatch names its likely cause whatever the rounding: no further step
+        assert jittered == 0
+        assert "Likely cause" in str(caught.value)
+        assert "'1' (randomness): Dropout draws its own mask" in str(caught.value)
+    else:
+        assert jittered == 1
+        assert "Likely cause" not in str(caught.value)

@@ -355,3 +355,62 @@ def test_a_saturated_float32_probe_is_not_trusted_for_a_float64_model() -> None:
     assert allowed == pytest.approx(Tolerance().reference_factor(32, 1e-9 / (u64 / 2 * 2.0)) * 1e-9)
     assert compare_tensors("g", anchor + 0.9 * allowed, expected, anchor, Tolerance(), probe=saturated, jitter=jitter).ok
     assert not compare_tensors("g", anchor + 1.1 * allowed, expected, anchor, Tolerance(), probe=saturated, jitter=jitter).ok
+
+
+# --------------------------------------------------------------------------- the detailed report of a finite tensor
+
+
+def _hard_pair(dtype: torch.dtype, numel: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A parallel result and a rounded reference with every case the report must get
+    right: equal elements, zeros in the reference (with and without a difference), signed
+    zeros, ties for the greatest differences, and far-apart magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    reference = (torch.randn(numel, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-3, 3, (numel,), generator=g)).to(dtype)
+    actual = (reference.double() * (1 + 1e-3 * torch.randn(numel, generator=g, dtype=torch.float64))).to(dtype)
+    k = numel // 10
+    actual[:k] = reference[:k]  # equal
+    reference[k : 2 * k] = 0.0  # zero reference: infinite relative difference where they differ
+    actual[k] = 0.0
+    reference[2 * k] = -0.0
+    actual[2 * k] = 0.0
+    far = reference.double().abs().max().item() * 4
+    actual[3 * k], reference[3 * k] = far, 0.0  # the greatest difference, twice (ties keep the first)
+    actual[numel - 1], reference[numel - 1] = far, 0.0
+    return actual, reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("numel", [41, 5000, 200_003])
+@pytest.mark.parametrize("allowed", [0.0, 1e-6, 1e-2])
+def test_the_chunked_report_of_a_finite_tensor_is_the_float64_report(dtype: torch.dtype, numel: int, allowed: float) -> None:
+    from dpverify.core import comparison
+
+    actual, rounded = _hard_pair(dtype, numel, numel)
+    assert bool(torch.isfinite(actual).all())  # the finite path's precondition
+    for shape in [(numel,), (1, numel, 1)] + ([(41, numel // 41)] if numel % 41 == 0 else []):
+        a, r = actual.reshape(shape), rounded.reshape(shape)
+        fast = comparison._detailed_finite("g", a, r, allowed, 1e-7)
+        allowed_each = torch.full((), allowed, dtype=torch.float64)
+        slow = comparison._detailed("g", a, r.to(torch.float64), allowed_each, 1e-7)
+        assert fast == slow
+
+
+def test_shared_references_give_the_comparisons_of_fresh_ones() -> None:
+    from dpverify.core.comparison import shared_references
+
+    g = torch.Generator().manual_seed(3)
+    anchor = torch.randn(40, 30, generator=g, dtype=torch.float64)
+    expected = (anchor * (1 + 1e-7 * torch.randn(40, 30, generator=g, dtype=torch.float64))).float()
+    jitter = (anchor * (1 + 1e-7 * torch.randn(40, 30, generator=g, dtype=torch.float64))).float()
+    memo: dict[Any, Any] = {}
+    for actual in (expected.clone(), expected * (1 + 1e-3), expected + 1e-9):
+        for sample in (None, jitter):
+            fresh = compare_tensors("g", actual, expected, anchor, Tolerance(), terms=2.0, jitter=sample)
+            with shared_references(memo):
+                shared = compare_tensors("g", actual, expected, anchor, Tolerance(), terms=2.0, jitter=sample)
+            assert shared == fresh
+    assert len(memo) == 2  # one per set of reference tensors: with and without the sample
+    # other tensors, even of equal values, are other references
+    with shared_references(memo):
+        compare_tensors("g", expected, expected.clone(), anchor, Tolerance())
+    assert len(memo) == 3

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from dpverify.core.comparison import (
     explain_scale,
     render,
     require_finite,
+    shared_references,
     step_comparison,
     uniform_scale,
 )
@@ -30,7 +32,7 @@ from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.core.scatter import ScatterPlan, plan_scatter
 from dpverify.core.step import StepResult, as_inputs, batch_size_of, first_parameter_dtype, run_step
 from dpverify.core.validation import require_callable, require_mapping, require_module_with_grads
-from dpverify.core.virtual import data_parallel
+from dpverify.core.virtual import data_parallel, virtual_devices
 
 __all__ = ["Check", "assert_dp_grads_match", "assert_grad_sum_equals_mean_loss_grad", "raise_unless_ok", "require_loss_fn"]
 
@@ -124,20 +126,26 @@ class Check:
         stage = "parallel" if parallel else "single-device"
         if dtype == torch.float64:
             stage = "float64 single-device"
+        # A wrapper of the user's runs inside virtual_devices where the CUDA devices are
+        # missing: torch.nn.DataParallel or a subclass built without them sets device_ids=[]
+        # and runs the module once on the whole batch, which would check nothing.
+        virtual = parallel and self.parallel is not data_parallel and self.device.type == "cpu"
+        devices = virtual_devices(max(self.device_ids) + 1) if virtual else contextlib.nullcontext()
         try:
-            return run_step(
-                self.module,
-                self.args,
-                loss_of_output,
-                wrap=self.wrap if parallel else None,
-                dtype=dtype,
-                device=self.device,
-                record_replicas=record_replicas,
-                loss_argument=loss_argument,
-                kwargs=self.kwargs,
-                measure_terms=measure_terms,
-                jitter=jitter,
-            )
+            with devices:
+                return run_step(
+                    self.module,
+                    self.args,
+                    loss_of_output,
+                    wrap=self.wrap if parallel else None,
+                    dtype=dtype,
+                    device=self.device,
+                    record_replicas=record_replicas,
+                    loss_argument=loss_argument,
+                    kwargs=self.kwargs,
+                    measure_terms=measure_terms,
+                    jitter=jitter,
+                )
         except InvalidArgument:
             raise
         except Exception as error:
@@ -163,13 +171,35 @@ class Check:
         ``loss_key`` names the objects ``loss_in`` is built from (the loss function and the
         target). Given, these steps are shared with earlier and later checks of the same
         module, inputs and loss, unchanged since (``_ReferenceCache``): the checks of one
-        split, and of one batch on several device counts, need them once.
+        split, and of one batch on several device counts (made anew for each: equal
+        values count), need them once.
+
+        A module with divergence sources (BatchNorm in train mode, Dropout) gets no second
+        rounding sample (``References.settle``): its mismatches are reported with those
+        modules as their likely cause whatever the rounding, and ``dpverify check``
+        explains them.
 
         Raises:
             NonFiniteReference: the single-device or float64 step is not finite; nothing
                 is compared then.
         """
-        steps = _REFERENCES.steps_for(self, loss_key) if loss_key is not None else {}
+        entry = _REFERENCES.entry_for(self, loss_key) if loss_key is not None else _Entry.unshared()
+        return self._references(entry, loss_in, loss_argument)
+
+    def _references(
+        self, entry: _Entry, loss_in: Callable[[torch.dtype | None], Callable[[Any], torch.Tensor]], loss_argument: str,
+        rows: dict[Any, Any] | None = None,
+    ) -> References:
+        steps = entry.steps
+        step_rows = {} if rows is None else rows
+
+        def made(
+            expected: StepResult, anchor: StepResult | None = None, probe: StepResult | None = None,
+            jitter: StepResult | None = None, settle: Callable[[], StepResult] | None = None,
+        ) -> References:
+            return References(
+                expected, anchor, probe, jitter, settle, prepared=entry.prepared, anchored=entry.anchored, rows=step_rows,
+            )
 
         def step(kind: str, run: Callable[[], StepResult]) -> StepResult:
             # Stored only once it ran and proved finite: a failing step fails every check.
@@ -184,7 +214,7 @@ class Check:
 
         expected = step("expected", expected_step)
         if self.tolerance.explicit:
-            return References(expected)
+            return made(expected)
 
         def anchor_step() -> StepResult:
             result = self.run(
@@ -201,7 +231,7 @@ class Check:
                 loss_in(torch.float64), parallel=False, dtype=torch.float64, loss_argument=loss_argument,
                 jitter=_JITTER,
             ))
-            return References(expected, anchor, probe, jitter)
+            return made(expected, anchor, probe, jitter)
 
         def settle_step() -> StepResult:
             # Parameters one unit in the last place off: how far rounding alone moves this step.
@@ -212,7 +242,12 @@ class Check:
             _require_finite_step(result, "jittered single-device")
             return result
 
-        return References(expected, anchor, settle=lambda: step("settle", settle_step))
+        if divergence_sources(self.module):
+            # A mismatch of this module lists those sources as its likely cause, and
+            # ``dpverify check`` explains it: a second sample of the rounding would not
+            # change what the check reports.
+            return made(expected, anchor)
+        return made(expected, anchor, settle=lambda: step("settle", settle_step))
 
     def compare(self, actual: StepResult, refs: References, *, outputs: bool = True) -> list[TensorComparison]:
         """Outputs (when asked), the loss, and every parameter's gradient."""
@@ -232,35 +267,53 @@ class Check:
         loss_terms = refs.anchor.loss_terms if refs.anchor is not None else None
         rows.append(row("loss", actual.loss, _loss_key, Terms(loss_terms, loss_terms) if loss_terms else None))
         for name in expected.grads:
-            rows.append(row(f"grad {name!r}", actual.grads.get(name), _grad_key(name), actual.terms(name)))
+            rows.append(self.against(f"grad {name!r}", actual.grads.get(name), refs, _grad_key(name), actual.terms(name), reuse=True))
         return rows
 
     def against(
         self, name: str, actual: torch.Tensor | None, refs: References, key: Key,
-        terms: Terms | None = None, *, contrast: bool = False,
+        terms: Terms | None = None, *, contrast: bool = False, reuse: bool = False,
     ) -> TensorComparison:
         """Compares one parallel tensor with the references' tensor that ``key`` picks;
         ``terms`` is the magnitude of what the parallel step summed into it, if known. A
-        ``contrast`` is expected to differ: it gets no second rounding sample."""
-        def compare(jitter: StepResult | None) -> TensorComparison:
-            return compare_tensors(
-                name,
-                actual,
-                key(refs.expected),
-                key(refs.anchor) if refs.anchor else None,
-                self.tolerance,
-                probe=key(refs.probe) if refs.probe else None,
-                terms=terms,
-                jitter=key(jitter) if jitter else None,
-            )
+        ``contrast`` is expected to differ: it gets no second rounding sample.
 
-        result = compare(refs.jitter)
+        ``reuse``: ``actual`` is a tensor of the parallel step itself (its gradient), which
+        the checks sharing the step compare alike: the comparison is made once per step
+        (``References.rows``) and renamed for the others.
+        """
+        if reuse and actual is not None:
+            slot = (id(actual), key, terms, contrast, self.tolerance)
+            done = refs.rows.get(slot)
+            if done is not None and done[0] is actual:
+                again: TensorComparison = replace(done[1], name=name)
+                return again
+            result = self.against(name, actual, refs, key, terms, contrast=contrast)
+            refs.rows[slot] = (actual, result)
+            return result
+
+        def compare(settled: bool) -> TensorComparison:
+            # The references' tensors of ``key`` are the same objects for every row of
+            # every check that shares them: what the rule derives from them is derived once.
+            with shared_references(refs.anchored):
+                return compare_tensors(
+                    name,
+                    actual,
+                    refs.keyed(key),
+                    refs.keyed(key, "anchor"),
+                    self.tolerance,
+                    refs.keyed(key, "probe"),
+                    terms,
+                    refs.keyed(key, "settled" if settled else "jitter"),
+                )
+
+        result = compare(False)
         if result.ok or result.problem is not None or refs.settle is None or contrast:
             return result
         # A tensor that fails against one sample of the single-device rounding gets a
         # second sample before it is called a mismatch: ill-conditioned computations
         # round with heavy tails. Passing checks never pay for this step.
-        return compare(refs.settled())
+        return compare(True)
 
     def outcome(
         self,
@@ -302,23 +355,35 @@ def _target_on(target: Any, check: Check, dtype: torch.dtype | None) -> Any:
     return target
 
 
-Key = Callable[[StepResult], "torch.Tensor | None"]
+@dataclass(frozen=True)
+class Key:
+    """Which tensor of a step a row compares: an output by path, the loss, or a
+    parameter's gradient divided by ``divisor``. Equal keys pick the same tensor, so the
+    references' tensors of a key are picked once (``References.keyed``) and what the
+    comparisons derive from them is derived once (``shared_references``)."""
+
+    kind: str
+    name: str = ""
+    divisor: int = 1
+
+    def __call__(self, step: StepResult) -> torch.Tensor | None:
+        if self.kind == "output":
+            return dict(step.outputs).get(self.name)
+        if self.kind == "loss":
+            return step.loss
+        grad = step.grads.get(self.name)
+        return grad / self.divisor if grad is not None and self.divisor != 1 else grad
 
 
 def _output_key(path: str) -> Key:
-    return lambda step: dict(step.outputs).get(path)
+    return Key("output", path)
 
 
 def _grad_key(name: str, divisor: int = 1) -> Key:
-    def key(step: StepResult) -> torch.Tensor | None:
-        grad = step.grads.get(name)
-        return grad / divisor if grad is not None and divisor != 1 else grad
-
-    return key
+    return Key("grad", name, divisor)
 
 
-def _loss_key(step: StepResult) -> torch.Tensor | None:
-    return step.loss
+_loss_key = Key("loss")
 
 
 @dataclass(frozen=True)
@@ -327,7 +392,8 @@ class References:
     float64 twin and, for float64 models, a float32 probe of the rounding and a float64 run
     from jittered parameters (None with explicit tolerances). For other dtypes ``settle``
     runs the working-dtype step from parameters one unit in the last place off, only when
-    a tensor would otherwise fail: a second sample of the rounding."""
+    a tensor would otherwise fail: a second sample of the rounding (None for a module with
+    divergence sources, whose mismatches are explained by them)."""
 
     expected: StepResult
     anchor: StepResult | None = None
@@ -335,6 +401,13 @@ class References:
     jitter: StepResult | None = None
     settle: Callable[[], StepResult] | None = None
     _settled: list[StepResult] = field(default_factory=list, repr=False, compare=False)
+    #: the tensors ``keyed`` picked, and what the comparisons derived from them
+    #: (``shared_references``), for every check that shares the steps
+    prepared: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    anchored: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    #: comparisons of the parallel step's own tensors (``Check.against``'s ``reuse``),
+    #: shared by the checks that share that step
+    rows: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def settled(self) -> StepResult:
         """The jittered single-device step (``settle``), run once, on first need."""
@@ -342,6 +415,17 @@ class References:
         if not self._settled:
             self._settled.append(self.settle())
         return self._settled[0]
+
+    def keyed(self, key: Key, step: str = "expected") -> torch.Tensor | None:
+        """The tensor ``key`` picks from one of the steps (``expected``, ``anchor``,
+        ``probe``, ``jitter``, or ``settled``: the second rounding sample, run on first
+        need), picked once: the same object for every comparison."""
+        slot = (key, step)
+        if slot not in self.prepared:
+            source = self.settled() if step == "settled" else getattr(self, step)
+            self.prepared[slot] = key(source) if source is not None else None
+        tensor: torch.Tensor | None = self.prepared[slot]
+        return tensor
 
 
 # Relative size of the parameter perturbation of a float64 model's jittered run: a few
@@ -383,7 +467,7 @@ def _tensor_state(tensor: torch.Tensor) -> tuple[Any, ...]:
     if strided and tensor.numel():
         values = tensor.detach()
         values = torch.view_as_real(values) if values.is_complex() else values
-        total = float(values.sum(dtype=torch.float64)) if values.is_floating_point() else None
+        total = _float64_sum(values) if values.is_floating_point() else None
         content = (int(torch.hash_tensor(values).view(torch.int64)), total)
     return (
         _Same(tensor), tensor._version, tensor.data_ptr() if strided else None, tuple(tensor.shape),
@@ -391,18 +475,99 @@ def _tensor_state(tensor: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
-def _state(obj: Any, depth: int = 0) -> Any:
+class _Values:
+    """A tensor of the batch or the target, equal to another that holds the same bits.
+
+    ``dpverify check`` makes the batch of one batch size afresh for each device count: the
+    same values in new tensors, whose steps are the same computation. The same tensor is
+    equal to itself while its version, storage and content are unchanged (as
+    ``_tensor_state`` has it); another tensor is equal when the shapes, strides, dtypes,
+    devices and contents agree and its bits are the same now, and neither changed in place
+    since it was taken.
+    """
+
+    __slots__ = ("data_ptr", "meta", "tensor", "version")
+    tensor: torch.Tensor
+    version: int
+    data_ptr: int | None
+    meta: tuple[Any, ...]
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        state = _tensor_state(tensor)
+        self.tensor = tensor
+        self.version, self.data_ptr, self.meta = state[1], state[2], state[3:]
+
+    def _unchanged(self) -> bool:
+        strided = self.tensor.layout == torch.strided and not self.tensor.is_meta
+        return self.tensor._version == self.version and (self.tensor.data_ptr() if strided else None) == self.data_ptr
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Values) or other.meta != self.meta:
+            return False
+        if other.tensor is self.tensor:
+            return other.version == self.version and other.data_ptr == self.data_ptr
+        return self._unchanged() and other._unchanged() and _same_bits(self.tensor, other.tensor)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape, dtype and device hold the same bits (``-0.0`` is
+    not ``0.0``, and a NaN equals the same NaN)."""
+    if a.layout != torch.strided or b.layout != torch.strided or a.is_meta or b.is_meta:
+        return False
+    a, b = a.detach(), b.detach()
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.is_floating_point():
+        bits = _BITS.get(a.element_size())
+        if bits is None:
+            return False
+        a, b = a.view(bits), b.view(bits)
+    return bool(torch.equal(a, b))
+
+
+def _float64_sum(values: torch.Tensor) -> float:
+    """The float64 sum of ``values``, a chunk at a time: ``sum(dtype=float64)`` of a large
+    float32 tensor first makes a float64 copy of all of it, ten times slower."""
+    flat = values.reshape(-1)
+    return sum(float(chunk.sum(dtype=torch.float64)) for chunk in flat.split(_SUM_CHUNK))
+
+
+_SUM_CHUNK = 1 << 20
+
+
+def _state(obj: Any, depth: int = 0, *, values: bool = False) -> Any:
     """What a step reads of ``obj``: tensors by identity, version and content, scalars by
-    value, containers item by item (a few levels deep), anything else by identity."""
+    value, containers item by item (a few levels deep), anything else by identity.
+
+    ``values``: tensors by their bits instead (``_Values``), and frozen dataclasses (a loss
+    spec) by type and attributes: what the batch and the loss are, not which objects."""
+    kind = type(obj)
+    if kind in _SCALAR_TYPES:  # the common case first: a module's attributes are mostly these
+        return (kind, obj)
     if isinstance(obj, torch.Tensor):
-        return _tensor_state(obj)
+        return _Values(obj) if values else _tensor_state(obj)
     if isinstance(obj, _SCALARS):
-        return (type(obj), obj)
+        return (kind, obj)
     if depth < 4 and isinstance(obj, (tuple, list)):
-        return (type(obj), tuple(_state(item, depth + 1) for item in obj))
+        return (kind, tuple(_state(item, depth + 1, values=values) for item in obj))
     if depth < 4 and isinstance(obj, dict):
-        return (type(obj), tuple((_state(key, depth + 1), _state(value, depth + 1)) for key, value in obj.items()))
+        return (kind, tuple((_state(key, depth + 1, values=values), _state(value, depth + 1, values=values)) for key, value in obj.items()))
+    if values and depth < 4 and _frozen_dataclass(obj) and isinstance(getattr(obj, "__dict__", None), dict):
+        return (_Same(kind), _state(vars(obj), depth + 1, values=True))
     return _Same(obj)
+
+
+_SCALAR_TYPES = frozenset(_SCALARS)
+
+
+def _frozen_dataclass(obj: Any) -> bool:
+    params = getattr(type(obj), "__dataclass_params__", None)
+    return params is not None and bool(params.frozen)
 
 
 def _module_state(module: nn.Module) -> tuple[Any, ...]:
@@ -418,20 +583,44 @@ def _module_state(module: nn.Module) -> tuple[Any, ...]:
 
 @dataclass
 class _Entry:
-    module: weakref.ReferenceType[nn.Module]
+    """The steps of one module, inputs and loss: the single-device ones by kind, the tensors
+    the comparisons picked from them and what they derived (``References.prepared`` and
+    ``anchored``), and the gradient check's parallel step with the split and wrapper it ran
+    (``parallel_key``) and its compared rows, until the replica-sum check takes them."""
+
+    module: weakref.ReferenceType[nn.Module] | None
     key: tuple[Any, ...]
-    steps: dict[str, StepResult]
+    steps: dict[str, StepResult] = field(default_factory=dict)
+    prepared: dict[Any, Any] = field(default_factory=dict)
+    anchored: dict[Any, Any] = field(default_factory=dict)
+    parallel_key: tuple[Any, ...] | None = None
+    parallel: StepResult | None = None
+    parallel_rows: dict[Any, Any] = field(default_factory=dict)
+
+    @classmethod
+    def unshared(cls) -> _Entry:
+        """An entry for one check alone."""
+        return cls(None, ())
 
 
 class _ReferenceCache:
-    """The single-device steps of the last check, for the next check that needs the same.
+    """The steps of the last check, for the next check that needs the same.
 
     ``dpverify check`` runs two checks per split, and one batch on several device counts;
     their single-device steps (working dtype, float64 anchor, jittered sample) do not
-    depend on the split, and are the same computation each time. A check reuses them only
-    when the module, every forward argument, the loss function and the target are the same
-    objects, unchanged since (versions, contents, attributes: ``_module_state``), on the
-    same device with the same default dtype; anything else starts a new entry.
+    depend on the split, and are the same computation each time. Both checks of a split
+    also run the same parallel step: the same module through the same wrapper on the same
+    devices. A check reuses steps only when the module is the same object, unchanged since
+    (versions, contents, attributes: ``_module_state``), the forward arguments and the
+    target hold the same values (the same objects unchanged, or new tensors with the same
+    bits: ``_Values``), the loss function is the same object (or an equal frozen
+    dataclass, such as a loss spec), on the same device with the same default dtype;
+    anything else starts a new entry. A parallel step is reused once, by the replica-sum
+    check that follows the gradient check with the same device ids, output device and
+    wrapper (the same object, with the same attributes): ``_steps``.
+
+    The key is taken before a check's steps run: a step is assumed not to change what it
+    reads (a loss that writes to its target would make every step differ anyway).
 
     One entry: consecutive checks are what share. It holds the module only weakly, so it
     never keeps a model, or its steps' gradients, alive after the caller lets go of it.
@@ -439,21 +628,21 @@ class _ReferenceCache:
 
     def __init__(self) -> None:
         self._entry: _Entry | None = None
-        # Reentrant: the weakref callback may run inside steps_for, when a collection frees a module.
+        # Reentrant: the weakref callback may run inside entry_for, when a collection frees a module.
         self._lock = threading.RLock()
 
-    def steps_for(self, check: Check, loss_key: tuple[Any, ...]) -> dict[str, StepResult]:
-        """The steps stored for ``check``'s state (filled in by the caller as they run)."""
+    def entry_for(self, check: Check, loss_key: tuple[Any, ...]) -> _Entry:
+        """The entry for ``check``'s state (filled in by the caller as its steps run)."""
         key = (
             check.device, check.dtype, torch.get_default_dtype(), _module_state(check.module),
-            _state(check.args), _state(check.kwargs), _state(loss_key),
+            _state(check.args, values=True), _state(check.kwargs, values=True), _state(loss_key, values=True),
         )
         with self._lock:
             entry = self._entry
-            if entry is not None and entry.module() is check.module and entry.key == key:
-                return entry.steps
-            self._entry = _Entry(weakref.ref(check.module, self._forget), key, {})
-            return self._entry.steps
+            if entry is not None and entry.module is not None and entry.module() is check.module and entry.key == key:
+                return entry
+            self._entry = _Entry(weakref.ref(check.module, self._forget), key)
+            return self._entry
 
     def clear(self) -> None:
         with self._lock:
@@ -469,9 +658,37 @@ class _ReferenceCache:
 _REFERENCES = _ReferenceCache()
 
 
-def _steps(check: Check, loss_fn: LossFn, target: Any, *, record_replicas: bool | str = "magnitudes") -> tuple[StepResult, References]:
-    parallel = check.run(_loss_of(loss_fn, _target_on(target, check, None)), parallel=True, record_replicas=record_replicas)
-    refs = check.references(lambda dtype: _loss_of(loss_fn, _target_on(target, check, dtype)), loss_key=(loss_fn, target))
+def _parallel_key(check: Check) -> tuple[Any, ...]:
+    """What a parallel step depends on beyond the entry's key: the split and the wrapper
+    (the same object, and for a function or an instance the same attributes)."""
+    attributes = getattr(check.parallel, "__dict__", None)
+    return (
+        tuple(check.device_ids), check.output_device, _Same(check.parallel),
+        _state(attributes) if isinstance(attributes, dict) else None,
+    )
+
+
+def _steps(check: Check, loss_fn: LossFn, target: Any, *, take: bool) -> tuple[StepResult, References]:
+    """The parallel step, recording every replica's contribution, and the references.
+
+    The references are shared with any check of the same module, inputs, loss and target
+    (``_ReferenceCache``). The parallel step is shared once: the gradient check runs it
+    and leaves it; the replica-sum check that follows on the same split, through the same
+    wrapper, takes it (``take``) instead of running it again. Any other check runs its own, so
+    that calling a check again samples the code under test again.
+    """
+    loss_key = (loss_fn, target)
+    entry = _REFERENCES.entry_for(check, loss_key)
+    parallel_key = _parallel_key(check)
+    parallel, rows = None, {}
+    if take and entry.parallel is not None and entry.parallel_key == parallel_key:
+        parallel, rows = entry.parallel, entry.parallel_rows
+    entry.parallel_key, entry.parallel, entry.parallel_rows = None, None, {}
+    if parallel is None:
+        parallel = check.run(_loss_of(loss_fn, _target_on(target, check, None)), parallel=True, record_replicas=True)
+        if not take:
+            entry.parallel_key, entry.parallel, entry.parallel_rows = parallel_key, parallel, rows
+    refs = check._references(entry, lambda dtype: _loss_of(loss_fn, _target_on(target, check, dtype)), "loss_fn", rows)
     return parallel, refs
 
 
@@ -523,12 +740,36 @@ def assert_dp_grads_match(
         module, inputs, device_ids=device_ids, output_device=output_device,
         parallel=parallel, rtol=rtol, atol=atol, forward_kwargs=forward_kwargs,
     )
-    parallel_step, refs = _steps(check, loss_fn, target)
+    parallel_step, refs = _steps(check, loss_fn, target, take=False)
     title = "DataParallel outputs and gradients must match the single-device step"
     rows = check.compare(parallel_step, refs)
-    failed = not all(row.ok for row in rows)
+    failures = _replicas_ran(check, parallel_step)
+    failed = bool(failures) or not all(row.ok for row in rows)
     notes, scale = _diagnose(check, parallel_step, refs.expected) if failed else ([], None)
-    return raise_unless_ok(check.outcome(title, rows, notes=notes, scale=scale), msg)
+    return raise_unless_ok(check.outcome(title, rows, notes=notes, failures=failures, scale=scale), msg)
+
+
+def _replicas_ran(check: Check, step: StepResult) -> list[str]:
+    """A failure unless the parallel step really ran in parallel: a step with fewer than two
+    replica forwards where the split calls for two or more matched nothing parallel (a
+    torch.nn.DataParallel built without CUDA devices runs the module once, on the whole
+    batch), so it is never a pass."""
+    ran, planned = len(step.contributions), check.plan.n_replicas
+    if ran == 0:
+        return [
+            "No replica ran a forward of the module's copies: the wrapper never called the "
+            "module (or a copy of it made with Module._replicate_for_data_parallel or deepcopy)."
+        ]
+    if planned < 2 or ran >= 2:
+        return []
+    return [
+        f"The parallel step ran one forward of the module where the split calls for {planned} replicas "
+        f"(chunks {list(check.plan.chunk_sizes)}): nothing ran in parallel, so a match would "
+        "say nothing. A wrapper that calls the module on the whole batch (as "
+        "torch.nn.DataParallel does when it finds no CUDA device) does this; dpverify runs "
+        "wrappers inside dpverify.virtual_devices, where torch's primitives are virtual, so "
+        "one that still does not split the batch decides not to."
+    ]
 
 
 def _diagnose(check: Check, actual: StepResult, expected: StepResult) -> tuple[list[str], float | None]:
@@ -570,12 +811,15 @@ def _reordered(path: str, actual: torch.Tensor, expected: torch.Tensor | None) -
 
 
 def _sum(contributions: Sequence[dict[str, torch.Tensor]], name: str) -> torch.Tensor | None:
-    grads = [c[name].to(torch.float64) for c in contributions if name in c]
+    """The float64 sum of the replicas' gradients of ``name``, in replica order."""
+    grads = [c[name] for c in contributions if name in c]
     if not grads:
         return None
-    total = grads[0].clone()
+    total = grads[0].to(torch.float64, copy=True)
     for g in grads[1:]:
-        total += g.to(total.device)
+        # In place, a float32 term is promoted element by element: the sum of the float64
+        # copies, without making them.
+        total += g.to(total.device) if g.layout == total.layout == torch.strided else g.to(total.device, torch.float64)
     return total
 
 
@@ -612,16 +856,11 @@ def assert_grad_sum_equals_mean_loss_grad(
         module, inputs, device_ids=device_ids, parallel=parallel, rtol=rtol, atol=atol,
         forward_kwargs=forward_kwargs,
     )
-    parallel_step, refs = _steps(check, loss_fn, target, record_replicas=True)
+    parallel_step, refs = _steps(check, loss_fn, target, take=True)
     title = "Replica gradients must sum to the full-batch mean-loss gradient"
     contributions = [grads for _device, grads in parallel_step.contributions]
     replicas, planned = len(contributions), check.plan.n_replicas
-    failures: list[str] = []
-    if replicas == 0:
-        failures.append(
-            "No replica ran a forward of the module's copies: the wrapper never called the "
-            "module (or a copy of it made with Module._replicate_for_data_parallel or deepcopy)."
-        )
+    failures = _replicas_ran(check, parallel_step)
     rows: list[TensorComparison] = []
     contrasts: list[TensorComparison] = []
     averages_differ = False
@@ -632,7 +871,7 @@ def assert_grad_sum_equals_mean_loss_grad(
         summed = check.against(f"sum of replica grads {name!r}", total, refs, _grad_key(name), terms)
         sums_match &= summed.ok
         rows.append(summed)
-        rows.append(check.against(f"accumulated grad {name!r}", parallel_step.grads.get(name), refs, _grad_key(name), terms))
+        rows.append(check.against(f"accumulated grad {name!r}", parallel_step.grads.get(name), refs, _grad_key(name), terms, reuse=True))
         if total is None:
             continue
         average = total / max(replicas, 1)

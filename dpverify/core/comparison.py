@@ -15,8 +15,10 @@ fails correct code.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -35,6 +37,7 @@ __all__ = [
     "explain_scale",
     "render",
     "require_finite",
+    "shared_references",
     "step_comparison",
     "uniform_scale",
 ]
@@ -283,6 +286,116 @@ def require_finite(name: str, tensor: torch.Tensor | None, step: str) -> None:
     )
 
 
+@dataclass(frozen=True)
+class _Anchored:
+    """What the anchored rule derives from the references alone, whatever the parallel
+    result: the float64 answer rounded to the working dtype, the single-device step's
+    distance from it, and the size of that answer (prepared once per set of reference
+    tensors inside ``shared_references``).
+
+    Attributes:
+        rounded: the float64 answer in the working dtype, on the single-device result's
+            device.
+        dtype: the working dtype.
+        wide: the dtype differences are taken in (float64 for 16-bit dtypes).
+        reference_error: the single-device step's greatest distance from the answer (with
+            the further rounding samples, when given).
+        reference_norm: the same, in the 2-norm.
+        size: the answer's largest entry (``max |rounded|``).
+        size_norm: the answer's 2-norm.
+    """
+
+    rounded: torch.Tensor
+    dtype: torch.dtype
+    wide: torch.dtype
+    reference_error: float
+    reference_norm: float
+    size: float
+    size_norm: float
+
+
+_SHARED: contextvars.ContextVar[dict[tuple[int, ...], tuple[object, ...]] | None] = contextvars.ContextVar(
+    "dpverify_shared_references", default=None,
+)
+
+
+@contextlib.contextmanager
+def shared_references(memo: dict[tuple[int, ...], tuple[object, ...]]) -> Iterator[None]:
+    """Within it, ``compare_tensors`` derives what the anchored rule needs from each set of
+    reference tensors (``expected``, ``anchor``, ``probe``, ``jitter``: the same objects)
+    once, and keeps it in ``memo``, for the next comparison with those references.
+
+    For a caller that compares several parallel tensors with the same references, which
+    nobody changes meanwhile (``dpverify.checks.dp``: a parameter's gradient, its replica
+    sum and their contrast, in the checks of one batch); every figure is the same as
+    without it. ``memo`` holds the reference tensors, so that their ids stay theirs.
+    """
+    token = _SHARED.set(memo)
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def _prepared(
+    name: str, expected: torch.Tensor, anchor: torch.Tensor, probe: torch.Tensor | None, jitter: torch.Tensor | None,
+) -> _Anchored:
+    memo = _SHARED.get()
+    if memo is None:
+        return _anchored_reference(name, expected, anchor, probe, jitter)
+    tensors = (expected, anchor, probe, jitter)
+    slot = tuple(id(t) for t in tensors)
+    hit = memo.get(slot)
+    if hit is not None and all(a is b for a, b in zip(hit[:4], tensors, strict=True)):
+        prepared = hit[4]
+        assert isinstance(prepared, _Anchored)
+        return prepared
+    prepared = _anchored_reference(name, expected, anchor, probe, jitter)
+    memo[slot] = (*tensors, prepared)
+    return prepared
+
+
+def _anchored_reference(
+    name: str,
+    expected: torch.Tensor,
+    anchor: torch.Tensor,
+    probe: torch.Tensor | None = None,
+    jitter: torch.Tensor | None = None,
+) -> _Anchored:
+    """The anchored rule's view of the references of one tensor (see ``compare_tensors``
+    for ``probe`` and ``jitter``); ``name`` names the tensor if a reference is not finite.
+
+    Raises:
+        NonFiniteReference: ``expected`` or ``anchor`` holds NaN or inf.
+    """
+    expected = _dense(expected)
+    device = expected.device
+    reference = _dense(anchor).detach().to(device=device, dtype=torch.float64)
+    dtype = expected.dtype if expected.is_floating_point() else torch.float64
+    # Distances are taken from the float64 answer rounded to the working dtype: the best a
+    # working-precision step can do. Rounding moves it by half a unit of roundoff, far
+    # below the floors, and halves the memory traffic of the check.
+    rounded = reference.to(dtype)
+    # 16-bit differences are taken in float64: a float16 subtraction would round them.
+    wide = torch.float64 if dtype in _LOW_PRECISION else dtype
+    error = expected.detach().to(wide) - rounded.to(wide)
+    reference_error, reference_norm = max_abs(error), _norm(error)
+    del error
+    if not math.isfinite(reference_error):
+        # NaN or inf in a reference shows here first; name which one before comparing.
+        require_finite(name, expected, "single-device")
+        require_finite(name, anchor, "float64 single-device")
+    if dtype == torch.float64:
+        reference_error, reference_norm = _float64_rounding(
+            reference, reference_error, reference_norm, probe, jitter, device
+        )
+    elif jitter is not None:  # a second sample of the working dtype's rounding
+        jittered = _dense(jitter).detach().to(device=device, dtype=wide) - rounded.to(wide)
+        reference_error = max(reference_error, max_abs(jittered))
+        reference_norm = max(reference_norm, _norm(jittered))
+    return _Anchored(rounded, dtype, wide, reference_error, reference_norm, max_abs(rounded), _norm(rounded))
+
+
 def compare_tensors(
     name: str,
     actual: torch.Tensor | None,
@@ -309,6 +422,9 @@ def compare_tensors(
     single-device step can be exact by luck while the parallel sum carries rounding of the
     size of its terms; the floors then scale with the terms, not with the total.
 
+    Inside ``shared_references``, what the references give the rule is derived once per
+    set of reference tensors.
+
     Raises:
         NonFiniteReference: ``expected`` or ``anchor`` holds NaN or inf.
     """
@@ -330,6 +446,7 @@ def compare_tensors(
         )
     if actual.numel() == 0:
         return TensorComparison(name, tuple(actual.shape), 0)
+    given = expected  # the object shared_references knows (a sparse one is densified anew)
     actual, expected = _dense(actual), _dense(expected)
     device = expected.device
     actual = actual.detach().to(device)
@@ -338,39 +455,27 @@ def compare_tensors(
         return _explicit(name, actual, expected.detach(), tolerance)
     if anchor is None:
         raise ValueError("the anchored tolerance needs the float64 result")
-    reference = _dense(anchor).detach().to(device=device, dtype=torch.float64)
-    dtype = expected.dtype if expected.is_floating_point() else torch.float64
+    return _anchored(name, actual, _prepared(name, given, anchor, probe, jitter), tolerance, terms)
+
+
+def _anchored(
+    name: str, actual: torch.Tensor, prepared: _Anchored, tolerance: Tolerance, terms: float | Terms | None,
+) -> TensorComparison:
+    """The anchored rule (``Tolerance``) on one tensor, ``actual`` dense and on the
+    reference's device."""
+    rounded, dtype, wide = prepared.rounded, prepared.dtype, prepared.wide
+    reference_error, reference_norm = prepared.reference_error, prepared.reference_norm
     roundoff = torch.finfo(dtype).eps / 2
-    # Distances are taken from the float64 answer rounded to the working dtype: the best a
-    # working-precision step can do. Rounding moves it by half a unit of roundoff, far
-    # below the floors, and halves the memory traffic of the check.
-    rounded = reference.to(dtype)
-    # 16-bit differences are taken in float64: a float16 subtraction would round them.
-    wide = torch.float64 if dtype in _LOW_PRECISION else dtype
-    error = expected.detach().to(wide) - rounded.to(wide)
-    reference_error, reference_norm = max_abs(error), _norm(error)
-    if not math.isfinite(reference_error):
-        # NaN or inf in a reference shows here first; name which one before comparing.
-        require_finite(name, expected, "single-device")
-        require_finite(name, anchor, "float64 single-device")
-    if dtype == torch.float64:
-        reference_error, reference_norm = _float64_rounding(
-            reference, reference_error, reference_norm, probe, jitter, device
-        )
-    elif jitter is not None:  # a second sample of the working dtype's rounding
-        jittered = _dense(jitter).detach().to(device=device, dtype=wide) - rounded.to(wide)
-        reference_error = max(reference_error, max_abs(jittered))
-        reference_norm = max(reference_norm, _norm(jittered))
     if not isinstance(terms, Terms):
         terms = Terms(terms or 0.0, 0.0)
     numel = actual.numel()
-    scale = max(max_abs(rounded), terms.largest)
-    scale_norm = max(_norm(rounded), terms.norm)
+    scale = max(prepared.size, terms.largest)
+    scale_norm = max(prepared.size_norm, terms.norm)
     floor, norm_floor = tolerance.floors(dtype, numel)
     # A tensor whose single-device rounding is a sizeable part of its own size is zero in
     # exact arithmetic up to rounding (a LayerNorm over two features, an attention key
     # bias): its values are noise in every step, and only their size can be checked.
-    noise = reference_error >= 0.25 * max_abs(rounded)
+    noise = reference_error >= 0.25 * prepared.size
     if noise:
         scale = max(scale, reference_error)
         scale_norm = max(scale_norm, reference_norm)
@@ -391,6 +496,7 @@ def compare_tensors(
     )
     difference = actual.to(wide) - rounded.to(wide)
     gap, norm_gap = max_abs(difference), _norm(difference)
+    del difference
     if numel == 1:  # one element: the norm is the elementwise test
         norm_allowed = max(norm_allowed, allowed)
     if gap <= allowed and norm_gap <= norm_allowed:  # False for NaN: those take the detailed path
@@ -399,13 +505,14 @@ def compare_tensors(
             name, tuple(actual.shape), actual.numel(), max_abs=gap, allowed=allowed, ratio=ratio,
             reference_error=reference_error, norm_gap=norm_gap, norm_allowed=norm_allowed, noise=noise,
         )
-    allowed_each = torch.full((), allowed, dtype=torch.float64, device=device)
-    target = rounded.to(torch.float64)
-    finite = math.isfinite(gap)  # the reference is finite, so NaN/inf can only be the parallel step's
-    # The isclose rule of the explicit path with the anchored allowance as atol; for finite
-    # values that is |difference| > allowed, which _detailed computes anyway.
-    outside = None if finite else ~torch.isclose(actual.to(torch.float64), target, rtol=0.0, atol=allowed)
-    detailed = _detailed(name, actual, target, allowed_each, reference_error, mismatched=outside, finite=finite)
+    if math.isfinite(gap):  # the reference is finite, so NaN/inf can only be the parallel step's
+        detailed = _detailed_finite(name, actual, rounded, allowed, reference_error)
+    else:
+        # The isclose rule of the explicit path with the anchored allowance as atol.
+        allowed_each = torch.full((), allowed, dtype=torch.float64, device=actual.device)
+        target = rounded.to(torch.float64)
+        outside = ~torch.isclose(actual.to(torch.float64), target, rtol=0.0, atol=allowed)
+        detailed = _detailed(name, actual, target, allowed_each, reference_error, mismatched=outside)
     norm_gap = math.inf if math.isnan(norm_gap) else norm_gap
     return replace(
         detailed,
@@ -481,25 +588,20 @@ def _detailed(
     allowed_each: torch.Tensor,
     reference_error: float | None,
     mismatched: torch.Tensor | None = None,
-    finite: bool = False,
 ) -> TensorComparison:
     """Every statistic of a failing tensor: count, greatest differences and their indices.
 
     ``mismatched`` marks the failing elements when the caller decided them (torch.isclose);
     otherwise an element fails when it is farther than allowed, or non-finite where the
-    reference is finite. ``finite`` says the caller knows both tensors are finite, which
-    saves the passes that look for NaN and inf (a large model's reports are many tensors).
+    reference is finite. A finite tensor of the anchored rule takes ``_detailed_finite``,
+    which skips the passes that look for NaN and inf.
     """
     actual64 = actual.to(torch.float64)
     diff = (actual64 - reference).abs()
-    if finite:
-        nonfinite_count = 0
-        over = diff > allowed_each if mismatched is None else mismatched
-    else:
-        nonfinite = ~torch.isfinite(actual64) & torch.isfinite(reference)
-        diff = torch.where(nonfinite, math.inf, diff.nan_to_num(nan=0.0))
-        over = (diff > allowed_each) | nonfinite if mismatched is None else mismatched
-        nonfinite_count = int(nonfinite.sum())
+    nonfinite = ~torch.isfinite(actual64) & torch.isfinite(reference)
+    diff = torch.where(nonfinite, math.inf, diff.nan_to_num(nan=0.0))
+    over = (diff > allowed_each) | nonfinite if mismatched is None else mismatched
+    nonfinite_count = int(nonfinite.sum())
     shape = tuple(actual.shape)
     max_abs, flat_abs = diff.reshape(-1).max(0)
     rel = torch.where(diff == 0, 0.0, diff / reference.abs())
@@ -522,8 +624,74 @@ def _detailed(
     )
 
 
+def _detailed_finite(
+    name: str, actual: torch.Tensor, rounded: torch.Tensor, allowed: float, reference_error: float,
+) -> TensorComparison:
+    """``_detailed`` of a finite failing tensor against ``rounded`` (the float64 answer in
+    the working dtype) with one allowance: the same float64 figures, a chunk of elements
+    at a time, so that the float64 temporaries stay small (a whole large model fails in
+    train mode with BatchNorm, every tensor of it tens of megabytes).
+
+    Each figure is the one ``_detailed`` computes: ``|actual - rounded|`` in float64 (the
+    in-place subtraction promotes ``rounded`` exactly, as ``rounded.to(float64)`` does);
+    elements farther than ``allowed`` fail; the relative difference is the difference over
+    ``|rounded|``, and 0 where the difference is 0; the greatest values keep the first
+    index among equals (``argmax`` within a chunk, the earlier chunk between chunks), as
+    ``max`` does over the whole; and the greatest ``difference / allowed`` is the greatest
+    difference over ``allowed``, since rounding is monotone.
+    """
+    flat_actual, flat_rounded = actual.reshape(-1), rounded.reshape(-1)
+    mismatched, largest, at_largest, max_rel, at_rel = 0, -1.0, 0, -1.0, 0
+    for start in range(0, flat_actual.numel(), _DETAIL_CHUNK):
+        part = flat_rounded[start : start + _DETAIL_CHUNK]
+        diff = flat_actual[start : start + _DETAIL_CHUNK].to(torch.float64, copy=True)
+        diff.sub_(part)
+        diff.abs_()
+        mismatched += int(torch.count_nonzero(diff > allowed))
+        # the greatest value is cheap; its index is looked for only where it is the greatest yet
+        value = float(torch.amax(diff))
+        if value > largest:
+            largest, at_largest = value, start + int(diff.argmax())
+        # |diff / part| is diff / |part|; 0 / 0 (an element both steps give as zero) is NaN
+        # here and 0 in _detailed, which takes 0 wherever the difference is 0
+        rel = diff / part
+        rel.abs_()
+        rel.nan_to_num_(nan=0.0, posinf=math.inf)
+        value = float(torch.amax(rel))
+        if value > max_rel:
+            max_rel, at_rel = value, start + int(rel.argmax())
+    shape = tuple(actual.shape)
+    ratio = 0.0 if largest == 0.0 else (largest / allowed if allowed > 0 else math.inf)
+    return TensorComparison(
+        name,
+        shape,
+        actual.numel(),
+        mismatched=mismatched,
+        max_abs=largest,
+        max_abs_index=_unravel(at_largest, shape),
+        max_rel=max_rel,
+        max_rel_index=_unravel(at_rel, shape),
+        allowed=allowed,
+        ratio=ratio,
+        reference_error=reference_error,
+    )
+
+
+# Elements per chunk of _detailed_finite: float64 temporaries of half a megabyte.
+_DETAIL_CHUNK = 1 << 16
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``torch.unravel_index`` of one flat index, in Python."""
+    index = []
+    for size in reversed(shape):
+        flat, at = divmod(flat, size)
+        index.append(at)
+    return tuple(reversed(index))
+
+
 def _index(flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(int(i) for i in torch.unravel_index(flat, shape)) if shape else ()
+    return _unravel(int(flat), shape)
 
 
 def _table(rows: Sequence[TensorComparison], title: str) -> list[str]:
