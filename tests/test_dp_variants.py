@@ -1,0 +1,118 @@
+"""DataParallel variants passed as ``parallel=``: run as they are, on virtual devices, and
+never a pass unless the replicas really ran."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dp_lookalikes import BalancedDataParallel, DeviceLoopDataParallel, FunctionsDataParallel
+from torch import nn
+
+import dpverify
+from dpverify.core.virtual import current_virtual_device
+
+
+class _SeesDevices(nn.Module):
+    """A Linear layer that notes the virtual device of every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+        self.devices: list[int | None] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.devices.append(current_virtual_device())
+        out: torch.Tensor = self.linear(x)
+        return out
+
+
+def _batch(rows: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(rows, 4, generator=generator), torch.randn(rows, 3, generator=generator)
+
+
+def test_plain_torch_data_parallel_runs_its_replicas_and_passes() -> None:
+    torch.manual_seed(0)
+    model = _SeesDevices()
+    x, y = _batch()
+    seen: list[list[int | None]] = []
+
+    class Recording(nn.DataParallel[Any]):
+        def parallel_apply(self, replicas: Any, inputs: Any, kwargs: Any) -> Any:
+            outputs = super().parallel_apply(replicas, inputs, kwargs)
+            seen.append([current_virtual_device()] + [len(chunk[0]) for chunk in inputs])
+            return outputs
+
+    dpverify.assert_dp_grads_match(model, x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2], parallel=Recording)
+    assert seen == [[None, 2, 2, 1]]  # three replicas ran, on chunks [2, 2, 1]
+    dpverify.assert_dp_grads_match(model, x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2], parallel=nn.DataParallel)
+    dpverify.assert_grad_sum_equals_mean_loss_grad(model, x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2], parallel=nn.DataParallel)
+
+
+class _HalvesGather(nn.DataParallel[Any]):
+    def gather(self, outputs: Any, output_device: Any) -> Any:
+        return super().gather(outputs, output_device) / 2
+
+
+def test_a_subclass_with_a_broken_gather_fails() -> None:
+    x, y = _batch()
+    with pytest.raises(dpverify.ParallelMismatch) as caught:
+        dpverify.assert_dp_grads_match(nn.Linear(4, 3), x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2], parallel=_HalvesGather)
+    failing = [t.name for t in caught.value.report.tensors if not t.ok]
+    assert any(name.startswith("output") for name in failing), failing  # the halved outputs
+
+
+class _WholeBatch(nn.Module):
+    """Calls the module once on the whole batch, whatever the devices: nothing parallel."""
+
+    def __init__(self, module: nn.Module, device_ids: list[int], output_device: int | None = None) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs: Any) -> Any:
+        return self.module(*inputs)
+
+
+@pytest.mark.parametrize("helper", ["grads", "grad-sum"])
+def test_a_step_that_ran_no_replicas_is_never_a_pass(helper: str) -> None:
+    x, y = _batch()
+    run = dpverify.assert_dp_grads_match if helper == "grads" else dpverify.assert_grad_sum_equals_mean_loss_grad
+    with pytest.raises(dpverify.ParallelMismatch, match=r"ran one forward of the module where the split calls for 3 replicas \(chunks \[2, 2, 1\]\)"):
+        run(nn.Linear(4, 3), x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2], parallel=_WholeBatch)
+    # on one device there is nothing to run in parallel: the same wrapper is right there
+    run(nn.Linear(4, 3), x, y, loss_fn=F.mse_loss, device_ids=[0], parallel=_WholeBatch)
+
+
+@pytest.mark.parametrize(
+    "wrapper",
+    [functools.partial(BalancedDataParallel, 1), DeviceLoopDataParallel, FunctionsDataParallel],
+    ids=["balanced", "device-loop", "functions"],
+)
+def test_look_alikes_of_wrappers_in_the_wild_are_verified_as_they_are(wrapper: Any) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = _batch(8)
+    dpverify.assert_dp_grads_match(model, x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2, 3], parallel=wrapper)
+    dpverify.assert_grad_sum_equals_mean_loss_grad(model, x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2, 3], parallel=wrapper)
+
+
+def test_outside_a_check_torch_is_left_as_it_was() -> None:
+    x, y = _batch()
+    dpverify.assert_dp_grads_match(nn.Linear(4, 3), x, y, loss_fn=F.mse_loss, device_ids=[0, 1], parallel=nn.DataParallel)
+    assert nn.DataParallel(nn.Linear(4, 3)).device_ids == []  # no CUDA here: torch's own behaviour
+    assert not torch.cuda.is_available()
+
+
+def test_the_readme_virtual_devices_example_runs() -> None:
+    import textwrap
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Verifying your own DataParallel", 1)[1]
+    code = textwrap.dedent(section.split("```python\n", 1)[1].split("```", 1)[0])
+    exec(compile(code, "README.md", "exec"), {})
+    assert nn.DataParallel(nn.Linear(4, 2)).device_ids == []  # restored after the block
