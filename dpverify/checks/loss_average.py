@@ -92,9 +92,14 @@ def _replica_losses(output: Any, loss_at: int, replicas: int) -> torch.Tensor:
 
 
 def chunk_weighted_loss(losses: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """The exact reduction of per-replica mean losses: ``sum(n_i * loss_i) / B``."""
-    weights = torch.tensor(sizes, dtype=losses.dtype, device=losses.device)
-    return (losses * weights).sum() / sum(sizes)
+    """The exact reduction of per-replica mean losses: ``sum(n_i / B * loss_i)``.
+
+    Each weight ``n_i / B`` is formed first, in this order of rounding: the loss-average
+    report measures its noise on gradients that are zero in exact arithmetic from this
+    reduction, and ``tests/test_loss_average.py`` pins that measurement.
+    """
+    weights = torch.tensor(sizes, dtype=losses.dtype, device=losses.device) / sum(sizes)
+    return (losses * weights).sum()
 
 
 @dataclass(frozen=True)
