@@ -116,3 +116,26 @@ def test_the_readme_virtual_devices_example_runs() -> None:
     code = textwrap.dedent(section.split("```python\n", 1)[1].split("```", 1)[0])
     exec(compile(code, "README.md", "exec"), {})
     assert nn.DataParallel(nn.Linear(4, 2)).device_ids == []  # restored after the block
+
+
+class _DropsLastChunk(nn.DataParallel[Any]):
+    """A mutant of a balanced wrapper: it forgets the last device's chunk."""
+
+    def scatter(self, inputs: Any, kwargs: Any, device_ids: Any) -> Any:
+        scattered, scattered_kwargs = super().scatter(inputs, kwargs, device_ids)
+        return scattered[:-1], scattered_kwargs[:-1]
+
+
+def test_what_the_wrapper_really_ran_is_reported_not_torchs_plan() -> None:
+    x, y = _batch(8)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    # balanced: [1, 3, 2, 2] where torch's scatter gives [2, 2, 2, 2], and correct
+    dpverify.assert_grad_sum_equals_mean_loss_grad(model, x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2, 3], parallel=functools.partial(BalancedDataParallel, 1))
+    # a loss that takes what comes back, so that the dropped rows show in the gradients
+    def rows_back(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(output, target[: output.shape[0]])
+
+    with pytest.raises(dpverify.ParallelMismatch) as caught:
+        dpverify.assert_dp_grads_match(model, x, y, loss_fn=rows_back, device_ids=[0, 1, 2, 3], parallel=_DropsLastChunk)
+    assert "The wrapper ran 3 replica forwards on chunks of [2, 2, 2] rows (6 of 8); torch's scatter would give [2, 2, 2, 2]." in str(caught.value)

@@ -746,7 +746,21 @@ def assert_dp_grads_match(
     failures = _replicas_ran(check, parallel_step)
     failed = bool(failures) or not all(row.ok for row in rows)
     notes, scale = _diagnose(check, parallel_step, refs.expected) if failed else ([], None)
+    notes = _observed_split(check, parallel_step) + notes
     return raise_unless_ok(check.outcome(title, rows, notes=notes, failures=failures, scale=scale), msg)
+
+
+def _observed_split(check: Check, step: StepResult) -> list[str]:
+    """What the wrapper really did, when it split the batch otherwise than torch's scatter
+    (a balanced first chunk, a dropped chunk): the scenario line is torch's plan."""
+    ran = list(step.replica_rows)
+    planned = list(check.plan.chunk_sizes)
+    if not ran or ran == planned:
+        return []
+    return [
+        f"The wrapper ran {len(ran)} replica forward{'s' if len(ran) != 1 else ''} on chunks of {ran} rows "
+        f"({sum(ran)} of {sum(planned)}); torch's scatter would give {planned}."
+    ]
 
 
 def _replicas_ran(check: Check, step: StepResult) -> list[str]:
@@ -886,7 +900,7 @@ def assert_grad_sum_equals_mean_loss_grad(
             )
             contrasts.append(contrast)
             averages_differ |= contrast.mismatched > 0 or not contrast.ok
-    notes = [f"{replicas} replicas contributed (torch's scatter runs {planned})."]
+    notes = [f"{replicas} replicas contributed (torch's scatter runs {planned}).", *_observed_split(check, parallel_step)]
     significant = any(g is not None and bool(g.any()) for g in refs.expected.grads.values())
     # Where the tolerance cannot tell the sum from the average (every gradient zero up to
     # rounding, or a dtype too coarse), the average matching says nothing. It points at

@@ -150,6 +150,8 @@ class ReplicaGradRecorder:
     magnitudes: dict[str, float] = field(default_factory=dict)
     norms: dict[str, float] = field(default_factory=dict)
     replica_devices: dict[int, int | None] = field(default_factory=dict)
+    #: rows of the first tensor argument each replica forward received (its chunk)
+    replica_rows: dict[int, int] = field(default_factory=dict)
     _handles: list[Any] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -169,10 +171,12 @@ class ReplicaGradRecorder:
     def _on_forward(self, replica: nn.Module, args: Any) -> None:
         # Each call of the root module is one replica's forward. (Not keyed by id(replica):
         # a wrapper may free a replica before building the next, and ids get reused.)
-        del args
+        first = next((tensor for _path, _keys, tensor in tensor_leaves(args) if tensor.dim() > 0), None)
         with self._lock:  # real DataParallel runs replicas in concurrent threads
             key = len(self.contributions)
             self.contributions[key] = {}
+            if first is not None:
+                self.replica_rows[key] = int(first.shape[0])
         for name, module_path, attr in self.sites:
             tensor = getattr(replica.get_submodule(module_path), attr, None)
             if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
@@ -220,6 +224,7 @@ class StepResult:
     magnitudes: dict[str, float] = field(default_factory=dict)
     norms: dict[str, float] = field(default_factory=dict)
     loss_terms: float | None = None
+    replica_rows: tuple[int, ...] = ()
 
     def terms(self, name: str) -> Terms | None:
         """The magnitude of the replica contributions summed into ``name``'s gradient."""
@@ -312,7 +317,8 @@ def run_step(
             float((tensor.grad * tensor.detach()).abs().sum()) for tensor in watched if tensor.grad is not None
         )
         loss_terms = max(abs(float(loss.detach())), propagated)
-    return StepResult(outputs, loss.detach().reshape(()), grads, contributions, magnitudes, norms, loss_terms)
+    rows = tuple(recorder.replica_rows[key] for key in sorted(recorder.replica_rows)) if recorder is not None else ()
+    return StepResult(outputs, loss.detach().reshape(()), grads, contributions, magnitudes, norms, loss_terms, rows)
 
 
 def _retain_output_grads(output: Any) -> list[torch.Tensor]:
