@@ -5,7 +5,7 @@ run on ``PROPERTIES``' scenarios), the examples and seconds until the first fail
 (random generation, several seeds, medians), then the counterexample Hypothesis shrinks it
 to and that counterexample's size (model kind, rows, devices).
 
-Usage: python benchmarks/mutants.py [--seeds 5] [--max-examples 500]
+Usage: python benchmarks/mutants.py [--seeds 5] [--max-examples 500] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -68,10 +68,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--max-examples", type=int, default=500)
+    parser.add_argument("--only", nargs="+", choices=list(MUTANTS), metavar="NAME", help="these mutants only (default all)")
     args = parser.parse_args(argv)
     print("| mutant | bug | caught by | examples until found (median, max) | seconds (median) | shrunk counterexample |")
     print("|---|---|---|---:|---:|---|")
-    for mutant in MUTANTS.values():
+    for mutant in (MUTANTS[name] for name in args.only) if args.only else MUTANTS.values():
         runs = [examples_until_found(mutant, s, args.max_examples) for s in range(args.seeds)]
         found = [n for n, _ in runs if n is not None]
         seconds = statistics.median(t for _, t in runs)

@@ -30,6 +30,7 @@ from torch import nn
 
 from dpverify.checks.loss_average import chunk_weighted_loss
 from dpverify.checks.registry import CHECKS, MICRO_BATCHES, Case, Target
+from dpverify.core.tree import map_tensors
 from dpverify.core.virtual import VirtualDataParallel
 from dpverify.ddp.rank import ShardContext
 from dpverify.models.specs import KINDS
@@ -39,6 +40,7 @@ __all__ = [
     "MUTANTS",
     "PROPERTIES",
     "AveragingDataParallel",
+    "BalancedOffsetDataParallel",
     "DeepCopyDataParallel",
     "DetachedReplicasDataParallel",
     "EvenSplitDataParallel",
@@ -183,6 +185,41 @@ class TinyErrorDataParallel(VirtualDataParallel[Any]):
         first = next(module.parameters(), None)
         if first is not None:
             first.register_hook(lambda g: g * (1 + self.relative_error))
+
+
+class BalancedOffsetDataParallel(nn.DataParallel[Any]):
+    """A balanced-chunk DataParallel, as projects write to leave room for the loss on the
+    first GPU: device 0 takes one row fewer than an even share, the others split the rest.
+    The bug: each other device's rows start at a fixed stride from the first chunk, which
+    forgets the extra row given to the devices before it, so chunks overlap and the last rows
+    are never seen, in a batch of the right size.
+
+    A plain ``torch.nn.DataParallel`` subclass (its own ``scatter`` only): dpverify runs it
+    through ``virtual_devices`` where the CUDA devices are missing.
+    """
+
+    def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[Any]) -> Any:
+        first_input = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
+        n = len(device_ids)
+        rows = first_input.size(self.dim) if first_input is not None else 0
+        if n < 2 or rows <= n:
+            return super().scatter(inputs, kwargs, device_ids)
+        first = max(1, rows // n - 1)
+        share, extra = divmod(rows - first, n - 1)
+        sizes = [first] + [share + (1 if i < extra else 0) for i in range(n - 1)]
+        starts = [0] + [first + i * share for i in range(n - 1)]  # bug: the running offset is sum(sizes[:i])
+
+        def rows_of(device: int) -> Callable[[torch.Tensor], torch.Tensor]:
+            def take(x: torch.Tensor) -> torch.Tensor:
+                if x.dim() == 0 or x.size(self.dim) != rows:
+                    return x
+                return x.narrow(self.dim, starts[device], sizes[device])
+
+            return take
+
+        scattered = tuple(tuple(map_tensors(inputs, rows_of(i))) for i in range(n))
+        scattered_kwargs = tuple(map_tensors(dict(kwargs or {}), rows_of(i)) for i in range(n))
+        return scattered, scattered_kwargs
 
 
 class DeepCopyDataParallel(nn.Module):
@@ -501,6 +538,7 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("reversed-gather", ReversedGatherDataParallel, "dp", "gathers outputs in reverse replica order", "dp-grads", "gathered out of order"),
         Mutant("output-device-first", OutputDeviceFirstDataParallel, "dp", "puts the output device's chunk first when gathering", "dp-grads", "gathered out of order"),
         Mutant("last-replica-buffers", LastReplicaBuffersDataParallel, "dp", "keeps the last replica's buffers instead of the first's", "dp-buffers", "buffer '"),
+        Mutant("balanced-offset", BalancedOffsetDataParallel, "dp", "a balanced-chunk DataParallel whose chunks start at a fixed stride, so they overlap and the last rows are lost", "dp-grads", "tensors are not close"),
         Mutant("tiny-error", TinyErrorDataParallel, "dp", "scales one parameter's gradient by 1 + 1e-4", "dp-grads", "tensors are not close"),
         Mutant("mean-of-means", mean_of_replica_losses, "reduce", "averages per-replica losses with loss.mean() on uneven chunks", "dp-weighted-loss", "The chunks are uneven"),
         Mutant("ddp-summed-loss", summed_loss_step, "ddp-step", "sums each rank's losses and never divides by the batch", "ddp-grads", "the sum over the rank's rows"),
