@@ -148,7 +148,9 @@ def test_the_balanced_offset_mutant_is_caught_with_the_split_it_ran() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
     x, y = _batch(8)
-    with pytest.raises(dpverify.ParallelMismatch, match=r"output: tensors are not close") as caught:
+    with pytest.raises(dpverify.ParallelMismatch, match="tensors are not close") as caught:
         dpverify.assert_dp_grads_match(model, x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2], parallel=BalancedOffsetDataParallel)
+    failing = {t.name for t in caught.value.report.tensors if not t.ok}
+    assert "output" in failing  # the duplicated rows show in the gathered output
     # the right sizes [1, 4, 3] at the wrong offsets: every row count adds up, the rows do not
     assert "The wrapper ran 3 replica forwards on chunks of [1, 4, 3] rows (8 of 8)" in str(caught.value)
