@@ -154,3 +154,25 @@ def test_the_balanced_offset_mutant_is_caught_with_the_split_it_ran() -> None:
     assert "output" in failing  # the duplicated rows show in the gathered output
     # the right sizes [1, 4, 3] at the wrong offsets: every row count adds up, the rows do not
     assert "The wrapper ran 3 replica forwards on chunks of [1, 4, 3] rows (8 of 8)" in str(caught.value)
+
+
+@pytest.mark.parametrize("rows", [8, 5])
+def test_plain_torch_data_parallel_gets_the_loss_average_checks_too(rows: int) -> None:
+    from dpverify.models.builtin import builtin_case
+
+    built = builtin_case("loss-in-forward", batch=rows)
+    report = dpverify.check_forward_loss_average(built.module, built.inputs, device_ids=[0, 1, 2, 3], parallel=nn.DataParallel)
+    assert report.chunk_sizes == ((2, 2, 2, 2) if rows == 8 else (2, 2, 1))
+    assert len(report.replica_losses) == len(report.chunk_sizes)  # every replica ran
+    assert report.is_biased == (rows == 5)
+    dpverify.assert_loss_reduction_matches_full_batch(
+        built.module, built.inputs, device_ids=[0, 1, 2, 3], reduce=dpverify.chunk_weighted_loss, parallel=nn.DataParallel
+    )
+
+
+def test_plain_torch_data_parallel_keeps_replica_zeros_buffers() -> None:
+    from dpverify.models.specs import BufferCounter
+
+    x = torch.randn(5, 4)
+    # torch's DataParallel on 3 virtual devices: rows_seen counts replica 0's chunk only
+    dpverify.assert_dp_buffers_match(BufferCounter(4, 3), x, device_ids=[0, 1, 2], parallel=nn.DataParallel)

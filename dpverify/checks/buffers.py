@@ -9,6 +9,7 @@ and ``num_batches_tracked``, and spectral norm's power-iteration vectors, rely o
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,11 +38,12 @@ def _buffers_after_forward(
     check: Check, args: tuple[Any, ...], kwargs: dict[str, Any], *, parallel: bool, dtype: torch.dtype | None
 ) -> dict[str, torch.Tensor]:
     model = copy_module(check.module, dtype).to(check.device)
-    runner: Any = check.wrap(model) if parallel else model
     args = convert_tensors(args, dtype, check.device)
     kwargs = convert_tensors(kwargs, dtype, check.device)
     fork_devices = [check.device] if check.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=fork_devices), default_dtype(dtype):
+    devices = check.devices() if parallel else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=fork_devices), default_dtype(dtype), devices:
+        runner: Any = check.wrap(model) if parallel else model  # built where it runs
         seed_step(0, check.device)
         runner(*args, **kwargs)
     return {name: buffer.detach() for name, buffer in model.named_buffers()}

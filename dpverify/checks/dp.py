@@ -108,6 +108,15 @@ class Check:
         wrapper = getattr(self.parallel, "__qualname__", type(self.parallel).__name__)
         return f"{self.plan.describe()}; outputs gathered on {where}; wrapper {wrapper}"
 
+    def devices(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the parallel step runs: a wrapper of the user's inside ``virtual_devices``
+        where the CUDA devices are missing (torch.nn.DataParallel or a subclass built without
+        them sets device_ids=[] and runs the module once on the whole batch, which would check
+        nothing); torch's own through ``data_parallel``, which picks real or virtual itself."""
+        if self.parallel is not data_parallel and self.device.type == "cpu":
+            return virtual_devices(max(self.device_ids) + 1)
+        return contextlib.nullcontext()
+
     def wrap(self, model: nn.Module) -> Callable[..., Any]:
         return self.parallel(model, device_ids=self.device_ids, output_device=self.output_device)
 
@@ -126,11 +135,7 @@ class Check:
         stage = "parallel" if parallel else "single-device"
         if dtype == torch.float64:
             stage = "float64 single-device"
-        # A wrapper of the user's runs inside virtual_devices where the CUDA devices are
-        # missing: torch.nn.DataParallel or a subclass built without them sets device_ids=[]
-        # and runs the module once on the whole batch, which would check nothing.
-        virtual = parallel and self.parallel is not data_parallel and self.device.type == "cpu"
-        devices = virtual_devices(max(self.device_ids) + 1) if virtual else contextlib.nullcontext()
+        devices = self.devices() if parallel else contextlib.nullcontext()
         try:
             with devices:
                 return run_step(

@@ -350,7 +350,8 @@ def check_forward_loss_average(
         # Frozen parameters have no gradient to compare (autograd.grad refuses them).
         params = [p for p in parallel_model.parameters() if p.requires_grad]
         seed_step(0, check.device)
-        losses = _replica_losses(check.wrap(parallel_model)(*args, **kwargs), loss_at, check.plan.n_replicas)
+        with check.devices():
+            losses = _replica_losses(check.wrap(parallel_model)(*args, **kwargs), loss_at, check.plan.n_replicas)
         mean_of_means = losses.mean()
         weighted = chunk_weighted_loss(losses, sizes)
         grads_mean = _grads(mean_of_means, params, retain=True)
