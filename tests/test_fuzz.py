@@ -379,6 +379,8 @@ def test_repro_with_target_imports_it_from_the_fuzzed_directory() -> None:
         (["--target", "x:y", "--backend", "all"], "--target fuzzes one backend"),
         (["--target", "no_such_module_here:X"], "--target 'no_such_module_here:X': cannot import"),
         (["--profile", "nope"], "--profile 'nope' is not a Hypothesis profile"),
+        (["--parallel", "x:y", "--target", "a:b"], "give either --parallel (a DataParallel-like wrapper) or --target, not both"),
+        (["--parallel", "x:y", "--backend", "ddp"], "--parallel is a DataParallel-like wrapper, for --backend dp"),
     ],
 )
 def test_usage_errors_exit_two_naming_the_option(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -434,3 +436,14 @@ def test_a_failure_is_said_to_be_replayed_only_when_it_was(tmp_path: Path, monke
     seeded_again = capsys.readouterr().out
     assert "replayed from the example database" not in seeded_again
     assert "found at example 1 of a seeded session (the example database is not used)" in seeded_again
+
+
+def test_parallel_is_the_dataparallel_spelling_of_target(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from dpverify.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["fuzz", "--max-examples", "5", "--seed", "0", "--no-color"]
+    assert main([*args, "--parallel", "dpverify.mutants:ScratchDataParallel"]) == 0
+    assert "dpverify.mutants:ScratchDataParallel" in capsys.readouterr().out
+    assert main([*args, "--parallel", "dpverify.mutants:AveragingDataParallel"]) == 1
+    assert "the replica gradients were averaged" in capsys.readouterr().out

@@ -199,6 +199,13 @@ def _fuzz(args: argparse.Namespace) -> int:
     from dpverify.cli.fuzz_view import FuzzProgress
 
     _require_ddp(args.backend)
+    if args.parallel:
+        # the DataParallel spelling of --target, as in verify and check
+        if args.target:
+            raise InvalidArgument("give either --parallel (a DataParallel-like wrapper) or --target, not both")
+        if args.backend != "dp":
+            raise InvalidArgument(f"--parallel is a DataParallel-like wrapper, for --backend dp; for --backend {args.backend} pass a DDP step as --target")
+        args.target = args.parallel
     if args.target and args.backend == "all":
         raise InvalidArgument("--target fuzzes one backend: pass --backend dp (a DataParallel-like wrapper) or --backend ddp (a DDP step)")
     if args.profile:
@@ -369,6 +376,7 @@ def _add_fuzz(commands: Any, common: argparse.ArgumentParser) -> None:
     fuzz.add_argument("--time-budget", type=_duration, metavar="DURATION", help="start no new example after this long: 90s, 10m, 1h (with --max-examples, whichever comes first)")
     fuzz.add_argument("--seed", type=int, help="Hypothesis seed for a repeatable session (default: random; a seeded session does not use the example database)")
     fuzz.add_argument("--profile", metavar="NAME", help="start from this Hypothesis settings profile (dpverify-dev, dpverify-ci, dpverify-fuzz)")
+    fuzz.add_argument("--parallel", metavar="MODULE:CALLABLE", help="fuzz your own DataParallel-like wrapper, CALLABLE(module, device_ids=..., output_device=...) (--backend dp)")
     fuzz.add_argument("--target", metavar="MODULE:CALLABLE", help="fuzz your own code: --backend dp, a DataParallel-like CALLABLE(module, device_ids=..., output_device=...); --backend ddp, a DDP step CALLABLE(ctx)")
     fuzz.set_defaults(run=_fuzz)
 
