@@ -176,3 +176,17 @@ def test_plain_torch_data_parallel_keeps_replica_zeros_buffers() -> None:
     x = torch.randn(5, 4)
     # torch's DataParallel on 3 virtual devices: rows_seen counts replica 0's chunk only
     dpverify.assert_dp_buffers_match(BufferCounter(4, 3), x, device_ids=[0, 1, 2], parallel=nn.DataParallel)
+
+
+def test_the_loss_average_report_uses_the_split_the_wrapper_made() -> None:
+    from dpverify.models.builtin import builtin_case
+
+    built = builtin_case("loss-in-forward", batch=8)
+    balanced = functools.partial(BalancedDataParallel, 1)
+    report = dpverify.check_forward_loss_average(built.module, built.inputs, device_ids=[0, 1, 2, 3], parallel=balanced)
+    # torch's scatter would give [2, 2, 2, 2]; the wrapper ran [1, 3, 2, 2], and its replica
+    # losses are per-row means of those: the n_i/B weighting is exact, loss.mean() is biased
+    assert report.chunk_sizes == (1, 3, 2, 2)
+    assert report.weighted_is_exact, str(report)
+    assert report.is_biased
+    assert "not the per-row means" not in str(report)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from dpverify.core.errors import InvalidArgument
 from dpverify.core.numerics import max_abs
 from dpverify.core.step import convert_tensors, default_dtype, seed_step
 from dpverify.core.tree import tensor_leaves
-from dpverify.core.virtual import SCALAR_GATHER_WARNING
+from dpverify.core.virtual import SCALAR_GATHER_WARNING, current_virtual_device
 
 __all__ = [
     "LossAverageReport",
@@ -89,6 +90,43 @@ def _replica_losses(output: Any, loss_at: int, replicas: int) -> torch.Tensor:
             "each replica's forward must return one scalar loss (its chunk's mean)"
         )
     return losses
+
+
+class _ObservedRows:
+    """The rows each replica forward received, in device order: the split the wrapper really
+    made (a balanced first chunk), which is what its replica losses are means over."""
+
+    def __init__(self, model: nn.Module, device_ids: Sequence[int]) -> None:
+        # replica i runs on device_ids[i] and its loss is the i-th gathered value
+        self.order = {device: position for position, device in enumerate(device_ids)}
+        self.rows: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        self._handle = model.register_forward_pre_hook(self._see)
+
+    def _see(self, replica: nn.Module, args: Any) -> None:
+        first = next((x for _path, _keys, x in tensor_leaves(args) if x.dim() > 0), None)
+        if first is None:
+            return
+        device = current_virtual_device()
+        if device is None:
+            device = first.device.index if first.device.index is not None else self.order_default()
+        key = self.order.get(device, len(self.order))
+        with self._lock:  # replicas run in concurrent threads
+            self.rows.append((key, int(first.shape[0])))
+
+    def order_default(self) -> int:
+        """The device of a forward that runs outside any replica (one device: the module
+        itself, on device_ids[0])."""
+        return next(iter(self.order), 0)
+
+    def detach(self) -> None:
+        self._handle.remove()
+
+    def sizes(self, replicas: int, batch: int) -> list[int] | None:
+        """The observed chunk sizes when they account for every replica loss and the whole
+        batch, else None (the planned split stands)."""
+        sizes = [rows for _key, rows in sorted(self.rows)]
+        return sizes if len(sizes) == replicas and sum(sizes) == batch else None
 
 
 def chunk_weighted_loss(losses: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -350,8 +388,13 @@ def check_forward_loss_average(
         # Frozen parameters have no gradient to compare (autograd.grad refuses them).
         params = [p for p in parallel_model.parameters() if p.requires_grad]
         seed_step(0, check.device)
-        with check.devices():
-            losses = _replica_losses(check.wrap(parallel_model)(*args, **kwargs), loss_at, check.plan.n_replicas)
+        observed = _ObservedRows(parallel_model, check.device_ids)
+        try:
+            with check.devices():
+                losses = _replica_losses(check.wrap(parallel_model)(*args, **kwargs), loss_at, check.plan.n_replicas)
+        finally:
+            observed.detach()
+        sizes = observed.sizes(losses.numel(), batch) or sizes
         mean_of_means = losses.mean()
         weighted = chunk_weighted_loss(losses, sizes)
         grads_mean = _grads(mean_of_means, params, retain=True)
