@@ -190,3 +190,19 @@ def test_the_loss_average_report_uses_the_split_the_wrapper_made() -> None:
     assert report.weighted_is_exact, str(report)
     assert report.is_biased
     assert "not the per-row means" not in str(report)
+
+
+def test_reduce_receives_the_split_the_wrapper_made() -> None:
+    from dpverify.models.builtin import builtin_case
+
+    built = builtin_case("loss-in-forward", batch=8)
+    received: list[list[int]] = []
+
+    def weighted(losses: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        received.append(list(sizes))
+        return dpverify.chunk_weighted_loss(losses, sizes)
+
+    balanced = functools.partial(BalancedDataParallel, 1)
+    dpverify.assert_loss_reduction_matches_full_batch(built.module, built.inputs, device_ids=[0, 1, 2, 3], reduce=weighted, parallel=balanced)
+    assert received == [[1, 3, 2, 2]]
+    assert not built.module._forward_pre_hooks  # the user's module is left as it was

@@ -103,6 +103,10 @@ class _ObservedRows:
         self._lock = threading.Lock()
         self._handle = model.register_forward_pre_hook(self._see)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> _ObservedRows:
+        # the step runs on a deep copy of the module, hooks included: the copy reports here
+        return self
+
     def _see(self, replica: nn.Module, args: Any) -> None:
         first = next((x for _path, _keys, x in tensor_leaves(args) if x.dim() > 0), None)
         if first is None:
@@ -519,10 +523,14 @@ def assert_loss_reduction_matches_full_batch(
     )
     sizes = list(check.plan.chunk_sizes)
     seen: list[torch.Tensor] = []
+    observed = _ObservedRows(check.module, check.device_ids)
 
     def reduced(output: Any) -> torch.Tensor:
+        nonlocal sizes
         losses = _replica_losses(output, loss_at, check.plan.n_replicas)
         seen.append(losses.detach())
+        # the split the wrapper made, which its replica losses are means over
+        sizes = observed.sizes(losses.numel(), sum(sizes)) or sizes
         return reduce(losses, list(sizes))
 
     def whole(output: Any) -> torch.Tensor:
@@ -530,7 +538,10 @@ def assert_loss_reduction_matches_full_batch(
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
-        parallel_step = check.run(reduced, parallel=True, loss_argument="reduce", record_replicas="magnitudes")
+        try:
+            parallel_step = check.run(reduced, parallel=True, loss_argument="reduce", record_replicas="magnitudes")
+        finally:
+            observed.detach()  # before the references run: they are not replicas
     refs = check.references(lambda _dtype: whole, loss_argument="the forward's loss")
     expected = refs.expected
     rows = check.compare(parallel_step, refs, outputs=False)
