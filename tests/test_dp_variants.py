@@ -206,3 +206,12 @@ def test_reduce_receives_the_split_the_wrapper_made() -> None:
     dpverify.assert_loss_reduction_matches_full_batch(built.module, built.inputs, device_ids=[0, 1, 2, 3], reduce=weighted, parallel=balanced)
     assert received == [[1, 3, 2, 2]]
     assert not built.module._forward_pre_hooks  # the user's module is left as it was
+
+
+def test_the_buffer_check_compares_with_what_replica_zero_really_ran() -> None:
+    from dpverify.models.specs import BufferCounter
+
+    x = torch.randn(8, 4)
+    balanced = functools.partial(BalancedDataParallel, 1)  # replica 0 gets 1 row, not 2
+    result = dpverify.assert_dp_buffers_match(BufferCounter(4, 3), x, device_ids=[0, 1, 2, 3], parallel=balanced)
+    assert "Replica 0 ran on 1 row;" in "\n".join(result.notes)

@@ -20,7 +20,9 @@ from torch.nn.parallel.scatter_gather import scatter_kwargs
 from dpverify.checks.dp import Check, Parallel, raise_unless_ok
 from dpverify.core.comparison import Msg, StepComparison, TensorComparison, compare_tensors
 from dpverify.core.step import convert_tensors, copy_module, default_dtype, seed_step
-from dpverify.core.virtual import virtual_primitives
+from dpverify.core.text import plural
+from dpverify.core.tree import tensor_leaves
+from dpverify.core.virtual import current_virtual_device, virtual_primitives
 
 __all__ = ["assert_dp_buffers_match"]
 
@@ -34,10 +36,32 @@ def _first_chunk(check: Check) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return tuple(inputs[0]), dict(kwargs[0])
 
 
+class _ReplicaZero:
+    """The arguments the replica on ``device_ids[0]`` really received: replica 0's chunk as
+    the wrapper split the batch (a balanced wrapper gives it fewer rows than torch would)."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.args: tuple[Any, ...] | None = None
+        self.kwargs: dict[str, Any] = {}
+
+    def see(self, replica: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        where = current_virtual_device()
+        if where is None:  # one device (the module itself), or a real GPU replica
+            first = next((x for _path, _keys, x in tensor_leaves(args) if x.dim() > 0), None)
+            where = first.device.index if first is not None and first.device.type == "cuda" else self.device
+        if where == self.device and self.args is None:
+            self.args = convert_tensors(args, None, torch.device("cpu"))
+            self.kwargs = convert_tensors(dict(kwargs), None, torch.device("cpu"))
+
+
 def _buffers_after_forward(
-    check: Check, args: tuple[Any, ...], kwargs: dict[str, Any], *, parallel: bool, dtype: torch.dtype | None
+    check: Check, args: tuple[Any, ...], kwargs: dict[str, Any], *, parallel: bool, dtype: torch.dtype | None,
+    replica_zero: _ReplicaZero | None = None,
 ) -> dict[str, torch.Tensor]:
     model = copy_module(check.module, dtype).to(check.device)
+    if replica_zero is not None:
+        model.register_forward_pre_hook(replica_zero.see, with_kwargs=True)
     args = convert_tensors(args, dtype, check.device)
     kwargs = convert_tensors(kwargs, dtype, check.device)
     fork_devices = [check.device] if check.device.type == "cuda" else []
@@ -85,8 +109,13 @@ def assert_dp_buffers_match(
         module, inputs, device_ids=device_ids, output_device=output_device, parallel=parallel,
         forward_kwargs=forward_kwargs,
     )
-    first_args, first_kwargs = _first_chunk(check)
-    actual = _buffers_after_forward(check, check.args, check.kwargs, parallel=True, dtype=None)
+    replica_zero = _ReplicaZero(check.device_ids[0])
+    actual = _buffers_after_forward(check, check.args, check.kwargs, parallel=True, dtype=None, replica_zero=replica_zero)
+    # what replica 0 really ran on (the wrapper's split), else torch's first chunk
+    if replica_zero.args is not None:
+        first_args, first_kwargs = replica_zero.args, replica_zero.kwargs
+    else:
+        first_args, first_kwargs = _first_chunk(check)
     expected = _buffers_after_forward(check, first_args, first_kwargs, parallel=False, dtype=None)
     anchor = _buffers_after_forward(check, first_args, first_kwargs, parallel=False, dtype=torch.float64)
     rows = []
@@ -99,8 +128,9 @@ def assert_dp_buffers_match(
             rows.append(compare_tensors(label, got, buffer, anchor[name], check.tolerance))
         else:
             rows.append(_compare_exact(label, got, buffer))
+    rows_zero = next((int(x.shape[0]) for _path, _keys, x in tensor_leaves(first_args) if x.dim() > 0), 0)
     notes = [
-        f"Replica 0 ran on {check.plan.chunk_sizes[0] if check.plan.chunk_sizes else 0} rows; "
+        f"Replica 0 ran on {plural(rows_zero, 'row')}; "
         "torch keeps its in-place buffer updates and drops the other replicas'."
     ]
     title = "Buffers after the parallel step must be those replica 0 left"
