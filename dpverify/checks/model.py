@@ -95,7 +95,7 @@ class PlannedCheck:
 
     @property
     def title(self) -> str:
-        return self.spec.title + (" (eval mode)" if self.eval_copy else "")
+        return self.spec.title_for(self.eval_copy)
 
     @property
     def split(self) -> Split:
@@ -145,10 +145,12 @@ def plan_checks(
     modules = [(model.module, False)]
     if divergence_sources(model.module):
         modules.append((copy.deepcopy(model.module).eval(), True))
+    # one batch per batch size, shared by its device counts and both modes
+    batches = {size: model.make_batch(size) for size in dict.fromkeys(size for size, _ in pairs)}
     planned: list[PlannedCheck] = []
     for module, eval_copy in modules:
         for batch_size, devices in pairs:
-            batch = model.make_batch(batch_size)
+            batch = batches[batch_size]
             case = Case(
                 module, batch.inputs, batch.target, batch.loss_fn, tuple(range(devices)),
                 per_row_mean_loss=batch.per_row_mean_loss,

@@ -233,7 +233,11 @@ class CheckResult:
     @property
     def worst(self) -> TensorComparison | None:
         """The worst failing tensor, if any."""
-        return max((t for t in self.tensors if not t.ok), key=lambda t: t.ratio, default=None)
+        return _worst(self.tensors)
+
+
+def _worst(tensors: Sequence[TensorComparison]) -> TensorComparison | None:
+    return max((t for t in tensors if not t.ok), key=lambda t: t.ratio, default=None)
 
 
 #: What a check's body returns: the comparison, or the loss-average report.
@@ -266,6 +270,10 @@ class CheckSpec:
     wanted: Callable[[Case], bool] = lambda case: True
     skip: Callable[[Case], str | None] = lambda case: None
     explains_divergence: bool = True
+
+    def title_for(self, eval_copy: bool) -> str:
+        """The table row's label, marked when the case is an eval-mode copy of the model."""
+        return self.title + (" (eval mode)" if eval_copy else "")
 
     def applies(self, case: Case) -> bool:
         """Whether the check is meant for ``case`` (it may still be skipped on its split)."""
@@ -304,7 +312,7 @@ class CheckSpec:
             InvalidArgument: ``case`` cannot be checked at all (for example a module without
                 trainable parameters); the message names the argument.
         """
-        title = self.title + (" (eval mode)" if eval_copy else "")
+        title = self.title_for(eval_copy)
         split = case.split
 
         def result(verdict: Verdict, summary: str, **fields: Any) -> CheckResult:
@@ -323,7 +331,7 @@ class CheckSpec:
             tensors = comparison.tensors if comparison is not None else ()
             if groups:
                 return _explained(result, groups, tensors)
-            worst = max((t for t in tensors if not t.ok), key=lambda t: t.ratio, default=None)
+            worst = _worst(tensors)
             summary = f"{worst.name}: {worst.max_abs:.3g} > {worst.allowed:.3g} allowed" if worst else str(failure).splitlines()[0]
             loss = failure.report if isinstance(failure.report, LossAverageReport) else None
             return result(
@@ -442,22 +450,21 @@ def _ddp() -> Any:
     return checks
 
 
-def _ddp_grads(case: Case, target: Target) -> Report:
-    assert case.loss_fn is not None
-    result: StepComparison = _ddp().assert_ddp_grads_match(
-        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
-        step=target.step, pool=target.pool, ddp_kwargs=target.ddp_kwargs,
-    )
-    return result
+def _ddp_helper(name: str, *, takes_step: bool = True, **options: Any) -> Body:
+    """A body calling ``dpverify.ddp.checks.<name>`` on the case's batch, over its world
+    size, with the target's ranks and DDP options (and its per-rank step, where the helper
+    takes one)."""
 
+    def body(case: Case, target: Target) -> Report:
+        assert case.loss_fn is not None
+        step = {"step": target.step} if takes_step else {}
+        result: StepComparison = getattr(_ddp(), name)(
+            case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
+            pool=target.pool, ddp_kwargs=target.ddp_kwargs, **step, **options,
+        )
+        return result
 
-def _ddp_accumulation(case: Case, target: Target) -> Report:
-    assert case.loss_fn is not None
-    result: StepComparison = _ddp().assert_ddp_accumulation_matches(
-        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
-        micro_batches=MICRO_BATCHES, step=target.step, pool=target.pool, ddp_kwargs=target.ddp_kwargs,
-    )
-    return result
+    return body
 
 
 def _ddp_training(case: Case, target: Target) -> Report:
@@ -467,33 +474,6 @@ def _ddp_training(case: Case, target: Target) -> Report:
     result: StepComparison = _ddp().assert_ddp_training_matches(
         case.module, list(batches), loss_fn=case.loss_fn, optimizer=optimizer, world_size=case.world_size,
         step=target.step, pool=target.pool, ddp_kwargs=target.ddp_kwargs,
-    )
-    return result
-
-
-def _ddp_buffers(case: Case, target: Target) -> Report:
-    assert case.loss_fn is not None
-    result: StepComparison = _ddp().assert_ddp_buffers_match(
-        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
-        pool=target.pool, ddp_kwargs=target.ddp_kwargs,
-    )
-    return result
-
-
-def _ddp_sync_batchnorm(case: Case, target: Target) -> Report:
-    assert case.loss_fn is not None
-    result: StepComparison = _ddp().assert_ddp_sync_batchnorm_matches(
-        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
-        pool=target.pool, ddp_kwargs=target.ddp_kwargs,
-    )
-    return result
-
-
-def _dp_ddp_agree(case: Case, target: Target) -> Report:
-    assert case.loss_fn is not None
-    result: StepComparison = _ddp().assert_dp_ddp_agree(
-        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
-        pool=target.pool, ddp_kwargs=target.ddp_kwargs,
     )
     return result
 
@@ -585,13 +565,13 @@ _SPECS = (
     CheckSpec(
         "ddp-grads", "DDP grads match one device", "ddp",
         "Every rank's gradients after a DDP step equal the single-device full-batch step's.",
-        _ddp_grads, skip=_ddp_skip,
+        _ddp_helper("assert_ddp_grads_match"), skip=_ddp_skip,
     ),
     CheckSpec(
         "ddp-accumulation", f"no_sync accumulation, k={MICRO_BATCHES}", "ddp",
         f"Accumulating {MICRO_BATCHES} micro-batches per rank under no_sync() gives the full-batch "
         "gradient, with one synchronisation.",
-        _ddp_accumulation, skip=functools.partial(_ddp_skip, rows_per_rank=MICRO_BATCHES),
+        _ddp_helper("assert_ddp_accumulation_matches", micro_batches=MICRO_BATCHES), skip=functools.partial(_ddp_skip, rows_per_rank=MICRO_BATCHES),
     ),
     CheckSpec(
         "ddp-training", f"training, {TRAINING_STEPS} optimizer steps", "ddp",
@@ -601,18 +581,18 @@ _SPECS = (
     CheckSpec(
         "ddp-buffers", "DDP buffers come from rank 0", "ddp",
         "DDP broadcasts rank 0's buffers before each forward.",
-        _ddp_buffers, wanted=_train_buffers, skip=_ddp_skip, explains_divergence=False,
+        _ddp_helper("assert_ddp_buffers_match", takes_step=False), wanted=_train_buffers, skip=_ddp_skip, explains_divergence=False,
     ),
     CheckSpec(
         "ddp-sync-batchnorm", "SyncBatchNorm = full-batch BN", "ddp",
         "SyncBatchNorm over the ranks normalises with the full batch's statistics.",
-        _ddp_sync_batchnorm, wanted=_has_batchnorm, skip=_ddp_skip, explains_divergence=False,
+        _ddp_helper("assert_ddp_sync_batchnorm_matches", takes_step=False), wanted=_has_batchnorm, skip=_ddp_skip, explains_divergence=False,
     ),
     CheckSpec(
         "dp-ddp-agree", "DP = DDP", "ddp",
         "DataParallel and DDP give the same gradients for the same loss code (they do for a "
         "mean loss; a sum loss differs by the world size).",
-        _dp_ddp_agree, skip=_ddp_skip,
+        _ddp_helper("assert_dp_ddp_agree", takes_step=False), skip=_ddp_skip,
     ),
 )
 
