@@ -21,8 +21,8 @@ from dpverify.checks.dp import Check, Parallel, raise_unless_ok
 from dpverify.core.comparison import Msg, StepComparison, TensorComparison, compare_tensors
 from dpverify.core.step import convert_tensors, copy_module, default_dtype, seed_step
 from dpverify.core.text import plural
-from dpverify.core.tree import tensor_leaves
-from dpverify.core.virtual import current_virtual_device, virtual_primitives
+from dpverify.core.tree import first_batched
+from dpverify.core.virtual import replica_device, virtual_primitives
 
 __all__ = ["assert_dp_buffers_match"]
 
@@ -46,10 +46,9 @@ class _ReplicaZero:
         self.kwargs: dict[str, Any] = {}
 
     def see(self, replica: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        where = current_virtual_device()
-        if where is None:  # one device (the module itself), or a real GPU replica
-            first = next((x for _path, _keys, x in tensor_leaves(args) if x.dim() > 0), None)
-            where = first.device.index if first is not None and first.device.type == "cuda" else self.device
+        where = replica_device(first_batched(args))
+        if where is None:  # one device: the module itself, on device_ids[0]
+            where = self.device
         if where == self.device and self.args is None:
             self.args = convert_tensors(args, None, torch.device("cpu"))
             self.kwargs = convert_tensors(dict(kwargs), None, torch.device("cpu"))
@@ -128,7 +127,8 @@ def assert_dp_buffers_match(
             rows.append(compare_tensors(label, got, buffer, anchor[name], check.tolerance))
         else:
             rows.append(_compare_exact(label, got, buffer))
-    rows_zero = next((int(x.shape[0]) for _path, _keys, x in tensor_leaves(first_args) if x.dim() > 0), 0)
+    first = first_batched(first_args)
+    rows_zero = int(first.shape[0]) if first is not None else 0
     notes = [
         f"Replica 0 ran on {plural(rows_zero, 'row')}; "
         "torch keeps its in-place buffer updates and drops the other replicas'."

@@ -30,8 +30,8 @@ from dpverify.core.comparison import Msg, StepComparison
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.numerics import max_abs
 from dpverify.core.step import convert_tensors, default_dtype, seed_step
-from dpverify.core.tree import tensor_leaves
-from dpverify.core.virtual import SCALAR_GATHER_WARNING, current_virtual_device
+from dpverify.core.tree import first_batched, tensor_leaves
+from dpverify.core.virtual import SCALAR_GATHER_WARNING, replica_device
 
 __all__ = [
     "LossAverageReport",
@@ -108,20 +108,14 @@ class _ObservedRows:
         return self
 
     def _see(self, replica: nn.Module, args: Any) -> None:
-        first = next((x for _path, _keys, x in tensor_leaves(args) if x.dim() > 0), None)
+        first = first_batched(args)
         if first is None:
             return
-        device = current_virtual_device()
-        if device is None:
-            device = first.device.index if first.device.index is not None else self.order_default()
-        key = self.order.get(device, len(self.order))
+        device = replica_device(first)
+        # a forward outside any replica: one device, the module itself on device_ids[0]
+        key = self.order.get(device, len(self.order)) if device is not None else 0
         with self._lock:  # replicas run in concurrent threads
             self.rows.append((key, int(first.shape[0])))
-
-    def order_default(self) -> int:
-        """The device of a forward that runs outside any replica (one device: the module
-        itself, on device_ids[0])."""
-        return next(iter(self.order), 0)
 
     def detach(self) -> None:
         self._handle.remove()

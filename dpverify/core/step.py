@@ -15,8 +15,8 @@ from torch import nn
 from dpverify.core.comparison import Terms
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.numerics import max_abs
-from dpverify.core.tree import map_tensors, tensor_leaves
-from dpverify.core.virtual import current_virtual_device
+from dpverify.core.tree import first_batched, map_tensors, tensor_leaves
+from dpverify.core.virtual import replica_device
 
 __all__ = [
     "ReplicaGradRecorder",
@@ -47,10 +47,9 @@ def as_inputs(inputs: Any) -> tuple[Any, ...]:
 
 def batch_size_of(inputs: tuple[Any, ...], *, argument: str = "inputs") -> int:
     """Rows along dim 0 of the first tensor argument; an empty batch is an error."""
-    for _path, _keys, tensor in tensor_leaves(inputs):
-        if tensor.dim() == 0:
-            continue
-        rows = int(tensor.size(0))
+    first = first_batched(inputs)
+    if first is not None:
+        rows = int(first.size(0))
         if rows == 0:
             raise InvalidArgument(
                 f"{argument} has an empty batch (0 rows along dim 0); pass at least one row"
@@ -171,7 +170,7 @@ class ReplicaGradRecorder:
     def _on_forward(self, replica: nn.Module, args: Any) -> None:
         # Each call of the root module is one replica's forward. (Not keyed by id(replica):
         # a wrapper may free a replica before building the next, and ids get reused.)
-        first = next((tensor for _path, _keys, tensor in tensor_leaves(args) if tensor.dim() > 0), None)
+        first = first_batched(args)
         with self._lock:  # real DataParallel runs replicas in concurrent threads
             key = len(self.contributions)
             self.contributions[key] = {}
@@ -181,10 +180,7 @@ class ReplicaGradRecorder:
             tensor = getattr(replica.get_submodule(module_path), attr, None)
             if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
                 continue
-            device = current_virtual_device()
-            if device is None and tensor.device.type == "cuda":
-                device = tensor.device.index
-            self.replica_devices[key] = device
+            self.replica_devices[key] = replica_device(tensor)
             self._handles.append(tensor.register_hook(self._recorder(key, name)))
 
     def _recorder(self, key: int, name: str) -> Callable[[torch.Tensor], None]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["map_tensors", "tensor_leaves"]
+__all__ = ["first_batched", "map_tensors", "tensor_leaves"]
 
 
 def _children(obj: Any) -> Iterator[tuple[Any, str, Any]] | None:
@@ -60,3 +60,9 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(obj, dict):
         return type(obj)((key, map_tensors(item, fn)) for key, item in obj.items())
     return obj
+
+
+def first_batched(obj: Any) -> torch.Tensor | None:
+    """The first tensor of ``obj`` with a batch dimension (not a scalar), in
+    ``tensor_leaves``' order: the one whose rows say how a call's batch was split."""
+    return next((tensor for _path, _keys, tensor in tensor_leaves(obj) if tensor.dim() > 0), None)

@@ -131,6 +131,7 @@ __all__ = [
     "VirtualDataParallel",
     "current_virtual_device",
     "data_parallel",
+    "replica_device",
     "virtual_devices",
     "virtual_primitives",
 ]
@@ -163,6 +164,16 @@ def current_virtual_device() -> int | None:
     ``torch.cuda.device(i)`` (or ``torch.cuda.set_device(i)``) selects device ``i``.
     """
     return _state.device
+
+
+def replica_device(tensor: torch.Tensor | None) -> int | None:
+    """The device of the replica running in the calling thread: its virtual device, else
+    the CUDA device ``tensor`` (one of its arguments or parameters) is on; None for a host
+    forward outside any replica."""
+    device = current_virtual_device()
+    if device is None and tensor is not None and tensor.device.type == "cuda":
+        device = tensor.device.index
+    return device
 
 
 def _copy_to(chunk: torch.Tensor, device: int, source: int) -> torch.Tensor:
