@@ -30,7 +30,7 @@ from torch import nn
 
 from dpverify.checks.loss_average import chunk_weighted_loss
 from dpverify.checks.registry import CHECKS, MICRO_BATCHES, Case, Target
-from dpverify.core.tree import map_tensors
+from dpverify.core.tree import concatenate, first_batched, map_tensors
 from dpverify.core.virtual import VirtualDataParallel
 from dpverify.ddp.rank import ShardContext
 from dpverify.models.specs import KINDS
@@ -40,17 +40,20 @@ __all__ = [
     "MUTANTS",
     "PROPERTIES",
     "AveragingDataParallel",
+    "BalancedDropsChunkDataParallel",
     "BalancedOffsetDataParallel",
     "DeepCopyDataParallel",
     "DetachedReplicasDataParallel",
-    "EvenSplitDataParallel",
     "LastReplicaBuffersDataParallel",
+    "MeanCriterionParallel",
     "Mutant",
     "OutputDeviceFirstDataParallel",
     "Property",
+    "ReplicaOutputsDataParallel",
     "ReversedGatherDataParallel",
     "ScratchDataParallel",
     "TinyErrorDataParallel",
+    "WeightedCriterionParallel",
     "forward_outside_no_sync_step",
     "manual_allreduce_step",
     "mean_of_replica_losses",
@@ -105,30 +108,6 @@ class DetachedReplicasDataParallel(VirtualDataParallel[Any]):
                 for name in list(getattr(sub, "_former_parameters", {})):
                     setattr(sub, name, getattr(sub, name).detach())
         return replicas
-
-
-class EvenSplitDataParallel(VirtualDataParallel[Any]):
-    """Splits the batch like ``numpy.array_split`` (sizes differ by at most one) instead of
-    ``torch.chunk``: 5 rows on 4 devices become [2, 1, 1, 1] instead of [2, 2, 1].
-
-    Gradients of a loss over the gathered batch are still right; what breaks is every
-    computation that assumes torch's chunk sizes, such as weighting replica losses by
-    ``dpverify.chunk_sizes`` or expecting idle devices.
-    """
-
-    def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Sequence[int | torch.device]) -> Any:
-        def split(value: Any, n: int) -> list[Any]:
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                sizes = [len(part) for part in torch.arange(value.shape[0]).tensor_split(n)]
-                return list(value.split([s for s in sizes if s > 0]))
-            return [value] * n
-
-        n = min(len(device_ids), _rows(inputs, kwargs))
-        columns = [split(arg, n) for arg in inputs]
-        kw_columns = {k: split(v, n) for k, v in (kwargs or {}).items()}
-        scattered = tuple(tuple(column[i] for column in columns) for i in range(n))
-        scattered_kwargs = tuple({k: column[i] for k, column in kw_columns.items()} for i in range(n))
-        return scattered, scattered_kwargs
 
 
 def _rows(inputs: tuple[Any, ...], kwargs: dict[str, Any] | None) -> int:
@@ -222,6 +201,107 @@ class BalancedOffsetDataParallel(nn.DataParallel[Any]):
         return scattered, scattered_kwargs
 
 
+class BalancedDropsChunkDataParallel(nn.DataParallel[Any]):
+    """A balanced-chunk DataParallel that keeps the first device free for the loss: device
+    0 takes one row fewer than an even share and the others split the rest, as
+    ``BalancedOffsetDataParallel`` does with the right offsets. The bug: it replicates the
+    module for one device fewer ("device 0 is busy with the loss") but still splits the
+    batch over all of them, and zips replicas with chunks, so the last chunk never runs.
+
+    A plain ``torch.nn.DataParallel`` subclass (its own ``scatter`` and ``forward``).
+    """
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if not self.device_ids:
+            return self.module(*inputs, **kwargs)
+        scattered, scattered_kwargs = self.scatter(inputs, kwargs, self.device_ids)
+        if len(scattered) < 3:
+            return super().forward(*inputs, **kwargs)
+        used = self.device_ids[: len(scattered) - 1]  # bug: one replica fewer than chunks
+        replicas = self.replicate(self.module, used)
+        chunks = list(zip(replicas, scattered, scattered_kwargs, strict=False))
+        outputs = self.parallel_apply([r for r, _a, _k in chunks], [a for _r, a, _k in chunks], [k for _r, _a, k in chunks])
+        return self.gather(outputs, self.output_device)
+
+    def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[Any]) -> Any:
+        first_input = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+        n = len(device_ids)
+        rows = first_input.size(self.dim) if first_input is not None else 0
+        if n < 2 or rows <= n:
+            return super().scatter(inputs, kwargs, device_ids)
+        first = max(1, rows // n - 1)
+        share, extra = divmod(rows - first, n - 1)
+        sizes = [first] + [share + (1 if i < extra else 0) for i in range(n - 1)]
+        starts = [sum(sizes[:i]) for i in range(n)]
+
+        def rows_of(device: int) -> Callable[[torch.Tensor], torch.Tensor]:
+            def take(x: torch.Tensor) -> torch.Tensor:
+                if x.dim() == 0 or x.size(self.dim) != rows:
+                    return x
+                return x.narrow(self.dim, starts[device], sizes[device])
+
+            return take
+
+        scattered = tuple(tuple(map_tensors(inputs, rows_of(i))) for i in range(n))
+        scattered_kwargs = tuple(map_tensors(dict(kwargs or {}), rows_of(i)) for i in range(n))
+        return scattered, scattered_kwargs
+
+
+class ReplicaOutputsDataParallel(nn.DataParallel[Any]):
+    """The model half of a model/criterion pair: torch's DataParallel that leaves each
+    replica's output where it was computed, one per replica, instead of gathering them
+    (the criterion wrapper computes the loss next to them). Correct; pass it as
+    ``parallel=`` with a criterion wrapper as ``parallel_loss_fn=``."""
+
+    def gather(self, outputs: Any, output_device: Any) -> Any:
+        return list(outputs)
+
+
+class _CriterionParallel(nn.DataParallel[Any]):
+    """The criterion half of a model/criterion pair: scatters the target like the inputs,
+    runs a replica of the criterion next to each replica's output, and combines the
+    replicas' losses (gathered to the output device, one entry each) with ``combine``."""
+
+    def forward(self, outputs: Any, *targets: Any, **kwargs: Any) -> Any:
+        if not isinstance(outputs, list):  # one device: DataParallel ran the module on the batch
+            return self.module(outputs, *targets, **kwargs)
+        used = self.device_ids[: len(outputs)]
+        scattered, scattered_kwargs = self.scatter(targets, kwargs, used)
+        replicas = self.replicate(self.module, used)
+        arguments = [(output, *target) for output, target in zip(outputs, scattered, strict=True)]
+        losses = self.parallel_apply(replicas, arguments, scattered_kwargs)
+        gathered = self.gather([loss.reshape(1) for loss in losses], self.output_device)
+        rows = [_first_rows(output, self.dim) for output in outputs]
+        return self.combine(gathered, rows)
+
+    def combine(self, losses: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _first_rows(output: Any, dim: int) -> int:
+    """Rows along ``dim`` of the first batched tensor of one replica's output."""
+    first = first_batched(output)
+    return int(first.size(dim)) if first is not None else 1
+
+
+class MeanCriterionParallel(_CriterionParallel):
+    """A criterion wrapper that averages the replicas' mean losses with ``.mean()``: each
+    replica's loss gets weight ``1/n`` whatever its rows, so on uneven chunks the loss and
+    every gradient are off (the loss-averaging trap, inside a criterion wrapper)."""
+
+    def combine(self, losses: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return losses.mean()
+
+
+class WeightedCriterionParallel(_CriterionParallel):
+    """A correct criterion wrapper: each replica's mean loss weighted by its share of the
+    rows, ``sum(n_i * loss_i) / B``, the full-batch mean loss on any split (what
+    ``MeanCriterionParallel`` is compared with)."""
+
+    def combine(self, losses: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return chunk_weighted_loss(losses, rows)
+
+
 class DeepCopyDataParallel(nn.Module):
     """Runs a ``copy.deepcopy`` of the module on each chunk: the copies are not connected
     to the module by autograd, so no gradient ever reaches its parameters."""
@@ -232,7 +312,7 @@ class DeepCopyDataParallel(nn.Module):
         self.n = len(device_ids) if device_ids else 2
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        return _gather_outputs([copy.deepcopy(self.module)(*a, **k) for a, k in _chunk_call(inputs, kwargs, self.n)])
+        return concatenate([copy.deepcopy(self.module)(*a, **k) for a, k in _chunk_call(inputs, kwargs, self.n)])
 
 
 def _chunk_call(inputs: tuple[Any, ...], kwargs: dict[str, Any], n: int) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
@@ -249,21 +329,6 @@ def _chunk_call(inputs: tuple[Any, ...], kwargs: dict[str, Any], n: int) -> list
     return [
         (tuple(c[i] for c in columns), {k: c[i] for k, c in kw_columns.items()}) for i in range(count)
     ]
-
-
-def _gather_outputs(outputs: list[Any]) -> Any:
-    first = outputs[0]
-    if isinstance(first, torch.Tensor):
-        if first.dim() == 0:
-            return torch.stack(outputs)
-        return torch.cat(outputs)
-    if isinstance(first, dict):
-        return type(first)((k, _gather_outputs([o[k] for o in outputs])) for k in first)
-    if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*(_gather_outputs(list(parts)) for parts in zip(*outputs, strict=True)))
-    if isinstance(first, (tuple, list)):
-        return type(first)(_gather_outputs(list(parts)) for parts in zip(*outputs, strict=True))
-    return first
 
 
 def _replicate(module: nn.Module, index: int, aliases: dict[int, torch.Tensor]) -> nn.Module:
@@ -322,7 +387,7 @@ class ScratchDataParallel(nn.Module):
                 "will instead unsqueeze and return a vector.",
                 stacklevel=2,
             )
-        return _gather_outputs(outputs)
+        return concatenate(outputs)
 
 
 def mean_of_replica_losses(losses: torch.Tensor, chunk_sizes: list[int]) -> torch.Tensor:
@@ -495,12 +560,15 @@ class Mutant:
     Attributes:
         name: short identifier.
         implementation: the wrapper class, reduction function or DDP step.
-        kind: ``"dp"`` (a DataParallel-like wrapper), ``"reduce"`` (a reduction of
-            per-replica losses) or ``"ddp-step"`` (a per-rank DDP training step).
+        kind: ``"dp"`` (a DataParallel-like wrapper), ``"criterion"`` (the criterion
+            wrapper of a model/criterion pair, whose model wrapper is ``model``),
+            ``"reduce"`` (a reduction of per-replica losses) or ``"ddp-step"`` (a per-rank
+            DDP training step).
         bug: what is wrong, in one sentence.
         caught_by: the registry check that catches it (a key of ``CHECKS`` and
             ``PROPERTIES``).
         message: a phrase the failure message contains, pointing at the bug.
+        model: a criterion mutant's model wrapper (correct: the bug is the criterion's).
     """
 
     name: str
@@ -509,18 +577,22 @@ class Mutant:
     bug: str
     caught_by: str
     message: str
+    model: Callable[..., Any] | None = None
 
     @property
     def target(self) -> Target:
-        """The mutant as the code under test: ``Target(parallel=...)``, ``Target(reduce=...)``
-        or ``Target(step=...)`` by its kind."""
+        """The mutant as the code under test: ``Target(parallel=...)``, a pair
+        ``Target(parallel=model, parallel_loss=...)``, ``Target(reduce=...)`` or
+        ``Target(step=...)`` by its kind."""
         if self.kind == "dp":
             return Target(parallel=self.implementation)
+        if self.kind == "criterion":
+            return Target(parallel=self.model, parallel_loss=self.implementation)
         if self.kind == "reduce":
             return Target(reduce=self.implementation)
         if self.kind == "ddp-step":
             return Target(step=self.implementation)
-        raise ValueError(f"mutant {self.name!r} has kind {self.kind!r}; expected 'dp', 'reduce' or 'ddp-step'")
+        raise ValueError(f"mutant {self.name!r} has kind {self.kind!r}; expected 'dp', 'criterion', 'reduce' or 'ddp-step'")
 
     def check(self, scenario: Scenario) -> None:
         """Runs the catching check on one scenario with this mutant (raises when caught)."""
@@ -534,11 +606,12 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("averaging", AveragingDataParallel, "dp", "averages replica gradients instead of summing them", "dp-grads", "the replica gradients were averaged"),
         Mutant("deep-copy", DeepCopyDataParallel, "dp", "runs a deep copy per replica, so no gradient reaches the module", "dp-grads", "No gradient reached the module's parameters"),
         Mutant("detached-replicas", DetachedReplicasDataParallel, "dp", "detaches every replica but the first", "dp-grad-sum", "accumulated grad"),
-        Mutant("even-split", EvenSplitDataParallel, "dp", "splits like array_split instead of torch.chunk", "dp-grad-sum", "= full / "),
         Mutant("reversed-gather", ReversedGatherDataParallel, "dp", "gathers outputs in reverse replica order", "dp-grads", "gathered out of order"),
         Mutant("output-device-first", OutputDeviceFirstDataParallel, "dp", "puts the output device's chunk first when gathering", "dp-grads", "gathered out of order"),
         Mutant("last-replica-buffers", LastReplicaBuffersDataParallel, "dp", "keeps the last replica's buffers instead of the first's", "dp-buffers", "buffer '"),
         Mutant("balanced-offset", BalancedOffsetDataParallel, "dp", "a balanced-chunk DataParallel whose chunks start at a fixed stride, so they overlap and the last rows are lost", "dp-grads", "tensors are not close"),
+        Mutant("balanced-drops-chunk", BalancedDropsChunkDataParallel, "dp", "a balanced-chunk DataParallel that replicates for one device fewer than it splits for, so the last chunk never runs", "dp-grads", "reached no replica"),
+        Mutant("criterion-mean-of-means", MeanCriterionParallel, "criterion", "a criterion wrapper that averages the replicas' mean losses, weighting uneven chunks alike", "dp-grads", "The loss-averaging trap", model=ReplicaOutputsDataParallel),
         Mutant("tiny-error", TinyErrorDataParallel, "dp", "scales one parameter's gradient by 1 + 1e-4", "dp-grads", "tensors are not close"),
         Mutant("mean-of-means", mean_of_replica_losses, "reduce", "averages per-replica losses with loss.mean() on uneven chunks", "dp-weighted-loss", "The chunks are uneven"),
         Mutant("ddp-summed-loss", summed_loss_step, "ddp-step", "sums each rank's losses and never divides by the batch", "ddp-grads", "the sum over the rank's rows"),

@@ -29,7 +29,7 @@ def test_correct_data_parallel_passes(name: str, batch: int, ids: list[int]) -> 
     assert {t.name for t in result.tensors} >= {"output", "loss"}
     grads = dpverify.assert_grad_sum_equals_mean_loss_grad(case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=ids)
     replicas = len(dpverify.chunk_sizes(batch, len(ids)))
-    assert f"{replicas} replicas contributed" in " ".join(grads.notes)
+    assert f"{replicas} replica{'s' if replicas != 1 else ''} contributed" in " ".join(grads.notes)
     assert len(grads.contrasts) == (len(case.module.state_dict()) if replicas > 1 else 0)
 
 
@@ -74,7 +74,7 @@ def test_sum_helper_with_one_replica_has_no_contrast() -> None:
     assert case.loss_fn is not None
     result = dpverify.assert_grad_sum_equals_mean_loss_grad(case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=[0, 1])
     assert result.contrasts == ()
-    assert "1 replicas contributed" in result.notes[0]
+    assert "1 replica contributed (chunks [1])" in result.notes[0]
 
 
 def test_sum_helper_fails_when_the_wrapper_never_calls_the_module() -> None:

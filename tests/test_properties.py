@@ -55,7 +55,7 @@ def test_replica_grads_sum_to_the_full_grad_and_average_to_it_over_replicas_used
     result = CHECKS["dp-grad-sum"].check(Case.from_scenario(scenario))
     assert isinstance(result, dpverify.StepComparison)
     replicas = len(scenario.chunk_sizes)  # can be fewer than the devices
-    assert result.notes[0].startswith(f"{replicas} replicas contributed")
+    assert result.notes[0] == f"{replicas} replica{'s' if replicas != 1 else ''} contributed (chunks {scenario.chunk_sizes})."
     averages = [t for t in result.tensors if t.name.startswith("average of replica grads")]
     assert averages
     assert all(t.name.endswith(f"= full / {replicas}") and t.ok for t in averages)

@@ -32,7 +32,7 @@ def _first_chunk(check: Check) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if len(check.device_ids) == 1:
         return check.args, check.kwargs
     with torch.no_grad(), virtual_primitives(views_only=True):
-        inputs, kwargs = scatter_kwargs(check.args, check.kwargs, check.device_ids, 0)
+        inputs, kwargs = scatter_kwargs(check.args, check.kwargs, check.device_ids, check.dim)
     return tuple(inputs[0]), dict(kwargs[0])
 
 
@@ -89,6 +89,7 @@ def assert_dp_buffers_match(
     parallel: Parallel | None = None,
     forward_kwargs: Mapping[str, Any] | None = None,
     msg: Msg = None,
+    dim: int = 0,
 ) -> StepComparison:
     """Asserts the module's buffers after a parallel forward are replica 0's.
 
@@ -106,7 +107,7 @@ def assert_dp_buffers_match(
     __tracebackhide__ = True
     check = Check.create(
         module, inputs, device_ids=device_ids, output_device=output_device, parallel=parallel,
-        forward_kwargs=forward_kwargs,
+        forward_kwargs=forward_kwargs, dim=dim,
     )
     replica_zero = _ReplicaZero(check.device_ids[0])
     actual = _buffers_after_forward(check, check.args, check.kwargs, parallel=True, dtype=None, replica_zero=replica_zero)
@@ -128,7 +129,7 @@ def assert_dp_buffers_match(
         else:
             rows.append(_compare_exact(label, got, buffer))
     first = first_batched(first_args)
-    rows_zero = int(first.shape[0]) if first is not None else 0
+    rows_zero = int(first.shape[check.dim]) if first is not None else 0
     notes = [
         f"Replica 0 ran on {plural(rows_zero, 'row')}; "
         "torch keeps its in-place buffer updates and drops the other replicas'."

@@ -31,13 +31,31 @@ from dpverify.core.divergence import divergence_sources
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.core.scatter import ScatterPlan, plan_scatter
 from dpverify.core.step import StepResult, as_inputs, batch_size_of, first_parameter_dtype, run_step
+from dpverify.core.tree import map_tensors
 from dpverify.core.validation import require_callable, require_mapping, require_module_with_grads
 from dpverify.core.virtual import data_parallel, virtual_devices
 
-__all__ = ["Check", "assert_dp_grads_match", "assert_grad_sum_equals_mean_loss_grad", "raise_unless_ok", "require_loss_fn"]
+__all__ = ["Check", "LossModule", "assert_dp_grads_match", "assert_grad_sum_equals_mean_loss_grad", "raise_unless_ok", "require_loss_fn"]
 
 Parallel = Callable[..., Callable[..., Any]]
 LossFn = Callable[[Any, Any], torch.Tensor]
+#: ``parallel_loss_fn(criterion, device_ids=..., output_device=...)`` -> ``loss(outputs, target)``
+ParallelLoss = Callable[..., Callable[[Any, Any], torch.Tensor]]
+
+
+class LossModule(nn.Module):
+    """A loss function as a module, for criterion wrappers that replicate their criterion
+    (``parallel_loss_fn`` receives ``loss_fn`` as one of these when it is a plain function)."""
+
+    def __init__(self, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+
+    def forward(self, output: Any, target: Any) -> torch.Tensor:
+        return self.loss_fn(output, target)
+
+    def extra_repr(self) -> str:
+        return getattr(self.loss_fn, "__qualname__", type(self.loss_fn).__name__)
 
 
 @dataclass(frozen=True)
@@ -58,6 +76,8 @@ class Check:
     plan: ScatterPlan
     tolerance: Tolerance
     dtype: torch.dtype
+    dim: int = 0
+    parallel_loss: ParallelLoss | None = None
 
     @classmethod
     def create(
@@ -71,6 +91,8 @@ class Check:
         rtol: float | None = None,
         atol: float | None = None,
         forward_kwargs: Mapping[str, Any] | None = None,
+        dim: int = 0,
+        parallel_loss_fn: ParallelLoss | None = None,
     ) -> Check:
         require_module_with_grads(module, why="there is no gradient to compare")
         if parallel is not None:
@@ -78,17 +100,24 @@ class Check:
                 parallel, "parallel",
                 "a DataParallel-like class or function (module, device_ids=..., output_device=...) -> module",
             )
+        if parallel_loss_fn is not None:
+            require_callable(
+                parallel_loss_fn, "parallel_loss_fn",
+                "a criterion wrapper (criterion, device_ids=..., output_device=...) -> loss(outputs, target)",
+            )
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise InvalidArgument(f"dim={dim!r} must be an int, the dimension the batch is split along")
         ids = normalize_device_ids(device_ids)
         target = normalize_output_device(output_device, ids)
         args = as_inputs(inputs)
-        batch_size_of(args)
+        batch_size_of(args, dim=dim)
         kwargs: dict[str, Any] = {}
         if forward_kwargs is not None:
             kwargs = dict(require_mapping(forward_kwargs, "forward_kwargs", "{'attention_mask': mask}"))
         # Real devices when they exist, for torch's DataParallel and a user's wrapper alike.
         real = cuda_device_count() > max(ids)
         device = torch.device("cuda", ids[0]) if real else torch.device("cpu")
-        plan = plan_scatter(args, kwargs, ids)
+        plan = plan_scatter(args, kwargs, ids, dim=dim)
         return cls(
             module=module,
             args=args,
@@ -100,25 +129,64 @@ class Check:
             plan=plan,
             tolerance=Tolerance(rtol=rtol, atol=atol),
             dtype=first_parameter_dtype(module),
+            dim=dim,
+            parallel_loss=parallel_loss_fn,
         )
 
     @property
     def scenario(self) -> str:
         where = "the host" if self.output_device == -1 else f"device {self.output_device}"
-        wrapper = getattr(self.parallel, "__qualname__", type(self.parallel).__name__)
-        return f"{self.plan.describe()}; outputs gathered on {where}; wrapper {wrapper}"
+        text = f"{self.plan.describe()}"
+        if self.dim != 0:
+            text += f" along dim {self.dim}"
+        text += f"; outputs gathered on {where}; wrapper {_name(self.parallel)}"
+        if self.parallel_loss is not None:
+            text += f"; criterion wrapper {_name(self.parallel_loss)}"
+        return text
 
     def devices(self) -> contextlib.AbstractContextManager[Any]:
-        """Where the parallel step runs: a wrapper of the user's inside ``virtual_devices``
-        where the CUDA devices are missing (torch.nn.DataParallel or a subclass built without
-        them sets device_ids=[] and runs the module once on the whole batch, which would check
-        nothing); torch's own through ``data_parallel``, which picks real or virtual itself."""
-        if self.parallel is not data_parallel and self.device.type == "cpu":
+        """Where the parallel step runs: a wrapper or criterion wrapper of the user's inside
+        ``virtual_devices`` where the CUDA devices are missing (torch.nn.DataParallel or a
+        subclass built without them sets device_ids=[] and runs the module once on the whole
+        batch, which would check nothing); torch's own through ``data_parallel``, which
+        picks real or virtual itself."""
+        users = self.parallel is not data_parallel or self.parallel_loss is not None
+        if users and self.device.type == "cpu":
             return virtual_devices(max(self.device_ids) + 1)
         return contextlib.nullcontext()
 
+    def wrapper_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments a wrapper is built with: ``dim`` only when it is not 0, so
+        that wrappers without a ``dim`` parameter work on the usual split."""
+        kwargs: dict[str, Any] = {"device_ids": self.device_ids, "output_device": self.output_device}
+        if self.dim != 0:
+            kwargs["dim"] = self.dim
+        return kwargs
+
     def wrap(self, model: nn.Module) -> Callable[..., Any]:
-        return self.parallel(model, device_ids=self.device_ids, output_device=self.output_device)
+        return self.parallel(model, **self.wrapper_kwargs())
+
+    def parallel_loss_of(self, loss_fn: LossFn, target: Any) -> Callable[[Any], torch.Tensor]:
+        """The parallel step's loss of its output: ``loss_fn(output, target)``, or the
+        criterion wrapper's loss, the wrapper built on first use (inside ``devices()``,
+        where it sees the virtual devices) around ``loss_fn`` as a module."""
+        if self.parallel_loss is None:
+            return _loss_of(loss_fn, target)
+        require_loss_fn(loss_fn)
+        factory = self.parallel_loss
+        built: list[Callable[[Any, Any], torch.Tensor]] = []
+        kwargs = {"device_ids": self.device_ids, "output_device": self.output_device}
+        if self.dim != 0:
+            kwargs["dim"] = self.dim
+
+        def loss(output: Any) -> torch.Tensor:
+            if not built:
+                criterion = loss_fn if isinstance(loss_fn, nn.Module) else LossModule(loss_fn)
+                built.append(factory(criterion, **kwargs))
+            result: torch.Tensor = built[0](output, target)
+            return result
+
+        return loss
 
     def run(
         self,
@@ -136,6 +204,7 @@ class Check:
         if dtype == torch.float64:
             stage = "float64 single-device"
         devices = self.devices() if parallel else contextlib.nullcontext()
+        rows: list[int] = []
         try:
             with devices:
                 return run_step(
@@ -150,10 +219,22 @@ class Check:
                     kwargs=self.kwargs,
                     measure_terms=measure_terms,
                     jitter=jitter,
+                    dim=self.dim,
+                    rows_seen=rows,
+                    device_ids=self.device_ids,
                 )
         except InvalidArgument:
             raise
         except Exception as error:
+            lost = sum(self.plan.chunk_sizes) - sum(rows)
+            if parallel and rows and lost > 0:
+                raise ParallelMismatch(
+                    f"The parallel step raised {type(error).__name__} after its wrapper lost rows of the "
+                    f"batch: {len(rows)} replica forward{'s' if len(rows) != 1 else ''} received chunks of "
+                    f"{rows} rows, {sum(rows)} of {sum(self.plan.chunk_sizes)} ({lost} reached no replica), "
+                    f"so what comes back no longer lines up with the batch. {type(error).__name__}: "
+                    f"{str(error).splitlines()[0] if str(error) else ''}\nScenario: {self.scenario}."
+                ) from error
             error.add_note(f"dpverify: raised by the {stage} step. Scenario: {self.scenario}.")
             for source in divergence_sources(self.module):
                 error.add_note(f"dpverify: {source.describe()}")
@@ -263,7 +344,7 @@ class Check:
 
         rows: list[TensorComparison] = []
         if outputs:
-            actual_outputs = dict(actual.outputs)
+            actual_outputs = dict(compared_outputs(actual, expected))
             for path, tensor in expected.outputs:
                 if path not in actual_outputs:
                     rows.append(TensorComparison(path, tuple(tensor.shape), tensor.numel(), mismatched=tensor.numel(), problem="is missing from the parallel step's output"))
@@ -336,6 +417,25 @@ class Check:
         )
 
 
+def compared_outputs(actual: StepResult, expected: StepResult) -> tuple[tuple[str, torch.Tensor], ...]:
+    """The parallel step's outputs as compared with the single-device ones: as returned,
+    or, when the wrapper returned one output per replica (a list of them, where the module
+    returns one structure), those outputs concatenated along the split dimension."""
+    paths = [path for path, _tensor in expected.outputs]
+    if actual.gathered is not None and [p for p, _t in actual.outputs] != paths and [p for p, _t in actual.gathered] == paths:
+        return actual.gathered
+    return actual.outputs
+
+
+def _per_replica_note(actual: StepResult, expected: StepResult) -> list[str]:
+    if actual.gathered is None or compared_outputs(actual, expected) is not actual.gathered:
+        return []
+    return [
+        f"The wrapper returned one output per replica ({len(actual.contributions)}); they were "
+        "compared with the single-device output after concatenation along the split dimension."
+    ]
+
+
 def raise_unless_ok(result: StepComparison, msg: Msg) -> StepComparison:
     __tracebackhide__ = True
     if not result.ok:
@@ -346,6 +446,10 @@ def raise_unless_ok(result: StepComparison, msg: Msg) -> StepComparison:
 def require_loss_fn(loss_fn: LossFn) -> LossFn:
     """``loss_fn`` when callable: the contract of every helper's ``loss_fn``, DDP's too."""
     return require_callable(loss_fn, "loss_fn", "loss_fn(output, target) -> scalar, e.g. torch.nn.functional.mse_loss")
+
+
+def _name(obj: object) -> str:
+    return getattr(obj, "__qualname__", None) or type(obj).__name__
 
 
 def _loss_of(loss_fn: LossFn, target: Any) -> Callable[[Any], torch.Tensor]:
@@ -668,8 +772,8 @@ def _parallel_key(check: Check) -> tuple[Any, ...]:
     (the same object, and for a function or an instance the same attributes)."""
     attributes = getattr(check.parallel, "__dict__", None)
     return (
-        tuple(check.device_ids), check.output_device, _Same(check.parallel),
-        _state(attributes) if isinstance(attributes, dict) else None,
+        tuple(check.device_ids), check.output_device, check.dim, _Same(check.parallel),
+        _state(attributes) if isinstance(attributes, dict) else None, _Same(check.parallel_loss),
     )
 
 
@@ -690,7 +794,10 @@ def _steps(check: Check, loss_fn: LossFn, target: Any, *, take: bool) -> tuple[S
         parallel, rows = entry.parallel, entry.parallel_rows
     entry.parallel_key, entry.parallel, entry.parallel_rows = None, None, {}
     if parallel is None:
-        parallel = check.run(_loss_of(loss_fn, _target_on(target, check, None)), parallel=True, record_replicas=True)
+        parallel = check.run(
+            check.parallel_loss_of(loss_fn, _target_on(target, check, None)), parallel=True, record_replicas=True,
+            loss_argument="parallel_loss_fn" if check.parallel_loss is not None else "loss_fn",
+        )
         if not take:
             entry.parallel_key, entry.parallel, entry.parallel_rows = parallel_key, parallel, rows
     refs = check._references(entry, lambda dtype: _loss_of(loss_fn, _target_on(target, check, dtype)), "loss_fn", rows)
@@ -710,6 +817,8 @@ def assert_dp_grads_match(
     atol: float | None = None,
     msg: Msg = None,
     forward_kwargs: Mapping[str, Any] | None = None,
+    dim: int = 0,
+    parallel_loss_fn: ParallelLoss | None = None,
 ) -> StepComparison:
     """Asserts one DataParallel step gives the single-device outputs, loss and gradients.
 
@@ -726,12 +835,22 @@ def assert_dp_grads_match(
         device_ids: DataParallel's devices (virtual ids when CUDA devices are missing).
         output_device: where outputs are gathered (default ``device_ids[0]``, -1 for host).
         parallel: the DataParallel implementation under test, called as
-            ``parallel(module, device_ids=..., output_device=...)``; default
-            ``dpverify.data_parallel``.
+            ``parallel(module, device_ids=..., output_device=...)`` (plus ``dim=`` when
+            ``dim`` is not 0); default ``dpverify.data_parallel``. A
+            ``torch.nn.DataParallel`` subclass runs as it is, on virtual devices where
+            the CUDA devices are missing; its replicas must really run (one forward on the
+            whole batch where the split calls for two or more replicas is a failure).
         rtol: explicit relative tolerance (with ``atol``) instead of the anchored rule.
         atol: explicit absolute tolerance (with ``rtol``).
         msg: replaces the failure message, or a callable that rewrites it.
         forward_kwargs: keyword arguments of the forward call (scattered like ``inputs``).
+        dim: the dimension the batch is split and gathered along (DataParallel's ``dim``).
+        parallel_loss_fn: the parallel side's own loss, for wrappers that leave one output
+            per replica (a model/criterion pair): called as ``parallel_loss_fn(criterion,
+            device_ids=..., output_device=...)``, inside the virtual devices, with
+            ``loss_fn`` as the criterion (wrapped in a module when it is a function), it
+            returns ``loss(outputs, target)``. The single-device side keeps ``loss_fn``;
+            per-replica outputs are compared after concatenation along ``dim``.
 
     Returns:
         The comparison, for inspection (``str()`` summarises it).
@@ -743,15 +862,16 @@ def assert_dp_grads_match(
     __tracebackhide__ = True
     check = Check.create(
         module, inputs, device_ids=device_ids, output_device=output_device,
-        parallel=parallel, rtol=rtol, atol=atol, forward_kwargs=forward_kwargs,
+        parallel=parallel, rtol=rtol, atol=atol, forward_kwargs=forward_kwargs, dim=dim,
+        parallel_loss_fn=parallel_loss_fn,
     )
     parallel_step, refs = _steps(check, loss_fn, target, take=False)
     title = "DataParallel outputs and gradients must match the single-device step"
     rows = check.compare(parallel_step, refs)
     failures = _replicas_ran(check, parallel_step)
     failed = bool(failures) or not all(row.ok for row in rows)
-    notes, scale = _diagnose(check, parallel_step, refs.expected) if failed else ([], None)
-    notes = _observed_split(check, parallel_step) + notes
+    notes, scale = _diagnose(check, parallel_step, refs, loss_fn, target) if failed else ([], None)
+    notes = _observed_split(check, parallel_step) + _per_replica_note(parallel_step, refs.expected) + notes
     return raise_unless_ok(check.outcome(title, rows, notes=notes, failures=failures, scale=scale), msg)
 
 
@@ -791,10 +911,18 @@ def _replicas_ran(check: Check, step: StepResult) -> list[str]:
     ]
 
 
-def _diagnose(check: Check, actual: StepResult, expected: StepResult) -> tuple[list[str], float | None]:
+def _diagnose(
+    check: Check, actual: StepResult, refs: References, loss_fn: LossFn, target: Any,
+) -> tuple[list[str], float | None]:
     """Names the classic wrapper bugs when their signature is in the results; and the
     uniform factor between the gradients, when there is one."""
-    notes = [text for path, got in actual.outputs if (text := _reordered(path, got, dict(expected.outputs).get(path)))]
+    expected = refs.expected
+    references = dict(expected.outputs)
+    notes = [
+        text for path, got in compared_outputs(actual, expected)
+        if (text := _reordered(path, got, references.get(path), check.dim))
+    ]
+    notes += _loss_averaging_trap(check, actual, refs, loss_fn, target)
     present = [g for g in expected.grads.values() if g is not None and bool(g.any())]
     if present and all(actual.grads.get(n) is None for n, g in expected.grads.items() if g is not None):
         notes.append(
@@ -810,10 +938,13 @@ def _diagnose(check: Check, actual: StepResult, expected: StepResult) -> tuple[l
     return notes, scale
 
 
-def _reordered(path: str, actual: torch.Tensor, expected: torch.Tensor | None) -> str | None:
-    """A sentence when ``actual``'s rows are ``expected``'s in another order (a gather that
-    concatenates the replicas' outputs out of order)."""
-    if expected is None or actual.shape != expected.shape or actual.dim() == 0 or not 1 < actual.shape[0] <= 4096:
+def _reordered(path: str, actual: torch.Tensor, expected: torch.Tensor | None, dim: int = 0) -> str | None:
+    """A sentence when ``actual``'s rows (along ``dim``) are ``expected``'s in another
+    order (a gather that concatenates the replicas' outputs out of order)."""
+    if expected is None or actual.shape != expected.shape or not -actual.dim() <= dim < actual.dim():
+        return None
+    actual, expected = actual.movedim(dim, 0), expected.movedim(dim, 0)
+    if not 1 < actual.shape[0] <= 4096:
         return None
     a = actual.detach().reshape(actual.shape[0], -1).double().cpu()
     e = expected.detach().reshape(expected.shape[0], -1).double().cpu()
@@ -827,6 +958,56 @@ def _reordered(path: str, actual: torch.Tensor, expected: torch.Tensor | None) -
         "replicas' outputs were gathered out of order. torch concatenates them in "
         "device_ids order, whatever output_device is."
     )
+
+
+def _loss_averaging_trap(check: Check, actual: StepResult, refs: References, loss_fn: LossFn, target: Any) -> list[str]:
+    """A sentence when the parallel loss is the plain mean of the replicas' per-chunk
+    losses (a criterion wrapper that averages what its replicas return) rather than the
+    full-batch loss: the reference output and target, cut into the chunks the wrapper
+    really made, give both candidates, and the parallel loss must sit on the mean of the
+    chunk losses, well away from the full-batch loss."""
+    sizes = list(actual.replica_rows)
+    reference = refs.anchor or refs.expected
+    if len(sizes) < 2 or reference.output is None:
+        return []
+    batch = sum(sizes)
+    chunk_target = _target_on(target, check, reference.loss.dtype)
+    losses = []
+    start = 0
+    try:
+        with torch.no_grad():
+            for size in sizes:
+                def cut(tensor: torch.Tensor, start: int = start, size: int = size) -> torch.Tensor:
+                    if tensor.dim() == 0 or tensor.size(check.dim) != batch:
+                        return tensor
+                    return tensor.narrow(check.dim, start, size)
+
+                losses.append(float(loss_fn(map_tensors(reference.output, cut), map_tensors(chunk_target, cut))))
+                start += size
+    except Exception:  # a loss that cannot take one chunk: no diagnosis
+        return []
+    full, parallel = float(reference.loss), float(actual.loss)
+    mean = sum(losses) / len(losses)
+    if abs(full - mean) <= 1e-5 * max(abs(full), abs(mean)) or not abs(parallel - mean) < 0.1 * abs(parallel - full):
+        return []
+    text = (
+        f"The loss-averaging trap: the parallel loss ({parallel:.6g}) is the plain mean of the "
+        f"{len(sizes)} replicas' per-chunk losses ({mean:.6g}), not the full-batch loss "
+        f"({full:.6g}): each replica's loss got weight 1/{len(sizes)}."
+    )
+    if len(set(sizes)) > 1:
+        weights = ", ".join(f"{size}/{batch}" for size in sizes)
+        text += (
+            f" The chunks are uneven ({sizes} rows), and their rows call for n_i/B = [{weights}]: "
+            "weight each replica's mean loss by n_i/B (dpverify.chunk_weighted_loss), or sum "
+            "the per-row losses and divide by the batch size."
+        )
+    else:
+        text += (
+            f" The chunks are equal ({sizes} rows), so the chunk losses are not per-row means "
+            "(a sum loss): add the replicas' losses instead of averaging them."
+        )
+    return [text]
 
 
 def _sum(contributions: Sequence[dict[str, torch.Tensor]], name: str) -> torch.Tensor | None:
@@ -854,6 +1035,8 @@ def assert_grad_sum_equals_mean_loss_grad(
     atol: float | None = None,
     msg: Msg = None,
     forward_kwargs: Mapping[str, Any] | None = None,
+    dim: int = 0,
+    parallel_loss_fn: ParallelLoss | None = None,
 ) -> StepComparison:
     """Asserts replica gradients sum to the full-batch mean-loss gradient.
 
@@ -873,12 +1056,12 @@ def assert_grad_sum_equals_mean_loss_grad(
     __tracebackhide__ = True
     check = Check.create(
         module, inputs, device_ids=device_ids, parallel=parallel, rtol=rtol, atol=atol,
-        forward_kwargs=forward_kwargs,
+        forward_kwargs=forward_kwargs, dim=dim, parallel_loss_fn=parallel_loss_fn,
     )
     parallel_step, refs = _steps(check, loss_fn, target, take=True)
     title = "Replica gradients must sum to the full-batch mean-loss gradient"
     contributions = [grads for _device, grads in parallel_step.contributions]
-    replicas, planned = len(contributions), check.plan.n_replicas
+    replicas = len(contributions)
     failures = _replicas_ran(check, parallel_step)
     rows: list[TensorComparison] = []
     contrasts: list[TensorComparison] = []
@@ -894,18 +1077,22 @@ def assert_grad_sum_equals_mean_loss_grad(
         if total is None:
             continue
         average = total / max(replicas, 1)
-        # torch's scatter decides how many replicas run: the average is the full gradient
-        # over that number, which can be fewer than the devices.
-        label = f"average of replica grads {name!r} = full / {planned}"
-        share = Terms(terms.largest / planned, terms.norm / planned) if terms is not None else None
-        rows.append(check.against(label, average, refs, _grad_key(name, planned), share))
+        # The wrapper decides how many replicas run (torch's scatter can use fewer than the
+        # devices; a balanced wrapper its own split): the average is the full gradient over
+        # the number that ran.
+        label = f"average of replica grads {name!r} = full / {replicas}"
+        share = Terms(terms.largest / replicas, terms.norm / replicas) if terms is not None else None
+        rows.append(check.against(label, average, refs, _grad_key(name, replicas), share))
         if replicas > 1:
             contrast = check.against(
                 f"average of replica grads {name!r} vs full", average, refs, _grad_key(name), terms, contrast=True
             )
             contrasts.append(contrast)
             averages_differ |= contrast.mismatched > 0 or not contrast.ok
-    notes = [f"{replicas} replicas contributed (torch's scatter runs {planned}).", *_observed_split(check, parallel_step)]
+    split = _observed_split(check, parallel_step)
+    ran = f"{replicas} replica{'s' if replicas != 1 else ''} contributed"
+    notes = [f"{ran}{'' if split else f' (chunks {list(parallel_step.replica_rows)})'}.", *split]
+    notes += _per_replica_note(parallel_step, refs.expected)
     significant = any(g is not None and bool(g.any()) for g in refs.expected.grads.values())
     # Where the tolerance cannot tell the sum from the average (every gradient zero up to
     # rounding, or a dtype too coarse), the average matching says nothing. It points at
@@ -917,6 +1104,8 @@ def assert_grad_sum_equals_mean_loss_grad(
             "(its own chunk's mean rather than 1/B times its sum), and torch sums replica "
             f"gradients (ReduceAddCoalesced), which counts the batch {replicas} times."
         )
+    if failures or not all(row.ok for row in rows):
+        notes += _loss_averaging_trap(check, parallel_step, refs, loss_fn, target)
     return raise_unless_ok(check.outcome(title, rows, contrasts=contrasts, notes=notes, failures=failures), msg)
 
 

@@ -96,8 +96,9 @@ class _ObservedRows:
     """The rows each replica forward received, in device order: the split the wrapper really
     made (a balanced first chunk), which is what its replica losses are means over."""
 
-    def __init__(self, model: nn.Module, device_ids: Sequence[int]) -> None:
+    def __init__(self, model: nn.Module, device_ids: Sequence[int], dim: int = 0) -> None:
         # replica i runs on device_ids[i] and its loss is the i-th gathered value
+        self.dim = dim
         self.order = {device: position for position, device in enumerate(device_ids)}
         self.rows: list[tuple[int, int]] = []
         self._lock = threading.Lock()
@@ -115,7 +116,7 @@ class _ObservedRows:
         # a forward outside any replica: one device, the module itself on device_ids[0]
         key = self.order.get(device, len(self.order)) if device is not None else 0
         with self._lock:  # replicas run in concurrent threads
-            self.rows.append((key, int(first.shape[0])))
+            self.rows.append((key, int(first.shape[self.dim])))
 
     def detach(self) -> None:
         self._handle.remove()
@@ -358,6 +359,7 @@ def check_forward_loss_average(
     parallel: Parallel | None = None,
     loss_at: int = -1,
     forward_kwargs: Mapping[str, Any] | None = None,
+    dim: int = 0,
 ) -> LossAverageReport:
     """Measures what averaging DataParallel's per-replica losses does for this module.
 
@@ -365,7 +367,8 @@ def check_forward_loss_average(
     loss (a scalar, the ``loss_at`` element of a tuple, or a ``"loss"`` key). The module
     runs in float64; the bias counts only beyond the rounding noise measured on this model
     (see ``LossAverageReport.loss_noise``), so a loss computed in float32 inside forward is
-    judged by float32's noise.
+    judged by float32's noise. ``parallel``, ``device_ids``, ``forward_kwargs`` and ``dim``
+    are as in ``assert_dp_grads_match``; the chunk sizes are those the wrapper really made.
 
     Returns:
         The report; ``str(report)`` explains it in plain words.
@@ -373,7 +376,7 @@ def check_forward_loss_average(
     Raises:
         InvalidArgument: bad arguments, or a forward that returns no per-replica scalar loss.
     """
-    check = Check.create(module, inputs, device_ids=device_ids, parallel=parallel, forward_kwargs=forward_kwargs)
+    check = Check.create(module, inputs, device_ids=device_ids, parallel=parallel, forward_kwargs=forward_kwargs, dim=dim)
     sizes = list(check.plan.chunk_sizes)
     batch = sum(sizes)
     args = convert_tensors(check.args, torch.float64, check.device)
@@ -386,7 +389,7 @@ def check_forward_loss_average(
         # Frozen parameters have no gradient to compare (autograd.grad refuses them).
         params = [p for p in parallel_model.parameters() if p.requires_grad]
         seed_step(0, check.device)
-        observed = _ObservedRows(parallel_model, check.device_ids)
+        observed = _ObservedRows(parallel_model, check.device_ids, check.dim)
         try:
             with check.devices():
                 losses = _replica_losses(check.wrap(parallel_model)(*args, **kwargs), loss_at, check.plan.n_replicas)
@@ -494,6 +497,7 @@ def assert_loss_reduction_matches_full_batch(
     atol: float | None = None,
     msg: Msg = None,
     forward_kwargs: Mapping[str, Any] | None = None,
+    dim: int = 0,
 ) -> StepComparison:
     """Asserts the user's reduction of per-replica losses equals the full-batch loss.
 
@@ -502,6 +506,8 @@ def assert_loss_reduction_matches_full_batch(
     full-batch loss and gradients (float64-anchored tolerance, or ``rtol``/``atol``).
     ``lambda losses, sizes: losses.mean()`` fails on uneven chunks;
     ``lambda losses, sizes: (losses * torch.tensor(sizes)).sum() / sum(sizes)`` passes.
+    ``chunk_sizes`` are the rows (along ``dim``) each replica really received. The other
+    arguments are as in ``assert_dp_grads_match``.
 
     Raises:
         ParallelMismatch: the reduced loss or its gradients differ, with the bias.
@@ -513,11 +519,11 @@ def assert_loss_reduction_matches_full_batch(
         )
     check = Check.create(
         module, inputs, device_ids=device_ids, parallel=parallel, rtol=rtol, atol=atol,
-        forward_kwargs=forward_kwargs,
+        forward_kwargs=forward_kwargs, dim=dim,
     )
     sizes = list(check.plan.chunk_sizes)
     seen: list[torch.Tensor] = []
-    observed = _ObservedRows(check.module, check.device_ids)
+    observed = _ObservedRows(check.module, check.device_ids, check.dim)
 
     def reduced(output: Any) -> torch.Tensor:
         nonlocal sizes

@@ -117,6 +117,7 @@ class Case:
             is a warning either way.
         batches: the batches of the DDP training check (default: this batch, three times).
         optimizer: the DDP training check's optimizer factory (default: SGD with momentum).
+        dim: the dimension DataParallel splits the batch along (DataParallel checks only).
     """
 
     module: nn.Module
@@ -129,6 +130,7 @@ class Case:
     per_row_mean_loss: bool = False
     batches: tuple[tuple[Any, Any], ...] = ()
     optimizer: Callable[..., torch.optim.Optimizer] | None = None
+    dim: int = 0
 
     @classmethod
     def from_scenario(cls, scenario: Scenario) -> Case:
@@ -149,7 +151,7 @@ class Case:
 
     @property
     def batch_size(self) -> int:
-        return batch_size_of(self.inputs)
+        return batch_size_of(self.inputs, dim=self.dim)
 
     @property
     def chunk_sizes(self) -> list[int]:
@@ -176,6 +178,9 @@ class Target:
     Attributes:
         parallel: a DataParallel-like wrapper, ``parallel(module, device_ids=...,
             output_device=...)``.
+        parallel_loss: the criterion wrapper of a model/criterion pair,
+            ``parallel_loss(criterion, device_ids=..., output_device=...)`` returning
+            ``loss(outputs, target)`` (the ``parallel_loss_fn`` of the helpers).
         reduce: a reduction of per-replica losses, ``reduce(losses, chunk_sizes)``
             (default: the exact ``chunk_weighted_loss``).
         step: a per-rank DDP step, ``step(ctx)``.
@@ -184,6 +189,7 @@ class Target:
     """
 
     parallel: Any = None
+    parallel_loss: Any = None
     reduce: Any = None
     step: Any = None
     pool: Any = None
@@ -376,6 +382,7 @@ def _dp_grads(case: Case, target: Target) -> Report:
     return assert_dp_grads_match(
         case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=list(case.device_ids),
         output_device=case.output_device, forward_kwargs=case.forward_kwargs, parallel=target.parallel,
+        dim=case.dim, parallel_loss_fn=target.parallel_loss,
     )
 
 
@@ -383,21 +390,22 @@ def _dp_grad_sum(case: Case, target: Target) -> Report:
     assert case.loss_fn is not None
     return assert_grad_sum_equals_mean_loss_grad(
         case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=list(case.device_ids),
-        forward_kwargs=case.forward_kwargs, parallel=target.parallel,
+        forward_kwargs=case.forward_kwargs, parallel=target.parallel, dim=case.dim,
+        parallel_loss_fn=target.parallel_loss,
     )
 
 
 def _dp_buffers(case: Case, target: Target) -> Report:
     return assert_dp_buffers_match(
         case.module, case.inputs, device_ids=list(case.device_ids), output_device=case.output_device,
-        forward_kwargs=case.forward_kwargs, parallel=target.parallel,
+        forward_kwargs=case.forward_kwargs, parallel=target.parallel, dim=case.dim,
     )
 
 
 def _dp_loss_average(case: Case, target: Target) -> Report:
     report = check_forward_loss_average(
         case.module, case.inputs, device_ids=list(case.device_ids), parallel=target.parallel,
-        forward_kwargs=case.forward_kwargs,
+        forward_kwargs=case.forward_kwargs, dim=case.dim,
     )
     uneven = len(set(report.chunk_sizes)) > 1
     if report.is_biased and not uneven and report.weighted_is_exact:
@@ -415,7 +423,7 @@ def _dp_loss_average(case: Case, target: Target) -> Report:
 def _dp_weighted_loss(case: Case, target: Target) -> Report:
     return assert_loss_reduction_matches_full_batch(
         case.module, case.inputs, device_ids=list(case.device_ids), reduce=target.reduce or chunk_weighted_loss,
-        parallel=target.parallel, forward_kwargs=case.forward_kwargs,
+        parallel=target.parallel, forward_kwargs=case.forward_kwargs, dim=case.dim,
     )
 
 
@@ -429,7 +437,8 @@ def _dp_state(case: Case, target: Target) -> Report:
     device = torch.device("cuda", case.device_ids[0]) if real else torch.device("cpu")
     module = copy.deepcopy(case.module).to(device)
     inputs = map_tensors(case.inputs, lambda tensor: tensor.to(device))
-    data_parallel(module, list(case.device_ids), output_device=case.output_device)(*inputs)
+    along = {"dim": case.dim} if case.dim else {}
+    data_parallel(module, list(case.device_ids), output_device=case.output_device, **along)(*inputs)
     one_device = len(case.device_ids) == 1
     if isinstance(module, BufferCounter):
         expected = case.batch_size if one_device else case.chunk_sizes[0]
@@ -512,6 +521,8 @@ def _ddp_skip(case: Case, *, rows_per_rank: int = 1) -> str | None:
         return "needs loss_fn(output, target); this forward returns its loss"
     if case.forward_kwargs:
         return "the DDP checks take positional inputs only"
+    if case.dim != 0:
+        return f"the DDP checks shard the batch along dim 0 (this case splits along dim {case.dim})"
     if case.batch_size < rows_per_rank * case.world_size:
         need = "rows than ranks" if rows_per_rank == 1 else f"rows than {rows_per_rank} per rank"
         return f"fewer {need} ({case.batch_size} < {rows_per_rank * case.world_size})"

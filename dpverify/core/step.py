@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +15,7 @@ from torch import nn
 from dpverify.core.comparison import Terms
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.numerics import max_abs
-from dpverify.core.tree import first_batched, map_tensors, tensor_leaves
+from dpverify.core.tree import concatenate, first_batched, map_tensors, tensor_leaves
 from dpverify.core.virtual import replica_device
 
 __all__ = [
@@ -45,14 +45,19 @@ def as_inputs(inputs: Any) -> tuple[Any, ...]:
     return (inputs,)
 
 
-def batch_size_of(inputs: tuple[Any, ...], *, argument: str = "inputs") -> int:
-    """Rows along dim 0 of the first tensor argument; an empty batch is an error."""
+def batch_size_of(inputs: tuple[Any, ...], *, argument: str = "inputs", dim: int = 0) -> int:
+    """Rows along ``dim`` of the first tensor argument; an empty batch is an error."""
     first = first_batched(inputs)
     if first is not None:
-        rows = int(first.size(0))
+        if not -first.dim() <= dim < first.dim():
+            raise InvalidArgument(
+                f"dim={dim} is not a dimension of {argument}'s first tensor (shape {tuple(first.shape)}); "
+                "pass the dimension the batch is split along"
+            )
+        rows = int(first.size(dim))
         if rows == 0:
             raise InvalidArgument(
-                f"{argument} has an empty batch (0 rows along dim 0); pass at least one row"
+                f"{argument} has an empty batch (0 rows along dim {dim}); pass at least one row"
             )
         return rows
     raise InvalidArgument(
@@ -149,8 +154,9 @@ class ReplicaGradRecorder:
     magnitudes: dict[str, float] = field(default_factory=dict)
     norms: dict[str, float] = field(default_factory=dict)
     replica_devices: dict[int, int | None] = field(default_factory=dict)
-    #: rows of the first tensor argument each replica forward received (its chunk)
+    #: rows (along ``dim``) of the first tensor argument each replica forward received
     replica_rows: dict[int, int] = field(default_factory=dict)
+    dim: int = 0
     _handles: list[Any] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -174,8 +180,9 @@ class ReplicaGradRecorder:
         with self._lock:  # real DataParallel runs replicas in concurrent threads
             key = len(self.contributions)
             self.contributions[key] = {}
-            if first is not None:
-                self.replica_rows[key] = int(first.shape[0])
+            self.replica_devices[key] = replica_device(first)
+            if first is not None and -first.dim() <= self.dim < first.dim():
+                self.replica_rows[key] = int(first.shape[self.dim])
         for name, module_path, attr in self.sites:
             tensor = getattr(replica.get_submodule(module_path), attr, None)
             if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
@@ -220,7 +227,13 @@ class StepResult:
     magnitudes: dict[str, float] = field(default_factory=dict)
     norms: dict[str, float] = field(default_factory=dict)
     loss_terms: float | None = None
+    #: rows (along the split dimension) each replica forward received, in device order
     replica_rows: tuple[int, ...] = ()
+    #: the output itself, detached (containers as the module returned them)
+    output: Any = None
+    #: the per-replica outputs concatenated along the split dimension, by path, when the
+    #: wrapper returned one output per replica (a list or tuple of them) instead of gathering
+    gathered: tuple[tuple[str, torch.Tensor], ...] | None = None
 
     def terms(self, name: str) -> Terms | None:
         """The magnitude of the replica contributions summed into ``name``'s gradient."""
@@ -243,6 +256,9 @@ def run_step(
     kwargs: dict[str, Any] | None = None,
     measure_terms: bool = False,
     jitter: float = 0.0,
+    dim: int = 0,
+    rows_seen: list[int] | None = None,
+    device_ids: Sequence[int] = (),
 ) -> StepResult:
     """Runs forward, loss and backward on a deep copy of ``module``.
 
@@ -262,6 +278,12 @@ def run_step(
         jitter: multiply every floating parameter by ``1 +- jitter`` (random signs from a
             fixed generator) before the step: a step perturbed by a few units of roundoff
             shows how much rounding moves this model's results.
+        dim: the dimension a wrapper splits the batch along (the rows a replica forward
+            received are counted along it; per-replica outputs are concatenated along it).
+        rows_seen: filled with the rows each replica forward received (device order),
+            also when the step raises: what the wrapper did before it failed.
+        device_ids: the wrapper's devices: replicas are reported in this order (by device
+            index when not given).
     """
     device = device or torch.device("cpu")
     model = copy_module(module, dtype)
@@ -271,7 +293,7 @@ def run_step(
     args = convert_tensors(inputs, dtype, device)
     keywords = convert_tensors(dict(kwargs or {}), dtype, device)
     sites = parameter_sites(model)
-    recorder = ReplicaGradRecorder(sites, keep=record_replicas is True) if record_replicas else None
+    recorder = ReplicaGradRecorder(sites, keep=record_replicas is True, dim=dim) if record_replicas else None
     if recorder is not None:
         recorder.attach(model)
     runner: Callable[..., Any] = wrap(model) if wrap is not None else model
@@ -297,14 +319,19 @@ def run_step(
     finally:
         if recorder is not None:
             recorder.detach()
+            if rows_seen is not None:
+                rows_seen[:] = [recorder.replica_rows[key] for key in _replica_order(recorder, device_ids) if key in recorder.replica_rows]
     grads = {name: _grad_of(model, module_path, attr) for name, module_path, attr in sites}
     contributions: tuple[tuple[int | None, dict[str, torch.Tensor]], ...] = ()
+    rows: tuple[int, ...] = ()
+    gathered = None
+    detached = _detached(output)
     if recorder is not None:
-        contributions = tuple(
-            (recorder.replica_devices.get(key), grads_by_name)
-            for key, grads_by_name in sorted(recorder.contributions.items())
-        )
-    outputs = tuple((path, t.detach()) for path, t in flatten_tensors(output, "output"))
+        order = _replica_order(recorder, device_ids)
+        contributions = tuple((recorder.replica_devices.get(key), recorder.contributions[key]) for key in order)
+        rows = tuple(recorder.replica_rows[key] for key in order if key in recorder.replica_rows)
+        gathered = _gathered(detached, len(order), dim)
+    outputs = tuple((path, tensor.detach()) for path, tensor in flatten_tensors(output, "output"))
     magnitudes = recorder.magnitudes if recorder is not None else {}
     norms = recorder.norms if recorder is not None else {}
     loss_terms = None
@@ -313,8 +340,46 @@ def run_step(
             float((tensor.grad * tensor.detach()).abs().sum()) for tensor in watched if tensor.grad is not None
         )
         loss_terms = max(abs(float(loss.detach())), propagated)
-    rows = tuple(recorder.replica_rows[key] for key in sorted(recorder.replica_rows)) if recorder is not None else ()
-    return StepResult(outputs, loss.detach().reshape(()), grads, contributions, magnitudes, norms, loss_terms, rows)
+    return StepResult(
+        outputs, loss.detach().reshape(()), grads, contributions, magnitudes, norms, loss_terms, rows, detached, gathered,
+    )
+
+
+def _detached(output: Any) -> Any:
+    """``output`` with its tensors detached, or None when its containers cannot be rebuilt
+    (a container class whose constructor does not take its items)."""
+    try:
+        return map_tensors(output, lambda tensor: tensor.detach())
+    except Exception:  # a user's container class: the flat outputs remain
+        return None
+
+
+def _replica_order(recorder: ReplicaGradRecorder, device_ids: Sequence[int]) -> list[int]:
+    """The replica forwards in ``device_ids`` order (by device index for devices not in
+    it) when every one ran on its own known device (threads finish in any order), else in
+    the order they ran."""
+    keys = sorted(recorder.contributions)
+    devices = [recorder.replica_devices.get(key) for key in keys]
+    if not all(device is not None for device in devices) or len(set(devices)) != len(devices):
+        return keys
+    position = {device: i for i, device in enumerate(device_ids)}
+
+    def rank(key: int) -> tuple[int, int]:
+        device = recorder.replica_devices[key] or 0
+        return position.get(device, len(position)), device
+
+    return sorted(keys, key=rank)
+
+
+def _gathered(output: Any, replicas: int, dim: int) -> tuple[tuple[str, torch.Tensor], ...] | None:
+    """``output``'s per-replica parts concatenated along ``dim``, by path, when ``output``
+    is a list or tuple of one part per replica forward; None otherwise."""
+    if not isinstance(output, (list, tuple)) or hasattr(output, "_fields") or len(output) != replicas or not replicas:
+        return None
+    try:
+        return tuple(flatten_tensors(concatenate(list(output), dim), "output"))
+    except (ValueError, RuntimeError, TypeError, IndexError):
+        return None
 
 
 def _retain_output_grads(output: Any) -> list[torch.Tensor]:

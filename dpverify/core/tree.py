@@ -9,12 +9,12 @@ a nested structure holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["first_batched", "map_tensors", "tensor_leaves"]
+__all__ = ["concatenate", "first_batched", "map_tensors", "tensor_leaves"]
 
 
 def _children(obj: Any) -> Iterator[tuple[Any, str, Any]] | None:
@@ -66,3 +66,33 @@ def first_batched(obj: Any) -> torch.Tensor | None:
     """The first tensor of ``obj`` with a batch dimension (not a scalar), in
     ``tensor_leaves``' order: the one whose rows say how a call's batch was split."""
     return next((tensor for _path, _keys, tensor in tensor_leaves(obj) if tensor.dim() > 0), None)
+
+
+def concatenate(parts: Sequence[Any], dim: int = 0) -> Any:
+    """One structure from per-replica ones, as torch's gather builds it: tensors
+    concatenated along ``dim`` (scalars stacked into a vector) on the first part's device,
+    containers item by item, other objects taken from the first part.
+
+    Raises:
+        ValueError: the parts do not have the same structure, or their tensors cannot be
+            concatenated (shapes differ off ``dim``).
+    """
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        if not all(isinstance(part, torch.Tensor) for part in parts):
+            raise ValueError("the parts mix tensors and other objects")
+        if first.dim() == 0:
+            return torch.stack([part.to(first.device) for part in parts])
+        return torch.cat([part.to(first.device) for part in parts], dim)
+    children = _children(first)
+    if children is None:
+        return first
+    keys = [key for key, _step, _item in children]
+    if not all(type(part) is type(first) and len(part) == len(first) for part in parts):
+        raise ValueError("the parts have different containers")
+    items = [concatenate([part[key] for part in parts], dim) for key in keys]
+    if isinstance(first, dict):
+        return type(first)(zip(keys, items, strict=True))
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*items)
+    return type(first)(items)

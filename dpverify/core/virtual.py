@@ -1214,8 +1214,10 @@ def data_parallel(
     module: nn.Module,
     device_ids: Sequence[int | torch.device],
     output_device: int | torch.device | None = None,
+    dim: int = 0,
 ) -> nn.DataParallel[Any]:
-    """The real ``torch.nn.DataParallel`` when the devices exist, else ``VirtualDataParallel``.
+    """The real ``torch.nn.DataParallel`` when the devices exist, else ``VirtualDataParallel``,
+    splitting and gathering along ``dim``.
 
     Real devices are used when CUDA is available and every id in ``device_ids`` is a
     visible CUDA device; the module must then be on ``cuda:device_ids[0]``.
@@ -1233,5 +1235,5 @@ def data_parallel(
                 f"output_device={target} is not a visible CUDA device (found {count}); "
                 "pass one of them, or -1 for the host"
             )
-        return nn.DataParallel(module, device_ids=ids, output_device=target)
-    return VirtualDataParallel(module, ids, target)
+        return nn.DataParallel(module, device_ids=ids, output_device=target, dim=dim)
+    return VirtualDataParallel(module, ids, target, dim)
