@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from hypothesis.strategies import SearchStrategy
 from torch import nn
+from torch.nn.parallel.scatter_gather import gather
 
 from dpverify.checks.loss_average import chunk_weighted_loss
 from dpverify.checks.registry import CHECKS, MICRO_BATCHES, Case, Target
@@ -270,7 +271,7 @@ class _CriterionParallel(nn.DataParallel[Any]):
         replicas = self.replicate(self.module, used)
         arguments = [(output, *target) for output, target in zip(outputs, scattered, strict=True)]
         losses = self.parallel_apply(replicas, arguments, scattered_kwargs)
-        gathered = self.gather([loss.reshape(1) for loss in losses], self.output_device)
+        gathered = gather([loss.reshape(1) for loss in losses], self.output_device)  # along dim 0
         rows = [_first_rows(output, self.dim) for output in outputs]
         return self.combine(gathered, rows)
 

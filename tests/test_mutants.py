@@ -13,7 +13,9 @@ from dpverify.mutants import (
     MUTANTS,
     PROPERTIES,
     Mutant,
+    ReplicaOutputsDataParallel,
     ScratchDataParallel,
+    WeightedCriterionParallel,
     manual_allreduce_step,
     weighted_replica_losses,
 )
@@ -64,6 +66,21 @@ def test_correct_implementations_pass_every_property(check: str) -> None:
     run()
 
 
+@pytest.mark.parametrize("check", ["dp-grads", "dp-grad-sum"])
+def test_the_correct_model_criterion_pair_passes_the_gradient_properties(check: str) -> None:
+    # the pair the criterion-mean-of-means mutant is compared with: the same model wrapper,
+    # a criterion that weights each replica's loss by its rows
+    prop = PROPERTIES[check]
+    pair = Target(parallel=ReplicaOutputsDataParallel, parallel_loss=WeightedCriterionParallel)
+
+    @SEARCH
+    @given(prop.scenarios.filter(lambda scenario: scenario.loss.reduction == "mean"))  # its n_i/B weights are for mean losses
+    def run(scenario: Scenario) -> None:
+        prop.run(scenario, pair)
+
+    run()
+
+
 def test_catalogue_entries_are_documented_and_name_registry_checks() -> None:
     assert len(MUTANTS) >= 15
     assert set(CORRECT) == set(PROPERTIES)
@@ -72,6 +89,7 @@ def test_catalogue_entries_are_documented_and_name_registry_checks() -> None:
         assert prop.check == name
     for mutant in MUTANTS.values():
         assert mutant.implementation.__doc__, mutant.name
+        assert (mutant.model is not None) == (mutant.kind == "criterion"), mutant.name
         assert mutant.caught_by in PROPERTIES
         assert mutant.caught_by in CHECKS
         assert CHECKS[mutant.caught_by].backend == ("ddp" if mutant.kind == "ddp-step" else "dp")

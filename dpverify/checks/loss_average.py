@@ -393,6 +393,9 @@ def check_forward_loss_average(
         try:
             with check.devices():
                 losses = _replica_losses(check.wrap(parallel_model)(*args, **kwargs), loss_at, check.plan.n_replicas)
+        except IndexError as error:
+            check.explain_gather_error(error)
+            raise
         finally:
             observed.detach()
         sizes = observed.sizes(losses.numel(), batch) or sizes
