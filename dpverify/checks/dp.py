@@ -1001,11 +1001,13 @@ def _loss_averaging_trap(check: Check, actual: StepResult, refs: References, los
         return []
     full, parallel = float(reference.loss), float(actual.loss)
     mean = sum(losses) / len(losses)
-    # the parallel loss rounds in its own dtype: within a few of its units of the mean of
-    # the chunk losses (or a hundredth of the gap), and the gap well beyond them
-    rounding = 64 * torch.finfo(actual.loss.dtype).eps * max(abs(full), abs(mean))
-    gap = abs(full - mean)
-    if gap <= 4 * rounding or abs(parallel - mean) > max(0.01 * gap, rounding):
+    # The parallel loss must be the mean of the chunk losses up to the rounding the loss
+    # comparison allows, and the full-batch loss well beyond it.
+    loss_terms = refs.anchor.loss_terms if refs.anchor is not None else None
+    terms = Terms(loss_terms, loss_terms) if loss_terms else None
+    allowed = check.against("loss", actual.loss, refs, _loss_key, terms).allowed
+    rounding = max(allowed, 64 * torch.finfo(actual.loss.dtype).eps * max(abs(full), abs(mean)))
+    if abs(full - mean) <= 4 * rounding or abs(parallel - mean) > rounding:
         return []
     text = (
         f"The loss-averaging trap: the parallel loss ({parallel:.6g}) is the plain mean of the "
