@@ -348,3 +348,35 @@ def test_the_trap_is_named_only_when_the_loss_is_the_mean_of_chunk_losses() -> N
             _mlp(), x, y, loss_fn=_sum_mse, device_ids=[0, 1, 2],
             parallel=ReplicaOutputsDataParallel, parallel_loss_fn=MeanCriterionParallel,
         )
+
+
+# --- where the outputs were gathered --------------------------------------------------------
+
+
+class _GathersOnZero(nn.DataParallel[Any]):
+    """Gathers on device 0 whatever output_device says."""
+
+    def gather(self, outputs: Any, output_device: Any) -> Any:
+        return super().gather(outputs, 0)
+
+
+@pytest.mark.parametrize("output_device", [1, -1])
+def test_a_wrapper_that_gathers_elsewhere_than_output_device_fails(output_device: int) -> None:
+    x, y = _batch(6)
+    where = "the host" if output_device == -1 else f"device {output_device}"
+    with pytest.raises(dpverify.ParallelMismatch, match=rf"gathered its outputs on device 0; output_device={output_device} asks for {where}"):
+        dpverify.assert_dp_grads_match(_mlp(), x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2], output_device=output_device, parallel=_GathersOnZero)
+    # torch's own gathers where it is asked to, virtual or subclassed
+    for parallel in (None, nn.DataParallel):
+        dpverify.assert_dp_grads_match(_mlp(), x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2], output_device=output_device, parallel=parallel)
+
+
+def test_the_step_records_where_it_gathered() -> None:
+    from dpverify.checks.dp import Check
+
+    x, y = _batch(6)
+    for output_device in (2, -1):
+        check = Check.create(_mlp(), x, device_ids=[0, 1, 2], output_device=output_device)
+        step = check.run(lambda out: F.mse_loss(out, y), parallel=True, record_replicas=True)
+        assert step.gathered_on == (output_device,)
+        assert step.replica_rows == (2, 2, 2)

@@ -31,9 +31,9 @@ from dpverify.core.divergence import divergence_sources
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.core.scatter import ScatterPlan, plan_scatter
 from dpverify.core.step import StepResult, as_inputs, batch_size_of, first_parameter_dtype, run_step
-from dpverify.core.tree import map_tensors
+from dpverify.core.tree import first_batched, map_tensors
 from dpverify.core.validation import require_callable, require_mapping, require_module_with_grads
-from dpverify.core.virtual import data_parallel, virtual_devices
+from dpverify.core.virtual import data_parallel, observe_gathers, virtual_devices
 
 __all__ = ["Check", "LossModule", "assert_dp_grads_match", "assert_grad_sum_equals_mean_loss_grad", "raise_unless_ok", "require_loss_fn"]
 
@@ -216,13 +216,14 @@ class Check:
             stage = "float64 single-device"
         devices = self.devices() if parallel else contextlib.nullcontext()
         rows: list[int] = []
+        gathers: list[int] = []
         try:
             with devices:
-                return run_step(
+                result = run_step(
                     self.module,
                     self.args,
                     loss_of_output,
-                    wrap=self.wrap if parallel else None,
+                    wrap=(lambda model: _WatchGathers(self.wrap(model), gathers)) if parallel else None,
                     dtype=dtype,
                     device=self.device,
                     record_replicas=record_replicas,
@@ -234,6 +235,7 @@ class Check:
                     rows_seen=rows,
                     device_ids=self.device_ids,
                 )
+                return replace(result, gathered_on=tuple(gathers)) if parallel else result
         except InvalidArgument:
             raise
         except Exception as error:
@@ -459,6 +461,41 @@ def raise_unless_ok(result: StepComparison, msg: Msg) -> StepComparison:
 def require_loss_fn(loss_fn: LossFn) -> LossFn:
     """``loss_fn`` when callable: the contract of every helper's ``loss_fn``, DDP's too."""
     return require_callable(loss_fn, "loss_fn", "loss_fn(output, target) -> scalar, e.g. torch.nn.functional.mse_loss")
+
+
+class _WatchGathers:
+    """A wrapper's forward, noting where it gathered: the virtual ``Gather`` targets, or
+    on real devices the device of the first output tensor (-1 for the host)."""
+
+    def __init__(self, runner: Callable[..., Any], seen: list[int]) -> None:
+        self.runner = runner
+        self.seen = seen
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with observe_gathers() as gathers:
+            output = self.runner(*args, **kwargs)
+        if not gathers:
+            first = first_batched(output)
+            if first is not None and first.device.type == "cuda" and not isinstance(output, (list, tuple)):
+                gathers.append(first.device.index)
+        self.seen.extend(gathers)
+        return output
+
+
+def _gathered_elsewhere(check: Check, step: StepResult) -> list[str]:
+    """A failure when the wrapper gathered its outputs on another device than
+    ``output_device`` (its last gather in forward: the outputs it returned)."""
+    if not step.gathered_on or step.gathered_on[-1] == check.output_device:
+        return []
+
+    def where(device: int) -> str:
+        return "the host" if device == -1 else f"device {device}"
+
+    return [
+        f"The wrapper gathered its outputs on {where(step.gathered_on[-1])}; output_device="
+        f"{check.output_device} asks for {where(check.output_device)}, where the loss is meant "
+        "to run (on GPUs the outputs would sit on another device than requested)."
+    ]
 
 
 def _name(obj: object) -> str:
@@ -881,7 +918,7 @@ def assert_dp_grads_match(
     parallel_step, refs = _steps(check, loss_fn, target, take=False)
     title = "DataParallel outputs and gradients must match the single-device step"
     rows = check.compare(parallel_step, refs)
-    failures = _replicas_ran(check, parallel_step)
+    failures = _replicas_ran(check, parallel_step) + _gathered_elsewhere(check, parallel_step)
     failed = bool(failures) or not all(row.ok for row in rows)
     notes, scale = _diagnose(check, parallel_step, refs, loss_fn, target) if failed else ([], None)
     notes = _observed_split(check, parallel_step) + _per_replica_note(parallel_step, refs.expected) + notes

@@ -234,6 +234,9 @@ class StepResult:
     #: the per-replica outputs concatenated along the split dimension, by path, when the
     #: wrapper returned one output per replica (a list or tuple of them) instead of gathering
     gathered: tuple[tuple[str, torch.Tensor], ...] | None = None
+    #: where the wrapper's forward gathered (virtual ``Gather`` targets, -1 the host; on real
+    #: devices the device of the output), in order; empty when it did not gather
+    gathered_on: tuple[int, ...] = ()
 
     def terms(self, name: str) -> Terms | None:
         """The magnitude of the replica contributions summed into ``name``'s gradient."""

@@ -131,6 +131,7 @@ __all__ = [
     "VirtualDataParallel",
     "current_virtual_device",
     "data_parallel",
+    "observe_gathers",
     "replica_device",
     "virtual_devices",
     "virtual_primitives",
@@ -152,6 +153,7 @@ class _ThreadState(threading.local):
     devices: list[int] | None = None
     count: int | None = None  # the innermost virtual_devices(n) open on this thread
     replica: bool = False  # the thread runs a replica for _parallel_apply
+    gathers: list[int] | None = None  # where this thread's virtual gathers went (observe_gathers)
 
 
 _state = _ThreadState()
@@ -174,6 +176,20 @@ def replica_device(tensor: torch.Tensor | None) -> int | None:
     if device is None and tensor is not None and tensor.device.type == "cuda":
         device = tensor.device.index
     return device
+
+
+@contextlib.contextmanager
+def observe_gathers() -> Iterator[list[int]]:
+    """Collects the target device (-1 for the host) of every virtual ``Gather`` the calling
+    thread runs in the block: where a wrapper gathered its outputs. Nests: an inner block
+    collects only its own."""
+    saved = _state.gathers
+    seen: list[int] = []
+    _state.gathers = seen
+    try:
+        yield seen
+    finally:
+        _state.gathers = saved
 
 
 def _copy_to(chunk: torch.Tensor, device: int, source: int) -> torch.Tensor:
@@ -257,6 +273,8 @@ class _VirtualGather(Function):
     def forward(ctx: Any, target_device: Any, dim: int, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.target_device = _gather_target(target_device)
         ctx.dim = dim
+        if _state.gathers is not None:
+            _state.gathers.append(ctx.target_device)
         devices = _state.devices or range(len(inputs))
         ctx.input_gpus = tuple(devices)[: len(inputs)]
         if all(t.dim() == 0 for t in inputs) and dim == 0:
