@@ -177,8 +177,8 @@ def test_the_grad_sum_average_divides_by_the_replicas_that_ran() -> None:
     result = dpverify.assert_grad_sum_equals_mean_loss_grad(
         _mlp(), x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2, 3], parallel=functools.partial(BalancedDataParallel, 1),
     )
-    assert result.notes[0] == "4 replicas contributed."
-    assert "chunks of [1, 3, 3, 2] rows (9 of 9); torch's scatter would give [3, 3, 3]" in result.notes[1]
+    assert result.notes[0] == "4 replicas contributed (chunks [1, 3, 3, 2])."
+    assert "the wrapper ran 4 replica forwards on chunks of [1, 3, 3, 2] rows (9 of 9; torch's scatter would give [3, 3, 3])" in result.scenario
     averages = [t.name for t in result.tensors if t.name.startswith("average of replica grads")]
     assert averages
     assert all(name.endswith("= full / 4") for name in averages)
@@ -246,7 +246,7 @@ def test_a_balanced_wrapper_along_dim_1() -> None:
     result = dpverify.assert_grad_sum_equals_mean_loss_grad(
         _SeqFirst(), x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2, 3], dim=1, parallel=functools.partial(BalancedDataParallel, 1),
     )
-    assert "chunks of [1, 3, 3, 2] rows" in result.notes[1]
+    assert "chunks of [1, 3, 3, 2] rows" in result.scenario
 
 
 def test_a_pair_along_dim_1() -> None:

@@ -140,7 +140,7 @@ def test_what_the_wrapper_really_ran_is_reported_not_torchs_plan() -> None:
 
     with pytest.raises(dpverify.ParallelMismatch) as caught:
         dpverify.assert_dp_grads_match(model, x, y, loss_fn=rows_back, device_ids=[0, 1, 2, 3], parallel=_DropsLastChunk)
-    assert "The wrapper ran 3 replica forwards on chunks of [2, 2, 2] rows (6 of 8); torch's scatter would give [2, 2, 2, 2]." in str(caught.value)
+    assert "the wrapper ran 3 replica forwards on chunks of [2, 2, 2] rows (6 of 8; torch's scatter would give [2, 2, 2, 2])" in str(caught.value)
 
 
 def test_the_balanced_offset_mutant_is_caught_with_the_split_it_ran() -> None:
@@ -155,7 +155,7 @@ def test_the_balanced_offset_mutant_is_caught_with_the_split_it_ran() -> None:
     failing = {t.name for t in caught.value.report.tensors if not t.ok}
     assert "output" in failing  # the duplicated rows show in the gathered output
     # the right sizes [1, 4, 3] at the wrong offsets: every row count adds up, the rows do not
-    assert "The wrapper ran 3 replica forwards on chunks of [1, 4, 3] rows (8 of 8)" in str(caught.value)
+    assert "the wrapper ran 3 replica forwards on chunks of [1, 4, 3] rows (8 of 8;" in str(caught.value)
 
 
 @pytest.mark.parametrize("rows", [8, 5])

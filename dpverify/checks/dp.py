@@ -135,8 +135,26 @@ class Check:
 
     @property
     def scenario(self) -> str:
+        """The case as planned: the batch, torch's split, where outputs go, the wrappers."""
+        return self._scenario(self.plan.describe())
+
+    def scenario_of(self, step: StepResult | None) -> str:
+        """The case as the parallel step ran it: the split the wrapper really made, where it
+        differs from torch's scatter (a balanced first chunk, a lost chunk)."""
+        ran = list(step.replica_rows) if step is not None else []
+        planned = list(self.plan.chunk_sizes)
+        if not ran or ran == planned:
+            return self.scenario
+        batch = sum(planned)
+        forwards = f"{len(ran)} replica forward{'s' if len(ran) != 1 else ''}"
+        return self._scenario(
+            f"batch of {batch} rows on device_ids {list(self.device_ids)} -> the wrapper ran {forwards} "
+            f"on chunks of {ran} rows ({sum(ran)} of {batch}; torch's scatter would give {planned})"
+        )
+
+    def _scenario(self, split: str) -> str:
         where = "the host" if self.output_device == -1 else f"device {self.output_device}"
-        text = f"{self.plan.describe()}"
+        text = split
         if self.dim != 0:
             text += f" along dim {self.dim}"
         text += f"; outputs gathered on {where}; wrapper {_name(self.parallel)}"
@@ -425,9 +443,12 @@ class Check:
         notes: Sequence[str] = (),
         failures: Sequence[str] = (),
         scale: float | None = None,
+        step: StepResult | None = None,
     ) -> StepComparison:
+        """The comparison's report; its scenario is the split ``step`` (the parallel step)
+        really ran, when given."""
         return step_comparison(
-            check, self.scenario, self.tolerance, self.dtype, self.module, rows,
+            check, self.scenario_of(step), self.tolerance, self.dtype, self.module, rows,
             contrasts=contrasts, notes=notes, failures=failures, scale=scale,
         )
 
@@ -921,21 +942,8 @@ def assert_dp_grads_match(
     failures = _replicas_ran(check, parallel_step) + _gathered_elsewhere(check, parallel_step)
     failed = bool(failures) or not all(row.ok for row in rows)
     notes, scale = _diagnose(check, parallel_step, refs, loss_fn, target) if failed else ([], None)
-    notes = _observed_split(check, parallel_step) + _per_replica_note(parallel_step, refs.expected) + notes
-    return raise_unless_ok(check.outcome(title, rows, notes=notes, failures=failures, scale=scale), msg)
-
-
-def _observed_split(check: Check, step: StepResult) -> list[str]:
-    """What the wrapper really did, when it split the batch otherwise than torch's scatter
-    (a balanced first chunk, a dropped chunk): the scenario line is torch's plan."""
-    ran = list(step.replica_rows)
-    planned = list(check.plan.chunk_sizes)
-    if not ran or ran == planned:
-        return []
-    return [
-        f"The wrapper ran {len(ran)} replica forward{'s' if len(ran) != 1 else ''} on chunks of {ran} rows "
-        f"({sum(ran)} of {sum(planned)}); torch's scatter would give {planned}."
-    ]
+    notes = _per_replica_note(parallel_step, refs.expected) + notes
+    return raise_unless_ok(check.outcome(title, rows, notes=notes, failures=failures, scale=scale, step=parallel_step), msg)
 
 
 def _replicas_ran(check: Check, step: StepResult) -> list[str]:
@@ -1145,10 +1153,8 @@ def assert_grad_sum_equals_mean_loss_grad(
             )
             contrasts.append(contrast)
             averages_differ |= contrast.mismatched > 0 or not contrast.ok
-    split = _observed_split(check, parallel_step)
     ran = f"{replicas} replica{'s' if replicas != 1 else ''} contributed"
-    notes = [f"{ran}{'' if split else f' (chunks {list(parallel_step.replica_rows)})'}.", *split]
-    notes += _per_replica_note(parallel_step, refs.expected)
+    notes = [f"{ran} (chunks {list(parallel_step.replica_rows)}).", *_per_replica_note(parallel_step, refs.expected)]
     significant = any(g is not None and bool(g.any()) for g in refs.expected.grads.values())
     # Where the tolerance cannot tell the sum from the average (every gradient zero up to
     # rounding, or a dtype too coarse), the average matching says nothing. It points at
@@ -1162,7 +1168,7 @@ def assert_grad_sum_equals_mean_loss_grad(
         )
     if failures or not all(row.ok for row in rows):
         notes += _loss_averaging_trap(check, parallel_step, refs, loss_fn, target)
-    return raise_unless_ok(check.outcome(title, rows, contrasts=contrasts, notes=notes, failures=failures), msg)
+    return raise_unless_ok(check.outcome(title, rows, contrasts=contrasts, notes=notes, failures=failures, step=parallel_step), msg)
 
 
 def _as(value: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
