@@ -109,11 +109,11 @@ class Check:
             raise InvalidArgument(f"dim={dim!r} must be an int, the dimension the batch is split along")
         ids = normalize_device_ids(device_ids)
         target = normalize_output_device(output_device, ids)
-        args = as_inputs(inputs)
-        batch_size_of(args, dim=dim)
         kwargs: dict[str, Any] = {}
         if forward_kwargs is not None:
             kwargs = dict(require_mapping(forward_kwargs, "forward_kwargs", "{'attention_mask': mask}"))
+        args = as_inputs(inputs, keywords=bool(kwargs))
+        batch_size_of(args, dim=dim, kwargs=kwargs)
         # Real devices when they exist, for torch's DataParallel and a user's wrapper alike.
         real = cuda_device_count() > max(ids)
         device = torch.device("cuda", ids[0]) if real else torch.device("cpu")
@@ -900,7 +900,8 @@ def assert_dp_grads_match(
 
     Args:
         module: the model to check.
-        inputs: the batch tensor, or a tuple of positional forward arguments.
+        inputs: the batch tensor, or a tuple of positional forward arguments (``()`` for a
+            keyword-only call, the batch in ``forward_kwargs``).
         target: the second argument of ``loss_fn``.
         loss_fn: ``loss_fn(output, target)`` returns a scalar mean loss.
         device_ids: DataParallel's devices (virtual ids when CUDA devices are missing).

@@ -102,14 +102,14 @@ class _ObservedRows:
         self.order = {device: position for position, device in enumerate(device_ids)}
         self.rows: list[tuple[int, int]] = []
         self._lock = threading.Lock()
-        self._handle = model.register_forward_pre_hook(self._see)
+        self._handle = model.register_forward_pre_hook(self._see, with_kwargs=True)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _ObservedRows:
         # the step runs on a deep copy of the module, hooks included: the copy reports here
         return self
 
-    def _see(self, replica: nn.Module, args: Any) -> None:
-        first = first_batched(args)
+    def _see(self, replica: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        first = first_batched((args, kwargs))
         if first is None:
             return
         device = replica_device(first)

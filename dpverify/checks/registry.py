@@ -105,7 +105,7 @@ class Case:
 
     Attributes:
         module: the model (left unchanged: checks run on copies).
-        inputs: positional forward arguments.
+        inputs: positional forward arguments (``()`` for a keyword-only forward).
         target: the loss target (None when the forward returns its loss).
         loss_fn: ``loss_fn(output, target)``; None when the forward returns its loss.
         device_ids: DataParallel's devices; their count is the DDP world size.
@@ -151,7 +151,7 @@ class Case:
 
     @property
     def batch_size(self) -> int:
-        return batch_size_of(self.inputs, dim=self.dim)
+        return batch_size_of(self.inputs, dim=self.dim, kwargs=self.forward_kwargs)
 
     @property
     def chunk_sizes(self) -> list[int]:

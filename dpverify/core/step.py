@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,18 +36,27 @@ LossOfOutput = Callable[[Any], torch.Tensor]
 Wrap = Callable[[nn.Module], Callable[..., Any]]
 
 
-def as_inputs(inputs: Any) -> tuple[Any, ...]:
-    """One tensor, or a tuple of positional forward arguments, as a tuple."""
+def as_inputs(inputs: Any, *, keywords: bool = False) -> tuple[Any, ...]:
+    """One tensor, or a tuple of positional forward arguments, as a tuple; ``()`` only when
+    the call has ``keywords`` (a keyword-only forward, ``model(**batch)``)."""
     if isinstance(inputs, tuple):
-        if not inputs:
-            raise InvalidArgument("inputs=() is empty; pass the batch tensor or a tuple of forward arguments")
+        if not inputs and not keywords:
+            raise InvalidArgument(
+                "inputs=() is empty; pass the batch tensor, a tuple of forward arguments, or "
+                "the batch's tensors as forward_kwargs (a keyword-only call, model(**batch))"
+            )
         return inputs
     return (inputs,)
 
 
-def batch_size_of(inputs: tuple[Any, ...], *, argument: str = "inputs", dim: int = 0) -> int:
-    """Rows along ``dim`` of the first tensor argument; an empty batch is an error."""
-    first = first_batched(inputs)
+def batch_size_of(
+    inputs: tuple[Any, ...], *, argument: str = "inputs", dim: int = 0, kwargs: Mapping[str, Any] | None = None,
+) -> int:
+    """Rows along ``dim`` of the first tensor argument, positional first, then keyword (as
+    torch's ``scatter_kwargs`` splits both); an empty batch is an error."""
+    first = first_batched((inputs, dict(kwargs or {})))
+    if kwargs and not inputs:
+        argument = "forward_kwargs"
     if first is not None:
         if not -first.dim() <= dim < first.dim():
             raise InvalidArgument(
@@ -166,17 +175,17 @@ class ReplicaGradRecorder:
         return self
 
     def attach(self, module: nn.Module) -> None:
-        self._handles.append(module.register_forward_pre_hook(self._on_forward))
+        self._handles.append(module.register_forward_pre_hook(self._on_forward, with_kwargs=True))
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
-    def _on_forward(self, replica: nn.Module, args: Any) -> None:
+    def _on_forward(self, replica: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         # Each call of the root module is one replica's forward. (Not keyed by id(replica):
         # a wrapper may free a replica before building the next, and ids get reused.)
-        first = first_batched(args)
+        first = first_batched((args, kwargs))
         with self._lock:  # real DataParallel runs replicas in concurrent threads
             key = len(self.contributions)
             self.contributions[key] = {}
