@@ -102,13 +102,21 @@ def test_gpt2_uneven_rows_are_biased_as_predicted() -> None:
 
 def test_gpt2_ignored_labels_make_even_chunks_biased_for_the_token_counts() -> None:
     # Replica 0's rows predict one token each (-100 ignores the rest), replica 1's seven:
-    # each replica's mean is over its own tokens, so no weighting by rows can be exact.
+    # each replica's mean is over its own tokens, so no weighting by rows can be exact; the
+    # token counts (labels != -100, shifted by one as the causal head does) are found from
+    # the evidence, predict the bias, and weighting by them is exact.
     labels = _tokens(4).clone()
     labels[:2, 2:] = -100
     report = _gpt2_report(4, labels)
     assert report.chunk_sizes == (2, 2)
+    assert report.items == "tokens (labels != -100, shifted)"
+    shifted = (labels[:, 1:] != -100).sum(dim=1)
+    assert report.item_counts == (int(shifted[:2].sum()), int(shifted[2:].sum()))
     assert report.is_biased
+    assert report.weighted_is_exact
+    assert abs(report.predicted_bias - report.loss_bias) <= 8 * report.loss_noise  # float32 loss
     text = str(report)
     assert "uneven" not in text
-    assert "the replica losses are not the per-row means of their chunks" in text
-    assert not report.weighted_is_exact
+    assert "the replicas hold different numbers of tokens" in text
+    assert "although the chunks have equal rows" in text
+    assert "t_i/T" in text

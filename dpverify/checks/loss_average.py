@@ -14,6 +14,7 @@ really computes in, which can be float32 inside a float64 module.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import threading
 import warnings
@@ -31,6 +32,7 @@ from dpverify.core.errors import InvalidArgument
 from dpverify.core.numerics import max_abs
 from dpverify.core.step import convert_tensors, default_dtype, seed_step
 from dpverify.core.tree import first_batched, tensor_leaves
+from dpverify.core.validation import require_callable
 from dpverify.core.virtual import SCALAR_GATHER_WARNING, replica_device
 
 __all__ = [
@@ -40,7 +42,8 @@ __all__ = [
     "extract_loss",
 ]
 
-Reduce = Callable[[torch.Tensor, list[int]], torch.Tensor]
+#: ``reduce(losses, chunk_sizes)`` or ``reduce(losses, chunk_sizes, item_counts)``
+Reduce = Callable[..., torch.Tensor]
 
 # A bias counts only when it exceeds the measured rounding noise this many times: noise is
 # estimated from one sample (the weighted-vs-full difference), so the margin is generous.
@@ -96,11 +99,17 @@ class _ObservedRows:
     """The rows each replica forward received, in device order: the split the wrapper really
     made (a balanced first chunk), which is what its replica losses are means over."""
 
-    def __init__(self, model: nn.Module, device_ids: Sequence[int], dim: int = 0) -> None:
+    def __init__(
+        self, model: nn.Module, device_ids: Sequence[int], dim: int = 0, items: Items | None = None,
+        ignore_indices: Sequence[int] = (),
+    ) -> None:
         # replica i runs on device_ids[i] and its loss is the i-th gathered value
         self.dim = dim
+        self.items = items
+        self.ignore_indices = tuple(ignore_indices)
         self.order = {device: position for position, device in enumerate(device_ids)}
         self.rows: list[tuple[int, int]] = []
+        self.counts: list[tuple[int, dict[str, int]]] = []
         self._lock = threading.Lock()
         self._handle = model.register_forward_pre_hook(self._see, with_kwargs=True)
 
@@ -115,8 +124,14 @@ class _ObservedRows:
         device = replica_device(first)
         # a forward outside any replica: one device, the module itself on device_ids[0]
         key = self.order.get(device, len(self.order)) if device is not None else 0
+        rows = int(first.shape[self.dim])
+        if self.items is None:
+            counts = {"rows": rows, **item_candidates(args, kwargs, self.ignore_indices)}
+        else:
+            counts = {"items": _count(self.items, args, kwargs)}
         with self._lock:  # replicas run in concurrent threads
-            self.rows.append((key, int(first.shape[self.dim])))
+            self.rows.append((key, rows))
+            self.counts.append((key, counts))
 
     def detach(self) -> None:
         self._handle.remove()
@@ -126,6 +141,93 @@ class _ObservedRows:
         batch, else None (the planned split stands)."""
         sizes = [rows for _key, rows in sorted(self.rows)]
         return sizes if len(sizes) == replicas and sum(sizes) == batch else None
+
+    def item_counts(self, replicas: int) -> dict[str, list[int]]:
+        """Every candidate count of items (``item_candidates``) that every replica has, as
+        per-replica lists in device order; empty unless each replica's forward was seen."""
+        if len(self.counts) != replicas:
+            return {}
+        per_replica = [counts for _key, counts in sorted(self.counts, key=lambda entry: entry[0])]
+        shared = [name for name in per_replica[0] if all(name in counts for counts in per_replica)]
+        return {name: [counts[name] for counts in per_replica] for name in shared}
+
+
+#: ``items(args, kwargs)``: how many items (rows, tokens) one replica's chunk holds, the
+#: count its mean loss divides by.
+Items = Callable[[tuple[Any, ...], dict[str, Any]], int]
+
+#: The ignore index of torch's classification losses and of Hugging Face's labels.
+IGNORE_INDEX = -100
+
+
+def _count(items: Items, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    value = items(tuple(args), dict(kwargs))
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(f"items= returned {value!r}; it must return a count of items, an int >= 0")
+    return value
+
+
+def item_candidates(args: Any, kwargs: Mapping[str, Any], ignore_indices: Sequence[int] = ()) -> dict[str, int]:
+    """What a chunk's mean loss may divide by besides its rows: for every integer tensor
+    argument (labels, a target) the entries that are not an ignore index (-100, or
+    ``ignore_indices``), over the whole tensor and shifted by one along its last dimension
+    (a causal language model predicts token t+1 from token t, so its loss skips each row's
+    first label). Keyed by a description: ``"tokens (labels != -100, shifted)"``."""
+    found: dict[str, int] = {}
+    for path, _keys, tensor in tensor_leaves((tuple(args), dict(kwargs))):
+        if tensor.dim() == 0 or tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+            continue
+        name = _argument_name(path)
+        for ignore in dict.fromkeys((IGNORE_INDEX, *ignore_indices)):
+            kept = tensor != ignore
+            found.setdefault(f"tokens ({name} != {ignore})", int(kept.sum()))
+            if tensor.dim() >= 2:
+                found.setdefault(f"tokens ({name} != {ignore}, shifted)", int(kept[..., 1:].sum()))
+    return found
+
+
+def _argument_name(path: str) -> str:
+    """``labels`` for the keyword argument ``[1]['labels']``, ``inputs[1]`` for the second
+    positional one."""
+    if path.startswith("[1]"):
+        rest = path[3:]
+        return rest[2:].split("'", 1)[0] if rest.startswith("['") else f"forward_kwargs{rest}"
+    return "inputs" + path[3:]
+
+
+def ignore_indices_of(module: nn.Module) -> tuple[int, ...]:
+    """The ``ignore_index`` of every loss module inside ``module`` (torch's
+    CrossEntropyLoss and NLLLoss keep one)."""
+    return tuple(dict.fromkeys(
+        int(value) for sub in module.modules()
+        if isinstance(value := getattr(sub, "ignore_index", None), int) and not isinstance(value, bool)
+    ))
+
+
+def choose_items(candidates: Mapping[str, list[int]], losses: Sequence[float], full: float) -> tuple[str, list[int]]:
+    """The item counts that reproduce the full-batch loss from the replica losses
+    (``sum(t_i * L_i) / sum(t_i)``): the count each replica's mean loss divided by, found
+    from the evidence rather than assumed. Rows unless another count, not proportional to
+    the rows, does clearly better (half the error or less)."""
+
+    def error(counts: list[int]) -> float:
+        total = sum(counts)
+        if total <= 0 or len(counts) != len(losses):
+            return math.inf
+        return abs(sum(t * loss for t, loss in zip(counts, losses, strict=True)) / total - full)
+
+    rows = list(candidates.get("rows", []))
+    chosen, best = ("rows", rows), error(rows)
+    for name, counts in candidates.items():
+        proportional = len(counts) == len(rows) and all(c * sum(rows) == r * sum(counts) for c, r in zip(counts, rows, strict=True))
+        if name == "rows" or proportional:
+            continue
+        found = error(counts)
+        if found < 0.5 * best and (chosen[0] == "rows" or found < error(chosen[1])):
+            chosen = (name, list(counts))
+    return chosen
 
 
 def chunk_weighted_loss(losses: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -153,7 +255,8 @@ class LossAverageReport:
         chunk_sizes: rows per replica (torch.chunk's rule; can be fewer than devices).
         replica_losses: the loss each replica returned.
         mean_of_means: ``loss.mean()`` of the gathered vector.
-        weighted_mean: ``sum(n_i / B * loss_i)``, the exact reduction.
+        weighted_mean: ``sum(t_i / T * loss_i)`` with the item counts ``t_i`` (the rows
+            ``n_i`` by default), the exact reduction.
         full_batch_loss: the module's loss on the whole batch on one device.
         loss_bias: ``mean_of_means - full_batch_loss``.
         weighted_error: ``weighted_mean - full_batch_loss`` (zero up to rounding).
@@ -173,10 +276,14 @@ class LossAverageReport:
             gradient differences and the model's largest gradient entry.
         compute_dtype: the coarsest floating dtype the forward computed in (for example
             float32 for a loss computed with ``.float()`` inside a float64 module).
-        weighted_is_exact: the ``n_i / B``-weighted replica losses and their gradients equal
-            the full batch's up to the noise, that is each replica returned the per-row mean
-            of its chunk. False for a summed loss, a mean over tokens whose count differs
-            between replicas, or a forward that depends on the whole batch or on randomness.
+        weighted_is_exact: the ``t_i / T``-weighted replica losses and their gradients equal
+            the full batch's up to the noise, that is each replica returned the mean of its
+            chunk's items. False for a summed loss, a mean over items that were not found,
+            or a forward that depends on the whole batch or on randomness.
+        item_counts: the items each replica's loss is a mean over: its rows, or its tokens
+            (``items``), in replica order.
+        items: what is counted: ``"rows"``, ``"tokens (labels != -100, shifted)"``, or
+            ``"items"`` for a count given with ``items=``.
     """
 
     batch_size: int
@@ -196,21 +303,40 @@ class LossAverageReport:
     grad_noise: float = 0.0
     compute_dtype: str = "float64"
     weighted_is_exact: bool = True
+    item_counts: tuple[int, ...] = ()
+    items: str = "rows"
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """The item counts, or the chunk sizes when none were recorded."""
+        return self.item_counts or self.chunk_sizes
+
+    @property
+    def by_tokens(self) -> bool:
+        """The replica losses are means over something other than rows (tokens)."""
+        return self.items != "rows"
 
     @property
     def sample_weights(self) -> tuple[float, ...]:
-        """The weight ``loss.mean()`` gives one sample of each replica: ``1 / (k * n_i)``."""
-        k = len(self.chunk_sizes)
-        return tuple(1.0 / (k * n) for n in self.chunk_sizes)
+        """The weight ``loss.mean()`` gives one item of each replica: ``1 / (k * t_i)``
+        (``inf`` for a replica without items)."""
+        k = len(self.counts)
+        return tuple(1.0 / (k * n) if n else math.inf for n in self.counts)
 
     @property
     def predicted_bias(self) -> float:
-        """``sum((1/k - n_i/B) * loss_i)``: the bias the chunk weights predict."""
-        k = len(self.chunk_sizes)
+        """``sum((1/k - t_i/T) * loss_i)``: the bias the item counts predict."""
+        k, total = len(self.counts), sum(self.counts)
         return sum(
-            (1.0 / k - n / self.batch_size) * loss
-            for n, loss in zip(self.chunk_sizes, self.replica_losses, strict=True)
+            (1.0 / k - n / total) * loss
+            for n, loss in zip(self.counts, self.replica_losses, strict=True)
         )
+
+    @property
+    def unequal_items(self) -> bool:
+        """The replicas hold different numbers of items, so ``loss.mean()`` weights them
+        unequally (equal chunks of rows can still hold different numbers of tokens)."""
+        return len(set(self.counts)) > 1
 
     def __str__(self) -> str:
         k = len(self.chunk_sizes)
@@ -218,22 +344,35 @@ class LossAverageReport:
         lines = [
             f"Batch of {self.batch_size} rows on devices {list(self.device_ids)}: "
             f"chunk sizes {list(self.chunk_sizes)}, {k} replica{'s' if k != 1 else ''} used.",
-            f"Each replica returned its own chunk's mean loss: [{losses}].",
-            f"loss.mean() of those      = {self.mean_of_means:.8g}",
-            f"chunk-weighted sum(n_i/B) = {self.weighted_mean:.8g}",
-            f"full-batch loss           = {self.full_batch_loss:.8g}",
         ]
-        uneven = len(set(self.chunk_sizes)) > 1
+        if self.by_tokens:
+            lines += [
+                f"Each replica's loss is a mean over its {self._noun}: {self._counted}, "
+                f"{sum(self.counts)} in all.",
+                f"Each replica returned its own chunk's mean loss: [{losses}].",
+                f"loss.mean() of those      = {self.mean_of_means:.8g}",
+                f"item-weighted sum(t_i/T)  = {self.weighted_mean:.8g}",
+            ]
+        else:
+            lines += [
+                f"Each replica returned its own chunk's mean loss: [{losses}].",
+                f"loss.mean() of those      = {self.mean_of_means:.8g}",
+                f"chunk-weighted sum(n_i/B) = {self.weighted_mean:.8g}",
+            ]
+        lines.append(f"full-batch loss           = {self.full_batch_loss:.8g}")
+        uneven = self.unequal_items
+        weights = "item counts" if self.by_tokens else "chunk weights"
         if self.is_biased:
             lines += [
-                f"loss.mean() is biased by {self.loss_bias:+.3g} (the chunk weights predict "
+                f"loss.mean() is biased by {self.loss_bias:+.3g} (the {weights} predict "
                 f"{self.predicted_bias:+.3g}; {self.compute_dtype} rounding noise here is "
                 f"~{self.loss_noise:.1g}), and its gradients differ from the full-batch "
                 f"gradients by up to {self.grad_bias:.3g} (relative).",
                 *self._why(uneven),
             ]
         else:
-            reason = "the chunks are equal" if not uneven else "the replica losses happen to agree"
+            equal = f"the replicas hold equal numbers of {self._noun}" if self.by_tokens else "the chunks are equal"
+            reason = equal if not uneven else "the replica losses happen to agree"
             # "chunks that differ in size", not "uneven": an even split never reads "uneven".
             line = (
                 f"loss.mean() equals the full-batch loss here because {reason}; it would be "
@@ -247,9 +386,21 @@ class LossAverageReport:
             lines.append(line)
         return "\n".join(lines)
 
+    @property
+    def _noun(self) -> str:
+        return "tokens" if self.items.startswith("tokens") else self.items
+
+    @property
+    def _counted(self) -> str:
+        """The counts with what they count: ``[7, 10] (labels != -100, shifted)``."""
+        detail = self.items.partition("(")[2].rstrip(")")
+        return f"{list(self.counts)}" + (f" ({detail})" if detail else "")
+
     def _why(self, uneven: bool) -> list[str]:
         """Why the mean of means is biased, and the fix: the chunk weights (uneven chunks),
         replica losses that are not per-row means, or both."""
+        if self.by_tokens:
+            return self._why_items(uneven)
         weights = ", ".join(
             f"1/{round(1 / w)}" if abs(1 / w - round(1 / w)) < 1e-9 else f"{w:.4g}"
             for w in self.sample_weights
@@ -294,6 +445,36 @@ class LossAverageReport:
             f"the chunk-weighted sum {self.weighted_mean:.8g}, yet it does not: the gathered "
             "replica losses, or the wrapper, differ from what the chunks give.",
         ]
+
+
+    def _why_items(self, uneven: bool) -> list[str]:
+        """The Why and Fix when the replica losses are means over tokens, not rows."""
+        noun, total = self._noun, sum(self.counts)
+        weights = ", ".join(f"1/{self._fraction(w)}" for w in self.sample_weights)
+        if uneven and self.weighted_is_exact:
+            return [
+                f"Why: the replicas hold different numbers of {noun}, {self._counted}"
+                f"{', although the chunks have equal rows' if len(set(self.chunk_sizes)) == 1 else ''}, "
+                f"so loss.mean() gives each of replica i's {noun} the weight 1/(k*t_i) = [{weights}] "
+                f"instead of 1/T = 1/{total}.",
+                f"Fix: weight each replica's loss by its share of the {noun}, t_i/T "
+                f"(sum(loss_i * t_i) / T); or return each replica's summed loss and its count of "
+                f"{noun} from forward and divide the sum by the total after the gather. Weighting "
+                "by rows (n_i/B) is not exact here.",
+            ]
+        return [
+            f"Why: the replica losses are not the means over their {noun}, {self._counted}: "
+            "even the exact weighting sum(t_i/T * loss_i) is off the "
+            f"full-batch loss by {self.weighted_error:+.3g}, its gradients by up to "
+            f"{self.weighted_grad_error:.3g} (relative).",
+            "Fix: return each replica's summed loss and its count of items from forward and "
+            "divide the sum by the total after the gather.",
+        ]
+
+    @staticmethod
+    def _fraction(weight: float) -> str:
+        inverse = 1 / weight if weight else math.inf
+        return str(round(inverse)) if abs(inverse - round(inverse)) < 1e-9 else f"{inverse:.4g}"
 
 
 class _Precision(TorchFunctionMode):
@@ -360,6 +541,7 @@ def check_forward_loss_average(
     loss_at: int = -1,
     forward_kwargs: Mapping[str, Any] | None = None,
     dim: int = 0,
+    items: Items | None = None,
 ) -> LossAverageReport:
     """Measures what averaging DataParallel's per-replica losses does for this module.
 
@@ -369,6 +551,16 @@ def check_forward_loss_average(
     (see ``LossAverageReport.loss_noise``), so a loss computed in float32 inside forward is
     judged by float32's noise. ``parallel``, ``device_ids``, ``forward_kwargs`` and ``dim``
     are as in ``assert_dp_grads_match``; the chunk sizes are those the wrapper really made.
+
+    Each replica's loss is a mean over its items: its rows, or for a token-level loss its
+    tokens that are not ignored. Which, is read from the evidence: among the rows and, for
+    every integer tensor argument (``labels``), its entries that are not an ignore index
+    (-100, or an ``ignore_index`` of a loss module inside ``module``), whole or shifted by
+    one for a causal language model, the counts whose weighting ``sum(t_i * L_i) / sum(t_i)``
+    reproduces the full-batch loss (rows when they do as well). ``items(args, kwargs)``
+    gives the count of one replica's chunk instead. The report's ``item_counts`` are those
+    counts, its predicted bias and the exact recipe (weight each replica's loss by
+    ``t_i / T``) use them.
 
     Returns:
         The report; ``str(report)`` explains it in plain words.
@@ -389,7 +581,9 @@ def check_forward_loss_average(
         # Frozen parameters have no gradient to compare (autograd.grad refuses them).
         params = [p for p in parallel_model.parameters() if p.requires_grad]
         seed_step(0, check.device)
-        observed = _ObservedRows(parallel_model, check.device_ids, check.dim)
+        if items is not None:
+            require_callable(items, "items", "items(args, kwargs) -> the number of items (rows, tokens) one chunk's loss averages over")
+        observed = _ObservedRows(parallel_model, check.device_ids, check.dim, items, ignore_indices_of(module))
         try:
             with check.devices():
                 losses = _replica_losses(check.wrap(parallel_model)(*args, **kwargs), loss_at, check.plan.n_replicas)
@@ -399,10 +593,6 @@ def check_forward_loss_average(
         finally:
             observed.detach()
         sizes = observed.sizes(losses.numel(), batch) or sizes
-        mean_of_means = losses.mean()
-        weighted = chunk_weighted_loss(losses, sizes)
-        grads_mean = _grads(mean_of_means, params, retain=True)
-        grads_weighted = _grads(weighted, params)
 
         single = copy.deepcopy(module).to(dtype=torch.float64, device=check.device)
         seed_step(0, check.device)
@@ -416,6 +606,17 @@ def check_forward_loss_average(
                 "be a scalar (the batch's mean loss)"
             )
         grads_full = _grads(full.reshape(()), [p for p in single.parameters() if p.requires_grad])
+
+        candidates = observed.item_counts(losses.numel()) or {"rows": list(sizes)}
+        item_kind, counts = choose_items(candidates, [float(x) for x in losses.detach()], float(full.detach()))
+        if sum(counts) <= 0:
+            raise InvalidArgument(
+                f"items= counts {counts} add up to no item; each replica's loss must average over at least one"
+            )
+        mean_of_means = losses.mean()
+        weighted = chunk_weighted_loss(losses, counts)
+        grads_mean = _grads(mean_of_means, params, retain=True)
+        grads_weighted = _grads(weighted, params)
 
     dtype = _coarsest(precision.dtype, losses.dtype, full.dtype)
     eps = _eps(dtype)
@@ -485,6 +686,8 @@ def check_forward_loss_average(
         grad_noise=grad_noise,
         compute_dtype=str(dtype).removeprefix("torch."),
         weighted_is_exact=exact,
+        item_counts=tuple(counts),
+        items=item_kind,
     )
 
 
@@ -501,6 +704,7 @@ def assert_loss_reduction_matches_full_batch(
     msg: Msg = None,
     forward_kwargs: Mapping[str, Any] | None = None,
     dim: int = 0,
+    items: Items | None = None,
 ) -> StepComparison:
     """Asserts the user's reduction of per-replica losses equals the full-batch loss.
 
@@ -509,8 +713,12 @@ def assert_loss_reduction_matches_full_batch(
     full-batch loss and gradients (float64-anchored tolerance, or ``rtol``/``atol``).
     ``lambda losses, sizes: losses.mean()`` fails on uneven chunks;
     ``lambda losses, sizes: (losses * torch.tensor(sizes)).sum() / sum(sizes)`` passes.
-    ``chunk_sizes`` are the rows (along ``dim``) each replica really received. The other
-    arguments are as in ``assert_dp_grads_match``.
+    ``chunk_sizes`` are the rows (along ``dim``) each replica really received. A ``reduce``
+    that takes a third argument also receives the item counts each replica's loss is a mean
+    over (rows, or tokens for a token-level loss; found as in ``check_forward_loss_average``,
+    or counted by ``items``): ``lambda losses, sizes, counts: chunk_weighted_loss(losses,
+    counts)`` is exact for a token-mean loss where rows are not. The other arguments are as
+    in ``assert_dp_grads_match``.
 
     Raises:
         ParallelMismatch: the reduced loss or its gradients differ, with the bias.
@@ -524,9 +732,21 @@ def assert_loss_reduction_matches_full_batch(
         module, inputs, device_ids=device_ids, parallel=parallel, rtol=rtol, atol=atol,
         forward_kwargs=forward_kwargs, dim=dim,
     )
+    if items is not None:
+        require_callable(items, "items", "items(args, kwargs) -> the number of items (rows, tokens) one chunk's loss averages over")
     sizes = list(check.plan.chunk_sizes)
+    counted: list[tuple[str, list[int]]] = []
     seen: list[torch.Tensor] = []
-    observed = _ObservedRows(check.module, check.device_ids, check.dim)
+
+    def whole(output: Any) -> torch.Tensor:
+        return extract_loss(output, loss_at)
+
+    # the references first: the full-batch loss tells which item counts the replica
+    # losses are means over
+    refs = check.references(lambda _dtype: whole, loss_argument="the forward's loss")
+    expected = refs.expected
+    observed = _ObservedRows(check.module, check.device_ids, check.dim, items, ignore_indices_of(module))
+    with_counts = _takes_three(reduce)
 
     def reduced(output: Any) -> torch.Tensor:
         nonlocal sizes
@@ -534,19 +754,18 @@ def assert_loss_reduction_matches_full_batch(
         seen.append(losses.detach())
         # the split the wrapper made, which its replica losses are means over
         sizes = observed.sizes(losses.numel(), sum(sizes)) or sizes
+        candidates = observed.item_counts(losses.numel()) or {"rows": list(sizes)}
+        counted.append(choose_items(candidates, [float(x) for x in losses.detach()], float(expected.loss)))
+        if with_counts:
+            return reduce(losses, list(sizes), list(counted[-1][1]))
         return reduce(losses, list(sizes))
-
-    def whole(output: Any) -> torch.Tensor:
-        return extract_loss(output, loss_at)
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
         try:
             parallel_step = check.run(reduced, parallel=True, loss_argument="reduce", record_replicas="magnitudes")
         finally:
-            observed.detach()  # before the references run: they are not replicas
-    refs = check.references(lambda _dtype: whole, loss_argument="the forward's loss")
-    expected = refs.expected
+            observed.detach()
     rows = check.compare(parallel_step, refs, outputs=False)
     losses = ", ".join(f"{float(x):.6g}" for x in seen[0]) if seen else ""
     notes = [
@@ -554,10 +773,26 @@ def assert_loss_reduction_matches_full_batch(
         f"{float(parallel_step.loss):.8g}, the full batch gives {float(expected.loss):.8g} "
         f"(bias {float(parallel_step.loss) - float(expected.loss):+.3g}).",
     ]
-    if len(set(sizes)) > 1:
+    kind, counts = counted[0] if counted else ("rows", sizes)
+    if kind != "rows":
+        notes.append(
+            f"Each replica's loss is a mean over its {kind}: {counts}. Weight replica i by "
+            "t_i/T (reduce's third argument, the counts), not by its rows."
+        )
+    elif len(set(sizes)) > 1:
         notes.append(
             "The chunks are uneven: losses.mean() weights each sample 1/(k*n_i); weight replica "
             "i by n_i/B instead."
         )
     title = "The reduced per-replica loss must equal the full-batch loss"
     return raise_unless_ok(check.outcome(title, rows, notes=notes), msg)
+
+
+def _takes_three(reduce: Callable[..., Any]) -> bool:
+    """Whether ``reduce`` accepts a third positional argument (the item counts)."""
+    try:
+        parameters = inspect.signature(reduce).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in parameters)

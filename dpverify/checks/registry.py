@@ -366,11 +366,15 @@ def _loss_fields(report: LossAverageReport | None) -> dict[str, Any]:
 
 
 def _loss_verdict(result: Callable[..., CheckResult], report: LossAverageReport) -> CheckResult:
-    chunks = list(report.chunk_sizes)
+    chunks = str(list(report.chunk_sizes))
     fields = _loss_fields(report) | {"detail": str(report)}
     if not report.is_biased:
         return result(Verdict.PASS, f"exact here (chunks {chunks})", **fields)
-    how = "weight by n_i/B" if report.weighted_is_exact else "the replica losses are not per-row means"
+    if report.by_tokens:
+        how = "weight by t_i/T, tokens" if report.weighted_is_exact else "the replica losses are not means over their tokens"
+        chunks = f"{chunks}, {report.items} {list(report.counts)}"
+    else:
+        how = "weight by n_i/B" if report.weighted_is_exact else "the replica losses are not per-row means"
     return result(Verdict.WARN, f"biased by {report.loss_bias:+.3g} (chunks {chunks}): {how}", **fields)
 
 
@@ -407,10 +411,10 @@ def _dp_loss_average(case: Case, target: Target) -> Report:
         case.module, case.inputs, device_ids=list(case.device_ids), parallel=target.parallel,
         forward_kwargs=case.forward_kwargs, dim=case.dim,
     )
-    uneven = len(set(report.chunk_sizes)) > 1
+    uneven = report.unequal_items
     if report.is_biased and not uneven and report.weighted_is_exact:
-        # equal chunks, per-row means, yet loss.mean() is off: the gathered losses are wrong
-        raise ParallelMismatch(f"loss.mean() of replica losses is off although the chunks are equal\n{report}", report)
+        # equal items, exact means, yet loss.mean() is off: the gathered losses are wrong
+        raise ParallelMismatch(f"loss.mean() of replica losses is off although the replicas hold equal numbers of {report.items}\n{report}", report)
     if case.per_row_mean_loss and report.is_biased != uneven:
         raise ParallelMismatch(
             "loss.mean() of per-row-mean replica losses must be biased exactly when the chunks "
