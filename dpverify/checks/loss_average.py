@@ -19,7 +19,7 @@ import math
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -102,10 +102,12 @@ class _ObservedRows:
 
     def __init__(
         self, model: nn.Module, device_ids: Sequence[int], dim: int = 0, items: Items | None = None,
-        ignore_indices: Sequence[int] = (),
+        ignore_indices: Sequence[int] = (), given: Sequence[str] = (),
     ) -> None:
         # replica i runs on device_ids[i] and its loss is the i-th gathered value
         self.dim = dim
+        self.given_names = tuple(given)
+        self.given: list[tuple[int, float | None]] = []
         self.items = items
         self.ignore_indices = tuple(ignore_indices)
         self.order = {device: position for position, device in enumerate(device_ids)}
@@ -130,8 +132,10 @@ class _ObservedRows:
             counts = {"rows": rows, **item_candidates(args, kwargs, self.ignore_indices)}
         else:
             counts = {"items": count_items(self.items, args, kwargs)}
+        value = _count_value(kwargs.get(self.given_names[0])) if self.given_names else None
         with self._lock:  # replicas run in concurrent threads
             self.rows.append((key, rows))
+            self.given.append((key, value))
             self.counts.append((key, counts))
 
     def detach(self) -> None:
@@ -151,6 +155,38 @@ class _ObservedRows:
         per_replica = [counts for _key, counts in sorted(self.counts, key=lambda entry: entry[0])]
         shared = [name for name in per_replica[0] if all(name in counts for counts in per_replica)]
         return {name: [counts[name] for counts in per_replica] for name in shared}
+
+
+#: ``per_call_kwargs(devices)``: the keyword arguments of a call that spans ``devices``
+#: devices (1: the single-device reference; the device count: the parallel call), such as
+#: the ``num_items_in_batch`` a trainer passes.
+PerCall = Callable[[int], Mapping[str, Any]]
+
+
+def _per_call(per_call_kwargs: PerCall | None, devices: int, forward_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``per_call_kwargs(devices)``, checked: a mapping whose keys are not forward_kwargs'."""
+    if per_call_kwargs is None:
+        return {}
+    require_callable(per_call_kwargs, "per_call_kwargs", "per_call_kwargs(devices) -> {'num_items_in_batch': count}")
+    given = per_call_kwargs(devices)
+    if not isinstance(given, Mapping):
+        raise InvalidArgument(
+            f"per_call_kwargs({devices}) returned {type(given).__name__}; it must return a mapping "
+            "of keyword arguments, e.g. {'num_items_in_batch': count}"
+        )
+    clash = sorted(set(given) & set(forward_kwargs))
+    if clash:
+        raise InvalidArgument(f"per_call_kwargs and forward_kwargs both give {clash}; give each keyword once")
+    return dict(given)
+
+
+def _count_value(value: Any) -> float | None:
+    """The number a per-call count holds (a Python number, or a tensor's first entry)."""
+    if isinstance(value, torch.Tensor) and value.numel() >= 1:
+        return float(value.reshape(-1)[0])
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
 
 
 def chunk_weighted_loss(losses: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -205,6 +241,10 @@ class LossAverageReport:
             or a forward that depends on the whole batch or on randomness.
         item_counts: the items each replica's loss is a mean over: its rows, or its tokens
             (``items``), in replica order.
+        normalizer: the keyword argument of ``per_call_kwargs`` that the loss divides by
+            (``num_items_in_batch``), or ``""``.
+        normalizer_full: its value in the single-device call (the batch's count).
+        normalizer_given: the value each replica received, in replica order.
         items: what is counted: ``"rows"``, ``"tokens (labels != -100, shifted)"``, or
             ``"items"`` for a count given with ``items=``.
     """
@@ -228,6 +268,9 @@ class LossAverageReport:
     weighted_is_exact: bool = True
     item_counts: tuple[int, ...] = ()
     items: str = "rows"
+    normalizer: str = ""
+    normalizer_full: float | None = None
+    normalizer_given: tuple[float, ...] = ()
 
     @property
     def counts(self) -> tuple[int, ...]:
@@ -248,7 +291,14 @@ class LossAverageReport:
 
     @property
     def predicted_bias(self) -> float:
-        """``sum((1/k - t_i/T) * loss_i)``: the bias the item counts predict."""
+        """``sum((1/k - t_i/T) * loss_i)``: the bias the item counts predict. For a loss
+        divided by a count given to forward: ``loss_i = S_i / c_i``, so ``loss.mean()`` is
+        ``sum(c_i * loss_i) / N`` scaled by ``N / (k * c_i)``: ``sum(loss_i) / k -
+        sum(c_i * loss_i) / N``."""
+        if self.normalizer_full and len(self.normalizer_given) == len(self.replica_losses):
+            k = len(self.replica_losses)
+            summed = sum(c * loss for c, loss in zip(self.normalizer_given, self.replica_losses, strict=True))
+            return sum(self.replica_losses) / k - summed / self.normalizer_full
         k, total = len(self.counts), sum(self.counts)
         return sum(
             (1.0 / k - n / total) * loss
@@ -268,7 +318,14 @@ class LossAverageReport:
             f"Batch of {self.batch_size} rows on devices {list(self.device_ids)}: "
             f"chunk sizes {list(self.chunk_sizes)}, {k} replica{'s' if k != 1 else ''} used.",
         ]
-        if self.by_tokens:
+        if self.normalizer:
+            lines += [
+                f"Each replica divided its summed loss by the {self.normalizer} it was given: "
+                f"{self._given_text}; the single-device call divides by {self._full_text}.",
+                f"Each replica returned: [{losses}].",
+                f"loss.mean() of those      = {self.mean_of_means:.8g}",
+            ]
+        elif self.by_tokens:
             lines += [
                 f"Each replica's loss is a mean over its {self._noun}: {self._counted}, "
                 f"{sum(self.counts)} in all.",
@@ -285,6 +342,8 @@ class LossAverageReport:
         lines.append(f"full-batch loss           = {self.full_batch_loss:.8g}")
         uneven = self.unequal_items
         weights = "item counts" if self.by_tokens else "chunk weights"
+        if self.normalizer:
+            return "\n".join(lines + self._normalizer_lines())
         if self.is_biased:
             lines += [
                 f"loss.mean() is biased by {self.loss_bias:+.3g} (the {weights} predict "
@@ -308,6 +367,39 @@ class LossAverageReport:
                 )
             lines.append(line)
         return "\n".join(lines)
+
+    @property
+    def _given_text(self) -> str:
+        return "[" + ", ".join(f"{c:g}" for c in self.normalizer_given) + "]" if self.normalizer_given else "(not a number)"
+
+    @property
+    def _full_text(self) -> str:
+        return f"{self.normalizer_full:g}" if self.normalizer_full is not None else "(not a number)"
+
+    def _normalizer_lines(self) -> list[str]:
+        """The verdict, Why and Fix for a loss divided by a count given to forward."""
+        k = len(self.replica_losses)
+        total = sum(self.normalizer_given)
+        if not self.is_biased:
+            return [
+                f"loss.mean() equals the full-batch loss here: the {k} replicas' counts add up "
+                f"to {total:g} = {self._full_text}, the batch's."
+                + (f" The {self.loss_bias:+.1g} left is {self.compute_dtype} rounding." if self.loss_bias else "")
+            ]
+        return [
+            f"loss.mean() is biased by {self.loss_bias:+.3g} (the counts predict "
+            f"{self.predicted_bias:+.3g}; {self.compute_dtype} rounding noise here is "
+            f"~{self.loss_noise:.1g}), and its gradients differ from the full-batch gradients "
+            f"by up to {self.grad_bias:.3g} (relative).",
+            f"Why: replica i's loss is its summed loss over {self.normalizer} c_i, so "
+            f"loss.mean() is sum(S_i / c_i) / k, which is the full-batch sum(S_i) / "
+            f"{self._full_text} only when k * c_i = {self._full_text}; the replicas got "
+            f"{self._given_text}, which add up to {total:g}: an integer division of the count by "
+            "the number of devices does this when it does not divide evenly.",
+            f"Fix: give every replica the whole count {self._full_text} and add the replica "
+            f"losses (loss.sum()), or give each {self._full_text} / k without rounding and keep "
+            "loss.mean().",
+        ]
 
     @property
     def _noun(self) -> str:
@@ -465,6 +557,7 @@ def check_forward_loss_average(
     forward_kwargs: Mapping[str, Any] | None = None,
     dim: int = 0,
     items: Items | None = None,
+    per_call_kwargs: PerCall | None = None,
 ) -> LossAverageReport:
     """Measures what averaging DataParallel's per-replica losses does for this module.
 
@@ -485,6 +578,14 @@ def check_forward_loss_average(
     counts, its predicted bias and the exact recipe (weight each replica's loss by
     ``t_i / T``) use them.
 
+    ``per_call_kwargs(devices)`` gives keyword arguments that differ between the calls: the
+    single-device reference gets ``per_call_kwargs(1)``, the parallel call
+    ``per_call_kwargs(len(device_ids))`` (scattered like the others). A loss that divides
+    its summed token loss by a count given to forward (the trainers' ``num_items_in_batch``)
+    is checked so: the report says what each replica divided by, and predicts the bias of
+    ``loss.mean()`` from the counts (exact only when the replicas' counts add up to the
+    batch's).
+
     Returns:
         The report; ``str(report)`` explains it in plain words.
 
@@ -492,10 +593,14 @@ def check_forward_loss_average(
         InvalidArgument: bad arguments, or a forward that returns no per-replica scalar loss.
     """
     check = Check.create(module, inputs, device_ids=device_ids, parallel=parallel, forward_kwargs=forward_kwargs, dim=dim)
+    single_given = _per_call(per_call_kwargs, 1, check.kwargs)
+    parallel_given = _per_call(per_call_kwargs, len(check.device_ids), check.kwargs)
     sizes = list(check.plan.chunk_sizes)
     batch = sum(sizes)
     args = convert_tensors(check.args, torch.float64, check.device)
     kwargs = convert_tensors(check.kwargs, torch.float64, check.device)
+    single_kwargs = {**kwargs, **convert_tensors(single_given, torch.float64, check.device)}
+    parallel_kwargs = {**kwargs, **convert_tensors(parallel_given, torch.float64, check.device)}
     fork_devices = [check.device] if check.device.type == "cuda" else []
     precision = _Precision()
     with default_dtype(torch.float64), torch.random.fork_rng(devices=fork_devices), warnings.catch_warnings():
@@ -506,10 +611,10 @@ def check_forward_loss_average(
         seed_step(0, check.device)
         if items is not None:
             require_callable(items, "items", "items(args, kwargs) -> the number of items (rows, tokens) one chunk's loss averages over")
-        observed = _ObservedRows(parallel_model, check.device_ids, check.dim, items, ignore_indices_of(module))
+        observed = _ObservedRows(parallel_model, check.device_ids, check.dim, items, ignore_indices_of(module), list(parallel_given))
         try:
             with check.devices():
-                losses = _replica_losses(check.wrap(parallel_model)(*args, **kwargs), loss_at, check.plan.n_replicas)
+                losses = _replica_losses(check.wrap(parallel_model)(*args, **parallel_kwargs), loss_at, check.plan.n_replicas)
         except IndexError as error:
             check.explain_gather_error(error)
             raise
@@ -522,7 +627,7 @@ def check_forward_loss_average(
         # Only the single-device forward is traced: it runs the same code as each replica,
         # on this thread (the replicas run on DataParallel's threads).
         with precision:
-            full = extract_loss(single(*args, **kwargs), loss_at)
+            full = extract_loss(single(*args, **single_kwargs), loss_at)
         if full.numel() != 1:
             raise InvalidArgument(
                 f"the forward's loss has shape {tuple(full.shape)} on the whole batch; it must "
@@ -611,7 +716,21 @@ def check_forward_loss_average(
         weighted_is_exact=exact,
         item_counts=tuple(counts),
         items=item_kind,
+        **_normalizer_fields(single_given, observed, losses.numel()),
     )
+
+
+def _normalizer_fields(single_given: Mapping[str, Any], observed: _ObservedRows, replicas: int) -> dict[str, Any]:
+    """The report's fields for a count given to forward: its name, the single-device
+    call's value and each replica's (device order), when they are numbers."""
+    if not single_given:
+        return {}
+    name = next(iter(single_given))
+    full = _count_value(single_given[name])
+    given = [value for _key, value in sorted(observed.given, key=lambda entry: entry[0])]
+    if full is None or len(given) != replicas or any(value is None for value in given):
+        return {"normalizer": name}
+    return {"normalizer": name, "normalizer_full": full, "normalizer_given": tuple(float(v) for v in given if v is not None)}
 
 
 def assert_loss_reduction_matches_full_batch(
@@ -628,6 +747,7 @@ def assert_loss_reduction_matches_full_batch(
     forward_kwargs: Mapping[str, Any] | None = None,
     dim: int = 0,
     items: Items | None = None,
+    per_call_kwargs: PerCall | None = None,
 ) -> StepComparison:
     """Asserts the user's reduction of per-replica losses equals the full-batch loss.
 
@@ -640,8 +760,11 @@ def assert_loss_reduction_matches_full_batch(
     that takes a third argument also receives the item counts each replica's loss is a mean
     over (rows, or tokens for a token-level loss; found as in ``check_forward_loss_average``,
     or counted by ``items``): ``lambda losses, sizes, counts: chunk_weighted_loss(losses,
-    counts)`` is exact for a token-mean loss where rows are not. The other arguments are as
-    in ``assert_dp_grads_match``.
+    counts)`` is exact for a token-mean loss where rows are not. ``per_call_kwargs`` gives
+    the single-device and the parallel call their own keyword arguments, as in
+    ``check_forward_loss_average`` (the trainers' ``num_items_in_batch`` with
+    ``lambda losses, sizes: losses.mean()`` is their DataParallel recipe). The other
+    arguments are as in ``assert_dp_grads_match``.
 
     Raises:
         ParallelMismatch: the reduced loss or its gradients differ, with the bias.
@@ -664,11 +787,13 @@ def assert_loss_reduction_matches_full_batch(
     def whole(output: Any) -> torch.Tensor:
         return extract_loss(output, loss_at)
 
+    single_given = _per_call(per_call_kwargs, 1, check.kwargs)
+    parallel_given = _per_call(per_call_kwargs, len(check.device_ids), check.kwargs)
     # the references first: the full-batch loss tells which item counts the replica
     # losses are means over
-    refs = check.references(lambda _dtype: whole, loss_argument="the forward's loss")
+    refs = replace(check, kwargs={**check.kwargs, **single_given}).references(lambda _dtype: whole, loss_argument="the forward's loss")
     expected = refs.expected
-    observed = _ObservedRows(check.module, check.device_ids, check.dim, items, ignore_indices_of(module))
+    observed = _ObservedRows(check.module, check.device_ids, check.dim, items, ignore_indices_of(module), list(parallel_given))
     with_counts = _takes_three(reduce)
 
     def reduced(output: Any) -> torch.Tensor:
@@ -686,7 +811,8 @@ def assert_loss_reduction_matches_full_batch(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
         try:
-            parallel_step = check.run(reduced, parallel=True, loss_argument="reduce", record_replicas="magnitudes")
+            parallel_check = replace(check, kwargs={**check.kwargs, **parallel_given})
+            parallel_step = parallel_check.run(reduced, parallel=True, loss_argument="reduce", record_replicas="magnitudes")
         finally:
             observed.detach()
     rows = check.compare(parallel_step, refs, outputs=False)
@@ -697,7 +823,14 @@ def assert_loss_reduction_matches_full_batch(
         f"(bias {float(parallel_step.loss) - float(expected.loss):+.3g}).",
     ]
     kind, counts = counted[0] if counted else ("rows", sizes)
-    if kind != "rows":
+    given = [value for _key, value in sorted(observed.given, key=lambda entry: entry[0])]
+    if single_given:
+        name = next(iter(single_given))
+        notes.append(
+            f"Each replica divided by the {name} it was given, {given}; the single-device call by "
+            f"{_count_value(single_given[name])}."
+        )
+    elif kind != "rows":
         notes.append(
             f"Each replica's loss is a mean over its {kind}: {counts}. Weight replica i by "
             "t_i/T (reduce's third argument, the counts), not by its rows."
