@@ -152,3 +152,22 @@ def test_check_benchmark_floor_counts_what_the_check_runs(monkeypatch: pytest.Mo
     assert counts["single-device float32"] == floor.counts["single-device float32"]
     assert counts["single-device float64"] == floor.counts["single-device float64"]
     assert counts["parallel"] == floor.counts["parallel"] + raising
+
+
+def test_token_bias_benchmark_rows_mean_what_they_say(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    import token_bias
+
+    token_bias.main([])
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]}
+    padded, unpadded, bert, trainer = (rows[name] for name in (
+        "GPT-2, padded labels", "GPT-2, no padding", "BERT MLM, 30% masked", "GPT-2, padded, trainer's num_items_in_batch",
+    ))
+    assert padded[1] == "tokens (labels != -100, shifted)"
+    assert padded[6:8] == ["yes", "yes |"]  # biased, and the t_i/T weighting is exact
+    assert float(padded[3]) == pytest.approx(float(padded[4]), rel=1e-3)  # measured = predicted
+    assert unpadded[1] == "rows"
+    assert unpadded[6] == "no"
+    assert bert[1] == "tokens (labels != -100)"
+    assert bert[6] == "yes"
+    assert trainer[6] == "yes"  # 47 tokens do not divide by 4 devices
