@@ -29,6 +29,7 @@ from dpverify.core.divergence import (
     group_sources,
 )
 from dpverify.core.errors import InvalidArgument
+from dpverify.core.step import batch_size_of
 from dpverify.models.user import UserModel
 
 __all__ = [
@@ -128,6 +129,7 @@ def plan_checks(
     checks: Sequence[str] = DEFAULT_CHECKS,
     splits: Sequence[tuple[int, int]] | None = None,
     target: Target | None = None,
+    dim: int = 0,
 ) -> list[PlannedCheck]:
     """Every check to run, in order; a model with divergence sources is checked as given
     (mismatches explained) and then as an eval-mode copy (mismatches fail).
@@ -136,9 +138,13 @@ def plan_checks(
         splits: ``(batch size, devices)`` pairs to check instead of every batch size on
             every device count.
         target: the code under test (default: torch's DataParallel and DDP).
+        dim: the dimension the DataParallel checks split the batch along (``Case.dim``);
+            a batch size is the rows along it, and every batch must have that many there
+            (the DDP checks skip a case that is not split along dim 0).
 
     Raises:
-        InvalidArgument: an unknown check or backend, or a batch the model cannot take.
+        InvalidArgument: an unknown check or backend, a batch the model cannot take, or
+            (with ``dim`` other than 0) a batch without ``batch size`` rows along ``dim``.
     """
     specs = _specs(checks, backend)
     pairs = list(splits) if splits is not None else [(b, d) for b in batch_sizes for d in device_counts]
@@ -147,16 +153,36 @@ def plan_checks(
         modules.append((copy.deepcopy(model.module).eval(), True))
     # one batch per batch size, shared by its device counts and both modes
     batches = {size: model.make_batch(size) for size in dict.fromkeys(size for size, _ in pairs)}
+    if dim != 0:
+        for size, batch in batches.items():
+            _require_rows_along(batch.inputs, size, dim, model.batch_source)
     planned: list[PlannedCheck] = []
     for module, eval_copy in modules:
         for batch_size, devices in pairs:
             batch = batches[batch_size]
             case = Case(
                 module, batch.inputs, batch.target, batch.loss_fn, tuple(range(devices)),
-                per_row_mean_loss=batch.per_row_mean_loss,
+                per_row_mean_loss=batch.per_row_mean_loss, dim=dim,
             )
             planned += [PlannedCheck(spec, case, target, eval_copy) for spec in specs if spec.applies(case)]
     return planned
+
+
+def _require_rows_along(inputs: tuple[object, ...], size: int, dim: int, source: str) -> None:
+    """A batch split along ``dim`` must have its batch size there: a batch made with its
+    rows along dim 0 would be split along another dimension (time, features) instead.
+
+    Raises:
+        InvalidArgument: the batch's first tensor has another size along ``dim``, or no such
+            dimension.
+    """
+    rows = batch_size_of(inputs, argument=f"the batch from {source}", dim=dim)
+    if rows != size:
+        raise InvalidArgument(
+            f"dim={dim}: the batch of size {size} from {source} has {rows} rows along dim {dim}; "
+            f"the batch is split along dim {dim}, so its batch_size rows must be there (FN(batch_size) "
+            f"returns inputs with batch_size along dim {dim})"
+        )
 
 
 def check_model(
@@ -171,6 +197,7 @@ def check_model(
     on_result: Callable[[CheckResult], None] | None = None,
     on_start: Callable[[str, Split], None] | None = None,
     plan: Sequence[PlannedCheck] | None = None,
+    dim: int = 0,
 ) -> ModelCheckReport:
     """Runs every planned check; ``on_start`` sees each check's title and split before it
     runs, and ``on_result`` its result as it comes.
@@ -187,6 +214,8 @@ def check_model(
         on_start: called before each check.
         plan: the checks ``plan_checks`` returned for these arguments, when the caller has
             them already (planning makes every batch).
+        dim: the dimension the DataParallel checks split the batch along; batch sizes are
+            rows along it (see ``plan_checks``).
 
     Raises:
         InvalidArgument: the model, its batches or the arguments cannot be checked (the
@@ -195,7 +224,7 @@ def check_model(
     if plan is None:
         plan = plan_checks(
             model, batch_sizes=batch_sizes, device_counts=device_counts, backend=backend, checks=checks,
-            splits=splits, target=target,
+            splits=splits, target=target, dim=dim,
         )
     results: list[CheckResult] = []
     for planned in plan:

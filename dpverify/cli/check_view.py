@@ -34,7 +34,9 @@ def _ddp_backend(world_size: int) -> str:
     return default_backend(world_size)
 
 
-def runs_on(backend: str, device_counts: Sequence[int], wrapper: str | None = None) -> str:
+def runs_on(
+    backend: str, device_counts: Sequence[int], wrapper: str | None = None, *, criterion: str | None = None, dim: int = 0,
+) -> str:
     """What runs the checks, in words: DataParallel on virtual or CUDA devices; DDP as
     real processes, one per rank, in gloo or nccl process groups.
 
@@ -42,6 +44,8 @@ def runs_on(backend: str, device_counts: Sequence[int], wrapper: str | None = No
         backend: ``"dp"``, ``"ddp"`` or ``"all"``.
         device_counts: the device counts, which are the world sizes under DDP.
         wrapper: the DataParallel-like wrapper under test (default torch's DataParallel).
+        criterion: the criterion wrapper of a model/criterion pair, if one is under test.
+        dim: the dimension DataParallel splits the batch along.
     """
     from dpverify.core.devices import cuda_device_count
 
@@ -49,7 +53,9 @@ def runs_on(backend: str, device_counts: Sequence[int], wrapper: str | None = No
     if backend in ("dp", "all"):
         gpus = cuda_device_count()
         where = f"{plural(gpus, 'CUDA device')} where enough exist, virtual ones otherwise" if gpus else "virtual devices (no CUDA here)"
-        parts.append(f"{wrapper or 'DataParallel'} on {where}")
+        pair = f" with criterion wrapper {criterion}" if criterion else ""
+        along = f", batch split along dim {dim}" if dim != 0 else ""
+        parts.append(f"{wrapper or 'DataParallel'}{pair} on {where}{along}")
     if backend in ("ddp", "all"):
         sizes: dict[str, list[int]] = {}
         for size in sorted(set(device_counts)):
@@ -64,15 +70,16 @@ def runs_on(backend: str, device_counts: Sequence[int], wrapper: str | None = No
 
 def render_model_check_header(
     console: Any, model: UserModel, *, loss: str, backend: str, device_counts: Sequence[int], wrapper: str | None = None,
+    criterion: str | None = None, dim: int = 0,
 ) -> None:
     """Prints what is checked, on what, before any check runs (a long run shows at once
-    what it is doing)."""
+    what it is doing): the wrapper and criterion wrapper under test among them."""
     from rich.text import Text
 
     console.print(Text(f"dpverify check: {model.name}", style="bold"))
     console.print(
         f"{plural(model.parameter_count, 'parameter')}; batch: {model.batch_source}; loss: {loss}; "
-        f"{runs_on(backend, device_counts, wrapper)}; torch {torch.__version__}",
+        f"{runs_on(backend, device_counts, wrapper, criterion=criterion, dim=dim)}; torch {torch.__version__}",
         markup=False,
     )
 

@@ -76,15 +76,32 @@ def _load_parallel(spec: str | None) -> Any:
     Raises:
         InvalidArgument: it cannot be imported, or is not callable.
     """
+    return _load_callable(
+        spec, "--parallel",
+        "a DataParallel-like class or function called as CALLABLE(module, device_ids=..., output_device=...)",
+    )
+
+
+def _load_parallel_loss(spec: str | None) -> Any:
+    """The ``--parallel-loss`` criterion wrapper, or None for the plain loss on the output.
+
+    Raises:
+        InvalidArgument: it cannot be imported, or is not callable.
+    """
+    return _load_callable(
+        spec, "--parallel-loss",
+        "a criterion wrapper called as CALLABLE(criterion, device_ids=..., output_device=...) "
+        "that returns loss(outputs, target)",
+    )
+
+
+def _load_callable(spec: str | None, option: str, what: str) -> Any:
     if spec is None:
         return None
-    parallel = load_object(spec, "--parallel")
-    if not callable(parallel):
-        raise InvalidArgument(
-            f"--parallel {spec!r} is {type(parallel).__name__}, not callable; pass a DataParallel-like "
-            "class or function called as CALLABLE(module, device_ids=..., output_device=...)"
-        )
-    return parallel
+    loaded = load_object(spec, option)
+    if not callable(loaded):
+        raise InvalidArgument(f"{option} {spec!r} is {type(loaded).__name__}, not callable; pass {what}")
+    return loaded
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -289,31 +306,61 @@ def _fuzz_summary(console: Console, config: FuzzConfig, report: FuzzReport) -> i
 # --------------------------------------------------------------------------- check
 
 
+def _check_dim(args: argparse.Namespace) -> None:
+    """``--dim`` other than 0 needs batches made along it: an inferred batch, or a built-in
+    model's, has its rows along dim 0.
+
+    Raises:
+        InvalidArgument: ``--dim`` is not 0 without ``--inputs``.
+    """
+    if args.dim == 0:
+        return
+    if args.model:
+        raise InvalidArgument(f"--dim {args.dim}: the built-in models batch along dim 0; --dim applies to MODULE:FACTORY with --inputs")
+    if not args.inputs:
+        raise InvalidArgument(
+            f"--dim {args.dim}: the batch inferred from the first layer has its rows along dim 0; pass "
+            f"--inputs MODULE:FN where FN(batch_size) returns inputs with batch_size rows along dim {args.dim}"
+        )
+
+
 def _check(args: argparse.Namespace) -> int:
     from dpverify.checks.model import check_model, plan_checks
     from dpverify.checks.registry import CHECKS, Target
     from dpverify.cli.check_view import CheckProgress, render_model_check, render_model_check_header
 
     _require_ddp(args.backend)
+    _check_dim(args)
+    if args.parallel_loss and args.backend == "ddp":
+        raise InvalidArgument("--parallel-loss is a DataParallel criterion wrapper, for --backend dp or all; the DDP checks compute the loss on each rank")
     model = _load_model(args, default=None)
     # planning makes every batch: a batch that cannot be made is a usage error before any output
-    target = Target(parallel=_load_parallel(args.parallel))
+    target = Target(parallel=_load_parallel(args.parallel), parallel_loss=_load_parallel_loss(args.parallel_loss))
     plan = plan_checks(
         model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend,
-        checks=args.checks, target=target,
+        checks=args.checks, target=target, dim=args.dim,
     )
     if not plan:
-        every = plan_checks(model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend="all", checks=list(CHECKS))
+        every = plan_checks(model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend="all", checks=list(CHECKS), dim=args.dim)
         fitting = sorted({planned.spec.name for planned in every if planned.spec.why_not(planned.case) is None})
         raise InvalidArgument(f"--checks {' '.join(args.checks)} --backend {args.backend}: none of these applies to this model; these do: {', '.join(fitting)}")
-    loss = model.make_batch(max(args.batch_sizes)).loss_name
+    batch = model.make_batch(max(args.batch_sizes))
+    if args.parallel_loss and batch.loss_fn is None:
+        raise InvalidArgument(
+            f"--parallel-loss {args.parallel_loss}: this model's forward returns its loss, so there is no "
+            "criterion to wrap; leave --parallel-loss out (the loss-in-forward checks run instead)"
+        )
     console = _console(args)
     # the header first: a run of minutes says at once what it is checking, on what
-    render_model_check_header(console, model, loss=loss, backend=args.backend, device_counts=args.devices, wrapper=args.parallel)
+    render_model_check_header(
+        console, model, loss=batch.loss_name, backend=args.backend, device_counts=args.devices,
+        wrapper=args.parallel, criterion=args.parallel_loss, dim=args.dim,
+    )
     with CheckProgress(console, len(plan)) as progress:
         report = check_model(
             model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend,
             checks=args.checks, target=target, on_start=progress.start, on_result=progress.finished, plan=plan,
+            dim=args.dim,
         )
     render_model_check(console, report)
     if report.failed:
@@ -401,7 +448,18 @@ def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
     check.add_argument("--devices", type=_positive("--devices"), nargs="+", default=list(DEFAULT_DEVICE_COUNTS), metavar="N", help=f"device counts or DDP world sizes (default {' '.join(map(str, DEFAULT_DEVICE_COUNTS))})")
     check.add_argument(
         "--parallel", metavar="MODULE:CALLABLE",
-        help="check your own DataParallel-like wrapper, called as CALLABLE(module, device_ids=..., output_device=...), instead of torch's",
+        help="check your own DataParallel-like wrapper, called as CALLABLE(module, device_ids=..., output_device=...) (plus dim=D with --dim), instead of torch's",
+    )
+    check.add_argument(
+        "--parallel-loss", metavar="MODULE:CALLABLE",
+        help="the criterion half of a model/criterion pair, called as CALLABLE(criterion, device_ids=..., "
+        "output_device=...) with the loss as the criterion module; it returns loss(outputs, target), "
+        "where outputs is what the --parallel wrapper returns (one output per replica, or torch's gathered output)",
+    )
+    check.add_argument(
+        "--dim", type=int, default=0, metavar="D",
+        help="the dimension DataParallel splits and gathers the batch along (default 0); batch sizes "
+        "are rows along it, so with D other than 0 pass --inputs returning the batch that way",
     )
     check.add_argument(
         "--checks", nargs="+", choices=list(CHECKS), default=list(DEFAULT_CHECKS), metavar="NAME",
