@@ -373,6 +373,37 @@ def test_repro_with_target_imports_it_from_the_fuzzed_directory() -> None:
     compile(script, "repro", "exec")
 
 
+def test_repro_of_a_pair_imports_the_criterion_wrapper_too() -> None:
+    scenario = FAILING["dp-grads"][0]
+    alone = repro_script("dp-grads", scenario, target=None, parallel_loss="pkg.losses:Criterion")
+    assert "target = None  # torch's own DataParallel / DistributedDataParallel" in alone
+    assert "sys.path.insert(0, str(Path(__file__).resolve().parent.parent))" in alone
+    assert "from pkg.losses import Criterion as parallel_loss" in alone
+    assert "Target(parallel=target, parallel_loss=parallel_loss)" in alone
+    compile(alone, "repro", "exec")
+    pair = repro_script("dp-grads", scenario, target="pkg.wrappers:MyDP", parallel_loss="pkg.losses:Criterion")
+    assert "from pkg.wrappers import MyDP as target" in pair
+    assert "target = None" not in pair
+    compile(pair, "repro", "exec")
+
+
+def test_a_criterion_wrapper_is_fuzzed_with_mean_losses_and_no_loss_in_forward(tmp_path: Path) -> None:
+    from hypothesis import given, settings
+
+    seen: list[Scenario] = []
+    config = FuzzConfig(parallel_loss="m:c", parallel_loss_object=object(), state_dir=tmp_path)
+
+    @settings(max_examples=60, database=None, deadline=None)
+    @given(engine.scenario_strategy(config))
+    def draw(scenario: Scenario) -> None:
+        seen.append(scenario)
+
+    draw()
+    assert {s.loss.reduction for s in seen} == {"mean"}
+    assert "loss-head" not in {s.model.kind for s in seen}
+    assert FuzzConfig(parallel_loss="m:c").database_key != FuzzConfig().database_key
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -381,6 +412,7 @@ def test_repro_with_target_imports_it_from_the_fuzzed_directory() -> None:
         (["--profile", "nope"], "--profile 'nope' is not a Hypothesis profile"),
         (["--parallel", "x:y", "--target", "a:b"], "give either --parallel (a DataParallel-like wrapper) or --target, not both"),
         (["--parallel", "x:y", "--backend", "ddp"], "--parallel is a DataParallel-like wrapper, for --backend dp"),
+        (["--parallel-loss", "x:y", "--backend", "ddp"], "--parallel-loss is a DataParallel criterion wrapper, for --backend dp"),
     ],
 )
 def test_usage_errors_exit_two_naming_the_option(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

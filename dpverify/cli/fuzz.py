@@ -12,6 +12,9 @@ that apply to it, as the property suite checks (``tests/test_properties.py``):
 - BatchNorm or Dropout in train mode: a check that comes back ``EXPLAINED`` counts as an
   expected divergence of its module classes, not a failure, and the same check on the
   eval-mode copy must pass.
+- a model/criterion pair (``--parallel`` with ``--parallel-loss``): the DataParallel checks
+  run with the criterion wrapper too (``Target.parallel_loss``), on models whose loss the
+  criterion computes and mean losses (``_pair_scenarios`` says why).
 
 Failing examples are kept in a Hypothesis example database under ``.dpverify/examples``
 and replayed first next time. A failure is shrunk, printed as a pasteable spec with the
@@ -215,6 +218,9 @@ class FuzzConfig:
         profile: a Hypothesis settings profile to start from (``dpverify-fuzz``, ...).
         target: ``MODULE:CALLABLE`` under test, or None for torch's DataParallel / DDP.
         target_object: the imported target.
+        parallel_loss: ``MODULE:CALLABLE``, the criterion wrapper of a model/criterion pair
+            under test with the DataParallel checks (``Target.parallel_loss``), or None.
+        parallel_loss_object: the imported criterion wrapper.
         state_dir: the example database and repro scripts live here.
     """
 
@@ -226,6 +232,8 @@ class FuzzConfig:
     profile: str | None = None
     target: str | None = None
     target_object: Any = None
+    parallel_loss: str | None = None
+    parallel_loss_object: Any = None
     state_dir: Path = STATE_DIR
 
     def with_defaults(self) -> FuzzConfig:
@@ -246,8 +254,11 @@ class FuzzConfig:
 
     @property
     def database_key(self) -> bytes:
-        """Separates the saved examples of different sessions (backend, devices, target)."""
-        return f"dpverify fuzz {self.backend} {self.devices} {self.target}".encode()
+        """Separates the saved examples of different sessions (backend, devices, target and
+        criterion wrapper)."""
+        key = f"dpverify fuzz {self.backend} {self.devices} {self.target}"
+        # unchanged without a criterion wrapper: the examples saved before it existed still replay
+        return (key + (f" {self.parallel_loss}" if self.parallel_loss else "")).encode()
 
 
 @dataclass
@@ -349,7 +360,8 @@ class _TimeUp(BaseException):
 
 def scenario_strategy(config: FuzzConfig) -> SearchStrategy[Scenario]:
     """The scenarios a session draws: DataParallel device lists of 1 to ``devices``
-    devices, or, for the DDP backend alone, ``devices`` ranks and at least one row each."""
+    devices, or, for the DDP backend alone, ``devices`` ranks and at least one row each.
+    A session with a criterion wrapper draws its own scenarios (``_pair_scenarios``)."""
     if config.backend == "ddp":
         ranks = DeviceList(tuple(range(config.devices)))
         # DDP averages gradients over ranks: it matches the full batch for mean losses only
@@ -363,10 +375,26 @@ def scenario_strategy(config: FuzzConfig) -> SearchStrategy[Scenario]:
     # A single visible GPU would give single-device lists only: use virtual ids then.
     least = 2 if visible == 1 and config.devices >= 2 else 1
     devices = device_lists(min_devices=least, max_devices=config.devices)
+    if config.parallel_loss is not None:
+        return _pair_scenarios(devices)
     # One draw in four from the BatchNorm/Dropout kinds, so that a short session meets the
     # expected divergences too; shrinking still ends on the general draw (the first).
     general = scenarios(devices=devices)
     return st.one_of(general, general, general, scenarios(models=model_specs(kinds=_DIVERGENT_KINDS), devices=devices))
+
+
+def _pair_scenarios(devices: SearchStrategy[DeviceList]) -> SearchStrategy[Scenario]:
+    """The scenarios of a model/criterion pair (``--parallel-loss``): models whose loss the
+    criterion computes (not one computed in forward: there is no criterion to wrap), with
+    mean losses. The criterion wrapper combines the replicas' losses, each computed on its
+    chunk, and cannot tell a mean from a sum (it receives the criterion, not its
+    reduction): the exact combination of per-chunk means (weights n_i/B) is wrong for
+    per-chunk sums, which add. So, as DDP's average over ranks, it is fuzzed with mean
+    losses; a wrapper that averages uneven chunks still fails on them."""
+    losses = loss_specs(reductions=("mean",))
+    kinds = tuple(kind for kind in KINDS if kind != "loss-head")
+    general = scenarios(models=model_specs(kinds=kinds), devices=devices, losses=losses)
+    return st.one_of(general, general, general, scenarios(models=model_specs(kinds=_DIVERGENT_KINDS), devices=devices, losses=losses))
 
 
 def devices_text(config: FuzzConfig) -> str:
@@ -390,7 +418,8 @@ def _example_runner(config: FuzzConfig) -> Callable[[Scenario], Outcome]:
     """One example: the DataParallel checks that apply, then (``ddp``, or ``all`` where DDP's
     contract holds) the DDP checks on ``--devices`` ranks; raises ``_CheckFailed``."""
     torch_wrapper = config.target is None
-    dp, ddp = Target(parallel=config.target_object), Target(step=config.target_object)
+    dp = Target(parallel=config.target_object, parallel_loss=config.parallel_loss_object)
+    ddp = Target(step=config.target_object)
 
     def example(scenario: Scenario) -> Outcome:
         diverged: set[str] = set()
@@ -501,10 +530,13 @@ def _failure(config: FuzzConfig, tally: Tally, *, replayable: int) -> FuzzFailur
     if last.eval_mode:
         report = f"On the eval-mode copy (train mode diverges as expected; eval mode must match):\n{report}"
     key = f"{last.check} {last.scenario!r} {last.eval_mode} {config.target} {config.devices}"
+    key += f" {config.parallel_loss}" if config.parallel_loss else ""
     path = config.state_dir / f"repro_{hashlib.sha1(key.encode()).hexdigest()[:8]}.py"
+    # the criterion wrapper goes with the DataParallel checks only (a DDP check's target is its step)
+    pair = config.parallel_loss if CHECKS[last.check].backend == "dp" else None
     script = repro_script(
         last.check, last.scenario, target=config.target, eval_mode=last.eval_mode, path=path,
-        expected=_error_line(last.error),
+        expected=_error_line(last.error), parallel_loss=pair,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
@@ -522,16 +554,20 @@ def _error_line(error: BaseException) -> str:
     return f"{name}: {text.splitlines()[0]}" if text else name
 
 
-def _target_import(target: str | None) -> list[str]:
-    if target is None:
-        return ["target = None  # torch's own DataParallel / DistributedDataParallel"]
-    module, _, attribute = target.partition(":")
-    return [
-        "# --target: the wrapper or DDP step under test, imported from the directory that",
-        "# `dpverify fuzz` ran in (this script lives in its .dpverify/ folder)",
+def _target_import(target: str | None, parallel_loss: str | None = None) -> list[str]:
+    lines = [] if target is not None else ["target = None  # torch's own DataParallel / DistributedDataParallel"]
+    if target is None and parallel_loss is None:
+        return lines
+    lines += [
+        "# the code under test (--target or --parallel, --parallel-loss), imported from the",
+        "# directory that `dpverify fuzz` ran in (this script lives in its .dpverify/ folder)",
         "sys.path.insert(0, str(Path(__file__).resolve().parent.parent))",
-        f"from {module} import {attribute} as target  # noqa: E402",
     ]
+    for spec, name in ((target, "target"), (parallel_loss, "parallel_loss")):
+        if spec is not None:
+            module, _, attribute = spec.partition(":")
+            lines.append(f"from {module} import {attribute} as {name}  # noqa: E402")
+    return lines
 
 
 def repro_script(
@@ -542,9 +578,11 @@ def repro_script(
     eval_mode: bool = False,
     path: Path | None = None,
     expected: str = "",
+    parallel_loss: str | None = None,
 ) -> str:
     """A standalone script that runs registry check ``check`` on ``scenario`` (with
-    ``target``) and raises the same error; it needs only torch and dpverify.
+    ``target``, and ``parallel_loss``) and raises the same error; it needs only torch and
+    dpverify.
 
     Args:
         check: a key of ``CHECKS``.
@@ -553,8 +591,12 @@ def repro_script(
         eval_mode: run the check on the eval-mode copy of the model.
         path: where the script will live (named in its docstring).
         expected: the error it should raise, for its docstring.
+        parallel_loss: ``MODULE:CALLABLE``, the criterion wrapper of a model/criterion pair
+            (a DataParallel check's ``Target.parallel_loss``), or None.
     """
     field_name = "step" if CHECKS[check].backend == "ddp" else "parallel"
+    fields = f"{field_name}=target" + (", parallel_loss=parallel_loss" if parallel_loss else "")
+    imports = target is not None or parallel_loss is not None
     case = "Case.from_scenario(scenario)" + (".in_eval_mode()" if eval_mode else "")
     run = f"python {path.as_posix()}" if path is not None else "python <this file>"
     raises = _docstring_safe(expected) if expected else "the error the fuzz session reported."
@@ -566,19 +608,19 @@ def repro_script(
         raises,
         '"""',
         "",
-        *(["import sys", "from pathlib import Path", ""] if target else []),
+        *(["import sys", "from pathlib import Path", ""] if imports else []),
         "import torch",
         "",
         "from dpverify.checks.registry import CHECKS, Case, Target",
         "from dpverify.models.specs import DeviceList, LossSpec, ModelSpec, Scenario",
         "",
-        *_target_import(target),
+        *_target_import(target, parallel_loss),
         "",
         f"scenario = {scenario!r}",
         "",
         "",
         "def main() -> None:",
-        f'    CHECKS["{check}"].check({case}, Target({field_name}=target))',
+        f'    CHECKS["{check}"].check({case}, Target({fields}))',
         '    print("passed: the failure does not reproduce")',
         "",
         "",

@@ -225,6 +225,11 @@ def _fuzz(args: argparse.Namespace) -> int:
         args.target = args.parallel
     if args.target and args.backend == "all":
         raise InvalidArgument("--target fuzzes one backend: pass --backend dp (a DataParallel-like wrapper) or --backend ddp (a DDP step)")
+    if args.parallel_loss and args.backend != "dp":
+        raise InvalidArgument(
+            f"--parallel-loss is a DataParallel criterion wrapper, for --backend dp; --backend {args.backend} "
+            "fuzzes DDP, whose ranks compute their own loss"
+        )
     if args.profile:
         from hypothesis import settings
 
@@ -240,7 +245,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     config = FuzzConfig(
         backend=args.backend, devices=args.devices, max_examples=args.max_examples,
         time_budget=args.time_budget, seed=args.seed, profile=args.profile, target=args.target,
-        target_object=target,
+        target_object=target, parallel_loss=args.parallel_loss, parallel_loss_object=_load_parallel_loss(args.parallel_loss),
     ).with_defaults()
     console = _console(args)
     _fuzz_header(console, config, devices_text(config))
@@ -257,6 +262,8 @@ def _fuzz_header(console: Console, config: FuzzConfig, where: str) -> None:
     }[config.backend]
     if config.target:
         under_test = f"{config.target} ({'DataParallel-like wrapper' if config.backend == 'dp' else 'DDP step'})"
+    if config.parallel_loss:
+        under_test += f" with criterion wrapper {config.parallel_loss}"
     limits = [plural(config.max_examples, "example")] if config.max_examples is not None else []
     limits += [f"time budget {config.time_budget:g}s"] if config.time_budget is not None else []
     limit = " or ".join(limits) or plural(config.examples, "example")
@@ -425,6 +432,11 @@ def _add_fuzz(commands: Any, common: argparse.ArgumentParser) -> None:
     fuzz.add_argument("--profile", metavar="NAME", help="start from this Hypothesis settings profile (dpverify-dev, dpverify-ci, dpverify-fuzz)")
     fuzz.add_argument("--parallel", metavar="MODULE:CALLABLE", help="fuzz your own DataParallel-like wrapper, CALLABLE(module, device_ids=..., output_device=...) (--backend dp)")
     fuzz.add_argument("--target", metavar="MODULE:CALLABLE", help="fuzz your own code: --backend dp, a DataParallel-like CALLABLE(module, device_ids=..., output_device=...); --backend ddp, a DDP step CALLABLE(ctx)")
+    fuzz.add_argument(
+        "--parallel-loss", metavar="MODULE:CALLABLE",
+        help="fuzz a model/criterion pair (--backend dp): the criterion wrapper CALLABLE(criterion, device_ids=..., "
+        "output_device=...) returns loss(outputs, target) from what the --parallel wrapper returns; the repro script imports it too",
+    )
     fuzz.set_defaults(run=_fuzz)
 
 
