@@ -5,6 +5,9 @@
   batch along dim 1, and batches of that shape.
 * ``ignores_dim``: a DataParallel factory that takes ``dim=`` and drops it, so it splits
   along dim 0 (time, for the GRU) whatever it is asked.
+* ``balanced``: ``BalancedDataParallel`` with one row on device 0, as ``--parallel`` calls it.
+* ``NoScalarGather``: DataParallel whose gather refuses scalars (one loss per replica), so
+  explain's questions about losses returned by forward cannot be measured for it.
 * ``NOT_CALLABLE``: something that is not a wrapper.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from dp_lookalikes import BalancedDataParallel
 from torch import nn
 
 NOT_CALLABLE = 42
@@ -44,3 +48,13 @@ def ignores_dim(module: nn.Module, device_ids: Any = None, output_device: Any = 
     del dim  # the bug: scatters and gathers along dim 0 whatever it is asked
     return nn.DataParallel(module, device_ids=device_ids, output_device=output_device)
 
+
+def balanced(module: nn.Module, device_ids: Any = None, output_device: Any = None, dim: int = 0) -> nn.Module:
+    return BalancedDataParallel(1, module, device_ids=device_ids, output_device=output_device, dim=dim)
+
+
+class NoScalarGather(nn.DataParallel):
+    def gather(self, outputs: Any, output_device: Any) -> Any:
+        if any(isinstance(output, torch.Tensor) and output.dim() == 0 for output in outputs):
+            raise ValueError("this wrapper gathers batches, not scalars")
+        return super().gather(outputs, output_device)

@@ -1,6 +1,6 @@
-"""``--parallel``, ``--parallel-loss`` and ``--dim`` on the command line: ``check`` and ``fuzz``
-run the user's model/criterion pair and split, and what cannot be used is a usage error
-naming the option.
+"""``--parallel``, ``--parallel-loss`` and ``--dim`` on the command line: ``check``, ``fuzz`` and
+``explain`` run the user's model/criterion pair, split and wrapper, and what cannot be used
+is a usage error naming the option.
 
 The user code is ``tests/cli_pairs_code.py`` and ``tests/dp_lookalikes.py`` (the tests
 directory is on sys.path), and the catalogue's pair in ``dpverify.mutants``.
@@ -8,13 +8,18 @@ directory is on sys.path), and the catalogue's pair in ``dpverify.mutants``.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from dpverify.cli.explain import explain
+from dpverify.cli.explain_answers import answers
 from dpverify.cli.main import main
+from dpverify.models.user import builtin_model
+from dpverify.mutants import BalancedOffsetDataParallel
 
 MEAN = "dpverify.mutants:MeanCriterionParallel"
 WEIGHTED = "dpverify.mutants:WeightedCriterionParallel"
@@ -133,3 +138,79 @@ def test_fuzz_a_correct_pair_passes(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_fuzz_unusable_parallel_loss_is_a_usage_error(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["fuzz", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+# --- explain ------------------------------------------------------------------------------
+
+
+def test_explain_parallel_reports_the_split_the_wrapper_made(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain", "--model", "mlp", "--batch", "8", "--devices", "4", "--parallel", "cli_pairs_code:balanced", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["wrapper"] == "cli_pairs_code:balanced"
+    assert data["chunk_sizes"] == [1, 3, 2, 2]
+    assert data["planned_chunk_sizes"] == [2, 2, 2, 2]
+    assert [(c["device"], c["rows"], c["size"]) for c in data["chunks"]] == [(0, "0", 1), (1, "1-3", 3), (2, "4-5", 2), (3, "6-7", 2)]
+    # what each replica's backward got, and the loss-averaging table, follow the real split
+    assert [r["output_grad_rows"] for r in data["replicas"]] == [1, 3, 2, 2]
+    assert data["loss_average"]["chunk_sizes"] == [1, 3, 2, 2]
+    # the other batch sizes are measured by running the wrapper, not by torch.chunk
+    assert {s["batch_size"]: s["chunk_sizes"] for s in data["splits"]}[9] == [1, 3, 3, 2]
+    assert data["unanswered"] == []
+    by_number = {a["number"]: a["answer"] for a in data["answers"]}
+    assert "cli_pairs_code:balanced split B=8 on 4 devices into [1, 3, 2, 2]" in by_number[9]
+    assert "torch.chunk gives [2, 2, 2, 2]" in by_number[9]
+    assert "the output_device the wrapper passed to its gather" in by_number[2]
+
+
+def test_explain_parallel_names_the_wrapper_in_its_header(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain", "--model", "mlp", "--batch", "8", "--devices", "4", "--parallel", "cli_pairs_code:balanced", "--no-color"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "dpverify explain: mlp under cli_pairs_code:balanced"
+    flat = _flat(out)
+    assert "run inside dpverify.virtual_devices(4)" in flat
+    assert "chunks [1, 3, 2, 2] as it split the batch (torch's scatter: [2, 2, 2, 2])" in flat
+    assert "One step of cli_pairs_code:balanced, measured" in flat
+
+
+def test_explain_a_wrapper_that_loses_and_repeats_rows_says_which() -> None:
+    e = explain(builtin_model("mlp"), batch_size=8, device_ids=[0, 1, 2, 3], parallel=BalancedOffsetDataParallel)
+    assert [c.rows for c in e.chunks] == ["0", "1-3", "3-4", "5-6"]
+    state = {fact.kind: fact.detail for fact in e.state}
+    assert state["dropped rows"].startswith("row 7 (1 of 8) reached no replica")
+    assert state["repeated rows"].startswith("row 3 reached more than one replica")
+    said = answers(e)
+    # its replica gradients do not add up to the full-batch gradient, and the answer says so
+    assert "but under BalancedOffsetDataParallel they do not" in said[2].answer
+    assert "Not this one" in said[9].answer
+
+
+def test_explain_a_question_the_wrapper_cannot_be_measured_for_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    # the wrapper refuses to gather scalars: the step runs, the losses returned by forward cannot
+    assert main(["explain", "--model", "mlp", "--parallel", "cli_pairs_code:NoScalarGather", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [number for number, _ in data["unanswered"]] == [4, 6]
+    assert data["loss_average"] is None
+    assert data["returned_loss_shape"] is None
+    by_number = {a["number"]: a["answer"] for a in data["answers"]}
+    for number in (4, 6):
+        assert by_number[number].startswith("Not answered for cli_pairs_code:NoScalarGather: the measurement runs the wrapper")
+        assert "ValueError: this wrapper gathers batches, not scalars" in by_number[number]
+    assert by_number[3].startswith("With a mean loss over the gathered batch")
+
+
+@pytest.mark.parametrize(
+    ("wrapper", "message"),
+    [
+        ("no_such_module_here:X", "--parallel 'no_such_module_here:X': cannot import"),
+        ("cli_pairs_code:NOT_CALLABLE", "--parallel 'cli_pairs_code:NOT_CALLABLE' is int, not callable"),
+        # one output per replica, no gather: there is no loss to explain without its criterion
+        (PER_DEVICE, f"--parallel {PER_DEVICE}: the loss (mse_loss) of what the wrapper returned (list of 3)"),
+    ],
+    ids=["not-importable", "not-callable", "no-gather"],
+)
+def test_explain_unusable_parallel_is_a_usage_error(wrapper: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain", "--model", "mlp", "--parallel", wrapper]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    if wrapper == PER_DEVICE:
+        assert "dpverify check --parallel MODULE:CALLABLE --parallel-loss MODULE:CALLABLE" in err

@@ -9,6 +9,13 @@ loss-averaging trap, gradient sum versus average versus the full batch, state lo
 replicas, the effect of ``output_device``, and what DDP's averaging gives for the same
 chunks.
 
+With ``parallel=`` (``dpverify explain --parallel MODULE:CALLABLE``) every run goes through
+the user's DataParallel-like wrapper instead, built and run inside
+``dpverify.virtual_devices(n)``: the chunks are the rows each replica's forward really
+received (a forward pre-hook, as in the checks), not torch's planned split, and a question
+whose measurement the wrapper cannot take says so (``Explanation.unanswered``) rather than
+reporting torch's numbers as the wrapper's.
+
 This module only measures: ``explain`` returns an ``Explanation`` (frozen dataclasses of
 facts, JSON-ready). ``dpverify.cli.explain_answers`` turns it into the numbered answers of
 ``docs/questions.md``, and ``dpverify.cli.explain_view`` draws both with rich
@@ -17,11 +24,13 @@ facts, JSON-ready). ``dpverify.cli.explain_answers`` turns it into the numbered 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -32,11 +41,19 @@ from dpverify.checks.loss_average import (
     chunk_weighted_loss,
     extract_loss,
 )
+from dpverify.core.devices import device_index
 from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
+from dpverify.core.errors import InvalidArgument
 from dpverify.core.scatter import plan_scatter
-from dpverify.core.step import parameter_sites, run_step, seed_step
-from dpverify.core.tree import map_tensors, tensor_leaves
-from dpverify.core.virtual import SCALAR_GATHER_WARNING, VirtualDataParallel, current_virtual_device
+from dpverify.core.step import batch_size_of, parameter_sites, run_step, seed_step
+from dpverify.core.tracebacks import describe_exception
+from dpverify.core.tree import first_batched, map_tensors, tensor_leaves
+from dpverify.core.virtual import (
+    SCALAR_GATHER_WARNING,
+    VirtualDataParallel,
+    current_virtual_device,
+    virtual_devices,
+)
 from dpverify.models.user import Batch, UserModel
 
 __all__ = [
@@ -51,6 +68,8 @@ __all__ = [
     "explain",
 ]
 
+T = TypeVar("T")
+
 @dataclass(frozen=True)
 class ChunkFact:
     """What scatter gave one device.
@@ -61,6 +80,8 @@ class ChunkFact:
         size: how many rows.
         kind: ``"view"`` (of the batch, no transfer), ``"copy"`` or ``"idle"``.
         copied_bytes: bytes of its inputs that are copies, not views of the batch.
+        start: the batch row its rows start at (``rows`` is ``"?"`` and this None when they
+            are no contiguous rows of the batch, or the device is idle).
     """
 
     device: int
@@ -68,6 +89,7 @@ class ChunkFact:
     size: int
     kind: str
     copied_bytes: int
+    start: int | None = None
 
 
 @dataclass(frozen=True)
@@ -138,11 +160,17 @@ class GradFact:
 
 @dataclass(frozen=True)
 class SplitFact:
-    """How ``torch.chunk`` splits one batch size over the devices."""
+    """How one batch size is split over the devices: by ``torch.chunk``, or, for a user's
+    wrapper, as measured by running it (the rows each replica's forward received).
+
+    Attributes:
+        note: why a wrapper's split of this batch size was not measured (it raised).
+    """
 
     batch_size: int
     chunk_sizes: tuple[int, ...]
     idle_devices: int
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -150,8 +178,8 @@ class StateFact:
     """State that does not survive DataParallel, or a module that cannot match exactly.
 
     Attributes:
-        kind: ``"attribute"``, ``"buffer"``, ``"batch statistics"``, ``"randomness"`` or
-            ``"dropped rows"``.
+        kind: ``"attribute"``, ``"buffer"``, ``"batch statistics"``, ``"randomness"``,
+            ``"dropped rows"`` or (a user's wrapper) ``"repeated rows"``.
         where: the attribute, buffer, module or input.
         detail: what was measured and why.
     """
@@ -190,6 +218,15 @@ class Explanation:
     eval-mode copy, where only DataParallel's own arithmetic differs; the step diagram, the
     bytes and the lost state (question 10) are of the model as given, unless
     ``eval_mode_for_step``: a chunk of one row made BatchNorm raise in train mode.
+
+    ``wrapper``: the user's DataParallel-like wrapper every run went through (None: torch's
+    DataParallel on virtual devices). ``chunk_sizes`` are the rows each replica's forward
+    received, in ``device_ids`` order; ``planned_chunk_sizes`` torch's scatter of the same
+    batch. ``unanswered``: ``(question, reason)`` for each question whose measurement the
+    wrapper could not take (its fields are then None or empty). ``gathered_on`` is None when
+    no ``gather`` call was seen (a wrapper without one). ``replica_devices_known`` is False
+    when the wrapper ran its replicas outside ``parallel_apply`` and ``torch.cuda.device``:
+    they are placed on ``device_ids`` in the order they ran.
     """
 
     model: str
@@ -206,13 +243,13 @@ class Explanation:
     batch_shape: tuple[int, ...]
     output_shape: tuple[int, ...]
     loss_value: float
-    gathered_on: int
-    loss_average: LossAverageReport
-    returned_loss_shape: tuple[int, ...]
-    one_device_loss_shape: tuple[int, ...]
+    gathered_on: int | None
+    loss_average: LossAverageReport | None
+    returned_loss_shape: tuple[int, ...] | None
+    one_device_loss_shape: tuple[int, ...] | None
     scalar_warning: bool
     grads: tuple[GradFact, ...]
-    replicas_built_over_two_forwards: int
+    replicas_built_over_two_forwards: int | None
     bytes: tuple[DeviceBytes, ...]
     other_output_device: int | None
     other_output_device_grad_gap: float | None
@@ -221,6 +258,10 @@ class Explanation:
     ddp: DDPFact
     eval_mode_for_losses: bool
     eval_mode_for_step: bool
+    wrapper: str | None = None
+    planned_chunk_sizes: tuple[int, ...] = ()
+    unanswered: tuple[tuple[int, str], ...] = ()
+    replica_devices_known: bool = True
 
     @property
     def replicas_used(self) -> int:
@@ -228,7 +269,13 @@ class Explanation:
 
     @property
     def idle_devices(self) -> tuple[int, ...]:
-        return self.device_ids[self.replicas_used :]
+        """The devices whose replica ran no forward (no chunk)."""
+        return tuple(chunk.device for chunk in self.chunks if chunk.kind == "idle")
+
+    @property
+    def under_test(self) -> str:
+        """What ran the step, in words: the user's wrapper, or torch's DataParallel."""
+        return self.wrapper or "DataParallel"
 
     @property
     def replicated(self) -> bool:
@@ -298,20 +345,78 @@ def _loss_of(batch: Batch, sizes: Sequence[int]) -> Callable[[Any], torch.Tensor
     return from_forward
 
 
+# --------------------------------------------------------------------------- the wrapper
+
+
+@dataclass(frozen=True)
+class _Runner:
+    """The DataParallel every run of ``explain`` goes through: torch's over virtual devices
+    (``VirtualDataParallel``), or a user's wrapper, built and run inside
+    ``virtual_devices`` (where ``torch.nn.DataParallel`` and its subclasses see the devices
+    and run their own code over virtual ones).
+
+    Attributes:
+        parallel: ``parallel(module, device_ids=..., output_device=...)``, or None for torch's.
+        name: the wrapper in words (``MODULE:CALLABLE``).
+    """
+
+    parallel: Callable[..., Any] | None = None
+    name: str | None = None
+
+    @property
+    def users(self) -> bool:
+        return self.parallel is not None
+
+    def build(self, module: nn.Module, device_ids: Sequence[int], output_device: int | None = None) -> Any:
+        """The wrapper around ``module``; call it inside ``devices``."""
+        ids = list(device_ids)
+        if self.parallel is None:
+            return VirtualDataParallel(module, ids, output_device)
+        return self.parallel(module, device_ids=ids, output_device=ids[0] if output_device is None else output_device)
+
+    def devices(self, device_ids: Sequence[int]) -> contextlib.AbstractContextManager[Any]:
+        """Where a user's wrapper is built and runs, forward and backward (a custom autograd
+        Function's backward may call the virtual primitives too); nothing for torch's."""
+        return virtual_devices(max(device_ids) + 1) if self.parallel is not None else contextlib.nullcontext()
+
+    def measure(self, question: int, unanswered: list[tuple[int, str]], run: Callable[[], T]) -> T | None:
+        """``run()``; for a user's wrapper whatever it raises makes ``question`` unanswered
+        (with the reason) and gives None. torch's own DataParallel raises as it raises."""
+        if self.parallel is None:
+            return run()
+        try:
+            return run()
+        except Exception as error:  # the wrapper's (its sys.exit() ends the command, as any code under test's)
+            unanswered.append((question, f"running it raised {describe_exception(error)}"))
+            return None
+
+
+def _watch_gather(wrapper: Any, seen: list[int]) -> None:
+    """Records in ``seen`` the ``output_device`` each call of ``wrapper.gather`` receives
+    (torch's ``DataParallel.forward`` calls ``self.gather(outputs, self.output_device)``);
+    a wrapper without a ``gather`` method is left alone."""
+    gather = getattr(wrapper, "gather", None)
+    if not callable(gather):
+        return
+
+    def recording(outputs: Any, output_device: Any, *args: Any, **kwargs: Any) -> Any:
+        with contextlib.suppress(Exception):  # an output device dpverify cannot read: not recorded
+            seen.append(device_index(output_device, "output_device"))
+        return gather(outputs, output_device, *args, **kwargs)
+
+    # an instance attribute, found before the class's method
+    object.__setattr__(wrapper, "gather", recording)
+
+
 # --------------------------------------------------------------------------- the step
-
-
-class _RecordingDataParallel(VirtualDataParallel[Any]):
-    """Records the ``output_device`` torch's ``DataParallel.forward`` passes to ``gather``."""
-
-    def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
-        self.gathered_on = int(output_device)  # type: ignore[arg-type]
-        return super().gather(outputs, output_device)
 
 
 @dataclass
 class _ReplicaLog:
     device: int
+    seen_device: int | None = None  # current_virtual_device() when its forward started
+    rows: int = 0  # of the first batched argument its forward received
+    first_input: torch.Tensor | None = None  # that argument, to find its rows in the batch
     shared: int = 0
     copied: int = 0
     equal: bool = True
@@ -330,23 +435,30 @@ class _StepRecorder:
 
     Replicas share the hook dictionaries of the module they were made from
     (``Module._replicate_for_data_parallel`` copies ``__dict__`` shallowly), so hooks
-    registered on the module run on every replica; ``current_virtual_device()`` says which.
+    registered on the module run on every replica. Each call of the module is one replica's
+    forward, with a log of its own (the thread's current log while it runs: replicas run
+    in threads of their own, or one after another); ``current_virtual_device()`` says on
+    which device, when the wrapper ran it through ``parallel_apply`` or
+    ``torch.cuda.device``.
     """
 
     def __init__(self, module: nn.Module, batch: Sequence[torch.Tensor], device_ids: Sequence[int]) -> None:
         self.module = module
-        self.first = device_ids[0]
+        self.device_ids = list(device_ids)
         self.sites = parameter_sites(module)
         self.originals = {name: getattr(module.get_submodule(path), attr) for name, path, attr in self.sites}
         self.buffers = dict(module.named_buffers())
         self.batch_storages = {_storage(t) for t in batch}
-        self.logs: dict[int, _ReplicaLog] = {}
+        self.calls: list[_ReplicaLog] = []  # one per replica forward, in the order they started
+        self.current = threading.local()
+        self.lock = threading.Lock()
         self.seen: set[tuple[int, int]] = set()
         self.handles: list[Any] = []
 
-    def device(self) -> int:
-        current = current_virtual_device()
-        return self.first if current is None else current
+    def __deepcopy__(self, memo: dict[int, Any]) -> _StepRecorder:
+        # A wrapper that deep-copies the module per replica copies these hooks with it; the
+        # copies must report here, not to copies of the recorder.
+        return self
 
     def attach(self) -> None:
         self.handles.append(self.module.register_forward_pre_hook(self._on_replica, with_kwargs=True))
@@ -358,8 +470,39 @@ class _StepRecorder:
         for handle in self.handles:
             handle.remove()
 
+    def logs(self) -> tuple[tuple[_ReplicaLog, ...], bool]:
+        """The replicas' logs, one per device, in ``device_ids`` order, and whether their
+        devices were known. A replica whose device is unknown (run outside
+        ``parallel_apply`` and ``torch.cuda.device``) is placed on ``device_ids`` in the
+        order the replicas started; a single one is the module on ``device_ids[0]``."""
+        calls = list(self.calls)
+        devices = [log.seen_device for log in calls]
+        known = all(d in self.device_ids for d in devices) and len(set(devices)) == len(devices)
+        if known:
+            calls.sort(key=lambda log: self.device_ids.index(log.device))
+        else:
+            for log, device in zip(calls, self.device_ids, strict=False):
+                log.device = device
+            calls = calls[: len(self.device_ids)]
+        return tuple(calls), known or len(calls) <= 1
+
+    def sizes(self) -> list[int]:
+        """The rows each replica's forward received so far, in ``device_ids`` order."""
+        return [log.rows for log in self.logs()[0]]
+
+    def _log(self) -> _ReplicaLog | None:
+        log: _ReplicaLog | None = getattr(self.current, "log", None)
+        return log
+
     def _on_replica(self, replica: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        log = self.logs.setdefault(self.device(), _ReplicaLog(self.device()))
+        seen = current_virtual_device()
+        log = _ReplicaLog(self.device_ids[0] if seen is None else seen, seen_device=seen)
+        with self.lock:
+            self.calls.append(log)
+        self.current.log = log
+        first = first_batched((args, kwargs))
+        if first is not None:
+            log.rows, log.first_input = int(first.shape[0]), first.detach()
         log.input_tensors = tuple(
             (_storage(t) in self.batch_storages, _nbytes(t)) for t in _tensors((args, kwargs))
         )
@@ -386,7 +529,9 @@ class _StepRecorder:
 
     def _on_output(self, replica: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         del replica, args
-        log = self.logs[self.device()]
+        log = self._log()
+        if log is None:
+            return
         primary = _primary(output) if _tensors(output) else None
         log.output_shape = tuple(primary.shape) if primary is not None else ()
         for tensor in _tensors(output):
@@ -403,10 +548,11 @@ class _StepRecorder:
 
     def _on_activation(self, sub: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         del sub, args
-        device = self.device()
-        log = self.logs.setdefault(device, _ReplicaLog(device))
+        log = self._log()
+        if log is None:
+            return
         for tensor in _tensors(output):
-            key = (device, _storage(tensor))
+            key = (id(log), _storage(tensor))
             if key not in self.seen:  # a container's output is its last child's
                 self.seen.add(key)
                 log.activation_bytes += _nbytes(tensor)
@@ -415,61 +561,120 @@ class _StepRecorder:
 @dataclass(frozen=True)
 class _Step:
     logs: tuple[_ReplicaLog, ...]
+    devices_known: bool  # every replica's device was seen (else they are placed in call order)
     output_shape: tuple[int, ...]
     output_bytes: int
     loss: float
-    gathered_on: int
+    gathered_on: int | None
     grad_bytes: int  # the module's .grad, on device_ids[0]
     batch_bytes: int
     parameter_bytes: int  # the module's parameters and buffers, on device_ids[0]
 
 
-def _recorded_step(module: nn.Module, batch: Batch, device_ids: list[int], output_device: int, sizes: Sequence[int]) -> _Step:
+def _recorded_step(runner: _Runner, module: nn.Module, batch: Batch, device_ids: list[int], output_device: int) -> _Step:
     model = copy.deepcopy(module)
     batch_tensors = _tensors(batch.inputs)
     recorder = _StepRecorder(model, batch_tensors, device_ids)
-    wrapper = _RecordingDataParallel(model, device_ids, output_device)
-    wrapper.gathered_on = device_ids[0]  # with one device nothing is gathered
+    gathered: list[int] = []
     recorder.attach()
     try:
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        with runner.devices(device_ids), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
+            wrapper = runner.build(model, device_ids, output_device)
+            _watch_gather(wrapper, gathered)
             seed_step(0, torch.device("cpu"))
             output = wrapper(*batch.inputs)
-            loss = _loss_of(batch, sizes)(output)
+            # the loss of a model that returns it weights each replica by the rows it really got
+            loss = _step_loss(runner, batch, recorder.sizes(), output)
             loss.backward()
     finally:
         recorder.detach()
     primary = _primary(output)
     own = [*model.parameters(), *model.buffers()]
+    logs, known = recorder.logs()
     return _Step(
-        logs=tuple(recorder.logs[d] for d in device_ids if d in recorder.logs),
+        logs=logs,
+        devices_known=known,
         output_shape=tuple(primary.shape),
         output_bytes=sum(_nbytes(t) for t in _tensors(output)),
         loss=float(loss.detach()),
-        gathered_on=int(wrapper.gathered_on),
+        # with one device nothing is gathered: the loss is computed where the module ran
+        gathered_on=gathered[-1] if gathered else (device_ids[0] if len(device_ids) == 1 else None),
         grad_bytes=sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None),
         batch_bytes=sum(_nbytes(t) for t in batch_tensors),
         parameter_bytes=sum(_nbytes(t) for t in own),
     )
 
 
-def _chunks(step: _Step, device_ids: Sequence[int], sizes: Sequence[int]) -> tuple[ChunkFact, ...]:
+def _step_loss(runner: _Runner, batch: Batch, sizes: Sequence[int], output: Any) -> torch.Tensor:
+    """The step's loss of what the wrapper returned; for a user's wrapper, a loss that
+    cannot be computed from it is a usage error naming ``--parallel`` (what explain measures
+    is a wrapper that gathers the outputs, as DataParallel does)."""
+    if not runner.users:
+        return _loss_of(batch, sizes)(output)
+    try:
+        loss = _loss_of(batch, sizes)(output)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"the loss is {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}, not a scalar")
+        return loss
+    except Exception as error:
+        returned = f"{type(output).__name__} of {len(output)}" if isinstance(output, (list, tuple)) else type(output).__name__
+        rows = batch_size_of(batch.inputs)
+        if sum(sizes) < rows:
+            hint = (
+                f"Its replicas' forwards received {list(sizes)} rows, {sum(sizes)} of the batch's {rows}: rows that "
+                "reach no replica leave an output that does not line up with the batch (dpverify check --parallel "
+                "reports it as a failure)"
+            )
+        else:
+            hint = (
+                "explain measures a wrapper that gathers the replicas' outputs as DataParallel does; a "
+                "model/criterion pair, whose wrapper returns one output per replica, is checked by dpverify check "
+                "--parallel MODULE:CALLABLE --parallel-loss MODULE:CALLABLE"
+            )
+        raise InvalidArgument(
+            f"--parallel {runner.name}: the loss ({batch.loss_name}) of what the wrapper returned ({returned}) "
+            f"raised {describe_exception(error)}. {hint}"
+        ) from error
+
+
+def _chunks(step: _Step, device_ids: Sequence[int], batch: Batch) -> tuple[ChunkFact, ...]:
+    """What each device received, from the rows its replica's forward really got: where
+    they sit in the batch (a view's offset, or the rows a copy equals), and whether they
+    are a view of the batch or a copy."""
     facts: list[ChunkFact] = []
     start = 0
     logs = {log.device: log for log in step.logs}
-    for i, device in enumerate(device_ids):
-        if i >= len(sizes) or device not in logs:
+    whole = first_batched(batch.inputs)
+    for device in device_ids:
+        log = logs.get(device)
+        if log is None or not log.rows:
             facts.append(ChunkFact(device, "", 0, "idle", 0))
             continue
-        size = sizes[i]
-        views = logs[device].input_tensors
+        size = log.rows
+        views = log.input_tensors
         copied = sum(nbytes for is_view, nbytes in views if not is_view)
         kind = "view" if views and all(is_view for is_view, _ in views) else "copy"
-        rows = f"{start}" if size == 1 else f"{start}-{start + size - 1}"
-        facts.append(ChunkFact(device, rows, size, kind, copied))
-        start += size
+        found = _rows_in_batch(whole, log.first_input, expected=start)
+        rows = "?" if found is None else (f"{found}" if size == 1 else f"{found}-{found + size - 1}")
+        facts.append(ChunkFact(device, rows, size, kind, copied, found))
+        start = (found if found is not None else start) + size
     return tuple(facts)
+
+
+def _rows_in_batch(whole: torch.Tensor | None, chunk: torch.Tensor | None, *, expected: int) -> int | None:
+    """The first row of ``whole`` that ``chunk``'s rows start at: ``expected`` (where the
+    previous chunk ended) when they are equal there, else the first offset where they are;
+    None when they are no contiguous rows of the batch."""
+    if whole is None or chunk is None or chunk.dim() == 0 or chunk.shape[1:] != whole.shape[1:]:
+        return None
+    rows, size = int(whole.shape[0]), int(chunk.shape[0])
+    if size > rows:
+        return None
+    candidates = [expected] if 0 <= expected <= rows - size else []
+    candidates += [offset for offset in range(rows - size + 1) if offset != expected]
+    with torch.no_grad():
+        return next((o for o in candidates if torch.equal(whole.narrow(0, o, size), chunk.to(whole.device))), None)
 
 
 def _replicas(step: _Step) -> tuple[ReplicaFact, ...]:
@@ -493,6 +698,8 @@ def _replicas(step: _Step) -> tuple[ReplicaFact, ...]:
 
 def _device_bytes(step: _Step, chunks: Sequence[ChunkFact], device_ids: Sequence[int], output_device: int) -> tuple[DeviceBytes, ...]:
     logs = {log.device: log for log in step.logs}
+    # where the outputs were gathered (a wrapper's gather may not use its output_device)
+    output_device = output_device if step.gathered_on is None else step.gathered_on
     first = device_ids[0]
     # With one device the module itself runs: its output is an activation, its gradient
     # contributions are its .grad, and nothing is gathered.
@@ -524,13 +731,14 @@ def _device_bytes(step: _Step, chunks: Sequence[ChunkFact], device_ids: Sequence
 # --------------------------------------------------------------------------- further runs
 
 
-def _float64_grads(module: nn.Module, batch: Batch, device_ids: list[int], sizes: Sequence[int]) -> tuple[GradFact, ...]:
+def _float64_grads(runner: _Runner, module: nn.Module, batch: Batch, device_ids: list[int], sizes: Sequence[int]) -> tuple[GradFact, ...]:
     """Sum and average of the replica gradients against the full-batch gradient, in float64."""
     loss = _loss_of(batch, sizes)
-    parallel = run_step(
-        module, batch.inputs, loss, wrap=lambda m: VirtualDataParallel(m, device_ids),
-        dtype=torch.float64, record_replicas=True,
-    )
+    with runner.devices(device_ids):
+        parallel = run_step(
+            module, batch.inputs, loss, wrap=lambda m: runner.build(m, device_ids),
+            dtype=torch.float64, record_replicas=True, device_ids=device_ids,
+        )
     single = run_step(module, batch.inputs, _loss_of(batch, [sum(sizes)]), dtype=torch.float64)
     contributions = [grads for _device, grads in parallel.contributions]
     facts: list[GradFact] = []
@@ -553,44 +761,49 @@ def _float64_grads(module: nn.Module, batch: Batch, device_ids: list[int], sizes
     return tuple(facts)
 
 
-def _returned_loss(module: nn.Module, batch: Batch, device_ids: list[int]) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+def _returned_loss(runner: _Runner, module: nn.Module, batch: Batch, device_ids: list[int]) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
     """Shape of the loss DataParallel returns on these devices and on one, and whether
     torch warned that it unsqueezed scalars."""
     model, args = _loss_model(module, batch)
     shapes: list[tuple[int, ...]] = []
     warned = False
     for ids in (device_ids, device_ids[:1]):
-        with warnings.catch_warnings(record=True) as caught, torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with runner.devices(ids), warnings.catch_warnings(record=True) as caught, torch.no_grad(), torch.random.fork_rng(devices=[]):
             warnings.simplefilter("always")
-            output = VirtualDataParallel(copy.deepcopy(model), ids)(*args)
+            output = runner.build(copy.deepcopy(model), ids)(*args)
         shapes.append(tuple(extract_loss(output, -1).shape))
         warned |= ids is device_ids and any(SCALAR_GATHER_WARNING in str(w.message) for w in caught)
     return shapes[0], shapes[1], warned
 
 
-def _replicas_per_forward(module: nn.Module, batch: Batch, device_ids: list[int]) -> int:
+def _replicas_per_forward(runner: _Runner, module: nn.Module, batch: Batch, device_ids: list[int]) -> int:
     """Distinct replica objects over two forwards (replicas are rebuilt on every call)."""
     model = copy.deepcopy(module)
     seen: list[nn.Module] = []  # references keep ids unique
     handle = model.register_forward_pre_hook(lambda replica, args: seen.append(replica))
-    wrapper = VirtualDataParallel(model, device_ids)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
-        wrapper(*batch.inputs)
-        wrapper(*batch.inputs)
-    handle.remove()
+    try:
+        with runner.devices(device_ids), torch.no_grad(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
+            wrapper = runner.build(model, device_ids)
+            wrapper(*batch.inputs)
+            wrapper(*batch.inputs)
+    finally:
+        handle.remove()
     return len({id(replica) for replica in seen})
 
 
-def _output_device_gap(module: nn.Module, batch: Batch, device_ids: list[int], output_device: int, sizes: Sequence[int]) -> tuple[int | None, float | None]:
-    """Greatest gradient difference when the outputs are gathered on another device."""
-    used = device_ids[: len(sizes)]
+def _output_device_gap(
+    runner: _Runner, module: nn.Module, batch: Batch, device_ids: list[int], output_device: int, sizes: Sequence[int], used: Sequence[int],
+) -> tuple[int | None, float | None]:
+    """Greatest gradient difference when the outputs are gathered on another of the
+    devices ``used`` (those whose replica ran)."""
     others = [d for d in used if d != output_device]
     if not others:
         return None, None
     other = others[-1]
     loss = _loss_of(batch, sizes)
-    steps = [run_step(module, batch.inputs, loss, wrap=_gathering_on(device_ids, out)) for out in (output_device, other)]
+    with runner.devices(device_ids):
+        steps = [run_step(module, batch.inputs, loss, wrap=_gathering_on(runner, device_ids, out)) for out in (output_device, other)]
     gaps = [
         float((a - b).abs().max())
         for name, a in steps[0].grads.items()
@@ -599,17 +812,54 @@ def _output_device_gap(module: nn.Module, batch: Batch, device_ids: list[int], o
     return other, max(gaps, default=0.0)
 
 
-def _gathering_on(device_ids: list[int], output_device: int) -> Callable[[nn.Module], nn.Module]:
-    return lambda module: VirtualDataParallel(module, device_ids, output_device)
+def _gathering_on(runner: _Runner, device_ids: list[int], output_device: int) -> Callable[[nn.Module], Any]:
+    return lambda module: runner.build(module, device_ids, output_device)
+
+
+def _split_sizes(batch_size: int, n_devices: int) -> list[int]:
+    """Batch sizes worth showing for this device count: fewer rows than devices, as many,
+    one more, uneven chunks, and the batch explained."""
+    return sorted({1, max(1, n_devices - 1), n_devices, n_devices + 1, 2 * n_devices + 1, batch_size})
 
 
 def _splits(batch_size: int, n_devices: int) -> tuple[SplitFact, ...]:
     """torch.chunk itself, on batches of interesting sizes for this device count."""
-    sizes = sorted({1, max(1, n_devices - 1), n_devices, n_devices + 1, 2 * n_devices + 1, batch_size})
     facts = []
-    for size in sizes:
+    for size in _split_sizes(batch_size, n_devices):
         chunks = tuple(int(c.size(0)) for c in torch.empty(size).chunk(n_devices))
         facts.append(SplitFact(size, chunks, n_devices - len(chunks)))
+    return tuple(facts)
+
+
+def _measured_splits(runner: _Runner, model: UserModel, module: nn.Module, batch_size: int, device_ids: list[int]) -> tuple[SplitFact, ...]:
+    """How a user's wrapper splits batches of the sizes ``_splits`` shows: one forward of
+    each (no gradient), with a pre-hook recording the rows each replica's forward received,
+    in ``device_ids`` order. A size the wrapper (or the batch function) raises on says so
+    in its note."""
+    facts = []
+    for size in _split_sizes(batch_size, len(device_ids)):
+        copy_ = copy.deepcopy(module)
+        rows: dict[int, int] = {}
+
+        def record(replica: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows: dict[int, int] = rows) -> None:
+            del replica
+            first = first_batched((args, kwargs))
+            current = current_virtual_device()
+            rows[device_ids[0] if current is None else current] = int(first.shape[0]) if first is not None else 0
+
+        handle = copy_.register_forward_pre_hook(record, with_kwargs=True)
+        try:
+            inputs = model.make_batch(size).inputs
+            with runner.devices(device_ids), torch.no_grad(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
+                runner.build(copy_, device_ids)(*inputs)
+        except Exception as error:  # the wrapper's, or the batch function's
+            facts.append(SplitFact(size, (), len(device_ids), note=f"raised {describe_exception(error)}"))
+            continue
+        finally:
+            handle.remove()
+        chunks = tuple(rows[d] for d in device_ids if rows.get(d))
+        facts.append(SplitFact(size, chunks, len(device_ids) - len(chunks)))
     return tuple(facts)
 
 
@@ -637,18 +887,20 @@ def _fmt(tensor: torch.Tensor) -> str:
     return f"{tuple(tensor.shape)} tensor, first {tensor.reshape(-1)[0].item():.4g}"
 
 
-def _state(module: nn.Module, batch: Batch, device_ids: list[int], plan_dropped: Sequence[tuple[str, int]]) -> tuple[StateFact, ...]:
-    """Runs one forward on one device and one under DataParallel, and compares the state
-    the two leave behind."""
+def _state(runner: _Runner, module: nn.Module, batch: Batch, device_ids: list[int], dropped: Sequence[StateFact]) -> tuple[StateFact, ...]:
+    """Runs one forward on one device and one under DataParallel (or the user's wrapper),
+    and compares the state the two leave behind."""
     single, parallel = copy.deepcopy(module), copy.deepcopy(module)
     facts: list[StateFact] = []
+    under = "DataParallel" if not runner.users else "the wrapper"
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
         seed_step(0, torch.device("cpu"))
         single(*batch.inputs)
         seed_step(0, torch.device("cpu"))
         try:
-            VirtualDataParallel(parallel, device_ids)(*batch.inputs)
+            with runner.devices(device_ids):
+                runner.build(parallel, device_ids)(*batch.inputs)
         except (RuntimeError, ValueError) as error:
             if ONE_ROW_BATCHNORM not in str(error):
                 raise
@@ -659,10 +911,9 @@ def _state(module: nn.Module, batch: Batch, device_ids: list[int], plan_dropped:
     for name, buffer in parallel.named_buffers():
         one = after_single[name]
         if not torch.equal(one, before[name]) and not torch.equal(buffer, one):
+            why = " (only replica 0's update reaches the module)" if not runner.users else ""
             facts.append(StateFact(
-                "buffer", name,
-                f"updated in place in forward: one device leaves {_fmt(one)}, DataParallel "
-                f"{_fmt(buffer)} (only replica 0's update reaches the module)",
+                "buffer", name, f"updated in place in forward: one device leaves {_fmt(one)}, {under} {_fmt(buffer)}{why}",
             ))
     single_modules = dict(single.named_modules())
     parallel_modules = dict(parallel.named_modules())
@@ -671,15 +922,11 @@ def _state(module: nn.Module, batch: Batch, device_ids: list[int], plan_dropped:
         par = getattr(parallel_modules[path], key, None)
         if alone != value and par != alone:
             where = f"{path}.{key}" if path else key
-            facts.append(StateFact(
-                "attribute", where,
-                f"set in forward: one device leaves {alone!r}, DataParallel {par!r} (replicas "
-                "are shallow copies; assignments to them are lost)",
-            ))
+            why = " (replicas are shallow copies; assignments to them are lost)" if not runner.users else ""
+            facts.append(StateFact("attribute", where, f"set in forward: one device leaves {alone!r}, {under} {par!r}{why}"))
     for source in divergence_sources(module):
         facts.append(StateFact(source.kind, source.module or "the root module", f"{source.reason} Fix: {source.fix}"))
-    for path, count in plan_dropped:
-        facts.append(StateFact("dropped rows", path, f"{count} rows reach no replica (positional inputs of different lengths)"))
+    facts += dropped
     return tuple(facts)
 
 
@@ -749,6 +996,8 @@ def explain(
     device_ids: Sequence[int],
     output_device: int | None = None,
     real_ddp: bool = False,
+    parallel: Callable[..., Any] | None = None,
+    parallel_name: str | None = None,
 ) -> Explanation:
     """Measures one DataParallel step of ``model`` on virtual devices, and what every
     question of docs/questions.md needs (``explain_answers.answers`` words it).
@@ -759,7 +1008,20 @@ def explain(
         device_ids: the virtual devices.
         output_device: where outputs are gathered (default ``device_ids[0]``).
         real_ddp: also run real DDP ranks for question 11 (seconds to start).
+        parallel: a DataParallel-like wrapper, ``parallel(module, device_ids=...,
+            output_device=...)``, that every run goes through instead of torch's, inside
+            ``dpverify.virtual_devices``; the chunks are the rows its replicas' forwards
+            received. A measurement it raises in leaves its question unanswered, with the
+            reason (``Explanation.unanswered``).
+        parallel_name: the wrapper in words (default its qualified name).
+
+    Raises:
+        InvalidArgument: the wrapper's step cannot be measured at all (it raises, or what it
+            returns has no loss: a wrapper that does not gather); the message names
+            ``--parallel``, and the wrapper's exception is the ``__cause__``.
     """
+    name = parallel_name or (getattr(parallel, "__qualname__", type(parallel).__name__) if parallel is not None else None)
+    runner = _Runner(parallel, name)
     ids = list(device_ids)
     out = ids[0] if output_device is None else output_device
     batch = model.make_batch(batch_size)
@@ -769,19 +1031,25 @@ def explain(
     # arithmetic questions are answered on an eval-mode copy, where only DataParallel differs.
     exact = copy.deepcopy(module).eval() if diverges else module
     plan = plan_scatter(batch.inputs, None, ids, warn=False)
-    sizes = list(plan.chunk_sizes)
+    unanswered: list[tuple[int, str]] = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
-        try:
-            step, step_in_eval = _recorded_step(module, batch, ids, out, sizes), False
-        except (RuntimeError, ValueError) as error:
-            if ONE_ROW_BATCHNORM not in str(error):
-                raise
-            step, step_in_eval = _recorded_step(exact, batch, ids, out, sizes), True
-        chunks = _chunks(step, ids, sizes)
+        step, step_in_eval = _step(runner, module, exact, batch, ids, out)
+        chunks = _chunks(step, ids, batch)
+        # the rows each replica's forward received: torch's plan, or what the wrapper did
+        sizes = [chunk.size for chunk in chunks if chunk.kind != "idle"]
+        used = [chunk.device for chunk in chunks if chunk.kind != "idle"]
         loss_model, loss_args = _loss_model(exact, batch)
-        returned, one_device, warned = _returned_loss(exact, batch, ids)
-        other, gap = _output_device_gap(exact, batch, ids, out, sizes)
+        returned = runner.measure(6, unanswered, lambda: _returned_loss(runner, exact, batch, ids))
+        gap = runner.measure(8, unanswered, lambda: _output_device_gap(runner, exact, batch, ids, out, sizes, used))
+        loss_average = runner.measure(
+            4, unanswered, lambda: check_forward_loss_average(loss_model, loss_args, device_ids=ids, parallel=parallel),
+        )
+        grads = runner.measure(3, unanswered, lambda: _float64_grads(runner, exact, batch, ids, sizes))
+        replicas = runner.measure(5, unanswered, lambda: _replicas_per_forward(runner, exact if step_in_eval else module, batch, ids))
+        dropped = _dropped(runner, plan.dropped, chunks, batch_size)
+        state = runner.measure(10, unanswered, lambda: _state(runner, module, batch, ids, dropped))
+        splits = _measured_splits(runner, model, exact, batch_size, ids) if runner.users else _splits(batch_size, len(ids))
         dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
         return Explanation(
             model=model.name,
@@ -799,18 +1067,94 @@ def explain(
             output_shape=step.output_shape,
             loss_value=step.loss,
             gathered_on=step.gathered_on,
-            loss_average=check_forward_loss_average(loss_model, loss_args, device_ids=ids),
-            returned_loss_shape=returned,
-            one_device_loss_shape=one_device,
-            scalar_warning=warned,
-            grads=_float64_grads(exact, batch, ids, sizes),
-            replicas_built_over_two_forwards=_replicas_per_forward(exact if step_in_eval else module, batch, ids),
+            loss_average=loss_average,
+            returned_loss_shape=returned[0] if returned else None,
+            one_device_loss_shape=returned[1] if returned else None,
+            scalar_warning=returned[2] if returned else False,
+            grads=grads or (),
+            replicas_built_over_two_forwards=replicas,
             bytes=_device_bytes(step, chunks, ids, out),
-            other_output_device=other,
-            other_output_device_grad_gap=gap,
-            splits=_splits(batch_size, len(ids)),
-            state=_state(module, batch, ids, plan.dropped),
+            other_output_device=gap[0] if gap else None,
+            other_output_device_grad_gap=gap[1] if gap else None,
+            splits=splits,
+            state=state or (),
             ddp=_ddp_fact(exact, batch, ids, sizes, real_ddp),
             eval_mode_for_losses=diverges,
             eval_mode_for_step=step_in_eval,
+            wrapper=name,
+            planned_chunk_sizes=tuple(plan.chunk_sizes),
+            unanswered=tuple(sorted(unanswered)),
+            replica_devices_known=step.devices_known,
         )
+
+
+def _step(runner: _Runner, module: nn.Module, exact: nn.Module, batch: Batch, ids: list[int], out: int) -> tuple[_Step, bool]:
+    """The recorded step of the model as given, or of its eval-mode copy when a one-row
+    chunk made BatchNorm raise in train mode (and whether it is the copy's).
+
+    Raises:
+        InvalidArgument: a user's wrapper raised in the step (naming ``--parallel``).
+    """
+    try:
+        try:
+            step, in_eval = _recorded_step(runner, module, batch, ids, out), False
+        except (RuntimeError, ValueError) as error:
+            if ONE_ROW_BATCHNORM not in str(error):
+                raise
+            step, in_eval = _recorded_step(runner, exact, batch, ids, out), True
+    except InvalidArgument:
+        raise
+    except Exception as error:
+        if not runner.users:
+            raise
+        raise InvalidArgument(f"--parallel {runner.name} raised {describe_exception(error)} in the step explain measures") from error
+    if not any(log.rows for log in step.logs):
+        raise InvalidArgument(
+            f"--parallel {runner.name}: no replica ran a forward of the module's copies (the wrapper never called "
+            "the module, or a copy made by torch's replicate or deepcopy), so there is no step to explain"
+        )
+    return step, in_eval
+
+
+def _dropped(runner: _Runner, planned: Sequence[tuple[str, int]], chunks: Sequence[ChunkFact], batch_size: int) -> list[StateFact]:
+    """Rows that reached no replica, or more than one: torch's plan (positional inputs of
+    different lengths), or, for a user's wrapper, the rows its replicas' forwards received
+    (where they sit in the batch when every chunk is rows of it, else their count)."""
+    if not runner.users:
+        return [StateFact("dropped rows", path, f"{count} rows reach no replica (positional inputs of different lengths)") for path, count in planned]
+    ran = [chunk for chunk in chunks if chunk.kind != "idle"]
+    received = [chunk.size for chunk in ran]
+    if any(chunk.start is None for chunk in ran):
+        lost = batch_size - sum(received)
+        if lost <= 0:
+            return []
+        return [StateFact("dropped rows", "the batch", f"{lost} of {batch_size} rows reached no replica: the replicas' forwards received {received} rows")]
+    counts = [0] * batch_size
+    for chunk in ran:
+        assert chunk.start is not None
+        for row in range(chunk.start, chunk.start + chunk.size):
+            counts[row] += 1
+    facts = []
+    missing = [row for row, count in enumerate(counts) if count == 0]
+    if missing:
+        facts.append(StateFact(
+            "dropped rows", "the batch",
+            f"{_row_list(missing)} ({len(missing)} of {batch_size}) reached no replica: the replicas' forwards received {_chunk_rows(ran)}",
+        ))
+    repeated = [row for row, count in enumerate(counts) if count > 1]
+    if repeated:
+        facts.append(StateFact(
+            "repeated rows", "the batch",
+            f"{_row_list(repeated)} reached more than one replica: the replicas' forwards received {_chunk_rows(ran)}",
+        ))
+    return facts
+
+
+def _row_list(rows: Sequence[int]) -> str:
+    """``row 7``, ``rows 3, 5``: batch rows in words (the first dozen)."""
+    return ("row " if len(rows) == 1 else "rows ") + ", ".join(map(str, rows[:12])) + (", ..." if len(rows) > 12 else "")
+
+
+def _chunk_rows(chunks: Sequence[ChunkFact]) -> str:
+    """``rows 0, 1-3, 3-4 and 5-6``: what each replica's forward received, in device order."""
+    return "rows " + ", ".join(chunk.rows for chunk in chunks[:-1]) + (" and " if len(chunks) > 1 else "") + chunks[-1].rows

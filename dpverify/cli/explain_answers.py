@@ -5,7 +5,9 @@ module only reads those facts and writes them as prose, so that the wording can 
 without touching the measurement, and the measurement never depends on the wording.
 ``dpverify.cli.explain_view`` shows both: the tables from the facts, the text from here.
 
-The questions, their order and their numbers are those of ``docs/questions.md``.
+The questions, their order and their numbers are those of ``docs/questions.md``. Under a
+user's wrapper (``Explanation.wrapper``) an answer speaks of what that wrapper did, never of
+what torch's DataParallel would do, and a question it could not measure says so.
 """
 
 from __future__ import annotations
@@ -61,34 +63,57 @@ _EVAL_NOTE = (
 
 def answers(e: Explanation) -> tuple[Answer, ...]:
     """The answer to every question of ``QUESTIONS``, in order, in words built from the
-    values ``e`` holds; an answer measured on an eval-mode copy says so first."""
-    texts = [
-        _answer_views(e), _answer_loss_once(e), _answer_sum(e), _answer_loss_mean(e),
-        _answer_sharing(e), _answer_vector(e), _answer_memory(e), _answer_output_device(e),
-        _answer_batch_size(e), _answer_unchanged(e), _answer_ddp(e),
-    ]
-    if e.eval_mode_for_losses:
-        for number in (3, 4, 6, 8, 11):
-            texts[number - 1] = _EVAL_NOTE + texts[number - 1]
+    values ``e`` holds; an answer measured on an eval-mode copy says so first, and a
+    question the wrapper could not measure says why instead."""
+    builders = (
+        _answer_views, _answer_loss_once, _answer_sum, _answer_loss_mean,
+        _answer_sharing, _answer_vector, _answer_memory, _answer_output_device,
+        _answer_batch_size, _answer_unchanged, _answer_ddp,
+    )
+    unanswered = dict(e.unanswered)
+    texts = []
+    for number, build in enumerate(builders, start=1):
+        if number in unanswered:
+            texts.append(
+                f"Not answered for {e.under_test}: the measurement runs the wrapper, and {unanswered[number]}. "
+                "torch's DataParallel's numbers would not be the wrapper's, so none are given."
+            )
+            continue
+        text = build(e)
+        texts.append(_EVAL_NOTE + text if e.eval_mode_for_losses and number in (3, 4, 6, 8, 11) else text)
     return tuple(Answer(i + 1, QUESTIONS[i], text) for i, text in enumerate(texts))
 
 
 def _answer_views(e: Explanation) -> str:
     first = e.chunks[0]
-    copies = [c for c in e.chunks if c.kind == "copy"]
+    copies = [c for c in e.chunks[1:] if c.kind == "copy"]
     r0 = e.replicas[0]
     total = r0.shared_parameters + r0.copied_parameters
-    text = (
-        f"No. Device {first.device}'s chunk (rows {first.rows}) is a {first.kind} of the batch, "
-        f"which already lives there: nothing is sent. "
-    )
+    if first.kind == "view":
+        text = (
+            f"No. Device {first.device}'s chunk (rows {first.rows}) is a view of the batch, "
+            f"which already lives there: nothing is sent. "
+        )
+    elif first.kind == "copy":
+        text = (
+            f"Yes: device {first.device}'s chunk (rows {first.rows}) is a copy "
+            f"({_bytes(first.copied_bytes)}), made although the batch already lives there. "
+        )
+    else:
+        text = f"Device {first.device} received no chunk: {e.under_test} left it idle. "
     if copies:
         which = f"Devices {_list([c.device for c in copies])} received copies" if len(copies) > 1 else f"Device {copies[0].device} received a copy"
         text += f"{which} ({_list([_bytes(c.copied_bytes) for c in copies])}). "
-    text += (
-        f"Nor is the model copied to device {r0.device}: replica 0 shares storage with the module "
-        f"for {r0.shared_parameters} of {total} parameters ({_bytes(r0.parameter_bytes)} extra)"
-    )
+    if r0.copied_parameters == 0:
+        text += (
+            f"Nor is the model copied to device {r0.device}: replica 0 shares storage with the module "
+            f"for {r0.shared_parameters} of {total} parameters ({_bytes(r0.parameter_bytes)} extra)"
+        )
+    else:
+        text += (
+            f"The model is copied for replica 0 on device {r0.device} too: it shares storage with the "
+            f"module for {r0.shared_parameters} of {total} parameters only ({_bytes(r0.parameter_bytes)} extra)"
+        )
     others = e.replicas[1:]
     if others:
         holders = (
@@ -102,17 +127,24 @@ def _answer_views(e: Explanation) -> str:
 def _answer_loss_once(e: Explanation) -> str:
     rows = e.output_shape[0] if e.output_shape else 0
     if not e.replicated:
+        runs = "DataParallel runs the module itself" if e.wrapper is None else f"{e.under_test} ran one replica"
         return (
-            f"With one device DataParallel runs the module itself: there is no gather, the loss "
+            f"With one device {runs}: there is no gather, the loss "
             f"({e.loss}) was computed once on device {e.gathered_on} on the whole "
             f"{_shape(e.output_shape)} output ({e.loss_value:.6g}), and its gradient "
             f"({e.replicas[0].output_grad_rows} rows) flows straight into the module."
         )
     sizes = [r.output_grad_rows for r in e.replicas]
+    if e.gathered_on is None:
+        where = f"into one {_shape(e.output_shape)} output without a gather() call dpverify could see (on which device is not measured)"
+        there = "on them"
+    else:
+        passed = "torch's forward passed to gather" if e.wrapper is None else "the wrapper passed to its gather"
+        where = f"into one {_shape(e.output_shape)} tensor on device {e.gathered_on} (the output_device {passed})"
+        there = "there"
     return (
-        f"Yes. The {plural(e.replicas_used, 'replica output')} were gathered into one "
-        f"{_shape(e.output_shape)} tensor on device {e.gathered_on} (the output_device torch's "
-        f"forward passed to gather), and the loss ({e.loss}) was computed once there: "
+        f"Yes. The {plural(e.replicas_used, 'replica output')} were gathered {where}, and the loss "
+        f"({e.loss}) was computed once {there}: "
         f"{e.loss_value:.6g}. In backward, Gather's backward split d loss/d output ({rows} rows) "
         f"by chunk size and sent each replica its part: {sizes} rows."
     )
@@ -132,6 +164,15 @@ def _answer_sum(e: Explanation) -> str:
             f"rows or devices to see the sum at work."
         )
     ratio = _worst(e.grads, lambda g: g.average_ratio)
+    scale = max((g.full_norm for g in e.grads), default=0.0) or 1.0
+    if sum_error > 1e-9 * scale:
+        # float64: a sum that misses the full-batch gradient by more than rounding is not one
+        return (
+            f"With a mean loss over the gathered batch the replica gradients should add up to the "
+            f"full-batch gradient, but under {e.under_test} they do not: greatest |sum - full| = "
+            f"{sum_error:.3g} over all parameters (float64), |average| / |full| = {ratio:.3g}. "
+            "dpverify check names the parameters and the likely bug."
+        )
     return (
         f"With a mean loss over the gathered batch, replica i's gradient is (1/B) times the sum "
         f"over its own rows, so the replica gradients add up to the full-batch gradient: "
@@ -144,6 +185,7 @@ def _answer_sum(e: Explanation) -> str:
 
 def _answer_loss_mean(e: Explanation) -> str:
     r = e.loss_average
+    assert r is not None  # measured, or question 4 is unanswered
     moved = "" if e.loss.startswith("computed in forward") else "Measured with your loss moved into forward. "
     uneven = len(set(r.chunk_sizes)) > 1
     if r.is_biased:
@@ -173,6 +215,8 @@ def _answer_sharing(e: Explanation) -> str:
     copies = e.replicas[1:]
     equal = all(r.equal_to_module for r in e.replicas)
     leaves = sum(r.leaf_parameters for r in e.replicas)
+    if e.wrapper is not None:
+        return _answer_sharing_wrapper(e, equal, leaves)
     text = (
         f"Each parameter exists once, in the module, and every forward calls "
         f"replicate() again ({e.replicas_built_over_two_forwards} distinct replicas over two "
@@ -191,13 +235,42 @@ def _answer_sharing(e: Explanation) -> str:
     return text
 
 
+def _answer_sharing_wrapper(e: Explanation, equal: bool, leaves: int) -> str:
+    """Question 5 for a user's wrapper: what its replicas were, measured, without torch's
+    replicate() and Broadcast as the reasons."""
+    built = e.replicas_built_over_two_forwards
+    text = (
+        f"Under {e.under_test}: {built} distinct replicas over two forwards of {e.replicas_used} "
+        f"({'rebuilt on every forward' if built is not None and built >= 2 * e.replicas_used else 'not all rebuilt on every forward'}), "
+        f"{'all' if equal else 'NOT all'} equal to the module's parameters at forward time"
+    )
+    if leaves == 0:
+        text += (
+            ". No replica parameter is a leaf: each was computed from the module's own parameters, "
+            "so backward carries every replica's gradient into the module's .grad (question 3 shows their sum)."
+        )
+    else:
+        text += (
+            f". {leaves} replica parameters are leaves: their gradients stay on the replicas and never "
+            "reach the module's .grad unless the wrapper copies them back."
+        )
+    return text
+
+
 def _answer_vector(e: Explanation) -> str:
     moved = "" if e.loss.startswith("computed in forward") else "Measured with your loss moved into forward. "
     if not e.replicated:
         return (
             f"{moved}On one device DataParallel runs the module itself and returns its scalar "
-            f"loss, shape {_shape(e.one_device_loss_shape)}. With several devices Gather "
+            f"loss, shape {_shape(e.one_device_loss_shape or ())}. With several devices Gather "
             f"concatenates one scalar per replica used into a vector (try --devices 4)."
+        )
+    assert e.returned_loss_shape is not None  # measured, or question 6 is unanswered
+    if e.wrapper is not None and e.returned_loss_shape != (e.replicas_used,):
+        return (
+            f"{moved}Each replica's forward returns a scalar; on {len(e.device_ids)} devices with "
+            f"B={e.batch_size} {e.under_test} returned the loss with shape {_shape(e.returned_loss_shape)} "
+            f"({e.replicas_used} replicas ran). On one device: shape {_shape(e.one_device_loss_shape or ())}."
         )
     text = (
         f"{moved}Each replica's forward returns a scalar and Gather concatenates what the "
@@ -207,7 +280,7 @@ def _answer_vector(e: Explanation) -> str:
     text += f": device {_list(list(e.idle_devices))} sat idle)" if e.idle_devices else ")"
     if e.scalar_warning:
         text += ", and torch warned 'Was asked to gather along dimension 0, but all input tensors were scalars'"
-    return text + f". On one device there is no gather: shape {_shape(e.one_device_loss_shape)}."
+    return text + f". On one device there is no gather: shape {_shape(e.one_device_loss_shape or ())}."
 
 
 def _answer_memory(e: Explanation) -> str:
@@ -220,25 +293,34 @@ def _answer_memory(e: Explanation) -> str:
         f"{_bytes(first.total)} and the busiest other device {_bytes(others)}: device "
         f"{first.device} keeps the whole batch ({_bytes(first.inputs)}, the source of the scatter), "
         f"the module's parameters ({_bytes(first.parameters)}) and their summed .grad, and, as "
-        f"output_device {e.output_device}, the gathered outputs and their gradient."
+        f"output_device {e.output_device if e.gathered_on is None else e.gathered_on}, the gathered outputs and their gradient."
     )
 
 
 def _answer_output_device(e: Explanation) -> str:
+    if e.gathered_on is None:
+        called = f"no gather() call of {e.under_test} was seen, so where it computes the loss is not measured here."
+    else:
+        who = "torch's forward" if e.wrapper is None else "the wrapper"
+        called = f"{who} called gather(..., output_device={e.gathered_on}) here."
     text = (
         f"Yes. output_device decides where Gather concatenates the outputs, and so where the loss "
-        f"is computed; torch's forward called gather(..., output_device={e.gathered_on}) here."
+        f"is computed; {called}"
     )
     if e.other_output_device is not None:
+        gap = e.other_output_device_grad_gap or 0.0
+        changed = "changed no gradient" if gap == 0 else "changed the gradients"
         text += (
-            f" Gathering on device {e.other_output_device} instead changed no gradient "
-            f"(greatest difference {e.other_output_device_grad_gap:.2g})."
+            f" Gathering on device {e.other_output_device} instead {changed} "
+            f"(greatest difference {gap:.2g})."
         )
     return text
 
 
 def _answer_batch_size(e: Explanation) -> str:
     n = len(e.device_ids)
+    if e.wrapper is not None:
+        return _answer_batch_size_wrapper(e, n)
     text = (
         f"No. torch.chunk gives chunks of ceil(B/{n}) rows and the last may be smaller: "
         f"B={e.batch_size} on {n} devices gives {list(e.chunk_sizes)}, so {e.replicas_used} "
@@ -253,8 +335,43 @@ def _answer_batch_size(e: Explanation) -> str:
     return text
 
 
+def _answer_batch_size_wrapper(e: Explanation, n: int) -> str:
+    """Question 9 for a user's wrapper: the split it made, measured, against torch.chunk's."""
+    sizes, planned = list(e.chunk_sizes), list(e.planned_chunk_sizes)
+    text = (
+        f"{e.under_test} split B={e.batch_size} on {plural(n, 'device')} into {sizes} (the rows each replica's "
+        f"forward received"
+    )
+    text += f"; torch.chunk gives {planned})" if planned and planned != sizes else ", as torch.chunk does)"
+    text += f", so {plural(e.replicas_used, 'replica')} ran"
+    text += f" and device {_list(list(e.idle_devices))} sat idle. " if e.idle_devices else ". "
+    if sum(sizes) < e.batch_size:
+        text += f"Only {sum(sizes)} of the {e.batch_size} rows reached a replica (question 10). "
+    failed = [s.batch_size for s in e.splits if s.note]
+    if failed:
+        text += f"It raised on batches of {_list(failed)} rows (see the table). "
+    else:
+        text += "It ran every batch size in the table, measured the same way. "
+    return text + (
+        "Uneven chunks still give the exact gradient when the replica gradients are summed "
+        "(question 3), but bias a loss averaged after forward (question 4)."
+    )
+
+
 def _answer_unchanged(e: Explanation) -> str:
     if not e.state:
+        if e.wrapper is not None:
+            ran = [c for c in e.chunks if c.kind != "idle"]
+            rows = (
+                "every row of the batch reached exactly one replica" if all(c.start is not None for c in ran)
+                else f"the replicas' forwards received {sum(c.size for c in ran)} of the {e.batch_size} rows "
+                "between them (which rows is not known: some chunks are no contiguous rows of the batch)"
+            )
+            return (
+                f"This one, under {e.under_test}, yes: one forward on one device and one under the wrapper "
+                "left the same buffers and attributes, no module depends on the batch split or on random "
+                f"draws (BatchNorm or Dropout in train mode), and {rows}."
+            )
         return (
             "This one, yes: one forward on one device and one under DataParallel left the same "
             "buffers and attributes, no module depends on the batch split or on random draws "
@@ -264,23 +381,28 @@ def _answer_unchanged(e: Explanation) -> str:
     kinds = _list(sorted({s.kind for s in e.state}))
     return (
         f"Not this one: {plural(len(e.state), 'finding')} ({kinds}), measured by running one "
-        f"forward on one device and one under DataParallel; see the table."
+        f"forward on one device and one under {e.under_test}; see the table."
     )
 
 
 def _answer_ddp(e: Explanation) -> str:
     d = e.ddp
     k = e.replicas_used
+    # DataParallel's side is the full-batch gradient, which torch's step gives; a user's
+    # wrapper is not assumed to (question 3 and dpverify check measure whether it does)
+    dp = "DataParallel's" if e.wrapper is None else "the full-batch gradient a correct DataParallel gives"
     text = (
         f"Simulated in one process (DDP's arithmetic: per-shard gradients averaged over ranks), "
         f"with the chunks {list(e.chunk_sizes)} as shards on {k} ranks: with a mean loss DDP's "
-        f"gradient differs from DataParallel's by up to {d.mean_loss_gap:.3g} (relative) "
+        f"gradient differs from {dp} by up to {d.mean_loss_gap:.3g} (relative) "
         + ("(exact: equal shards). " if d.mean_loss_gap < 1e-9 else "(biased: uneven shards; weight rank r's loss by n_r*W/B). ")
     )
     if d.sum_loss_ratio is not None:
-        text += f"With a summed loss DDP's gradients are {d.sum_loss_ratio:.3g} of DataParallel's (1/{k}): DataParallel sums, DDP averages. "
+        theirs = "DataParallel's" if e.wrapper is None else "a correct DataParallel's"
+        text += f"With a summed loss DDP's gradients are {d.sum_loss_ratio:.3g} of {theirs} (1/{k}): DataParallel sums, DDP averages. "
     if d.detail:
-        text += f"{'Measured' if d.mode == 'measured' else 'Not measured'}: {d.detail}."
+        against = "" if e.wrapper is None or d.mode != "measured" else f" (against torch's DataParallel, not {e.under_test})"
+        text += f"{'Measured' if d.mode == 'measured' else 'Not measured'}{against}: {d.detail}."
     else:
         text += "Run with --ddp to measure real DDP ranks."
     return text.rstrip()

@@ -46,7 +46,7 @@ def _shape(shape: Sequence[int]) -> str:
 
 def _diagram(e: Explanation) -> Table:
     """One step as a table: a column per device, a row per stage, arrows down then up."""
-    title = "One DataParallel step, measured"
+    title = "One DataParallel step, measured" if e.wrapper is None else f"One step of {e.wrapper}, measured"
     if e.eval_mode_for_step:
         title += " (in eval mode: in train mode a one-row chunk makes BatchNorm raise)"
     table = Table(title=title, box=box.ROUNDED, show_lines=True, title_justify="left")
@@ -70,9 +70,13 @@ def _diagram(e: Explanation) -> Table:
     row("▼ forward", lambda d: f"output {_shape(replicas[d].output_shape)}\nactivations {_kb(replicas[d].activation_bytes)}" if d in replicas else "")
     if not e.replicated:
         row("▼ gather", lambda d: Text("none: the output\nis the module's", style="dim"))
+    elif e.gathered_on is None:
+        row("▼ gather", lambda d: f"[bold]outputs {_shape(e.output_shape)}[/]\n(no gather() call seen)" if d == out else "")
     else:
-        row("▼ gather", lambda d: f"[bold]outputs {_shape(e.output_shape)}[/] ◀ {e.replicas_used} chunk{'s' if e.replicas_used != 1 else ''}" if d == out else (f"→ device {out}" if d in replicas else ""))
-    row("▼ loss", lambda d: f"[bold]{e.loss}[/]\n= {e.loss_value:.5g}" if d == out else "")
+        gathered = e.gathered_on
+        row("▼ gather", lambda d: f"[bold]outputs {_shape(e.output_shape)}[/] ◀ {e.replicas_used} chunk{'s' if e.replicas_used != 1 else ''}" if d == gathered else (f"→ device {gathered}" if d in replicas else ""))
+    at = out if e.gathered_on is None else e.gathered_on
+    row("▼ loss", lambda d: f"[bold]{e.loss}[/]\n= {e.loss_value:.5g}" if d == at else "")
     row("▲ backward", lambda d: f"d loss/d output:\n{_rows(replicas[d].output_grad_rows)}" if d in replicas else "")
     if not e.replicated:
         row("▲ .grad", lambda d: "[bold].grad[/] directly\n(no replicas)")
@@ -100,8 +104,10 @@ def _replica_cell(replica: ReplicaFact | None) -> Text | str:
     return Text.assemble(f"replica {replica.replica}: copy\n", (f"{_kb(replica.parameter_bytes)}", "yellow"))
 
 
-def _loss_table(e: Explanation) -> Table:
+def _loss_table(e: Explanation) -> Table | None:
     r = e.loss_average
+    if r is None:
+        return None
     table = Table(title="Loss averaging for this batch (float64)", box=box.SIMPLE_HEAD, title_justify="left")
     table.add_column("")
     for i, _size in enumerate(r.chunk_sizes):
@@ -125,7 +131,9 @@ def _loss_table(e: Explanation) -> Table:
     return outer
 
 
-def _grad_table(e: Explanation, width: int) -> Table:
+def _grad_table(e: Explanation, width: int) -> Table | None:
+    if not e.grads:
+        return None
     # cut in the middle, never at the end, and wide enough that rich does not cut again
     names = shorten_names([g.parameter for g in e.grads], max(24, width * 2 // 5))
     table = Table(title=f"Gradient: sum vs average of the {plural(e.replicas_used, 'replica gradient')} vs full batch (float64)", box=box.SIMPLE_HEAD, title_justify="left")
@@ -159,14 +167,19 @@ def _bytes_table(e: Explanation) -> Table:
 
 def _splits_table(e: Explanation) -> Table:
     n = len(e.device_ids)
-    table = Table(title=f"torch.chunk on {n} devices", box=box.SIMPLE_HEAD, title_justify="left")
+    title = f"torch.chunk on {n} devices" if e.wrapper is None else f"{e.wrapper} on {n} devices, measured (rows each replica's forward received)"
+    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
     table.add_column("batch", justify="right")
     table.add_column("chunk sizes")
     table.add_column("replicas", justify="right")
     table.add_column("idle devices", justify="right")
+    notes = any(s.note for s in e.splits)
+    if notes:
+        table.add_column("note")
     for s in e.splits:
         style = "bold" if s.batch_size == e.batch_size else ""
-        table.add_row(str(s.batch_size), str(list(s.chunk_sizes)), str(len(s.chunk_sizes)), str(s.idle_devices), style=style)
+        cells = [str(s.batch_size), str(list(s.chunk_sizes)) if not s.note else "—", str(len(s.chunk_sizes)) if not s.note else "—", str(s.idle_devices) if not s.note else "—"]
+        table.add_row(*cells, *([s.note] if notes else []), style=style)
     return table
 
 
@@ -208,17 +221,35 @@ def _answer(answer: Answer, extra: RenderableType | None = None) -> RenderableTy
 def render_explanation(console: Console, e: Explanation) -> None:
     """Prints the header, the step diagram and the eleven numbered answers."""
     idle = f", device {', '.join(map(str, e.idle_devices))} idle" if e.idle_devices else ""
-    console.print(Text(f"dpverify explain: {e.model}", style="bold"))
-    console.print(f"{e.parameters:,} parameters ({e.dtype}); batch of {e.batch_size} rows ({e.batch_source}); loss: {e.loss}")
-    console.print(f"virtual devices {list(e.device_ids)}, output_device {e.output_device}: chunks {list(e.chunk_sizes)}{idle}")
+    title = f"dpverify explain: {e.model}" + (f" under {e.wrapper}" if e.wrapper is not None else "")
+    console.print(Text(title, style="bold"))
+    console.print(f"{e.parameters:,} parameters ({e.dtype}); batch of {e.batch_size} rows ({e.batch_source}); loss: {e.loss}", markup=False)
+    if e.wrapper is None:
+        console.print(f"virtual devices {list(e.device_ids)}, output_device {e.output_device}: chunks {list(e.chunk_sizes)}{idle}")
+    else:
+        planned = f" (torch's scatter: {list(e.planned_chunk_sizes)})" if list(e.planned_chunk_sizes) != list(e.chunk_sizes) else ""
+        console.print(
+            f"wrapper {e.wrapper}, run inside dpverify.virtual_devices({max(e.device_ids) + 1}): virtual devices "
+            f"{list(e.device_ids)}, output_device {e.output_device}: chunks {list(e.chunk_sizes)} as it split the batch{planned}{idle}",
+            markup=False,
+        )
+        if not e.replica_devices_known:
+            console.print(
+                "the wrapper ran its replicas outside parallel_apply and torch.cuda.device: their devices are not "
+                "known, and they are shown on the devices in the order they ran",
+                markup=False,
+            )
+        if e.unanswered:
+            console.print(f"not measured for this wrapper: question {', '.join(str(n) for n, _ in e.unanswered)} (the answers say why)", markup=False)
     console.print()
     console.print(_diagram(e))
-    extras: dict[int, RenderableType] = {
+    tables: dict[int, RenderableType | None] = {
         3: _grad_table(e, console.width),
         4: _loss_table(e),
         7: _bytes_table(e),
         9: _splits_table(e),
     }
+    extras: dict[int, RenderableType] = {number: table for number, table in tables.items() if table is not None}
     state = _state_table(e, console.width)
     if state is not None:
         extras[10] = state

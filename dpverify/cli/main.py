@@ -390,7 +390,11 @@ def _explain(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"--output-device {args.output_device} is not one of the devices {ids}; pick one of them")
     if args.ddp and checks_if_available() is None:
         raise InvalidArgument("--ddp: the DDP backend is not available in this build; leave --ddp out for the simulated answer")
-    explanation = explain(model, batch_size=args.batch, device_ids=ids, output_device=args.output_device, real_ddp=args.ddp)
+    parallel = _load_parallel(args.parallel)
+    explanation = explain(
+        model, batch_size=args.batch, device_ids=ids, output_device=args.output_device, real_ddp=args.ddp,
+        parallel=parallel, parallel_name=args.parallel,
+    )
     if args.json:
         print(explanation_json(explanation))
     else:
@@ -495,6 +499,12 @@ def _add_explain(commands: Any, common: argparse.ArgumentParser) -> None:
     explain.add_argument("--devices", type=_positive("--devices"), default=4, metavar="N", help="virtual devices (default 4)")
     explain.add_argument("--output-device", type=int, metavar="D", help="where outputs are gathered and the loss computed (default the first device)")
     explain.add_argument("--ddp", action="store_true", help="also run real DDP ranks for question 11 (a few seconds to start)")
+    explain.add_argument(
+        "--parallel", metavar="MODULE:CALLABLE",
+        help="explain your own DataParallel-like wrapper, CALLABLE(module, device_ids=..., output_device=...), run "
+        "inside dpverify.virtual_devices: the chunks are the rows its replicas really received; a question it "
+        "cannot be measured for says so",
+    )
     explain.add_argument("--svg", type=Path, metavar="FILE", help="also write the explanation as an SVG picture")
     explain.add_argument("--json", action="store_true", help="print every measured value as JSON instead")
     explain.set_defaults(run=_explain)
