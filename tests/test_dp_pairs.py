@@ -380,3 +380,24 @@ def test_the_step_records_where_it_gathered() -> None:
         step = check.run(lambda out: F.mse_loss(out, y), parallel=True, record_replicas=True)
         assert step.gathered_on == (output_device,)
         assert step.replica_rows == (2, 2, 2)
+
+
+# --- loss-in-forward models through wrappers of one's own ----------------------------------
+
+
+def test_the_loss_checks_take_one_loss_per_replica_and_the_replicas_that_ran() -> None:
+    from dpverify.models.builtin import builtin_case
+
+    built = builtin_case("loss-in-forward", batch=9)  # torch's scatter: [3, 3, 3] on 4 devices
+    # a wrapper that returns one output per replica: its losses are those outputs
+    report = dpverify.check_forward_loss_average(built.module, built.inputs, device_ids=[0, 1, 2, 3], parallel=ReplicaOutputsDataParallel)
+    assert report.chunk_sizes == (3, 3, 3)
+    assert not report.is_biased
+    # a balanced wrapper runs 4 replicas, [1, 3, 3, 2]: four losses, weighted by that split
+    balanced = functools.partial(BalancedDataParallel, 1)
+    report = dpverify.check_forward_loss_average(built.module, built.inputs, device_ids=[0, 1, 2, 3], parallel=balanced)
+    assert report.chunk_sizes == (1, 3, 3, 2)
+    assert len(report.replica_losses) == 4
+    assert report.is_biased
+    assert report.weighted_is_exact
+    dpverify.assert_loss_reduction_matches_full_batch(built.module, built.inputs, device_ids=[0, 1, 2, 3], reduce=dpverify.chunk_weighted_loss, parallel=balanced)

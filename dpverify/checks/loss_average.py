@@ -87,13 +87,37 @@ def extract_loss(output: Any, loss_at: int) -> torch.Tensor:
 
 
 def _replica_losses(output: Any, loss_at: int, replicas: int) -> torch.Tensor:
-    losses = extract_loss(output, loss_at).reshape(-1)
+    """One loss per replica: from the gathered output, or, for a wrapper that returns one
+    output per replica (a list or tuple of ``replicas`` of them), from each of those."""
+    try:
+        losses = extract_loss(output, loss_at).reshape(-1)
+    except InvalidArgument:
+        losses = None
+    if losses is None or losses.numel() != replicas:
+        per_replica = _per_replica_losses(output, loss_at, replicas)
+        if per_replica is not None:
+            return per_replica
+    if losses is None:
+        extract_loss(output, loss_at)  # raises, with the message for the gathered output
+    assert losses is not None
     if losses.numel() != replicas:
         raise InvalidArgument(
             f"the forward's loss gathered into {losses.numel()} values for {replicas} replicas; "
             "each replica's forward must return one scalar loss (its chunk's mean)"
         )
     return losses
+
+
+def _per_replica_losses(output: Any, loss_at: int, replicas: int) -> torch.Tensor | None:
+    if not isinstance(output, (list, tuple)) or hasattr(output, "_fields") or len(output) != replicas:
+        return None
+    try:
+        values = [extract_loss(part, loss_at).reshape(-1) for part in output]
+    except InvalidArgument:
+        return None
+    if not all(value.numel() == 1 for value in values):
+        return None
+    return torch.cat([value.to(values[0].device) for value in values])
 
 
 class _ObservedRows:
@@ -614,7 +638,9 @@ def check_forward_loss_average(
         observed = _ObservedRows(parallel_model, check.device_ids, check.dim, items, ignore_indices_of(module), list(parallel_given))
         try:
             with check.devices():
-                losses = _replica_losses(check.wrap(parallel_model)(*args, **parallel_kwargs), loss_at, check.plan.n_replicas)
+                output = check.wrap(parallel_model)(*args, **parallel_kwargs)
+            # the replicas that ran (a balanced wrapper can run more than torch's scatter would)
+            losses = _replica_losses(output, loss_at, len(observed.rows) or check.plan.n_replicas)
         except IndexError as error:
             check.explain_gather_error(error)
             raise
@@ -798,7 +824,7 @@ def assert_loss_reduction_matches_full_batch(
 
     def reduced(output: Any) -> torch.Tensor:
         nonlocal sizes
-        losses = _replica_losses(output, loss_at, check.plan.n_replicas)
+        losses = _replica_losses(output, loss_at, len(observed.rows) or check.plan.n_replicas)
         seen.append(losses.detach())
         # the split the wrapper made, which its replica losses are means over
         sizes = observed.sizes(losses.numel(), sum(sizes)) or sizes
