@@ -139,7 +139,10 @@ def test_the_registry_warns_with_the_token_counts() -> None:
     result = CHECKS["dp-loss-average"].run(case)
     assert result.verdict is dpverify.Verdict.WARN
     assert "weight by t_i/T, tokens" in result.summary
-    assert CHECKS["dp-weighted-loss"].run(case).verdict is dpverify.Verdict.FAIL  # n_i/B is not exact here
+    # the exact recipe is the weighting by tokens, and it passes; weighting by rows does not
+    assert CHECKS["dp-weighted-loss"].run(case).verdict is dpverify.Verdict.PASS
+    by_rows = dpverify.Target(reduce=dpverify.chunk_weighted_loss)
+    assert CHECKS["dp-weighted-loss"].run(case, by_rows).verdict is dpverify.Verdict.FAIL
 
 
 def test_the_hf_gpt2_keyword_only_call_with_padded_labels() -> None:

@@ -164,13 +164,15 @@ def test_first_layer_inference() -> None:
     from torch import nn
 
     make, text = first_layer_batch(nn.Sequential(nn.Dropout(), nn.Embedding(10, 3), nn.Linear(3, 1)))
-    (tokens,), target = make(4)
+    batch = make(4)
+    (tokens,) = batch.args
     assert tokens.shape == (4, 6)
     assert int(tokens.max()) < 10
-    assert target is None
+    assert batch.target is None
+    assert batch.kwargs == {}
     assert text.startswith("token ids of shape (B, 6) in [0, 10) inferred from 1 (Embedding(10, 3))")
     make, _ = first_layer_batch(nn.Sequential(nn.Conv2d(3, 2, 3)))
-    assert make(2)[0][0].shape == (2, 3, 8, 8)
+    assert make(2).args[0].shape == (2, 3, 8, 8)
     with pytest.raises(InvalidArgument, match="pass --inputs MODULE:FN"):
         first_layer_batch(nn.Sequential(nn.ReLU()))
 
@@ -179,7 +181,7 @@ def test_attention_first_gives_sequences() -> None:
     from torch import nn
 
     make, text = first_layer_batch(nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True))
-    assert make(3)[0][0].shape == (3, 6, 8)
+    assert make(3).args[0].shape == (3, 6, 8)
     assert "MultiheadAttention" in text
 
 

@@ -162,7 +162,7 @@ def plan_checks(
             batch = batches[batch_size]
             case = Case(
                 module, batch.inputs, batch.target, batch.loss_fn, tuple(range(devices)),
-                per_row_mean_loss=batch.per_row_mean_loss, dim=dim,
+                forward_kwargs=dict(batch.kwargs) or None, per_row_mean_loss=batch.per_row_mean_loss, dim=dim,
             )
             planned += [PlannedCheck(spec, case, target, eval_copy) for spec in specs if spec.applies(case)]
     return planned

@@ -181,8 +181,9 @@ class Target:
         parallel_loss: the criterion wrapper of a model/criterion pair,
             ``parallel_loss(criterion, device_ids=..., output_device=...)`` returning
             ``loss(outputs, target)`` (the ``parallel_loss_fn`` of the helpers).
-        reduce: a reduction of per-replica losses, ``reduce(losses, chunk_sizes)``
-            (default: the exact ``chunk_weighted_loss``).
+        reduce: a reduction of per-replica losses, ``reduce(losses, chunk_sizes)`` or
+            ``reduce(losses, chunk_sizes, item_counts)`` (default: the exact weighting by
+            item counts, ``chunk_weighted_loss(losses, item_counts)``).
         step: a per-rank DDP step, ``step(ctx)``.
         pool: the ranks the DDP checks run on (default: a pool of the world size).
         ddp_kwargs: keyword arguments for ``DistributedDataParallel``.
@@ -424,9 +425,15 @@ def _dp_loss_average(case: Case, target: Target) -> Report:
     return report
 
 
+def _item_weighted_loss(losses: torch.Tensor, sizes: list[int], counts: list[int]) -> torch.Tensor:
+    """The exact reduction of per-replica mean losses: each weighted by its share of the
+    items its loss averages over (rows, or tokens for a token-mean loss)."""
+    return chunk_weighted_loss(losses, counts)
+
+
 def _dp_weighted_loss(case: Case, target: Target) -> Report:
     return assert_loss_reduction_matches_full_batch(
-        case.module, case.inputs, device_ids=list(case.device_ids), reduce=target.reduce or chunk_weighted_loss,
+        case.module, case.inputs, device_ids=list(case.device_ids), reduce=target.reduce or _item_weighted_loss,
         parallel=target.parallel, forward_kwargs=case.forward_kwargs, dim=case.dim,
     )
 
@@ -560,9 +567,10 @@ _SPECS = (
         _dp_loss_average, wanted=_returns_loss, explains_divergence=False,
     ),
     CheckSpec(
-        "dp-weighted-loss", "n_i/B-weighted loss is exact", "dp",
-        "Weighting each replica's loss by its share of the rows, sum(n_i * loss_i) / B, gives "
-        "the full-batch loss and gradients.",
+        "dp-weighted-loss", "item-weighted loss is exact", "dp",
+        "Weighting each replica's loss by its share of the items it averages over (rows, or "
+        "tokens for a token-mean loss), sum(t_i * loss_i) / T, gives the full-batch loss and "
+        "gradients.",
         _dp_weighted_loss, wanted=_returns_loss,
     ),
     CheckSpec(

@@ -1025,6 +1025,12 @@ def explain(
     ids = list(device_ids)
     out = ids[0] if output_device is None else output_device
     batch = model.make_batch(batch_size)
+    if batch.kwargs:
+        raise InvalidArgument(
+            f"explain walks a call with positional arguments; {model.batch_source} gives keyword "
+            f"arguments {sorted(batch.kwargs)}: check a keyword-only model with dpverify check, or "
+            "pass --inputs returning (inputs, target)"
+        )
     module = model.module
     diverges = bool(divergence_sources(module))
     # BatchNorm/Dropout in train mode make every replica differ from the full batch: the

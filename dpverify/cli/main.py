@@ -414,7 +414,7 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         "factory", nargs="?", metavar="MODULE:FACTORY",
         help="your model: FACTORY() returns the nn.Module (the current directory is importable)",
     )
-    parser.add_argument("--inputs", metavar="MODULE:FN", help="FN(batch_size) returns (inputs, target); target None if forward returns the loss (default: inferred from the first layer)")
+    parser.add_argument("--inputs", metavar="MODULE:FN", help="FN(batch_size) returns (inputs, target), target None if forward returns the loss; or keyword arguments: a dict, (kwargs, target), (args, kwargs) or (args, kwargs, target) (default: inferred from the first layer)")
     parser.add_argument("--loss", metavar="NAME", help="mse, l1, smooth_l1, cross_entropy, nll or bce_with_logits (default: cross_entropy for integer targets, else mse)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default 0)")
 

@@ -20,7 +20,8 @@ import copy
 import importlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
@@ -30,6 +31,7 @@ from torch.nn.modules.conv import _ConvNd
 from dpverify.checks.loss_average import extract_loss
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.tracebacks import describe_exception
+from dpverify.core.tree import first_batched
 from dpverify.models.specs import LOSSES, LossSpec, primary_output
 from dpverify.models.user import Batch, UserModel
 
@@ -97,7 +99,11 @@ def user_model(
 
     Args:
         factory_spec: ``package.module:factory``; ``factory()`` returns the ``nn.Module``.
-        inputs_spec: ``package.module:fn``; ``fn(batch_size)`` returns ``(inputs, target)``.
+        inputs_spec: ``package.module:fn``; ``fn(batch_size)`` returns ``(inputs, target)``,
+            ``(args, kwargs)`` or ``(args, kwargs, target)`` with ``kwargs`` a dict of
+            keyword forward arguments, or a dict of keyword arguments alone or with a target,
+            ``(kwargs, target)`` (a keyword-only call, ``model(**batch)``; a ``labels``
+            entry makes a Hugging Face model compute its own loss, which is then checked).
         loss: a name from ``dpverify.strategies.LOSSES`` (default: inferred).
         seed: seeds the factory, the batch and any made-up target.
 
@@ -127,35 +133,67 @@ def user_model(
         source = f"--inputs {inputs_spec}"
     else:
         raw, source = first_layer_batch(module, seed=seed)
-    probe_inputs, probe_target = raw(2)
-    returns_loss = _returns_loss(module, probe_inputs, probe_target, source)
+    probe = raw(2)
+    returns_loss = _returns_loss(module, probe, source)
     make = _batch_maker(module, raw, loss, returns_loss)
     return UserModel(factory_spec, module, source, make)
 
 
-RawBatches = Callable[[int], "tuple[tuple[Any, ...], Any]"]
+@dataclass(frozen=True)
+class RawBatch:
+    """What ``--inputs`` (or the first layer) gives for one batch size."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    target: Any
+
+
+RawBatches = Callable[[int], RawBatch]
+
+
+_INPUTS_FORMS = (
+    "fn(batch_size) must return (inputs, target) with inputs a tensor or a tuple of forward "
+    "arguments and target a tensor, or None when the forward returns the loss; or (args, "
+    "kwargs) or (args, kwargs, target) with kwargs a dict of keyword arguments; or a dict of "
+    "keyword arguments, alone or as (kwargs, target)"
+)
 
 
 def _user_batches(fn: Callable[[int], Any], spec: str, seed: int) -> RawBatches:
-    def make(batch_size: int) -> tuple[tuple[Any, ...], Any]:
+    def make(batch_size: int) -> RawBatch:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             result = _call_user(f"--inputs {spec!r}", lambda: fn(batch_size), f"called with batch_size={batch_size}")
-        if isinstance(result, torch.Tensor):
-            return (result,), None
-        if isinstance(result, tuple) and len(result) == 2:
-            inputs, target = result
-            inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-            if target is not None and not isinstance(target, torch.Tensor):
-                raise InvalidArgument(f"--inputs {spec!r}: the target is {type(target).__name__}; return a tensor or None")
-            return inputs, target
-        raise InvalidArgument(
-            f"--inputs {spec!r} returned {type(result).__name__}; fn(batch_size) must return "
-            "(inputs, target): inputs a tensor or a tuple of forward arguments, target a "
-            "tensor, or None when the forward returns the loss"
-        )
+        args, kwargs, target = _read_batch(result, spec)
+        if target is not None and not isinstance(target, torch.Tensor):
+            raise InvalidArgument(f"--inputs {spec!r}: the target is {type(target).__name__}; return a tensor or None")
+        if not args and not kwargs:
+            raise InvalidArgument(f"--inputs {spec!r} returned no forward arguments; {_INPUTS_FORMS}")
+        return RawBatch(args, kwargs, target)
 
     return make
+
+
+def _read_batch(result: Any, spec: str) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """``(args, kwargs, target)`` from any of the forms ``--inputs`` may return."""
+
+    def as_args(value: Any) -> tuple[Any, ...]:
+        return value if isinstance(value, tuple) else (value,)
+
+    if isinstance(result, torch.Tensor):
+        return (result,), {}, None
+    if isinstance(result, Mapping):
+        return (), dict(result), None
+    if isinstance(result, tuple) and len(result) == 2:
+        first, second = result
+        if isinstance(first, Mapping):
+            return (), dict(first), second
+        if isinstance(second, Mapping):
+            return as_args(first), dict(second), None
+        return as_args(first), {}, second
+    if isinstance(result, tuple) and len(result) == 3 and isinstance(result[1], Mapping):
+        return as_args(result[0]), dict(result[1]), result[2]
+    raise InvalidArgument(f"--inputs {spec!r} returned {type(result).__name__}; {_INPUTS_FORMS}")
 
 
 def _describe_layer(name: str, layer: nn.Module) -> str:
@@ -166,7 +204,8 @@ def first_layer_batch(module: nn.Module, *, seed: int = 0) -> tuple[RawBatches, 
     """Batches shaped for the first layer that fixes the input shape.
 
     Returns:
-        ``make(batch_size) -> (inputs, None)`` and a description of the inferred shape.
+        ``make(batch_size)``, a ``RawBatch`` without target, and a description of the
+        inferred shape.
 
     Raises:
         InvalidArgument: the first such layer gives no shape (or scatters along time); the
@@ -230,21 +269,23 @@ def _conv_dims(layer: nn.Module) -> int | None:
 
 
 def _random_batches(shape: tuple[int, ...], integer_high: int | None, seed: int) -> RawBatches:
-    def make(batch_size: int) -> tuple[tuple[Any, ...], Any]:
+    def make(batch_size: int) -> RawBatch:
         g = torch.Generator().manual_seed(seed)
         if integer_high is not None:
-            return (torch.randint(0, integer_high, (batch_size, *shape), generator=g),), None
-        return (torch.randn(batch_size, *shape, generator=g),), None
+            return RawBatch((torch.randint(0, integer_high, (batch_size, *shape), generator=g),), {}, None)
+        return RawBatch((torch.randn(batch_size, *shape, generator=g),), {}, None)
 
     return make
 
 
-def _returns_loss(module: nn.Module, inputs: tuple[Any, ...], target: Any, source: str) -> bool:
-    """Runs the model once on two rows: does its forward return a scalar loss?"""
+def _returns_loss(module: nn.Module, batch: RawBatch, source: str) -> bool:
+    """Runs the model once on two rows: does its forward return a scalar loss (a tensor,
+    in a tuple, or under a ``loss`` key, as a Hugging Face model given ``labels`` does)?"""
     model = copy.deepcopy(module)
+    target = batch.target
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            output = model(*inputs)  # two rows: enough for BatchNorm in train mode
+            output = model(*batch.args, **batch.kwargs)  # two rows: enough for BatchNorm in train mode
     except (Exception, SystemExit) as error:
         raise InvalidArgument(
             f"the model's forward failed on a batch of 2 rows from {source}: "
@@ -263,25 +304,27 @@ def _returns_loss(module: nn.Module, inputs: tuple[Any, ...], target: Any, sourc
 
 def _batch_maker(module: nn.Module, raw: RawBatches, loss: str | None, returns_loss: bool) -> Callable[[int], Batch]:
     def make(batch_size: int) -> Batch:
-        inputs, target = raw(batch_size)
+        made = raw(batch_size)
+        inputs, kwargs, target = made.args, made.kwargs, made.target
         if returns_loss and loss is None:
-            return Batch(inputs, None, None, "computed in forward (each replica's chunk mean)")
+            return Batch(inputs, None, None, "computed in forward (each replica's chunk mean)", kwargs=kwargs)
         if target is None:
-            target = _made_up_target(module, inputs, loss)
+            target = _made_up_target(module, made, loss)
             spec = LossSpec(loss or "mse")
-            return Batch(inputs, target, spec, f"{spec.name} against a fixed random target")
+            return Batch(inputs, target, spec, f"{spec.name} against a fixed random target", kwargs=kwargs)
         spec = LossSpec(loss or ("cross_entropy" if not target.is_floating_point() else "mse"))
-        return Batch(inputs, target, spec, spec.name)
+        return Batch(inputs, target, spec, spec.name, kwargs=kwargs)
 
     return make
 
 
-def _made_up_target(module: nn.Module, inputs: tuple[Any, ...], loss: str | None) -> torch.Tensor:
+def _made_up_target(module: nn.Module, made: RawBatch, loss: str | None) -> torch.Tensor:
     model = copy.deepcopy(module).eval()  # only the output's shape matters
-    batch = f"{int(inputs[0].shape[0])} rows" if inputs and isinstance(inputs[0], torch.Tensor) else "a batch"
+    first = first_batched((made.args, made.kwargs))
+    batch = f"{int(first.shape[0])} rows" if first is not None else "a batch"
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         # before any check runs: a forward that fails here is the batch's fault, as in _returns_loss
-        output = _call_user("the model's forward", lambda: model(*inputs), f"on {batch}, to shape a made-up target")
+        output = _call_user("the model's forward", lambda: model(*made.args, **made.kwargs), f"on {batch}, to shape a made-up target")
         logits = primary_output(output)
     rows = int(logits.shape[0])
     g = torch.Generator().manual_seed(12345)

@@ -3,8 +3,8 @@ user's factory as the command line loads it (``dpverify.cli.user_model``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,13 +23,15 @@ class Batch:
     """One batch for the user's model, and how its loss is computed.
 
     Attributes:
-        inputs: positional forward arguments.
+        inputs: positional forward arguments (``()`` for a keyword-only call).
         target: the loss target, or None when the forward returns the loss.
         loss_fn: ``loss_fn(output, target)``, or None when the forward returns the loss.
         loss_name: the loss in words.
         per_row_mean_loss: the forward's loss is known to be its chunk's per-row mean (the
             built-in models), so ``loss.mean()`` of replica losses must be biased exactly
             when the chunks are uneven.
+        kwargs: keyword forward arguments (scattered like ``inputs``), as trainers call
+            models with ``model(**batch)``.
     """
 
     inputs: tuple[Any, ...]
@@ -37,6 +39,7 @@ class Batch:
     loss_fn: LossFn | None
     loss_name: str
     per_row_mean_loss: bool = False
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def returns_loss(self) -> bool:
