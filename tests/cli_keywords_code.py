@@ -61,3 +61,19 @@ def args_and_kwargs(batch_size: int) -> tuple[tuple[()], dict[str, torch.Tensor]
 
 def a_string(batch_size: int) -> str:
     return "batch"
+
+
+class PositionalTokenModel(TokenModel):
+    """forward(input_ids, labels): the token-mean loss, with labels by position."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:  # type: ignore[override]
+        return super().forward(input_ids=input_ids, labels=labels)["loss"]
+
+
+def positional_token_model() -> nn.Module:
+    return PositionalTokenModel()
+
+
+def positional_padded(batch_size: int) -> tuple[tuple[torch.Tensor, torch.Tensor], None]:
+    batch = padded_labels(batch_size)
+    return (batch["input_ids"], batch["labels"]), None

@@ -65,3 +65,11 @@ def test_every_form_of_keyword_batch_is_read() -> None:
 def test_unusable_keyword_batches_are_usage_errors(command: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*command, "--no-color"]) == 2
     assert message in _flat(capsys.readouterr().err)
+
+
+def test_explain_answers_the_loss_question_with_token_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    command = ["explain", "cli_keywords_code:positional_token_model", "--inputs", "cli_keywords_code:positional_padded", "--batch", "8", "--devices", "4", "--no-color"]
+    assert main(command) == 0
+    out = _flat(capsys.readouterr().out)
+    assert "each replica's loss is a mean over its own tokens and the replicas hold different numbers of tokens, [3, 7, 6, 5] (inputs[1] != -100), although the chunks have equal rows [2, 2, 2, 2]" in out
+    assert "weights replica i by its share of the 21 tokens, t_i/T" in out

@@ -351,7 +351,7 @@ class LossAverageReport:
             ]
         elif self.by_tokens:
             lines += [
-                f"Each replica's loss is a mean over its {self._noun}: {self._counted}, "
+                f"Each replica's loss is a mean over its {self._noun}: {self.counted}, "
                 f"{sum(self.counts)} in all.",
                 f"Each replica returned its own chunk's mean loss: [{losses}].",
                 f"loss.mean() of those      = {self.mean_of_means:.8g}",
@@ -430,7 +430,7 @@ class LossAverageReport:
         return "tokens" if self.items.startswith("tokens") else self.items
 
     @property
-    def _counted(self) -> str:
+    def counted(self) -> str:
         """The counts with what they count: ``[7, 10] (labels != -100, shifted)``."""
         detail = self.items.partition("(")[2].rstrip(")")
         return f"{list(self.counts)}" + (f" ({detail})" if detail else "")
@@ -492,7 +492,7 @@ class LossAverageReport:
         weights = ", ".join(f"1/{self._fraction(w)}" for w in self.sample_weights)
         if uneven and self.weighted_is_exact:
             return [
-                f"Why: the replicas hold different numbers of {noun}, {self._counted}"
+                f"Why: the replicas hold different numbers of {noun}, {self.counted}"
                 f"{', although the chunks have equal rows' if len(set(self.chunk_sizes)) == 1 else ''}, "
                 f"so loss.mean() gives each of replica i's {noun} the weight 1/(k*t_i) = [{weights}] "
                 f"instead of 1/T = 1/{total}.",
@@ -502,7 +502,7 @@ class LossAverageReport:
                 "by rows (n_i/B) is not exact here.",
             ]
         return [
-            f"Why: the replica losses are not the means over their {noun}, {self._counted}: "
+            f"Why: the replica losses are not the means over their {noun}, {self.counted}: "
             "even the exact weighting sum(t_i/T * loss_i) is off the "
             f"full-batch loss by {self.weighted_error:+.3g}, its gradients by up to "
             f"{self.weighted_grad_error:.3g} (relative).",

@@ -532,7 +532,8 @@ class _StepRecorder:
         log = self._log()
         if log is None:
             return
-        primary = _primary(output) if _tensors(output) else None
+        # a forward that returns only its loss (a scalar) has no batched output
+        primary = _primary(output) if any(t.dim() > 0 for t in _tensors(output)) else None
         log.output_shape = tuple(primary.shape) if primary is not None else ()
         for tensor in _tensors(output):
             if tensor.requires_grad:

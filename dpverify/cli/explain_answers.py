@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dpverify.checks.loss_average import LossAverageReport
 from dpverify.cli.explain import Explanation, GradFact
 from dpverify.core.text import and_list, plural
 
@@ -187,6 +188,8 @@ def _answer_loss_mean(e: Explanation) -> str:
     r = e.loss_average
     assert r is not None  # measured, or question 4 is unanswered
     moved = "" if e.loss.startswith("computed in forward") else "Measured with your loss moved into forward. "
+    if r.by_tokens:
+        return moved + _answer_loss_mean_tokens(r)
     uneven = len(set(r.chunk_sizes)) > 1
     if r.is_biased:
         reason = (
@@ -208,6 +211,34 @@ def _answer_loss_mean(e: Explanation) -> str:
     return (
         f"{moved}{verdict} The exact reduction weights replica i by n_i/B: {r.weighted_mean:.6g} "
         f"(off the full-batch loss by {abs(r.weighted_error):.1g})."
+    )
+
+
+def _answer_loss_mean_tokens(r: LossAverageReport) -> str:
+    """Question 4 for a loss that is a mean over tokens: the token counts decide."""
+    total = sum(r.counts)
+    if r.is_biased:
+        reason = (
+            f"the replicas hold different numbers of tokens, {r.counted}"
+            + (f", although the chunks have equal rows {list(r.chunk_sizes)}" if len(set(r.chunk_sizes)) == 1 else "")
+            if r.weighted_is_exact
+            else f"the replica losses are not means over their tokens {r.counted}"
+        )
+        verdict = (
+            f"No: each replica's loss is a mean over its own tokens and {reason}, so loss.mean() = "
+            f"{r.mean_of_means:.6g} is biased by {r.loss_bias:+.3g} (the token counts predict "
+            f"{r.predicted_bias:+.3g}) against the full-batch loss {r.full_batch_loss:.6g}."
+        )
+    else:
+        verdict = (
+            f"Here yes: every replica holds the same number of tokens, {r.counted}, so "
+            f"loss.mean() = {r.mean_of_means:.6g} equals the full-batch loss {r.full_batch_loss:.6g}; "
+            "replicas with different numbers of tokens would bias it, even on chunks of equal rows."
+        )
+    return (
+        f"{verdict} The exact reduction weights replica i by its share of the {total} tokens, "
+        f"t_i/T: {r.weighted_mean:.6g} (off the full-batch loss by {abs(r.weighted_error):.1g}); "
+        "weighting by rows, n_i/B, is not exact for a mean over tokens."
     )
 
 
