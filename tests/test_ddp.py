@@ -222,7 +222,7 @@ def sigkill_rank_1(ctx: ShardContext) -> Any:
 
 def hand_all_reduce(ctx: ShardContext) -> Any:
     """The user's own DDP: sum the gradients over ranks, divide by the world size."""
-    output = ctx.module(*ctx.inputs)
+    output = ctx.module(*ctx.inputs, **ctx.kwargs)
     (ctx.loss_fn(output, ctx.target) * ctx.loss_weight).backward()
     for param in ctx.module.parameters():
         assert param.grad is not None
@@ -232,7 +232,7 @@ def hand_all_reduce(ctx: ShardContext) -> Any:
 
 
 def hand_all_reduce_without_division(ctx: ShardContext) -> Any:
-    output = ctx.module(*ctx.inputs)
+    output = ctx.module(*ctx.inputs, **ctx.kwargs)
     (ctx.loss_fn(output, ctx.target) * ctx.loss_weight).backward()
     for param in ctx.module.parameters():
         assert param.grad is not None
@@ -949,7 +949,7 @@ def test_dp_and_ddp_agree_for_a_mean_loss_and_differ_by_world_size_for_a_sum(ddp
 # --------------------------------------------------------------------------- property
 
 
-DDP_MODELS = model_specs(kinds=[k for k in KINDS if k != "kwargs"], exact=True)
+DDP_MODELS = model_specs(kinds=list(KINDS), exact=True)  # "kwargs": a keyword argument sharded with the batch
 
 
 @st.composite
@@ -974,10 +974,11 @@ def test_property_ddp_matches_one_device_for_any_shards(ddp_pools: Callable[[int
     scenario, shards = drawn
     s, world = scenario.build(), len(shards)
     pool = ddp_pools(world)
-    result = assert_ddp_grads_match(s.module, s.inputs, s.target, loss_fn=s.loss_fn, world_size=world, shards=shards, pool=pool)
+    kwargs = s.kwargs or None
+    result = assert_ddp_grads_match(s.module, s.inputs, s.target, loss_fn=s.loss_fn, world_size=world, shards=shards, pool=pool, forward_kwargs=kwargs)
     assert result.ok
     with pytest.raises(ParallelMismatch, match=rf"\({world}, the world size\)"):
-        assert_ddp_grads_match(s.module, s.inputs, s.target, loss_fn=s.loss_fn, world_size=world, shards=shards, step=hand_all_reduce_without_division, pool=pool)
+        assert_ddp_grads_match(s.module, s.inputs, s.target, loss_fn=s.loss_fn, world_size=world, shards=shards, step=hand_all_reduce_without_division, pool=pool, forward_kwargs=kwargs)
 
 
 # --------------------------------------------------------------------------- float64

@@ -34,6 +34,7 @@ from dpverify.core.comparison import (
     uniform_scale,
 )
 from dpverify.core.errors import InvalidArgument
+from dpverify.core.items import Items
 from dpverify.core.numerics import max_abs
 from dpverify.core.step import (
     StepResult,
@@ -53,6 +54,7 @@ from dpverify.core.validation import (
     require_mapping,
     require_module_with_grads,
 )
+from dpverify.ddp.items import PieceItems, count_piece_items, require_items
 from dpverify.ddp.pool import ParallelError, RankRunner, require_picklable, shared_pool
 from dpverify.ddp.rank import (
     BufferTask,
@@ -66,6 +68,7 @@ from dpverify.ddp.rank import (
     TrainingTask,
     ddp_step,
     even_shards,
+    micro_mean_accumulation_step,
     no_sync_accumulation_step,
     run_buffer_task,
     run_step_task,
@@ -181,6 +184,18 @@ def _ddp_kwargs(ddp_kwargs: Mapping[str, Any] | None) -> tuple[tuple[str, Any], 
     return tuple(sorted(kwargs.items()))
 
 
+def _forward_kwargs(forward_kwargs: Mapping[str, Any] | None, argument: str = "forward_kwargs") -> dict[str, Any]:
+    """The keyword forward arguments, checked: a mapping with string keys that pickles."""
+    if forward_kwargs is None:
+        return {}
+    kwargs = dict(require_mapping(forward_kwargs, argument, "{'input_ids': ids}"))
+    for key in kwargs:
+        if not isinstance(key, str):
+            raise InvalidArgument(f"{argument} has the key {key!r}; keyword arguments are named by strings")
+    require_picklable(kwargs, argument)
+    return kwargs
+
+
 def _name(fn: Any) -> str:
     if isinstance(fn, functools.partial):
         kwargs = ", ".join(f"{k}={v!r}" for k, v in fn.keywords.items())
@@ -202,6 +217,7 @@ class DDPCheck:
     tolerance: Tolerance
     dtype: torch.dtype
     ddp_kwargs: tuple[tuple[str, Any], ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def create(
@@ -217,11 +233,13 @@ class DDPCheck:
         rtol: float | None = None,
         atol: float | None = None,
         ddp_kwargs: Mapping[str, Any] | None = None,
+        forward_kwargs: Mapping[str, Any] | None = None,
     ) -> DDPCheck:
         _trainable_module(module)
         world = require_int_at_least(world_size, "world_size", 1)
-        args = as_inputs(inputs)
-        batch = batch_size_of(args)
+        kwargs = _forward_kwargs(forward_kwargs)
+        args = as_inputs(inputs, keywords=bool(kwargs))
+        batch = batch_size_of(args, kwargs=kwargs)
         require_loss_fn(loss_fn)
         require_picklable(loss_fn, "loss_fn")
         require_picklable(module, "module")
@@ -238,6 +256,7 @@ class DDPCheck:
             tolerance=Tolerance(rtol=rtol, atol=atol),
             dtype=first_parameter_dtype(module),
             ddp_kwargs=_ddp_kwargs(ddp_kwargs),
+            kwargs=kwargs,
         )
 
     @property
@@ -269,14 +288,21 @@ class DDPCheck:
             return [], [_static_graph_note(unused)]
         return [_unused_failure(unused)], []
 
-    def loss_reduction(self) -> str | None:
-        """How ``loss_fn`` reduces over rows on this batch and these shards (``_loss_reduction``)."""
-        return _loss_reduction(self.module, self.args, self.target, self.loss_fn, self.shard_sizes)
+    def loss_reduction(self, items: PieceItems | None = None) -> str | None:
+        """How ``loss_fn`` reduces on this batch and these shards (``_loss_reduction``):
+        over the ranks' items when counted (a token-mean loss is a mean), else their rows."""
+        weights = items.per_rank if items is not None else None
+        return _loss_reduction(self.module, self.args, self.target, self.loss_fn, self.shard_sizes, self.kwargs, weights)
+
+    def count_items(self, micro_batches: int = 1, items: Items | None = None) -> PieceItems:
+        """What each rank's micro-batches' mean losses average over (``count_piece_items``)."""
+        return count_piece_items(self.module, self.args, self.kwargs, self.target, self.loss_fn, self.shard_sizes, micro_batches, items)
 
     def describe(self, step: Step | None = None) -> str:
         kwargs = ", ".join(f"{k}={v!r}" for k, v in self.ddp_kwargs)
+        keywords = f" (keyword arguments {sorted(self.kwargs)})" if self.kwargs else ""
         text = (
-            f"batch of {self.batch_size} rows in contiguous shards {list(self.shard_sizes)} on "
+            f"batch of {self.batch_size} rows{keywords} in contiguous shards {list(self.shard_sizes)} on "
             f"{self.world_size} ranks ({self.runner.backend}); DistributedDataParallel({kwargs})"
         )
         return text if step is None else f"{text}; step {_name(step)}"
@@ -289,17 +315,18 @@ class DDPCheck:
         parameters perturbed by ``jitter`` (``run_step``) when given."""
         target = self.target_as(dtype)
         loss_fn = self.loss_fn
-        return run_step(self.module, self.args, lambda output: loss_fn(output, target), dtype=dtype, jitter=jitter)
+        return run_step(self.module, self.args, lambda output: loss_fn(output, target), dtype=dtype, jitter=jitter, kwargs=self.kwargs)
 
     def anchor(self) -> StepResult | None:
         return None if self.tolerance.explicit else self.reference(torch.float64)
 
-    def references(self, micro_batches: int = 1, *, expected: StepResult | None = None) -> DDPReferences:
+    def references(self, micro_batches: int = 1, *, expected: StepResult | None = None, items: PieceItems | None = None) -> DDPReferences:
         """What the ranks' tensors are compared with: the single-device full-batch step
         (or ``expected``, e.g. DataParallel's step) and the float64 anchor, with the
         rounding samples a failing tensor gets (``DDPReferences``). ``micro_batches``: the
-        pieces each rank's shard is cut into, as the ranks cut it."""
-        return DDPReferences(self, self.reference(None) if expected is None else expected, self.anchor(), micro_batches)
+        pieces each rank's shard is cut into, as the ranks cut it; ``items``: what each
+        piece's loss averages over (default: rows)."""
+        return DDPReferences(self, self.reference(None) if expected is None else expected, self.anchor(), micro_batches, items)
 
     def send(self, fn: Callable[..., Any], task: Any, what: str) -> tuple[Any, ...]:
         try:
@@ -310,7 +337,9 @@ class DDPCheck:
                 error.add_note(_UNUSED_HINT)
             raise
 
-    def step_task(self, steps: Sequence[Step], **options: Any) -> StepTask:
+    def step_task(self, steps: Sequence[Step], items: PieceItems | None = None, **options: Any) -> StepTask:
+        """The ranks' task: ``steps`` on this batch, with the items ``items`` counted
+        (``ShardContext.item_counts``; rows when None)."""
         return StepTask(
             module=self.module,
             inputs=self.args,
@@ -319,6 +348,9 @@ class DDPCheck:
             shard_sizes=self.shard_sizes,
             steps=tuple(steps),
             ddp_kwargs=self.ddp_kwargs,
+            kwargs=self.kwargs,
+            item_kind=items.kind if items is not None else "rows",
+            item_counts=items.counts if items is not None else (),
             **options,
         )
 
@@ -410,6 +442,7 @@ class DDPReferences:
     expected: StepResult
     anchor: StepResult | None
     micro_batches: int = 1
+    items: PieceItems | None = None
     _rounding: list[_Rounding] = field(default_factory=list, repr=False)
 
     def compare(
@@ -441,7 +474,7 @@ class DDPReferences:
                 jitter = _optional(lambda: check.reference(torch.float64, jitter=_JITTER))
             else:
                 jitter = _optional(lambda: check.reference(None, jitter=torch.finfo(check.dtype).eps))
-            terms = _optional(lambda: _all_reduce_terms(check, self.micro_batches)) or {}
+            terms = _optional(lambda: _all_reduce_terms(check, self.micro_batches, self.items)) or {}
             self._rounding.append(_Rounding(terms, probe, jitter))
         return self._rounding[0]
 
@@ -459,24 +492,27 @@ def _loss_against(loss_fn: LossFn, target: Any, output: Any) -> torch.Tensor:
     return loss_fn(output, target)
 
 
-def _all_reduce_terms(check: DDPCheck, micro_batches: int) -> dict[str, Terms]:
+def _all_reduce_terms(check: DDPCheck, micro_batches: int, items: PieceItems | None = None) -> dict[str, Terms]:
     """The magnitude of what a correct DDP step sums into every gradient: each rank's
     shard, cut into ``micro_batches`` pieces as the ranks cut it (``micro_batch_split``),
-    contributes ``n / B`` times its piece's mean-loss gradient (each rank's loss weighted
-    by ``n_r * world_size / B``, the all-reduce's average dividing by ``world_size``).
-    Measured with a single-device step on each piece's rows, in the working dtype."""
+    contributes ``t / T`` times its piece's mean-loss gradient (each piece's loss weighted
+    by its share of the items, ``t * world_size / T``, rows or tokens, the all-reduce's
+    average dividing by ``world_size``). Measured with a single-device step on each
+    piece's rows, in the working dtype."""
     largest: dict[str, float] = {}
     norms: dict[str, float] = {}
     batch = check.batch_size
     target = check.target_as(None)
     loss_fn = check.loss_fn
-    for start, stop in shard_bounds(check.shard_sizes):
+    total = items.total if items is not None else batch
+    for rank, (start, stop) in enumerate(shard_bounds(check.shard_sizes)):
         rows = stop - start
         shard, shard_target = take_rows(check.args, start, stop, batch), take_rows(target, start, stop, batch)
-        for low, high in shard_bounds(even_shards(rows, micro_batches)):
+        shard_kwargs = take_rows(check.kwargs, start, stop, batch)
+        for piece, (low, high) in enumerate(shard_bounds(even_shards(rows, micro_batches))):
             loss = functools.partial(_loss_against, loss_fn, take_rows(shard_target, low, high, rows))
-            step = run_step(check.module, take_rows(shard, low, high, rows), loss)
-            weight = (high - low) / batch
+            step = run_step(check.module, take_rows(shard, low, high, rows), loss, kwargs=take_rows(shard_kwargs, low, high, rows))
+            weight = (items.counts[rank][piece] if items is not None else high - low) / total
             for name, grad in step.grads.items():
                 if grad is None or not grad.numel():
                     continue
@@ -638,24 +674,30 @@ def _unused_training_error(error: ParallelError, unused_by_step: Sequence[Sequen
 
 def _loss_reduction(
     module: nn.Module, args: tuple[Any, ...], target: Any, loss_fn: LossFn, shard_sizes: Sequence[int],
+    kwargs: Mapping[str, Any] | None = None, weights: Sequence[int] | None = None,
 ) -> str | None:
     """``"sum"`` when ``loss_fn`` adds up its rows' losses, ``"mean"`` when it averages them,
     None when this batch does not tell (one shard, a zero loss, a loss that is neither).
 
     Measured on one device, in float64, on slices of one full-batch output: the loss of the
-    whole batch is compared with the sum and with the row-weighted mean of the shards'
-    losses. Slicing one output keeps layers that mix rows (BatchNorm) out of the question.
+    whole batch is compared with the sum and with the mean of the shards' losses weighted
+    by ``weights`` (their items, e.g. tokens; default their rows). Slicing one output keeps
+    layers that mix rows (BatchNorm) out of the question.
     """
     batch = sum(shard_sizes)
     if len(shard_sizes) < 2:
         return None
+    counts = list(weights) if weights is not None else list(shard_sizes)
+    if len(counts) != len(shard_sizes) or sum(counts) <= 0:
+        return None
     try:
         model = copy_module(module, torch.float64)
         inputs = convert_tensors(args, torch.float64, CPU)
+        keywords = convert_tensors(dict(kwargs or {}), torch.float64, CPU)
         wanted = convert_tensors(target, torch.float64, CPU)
         with torch.no_grad(), torch.random.fork_rng(devices=[]), default_dtype(torch.float64):
             torch.manual_seed(0)
-            output = model(*inputs)
+            output = model(*inputs, **keywords)
             full = float(loss_fn(output, wanted))
             parts = [
                 float(loss_fn(take_rows(output, start, stop, batch), take_rows(wanted, start, stop, batch)))
@@ -664,7 +706,7 @@ def _loss_reduction(
     except Exception:  # a loss that cannot take a slice tells nothing; the check goes on
         return None
     summed = math.fsum(parts)
-    mean = math.fsum(n * part for n, part in zip(shard_sizes, parts, strict=True)) / batch
+    mean = math.fsum(n * part for n, part in zip(counts, parts, strict=True)) / sum(counts)
     scale = max(abs(full), abs(summed), abs(mean))
     if not math.isfinite(scale) or scale == 0.0:
         return None
@@ -757,6 +799,96 @@ def _trap_note(check: DDPCheck, naive: Sequence[RankStep], reference: StepResult
     return text
 
 
+def _fraction(value: float) -> str:
+    """``8`` for 8.0, ``8.5`` for 8.5: the denominator of a weight ``1/value``."""
+    return str(round(value)) if abs(value - round(value)) < 1e-9 else f"{value:.4g}"
+
+
+def _token_trap_note(check: DDPCheck, items: PieceItems, naive: Sequence[RankStep], reference: StepResult) -> str:
+    """The loss-averaging trap under DDP when each rank's loss is a mean over its tokens:
+    the counts, the weights plain ``ddp_step`` gives, the bias it had and the bias the
+    counts predict, and the exact recipe."""
+    world, counts, total = check.world_size, items.per_rank, items.total
+    noun = items.noun
+    equal_rows = ", although the shards have equal rows" if not check.uneven else ""
+    weights = ", ".join(f"1/{_fraction(world * t)}" for t in counts)
+    factors = ", ".join(f"{t * world / total:.4g}" for t in counts)
+    text = (
+        f"Each rank's loss is a mean over its {noun}: {list(counts)}{items.detail}, {total} in "
+        f"all, on shards {list(check.shard_sizes)}{equal_rows}. DDP averages the ranks' "
+        f"gradients, so a per-rank mean loss gives each of rank r's {noun} the weight "
+        f"1/(world_size * t_r) = [{weights}] instead of 1/T = 1/{total} (the loss-averaging trap)."
+    )
+    predicted = items.predicted_rank_bias()
+    said = f"; the {items.singular} counts predict {predicted:+.3g}" if predicted is not None else ""
+    losses = [step.loss for step in naive]
+    facts = []
+    if losses and all(loss is not None for loss in losses):
+        mean_of_means = sum(loss for loss in losses if loss is not None) / world
+        full = float(reference.loss)
+        facts.append(
+            f"the ranks' mean losses average to {mean_of_means:.8g} against the full batch's "
+            f"{full:.8g} (bias {mean_of_means - full:+.3g}{said})"
+        )
+    elif predicted is not None:
+        facts.append(f"the {items.singular} counts predict a bias of {predicted:+.3g} in the average of the ranks' mean losses")
+    facts.append(f"its gradients differ from the full-batch gradients by up to {_relative_gap(naive[0].grads, reference.grads):.3g} (relative)")
+    text += (
+        " With the plain step (ddp_step) " + ", and ".join(facts) + ". "
+        f"Exact: multiply each rank's mean loss by its share of the {noun}, t_r * world_size / T "
+        f"= [{factors}] (ctx.loss_weight; weighted_ddp_step), or all-reduce the {items.singular} count and "
+        f"divide each rank's summed loss by it (ctx.total_items), times world_size. Weighting by "
+        "rows (n_r * world_size / B) is not exact here."
+    )
+    return text
+
+
+def _accumulation_trap_note(check: DDPCheck, items: PieceItems, micro_batches: int, plain: Sequence[RankStep], reference: StepResult) -> str:
+    """Dividing each micro-batch's mean loss by the number of micro-batches, when the
+    micro-batches hold different numbers of items: the weights, the bias the counts
+    predict, how far its gradients are, and the exact recipe."""
+    world, total, noun = check.world_size, items.total, items.noun
+    pieces = [list(rank) for rank in items.counts]
+    weights = ", ".join(f"1/{_fraction(world * micro_batches * t)}" for t in items.flat)
+    text = (
+        f"The micro-batches hold different numbers of {noun}: {pieces}{items.detail} per rank, "
+        f"{total} in all. Dividing each micro-batch's mean loss by the number of micro-batches, "
+        f"{micro_batches} (micro_mean_accumulation_step), gives each of micro-batch p's {noun} "
+        f"the weight 1/(world_size * {micro_batches} * t_p) = [{weights}] instead of 1/T = "
+        f"1/{total} (the loss-averaging trap)."
+    )
+    predicted = items.predicted_piece_bias()
+    facts = [f"the {items.singular} counts predict a bias of {predicted:+.3g} in the loss it optimises"] if predicted is not None else []
+    if plain:
+        facts.append(f"its gradients differ from the full-batch gradients by up to {_relative_gap(plain[0].grads, reference.grads):.3g} (relative)")
+    if facts:
+        text += " Here " + ", and ".join(facts) + "."
+    text += (
+        f" Exact: weight each micro-batch's mean loss by t_p * world_size / T (part.items * "
+        f"ctx.world_size / ctx.total_items; no_sync_accumulation_step), that is divide its summed "
+        f"loss by the total count over every micro-batch and rank, not by {micro_batches}."
+    )
+    return text
+
+
+def _items_notes(items: PieceItems, trap: bool) -> list[str]:
+    """What the ranks' losses average over, when it is not rows and no trap note says it;
+    and, for counts given by ``items=``, whether the evidence bears them out."""
+    notes = []
+    given = items.given_note()
+    if items.by_tokens and not trap and given is None:
+        micro = len(items.counts[0]) > 1
+        counts = [list(c) for c in items.counts] if micro else list(items.per_rank)
+        notes.append(
+            f"Each {'micro-batch' if micro else 'rank'}'s loss is a mean over its {items.noun}: "
+            f"{counts}{items.detail}{' per rank' if micro else ''}; they hold equal numbers, so "
+            "averaging their mean losses is exact here."
+        )
+    if given is not None:
+        notes.append(given)
+    return notes
+
+
 def _same_up_to_rounding(actual: dict[str, torch.Tensor | None], expected: dict[str, torch.Tensor | None]) -> bool:
     """Whether two sets of float32 gradients agree to about 1e-4 of their scale: enough to
     tell a step that reproduces another (a known mistake) from one that does not."""
@@ -790,6 +922,8 @@ def assert_ddp_grads_match(
     rtol: float | None = None,
     atol: float | None = None,
     msg: Msg = None,
+    forward_kwargs: Mapping[str, Any] | None = None,
+    items: Items | None = None,
 ) -> StepComparison:
     """Asserts one DistributedDataParallel step gives every rank the full-batch gradient.
 
@@ -798,27 +932,45 @@ def assert_ddp_grads_match(
     and its rows of the output, must equal the single-device full-batch step (float64-
     anchored tolerance, as ``assert_dp_grads_match``). ``module`` is left untouched.
 
-    With uneven shards and the default step, DDP's average of per-rank mean losses is
-    biased (the loss-averaging trap): the plain step is run and shown for contrast with its
-    bias, and the exact recipe, each rank's loss times ``n_r * world_size / B``, is the one
-    verified.
+    When the ranks hold different numbers of items (uneven shards; or, for a token-level
+    loss, different numbers of tokens that are not ignored, even on shards of equal rows),
+    DDP's average of per-rank mean losses is biased (the loss-averaging trap): the plain
+    step is run and shown for contrast with its bias and the bias the counts predict, and
+    the exact recipe, each rank's loss times its share of the items (``ctx.loss_weight``:
+    ``n_r * world_size / B``, or ``t_r * world_size / T`` for tokens), is the one verified.
+
+    What each rank's loss averages over is read from the evidence: the rows, unless another
+    count, not proportional to the rows, reproduces the full-batch loss from the shards'
+    losses (measured on one device) clearly better: the entries of the target, or of an
+    integer forward argument, that are not an ignore index (-100, or the ``ignore_index``
+    of ``loss_fn`` or of a loss module in ``module``), whole or shifted by one for a causal
+    language model. ``items`` counts them instead.
 
     Args:
         module: the model to check.
-        inputs: the batch tensor, or a tuple of positional forward arguments.
+        inputs: the batch tensor, or a tuple of positional forward arguments; ``()`` for a
+            keyword-only forward (the batch in ``forward_kwargs``).
         target: the second argument of ``loss_fn`` (sharded like the batch).
-        loss_fn: ``loss_fn(output, target)`` returns a scalar mean loss; picklable.
+        loss_fn: ``loss_fn(output, target)`` returns a scalar mean loss (over rows, or over
+            tokens); picklable.
         world_size: number of ranks.
         shards: rows per rank (default: as even as possible, the first ranks one more).
         step: the per-rank training step to verify, ``step(ctx: ShardContext)``, picklable
             (a top-level function). It must leave gradients in ``ctx.module``'s parameters,
             through ``ctx.ddp()`` or a hand-written all-reduce. Default: ``ddp_step``, or
-            ``weighted_ddp_step`` for uneven shards.
+            ``weighted_ddp_step`` when the ranks hold different numbers of items.
         pool: the ranks to use (default: the shared pool of ``world_size`` ranks).
         ddp_kwargs: keyword arguments for DistributedDataParallel.
         rtol: explicit relative tolerance (with ``atol``) instead of the anchored rule.
         atol: explicit absolute tolerance (with ``rtol``).
         msg: replaces the failure message, or a callable that rewrites it.
+        forward_kwargs: keyword arguments of the forward, ``model(*inputs, **forward_kwargs)``;
+            tensors with the batch's rows are sharded along dim 0 like ``inputs``, others
+            reach every rank whole. Picklable.
+        items: ``items(args, kwargs) -> int``, the items one shard's mean loss averages
+            over (its tokens), called in this process on each shard's forward arguments
+            with the shard's target appended as the last positional argument (``args[-1]``).
+            Default: found from the evidence (see above).
 
     Returns:
         The comparison (``str()`` summarises it).
@@ -841,31 +993,35 @@ def assert_ddp_grads_match(
     __tracebackhide__ = True
     check = DDPCheck.create(
         module, inputs, target, loss_fn=loss_fn, world_size=world_size, shards=shards,
-        pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs,
+        pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs, forward_kwargs=forward_kwargs,
     )
     _step(step)
-    chosen = step or (weighted_ddp_step if check.uneven else ddp_step)
-    steps: list[Step] = [chosen, ddp_step] if check.uneven else [chosen]
+    counted = check.count_items(1, require_items(items))
+    trap = counted.unequal_ranks
+    chosen = step or (weighted_ddp_step if trap else ddp_step)
+    steps: list[Step] = [chosen, ddp_step] if trap else [chosen]
     title = "DistributedDataParallel gradients must match the single-device full-batch gradient on every rank"
-    results = check.send(run_step_task, check.step_task(steps), title)
+    results = check.send(run_step_task, check.step_task(steps, counted), title)
     verified = [rank_steps[0] for rank_steps in results]
-    refs = check.references()
+    refs = check.references(items=counted)
     expected, anchor = refs.expected, refs.anchor
     rows = [row for r, s in enumerate(verified) for row in check.rows(f"rank {r} ", s, refs, r)]
     ok = all(row.ok for row in rows)
-    notes: list[str] = []
+    notes: list[str] = _items_notes(counted, trap)
     contrasts: list[TensorComparison] = []
-    reduction = None if ok else check.loss_reduction()
-    if check.uneven:
+    reduction = None if ok else check.loss_reduction(counted)
+    if trap:
         naive = [rank_steps[1] for rank_steps in results]
         if reduction != "sum":  # the trap is about per-rank mean losses
-            notes.append(_trap_note(check, naive, anchor or expected))
+            reference = anchor or expected
+            notes.append(_token_trap_note(check, counted, naive, reference) if counted.by_tokens else _trap_note(check, naive, reference))
         if step is None:
             contrasts = [c for r, s in enumerate(naive) for c in check.rows(f"rank {r} plain ddp_step ", s, refs, r, contrast=True) if c.name.startswith(f"rank {r} plain ddp_step grad")]
         elif not ok and reduction != "sum" and _same_up_to_rounding(verified[0].grads, naive[0].grads):
+            share = f" (t_r * world_size / T, its share of the {counted.noun})" if counted.by_tokens else ""
             notes.append(
                 "The step's gradients equal the plain per-rank mean-loss step's: it falls into "
-                "the loss-averaging trap. Multiply the rank's loss by ctx.loss_weight."
+                f"the loss-averaging trap. Multiply the rank's loss by ctx.loss_weight{share}."
             )
     failures, unused_notes = check.unused_findings(_unused_names(module, expected.grads), wrapped=all(s.wrapped for s in verified))
     notes += unused_notes
@@ -894,6 +1050,8 @@ def assert_ddp_accumulation_matches(
     rtol: float | None = None,
     atol: float | None = None,
     msg: Msg = None,
+    forward_kwargs: Mapping[str, Any] | None = None,
+    items: Items | None = None,
 ) -> StepComparison:
     """Asserts gradient accumulation with ``no_sync()`` equals one full-batch step.
 
@@ -910,8 +1068,20 @@ def assert_ddp_accumulation_matches(
     anyway: the gradients still match, the communication ``no_sync`` should save does not
     happen), and a last micro-batch inside ``no_sync()`` (never synchronised).
 
+    For a token-level loss (each micro-batch's loss a mean over its tokens that are not
+    ignored, found or counted as in ``assert_ddp_grads_match``), dividing each micro-batch's
+    mean loss by the number of micro-batches is biased when the micro-batches hold
+    different numbers of tokens: the exact recipe weights each by ``t * world_size / T``,
+    its tokens over the total count over every micro-batch and rank (``MicroBatch.items``,
+    ``ShardContext.total_items``), which the default step does. When the micro-batches hold
+    different numbers of items, the division by ``micro_batches``
+    (``micro_mean_accumulation_step``) is run for contrast and its bias reported, and a
+    step whose gradients equal it is named as that trap.
+
     Args:
         micro_batches: micro-batches per rank (every shard needs at least that many rows).
+        items: ``items(args, kwargs) -> int`` for one micro-batch (its target is
+            ``args[-1]``), as in ``assert_ddp_grads_match``.
         Others: as ``assert_dp_grads_match`` and ``assert_ddp_grads_match``.
 
     Raises:
@@ -922,7 +1092,7 @@ def assert_ddp_accumulation_matches(
     __tracebackhide__ = True
     check = DDPCheck.create(
         module, inputs, target, loss_fn=loss_fn, world_size=world_size, shards=shards,
-        pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs,
+        pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs, forward_kwargs=forward_kwargs,
     )
     k = require_int_at_least(micro_batches, "micro_batches", 1)
     if min(check.shard_sizes) < k:
@@ -931,14 +1101,34 @@ def assert_ddp_accumulation_matches(
             f"needs at least {k} rows (pass a larger batch or fewer micro-batches)"
         )
     _step(step)
+    counted = check.count_items(k, require_items(items))
+    trap = counted.unequal_pieces
     chosen = step or no_sync_accumulation_step
+    steps: list[Step] = [chosen, micro_mean_accumulation_step] if trap else [chosen]
     title = f"DDP gradient accumulation over {k} micro-batches must match one full-batch step"
-    task = check.step_task([chosen], micro_batches=k, count_syncs=True)
-    results = [rank_steps[0] for rank_steps in check.send(run_step_task, task, title)]
-    refs = check.references(k)
+    task = check.step_task(steps, counted, micro_batches=k, count_syncs=True)
+    sent = check.send(run_step_task, task, title)
+    results = [rank_steps[0] for rank_steps in sent]
+    refs = check.references(k, items=counted)
     expected = refs.expected
     rows = [row for r, s in enumerate(results) for row in check.rows(f"rank {r} ", s, refs, r)]
+    ok = all(row.ok for row in rows)
     failures, notes = check.unused_findings(_unused_names(module, expected.grads), wrapped=all(s.wrapped for s in results))
+    notes += _items_notes(counted, trap)
+    reduction = None if ok else check.loss_reduction(counted)
+    contrasts: list[TensorComparison] = []
+    if trap and reduction != "sum":
+        plain = [rank_steps[1] for rank_steps in sent]
+        notes.append(_accumulation_trap_note(check, counted, k, plain, refs.anchor or expected))
+        if step is None:
+            label = "micro_mean_accumulation_step"
+            contrasts = [c for r, s in enumerate(plain) for c in check.rows(f"rank {r} {label} ", s, refs, r, contrast=True) if c.name.startswith(f"rank {r} {label} grad")]
+        elif not ok and _same_up_to_rounding(results[0].grads, plain[0].grads):
+            notes.append(
+                "The step's gradients equal those of dividing each micro-batch's mean loss by "
+                f"the number of micro-batches, {k}: it falls into the loss-averaging trap. Weight "
+                "each micro-batch's mean loss by part.items * ctx.world_size / ctx.total_items."
+            )
     counts = [s.syncs for s in results]
     if any(c is None for c in counts):
         notes.append(
@@ -949,11 +1139,11 @@ def assert_ddp_accumulation_matches(
         # counted: that is the unused parameters' failure, not a last micro-batch in no_sync().
         failures.append(_sync_failure(counts, k))
     scale = None
-    if not all(row.ok for row in rows):
-        more, scale = _scale_note(results, expected, check.world_size, k, shard_sizes=check.shard_sizes, reduction=check.loss_reduction())
+    if not ok:
+        more, scale = _scale_note(results, expected, check.world_size, k, shard_sizes=check.shard_sizes, reduction=reduction)
         notes += more + _ranks_disagree(results)
     notes.append(f"Gradient synchronisations per rank: {counts} (one expected).")
-    outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures, scale=scale)
+    outcome = check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, failures=failures, scale=scale)
     return raise_unless_ok(outcome, msg)
 
 
@@ -978,22 +1168,31 @@ def _sync_failure(counts: Sequence[int | None], micro_batches: int) -> str:
 # --------------------------------------------------------------------------- training
 
 
-def _describe_batches(batches: Any) -> list[tuple[tuple[Any, ...], Any]]:
+Batch = tuple[tuple[Any, ...], dict[str, Any], Any]
+
+
+def _describe_batches(batches: Any, forward_kwargs: Mapping[str, Any]) -> list[Batch]:
+    """``(inputs, kwargs, target)`` per step, from ``(inputs, target)`` pairs and
+    ``(inputs, kwargs, target)`` triples; ``forward_kwargs`` go to every batch (a triple's
+    own keyword arguments win)."""
     if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence) or not batches:
         raise InvalidArgument(
-            "batches must be a non-empty list of (inputs, target) pairs, one per optimizer step"
+            "batches must be a non-empty list of (inputs, target) pairs or (inputs, kwargs, "
+            "target) triples, one per optimizer step"
         )
     found = []
-    for index, pair in enumerate(batches):
-        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            raise InvalidArgument(f"batches[{index}] is not an (inputs, target) pair")
-        found.append((as_inputs(pair[0]), pair[1]))
+    for index, entry in enumerate(batches):
+        if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 3):
+            raise InvalidArgument(f"batches[{index}] is not an (inputs, target) pair or an (inputs, kwargs, target) triple")
+        own = _forward_kwargs(entry[1], f"batches[{index}][1]") if len(entry) == 3 else {}
+        kwargs = {**forward_kwargs, **own}
+        found.append((as_inputs(entry[0], keywords=bool(kwargs)), kwargs, entry[-1]))
     return found
 
 
 def _train_single_device(
     module: nn.Module,
-    batches: Sequence[tuple[tuple[Any, ...], Any]],
+    batches: Sequence[Batch],
     loss_fn: LossFn,
     optimizer: OptimizerFactory,
     dtype: torch.dtype | None,
@@ -1008,9 +1207,9 @@ def _train_single_device(
     unused: list[list[str]] = []
     with torch.random.fork_rng(devices=[]), default_dtype(dtype):
         torch.manual_seed(0)
-        for inputs, target in batches:
+        for inputs, kwargs, target in batches:
             opt.zero_grad(set_to_none=True)
-            output = model(*convert_tensors(inputs, dtype, CPU))
+            output = model(*convert_tensors(inputs, dtype, CPU), **convert_tensors(kwargs, dtype, CPU))
             loss_fn(output, convert_tensors(target, dtype, CPU)).backward()
             unused.append(_unused_names(model, {name: p.grad for name, p in model.named_parameters()}))
             opt.step()
@@ -1032,6 +1231,8 @@ def assert_ddp_training_matches(
     rtol: float | None = None,
     atol: float | None = None,
     msg: Msg = None,
+    forward_kwargs: Mapping[str, Any] | None = None,
+    items: Items | None = None,
 ) -> StepComparison:
     """Asserts ``len(batches)`` optimizer steps of DDP training match one device.
 
@@ -1042,12 +1243,18 @@ def assert_ddp_training_matches(
     optimizer over float64 parameters).
 
     Args:
-        batches: one ``(inputs, target)`` pair per optimizer step.
+        batches: one ``(inputs, target)`` pair, or ``(inputs, kwargs, target)`` triple
+            (``kwargs``: that batch's keyword forward arguments; ``inputs`` may then be
+            ``()``), per optimizer step.
         optimizer: picklable factory ``params -> Optimizer``, e.g.
             ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``.
         shards: rows per rank, for every batch (default: even per batch).
-        step: per-rank forward/backward (default ``ddp_step``, ``weighted_ddp_step`` when a
-            batch splits unevenly); the optimizer step is the harness's.
+        step: per-rank forward/backward (default ``ddp_step``, ``weighted_ddp_step`` when in
+            some batch the ranks hold different numbers of items: rows, or tokens for a
+            token-level loss); the optimizer step is the harness's.
+        forward_kwargs: keyword forward arguments of every batch (sharded with its rows).
+        items: ``items(args, kwargs) -> int`` for one shard of a batch (its target is
+            ``args[-1]``); default: found per batch, as in ``assert_ddp_grads_match``.
         Others: as ``assert_ddp_grads_match``.
 
     Raises:
@@ -1058,19 +1265,30 @@ def assert_ddp_training_matches(
             names them, the step, and the fix.
     """
     __tracebackhide__ = True
-    pairs = _describe_batches(batches)
-    first_inputs, first_target = pairs[0]
+    pairs = _describe_batches(batches, _forward_kwargs(forward_kwargs))
+    first_inputs, first_kwargs, first_target = pairs[0]
     check = DDPCheck.create(
         module, first_inputs, first_target, loss_fn=loss_fn, world_size=world_size,
-        shards=shards, pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs,
+        shards=shards, pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs, forward_kwargs=first_kwargs,
     )
     _sendable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
-    sizes = tuple(_shards(shards, batch_size_of(inputs, argument=f"batches[{i}] inputs"), check.world_size) for i, (inputs, _t) in enumerate(pairs))
+    sizes = tuple(
+        _shards(shards, batch_size_of(inputs, argument=f"batches[{i}] inputs", kwargs=kwargs), check.world_size)
+        for i, (inputs, kwargs, _t) in enumerate(pairs)
+    )
     _step(step)
-    uneven = any(len(set(s)) > 1 for s in sizes)
+    require_items(items)
+    counted = [
+        count_piece_items(module, inputs, kwargs, target, loss_fn, shard_sizes, 1, items)
+        for (inputs, kwargs, target), shard_sizes in zip(pairs, sizes, strict=True)
+    ]
+    uneven = any(c.unequal_ranks for c in counted)
     chosen = step or (weighted_ddp_step if uneven else ddp_step)
     require_picklable(pairs, "batches")
-    task = TrainingTask(check.module, tuple(pairs), check.loss_fn, optimizer, sizes, chosen, check.ddp_kwargs)
+    task = TrainingTask(
+        check.module, tuple(pairs), check.loss_fn, optimizer, sizes, chosen, check.ddp_kwargs,
+        item_kinds=tuple(c.kind for c in counted), item_counts=tuple(c.per_rank for c in counted),
+    )
     title = f"{len(pairs)} steps of DDP training with {_name(optimizer)} must match single-device training"
     # One device first: if the ranks fail, it tells which parameters got no gradient.
     expected, unused_by_step = _train_single_device(module, pairs, loss_fn, optimizer, None)
@@ -1085,7 +1303,16 @@ def assert_ddp_training_matches(
     rows, failing_step = _training_rows(check, ranks, expected, anchor)
     notes = [f"Parameters compared after each of the {len(pairs)} optimizer steps; the table shows step {failing_step + 1}."]
     if uneven and step is None:
-        notes.append("Some batches split unevenly: each rank's loss was weighted by n_r * world_size / B (weighted_ddp_step).")
+        tokens = next((c for c in counted if c.by_tokens and c.unequal_ranks), None)
+        if tokens is not None:
+            notes.append(
+                f"In some batches the ranks hold different numbers of {tokens.noun}{tokens.detail} "
+                f"(batch {counted.index(tokens) + 1}: {list(tokens.per_rank)}): each rank's mean loss "
+                f"was weighted by its share of them, t_r * world_size / T (weighted_ddp_step)."
+            )
+        else:
+            notes.append("Some batches split unevenly: each rank's loss was weighted by n_r * world_size / B (weighted_ddp_step).")
+    notes += [f"Batch {i + 1}: {note}" for i, c in enumerate(counted) if (note := c.given_note()) is not None][:1]
     trainable = _trainable_names(module)
     none_ranks = sorted({name for r in ranks for name in r.grads_none if name in trainable})
     if none_ranks:
@@ -1093,7 +1320,7 @@ def assert_ddp_training_matches(
     unused = list(dict.fromkeys(name for names in unused_by_step for name in names))
     failures, unused_notes = check.unused_findings(unused, wrapped=all(r.wrapped for r in ranks))
     notes += unused_notes
-    if not all(row.ok for row in rows) and check.loss_reduction() == "sum":
+    if not all(row.ok for row in rows) and check.loss_reduction(counted[0]) == "sum":
         notes.append(_sum_loss_note(check.world_size))
     outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures)
     return raise_unless_ok(outcome, msg)
@@ -1127,21 +1354,21 @@ def _training_rows(
 # --------------------------------------------------------------------------- buffers
 
 
-def _buffers_after_train_forward(module: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None) -> nn.Module:
+def _buffers_after_train_forward(module: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None, kwargs: Mapping[str, Any] | None = None) -> nn.Module:
     model = copy.deepcopy(module)
     if dtype is not None:
         model.to(dtype=dtype)
     model.train()
     with torch.no_grad(), torch.random.fork_rng(devices=[]), default_dtype(dtype):
         torch.manual_seed(0)
-        model(*convert_tensors(inputs, dtype, CPU))
+        model(*convert_tensors(inputs, dtype, CPU), **convert_tensors(dict(kwargs or {}), dtype, CPU))
     return model
 
 
-def _eval_outputs(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def _eval_outputs(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None, kwargs: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
     model.eval()
     with torch.no_grad(), default_dtype(dtype):
-        output = model(*convert_tensors(inputs, dtype, CPU))
+        output = model(*convert_tensors(inputs, dtype, CPU), **convert_tensors(dict(kwargs or {}), dtype, CPU))
     return {path: t.detach() for path, t in flatten_tensors(output, "output")}
 
 
@@ -1158,6 +1385,7 @@ def assert_ddp_buffers_match(
     rtol: float | None = None,
     atol: float | None = None,
     msg: Msg = None,
+    forward_kwargs: Mapping[str, Any] | None = None,
 ) -> StepComparison:
     """Asserts buffers (BatchNorm running statistics) come from rank 0, as DDP promises.
 
@@ -1174,6 +1402,9 @@ def assert_ddp_buffers_match(
     enabled outside ``no_sync()`` (``require_forward_param_sync``): after a forward under
     ``torch.no_grad()``, the next forward keeps every rank's own buffers.
 
+    ``forward_kwargs`` are keyword forward arguments, sharded like ``inputs`` (which may then
+    be ``()``); the other arguments are as in ``assert_ddp_grads_match``.
+
     Raises:
         ParallelMismatch: a rank's buffers or eval outputs differ; with
             ``broadcast_buffers=False`` the ranks keep their own statistics and fail here.
@@ -1181,14 +1412,17 @@ def assert_ddp_buffers_match(
     __tracebackhide__ = True
     check = DDPCheck.create(
         module, inputs, target, loss_fn=loss_fn, world_size=world_size, shards=shards,
-        pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs,
+        pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs, forward_kwargs=forward_kwargs,
     )
     if not any(True for _ in module.buffers()):
         raise InvalidArgument("module has no buffers; there is nothing for DDP to broadcast")
     title = "DDP buffers must come from rank 0 at the next forward"
-    task = BufferTask(check.module, check.args, check.target, check.loss_fn, check.shard_sizes, check.ddp_kwargs)
+    task = BufferTask(check.module, check.args, check.target, check.loss_fn, check.shard_sizes, check.ddp_kwargs, kwargs=check.kwargs)
     ranks: tuple[RankBuffers, ...] = check.send(run_buffer_task, task, title)
-    shards_in = [take_rows(check.args, start, stop, check.batch_size) for start, stop in shard_bounds(check.shard_sizes)]
+    shards_in = [
+        (take_rows(check.args, start, stop, check.batch_size), take_rows(check.kwargs, start, stop, check.batch_size))
+        for start, stop in shard_bounds(check.shard_sizes)
+    ]
     rows = _buffer_rows(check, ranks, shards_in)
     notes = [
         "DDP broadcasts rank 0's buffers at the start of a forward that follows a grad-enabled "
@@ -1199,9 +1433,9 @@ def assert_ddp_buffers_match(
     return raise_unless_ok(outcome, msg)
 
 
-def _buffer_rows(check: DDPCheck, ranks: Sequence[RankBuffers], shards_in: Sequence[Any]) -> list[TensorComparison]:
+def _buffer_rows(check: DDPCheck, ranks: Sequence[RankBuffers], shards_in: Sequence[tuple[Any, dict[str, Any]]]) -> list[TensorComparison]:
     dtypes: list[torch.dtype | None] = [None] if check.tolerance.explicit else [None, torch.float64]
-    after = {dtype: [_buffers_after_train_forward(check.module, shard, dtype) for shard in shards_in] for dtype in dtypes}
+    after = {dtype: [_buffers_after_train_forward(check.module, args, dtype, kwargs) for args, kwargs in shards_in] for dtype in dtypes}
 
     def anchor_of(rank: int, name: str) -> torch.Tensor | None:
         if check.tolerance.explicit:
@@ -1217,8 +1451,9 @@ def _buffer_rows(check: DDPCheck, ranks: Sequence[RankBuffers], shards_in: Seque
         for name, value in rank0.items():
             rows.append(compare_tensors(f"rank {r} buffer {name!r} at the next forward", rank.after_next_forward.get(name), value, anchor_of(0, name), check.tolerance))
     for r, rank in enumerate(ranks):
-        expected = _eval_outputs(copy.deepcopy(after[None][0]), shards_in[r], None)
-        anchors = {} if check.tolerance.explicit else _eval_outputs(copy.deepcopy(after[torch.float64][0]), shards_in[r], torch.float64)
+        args, kwargs = shards_in[r]
+        expected = _eval_outputs(copy.deepcopy(after[None][0]), args, None, kwargs)
+        anchors = {} if check.tolerance.explicit else _eval_outputs(copy.deepcopy(after[torch.float64][0]), args, torch.float64, kwargs)
         mine = dict(rank.next_outputs)
         for path, value in expected.items():
             rows.append(compare_tensors(f"rank {r} eval {path}", mine.get(path), value, anchors.get(path), check.tolerance))
@@ -1257,6 +1492,8 @@ def assert_ddp_sync_batchnorm_matches(
     rtol: float | None = None,
     atol: float | None = None,
     msg: Msg = None,
+    forward_kwargs: Mapping[str, Any] | None = None,
+    items: Items | None = None,
 ) -> StepComparison:
     """Asserts SyncBatchNorm under DDP equals BatchNorm on the full batch on one device.
 
@@ -1265,7 +1502,10 @@ def assert_ddp_sync_batchnorm_matches(
     ``HostSyncBatchNorm``: torch's SyncBatchNorm autograd function with host stand-ins for
     its five CUDA-only kernels). Each rank's outputs, gradients and running statistics must
     equal train-mode BatchNorm on the whole batch. Plain BatchNorm under DDP, which
-    normalises each shard with its own statistics, is shown for contrast.
+    normalises each shard with its own statistics, is shown for contrast. The step weights
+    each rank's loss by its share of the items when the ranks hold different numbers
+    (``weighted_ddp_step``; rows, or tokens found or counted by ``items`` as in
+    ``assert_ddp_grads_match``); ``forward_kwargs`` are sharded like ``inputs``.
 
     Raises:
         ParallelMismatch: an output, gradient or running statistic differs.
@@ -1274,22 +1514,23 @@ def assert_ddp_sync_batchnorm_matches(
     __tracebackhide__ = True
     check = DDPCheck.create(
         module, inputs, target, loss_fn=loss_fn, world_size=world_size, shards=shards,
-        pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs,
+        pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs, forward_kwargs=forward_kwargs,
     )
     layers = [name for name, sub in module.named_modules() if isinstance(sub, _BatchNorm)]
     if not layers:
         raise InvalidArgument("module has no BatchNorm layer; SyncBatchNorm would change nothing")
     if not module.training:
         raise InvalidArgument("module is in eval mode; BatchNorm only synchronises in train mode (call module.train())")
-    chosen = weighted_ddp_step if check.uneven else ddp_step
+    counted = check.count_items(1, require_items(items))
+    chosen = weighted_ddp_step if counted.unequal_ranks else ddp_step
     title = "SyncBatchNorm under DDP must match BatchNorm on the full batch on one device"
-    synced = [s[0] for s in check.send(run_step_task, check.step_task([chosen], sync_batchnorm=True), title)]
-    plain = [s[0] for s in check.send(run_step_task, check.step_task([chosen]), title)]
-    refs = check.references()
+    synced = [s[0] for s in check.send(run_step_task, check.step_task([chosen], counted, sync_batchnorm=True), title)]
+    plain = [s[0] for s in check.send(run_step_task, check.step_task([chosen], counted), title)]
+    refs = check.references(items=counted)
     expected, anchor = refs.expected, refs.anchor
     rows = [row for r, s in enumerate(synced) for row in check.rows(f"rank {r} ", s, refs, r)]
-    buffers = dict(_buffers_after_train_forward(module, check.args, None).named_buffers())
-    anchors = None if anchor is None else dict(_buffers_after_train_forward(module, check.args, torch.float64).named_buffers())
+    buffers = dict(_buffers_after_train_forward(module, check.args, None, check.kwargs).named_buffers())
+    anchors = None if anchor is None else dict(_buffers_after_train_forward(module, check.args, torch.float64, check.kwargs).named_buffers())
     for r, s in enumerate(synced):
         for name, value in buffers.items():
             rows.append(compare_tensors(f"rank {r} buffer {name!r}", s.buffers.get(name), value, anchors.get(name) if anchors else None, check.tolerance))
@@ -1300,9 +1541,15 @@ def assert_ddp_sync_batchnorm_matches(
     )
     failures, unused_notes = check.unused_findings(_unused_names(module, expected.grads), wrapped=all(s.wrapped for s in synced))
     notes = [f"BatchNorm layers {layers} ran as {where}.", *unused_notes]
-    if check.uneven:
+    if counted.unequal_ranks and counted.by_tokens:
+        notes.append(
+            f"The ranks hold different numbers of {counted.noun}, {list(counted.per_rank)}{counted.detail}: "
+            "each rank's mean loss was weighted by its share of them, t_r * world_size / T (weighted_ddp_step)."
+        )
+    elif counted.unequal_ranks:
         notes.append("Uneven shards: each rank's loss was weighted by n_r * world_size / B (weighted_ddp_step).")
-    if not all(row.ok for row in rows) and check.loss_reduction() == "sum":
+    notes += [note for note in (counted.given_note(),) if note is not None]
+    if not all(row.ok for row in rows) and check.loss_reduction(counted) == "sum":
         notes.append(_sum_loss_note(check.world_size))
     outcome = check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, failures=failures, divergence=False)
     return raise_unless_ok(outcome, msg)
@@ -1323,6 +1570,8 @@ def assert_dp_ddp_agree(
     rtol: float | None = None,
     atol: float | None = None,
     msg: Msg = None,
+    forward_kwargs: Mapping[str, Any] | None = None,
+    items: Items | None = None,
 ) -> StepComparison:
     """Asserts the same training code gives the same gradients under DP and DDP.
 
@@ -1335,6 +1584,11 @@ def assert_dp_ddp_agree(
 
     ``ddp_kwargs`` go to DistributedDataParallel, e.g. ``{'find_unused_parameters': True}``
     for a model with parameters that take no part in the loss (DataParallel needs no flag).
+    ``forward_kwargs`` are scattered by DataParallel and sharded for DDP like ``inputs``.
+    A token-level loss whose ranks hold different numbers of tokens makes DDP's plain step
+    differ from DataParallel (which computes the loss once on the gathered output): the
+    failure then names the token trap, with the counts found or given by ``items`` (as in
+    ``assert_ddp_grads_match``).
 
     Raises:
         ParallelMismatch: the gradients differ (with the factor and its cause).
@@ -1343,7 +1597,11 @@ def assert_dp_ddp_agree(
     """
     __tracebackhide__ = True
     _trainable_module(module)
-    dp = Check.create(module, inputs, device_ids=list(range(require_int_at_least(world_size, "world_size", 1))), rtol=rtol, atol=atol)
+    require_items(items)
+    dp = Check.create(
+        module, inputs, device_ids=list(range(require_int_at_least(world_size, "world_size", 1))), rtol=rtol, atol=atol,
+        forward_kwargs=forward_kwargs,
+    )
     if dp.plan.n_replicas != world_size:
         raise InvalidArgument(
             f"DataParallel splits {sum(dp.plan.chunk_sizes)} rows into only {dp.plan.n_replicas} "
@@ -1353,6 +1611,7 @@ def assert_dp_ddp_agree(
     check = DDPCheck.create(
         module, inputs, target, loss_fn=loss_fn, world_size=world_size,
         shards=list(dp.plan.chunk_sizes), pool=pool, rtol=rtol, atol=atol, ddp_kwargs=ddp_kwargs,
+        forward_kwargs=forward_kwargs,
     )
     title = "DataParallel and DistributedDataParallel must give the same gradients for the same training code"
     ranks = [s[0] for s in check.send(run_step_task, check.step_task([ddp_step]), title)]
@@ -1371,13 +1630,15 @@ def assert_dp_ddp_agree(
     notes += unused_notes
     scale = None
     if not all(row.ok for row in rows):
-        more, scale = _dp_ddp_diagnosis(check, ranks, dp_step, single)
+        more, scale = _dp_ddp_diagnosis(check, ranks, dp_step, single, items)
         notes += more
     outcome = check.outcome(title, ddp_step, rows, notes=notes, failures=failures, scale=scale)
     return raise_unless_ok(outcome, msg)
 
 
-def _dp_ddp_diagnosis(check: DDPCheck, ranks: Sequence[RankStep], dp_step: StepResult, reference: StepResult) -> tuple[list[str], float | None]:
+def _dp_ddp_diagnosis(
+    check: DDPCheck, ranks: Sequence[RankStep], dp_step: StepResult, reference: StepResult, items: Items | None = None,
+) -> tuple[list[str], float | None]:
     """DataParallel computes the loss once, on the gathered full-batch output, so its gradient
     is the single-device one for any loss; DDP averages per-rank losses' gradients. For a sum
     loss DDP's average is 1/world_size of the full-batch sum: 1/world_size of DataParallel's."""
@@ -1396,6 +1657,7 @@ def _dp_ddp_diagnosis(check: DDPCheck, ranks: Sequence[RankStep], dp_step: StepR
         )
     elif c is not None:
         notes.append(f"DDP's gradients are {c:.6g} times DataParallel's.")
-    if check.uneven:
-        notes.append(_trap_note(check, ranks, reference))
+    counted = check.count_items(1, items)
+    if counted.unequal_ranks:
+        notes.append(_token_trap_note(check, counted, ranks, reference) if counted.by_tokens else _trap_note(check, ranks, reference))
     return notes, c

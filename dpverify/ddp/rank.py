@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ __all__ = [
     "TrainingTask",
     "ddp_step",
     "even_shards",
+    "micro_mean_accumulation_step",
     "no_sync_accumulation_step",
     "run_buffer_task",
     "run_step_task",
@@ -110,11 +111,22 @@ def take_rows(obj: Any, start: int, stop: int, batch_size: int) -> Any:
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """One micro-batch of a rank's shard: forward arguments, target, and its row count."""
+    """One micro-batch of a rank's shard.
+
+    Attributes:
+        inputs: its positional forward arguments.
+        target: its rows of the target.
+        rows: its row count.
+        kwargs: its keyword forward arguments (batched tensors cut like ``inputs``).
+        items: the items its mean loss averages over: its rows, or for a token-level loss
+            its tokens that are not ignored (as the check counted them).
+    """
 
     inputs: tuple[Any, ...]
     target: Any
     rows: int
+    kwargs: dict[str, Any]
+    items: int
 
 
 def _count_syncs_then_allreduce(state, bucket):  # type: ignore[no-untyped-def]
@@ -151,9 +163,10 @@ class ShardContext:
         rank: this rank.
         world_size: number of ranks.
         module: this rank's copy of the module, on ``device``, weights as on every rank.
-        inputs: this rank's shard of the forward arguments.
+        inputs: this rank's shard of the positional forward arguments (``()`` for a
+            keyword-only forward).
         target: this rank's shard of the target.
-        loss_fn: ``loss_fn(output, target)``, a mean loss.
+        loss_fn: ``loss_fn(output, target)``, a mean loss (over rows, or over tokens).
         shard_sizes: rows of every rank's shard, in rank order.
         device: where this rank computes.
         ddp_kwargs: keyword arguments for DistributedDataParallel.
@@ -161,6 +174,19 @@ class ShardContext:
         count_syncs: whether ``ddp()`` counts gradient synchronisations (through a
             communication hook running torch's default all-reduce).
         syncs: gradient synchronisations seen so far (when counted).
+        kwargs: this rank's shard of the keyword forward arguments: call
+            ``model(*ctx.inputs, **ctx.kwargs)``.
+        item_kind: what each rank's mean loss averages over, as the check found it:
+            ``"rows"``, ``"tokens (target != -100)"``, or ``"items"`` (counted by ``items=``).
+        item_counts: every rank's count of those items, in rank order (``()``: rows).
+        micro_batch_items: this rank's count per micro-batch of ``micro_batch_split()``
+            (``()``: rows).
+
+    A token-level loss (a mean over the labels that are not -100) is exact under DDP when
+    each rank's mean loss is weighted by its share of the tokens, ``ctx.loss_weight`` =
+    ``ctx.items * world_size / ctx.total_items``; or, equivalently, when each rank divides
+    its summed token loss by the all-reduced token count (``ctx.total_items``) and
+    multiplies by ``world_size`` (DDP divides the summed gradients by it).
     """
 
     rank: int
@@ -175,6 +201,10 @@ class ShardContext:
     micro_batches: int = 1
     count_syncs: bool = False
     syncs: int = 0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    item_kind: str = "rows"
+    item_counts: tuple[int, ...] = ()
+    micro_batch_items: tuple[int, ...] = ()
     _wrapper: DistributedDataParallel | None = field(default=None, repr=False)
 
     @property
@@ -186,10 +216,23 @@ class ShardContext:
         return self.shard_sizes[self.rank]
 
     @property
+    def items(self) -> int:
+        """The items this rank's mean loss averages over: ``t_r``, its tokens for a
+        token-level loss, else its rows."""
+        return self.item_counts[self.rank] if self.item_counts else self.shard_size
+
+    @property
+    def total_items(self) -> int:
+        """``T``: the items over every rank (what an all-reduce of ``items`` gives), the
+        count the full-batch mean loss divides by; else the batch's rows."""
+        return sum(self.item_counts) if self.item_counts else self.batch_size
+
+    @property
     def loss_weight(self) -> float:
-        """``n_r * world_size / B``: the factor that makes DDP's average of per-rank mean
-        losses the full-batch mean loss, for any shard sizes (1.0 for equal shards)."""
-        return self.shard_size * self.world_size / self.batch_size
+        """``t_r * world_size / T``: the factor that makes DDP's average of per-rank mean
+        losses the full-batch mean loss, for any shards (1.0 for equal ones): the rank's
+        share of the items, its rows (``n_r * world_size / B``) or its tokens."""
+        return self.items * self.world_size / self.total_items
 
     @property
     def wrapped(self) -> bool:
@@ -206,31 +249,38 @@ class ShardContext:
         return self._wrapper
 
     def micro_batch_split(self) -> list[MicroBatch]:
-        """This shard cut into ``micro_batches`` contiguous micro-batches, as even as possible."""
+        """This shard cut into ``micro_batches`` contiguous micro-batches, as even as
+        possible, each with its count of items (``micro_batch_items``, rows when the check
+        counted none for this cut)."""
         sizes = even_shards(self.shard_size, self.micro_batches)
+        counts = self.micro_batch_items if len(self.micro_batch_items) == len(sizes) else sizes
         return [
             MicroBatch(
                 take_rows(self.inputs, start, stop, self.shard_size),
                 take_rows(self.target, start, stop, self.shard_size),
                 stop - start,
+                take_rows(self.kwargs, start, stop, self.shard_size),
+                count,
             )
-            for start, stop in shard_bounds(sizes)
+            for (start, stop), count in zip(shard_bounds(sizes), counts, strict=True)
         ]
 
 
 def ddp_step(ctx: ShardContext) -> Any:
-    """The textbook DDP step: forward the shard, mean loss, backward. Biased for uneven
-    shards: DDP averages per-rank means (the loss-averaging trap)."""
+    """The textbook DDP step: forward the shard, mean loss, backward. Biased when the ranks
+    hold different numbers of items (rows, or tokens of a token-level loss): DDP averages
+    per-rank means (the loss-averaging trap)."""
     model = ctx.ddp()
-    output = model(*ctx.inputs)
+    output = model(*ctx.inputs, **ctx.kwargs)
     ctx.loss_fn(output, ctx.target).backward()
     return output
 
 
 def weighted_ddp_step(ctx: ShardContext) -> Any:
-    """The exact DDP step for any shard sizes: the rank's mean loss times ``n_r * W / B``."""
+    """The exact DDP step for any shards: the rank's mean loss times its share of the
+    items, ``ctx.loss_weight`` (``n_r * W / B`` for rows, ``t_r * W / T`` for tokens)."""
     model = ctx.ddp()
-    output = model(*ctx.inputs)
+    output = model(*ctx.inputs, **ctx.kwargs)
     (ctx.loss_fn(output, ctx.target) * ctx.loss_weight).backward()
     return output
 
@@ -240,18 +290,33 @@ def no_sync_accumulation_step(ctx: ShardContext) -> None:
 
     Forward *and* backward of every micro-batch but the last run inside ``no_sync()`` (DDP
     prepares the all-reduce in forward: torch/nn/parallel/distributed.py, ``_pre_forward``),
-    and each micro-batch's mean loss is weighted by ``rows * W / B`` (``1/k`` when all
-    micro-batches are equal), so the one synchronisation at the end gives the full-batch
-    gradient.
+    and each micro-batch's mean loss is weighted by its share of the items over every rank
+    and micro-batch, ``items * W / T`` (``rows * W / B``, ``1/k`` when all micro-batches
+    are equal; for a token-level loss its tokens over the total count), so the one
+    synchronisation at the end gives the full-batch gradient.
     """
     model = ctx.ddp()
     parts = ctx.micro_batch_split()
     for index, part in enumerate(parts):
         last = index == len(parts) - 1
         with contextlib.nullcontext() if last else model.no_sync():
-            output = model(*part.inputs)
-            weight = part.rows * ctx.world_size / ctx.batch_size
+            output = model(*part.inputs, **part.kwargs)
+            weight = part.items * ctx.world_size / ctx.total_items
             (ctx.loss_fn(output, part.target) * weight).backward()
+
+
+def micro_mean_accumulation_step(ctx: ShardContext) -> None:
+    """Gradient accumulation that divides each micro-batch's mean loss by the number of
+    micro-batches (the trainers' ``loss / gradient_accumulation_steps``). Exact only when
+    every micro-batch of every rank holds as many items: with different numbers of tokens
+    (or rows) it is the loss-averaging trap. The accumulation check runs it for contrast."""
+    model = ctx.ddp()
+    parts = ctx.micro_batch_split()
+    for index, part in enumerate(parts):
+        last = index == len(parts) - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            output = model(*part.inputs, **part.kwargs)
+            (ctx.loss_fn(output, part.target) / len(parts)).backward()
 
 
 # --------------------------------------------------------------------------- tasks
@@ -299,7 +364,10 @@ def _module_copy(module: nn.Module, device: torch.device, *, sync_batchnorm: boo
 
 @dataclass(frozen=True)
 class StepTask:
-    """One DDP step per function in ``steps``, each on a fresh copy of ``module``."""
+    """One DDP step per function in ``steps``, each on a fresh copy of ``module``.
+
+    ``item_counts``: the items (rows, tokens) of every rank's micro-batches, per rank, as
+    the parent counted them (``()``: rows); ``item_kind`` says what they count."""
 
     module: nn.Module
     inputs: tuple[Any, ...]
@@ -312,6 +380,9 @@ class StepTask:
     count_syncs: bool = False
     sync_batchnorm: bool = False
     seed: int = 0
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    item_kind: str = "rows"
+    item_counts: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -335,16 +406,30 @@ class RankStep:
     syncs: int | None
 
 
-def _shard_of(task_inputs: Any, target: Any, shard_sizes: Sequence[int], rank: int) -> tuple[Any, Any]:
+def _shard_of(task_inputs: Any, target: Any, shard_sizes: Sequence[int], rank: int, kwargs: Mapping[str, Any] | None = None) -> tuple[Any, Any, dict[str, Any]]:
+    """This rank's rows of the positional arguments, the target and the keyword arguments."""
     batch = sum(shard_sizes)
     start, stop = shard_bounds(shard_sizes)[rank]
-    return take_rows(task_inputs, start, stop, batch), take_rows(target, start, stop, batch)
+    return (
+        take_rows(task_inputs, start, stop, batch),
+        take_rows(target, start, stop, batch),
+        take_rows(dict(kwargs or {}), start, stop, batch),
+    )
+
+
+def _items_of(counts: Sequence[Sequence[int]], rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(every rank's count, this rank's counts per micro-batch) from per-rank, per-micro-batch
+    counts; both empty when none were counted (rows)."""
+    if not counts:
+        return (), ()
+    return tuple(sum(pieces) for pieces in counts), tuple(counts[rank])
 
 
 def _run_one(info: RankInfo, task: StepTask, step: Step) -> RankStep:
     device = torch.device(info.device)
     model = _module_copy(task.module, device, sync_batchnorm=task.sync_batchnorm)
-    inputs, target = _shard_of(task.inputs, task.target, task.shard_sizes, info.rank)
+    inputs, target, kwargs = _shard_of(task.inputs, task.target, task.shard_sizes, info.rank, task.kwargs)
+    per_rank, mine = _items_of(task.item_counts, info.rank)
     ctx = ShardContext(
         rank=info.rank,
         world_size=info.world_size,
@@ -357,6 +442,10 @@ def _run_one(info: RankInfo, task: StepTask, step: Step) -> RankStep:
         ddp_kwargs=dict(task.ddp_kwargs),
         micro_batches=task.micro_batches,
         count_syncs=task.count_syncs,
+        kwargs=_on(kwargs, device),
+        item_kind=task.item_kind,
+        item_counts=per_rank,
+        micro_batch_items=mine,
     )
     fork = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork), no_tf32():
@@ -383,16 +472,22 @@ def run_step_task(info: RankInfo, task: StepTask) -> tuple[RankStep, ...]:
 
 @dataclass(frozen=True)
 class TrainingTask:
-    """``len(batches)`` optimizer steps of DDP training from the same weights on every rank."""
+    """``len(batches)`` optimizer steps of DDP training from the same weights on every rank.
+
+    ``batches``: ``(inputs, kwargs, target)`` per step; ``item_kinds`` and ``item_counts``:
+    what each batch's rank losses average over and every rank's count of it, per batch
+    (``()``: rows)."""
 
     module: nn.Module
-    batches: tuple[tuple[tuple[Any, ...], Any], ...]
+    batches: tuple[tuple[tuple[Any, ...], Mapping[str, Any], Any], ...]
     loss_fn: LossFn
     optimizer: OptimizerFactory
     shard_sizes: tuple[tuple[int, ...], ...]
     step: Step
     ddp_kwargs: tuple[tuple[str, Any], ...] = ()
     seed: int = 0
+    item_kinds: tuple[str, ...] = ()
+    item_counts: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -425,9 +520,13 @@ def run_training_task(info: RankInfo, task: TrainingTask) -> RankTraining:
     fork = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork), no_tf32():
         torch.manual_seed(task.seed)
-        for index, ((inputs, target), sizes) in enumerate(zip(task.batches, task.shard_sizes, strict=True)):
-            shard_inputs, shard_target = _shard_of(inputs, target, sizes, info.rank)
+        for index, ((inputs, kwargs, target), sizes) in enumerate(zip(task.batches, task.shard_sizes, strict=True)):
+            shard_inputs, shard_target, shard_kwargs = _shard_of(inputs, target, sizes, info.rank, kwargs)
             ctx.inputs, ctx.target, ctx.shard_sizes = _on(shard_inputs, device), _on(shard_target, device), sizes
+            ctx.kwargs = _on(shard_kwargs, device)
+            ctx.item_kind = task.item_kinds[index] if task.item_kinds else "rows"
+            ctx.item_counts = task.item_counts[index] if task.item_counts else ()
+            ctx.micro_batch_items = (ctx.item_counts[info.rank],) if ctx.item_counts else ()
             optimizer.zero_grad(set_to_none=True)
             try:
                 task.step(ctx)
@@ -453,6 +552,7 @@ class BufferTask:
     shard_sizes: tuple[int, ...]
     ddp_kwargs: tuple[tuple[str, Any], ...] = ()
     seed: int = 0
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -469,17 +569,17 @@ def run_buffer_task(info: RankInfo, task: BufferTask) -> RankBuffers:
     eval forward under no_grad (a task for ``RankRunner.run``)."""
     device = torch.device(info.device)
     model = _module_copy(task.module, device, sync_batchnorm=False)
-    inputs, target = _shard_of(task.inputs, task.target, task.shard_sizes, info.rank)
-    inputs, target = _on(inputs, device), _on(target, device)
+    inputs, target, kwargs = _shard_of(task.inputs, task.target, task.shard_sizes, info.rank, task.kwargs)
+    inputs, target, kwargs = _on(inputs, device), _on(target, device), _on(kwargs, device)
     device_ids = [device.index] if device.type == "cuda" else None
     wrapper = DistributedDataParallel(model, device_ids=device_ids, **dict(task.ddp_kwargs))
     fork = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork), no_tf32():
         torch.manual_seed(task.seed)
         wrapper.train()
-        task.loss_fn(wrapper(*inputs), target).backward()
+        task.loss_fn(wrapper(*inputs, **kwargs), target).backward()
         after_step = _buffers(model)
         wrapper.eval()
         with torch.no_grad():
-            output = wrapper(*inputs)
+            output = wrapper(*inputs, **kwargs)
     return RankBuffers(after_step, _buffers(model), _outputs(output))
