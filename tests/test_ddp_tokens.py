@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dpverify.checks.registry import CHECKS, Case, Target, Verdict
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.ddp.checks import assert_ddp_accumulation_matches, assert_ddp_grads_match
 from dpverify.ddp.pool import DDPWorkerPool
@@ -144,13 +145,20 @@ def test_token_weighted_steps_pass(ddp_pool: DDPWorkerPool) -> None:
     ).ok
 
 
-def test_a_keyword_only_batch_is_sharded(ddp_pool: DDPWorkerPool) -> None:
+def test_a_keyword_only_batch_is_sharded_in_the_helper_and_the_registry(ddp_pool: DDPWorkerPool) -> None:
     ids, labels = padded([6, 5, 6, 5])  # equal tokens per rank: the plain step is exact
     kwargs = {"input_ids": ids}
     result = assert_ddp_grads_match(TinyLM(), (), labels, loss_fn=token_loss, world_size=2, pool=ddp_pool, forward_kwargs=kwargs)
     assert "rank 1 output[2:4]" in [t.name for t in result.tensors]  # rank 1 got rows 2:4 of input_ids
     assert "step ddp_step" in result.scenario
     assert not any("loss-averaging trap" in note for note in result.notes)  # tokens proportional to rows
+    case = Case(TinyLM(), (), labels, token_loss, device_ids=(0, 1), forward_kwargs=kwargs)
+    assert CHECKS["ddp-grads"].run(case, Target(pool=ddp_pool)).verdict is Verdict.PASS
+    uneven = Case(TinyLM(), (), padded(LENGTHS)[1], token_loss, device_ids=(0, 1), forward_kwargs={"input_ids": padded(LENGTHS)[0]})
+    assert CHECKS["ddp-grads"].run(uneven, Target(pool=ddp_pool)).verdict is Verdict.PASS
+    caught = CHECKS["ddp-grads"].run(uneven, Target(pool=ddp_pool, step=ddp_step))
+    assert caught.verdict is Verdict.FAIL
+    assert "loss-averaging trap" in caught.detail
 
 
 # --------------------------------------------------------------------------- accumulation

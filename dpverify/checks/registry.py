@@ -471,16 +471,16 @@ def _ddp() -> Any:
 
 
 def _ddp_helper(name: str, *, takes_step: bool = True, **options: Any) -> Body:
-    """A body calling ``dpverify.ddp.checks.<name>`` on the case's batch, over its world
-    size, with the target's ranks and DDP options (and its per-rank step, where the helper
-    takes one)."""
+    """A body calling ``dpverify.ddp.checks.<name>`` on the case's batch (its positional
+    and keyword forward arguments, sharded alike), over its world size, with the target's
+    ranks and DDP options (and its per-rank step, where the helper takes one)."""
 
     def body(case: Case, target: Target) -> Report:
         assert case.loss_fn is not None
         step = {"step": target.step} if takes_step else {}
         result: StepComparison = getattr(_ddp(), name)(
             case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
-            pool=target.pool, ddp_kwargs=target.ddp_kwargs, **step, **options,
+            pool=target.pool, ddp_kwargs=target.ddp_kwargs, forward_kwargs=case.forward_kwargs, **step, **options,
         )
         return result
 
@@ -491,9 +491,10 @@ def _ddp_training(case: Case, target: Target) -> Report:
     assert case.loss_fn is not None
     batches = case.batches or ((case.inputs, case.target),) * TRAINING_STEPS
     optimizer = case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    # the case's keyword arguments go to every batch's forward
     result: StepComparison = _ddp().assert_ddp_training_matches(
         case.module, list(batches), loss_fn=case.loss_fn, optimizer=optimizer, world_size=case.world_size,
-        step=target.step, pool=target.pool, ddp_kwargs=target.ddp_kwargs,
+        step=target.step, pool=target.pool, ddp_kwargs=target.ddp_kwargs, forward_kwargs=case.forward_kwargs,
     )
     return result
 
@@ -530,8 +531,6 @@ def _one_row_chunk_batchnorm(case: Case, sizes: Sequence[int]) -> str | None:
 def _ddp_skip(case: Case, *, rows_per_rank: int = 1) -> str | None:
     if case.loss_fn is None:
         return "needs loss_fn(output, target); this forward returns its loss"
-    if case.forward_kwargs:
-        return "the DDP checks take positional inputs only"
     if case.dim != 0:
         return f"the DDP checks shard the batch along dim 0 (this case splits along dim {case.dim})"
     if case.batch_size < rows_per_rank * case.world_size:
