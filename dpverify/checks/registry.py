@@ -110,7 +110,8 @@ class Case:
         loss_fn: ``loss_fn(output, target)``; None when the forward returns its loss.
         device_ids: DataParallel's devices; their count is the DDP world size.
         output_device: DataParallel's output device (None: ``device_ids[0]``).
-        forward_kwargs: keyword arguments of the forward (DataParallel checks only).
+        forward_kwargs: keyword arguments of the forward, scattered (DataParallel) or
+            sharded (DDP) with the batch; with ``inputs=()``, a keyword-only call.
         per_row_mean_loss: the forward's loss is known to be each chunk's per-row mean (the
             built-in and generated models), so ``loss.mean()`` of replica losses must be
             biased exactly when the chunks are uneven; False for a user's model, whose bias
