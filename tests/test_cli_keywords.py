@@ -59,7 +59,6 @@ def test_every_form_of_keyword_batch_is_read() -> None:
     ("command", "message"),
     [
         (["check", MODEL, "--inputs", "cli_keywords_code:a_string"], "returned str; fn(batch_size) must return (inputs, target)"),
-        (["explain", MODEL, "--inputs", "cli_keywords_code:padded_labels"], "explain walks a call with positional arguments"),
     ],
 )
 def test_unusable_keyword_batches_are_usage_errors(command: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -73,3 +72,12 @@ def test_explain_answers_the_loss_question_with_token_counts(capsys: pytest.Capt
     out = _flat(capsys.readouterr().out)
     assert "each replica's loss is a mean over its own tokens and the replicas hold different numbers of tokens, [3, 7, 6, 5] (inputs[1] != -100), although the chunks have equal rows [2, 2, 2, 2]" in out
     assert "weights replica i by its share of the 21 tokens, t_i/T" in out
+
+
+def test_explain_walks_a_keyword_only_call(capsys: pytest.CaptureFixture[str]) -> None:
+    command = ["explain", MODEL, "--inputs", "cli_keywords_code:padded_labels", "--batch", "8", "--devices", "4", "--no-color"]
+    assert main(command) == 0
+    out = _flat(capsys.readouterr().out)
+    assert "(called as model(input_ids=…, labels=…))" in out
+    assert "chunks [2, 2, 2, 2]" in out
+    assert "the replicas hold different numbers of tokens, [3, 7, 6, 5]" in out

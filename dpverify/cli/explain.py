@@ -29,7 +29,7 @@ import copy
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
@@ -305,6 +305,44 @@ def _primary(output: Any) -> torch.Tensor:
     if not tensors:
         raise ValueError("the forward returned no tensor with a batch dimension")
     return tensors[0]
+
+
+class _KeywordCall(nn.Module):
+    """A keyword-only model called by position: ``forward(*args)`` passes the first
+    ``positional`` arguments by position and the rest as ``names``, in order. explain's
+    hooks and steps walk positional calls; DataParallel scatters a keyword tensor exactly as
+    the same tensor by position."""
+
+    def __init__(self, model: nn.Module, positional: int, names: Sequence[str]) -> None:
+        super().__init__()
+        self.model = model
+        self.positional = positional
+        self.names = tuple(names)
+
+    def forward(self, *args: Any) -> Any:
+        keywords = dict(zip(self.names, args[self.positional :], strict=True))
+        return self.model(*args[: self.positional], **keywords)
+
+
+def _positional(model: UserModel, first: Batch) -> UserModel:
+    """``model`` unchanged when its batches are positional; for keyword batches (a model
+    called as ``model(**batch)``), the model behind ``_KeywordCall`` with every batch's
+    keyword arguments appended to its positional ones, in the first batch's key order."""
+    if not first.kwargs:
+        return model
+    names, positional = list(first.kwargs), len(first.inputs)
+
+    def make(size: int) -> Batch:
+        made = model.make_batch(size)
+        if list(made.kwargs) != names or len(made.inputs) != positional:
+            raise InvalidArgument(
+                f"{model.batch_source} gives keyword arguments {list(made.kwargs)} for batch size {size} "
+                f"and {names} for another; give every batch the same arguments"
+            )
+        return replace(made, inputs=(*made.inputs, *(made.kwargs[name] for name in names)), kwargs={})
+
+    call = ", ".join([*(["…"] * positional), *(f"{name}=…" for name in names)])
+    return replace(model, module=_KeywordCall(model.module, positional, names), make_batch=make, batch_source=f"{model.batch_source} (called as model({call}))")
 
 
 class _LossInForward(nn.Module):
@@ -1025,13 +1063,8 @@ def explain(
     runner = _Runner(parallel, name)
     ids = list(device_ids)
     out = ids[0] if output_device is None else output_device
+    model = _positional(model, model.make_batch(batch_size))
     batch = model.make_batch(batch_size)
-    if batch.kwargs:
-        raise InvalidArgument(
-            f"explain walks a call with positional arguments; {model.batch_source} gives keyword "
-            f"arguments {sorted(batch.kwargs)}: check a keyword-only model with dpverify check, or "
-            "pass --inputs returning (inputs, target)"
-        )
     module = model.module
     diverges = bool(divergence_sources(module))
     # BatchNorm/Dropout in train mode make every replica differ from the full batch: the
