@@ -5,6 +5,11 @@ hidden=4, outputs=2, depth=2, activation='tanh')``), pickles to another process,
 ``spec.build(seed)`` always gives the same module. Every module maps its inputs to
 ``(batch, outputs)`` logits (inside a tuple, dict or namedtuple for the structured-output
 kinds), or, for ``loss-head``, takes the targets and returns ``(logits, loss)``.
+
+The language-model heads (``TOKEN_KINDS``, kept out of ``KINDS`` so that what the default
+strategies draw is unchanged) take ``input_ids`` and ``labels=`` and return the mean
+cross-entropy over the labels that are not the ignore index; a ``TokenBatch`` is a padded
+batch of them as data, and a ``TokenScenario`` puts one on devices with such a head.
 """
 
 from __future__ import annotations
@@ -19,18 +24,24 @@ from torch import nn
 
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
+from dpverify.core.items import IGNORE_INDEX
 
 __all__ = [
     "ACTIVATIONS",
     "CLASSIFICATION_LOSSES",
     "KINDS",
     "LOSSES",
+    "PADDING_SIDES",
+    "TOKEN_KINDS",
     "BuiltScenario",
     "DeviceList",
+    "LanguageModelHead",
     "LossSpec",
     "ModelSpec",
     "Output",
     "Scenario",
+    "TokenBatch",
+    "TokenScenario",
     "primary_output",
 ]
 
@@ -57,11 +68,19 @@ KINDS: tuple[str, ...] = (
     "dropout",
     "loss-head",
 )
+#: Language-model heads (``LanguageModelHead``), plain and causal (shifted by one like Hugging
+#: Face's causal LM heads). Not in ``KINDS``: ``model_specs()`` and ``scenarios()`` draw them
+#: only when asked, and ``token_scenarios()`` draws them with padded token batches.
+TOKEN_KINDS: tuple[str, ...] = ("lm-head", "causal-lm-head")
+#: Where a ``TokenBatch`` pads its rows.
+PADDING_SIDES: tuple[str, ...] = ("right", "left")
 ACTIVATIONS: tuple[str, ...] = ("relu", "tanh", "gelu", "sigmoid", "silu")
 POOLINGS: tuple[str, ...] = ("mean", "sum", "max")
 
 _SEQUENCE = 5  # time steps / tokens / spatial size of generated inputs
 _VOCAB = 11
+_LM_VOCAB = 64  # the language-model heads' vocabulary; id 0 pads, real tokens are 1 .. 63
+_PAD_ID = 0
 
 #: The namedtuple that ``namedtuple-output`` models return.
 Output = namedtuple("Output", ["logits", "features"])
@@ -272,6 +291,35 @@ class LossHead(nn.Module):
         return logits, F.mse_loss(logits, y)
 
 
+class LanguageModelHead(nn.Module):
+    """Embedding, activation, Linear to the vocabulary, and the mean cross-entropy.
+
+    ``forward(input_ids, *, labels=None)`` returns the logits without labels, else the mean
+    loss over the labels that are not ``ignore_index`` (``nn.CrossEntropyLoss`` inside, so
+    the ignore index can be read off the module). ``causal``: token t predicts label t + 1
+    (logits ``[:, :-1]`` against labels ``[:, 1:]``, as Hugging Face's causal LM heads do),
+    so a row's first label is never counted.
+    """
+
+    def __init__(self, hidden: int, activation: str, causal: bool, ignore_index: int = IGNORE_INDEX, vocab: int = _LM_VOCAB) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, hidden)
+        self.act = _activation(activation)
+        self.head = nn.Linear(hidden, vocab)
+        self.loss = nn.CrossEntropyLoss(ignore_index=ignore_index)
+        self.causal = causal
+        self.vocab = vocab
+
+    def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None) -> torch.Tensor:
+        logits: torch.Tensor = self.head(self.act(self.embedding(input_ids)))
+        if labels is None:
+            return logits
+        if self.causal:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        loss: torch.Tensor = self.loss(logits.reshape(-1, self.vocab), labels.reshape(-1))
+        return loss
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A small architecture, as data.
@@ -284,6 +332,9 @@ class ModelSpec:
         depth: hidden layers, residual blocks or recurrent layers.
         activation: one of ``ACTIVATIONS``.
         pooling: token pooling of ``embedding``: mean, sum or max.
+
+    ``kind`` may also be one of ``TOKEN_KINDS``, a ``LanguageModelHead`` of width ``hidden``
+    and ``activation`` (the other fields are unused).
         train: train mode (``batchnorm`` and ``dropout`` depend on it).
         p: dropout probability of ``dropout``.
     """
@@ -299,8 +350,8 @@ class ModelSpec:
     p: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise InvalidArgument(f"kind={self.kind!r} is not one of {KINDS}")
+        if self.kind not in KINDS + TOKEN_KINDS:
+            raise InvalidArgument(f"kind={self.kind!r} is not one of {KINDS + TOKEN_KINDS}")
         if self.activation not in ACTIVATIONS:
             raise InvalidArgument(f"activation={self.activation!r} is not one of {ACTIVATIONS}")
         if self.pooling not in POOLINGS:
@@ -326,21 +377,34 @@ class ModelSpec:
 
     @property
     def returns_loss(self) -> bool:
-        return self.kind == "loss-head"
+        return self.kind == "loss-head" or self.kind in TOKEN_KINDS
+
+    @property
+    def causal(self) -> bool:
+        """A causal language-model head: its loss skips each row's first label."""
+        return self.kind == "causal-lm-head"
 
     @property
     def output_dim(self) -> int:
+        if self.kind in TOKEN_KINDS:
+            return _LM_VOCAB
         return _VOCAB if self.kind == "tied-embedding" else self.outputs
 
-    def build(self, seed: int = 0) -> nn.Module:
-        """The module, its weights drawn from ``seed`` (the caller's RNG is left alone)."""
+    def build(self, seed: int = 0, *, ignore_index: int = IGNORE_INDEX) -> nn.Module:
+        """The module, its weights drawn from ``seed`` (the caller's RNG is left alone).
+
+        ``ignore_index``: the label a language-model head's loss ignores (its
+        ``nn.CrossEntropyLoss(ignore_index=...)``); other kinds have no use for it.
+        """
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            module = self._module()
+            module = self._module(ignore_index)
         return module.train(self.train)
 
-    def _module(self) -> nn.Module:
+    def _module(self, ignore_index: int = IGNORE_INDEX) -> nn.Module:
         k, f, h, o, act = self.kind, self.features, self.hidden, self.outputs, self.activation
+        if k in TOKEN_KINDS:
+            return LanguageModelHead(h, act, causal=self.causal, ignore_index=ignore_index)
         if k == "linear":
             return nn.Linear(f, o)
         if k == "mlp":
@@ -374,10 +438,14 @@ class ModelSpec:
         """Positional and keyword forward arguments for ``batch`` rows, drawn from ``seed``.
 
         ``loss-head`` models receive ``target`` (float, ``(batch, outputs)``) as their
-        second argument.
+        second argument. Language-model heads are called by keyword, ``input_ids`` and
+        ``labels``: ``TokenBatch.sample(batch, causal, seed)``, right-padded, each row
+        holding at least one counted token.
         """
         g = torch.Generator().manual_seed(seed)
         k = self.kind
+        if k in TOKEN_KINDS:
+            return (), TokenBatch.sample(batch, self.causal, seed).build()
         if k in ("embedding", "tied-embedding"):
             return (torch.randint(0, _VOCAB, (batch, _SEQUENCE), generator=g),), {}
         if k == "conv1d":
@@ -497,11 +565,16 @@ class Scenario:
         return chunk_sizes(self.batch_size, len(self.devices.device_ids))
 
     def build(self) -> BuiltScenario:
-        """The module (in ``dtype``), inputs, keyword inputs and target, deterministically."""
+        """The module (in ``dtype``), inputs, keyword inputs and target, deterministically.
+
+        A language-model head's target is its ``labels`` (also among the keyword inputs).
+        """
         target = self.loss.target(self.batch_size, self.model.output_dim, self.seed)
         if self.model.returns_loss:
             target = torch.randn(self.batch_size, self.model.outputs, generator=torch.Generator().manual_seed(self.seed + 2))
         args, kwargs = self.model.inputs(self.batch_size, self.seed, target=target)
+        if self.model.kind in TOKEN_KINDS:
+            target = kwargs["labels"]
         module = self.model.build(self.seed).to(self.dtype)
 
         def cast(value: Any) -> Any:
@@ -515,6 +588,152 @@ class Scenario:
             kwargs={k: cast(v) for k, v in kwargs.items()},
             target=cast(target),
             loss_fn=self.loss,
+            device_ids=list(self.devices.device_ids),
+            output_device=self.devices.output_device,
+        )
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """A padded batch of token ids and their labels, as data.
+
+    ``build()`` gives ``{"input_ids": ..., "labels": ...}``, both ``(rows, seq_len)`` int64:
+    real tokens are ids from 1 to 63 (never the ignore index), drawn from ``seed`` without
+    repeating while the batch has at most 62 positions (so that two chunks' mean losses agree
+    only by coincidence); padding is id 0 in ``input_ids`` and ``ignore_index`` in ``labels``.
+    The labels are the ids themselves (a causal head shifts them).
+
+    Attributes:
+        lengths: real tokens in each row, one entry per row (0: a row of padding only).
+        seq_len: every row's padded length.
+        padding_side: ``"right"`` (real tokens first) or ``"left"`` (padding first).
+        ignore_index: the label of every padding position (-100 is torch's and Hugging
+            Face's default).
+        seed: the token ids are drawn from it.
+    """
+
+    lengths: tuple[int, ...] = (1,)
+    seq_len: int = 1
+    padding_side: str = "right"
+    ignore_index: int = IGNORE_INDEX
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
+            raise InvalidArgument(f"seq_len={self.seq_len!r} must be an int >= 1")
+        if not isinstance(self.lengths, tuple) or not self.lengths or any(
+            isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.seq_len for n in self.lengths
+        ):
+            raise InvalidArgument(f"lengths={self.lengths!r} must be a non-empty tuple of ints from 0 to seq_len={self.seq_len}")
+        if self.padding_side not in PADDING_SIDES:
+            raise InvalidArgument(f"padding_side={self.padding_side!r} is not one of {PADDING_SIDES}")
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise InvalidArgument(f"ignore_index={self.ignore_index!r} must be an int")
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def mask(self) -> torch.Tensor:
+        """``(rows, seq_len)`` bool: True at the real tokens."""
+        positions = torch.arange(self.seq_len).expand(self.rows, self.seq_len)
+        lengths = torch.tensor(self.lengths).unsqueeze(1)
+        if self.padding_side == "right":
+            return positions < lengths
+        return positions >= self.seq_len - lengths
+
+    def counted(self, causal: bool = False) -> tuple[int, ...]:
+        """The tokens a mean loss counts in each row: its labels that are not the ignore
+        index, after the shift for a causal head (which never counts a row's first label)."""
+        mask = self.mask()
+        return tuple(int(n) for n in (mask[:, 1:] if causal else mask).sum(dim=1))
+
+    def chunk_counts(self, n_devices: int, causal: bool = False) -> list[int]:
+        """The tokens a mean loss counts in each chunk DataParallel gives ``n_devices``
+        devices (torch.chunk's rule; can be fewer chunks than devices)."""
+        from dpverify.core.scatter import chunk_sizes
+
+        per_row, counts, start = self.counted(causal), [], 0
+        for size in chunk_sizes(self.rows, n_devices):
+            counts.append(sum(per_row[start:start + size]))
+            start += size
+        return counts
+
+    def build(self) -> dict[str, torch.Tensor]:
+        """``input_ids`` and ``labels``, deterministically from ``seed``."""
+        g = torch.Generator().manual_seed(self.seed)
+        real = torch.tensor([i for i in range(1, _LM_VOCAB) if i != self.ignore_index])
+        positions = self.rows * self.seq_len
+        if positions <= len(real):
+            picked = torch.randperm(len(real), generator=g)[:positions]
+        else:
+            picked = torch.randint(0, len(real), (positions,), generator=g)
+        ids = real[picked].reshape(self.rows, self.seq_len)
+        mask = self.mask()
+        return {
+            "input_ids": ids.masked_fill(~mask, _PAD_ID),
+            "labels": ids.masked_fill(~mask, self.ignore_index),
+        }
+
+    @classmethod
+    def sample(cls, rows: int, causal: bool = False, seed: int = 0) -> TokenBatch:
+        """``rows`` right-padded rows of 5 positions, each with at least one counted token
+        (two real tokens for a causal head), their lengths drawn from ``seed``."""
+        g = torch.Generator().manual_seed(seed + 3)
+        lengths = torch.randint(2 if causal else 1, _SEQUENCE + 1, (rows,), generator=g)
+        return cls(tuple(int(n) for n in lengths), _SEQUENCE, seed=seed)
+
+
+@dataclass(frozen=True)
+class TokenScenario:
+    """One DataParallel step of a language-model head on a padded token batch.
+
+    Attributes:
+        model: a ``ModelSpec`` of one of ``TOKEN_KINDS``.
+        batch: the padded ``TokenBatch``; the head's loss ignores its ``ignore_index``.
+        devices: DataParallel's devices.
+        dtype: the module's floating dtype.
+        seed: the module's weights are drawn from it.
+    """
+
+    model: ModelSpec = field(default_factory=lambda: ModelSpec("lm-head"))
+    batch: TokenBatch = field(default_factory=TokenBatch)
+    devices: DeviceList = field(default_factory=DeviceList)
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.model.kind not in TOKEN_KINDS:
+            raise InvalidArgument(f"model kind={self.model.kind!r} is not one of {TOKEN_KINDS}")
+
+    @property
+    def causal(self) -> bool:
+        return self.model.causal
+
+    @property
+    def chunk_sizes(self) -> list[int]:
+        from dpverify.core.scatter import chunk_sizes
+
+        return chunk_sizes(self.batch.rows, len(self.devices.device_ids))
+
+    @property
+    def token_counts(self) -> list[int]:
+        """The tokens each replica's mean loss counts (``TokenBatch.chunk_counts``)."""
+        return self.batch.chunk_counts(len(self.devices.device_ids), self.causal)
+
+    def build(self) -> BuiltScenario:
+        """The head (in ``dtype``, ignoring the batch's ``ignore_index``), no positional
+        inputs, the keyword inputs ``input_ids`` and ``labels``, and the labels as target.
+        ``loss_fn`` is a cross-entropy ``LossSpec`` for the record only: the head computes
+        its loss in forward (call it as ``module(**kwargs)``)."""
+        module = self.model.build(self.seed, ignore_index=self.batch.ignore_index).to(self.dtype)
+        kwargs = self.batch.build()
+        return BuiltScenario(
+            module=module,
+            inputs=(),
+            kwargs=kwargs,
+            target=kwargs["labels"],
+            loss_fn=LossSpec("cross_entropy"),
             device_ids=list(self.devices.device_ids),
             output_device=self.devices.output_device,
         )
