@@ -24,7 +24,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import TypeVar
 
 import torch
@@ -39,21 +40,29 @@ from dpverify.models.specs import (
     CLASSIFICATION_LOSSES,
     KINDS,
     LOSSES,
+    PADDING_SIDES,
     POOLINGS,
+    TOKEN_KINDS,
     BuiltScenario,
     DeviceList,
     LossSpec,
     ModelSpec,
     Scenario,
+    TokenBatch,
+    TokenScenario,
 )
 
 __all__ = [
     "LOSSES",
+    "PADDING_SIDES",
+    "TOKEN_KINDS",
     "BuiltScenario",
     "DeviceList",
     "LossSpec",
     "ModelSpec",
     "Scenario",
+    "TokenBatch",
+    "TokenScenario",
     "batch_sizes",
     "device_lists",
     "dtypes",
@@ -102,7 +111,9 @@ def model_specs(
     """Small architectures from ``KINDS``.
 
     Args:
-        kinds: restrict to these kinds (default: all of ``KINDS``).
+        kinds: restrict to these kinds (default: all of ``KINDS``). The language-model
+            heads of ``TOKEN_KINDS`` are drawn only when named here (their batches come
+            from ``token_batches``; ``token_scenarios`` pairs the two).
         exact: only models DataParallel must reproduce exactly: batch-independent,
             deterministic, and not computing the loss in forward (BatchNorm and dropout
             then come in eval mode).
@@ -112,16 +123,18 @@ def model_specs(
 
     Shrinks toward ``ModelSpec(kind='linear')`` with the smallest widths.
     """
-    chosen = KINDS if kinds is None else _subset("kinds", kinds, KINDS, f"choose a non-empty subset of {KINDS}")
+    allowed = KINDS + TOKEN_KINDS
+    chosen = KINDS if kinds is None else _subset("kinds", kinds, allowed, f"choose a non-empty subset of {allowed}")
     require_bool(exact, "exact")
     for name, value in (("max_features", max_features), ("max_hidden", max_hidden), ("max_depth", max_depth)):
         require_int_at_least(value, name, 1)
     if exact:
-        chosen = tuple(k for k in chosen if k != "loss-head")
+        losing = tuple(k for k in chosen if k == "loss-head" or k in TOKEN_KINDS)
+        chosen = tuple(k for k in chosen if k not in losing)
         if not chosen:
-            raise InvalidArgument("kinds=['loss-head'] with exact=True leaves nothing to draw")
+            raise InvalidArgument(f"kinds={list(losing)!r} with exact=True leaves nothing to draw")
     # simplest first, whatever order the caller gave
-    ordered = [k for k in KINDS if k in chosen]
+    ordered = [k for k in allowed if k in chosen]
     return st.builds(
         ModelSpec,
         kind=st.sampled_from(ordered),
@@ -267,4 +280,204 @@ def scenarios(
         dtypes() if dtype is None else _value_or_strategy(dtype, "dtype", torch.dtype),
         max_batch,
         st.integers(0, 2**16),
+    )
+
+
+#: The ignore indices ``token_batches`` draws by default: torch's and Hugging Face's -100,
+#: and two that tokenizers and hand-written loops use (a pad id of 0, -1).
+IGNORE_INDICES: tuple[int, ...] = (-100, 0, -1)
+
+
+def _ignore_indices(value: object) -> tuple[int, ...]:
+    hint = "pass a non-empty collection of ints, e.g. (-100, 0, -1)"
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise InvalidArgument(f"ignore_indices={value!r}: {hint}")
+    chosen = tuple(value)
+    if not chosen or any(isinstance(i, bool) or not isinstance(i, int) for i in chosen):
+        raise InvalidArgument(f"ignore_indices={list(chosen)!r}: {hint}")
+    return tuple(dict.fromkeys(chosen))
+
+
+def _equal_token_lengths(
+    draw: st.DrawFn, sizes: list[int], seq_len: int, side: str, causal: bool, all_padding_rows: bool,
+) -> list[int] | None:
+    """Row lengths that give every chunk of ``sizes`` rows the same number of counted
+    tokens (uneven chunks too), or None when no such count fits."""
+    cap = seq_len - 1 if causal else seq_len  # the most tokens one row can count
+    # the fewest one row counts: a row without real tokens needs all_padding_rows, and a
+    # right-padded causal row of one real token counts none
+    least = 0 if all_padding_rows or (causal and side == "right") else 1
+    low, high = max(1, max(sizes) * least), min(sizes) * cap
+    if low > high:
+        return None
+    total = draw(st.integers(low, high), label="tokens per chunk")
+    counted: list[int] = []
+    for size in sizes:
+        row_counts, left = [least] * size, total - size * least
+        for i in range(size):
+            row_counts[i] += min(cap - least, left)
+            left -= row_counts[i] - least
+        counted += row_counts
+    # a causal row counts its real tokens but the first: right-padded, one real token more;
+    # left-padded, as many (the first label is padding while the row is shorter than seq_len)
+    return [c + 1 if causal and side == "right" else c for c in counted]
+
+
+@st.composite
+def _token_batches(
+    draw: st.DrawFn,
+    n_devices: SearchStrategy[int],
+    causal: bool,
+    max_rows: int,
+    max_seq_len: int,
+    sides: tuple[str, ...],
+    ignores: tuple[int, ...],
+    all_padding_rows: bool,
+    empty_chunks: bool,
+) -> TokenBatch:
+    from dpverify.core.scatter import chunk_sizes
+
+    n = require_int_at_least(draw(n_devices), "n_devices", 1)
+    rows = draw(batch_sizes(n, max_size=max_rows), label="rows")
+    seq_len = draw(st.integers(2 if causal else 1, max_seq_len), label="seq_len")
+    side = draw(st.sampled_from(sides), label="padding_side")
+    ignore = draw(st.sampled_from(ignores), label="ignore_index")
+    seed = draw(st.integers(0, 2**16), label="seed")
+    sizes = chunk_sizes(rows, n)
+    equal = None
+    if len(sizes) > 1 and draw(st.booleans(), label="equal tokens per chunk"):
+        equal = _equal_token_lengths(draw, sizes, seq_len, side, causal, all_padding_rows)
+    if equal is not None:
+        return TokenBatch(tuple(equal), seq_len, side, ignore, seed)
+    # drawn as padding per row, so that shrinking removes padding
+    most = seq_len if all_padding_rows else seq_len - 1
+    padding = draw(st.lists(st.integers(0, most), min_size=rows, max_size=rows), label="padding")
+    lengths = [seq_len - p for p in padding]
+    batch = TokenBatch(tuple(lengths), seq_len, side, ignore, seed)
+    if not empty_chunks:
+        # a chunk with no token to average over would make its replica's loss NaN (0/0):
+        # its first row loses its padding instead (seq_len >= 2 for a causal head, so a full
+        # row counts at least one token)
+        start = 0
+        for size, count in zip(sizes, batch.chunk_counts(n, causal), strict=True):
+            if count == 0:
+                lengths[start] = seq_len
+            start += size
+        batch = replace(batch, lengths=tuple(lengths))
+    return batch
+
+
+def token_batches(
+    n_devices: int | SearchStrategy[int] = 1,
+    *,
+    causal: bool = False,
+    max_rows: int = 8,
+    max_seq_len: int = 6,
+    padding_sides: Sequence[str] = PADDING_SIDES,
+    ignore_indices: Iterable[int] = IGNORE_INDICES,
+    all_padding_rows: bool = True,
+    empty_chunks: bool = False,
+) -> SearchStrategy[TokenBatch]:
+    """Padded batches of token ids and labels (``TokenBatch``), split over ``n_devices``.
+
+    Draws the rows (``batch_sizes(n_devices)``: one row, fewer rows than devices, equal and
+    uneven chunks), the padded length, each row's padding, the padding side and the ignore
+    index that marks padding in the labels; ``batch.build()`` gives ``input_ids`` and
+    ``labels``. Equal chunks of rows then hold different numbers of tokens, which is what
+    makes ``loss.mean()`` of the replicas' token-mean losses biased; and about half the
+    draws that split into several chunks give every chunk the same number of counted tokens
+    instead, uneven chunks of rows included (where ``loss.mean()`` is then exact).
+
+    Every chunk DataParallel makes for ``n_devices`` devices holds at least one token that a
+    mean loss counts (a label that is not the ignore index, after the shift when ``causal``),
+    so every replica's loss is a number: a mean over no token is NaN (0/0), which no
+    weighting repairs. Rows without such a token (all padding; one real token under a causal
+    shift) are drawn, just never a whole chunk of them; where a draw makes one, that chunk's
+    first row is unpadded. ``empty_chunks=True`` draws those chunks too.
+
+    Args:
+        n_devices: the devices the batch is split over (an int or a strategy of them).
+        causal: count as a causal head does, shifted by one (each row's first label is never
+            counted); the padded length is then at least 2.
+        max_rows: most rows.
+        max_seq_len: longest padded length (at least 2 when ``causal``).
+        padding_sides: draw from these sides, ``"right"`` and/or ``"left"``.
+        ignore_indices: draw the ignore index from these ints (default -100, 0 and -1).
+        all_padding_rows: also draw rows of padding only.
+        empty_chunks: also draw chunks without a counted token (their loss is NaN).
+
+    Shrinks toward one row of the shortest length without padding, right-padded, the first
+    ignore index (-100) and seed 0.
+    """
+    require_bool(causal, "causal")
+    require_int_at_least(max_rows, "max_rows", 1)
+    require_int_at_least(max_seq_len, "max_seq_len", 2 if causal else 1)
+    sides = _subset("padding_sides", padding_sides, PADDING_SIDES, f"choose a non-empty subset of {PADDING_SIDES}")
+    ignores = _ignore_indices(ignore_indices)
+    require_bool(all_padding_rows, "all_padding_rows")
+    require_bool(empty_chunks, "empty_chunks")
+    if not isinstance(n_devices, SearchStrategy):
+        require_int_at_least(n_devices, "n_devices", 1)
+    return _token_batches(
+        _value_or_strategy(n_devices, "n_devices", int), causal, max_rows, max_seq_len,
+        tuple(s for s in PADDING_SIDES if s in sides), ignores, all_padding_rows, empty_chunks,
+    )
+
+
+@st.composite
+def _token_scenarios(
+    draw: st.DrawFn,
+    models: SearchStrategy[ModelSpec],
+    devices: SearchStrategy[DeviceList],
+    dtype_strategy: SearchStrategy[torch.dtype],
+    batches: Callable[[int, bool], SearchStrategy[TokenBatch]],
+) -> TokenScenario:
+    model = _drawn(draw(models), "models", ModelSpec)
+    if model.kind not in TOKEN_KINDS:
+        raise InvalidArgument(f"models drew kind={model.kind!r}; token_scenarios needs one of {TOKEN_KINDS}")
+    device_list = _drawn(draw(devices), "devices", DeviceList)
+    batch = draw(batches(len(device_list.device_ids), model.causal))
+    dtype = _drawn(draw(dtype_strategy), "dtype", torch.dtype)
+    return TokenScenario(model, batch, device_list, dtype, draw(st.integers(0, 2**16)))
+
+
+def token_scenarios(
+    *,
+    models: ModelSpec | SearchStrategy[ModelSpec] | None = None,
+    devices: DeviceList | SearchStrategy[DeviceList] | None = None,
+    dtype: torch.dtype | SearchStrategy[torch.dtype] | None = None,
+    max_rows: int = 8,
+    max_seq_len: int = 6,
+    padding_sides: Sequence[str] = PADDING_SIDES,
+    ignore_indices: Iterable[int] = IGNORE_INDICES,
+    all_padding_rows: bool = True,
+) -> SearchStrategy[TokenScenario]:
+    """A language-model head on a padded token batch and devices (``TokenScenario``).
+
+    ``models`` (default: ``model_specs(kinds=TOKEN_KINDS)``, plain and causal heads),
+    ``devices`` (default ``device_lists()``) and ``dtype`` (default ``dtypes()``) take a
+    value or a strategy; the batch is ``token_batches`` for the drawn devices, counting as
+    the drawn head does (shifted for a causal one), with the other arguments as there: so
+    every replica averages over at least one token. ``scenario.build()`` gives the head
+    (its ``nn.CrossEntropyLoss`` ignores the batch's ignore index), ``inputs=()`` and the
+    keyword inputs ``input_ids`` and ``labels``; ``scenario.token_counts`` are the tokens
+    each replica's loss averages over.
+
+    Shrinks toward a plain head of width 1, one device, one unpadded row of one token,
+    ignore index -100, float32 and seed 0.
+    """
+    require_int_at_least(max_seq_len, "max_seq_len", 2)  # a causal head may be drawn
+
+    def batches(n_devices: int, causal: bool) -> SearchStrategy[TokenBatch]:
+        return token_batches(
+            n_devices, causal=causal, max_rows=max_rows, max_seq_len=max_seq_len,
+            padding_sides=padding_sides, ignore_indices=ignore_indices, all_padding_rows=all_padding_rows,
+        )
+
+    batches(1, True)  # bad arguments fail now, not at the first draw
+    return _token_scenarios(
+        model_specs(kinds=TOKEN_KINDS) if models is None else _value_or_strategy(models, "models", ModelSpec),
+        device_lists() if devices is None else _value_or_strategy(devices, "devices", DeviceList),
+        dtypes() if dtype is None else _value_or_strategy(dtype, "dtype", torch.dtype),
+        batches,
     )

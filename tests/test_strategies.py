@@ -14,19 +14,27 @@ from hypothesis.errors import InvalidArgument as HypothesisInvalidArgument
 import dpverify
 from dpverify import strategies
 from dpverify.strategies import (
+    TOKEN_KINDS,
     DeviceList,
     LossSpec,
     ModelSpec,
     Scenario,
+    TokenBatch,
+    TokenScenario,
     batch_sizes,
     device_lists,
     dtypes,
     loss_specs,
     model_specs,
     scenarios,
+    token_batches,
+    token_scenarios,
 )
 
-NAMESPACE = {"ModelSpec": ModelSpec, "LossSpec": LossSpec, "DeviceList": DeviceList, "Scenario": Scenario, "torch": torch}
+NAMESPACE = {
+    "ModelSpec": ModelSpec, "LossSpec": LossSpec, "DeviceList": DeviceList, "Scenario": Scenario,
+    "TokenBatch": TokenBatch, "TokenScenario": TokenScenario, "torch": torch,
+}
 
 
 def test_every_public_strategy_is_exported_and_documented() -> None:
@@ -207,3 +215,136 @@ def test_spec_validation() -> None:
         LossSpec("mse", "none")
     with pytest.raises(dpverify.InvalidArgument, match="name='hinge'"):
         LossSpec("hinge")
+
+
+# -- padded token batches -------------------------------------------------------------------
+
+
+@given(st.integers(1, 4), st.booleans(), st.data())
+def test_token_batches_build_padded_labels_and_every_chunk_counts_a_token(n: int, causal: bool, data: st.DataObject) -> None:
+    batch = data.draw(token_batches(n, causal=causal))
+    built = batch.build()
+    ids, labels = built["input_ids"], built["labels"]
+    assert ids.shape == labels.shape == (batch.rows, batch.seq_len)
+    assert 1 <= batch.rows <= 8
+    assert (2 if causal else 1) <= batch.seq_len <= 6
+    real = batch.mask()
+    assert real.sum(dim=1).tolist() == list(batch.lengths)
+    assert torch.equal(labels == batch.ignore_index, ~real)  # padding, and only padding, is ignored
+    assert torch.equal(ids == 0, ~real)  # pad id 0; real ids are 1 .. 63
+    assert torch.equal(labels[real], ids[real])
+    first = real.int().argmax(dim=1)  # where each row's real tokens start
+    for row, length in enumerate(batch.lengths):
+        if 0 < length < batch.seq_len:
+            assert int(first[row]) == (0 if batch.padding_side == "right" else batch.seq_len - length)
+    if batch.rows * batch.seq_len <= 62:
+        assert len(set(ids[real].tolist())) == int(real.sum())  # no id repeats
+    counts = [int((c != batch.ignore_index).sum()) for c in (labels[:, 1:] if causal else labels).chunk(n)]
+    assert counts == batch.chunk_counts(n, causal)
+    assert min(counts) > 0  # no replica's mean loss is 0/0
+
+
+@pytest.mark.parametrize(
+    ("strategy", "predicate", "label"),
+    [
+        (token_batches(2), lambda b: b.padding_side == "left" and 0 < min(b.lengths) < b.seq_len, "left padding"),
+        (token_batches(2), lambda b: 0 in b.lengths, "a row of padding only"),
+        (token_batches(2), lambda b: b.ignore_index == 0 and min(b.lengths) < b.seq_len, "ignore index 0"),
+        (token_batches(2), lambda b: b.ignore_index == -1 and min(b.lengths) < b.seq_len, "ignore index -1"),
+        (token_batches(2), lambda b: len(set(dpverify.chunk_sizes(b.rows, 2))) == 1 and len(set(b.chunk_counts(2))) > 1, "equal rows, unequal tokens"),
+        (token_batches(2), lambda b: len(set(dpverify.chunk_sizes(b.rows, 2))) > 1 and len(set(b.chunk_counts(2))) == 1, "uneven rows, equal tokens"),
+        (token_batches(3, causal=True), lambda b: len(set(dpverify.chunk_sizes(b.rows, 3))) > 1 and len(set(b.chunk_counts(3, True))) == 1, "causal, uneven rows, equal tokens"),
+        (token_batches(2, causal=True), lambda b: b.padding_side == "left" and 1 in b.lengths, "a causal row of one real token"),
+        (token_batches(2, empty_chunks=True), lambda b: 0 in b.chunk_counts(2), "a chunk without tokens"),
+    ],
+)
+def test_token_batches_reach_each_case(strategy: st.SearchStrategy[TokenBatch], predicate: Any, label: str) -> None:
+    assert predicate(find(strategy, predicate, settings=settings(database=None, max_examples=2000))), label
+
+
+@given(st.data())
+def test_token_batches_draw_only_what_is_asked(data: st.DataObject) -> None:
+    batch = data.draw(token_batches(3, padding_sides=["left"], ignore_indices=[7], all_padding_rows=False, max_rows=4, max_seq_len=3))
+    assert batch.padding_side == "left"
+    assert batch.ignore_index == 7
+    assert min(batch.lengths) >= 1
+    assert batch.rows <= 4
+    assert batch.seq_len <= 3
+    assert 7 not in batch.build()["input_ids"][batch.mask()].tolist()  # a real id is never the ignore index
+
+
+def test_token_batches_shrink_to_one_unpadded_row() -> None:
+    assert find(token_batches(), lambda b: True) == TokenBatch((1,), 1)
+    assert find(token_batches(causal=True), lambda b: True) == TokenBatch((2,), 2)
+    # a failure needing padding shrinks to the least of it
+    assert find(token_batches(2), lambda b: sum(b.lengths) < b.rows * b.seq_len, settings=settings(database=None)) == TokenBatch((1,), 2)
+
+
+def test_token_scenarios_shrink_and_print_as_pasteable_specs() -> None:
+    simplest = find(token_scenarios(), lambda s: True, settings=settings(database=None))
+    assert simplest == TokenScenario(ModelSpec("lm-head", features=1, hidden=1, outputs=1), TokenBatch((1,), 1), DeviceList((0,)), torch.float32, 0)
+
+
+@given(token_scenarios())
+def test_token_scenarios_build_a_head_that_ignores_the_batchs_ignore_index(scenario: TokenScenario) -> None:
+    assert eval(repr(scenario), NAMESPACE) == scenario
+    assert pickle.loads(pickle.dumps(scenario)) == scenario
+    first, second = scenario.build(), scenario.build()
+    assert first.inputs == ()
+    assert set(first.kwargs) == {"input_ids", "labels"}
+    for a, b in zip(first.module.state_dict().values(), second.module.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert dpverify.core.items.ignore_indices_of(first.module) == (scenario.batch.ignore_index,)
+    assert scenario.model.kind in TOKEN_KINDS
+    assert scenario.model.returns_loss
+    assert not scenario.model.exact
+    loss = first.module(**first.kwargs)
+    assert loss.dim() == 0
+    assert torch.isfinite(loss)
+    assert min(scenario.token_counts) > 0
+
+
+def test_model_specs_draw_language_model_heads_only_when_asked() -> None:
+    assert not set(TOKEN_KINDS) & set(dpverify.strategies.KINDS)
+    assert find(model_specs(kinds=TOKEN_KINDS), lambda m: m.causal).kind == "causal-lm-head"
+    # a Scenario of one calls it by keyword, right-padded, with the labels as target
+    built = Scenario(ModelSpec("causal-lm-head"), 3).build()
+    assert built.inputs == ()
+    assert torch.equal(built.target, built.kwargs["labels"])
+    assert torch.isfinite(built.module(**built.kwargs))
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: token_batches(causal=True, max_seq_len=1), "max_seq_len=1 must be an int >= 2"),
+        (lambda: token_batches(0), "n_devices=0 must be an int >= 1"),
+        (lambda: token_batches(max_rows=0), "max_rows=0"),
+        (lambda: token_batches(padding_sides=["top"]), "padding_sides=\\['top'\\]"),
+        (lambda: token_batches(padding_sides="left"), "padding_sides='left'"),
+        (lambda: token_batches(ignore_indices=[]), "ignore_indices=\\[\\]"),
+        (lambda: token_batches(ignore_indices=-100), "ignore_indices=-100"),
+        (lambda: token_batches(ignore_indices=[True]), "ignore_indices=\\[True\\]"),
+        (lambda: token_batches(empty_chunks=1), "empty_chunks=1 must be True or False"),
+        (lambda: token_scenarios(max_seq_len=1), "max_seq_len=1 must be an int >= 2"),
+        (lambda: token_scenarios(padding_sides=["top"]), "padding_sides"),
+        (lambda: model_specs(kinds=["lm-head"], exact=True), "leaves nothing to draw"),
+        (lambda: TokenBatch((3,), 2), "lengths=\\(3,\\)"),
+        (lambda: TokenBatch(()), "lengths=\\(\\)"),
+        (lambda: TokenBatch(padding_side="middle"), "padding_side='middle'"),
+        (lambda: TokenScenario(ModelSpec("linear")), "kind='linear' is not one of"),
+    ],
+)
+def test_bad_token_arguments_fail_eagerly_naming_the_argument(make: Any, match: str) -> None:
+    with pytest.raises(dpverify.InvalidArgument, match=match):
+        make()
+
+
+def test_a_drawn_model_that_is_no_language_model_head_is_an_invalid_argument() -> None:
+    @given(token_scenarios(models=ModelSpec("linear")))
+    @settings(max_examples=5, database=None)
+    def test(value: Any) -> None:
+        pass
+
+    with pytest.raises(dpverify.InvalidArgument, match="models drew kind='linear'"):
+        test()
