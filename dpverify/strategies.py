@@ -69,6 +69,8 @@ __all__ = [
     "loss_specs",
     "model_specs",
     "scenarios",
+    "token_batches",
+    "token_scenarios",
 ]
 
 T = TypeVar("T")

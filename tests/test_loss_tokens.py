@@ -157,3 +157,17 @@ def test_the_hf_gpt2_keyword_only_call_with_padded_labels() -> None:
     assert report.is_biased
     assert report.weighted_is_exact
     assert abs(report.predicted_bias - report.loss_bias) <= 8 * report.loss_noise  # GPT-2's loss is float32
+
+
+def test_a_replica_without_tokens_is_named() -> None:
+    batch = _padded()
+    batch["labels"][2:4] = -100  # replica 1's chunk: every label ignored
+    report = _report(_TokenHead(), batch)
+    assert report.replica_losses[1] != report.replica_losses[1]  # NaN
+    assert report.is_biased  # never a pass
+    result = CHECKS["dp-loss-average"].run(Case(_TokenHead(), (), device_ids=(0, 1, 2, 3), forward_kwargs=batch))
+    assert result.verdict is dpverify.Verdict.WARN
+    assert result.summary == "loss.mean() is NaN (chunks [2, 2, 2, 2]): replica 1 averaged over no items"
+    text = str(report)
+    assert "loss.mean() is NaN: replica 1 returned NaN while the full-batch loss is finite." in text
+    assert "holds no counted item" in text

@@ -364,6 +364,9 @@ class LossAverageReport:
                 f"chunk-weighted sum(n_i/B) = {self.weighted_mean:.8g}",
             ]
         lines.append(f"full-batch loss           = {self.full_batch_loss:.8g}")
+        empty = [i for i, loss in enumerate(self.replica_losses) if math.isnan(loss)]
+        if empty and not math.isnan(self.full_batch_loss):
+            return "\n".join(lines + self._empty_lines(empty))
         uneven = self.unequal_items
         weights = "item counts" if self.by_tokens else "chunk weights"
         if self.normalizer:
@@ -391,6 +394,20 @@ class LossAverageReport:
                 )
             lines.append(line)
         return "\n".join(lines)
+
+    def _empty_lines(self, empty: list[int]) -> list[str]:
+        """Replicas whose loss is NaN where the full batch's is not: a mean over nothing."""
+        which = ", ".join(map(str, empty))
+        return [
+            f"loss.mean() is NaN: replica{'s' if len(empty) > 1 else ''} {which} returned NaN while the "
+            "full-batch loss is finite.",
+            f"Why: a mean over no items is 0/0. The chunk{'s' if len(empty) > 1 else ''} of replica "
+            f"{which} hold{'' if len(empty) > 1 else 's'} no counted item (every label is the ignore "
+            "index, for a token-mean loss), and NaN spreads to loss.mean() and to every gradient; "
+            "no weighting of the replica losses repairs it (0 x NaN is NaN).",
+            "Fix: return each replica's summed loss and its count of items from forward and divide "
+            "the sum by the total after the gather, or keep batches from leaving a replica without items.",
+        ]
 
     @property
     def _given_text(self) -> str:
@@ -719,6 +736,8 @@ def check_forward_loss_average(
     biased = (
         abs(loss_bias) > _NOISE_FACTOR * loss_noise
         or max(gaps_mean, default=0.0) > _NOISE_FACTOR * grad_noise
+        # a replica loss that is NaN where the full batch's is not (a mean over no items)
+        or (math.isfinite(full_value) and not all(math.isfinite(v) for v in values))
     )
     return LossAverageReport(
         batch_size=batch,

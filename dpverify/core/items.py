@@ -80,7 +80,8 @@ def choose_items(candidates: Mapping[str, list[int]], losses: Sequence[float], f
     """The item counts that reproduce the full-batch loss from the replica losses
     (``sum(t_i * L_i) / sum(t_i)``): the count each replica's mean loss divided by, found
     from the evidence rather than assumed. Rows unless another count, not proportional to
-    the rows, does clearly better (half the error or less)."""
+    the rows, does clearly better (half the error or less); a later candidate replaces an
+    earlier one only on the same terms, and never when the two are proportional."""
 
     def error(counts: list[int]) -> float:
         total = sum(counts)
@@ -88,13 +89,17 @@ def choose_items(candidates: Mapping[str, list[int]], losses: Sequence[float], f
             return math.inf
         return abs(sum(t * loss for t, loss in zip(counts, losses, strict=True)) / total - full)
 
+    def proportional(a: list[int], b: list[int]) -> bool:
+        return len(a) == len(b) and all(x * sum(b) == y * sum(a) for x, y in zip(a, b, strict=True))
+
     rows = list(candidates.get("rows", []))
     chosen, best = ("rows", rows), error(rows)
     for name, counts in candidates.items():
-        proportional = len(counts) == len(rows) and all(c * sum(rows) == r * sum(counts) for c, r in zip(counts, rows, strict=True))
-        if name == "rows" or proportional:
+        # a count proportional to the chosen one gives the same weights: the evidence cannot
+        # tell them apart, and rounding must not pick between them (the first found stays)
+        if name == "rows" or proportional(counts, rows) or proportional(counts, chosen[1]):
             continue
         found = error(counts)
-        if found < 0.5 * best and (chosen[0] == "rows" or found < error(chosen[1])):
-            chosen = (name, list(counts))
+        if found < 0.5 * best:
+            chosen, best = (name, list(counts)), found
     return chosen
