@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from typing import Any
 
 import pytest
@@ -95,7 +96,14 @@ def test_plain_ddp_is_the_trap_exactly_when_ranks_hold_different_numbers_of_toke
     if len(set(counts)) > 1:
         with pytest.raises(ParallelMismatch, match="loss-averaging trap") as caught:
             assert_ddp_grads_match(TinyLM(), (), labels, step=ddp_step, **common)
-        assert f"{counts}" in str(caught.value)
+        text = str(caught.value)
+        assert f"{counts}" in text
+        # the bias measured is the bias the token counts predict
+        measured = re.search(r"\(bias ([-+][0-9.e+-]+);", text)
+        predicted = re.search(r"the token counts predict ([-+][0-9.e+-]+)\)", text)
+        assert measured is not None, text
+        assert predicted is not None, text
+        assert float(measured.group(1)) == pytest.approx(float(predicted.group(1)), rel=2e-2, abs=1e-6)
     else:
         assert assert_ddp_grads_match(TinyLM(), (), labels, step=ddp_step, **common).ok
 
