@@ -167,19 +167,19 @@ class TinyErrorDataParallel(VirtualDataParallel[Any]):
             first.register_hook(lambda g: g * (1 + self.relative_error))
 
 
-class BalancedOffsetDataParallel(nn.DataParallel[Any]):
-    """A balanced-chunk DataParallel, as projects write to leave room for the loss on the
-    first GPU: device 0 takes one row fewer than an even share, the others split the rest.
-    The bug: each other device's rows start at a fixed stride from the first chunk, which
-    forgets the extra row given to the devices before it, so chunks overlap and the last rows
-    are never seen, in a batch of the right size.
+class _BalancedScatter(nn.DataParallel[Any]):
+    """The scatter of a balanced-chunk DataParallel, as projects write to leave room for the
+    loss on the first GPU: device 0 takes one row fewer than an even share (at least one),
+    the others split the rest (the first of them one row more each, as many as the remainder). Each
+    device's rows start at ``chunk_starts(sizes)``; batches of no more rows than devices
+    keep torch's scatter."""
 
-    A plain ``torch.nn.DataParallel`` subclass (its own ``scatter`` only): dpverify runs it
-    through ``virtual_devices`` where the CUDA devices are missing.
-    """
+    def chunk_starts(self, sizes: Sequence[int]) -> list[int]:
+        """Where each device's rows start: right after the devices before it."""
+        return [sum(sizes[:i]) for i in range(len(sizes))]
 
     def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[Any]) -> Any:
-        first_input = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
+        first_input = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
         n = len(device_ids)
         rows = first_input.size(self.dim) if first_input is not None else 0
         if n < 2 or rows <= n:
@@ -187,7 +187,7 @@ class BalancedOffsetDataParallel(nn.DataParallel[Any]):
         first = max(1, rows // n - 1)
         share, extra = divmod(rows - first, n - 1)
         sizes = [first] + [share + (1 if i < extra else 0) for i in range(n - 1)]
-        starts = [0] + [first + i * share for i in range(n - 1)]  # bug: the running offset is sum(sizes[:i])
+        starts = self.chunk_starts(sizes)
 
         def rows_of(device: int) -> Callable[[torch.Tensor], torch.Tensor]:
             def take(x: torch.Tensor) -> torch.Tensor:
@@ -202,7 +202,23 @@ class BalancedOffsetDataParallel(nn.DataParallel[Any]):
         return scattered, scattered_kwargs
 
 
-class BalancedDropsChunkDataParallel(nn.DataParallel[Any]):
+class BalancedOffsetDataParallel(_BalancedScatter):
+    """A balanced-chunk DataParallel, as projects write to leave room for the loss on the
+    first GPU: device 0 takes one row fewer than an even share, the others split the rest.
+    The bug: each other device's rows start at a fixed stride from the first chunk, which
+    forgets the extra row given to the devices before it, so chunks overlap and the last rows
+    are never seen, in a batch of the right size.
+
+    A plain ``torch.nn.DataParallel`` subclass (its own ``scatter`` only): dpverify runs it
+    through ``virtual_devices`` where the CUDA devices are missing.
+    """
+
+    def chunk_starts(self, sizes: Sequence[int]) -> list[int]:
+        first, share = sizes[0], min(sizes[1:])
+        return [0] + [first + i * share for i in range(len(sizes) - 1)]  # bug: the running offset is sum(sizes[:i])
+
+
+class BalancedDropsChunkDataParallel(_BalancedScatter):
     """A balanced-chunk DataParallel that keeps the first device free for the loss: device
     0 takes one row fewer than an even share and the others split the rest, as
     ``BalancedOffsetDataParallel`` does with the right offsets. The bug: it replicates the
@@ -223,29 +239,6 @@ class BalancedDropsChunkDataParallel(nn.DataParallel[Any]):
         chunks = list(zip(replicas, scattered, scattered_kwargs, strict=False))
         outputs = self.parallel_apply([r for r, _a, _k in chunks], [a for _r, a, _k in chunks], [k for _r, _a, k in chunks])
         return self.gather(outputs, self.output_device)
-
-    def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[Any]) -> Any:
-        first_input = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
-        n = len(device_ids)
-        rows = first_input.size(self.dim) if first_input is not None else 0
-        if n < 2 or rows <= n:
-            return super().scatter(inputs, kwargs, device_ids)
-        first = max(1, rows // n - 1)
-        share, extra = divmod(rows - first, n - 1)
-        sizes = [first] + [share + (1 if i < extra else 0) for i in range(n - 1)]
-        starts = [sum(sizes[:i]) for i in range(n)]
-
-        def rows_of(device: int) -> Callable[[torch.Tensor], torch.Tensor]:
-            def take(x: torch.Tensor) -> torch.Tensor:
-                if x.dim() == 0 or x.size(self.dim) != rows:
-                    return x
-                return x.narrow(self.dim, starts[device], sizes[device])
-
-            return take
-
-        scattered = tuple(tuple(map_tensors(inputs, rows_of(i))) for i in range(n))
-        scattered_kwargs = tuple(map_tensors(dict(kwargs or {}), rows_of(i)) for i in range(n))
-        return scattered, scattered_kwargs
 
 
 class ReplicaOutputsDataParallel(nn.DataParallel[Any]):

@@ -204,14 +204,11 @@ class Check:
         require_loss_fn(loss_fn)
         factory = self.parallel_loss
         built: list[Callable[[Any, Any], torch.Tensor]] = []
-        kwargs = {"device_ids": self.device_ids, "output_device": self.output_device}
-        if self.dim != 0:
-            kwargs["dim"] = self.dim
 
         def loss(output: Any) -> torch.Tensor:
             if not built:
                 criterion = loss_fn if isinstance(loss_fn, nn.Module) else LossModule(loss_fn)
-                built.append(factory(criterion, **kwargs))
+                built.append(factory(criterion, **self.wrapper_kwargs()))
             result: torch.Tensor = built[0](output, target)
             return result
 
