@@ -39,9 +39,9 @@ class TinyLM(nn.Module):
         return logits
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The mean over the tokens whose label is not -100."""
-    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """The mean over the tokens whose label is not ``ignore_index``."""
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=ignore_index)
 
 
 def padded(lengths: list[int], seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +88,7 @@ def micro_mean_over_k(ctx: ShardContext) -> None:
     parts = ctx.micro_batch_split()
     for index, part in enumerate(parts):
         with contextlib.nullcontext() if index == len(parts) - 1 else model.no_sync():
-            (token_loss(model(**part.kwargs), part.target) / len(parts)).backward()
+            (ctx.loss_fn(model(**part.kwargs), part.target) / len(parts)).backward()
 
 
 def micro_sum_over_total_count(ctx: ShardContext) -> None:

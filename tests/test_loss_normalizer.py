@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from test_loss_tokens import tiny_gpt2
 from torch import nn
 
 import dpverify
@@ -119,11 +120,8 @@ def test_bad_per_call_kwargs_are_named() -> None:
 
 
 def test_a_hugging_face_model_with_num_items_in_batch() -> None:
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(config).eval()
+    model = tiny_gpt2()
+    assert model.config.vocab_size == VOCAB
     batch = _batch([1, 2, 0, 0, 0, 4, 0, 0])
     count = int((batch["labels"][:, 1:] != -100).sum())  # the causal head skips each row's first label
     report = dpverify.check_forward_loss_average(model, (), device_ids=[0, 1, 2, 3], forward_kwargs=batch, per_call_kwargs=_trainer(count))

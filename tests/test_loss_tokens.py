@@ -145,12 +145,19 @@ def test_the_registry_warns_with_the_token_counts() -> None:
     assert CHECKS["dp-weighted-loss"].run(case, by_rows).verdict is dpverify.Verdict.FAIL
 
 
-def test_the_hf_gpt2_keyword_only_call_with_padded_labels() -> None:
+def tiny_gpt2() -> nn.Module:
+    """A one-layer GPT-2 over ``VOCAB`` tokens, built from its config (nothing downloaded),
+    in eval mode (no dropout); skips the test where transformers is missing."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(config).eval()
+    model: nn.Module = transformers.GPT2LMHeadModel(config).eval()
+    return model
+
+
+def test_the_hf_gpt2_keyword_only_call_with_padded_labels() -> None:
+    model = tiny_gpt2()
     batch = _padded()
     report = _report(model, batch)
     assert report.items == "tokens (labels != -100, shifted)"

@@ -11,49 +11,19 @@ device too, and nothing can be compared.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import re
 from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
+from test_ddp_tokens import VOCAB, TinyLM, micro_mean_over_k, token_loss
 
 from dpverify.core.errors import ParallelMismatch
 from dpverify.ddp.checks import assert_ddp_accumulation_matches, assert_ddp_grads_match
-from dpverify.ddp.rank import ShardContext, ddp_step
-
-VOCAB, WIDTH = 9, 5
-
-
-class TinyLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            self.embed = nn.Embedding(VOCAB, WIDTH)
-            self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, *, input_ids: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.head(torch.tanh(self.embed(input_ids)))
-        return logits
-
-
-def token_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=ignore_index)
-
-
-def micro_mean_over_k(ctx: ShardContext) -> None:
-    """``loss / gradient_accumulation_steps`` over token-mean micro-batch losses."""
-    model = ctx.ddp()
-    parts = ctx.micro_batch_split()
-    for index, part in enumerate(parts):
-        with contextlib.nullcontext() if index == len(parts) - 1 else model.no_sync():
-            (ctx.loss_fn(model(**part.kwargs), part.target) / len(parts)).backward()
+from dpverify.ddp.rank import ddp_step
 
 
 @st.composite

@@ -295,14 +295,19 @@ def no_sync_accumulation_step(ctx: ShardContext) -> None:
     are equal; for a token-level loss its tokens over the total count), so the one
     synchronisation at the end gives the full-batch gradient.
     """
+    _accumulate(ctx, lambda loss, part, _k: loss * (part.items * ctx.world_size / ctx.total_items))
+
+
+def _accumulate(ctx: ShardContext, scaled: Callable[[torch.Tensor, MicroBatch, int], torch.Tensor]) -> None:
+    """Forward and backward of each micro-batch, every one but the last inside
+    ``no_sync()``, backpropagating ``scaled(loss, micro_batch, number_of_micro_batches)``."""
     model = ctx.ddp()
     parts = ctx.micro_batch_split()
     for index, part in enumerate(parts):
         last = index == len(parts) - 1
         with contextlib.nullcontext() if last else model.no_sync():
             output = model(*part.inputs, **part.kwargs)
-            weight = part.items * ctx.world_size / ctx.total_items
-            (ctx.loss_fn(output, part.target) * weight).backward()
+            scaled(ctx.loss_fn(output, part.target), part, len(parts)).backward()
 
 
 def micro_mean_accumulation_step(ctx: ShardContext) -> None:
@@ -310,13 +315,7 @@ def micro_mean_accumulation_step(ctx: ShardContext) -> None:
     micro-batches (the trainers' ``loss / gradient_accumulation_steps``). Exact only when
     every micro-batch of every rank holds as many items: with different numbers of tokens
     (or rows) it is the loss-averaging trap. The accumulation check runs it for contrast."""
-    model = ctx.ddp()
-    parts = ctx.micro_batch_split()
-    for index, part in enumerate(parts):
-        last = index == len(parts) - 1
-        with contextlib.nullcontext() if last else model.no_sync():
-            output = model(*part.inputs, **part.kwargs)
-            (ctx.loss_fn(output, part.target) / len(parts)).backward()
+    _accumulate(ctx, lambda loss, _part, k: loss / k)
 
 
 # --------------------------------------------------------------------------- tasks
