@@ -20,7 +20,7 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -131,12 +131,10 @@ class _ObservedRows:
         # replica i runs on device_ids[i] and its loss is the i-th gathered value
         self.dim = dim
         self.given_names = tuple(given)
-        self.given: list[tuple[int, float | None]] = []
         self.items = items
         self.ignore_indices = tuple(ignore_indices)
         self.order = {device: position for position, device in enumerate(device_ids)}
-        self.rows: list[tuple[int, int]] = []
-        self.counts: list[tuple[int, dict[str, int]]] = []
+        self.seen: list[_Seen] = []
         self._lock = threading.Lock()
         self._handle = model.register_forward_pre_hook(self._see, with_kwargs=True)
 
@@ -158,27 +156,43 @@ class _ObservedRows:
             counts = {"items": count_items(self.items, args, kwargs)}
         value = _count_value(kwargs.get(self.given_names[0])) if self.given_names else None
         with self._lock:  # replicas run in concurrent threads
-            self.rows.append((key, rows))
-            self.given.append((key, value))
-            self.counts.append((key, counts))
+            self.seen.append(_Seen(key, rows, counts, value))
 
     def detach(self) -> None:
         self._handle.remove()
 
+    def in_order(self) -> list[_Seen]:
+        """The replica forwards seen, in device order."""
+        return sorted(self.seen, key=lambda seen: seen.key)
+
     def sizes(self, replicas: int, batch: int) -> list[int] | None:
         """The observed chunk sizes when they account for every replica loss and the whole
         batch, else None (the planned split stands)."""
-        sizes = [rows for _key, rows in sorted(self.rows)]
+        sizes = [seen.rows for seen in self.in_order()]
         return sizes if len(sizes) == replicas and sum(sizes) == batch else None
 
     def item_counts(self, replicas: int) -> dict[str, list[int]]:
         """Every candidate count of items (``item_candidates``) that every replica has, as
         per-replica lists in device order; empty unless each replica's forward was seen."""
-        if len(self.counts) != replicas:
+        if len(self.seen) != replicas:
             return {}
-        per_replica = [counts for _key, counts in sorted(self.counts, key=lambda entry: entry[0])]
+        per_replica = [seen.counts for seen in self.in_order()]
         shared = [name for name in per_replica[0] if all(name in counts for counts in per_replica)]
         return {name: [counts[name] for counts in per_replica] for name in shared}
+
+    def given(self) -> list[float | None]:
+        """The per-call count (``per_call_kwargs``' first keyword) each replica received."""
+        return [seen.given for seen in self.in_order()]
+
+
+class _Seen(NamedTuple):
+    """One replica forward: its place in ``device_ids``, its rows along ``dim``, the item
+    counts its chunk offers, and the per-call count it received (None when none)."""
+
+    key: int
+    rows: int
+    counts: dict[str, int]
+    given: float | None
 
 
 #: ``per_call_kwargs(devices)``: the keyword arguments of a call that spans ``devices``
@@ -202,6 +216,11 @@ def _per_call(per_call_kwargs: PerCall | None, devices: int, forward_kwargs: Map
     if clash:
         raise InvalidArgument(f"per_call_kwargs and forward_kwargs both give {clash}; give each keyword once")
     return dict(given)
+
+
+def _require_items(items: Items | None) -> None:
+    if items is not None:
+        require_callable(items, "items", "items(args, kwargs) -> the number of items (rows, tokens) one chunk's loss averages over")
 
 
 def _count_value(value: Any) -> float | None:
@@ -330,6 +349,14 @@ class LossAverageReport:
         )
 
     @property
+    def empty_replicas(self) -> tuple[int, ...]:
+        """The replicas whose loss is NaN where the full batch's is not: a mean over no
+        items (a chunk whose labels are all ignored)."""
+        if math.isnan(self.full_batch_loss):
+            return ()
+        return tuple(i for i, loss in enumerate(self.replica_losses) if math.isnan(loss))
+
+    @property
     def unequal_items(self) -> bool:
         """The replicas hold different numbers of items, so ``loss.mean()`` weights them
         unequally (equal chunks of rows can still hold different numbers of tokens)."""
@@ -364,9 +391,8 @@ class LossAverageReport:
                 f"chunk-weighted sum(n_i/B) = {self.weighted_mean:.8g}",
             ]
         lines.append(f"full-batch loss           = {self.full_batch_loss:.8g}")
-        empty = [i for i, loss in enumerate(self.replica_losses) if math.isnan(loss)]
-        if empty and not math.isnan(self.full_batch_loss):
-            return "\n".join(lines + self._empty_lines(empty))
+        if self.empty_replicas:
+            return "\n".join(lines + self._empty_lines(list(self.empty_replicas)))
         uneven = self.unequal_items
         weights = "item counts" if self.by_tokens else "chunk weights"
         if self.normalizer:
@@ -650,14 +676,13 @@ def check_forward_loss_average(
         # Frozen parameters have no gradient to compare (autograd.grad refuses them).
         params = [p for p in parallel_model.parameters() if p.requires_grad]
         seed_step(0, check.device)
-        if items is not None:
-            require_callable(items, "items", "items(args, kwargs) -> the number of items (rows, tokens) one chunk's loss averages over")
+        _require_items(items)
         observed = _ObservedRows(parallel_model, check.device_ids, check.dim, items, ignore_indices_of(module), list(parallel_given))
         try:
             with check.devices():
                 output = check.wrap(parallel_model)(*args, **parallel_kwargs)
             # the replicas that ran (a balanced wrapper can run more than torch's scatter would)
-            losses = _replica_losses(output, loss_at, len(observed.rows) or check.plan.n_replicas)
+            losses = _replica_losses(output, loss_at, len(observed.seen) or check.plan.n_replicas)
         except IndexError as error:
             check.explain_gather_error(error)
             raise
@@ -772,7 +797,7 @@ def _normalizer_fields(single_given: Mapping[str, Any], observed: _ObservedRows,
         return {}
     name = next(iter(single_given))
     full = _count_value(single_given[name])
-    given = [value for _key, value in sorted(observed.given, key=lambda entry: entry[0])]
+    given = observed.given()
     if full is None or len(given) != replicas or any(value is None for value in given):
         return {"normalizer": name}
     return {"normalizer": name, "normalizer_full": full, "normalizer_given": tuple(float(v) for v in given if v is not None)}
@@ -823,8 +848,7 @@ def assert_loss_reduction_matches_full_batch(
         module, inputs, device_ids=device_ids, parallel=parallel, rtol=rtol, atol=atol,
         forward_kwargs=forward_kwargs, dim=dim,
     )
-    if items is not None:
-        require_callable(items, "items", "items(args, kwargs) -> the number of items (rows, tokens) one chunk's loss averages over")
+    _require_items(items)
     sizes = list(check.plan.chunk_sizes)
     counted: list[tuple[str, list[int]]] = []
     seen: list[torch.Tensor] = []
@@ -843,7 +867,7 @@ def assert_loss_reduction_matches_full_batch(
 
     def reduced(output: Any) -> torch.Tensor:
         nonlocal sizes
-        losses = _replica_losses(output, loss_at, len(observed.rows) or check.plan.n_replicas)
+        losses = _replica_losses(output, loss_at, len(observed.seen) or check.plan.n_replicas)
         seen.append(losses.detach())
         # the split the wrapper made, which its replica losses are means over
         sizes = observed.sizes(losses.numel(), sum(sizes)) or sizes
@@ -868,7 +892,7 @@ def assert_loss_reduction_matches_full_batch(
         f"(bias {float(parallel_step.loss) - float(expected.loss):+.3g}).",
     ]
     kind, counts = counted[0] if counted else ("rows", sizes)
-    given = [value for _key, value in sorted(observed.given, key=lambda entry: entry[0])]
+    given = observed.given()
     if single_given:
         name = next(iter(single_given))
         notes.append(

@@ -372,9 +372,9 @@ def _loss_verdict(result: Callable[..., CheckResult], report: LossAverageReport)
     fields = _loss_fields(report) | {"detail": str(report)}
     if not report.is_biased:
         return result(Verdict.PASS, f"exact here (chunks {chunks})", **fields)
-    empty = [i for i, loss in enumerate(report.replica_losses) if loss != loss]
-    if empty:
-        return result(Verdict.WARN, f"loss.mean() is NaN (chunks {chunks}): replica {', '.join(map(str, empty))} averaged over no items", **fields)
+    if report.empty_replicas:
+        empty = ", ".join(map(str, report.empty_replicas))
+        return result(Verdict.WARN, f"loss.mean() is NaN (chunks {chunks}): replica {empty} averaged over no items", **fields)
     if report.by_tokens:
         how = "weight by t_i/T, tokens" if report.weighted_is_exact else "the replica losses are not means over their tokens"
         chunks = f"{chunks}, {report.items} {list(report.counts)}"

@@ -309,6 +309,7 @@ def run_step(
     if recorder is not None:
         recorder.attach(model)
     runner: Callable[..., Any] = wrap(model) if wrap is not None else model
+    rows: tuple[int, ...] = ()
     fork_devices = [device] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=fork_devices), default_dtype(dtype), no_tf32():
@@ -331,17 +332,16 @@ def run_step(
     finally:
         if recorder is not None:
             recorder.detach()
+            order = _replica_order(recorder, device_ids)
+            rows = tuple(recorder.replica_rows[key] for key in order if key in recorder.replica_rows)
             if rows_seen is not None:
-                rows_seen[:] = [recorder.replica_rows[key] for key in _replica_order(recorder, device_ids) if key in recorder.replica_rows]
+                rows_seen[:] = rows
     grads = {name: _grad_of(model, module_path, attr) for name, module_path, attr in sites}
     contributions: tuple[tuple[int | None, dict[str, torch.Tensor]], ...] = ()
-    rows: tuple[int, ...] = ()
     gathered = None
     detached = _detached(output)
     if recorder is not None:
-        order = _replica_order(recorder, device_ids)
         contributions = tuple((recorder.replica_devices.get(key), recorder.contributions[key]) for key in order)
-        rows = tuple(recorder.replica_rows[key] for key in order if key in recorder.replica_rows)
         gathered = _gathered(detached, len(order), dim)
     outputs = tuple((path, tensor.detach()) for path, tensor in flatten_tensors(output, "output"))
     magnitudes = recorder.magnitudes if recorder is not None else {}
