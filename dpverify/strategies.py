@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import TypeVar
@@ -31,10 +32,22 @@ from typing import TypeVar
 import torch
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
+from torch import nn
 
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.validation import require_bool, require_instance, require_int_at_least
+from dpverify.models.layouts import (
+    BACKENDS,
+    SCHEDULES,
+    FSDPLayout,
+    PipelineLayout,
+    ShardedScenario,
+    TPLayout,
+    even_split_points,
+    linear_pairs,
+    microbatch_counts,
+)
 from dpverify.models.specs import (
     ACTIVATIONS,
     CLASSIFICATION_LOSSES,
@@ -42,6 +55,7 @@ from dpverify.models.specs import (
     LOSSES,
     PADDING_SIDES,
     POOLINGS,
+    SHARDED_KINDS,
     TOKEN_KINDS,
     BuiltScenario,
     DeviceList,
@@ -55,22 +69,32 @@ from dpverify.models.specs import (
 __all__ = [
     "LOSSES",
     "PADDING_SIDES",
+    "SCHEDULES",
+    "SHARDED_KINDS",
     "TOKEN_KINDS",
     "BuiltScenario",
     "DeviceList",
+    "FSDPLayout",
     "LossSpec",
     "ModelSpec",
+    "PipelineLayout",
     "Scenario",
+    "ShardedScenario",
+    "TPLayout",
     "TokenBatch",
     "TokenScenario",
     "batch_sizes",
     "device_lists",
     "dtypes",
+    "fsdp_layouts",
     "loss_specs",
     "model_specs",
+    "pipeline_layouts",
     "scenarios",
+    "sharded_scenarios",
     "token_batches",
     "token_scenarios",
+    "tp_layouts",
 ]
 
 T = TypeVar("T")
@@ -125,7 +149,7 @@ def model_specs(
 
     Shrinks toward ``ModelSpec(kind='linear')`` with the smallest widths.
     """
-    allowed = KINDS + TOKEN_KINDS
+    allowed = KINDS + TOKEN_KINDS + SHARDED_KINDS
     chosen = KINDS if kinds is None else _subset("kinds", kinds, allowed, f"choose a non-empty subset of {allowed}")
     require_bool(exact, "exact")
     for name, value in (("max_features", max_features), ("max_hidden", max_hidden), ("max_depth", max_depth)):
@@ -483,3 +507,156 @@ def token_scenarios(
         dtypes() if dtype is None else _value_or_strategy(dtype, "dtype", torch.dtype),
         batches,
     )
+
+
+# --------------------------------------------------------------------------- sharded layouts
+
+#: The models ``sharded_scenarios("fsdp")`` draws besides ``sequential``: what DDP's
+#: properties draw that FSDP2 wraps child by child (no recurrent layers: their flattened
+#: weights are not DTensor-aware; no keyword-only or loss-in-forward kinds).
+FSDP_KINDS: tuple[str, ...] = ("linear", "mlp", "residual", "layernorm", "conv1d", "embedding", "attention", "tuple-output")
+
+
+def fsdp_layouts(module: nn.Module) -> SearchStrategy[FSDPLayout]:
+    """FSDP2 layouts for ``module``: ``fully_shard`` on the default modules (each child with
+    parameters) or on a drawn subset of the modules with parameters of their own subtree,
+    nested ones included, with ``reshard_after_forward`` True or False.
+
+    Shrinks toward the default layout with ``reshard_after_forward=True``.
+    """
+    require_instance(module, "module", nn.Module)
+    names = [name for name, sub in module.named_modules() if name and any(True for _ in sub.parameters())]
+    subsets = st.lists(st.sampled_from(names), min_size=1, unique=True).map(tuple) if names else st.nothing()
+    return st.builds(
+        FSDPLayout,
+        shard_modules=st.one_of(st.none(), subsets),
+        reshard_after_forward=st.booleans().map(lambda b: not b),
+    )
+
+
+def tp_layouts(module: nn.Module, world_size: int, *, data_parallel: Sequence[int] = (1,)) -> SearchStrategy[TPLayout]:
+    """Tensor-parallel plans for ``module``: a non-empty set of non-overlapping
+    ``(colwise, rowwise)`` Linear pairs (``linear_pairs``' candidates, also those starting
+    at any Linear, not only greedily), on a mesh with ``data_parallel`` groups drawn from
+    the values given that divide ``world_size`` (the rest is the tensor-parallel size).
+
+    Shrinks toward the first pair alone, without data parallelism.
+    """
+    require_instance(module, "module", nn.Module)
+    require_int_at_least(world_size, "world_size", 1)
+    sizes = [d for d in data_parallel if isinstance(d, int) and d >= 1 and world_size % d == 0]
+    if not sizes:
+        raise InvalidArgument(f"data_parallel={list(data_parallel)!r}: none divides world_size={world_size}; include 1")
+
+    @st.composite
+    def draw_layout(draw: st.DrawFn) -> TPLayout:
+        dp = draw(st.sampled_from(sorted(sizes)))
+        candidates = _all_linear_pairs(module, world_size // dp)
+        if not candidates:
+            raise InvalidArgument(f"module has no Linear pair a plan can shard over {world_size // dp} ranks (see linear_pairs)")
+        chosen = draw(st.lists(st.sampled_from(candidates), min_size=1, unique=True))
+        used: set[str] = set()
+        pairs = []
+        for pair in sorted(chosen, key=candidates.index):
+            if used.isdisjoint(pair):
+                pairs.append(pair)
+                used.update(pair)
+        return TPLayout(tuple(pairs), dp)
+
+    return draw_layout()
+
+
+def _all_linear_pairs(module: nn.Module, tp_size: int) -> list[tuple[str, str]]:
+    """Every pair ``linear_pairs`` could choose, overlapping ones included: the greedy
+    pairs of ``module`` and of each of its Sequentials with its first children dropped."""
+    found: list[tuple[str, str]] = []
+    for prefix, container in module.named_modules():
+        if not isinstance(container, nn.Sequential):
+            continue
+        children = list(container.named_children())
+        for start in range(len(children)):
+            tail = nn.Sequential(OrderedDict(children[start:]))
+            path = f"{prefix}." if prefix else ""
+            for first, second in linear_pairs(tail, tp_size)[:1]:
+                pair = (path + first, path + second)
+                if pair not in found:
+                    found.append(pair)
+    return found
+
+
+def pipeline_layouts(n_children: int, world_size: int, batch_size: int, *, schedules: Sequence[str] = SCHEDULES) -> SearchStrategy[PipelineLayout]:
+    """Pipelines of ``world_size`` stages over ``n_children`` top-level children: sorted
+    split points (every stage at least one child), a microbatch count that cuts
+    ``batch_size`` into equal microbatches (torch's schedules need equal shapes), and a
+    schedule from ``schedules``.
+
+    Shrinks toward the even split, the most microbatches up to 4 and GPipe.
+    """
+    require_int_at_least(world_size, "world_size", 1)
+    require_int_at_least(n_children, "n_children", world_size)
+    require_int_at_least(batch_size, "batch_size", 1)
+    chosen = _subset("schedules", schedules, SCHEDULES, f"choose a non-empty subset of {SCHEDULES}")
+    even = even_split_points(n_children, world_size)
+    points = st.lists(st.integers(1, n_children - 1), min_size=world_size - 1, max_size=world_size - 1, unique=True).map(lambda p: tuple(sorted(p)))
+    return st.builds(
+        PipelineLayout,
+        split_points=st.one_of(st.just(even), points) if world_size > 1 else st.just(()),
+        n_microbatches=st.sampled_from(microbatch_counts(batch_size, most=min(batch_size, 8))),
+        schedule=st.sampled_from([s for s in SCHEDULES if s in chosen]),
+    )
+
+
+@st.composite
+def _sharded_scenarios(
+    draw: st.DrawFn, backend: str, world_sizes: tuple[int, ...], dtype_strategy: SearchStrategy[torch.dtype], max_batch: int,
+) -> ShardedScenario:
+    world = draw(st.sampled_from(world_sizes))
+    dp = draw(st.sampled_from([1, 2] if backend == "tp" and world % 2 == 0 and world > 2 else [1]))
+    tp_size = world // dp
+    kind = draw(st.sampled_from(("sequential", *FSDP_KINDS))) if backend == "fsdp" else "sequential"
+    depth_min = max(1, -(-(world - 1) // 2)) if backend == "pp" else 1  # 2 * depth + 1 children
+    hidden = draw(st.integers(1, 3)) * tp_size if backend == "tp" else draw(st.integers(1, 8))
+    model = ModelSpec(
+        kind, features=draw(st.integers(1, 4)), hidden=hidden, outputs=draw(st.integers(1, 3)),
+        depth=draw(st.integers(depth_min, depth_min + 1)), activation=draw(st.sampled_from(ACTIVATIONS)), train=False,
+    )
+    rows_needed = world if backend == "fsdp" else dp
+    batch = draw(st.integers(rows_needed, max(rows_needed, max_batch)))
+    dtype = _drawn(draw(dtype_strategy), "dtype", torch.dtype)
+    scenario = Scenario(model, batch, DeviceList(tuple(range(world))), LossSpec("mse"), dtype, draw(st.integers(0, 2**16)))
+    module = model.build()
+    layout: FSDPLayout | TPLayout | PipelineLayout
+    if backend == "fsdp":
+        layout = draw(fsdp_layouts(module))
+    elif backend == "tp":
+        layout = draw(tp_layouts(module, world, data_parallel=(dp,)))
+    else:
+        layout = draw(pipeline_layouts(len(list(module.children())), world, batch))
+    return ShardedScenario(scenario, layout)
+
+
+def sharded_scenarios(
+    backend: str,
+    *,
+    world_sizes: Sequence[int] = (2,),
+    dtype: torch.dtype | SearchStrategy[torch.dtype] | None = None,
+    max_batch: int = 8,
+) -> SearchStrategy[ShardedScenario]:
+    """Scenarios for the sharded checks of ``backend`` (``"fsdp"``, ``"tp"`` or ``"pp"``):
+    a model the API accepts, a batch, a mean MSE loss, a dtype, a world size from
+    ``world_sizes`` and a layout drawn for them (``fsdp_layouts``, ``tp_layouts`` with a
+    second, data-parallel mesh dimension of 2 on 4 or more ranks, ``pipeline_layouts``).
+
+    FSDP draws a ``sequential`` model or one of ``FSDP_KINDS`` with at least one row per
+    rank (uneven shards included); tensor parallelism a ``sequential`` model whose hidden
+    width the tensor-parallel size divides; pipelines a ``sequential`` model with at least
+    one child per stage. Shrinks toward the smallest such model on the fewest ranks, with
+    the simplest layout, float32 and seed 0.
+    """
+    if backend not in BACKENDS:
+        raise InvalidArgument(f"backend={backend!r} is not one of {BACKENDS}")
+    sizes = tuple(require_int_at_least(w, "world_sizes", 1) for w in world_sizes)
+    if not sizes:
+        raise InvalidArgument("world_sizes=[] is empty; pass at least one world size, e.g. (2,)")
+    require_int_at_least(max_batch, "max_batch", 1)
+    return _sharded_scenarios(backend, sizes, dtypes() if dtype is None else _value_or_strategy(dtype, "dtype", torch.dtype), max_batch)

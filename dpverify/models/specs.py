@@ -32,6 +32,7 @@ __all__ = [
     "KINDS",
     "LOSSES",
     "PADDING_SIDES",
+    "SHARDED_KINDS",
     "TOKEN_KINDS",
     "BuiltScenario",
     "DeviceList",
@@ -72,6 +73,12 @@ KINDS: tuple[str, ...] = (
 #: Face's causal LM heads). Not in ``KINDS``: ``model_specs()`` and ``scenarios()`` draw them
 #: only when asked, and ``token_scenarios()`` draws them with padded token batches.
 TOKEN_KINDS: tuple[str, ...] = ("lm-head", "causal-lm-head")
+#: Models the sharded checks need as they are: ``sequential`` is a bare ``nn.Sequential`` of
+#: ``depth + 1`` Linear layers with activations between them (``0``, ``2``, ... are the
+#: Linear layers), whose top-level children a pipeline splits into stages and whose Linear
+#: pairs a tensor-parallel plan shards colwise then rowwise. Not in ``KINDS``, so that what
+#: the default strategies draw is unchanged.
+SHARDED_KINDS: tuple[str, ...] = ("sequential",)
 #: Where a ``TokenBatch`` pads its rows.
 PADDING_SIDES: tuple[str, ...] = ("right", "left")
 ACTIVATIONS: tuple[str, ...] = ("relu", "tanh", "gelu", "sigmoid", "silu")
@@ -325,7 +332,7 @@ class ModelSpec:
     """A small architecture, as data.
 
     Attributes:
-        kind: one of ``KINDS``.
+        kind: one of ``KINDS`` (or ``TOKEN_KINDS``, ``SHARDED_KINDS``).
         features: input features (channels for convolutions).
         hidden: hidden width.
         outputs: output width (``tied-embedding`` outputs the vocabulary instead).
@@ -350,8 +357,8 @@ class ModelSpec:
     p: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS + TOKEN_KINDS:
-            raise InvalidArgument(f"kind={self.kind!r} is not one of {KINDS + TOKEN_KINDS}")
+        if self.kind not in KINDS + TOKEN_KINDS + SHARDED_KINDS:
+            raise InvalidArgument(f"kind={self.kind!r} is not one of {KINDS + TOKEN_KINDS + SHARDED_KINDS}")
         if self.activation not in ACTIVATIONS:
             raise InvalidArgument(f"activation={self.activation!r} is not one of {ACTIVATIONS}")
         if self.pooling not in POOLINGS:
@@ -409,6 +416,8 @@ class ModelSpec:
             return nn.Linear(f, o)
         if k == "mlp":
             return MLP(f, h, o, self.depth, act)
+        if k == "sequential":
+            return MLP(f, h, o, self.depth, act).layers
         if k == "residual":
             return Residual(f, h, o, self.depth, act)
         if k in ("layernorm", "batchnorm", "dropout"):
