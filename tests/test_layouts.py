@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import pickle
 
 import pytest
@@ -128,7 +129,7 @@ def test_drawn_pipelines_give_every_stage_a_child_and_equal_microbatches(data: s
     layout = data.draw(pipeline_layouts(children, world, batch))
     assert layout.split_points is not None
     bounds = [0, *layout.split_points, children]
-    assert all(a < b for a, b in zip(bounds, bounds[1:], strict=False))
+    assert all(a < b for a, b in itertools.pairwise(bounds))
     assert batch % layout.n_microbatches == 0
 
 
