@@ -1,0 +1,589 @@
+"""Public FSDP2 checks: torch's ``fully_shard`` on real ranks against one device.
+
+Each check sends one task to the pooled ranks (``dpverify.ddp.pool``; never a process group
+of its own). Every rank shards a fresh copy of the module with ``fully_shard`` over the
+mesh ``("dp",)`` of all ranks (``dpverify.sharded.mesh``), runs the step on its contiguous
+shard of the batch, and returns the full gradients (``DTensor.full_tensor()``), its outputs,
+and how it held each parameter. The parent compares them with the single-device full-batch
+step exactly as the DDP checks do (``DDPCheck``, ``DDPReferences``: float64-anchored
+tolerance, a second look for rounding), and fails a step that did not really shard.
+
+FSDP2 reduce-scatters the gradients and divides them by the world size, as DDP's
+all-reduce does: a per-rank mean loss is exact only on ranks that hold as many items (the
+loss-averaging trap), and a sum loss gives ``1/world_size`` of the single-device gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpverify.checks.dp import raise_unless_ok, require_loss_fn
+from dpverify.core.comparison import Msg, StepComparison, TensorComparison, Tolerance
+from dpverify.core.errors import InvalidArgument
+from dpverify.core.step import as_inputs, batch_size_of, first_parameter_dtype
+from dpverify.core.validation import require_bool, require_int_at_least, require_module_with_grads
+from dpverify.ddp.checks import (
+    DDPCheck,
+    _describe_batches,
+    _forward_kwargs,
+    _items_notes,
+    _name,
+    _ranks_disagree,
+    _relative_gap,
+    _runner,
+    _same_up_to_rounding,
+    _scale_note,
+    _sendable,
+    _sum_loss_note,
+    _token_trap_note,
+    _train_single_device,
+    _training_rows,
+)
+from dpverify.ddp.items import PieceItems, count_piece_items
+from dpverify.ddp.pool import RankRunner, require_picklable
+from dpverify.ddp.rank import LossFn, OptimizerFactory, even_shards
+from dpverify.sharded.fsdp_rank import (
+    MESH_DIM,
+    FSDPContext,
+    FSDPRankStep,
+    FSDPRankTraining,
+    FSDPStepTask,
+    FSDPTrainingTask,
+    Held,
+    fsdp_step,
+    run_fsdp_step_task,
+    run_fsdp_training_task,
+    shard_order,
+    weighted_fsdp_step,
+)
+
+__all__ = [
+    "FSDPCheck",
+    "FSDPContext",
+    "assert_fsdp_grads_match",
+    "assert_fsdp_training_matches",
+    "fsdp_step",
+    "fsdp_summed_loss_step",
+    "fsdp_undivided_step",
+    "fsdp_wrong_weight_step",
+    "weighted_fsdp_step",
+]
+
+FSDPStep = Any  # Callable[[FSDPContext], Any]; Any keeps partials and callables welcome
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _fsdp_shards(shards: Sequence[int] | None, batch_size: int, world_size: int) -> tuple[int, ...]:
+    """Rows per rank. Unlike DDP's check, a rank may get 0 rows: FSDP2 accepts it (the
+    rank still joins every all-gather and reduce-scatter, and contributes a zero gradient),
+    and with the weighted step (weight 0) the result is still the full-batch gradient."""
+    if shards is None:
+        return even_shards(batch_size, world_size)
+    if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence):
+        raise InvalidArgument(f"shards={shards!r}: pass one row count per rank, e.g. [3, 2]")
+    sizes = tuple(shards)
+    if len(sizes) != world_size:
+        raise InvalidArgument(
+            f"shards={list(sizes)} has {len(sizes)} entries for world_size={world_size}; pass one row count per rank"
+        )
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise InvalidArgument(f"shards={list(sizes)} contains {size!r}; every rank needs an int >= 0 rows")
+    if sum(sizes) != batch_size:
+        raise InvalidArgument(
+            f"shards={list(sizes)} sums to {sum(sizes)} but the batch has {batch_size} rows; "
+            "the shards must cover the batch exactly"
+        )
+    return sizes
+
+
+def _shard_modules(module: nn.Module, shard_modules: Sequence[str] | None) -> tuple[str, ...]:
+    """The qualified names ``fully_shard`` is applied to, in the order it must be (children
+    before parents, the root last). Default: every direct child that holds a parameter,
+    then the root; the root is always sharded (torch's FSDP2 expects ``fully_shard`` on the
+    root, which owns what no child does and runs the root pre-forward)."""
+    if shard_modules is None:
+        names = [name for name, child in module.named_children() if any(True for _ in child.parameters())]
+        return shard_order([*names, ""])
+    if isinstance(shard_modules, (str, bytes)) or not isinstance(shard_modules, Sequence):
+        raise InvalidArgument(
+            f"shard_modules={shard_modules!r}: pass a list of qualified module names, e.g. ['0', '2'] or ['encoder.layers.0']"
+        )
+    valid = dict(module.named_modules())
+    for name in shard_modules:
+        if not isinstance(name, str):
+            raise InvalidArgument(f"shard_modules contains {name!r}; name the modules by their qualified names (strings)")
+        if name not in valid:
+            listed = ", ".join(repr(n) for n in valid if n) or "(none: the module has no submodule)"
+            raise InvalidArgument(
+                f"shard_modules names {name!r}, which is not a submodule of {type(module).__name__}; "
+                f"valid names: {listed} ('' is the root)"
+            )
+    return shard_order([*shard_modules, ""])
+
+
+def _step(step: FSDPStep | None) -> None:
+    if step is not None:
+        _sendable(step, "step", "a top-level function step(ctx: FSDPContext)")
+
+
+@dataclass(frozen=True)
+class FSDPCheck(DDPCheck):
+    """A validated FSDP2 scenario: ``DDPCheck``'s, and where ``fully_shard`` applies."""
+
+    shard_modules: tuple[str, ...] = ("",)
+    reshard_after_forward: bool = True
+
+    @classmethod
+    def for_fsdp(
+        cls,
+        module: nn.Module,
+        inputs: Any,
+        target: Any,
+        *,
+        loss_fn: LossFn,
+        world_size: int,
+        shards: Sequence[int] | None = None,
+        pool: RankRunner | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
+        forward_kwargs: Mapping[str, Any] | None = None,
+        shard_modules: Sequence[str] | None = None,
+        reshard_after_forward: bool = True,
+    ) -> FSDPCheck:
+        """Validates every argument, in this process, before anything reaches the ranks."""
+        require_module_with_grads(module, why="fully_shard would have no gradient to reduce-scatter, and there is nothing to compare")
+        world = require_int_at_least(world_size, "world_size", 1)
+        kwargs = _forward_kwargs(forward_kwargs)
+        args = as_inputs(inputs, keywords=bool(kwargs))
+        batch = batch_size_of(args, kwargs=kwargs)
+        require_loss_fn(loss_fn)
+        require_picklable(loss_fn, "loss_fn")
+        require_picklable(module, "module")
+        require_picklable(args, "inputs")
+        require_picklable(target, "target")
+        return cls(
+            module=module,
+            args=args,
+            target=target,
+            loss_fn=loss_fn,
+            world_size=world,
+            shard_sizes=_fsdp_shards(shards, batch, world),
+            runner=_runner(pool, world),
+            tolerance=Tolerance(rtol=rtol, atol=atol),
+            dtype=first_parameter_dtype(module),
+            ddp_kwargs=(),
+            kwargs=kwargs,
+            shard_modules=_shard_modules(module, shard_modules),
+            reshard_after_forward=require_bool(reshard_after_forward, "reshard_after_forward"),
+        )
+
+    @property
+    def empty_ranks(self) -> bool:
+        return 0 in self.shard_sizes
+
+    def sharding(self) -> str:
+        shown = [name if name else "(root)" for name in self.shard_modules]
+        return f"FSDP2 fully_shard on {shown} modules, reshard_after_forward={self.reshard_after_forward}"
+
+    def describe(self, step: FSDPStep | None = None) -> str:
+        keywords = f" (keyword arguments {sorted(self.kwargs)})" if self.kwargs else ""
+        text = (
+            f"batch of {self.batch_size} rows{keywords} in contiguous shards {list(self.shard_sizes)} on "
+            f"{self.world_size} ranks ({self.runner.backend}), mesh ({MESH_DIM!r},); {self.sharding()}"
+        )
+        return text if step is None else f"{text}; step {_name(step)}"
+
+    def counted(self) -> PieceItems:
+        """What each rank's mean loss averages over; rows when some rank has none (the
+        token count of an empty shard tells nothing)."""
+        if self.empty_ranks:
+            rows = tuple((n,) for n in self.shard_sizes)
+            return PieceItems("rows", rows, rows)
+        return self.count_items(1, None)
+
+    def fsdp_task(self, steps: Sequence[FSDPStep], items: PieceItems) -> FSDPStepTask:
+        return FSDPStepTask(
+            module=self.module,
+            inputs=self.args,
+            target=self.target,
+            loss_fn=self.loss_fn,
+            shard_sizes=self.shard_sizes,
+            steps=tuple(steps),
+            shard_modules=self.shard_modules,
+            reshard_after_forward=self.reshard_after_forward,
+            kwargs=self.kwargs,
+            item_kind=items.kind,
+            item_counts=items.counts if items.by_tokens else (),
+        )
+
+
+# --------------------------------------------------------------------------- evidence
+
+
+def _sharding_findings(check: FSDPCheck, held: Sequence[tuple[Held, ...]], wrapped: Sequence[bool], plain: Sequence[tuple[str, ...]]) -> tuple[list[str], list[str]]:
+    """(failures, notes) on whether the ranks really ran FSDP2: every parameter a DTensor,
+    some held in part (with more than one rank), every gradient a DTensor."""
+    failures: list[str] = []
+    if not all(wrapped):
+        ranks = [r for r, w in enumerate(wrapped) if not w]
+        failures.append(
+            f"The step never called ctx.fsdp() on ranks {ranks}: the module was not sharded, so "
+            "no gradient went through FSDP2's reduce-scatter and nothing of FSDP2 was checked. "
+            "Call model = ctx.fsdp() and run forward and backward through it."
+        )
+    for r, params in enumerate(held):
+        plain_params = [h.name for h in params if not h.dtensor]
+        if plain_params and all(wrapped):
+            failures.append(
+                f"Rank {r} held parameters {plain_params} as plain tensors, not DTensors: fully_shard did not manage them."
+            )
+        if check.world_size > 1 and params and not any(h.sharded for h in params):
+            failures.append(
+                f"Rank {r} stored every parameter whole (no DTensor shard smaller than the parameter): "
+                "the parameters were never sharded over the ranks."
+            )
+    for r, names in enumerate(plain):
+        if names:
+            failures.append(
+                f"Rank {r}'s gradients for {list(names)} are plain tensors, not DTensors: they did not "
+                "come out of FSDP2's reduce-scatter (a backward through an unsharded module)."
+            )
+    notes: list[str] = []
+    if not failures and held and held[0]:
+        first = held[0]
+        placements = sorted({h.placements for h in first})
+        local, full = sum(h.local for h in first), sum(h.numel for h in first)
+        notes.append(
+            f"Sharding ran: every rank held its {len(first)} parameters as DTensors over the mesh "
+            f"({MESH_DIM!r},) with placements {placements}; rank 0 stored {local} of their {full} "
+            "elements, and every gradient was a DTensor (compared after full_tensor())."
+        )
+    return failures, notes
+
+
+def _fsdp_trap_note(check: FSDPCheck, naive: Sequence[FSDPRankStep], reference: Any) -> str:
+    """The loss-averaging trap under FSDP2 (``_trap_note``'s facts in FSDP2's words): the
+    weights plain ``fsdp_step`` gives, the bias it had, and the exact recipe."""
+    sizes, batch, world = check.shard_sizes, check.batch_size, check.world_size
+    weights = ", ".join(f"1/{world * n}" if n else "0 (no rows)" for n in sizes)
+    factors = ", ".join(f"{n * world / batch:.4g}" for n in sizes)
+    text = (
+        f"Uneven shards {list(sizes)}: FSDP2's reduce-scatter averages the ranks' gradients (it divides "
+        f"their sum by the world size, {world}, as DDP does), so a per-rank mean loss gives each "
+        f"sample of rank r the weight 1/(world_size * n_r) = [{weights}] instead of 1/B = 1/{batch} "
+        "(the loss-averaging trap)."
+    )
+    losses = [step.loss for step in naive]
+    if all(loss is not None for loss in losses):
+        mean_of_means = sum(loss for loss in losses if loss is not None) / world
+        full = float(reference.loss)
+        text += (
+            f" With the plain step (fsdp_step) the ranks' mean losses average to {mean_of_means:.8g} "
+            f"against the full batch's {full:.8g} (bias {mean_of_means - full:+.3g}),"
+        )
+    else:
+        text += " With the plain step (fsdp_step)"
+    gap = _relative_gap(naive[0].grads, reference.grads)
+    return text + (
+        f" its gradients differ from the full-batch gradients by up to {gap:.3g} (relative). "
+        f"Exact for any shards: multiply each rank's mean loss by n_r * world_size / B = [{factors}] "
+        "(ctx.loss_weight; weighted_fsdp_step)."
+    )
+
+
+def _undivided_note(c: float | None, world: int) -> list[str]:
+    if c is None or world < 2 or abs(c - world) > 1e-3 * world:
+        return []
+    return [
+        f"FSDP2 divides the reduce-scattered gradients by the world size, {world}, unless told not "
+        "to: a module with set_gradient_divide_factor(1.0) (or set_reduce_scatter_divide_factor) "
+        f"leaves the sum over ranks, {world} times the full-batch gradient."
+    ]
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+def assert_fsdp_grads_match(
+    module: nn.Module,
+    inputs: Any,
+    target: Any,
+    *,
+    loss_fn: LossFn,
+    world_size: int,
+    shards: Sequence[int] | None = None,
+    step: FSDPStep | None = None,
+    pool: RankRunner | None = None,
+    shard_modules: Sequence[str] | None = None,
+    reshard_after_forward: bool = True,
+    rtol: float | None = None,
+    atol: float | None = None,
+    msg: Msg = None,
+    forward_kwargs: Mapping[str, Any] | None = None,
+) -> StepComparison:
+    """Asserts one FSDP2 (``fully_shard``) step gives every rank the full-batch gradient.
+
+    Each rank takes a copy of ``module`` (same weights everywhere), applies torch's
+    ``fully_shard`` over the mesh ``("dp",)`` of every rank to each module of
+    ``shard_modules`` and to the root, runs ``step`` on its contiguous shard of the batch,
+    and returns its gradients made whole (``DTensor.full_tensor()``) and its outputs. Every
+    rank's gradients and its rows of the output must equal the single-device full-batch step
+    (float64-anchored tolerance, as ``assert_ddp_grads_match``). ``module`` is left untouched.
+
+    The check also asks for evidence that FSDP2 ran: each rank reports how it held every
+    parameter (a DTensor, its local and full element counts, its placements) and whether
+    every gradient was a DTensor. A step that never called ``ctx.fsdp()``, parameters that
+    were never sharded, or plain-tensor gradients fail the check even when the numbers match.
+
+    FSDP2 averages the ranks' gradients like DDP: with uneven shards the plain ``fsdp_step``
+    is biased (the loss-averaging trap). It is then run for contrast, its bias reported, and
+    ``weighted_fsdp_step`` (the rank's loss times ``ctx.loss_weight``, ``n_r * W / B``) is the
+    one verified by default. A sum-reduction loss gives ``1/world_size`` of the single-device
+    gradient, and the failure says so. Parameters that take no part in the loss keep
+    ``.grad`` None under FSDP2, as on one device.
+
+    Args:
+        module: the model to check.
+        inputs: the batch tensor, or a tuple of positional forward arguments; ``()`` for a
+            keyword-only forward (the batch in ``forward_kwargs``).
+        target: the second argument of ``loss_fn`` (sharded like the batch).
+        loss_fn: ``loss_fn(output, target)``, a scalar mean loss; picklable.
+        world_size: number of ranks.
+        shards: rows per rank (default: as even as possible). A rank may get 0 rows, as
+            FSDP2 allows (it joins the collectives with a zero gradient).
+        step: the per-rank step to verify, ``step(ctx: FSDPContext)``, picklable; it must shard
+            with ``ctx.fsdp()``. Default ``fsdp_step``, or ``weighted_fsdp_step`` when the ranks
+            hold different numbers of items.
+        pool: the ranks to use (default: the shared pool of ``world_size`` ranks).
+        shard_modules: qualified names of the submodules to ``fully_shard`` (the root always
+            follows). Default: every direct child that holds a parameter.
+        reshard_after_forward: passed to ``fully_shard``: free the unsharded parameters after
+            forward (all-gather them again in backward), or keep them.
+        rtol: explicit relative tolerance (with ``atol``) instead of the anchored rule.
+        atol: explicit absolute tolerance (with ``rtol``).
+        msg: replaces the failure message, or a callable that rewrites it.
+        forward_kwargs: keyword forward arguments, sharded along dim 0 like ``inputs``.
+
+    Returns:
+        The comparison (``str()`` summarises it).
+
+    Raises:
+        ParallelMismatch: a rank's gradient or output differs, or the ranks did not shard.
+        ParallelError: a rank raised, died or hung; the pool restarts for the next check.
+        InvalidArgument: an argument cannot be used (a ``shard_modules`` name that is not a
+            submodule, an unpicklable loss or step), or the module has no trainable parameter.
+    """
+    __tracebackhide__ = True
+    check = FSDPCheck.for_fsdp(
+        module, inputs, target, loss_fn=loss_fn, world_size=world_size, shards=shards, pool=pool,
+        rtol=rtol, atol=atol, forward_kwargs=forward_kwargs, shard_modules=shard_modules,
+        reshard_after_forward=reshard_after_forward,
+    )
+    _step(step)
+    counted = check.counted()
+    trap = counted.unequal_ranks
+    chosen: FSDPStep = step or (weighted_fsdp_step if trap else fsdp_step)
+    steps = [chosen, fsdp_step] if trap else [chosen]
+    title = "FSDP2 (fully_shard) gradients must match the single-device full-batch gradient on every rank"
+    results: tuple[tuple[FSDPRankStep, ...], ...] = check.send(run_fsdp_step_task, check.fsdp_task(steps, counted), title)
+    verified = [rank_steps[0] for rank_steps in results]
+    refs = check.references(items=counted if counted.by_tokens else None)
+    expected, anchor = refs.expected, refs.anchor
+    rows = [row for r, s in enumerate(verified) for row in check.rows(f"rank {r} ", s, refs, r)]
+    ok = all(row.ok for row in rows)
+    notes: list[str] = _items_notes(counted, trap)
+    contrasts: list[TensorComparison] = []
+    reduction = None if ok else check.loss_reduction(counted)
+    if trap:
+        naive = [rank_steps[1] for rank_steps in results]
+        if reduction != "sum":
+            reference = anchor or expected
+            if counted.by_tokens:
+                notes.append(
+                    "FSDP2's reduce-scatter averages the ranks' gradients as DDP's all-reduce does, so DDP's "
+                    "token trap holds here, with fsdp_step for ddp_step and weighted_fsdp_step for "
+                    "weighted_ddp_step: " + _token_trap_note(check, counted, naive, reference)
+                )
+            else:
+                notes.append(_fsdp_trap_note(check, naive, reference))
+        if step is None:
+            contrasts = [
+                c for r, s in enumerate(naive) for c in check.rows(f"rank {r} plain fsdp_step ", s, refs, r, contrast=True)
+                if c.name.startswith(f"rank {r} plain fsdp_step grad")
+            ]
+        elif not ok and reduction != "sum" and _same_up_to_rounding(verified[0].grads, naive[0].grads):
+            notes.append(
+                "The step's gradients equal the plain per-rank mean-loss step's (fsdp_step): it falls into "
+                "the loss-averaging trap. Multiply the rank's loss by ctx.loss_weight (weighted_fsdp_step)."
+            )
+    failures, evidence = _sharding_findings(check, [s.held for s in verified], [s.wrapped for s in verified], [s.plain_grads for s in verified])
+    notes += evidence
+    scale = None
+    if not ok:
+        more, scale = _scale_note(verified, expected, check.world_size, shard_sizes=check.shard_sizes, reduction=reduction)
+        notes += more + _undivided_note(scale, check.world_size) + _ranks_disagree(verified)
+    outcome = check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, failures=failures, scale=scale)
+    return raise_unless_ok(outcome, msg)
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _state_findings(world: int, ranks: Sequence[FSDPRankTraining]) -> tuple[list[str], list[str]]:
+    """(failures, notes) on the optimizer state: with more than one rank, a state tensor
+    kept whole on some rank means the optimizer was not built over the sharded parameters."""
+    states = ranks[0].state
+    if not states:
+        return [], ["The optimizer keeps no per-parameter state tensor (nothing to shard)."]
+    failures = []
+    for r, rank in enumerate(ranks):
+        whole = [h.name for h in rank.state if not h.dtensor]
+        if whole or (world > 1 and not any(h.sharded for h in rank.state)):
+            failures.append(
+                f"Rank {r}'s optimizer state {whole or [h.name for h in rank.state]} is not sharded "
+                "(plain tensors, or DTensors stored whole): the optimizer was not built over FSDP2's "
+                "sharded parameters."
+            )
+    if failures:
+        return failures, []
+    local, full = sum(h.local for h in states), sum(h.numel for h in states)
+    example = next((h for h in states if h.sharded), states[0])
+    return [], [
+        f"Optimizer state sharded: {len(states)} state tensors per rank are DTensors; rank 0 stores "
+        f"{local} of their {full} elements (e.g. {example.name!r}: {example.local} of {example.numel})."
+    ]
+
+
+def assert_fsdp_training_matches(
+    module: nn.Module,
+    batches: Sequence[tuple[Any, Any]],
+    *,
+    loss_fn: LossFn,
+    optimizer: OptimizerFactory,
+    world_size: int,
+    shards: Sequence[int] | None = None,
+    step: FSDPStep | None = None,
+    pool: RankRunner | None = None,
+    shard_modules: Sequence[str] | None = None,
+    reshard_after_forward: bool = True,
+    rtol: float | None = None,
+    atol: float | None = None,
+    msg: Msg = None,
+) -> StepComparison:
+    """Asserts ``len(batches)`` optimizer steps of FSDP2 training match one device.
+
+    Every rank shards its copy of ``module`` (as ``assert_fsdp_grads_match``), then builds
+    ``optimizer(params)`` over the sharded DTensor parameters, so that the optimizer state is
+    sharded too; for each ``(inputs, target)`` in ``batches`` it zeroes the gradients, runs
+    ``step`` on its shard, and steps the optimizer. After every step each rank's full
+    parameters (``full_tensor()``) must match single-device training on the full batches
+    (float64-anchored: the float64 run uses the same optimizer). The check fails when the
+    parameters or the optimizer state (e.g. Adam's ``exp_avg``) were not sharded.
+
+    Args:
+        batches: one ``(inputs, target)`` pair, or ``(inputs, kwargs, target)`` triple, per
+            optimizer step.
+        optimizer: picklable factory ``params -> Optimizer``, e.g.
+            ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``.
+        shards: rows per rank, for every batch (default: even per batch).
+        step: per-rank forward/backward (default ``fsdp_step``, ``weighted_fsdp_step`` when in
+            some batch the ranks hold different numbers of items); the optimizer step is the
+            harness's, and the module is already sharded when ``step`` runs.
+        Others: as ``assert_fsdp_grads_match``.
+
+    Raises:
+        ParallelMismatch: a rank's parameters differ after some step (the message shows the
+            first such step), or the parameters or optimizer state were not sharded.
+        ParallelError: a rank raised, died or hung.
+    """
+    __tracebackhide__ = True
+    pairs = _describe_batches(batches, {})
+    first_inputs, first_kwargs, first_target = pairs[0]
+    check = FSDPCheck.for_fsdp(
+        module, first_inputs, first_target, loss_fn=loss_fn, world_size=world_size, shards=shards, pool=pool,
+        rtol=rtol, atol=atol, forward_kwargs=first_kwargs, shard_modules=shard_modules,
+        reshard_after_forward=reshard_after_forward,
+    )
+    _sendable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
+    _step(step)
+    sizes = tuple(
+        _fsdp_shards(shards, batch_size_of(inputs, argument=f"batches[{i}] inputs", kwargs=kwargs), check.world_size)
+        for i, (inputs, kwargs, _t) in enumerate(pairs)
+    )
+    counted = [
+        count_piece_items(module, inputs, kwargs, target, loss_fn, shard_sizes, 1, None)
+        if 0 not in shard_sizes else PieceItems("rows", tuple((n,) for n in shard_sizes), tuple((n,) for n in shard_sizes))
+        for (inputs, kwargs, target), shard_sizes in zip(pairs, sizes, strict=True)
+    ]
+    uneven = any(c.unequal_ranks for c in counted)
+    chosen: FSDPStep = step or (weighted_fsdp_step if uneven else fsdp_step)
+    require_picklable(pairs, "batches")
+    task = FSDPTrainingTask(
+        check.module, tuple(pairs), check.loss_fn, optimizer, sizes, chosen, check.shard_modules,
+        check.reshard_after_forward, item_kinds=tuple(c.kind for c in counted),
+        item_counts=tuple(c.per_rank if c.by_tokens else () for c in counted) if any(c.by_tokens for c in counted) else (),
+    )
+    title = f"{len(pairs)} steps of FSDP2 training with {_name(optimizer)} must match single-device training"
+    expected, _unused = _train_single_device(module, pairs, loss_fn, optimizer, None)
+    ranks: tuple[FSDPRankTraining, ...] = check.send(run_fsdp_training_task, task, title)
+    anchor = None if check.tolerance.explicit else _train_single_device(module, pairs, loss_fn, optimizer, torch.float64)[0]
+    rows, failing_step = _training_rows(check, ranks, expected, anchor)
+    notes = [f"Parameters compared after each of the {len(pairs)} optimizer steps; the table shows step {failing_step + 1}."]
+    if uneven and step is None:
+        notes.append("Some batches split unevenly: each rank's loss was weighted by its share of the items, n_r * world_size / B (weighted_fsdp_step).")
+    failures, evidence = _sharding_findings(check, [r.held for r in ranks], [r.wrapped for r in ranks], [() for _ in ranks])
+    state_failures, state_notes = _state_findings(check.world_size, ranks)
+    failures += state_failures
+    notes += evidence + state_notes
+    if not all(row.ok for row in rows) and check.loss_reduction(counted[0]) == "sum":
+        notes.append(_sum_loss_note(check.world_size))
+    outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures)
+    return raise_unless_ok(outcome, msg)
+
+
+# --------------------------------------------------------------------------- mutants
+# Deliberately broken FSDP2 steps, each a mistake seen in real training code. They exist so
+# that the checks can be shown to catch them; never use them to train.
+
+
+def fsdp_undivided_step(ctx: FSDPContext) -> Any:
+    """DELIBERATELY BROKEN: turns off FSDP2's division of the reduce-scattered gradients by
+    the world size (``set_gradient_divide_factor(1.0)`` on every sharded module; on gloo,
+    which has no pre-multiplied sum, with ``set_force_sum_reduction_for_comms(True)``), so
+    every gradient is the sum over ranks: ``world_size`` times the full-batch gradient."""
+    model = ctx.fsdp()
+    for sub in ctx.fsdp_modules():
+        sub.set_gradient_divide_factor(1.0)
+        sub.set_force_sum_reduction_for_comms(True)
+    output = model(*ctx.inputs, **ctx.kwargs)
+    ctx.loss_fn(output, ctx.target).backward()
+    return output
+
+
+def fsdp_summed_loss_step(ctx: FSDPContext) -> Any:
+    """DELIBERATELY BROKEN: backpropagates the sum of the rank's row losses (its mean loss
+    times its rows) while FSDP2 averages over ranks: gradients ``n`` times (rows per rank)
+    the full-batch mean-loss gradient."""
+    model = ctx.fsdp()
+    output = model(*ctx.inputs, **ctx.kwargs)
+    (ctx.loss_fn(output, ctx.target) * ctx.shard_size).backward()
+    return output
+
+
+def fsdp_wrong_weight_step(ctx: FSDPContext) -> Any:
+    """DELIBERATELY BROKEN: weights each rank's mean loss by ``n_r / B``, its share of the
+    rows without the world size; FSDP2 then divides by the world size once more, so the
+    gradients are ``1/world_size`` of the full-batch gradient, on any shards."""
+    model = ctx.fsdp()
+    output = model(*ctx.inputs, **ctx.kwargs)
+    (ctx.loss_fn(output, ctx.target) * (ctx.shard_size / ctx.batch_size)).backward()
+    return output
+

@@ -1,0 +1,385 @@
+"""What runs on each rank of an FSDP2 check: the context a step sees, the default steps,
+and the tasks that return gradients, parameters and the evidence that sharding ran.
+
+A check sends one frozen task to every rank of a ``RankRunner``. Each rank takes a fresh
+copy of the module, cuts its contiguous shard of the batch (as the DDP checks do,
+``dpverify.ddp.rank``), and runs a step whose ``ctx.fsdp()`` applies torch's
+``fully_shard`` (FSDP2) over the one-dimensional mesh ``("dp",)`` of every rank. What comes
+back is made of plain CPU tensors: the full gradients and parameters (``DTensor.full_tensor()``,
+an all-gather) and, for each parameter, how it was held (a DTensor or not, its local and
+full element counts, its placements), so that the parent can tell a step that really
+sharded from one that only looks right.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from dpverify.core.step import no_tf32
+from dpverify.ddp.rank import (
+    LossFn,
+    OptimizerFactory,
+    RankInfo,
+    RankStep,
+    RankTraining,
+    ShardContext,
+    _buffers,
+    _cpu,
+    _items_of,
+    _on,
+    _outputs,
+    _shard_of,
+)
+from dpverify.sharded.mesh import device_mesh
+
+__all__ = [
+    "FSDPContext",
+    "FSDPRankStep",
+    "FSDPRankTraining",
+    "FSDPStepTask",
+    "FSDPTrainingTask",
+    "Held",
+    "fsdp_step",
+    "run_fsdp_step_task",
+    "run_fsdp_training_task",
+    "shard_order",
+    "weighted_fsdp_step",
+]
+
+#: The name of the mesh dimension the checks shard over.
+MESH_DIM = "dp"
+
+
+def shard_order(names: Sequence[str]) -> tuple[str, ...]:
+    """``names`` in the order ``fully_shard`` must see them: a module before any module
+    that contains it (deepest first, the root ``""`` last), otherwise as given. FSDP2
+    gives a module the parameters that no ``fully_shard``-ed descendant already manages
+    (torch/distributed/fsdp/_fully_shard/_fsdp_init.py, ``_get_managed_states``), so a
+    parent sharded first would take its children's parameters into its own group."""
+    unique = list(dict.fromkeys(names))
+    return tuple(sorted(unique, key=lambda name: -(name.count(".") + 1) if name else 1))
+
+
+@dataclass(frozen=True)
+class Held:
+    """How one rank held one parameter when its step ended.
+
+    Attributes:
+        name: the parameter's qualified name.
+        dtensor: whether it was a DTensor.
+        local: elements this rank stored (its shard; all of them for a plain tensor).
+        numel: elements of the full parameter.
+        placements: the DTensor's placements, e.g. ``"(Shard(dim=0),)"`` (``""``: plain).
+    """
+
+    name: str
+    dtensor: bool
+    local: int
+    numel: int
+    placements: str
+
+    @property
+    def sharded(self) -> bool:
+        """Held as a DTensor of which this rank stores only a part."""
+        return self.dtensor and self.local < self.numel
+
+
+def _held(name: str, tensor: torch.Tensor) -> Held:
+    if isinstance(tensor, DTensor):
+        return Held(name, True, tensor.to_local().numel(), tensor.numel(), str(tuple(tensor.placements)))
+    return Held(name, False, tensor.numel(), tensor.numel(), "")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """FSDP2's warning about view outputs and DTensor's redistribution log lines are noise
+    to someone checking a model: hide them while a rank runs a task."""
+    logger = logging.getLogger("torch.distributed")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+@dataclass
+class FSDPContext(ShardContext):
+    """What a rank's FSDP2 step sees; the argument of every ``step`` function.
+
+    The attributes of ``ShardContext`` (``rank``, ``world_size``, ``module``, ``inputs``,
+    ``target``, ``loss_fn``, ``shard_sizes``, ``device``, ``kwargs``, ``loss_weight``,
+    ``items``, ...), and:
+
+    Attributes:
+        shard_modules: qualified names of the modules ``fsdp()`` applies ``fully_shard``
+            to, in the order it does (deepest first; ``""`` is the root).
+        reshard_after_forward: passed to every ``fully_shard``.
+
+    A step calls ``ctx.fsdp()`` to shard ``module`` in place (once; later calls return
+    the same module), runs forward and backward on its shard, and may return the output
+    to have it compared row by row. FSDP2 leaves each parameter's gradient as a DTensor
+    shard, averaged over the ranks by a reduce-scatter: like DDP, a per-rank mean loss is
+    exact only when every rank holds as many items (``ctx.loss_weight`` fixes the rest).
+    """
+
+    shard_modules: tuple[str, ...] = ()
+    reshard_after_forward: bool = True
+    info: RankInfo | None = field(default=None, repr=False)
+    _sharded: bool = field(default=False, repr=False)
+
+    @property
+    def wrapped(self) -> bool:
+        """Whether ``fsdp()`` sharded the module."""
+        return self._sharded
+
+    def fsdp(self) -> nn.Module:
+        """``module`` after ``fully_shard`` on each of ``shard_modules`` over the mesh
+        ``("dp",)`` of every rank (applied on the first call; the same module after)."""
+        if not self._sharded:
+            if self.info is None:
+                raise RuntimeError("FSDPContext.fsdp() needs the rank's RankInfo (info=)")
+            mesh = device_mesh(self.info, (self.world_size,), (MESH_DIM,))
+            for name in self.shard_modules:
+                fully_shard(self.module.get_submodule(name), mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+            self._sharded = True
+        return self.module
+
+    def fsdp_modules(self) -> list[FSDPModule]:
+        """Every module ``fsdp()`` sharded (empty before it ran)."""
+        return [sub for sub in self.module.modules() if isinstance(sub, FSDPModule)]
+
+    def ddp(self) -> Any:
+        raise TypeError("an FSDP2 step shards the module with ctx.fsdp(); ctx.ddp() is for the DDP checks")
+
+
+def fsdp_step(ctx: FSDPContext) -> Any:
+    """The textbook FSDP2 step: shard, forward the rank's rows, mean loss, backward. Biased
+    when the ranks hold different numbers of items: FSDP2's reduce-scatter averages the
+    per-rank gradients (the loss-averaging trap, as under DDP)."""
+    model = ctx.fsdp()
+    output = model(*ctx.inputs, **ctx.kwargs)
+    ctx.loss_fn(output, ctx.target).backward()
+    return output
+
+
+def weighted_fsdp_step(ctx: FSDPContext) -> Any:
+    """The exact FSDP2 step for any shards: the rank's mean loss times its share of the
+    items, ``ctx.loss_weight`` (``n_r * W / B`` for rows, ``t_r * W / T`` for tokens)."""
+    model = ctx.fsdp()
+    output = model(*ctx.inputs, **ctx.kwargs)
+    (ctx.loss_fn(output, ctx.target) * ctx.loss_weight).backward()
+    return output
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+def _all_have(present: bool) -> bool:
+    """Whether every rank has ``present`` (one all-gather of a flag): a DTensor collective
+    that some rank skips would hang the others."""
+    flags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, present)
+    return all(flags)
+
+
+def _full(tensor: torch.Tensor, everywhere: bool) -> torch.Tensor:
+    """A CPU copy of the whole tensor: ``full_tensor()`` of a DTensor (an all-gather, made
+    only when every rank holds one), else this rank's tensor or shard as it is."""
+    if isinstance(tensor, DTensor):
+        return _cpu(tensor.full_tensor() if everywhere else tensor.to_local())
+    return _cpu(tensor)
+
+
+def _grads_and_plain(module: nn.Module) -> tuple[dict[str, torch.Tensor | None], tuple[str, ...]]:
+    """Each parameter's full gradient, and the parameters whose gradient is not a DTensor
+    (it did not come out of FSDP2's reduce-scatter)."""
+    grads: dict[str, torch.Tensor | None] = {}
+    plain: list[str] = []
+    for name, param in module.named_parameters():
+        grad = param.grad
+        if grad is not None and not isinstance(grad, DTensor):
+            plain.append(name)
+        everywhere = _all_have(isinstance(grad, DTensor))
+        grads[name] = None if grad is None else _full(grad, everywhere)
+    return grads, tuple(plain)
+
+
+def _full_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    params = list(module.named_parameters())
+    everywhere = _all_have(all(isinstance(p, DTensor) for _n, p in params))
+    return {name: _full(p.detach(), everywhere) for name, p in params}
+
+
+def _holding(module: nn.Module) -> tuple[Held, ...]:
+    return tuple(_held(name, p) for name, p in module.named_parameters())
+
+
+@dataclass(frozen=True)
+class FSDPStepTask:
+    """One FSDP2 step per function in ``steps``, each on a fresh copy of ``module``."""
+
+    module: nn.Module
+    inputs: tuple[Any, ...]
+    target: Any
+    loss_fn: LossFn
+    shard_sizes: tuple[int, ...]
+    steps: tuple[Any, ...]
+    shard_modules: tuple[str, ...]
+    reshard_after_forward: bool = True
+    seed: int = 0
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    item_kind: str = "rows"
+    item_counts: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class FSDPRankStep(RankStep):
+    """What one FSDP2 step left on one rank: ``RankStep``'s gradients (full, from
+    ``full_tensor()``), outputs, loss and buffers, ``wrapped`` (``ctx.fsdp()`` ran), and:
+
+    Attributes:
+        held: how the rank held each parameter at the end of the step.
+        plain_grads: parameters whose gradient was a plain tensor, not a DTensor.
+    """
+
+    held: tuple[Held, ...] = ()
+    plain_grads: tuple[str, ...] = ()
+
+
+def _context(info: RankInfo, model: nn.Module, task: FSDPStepTask | FSDPTrainingTask, shard_sizes: tuple[int, ...]) -> FSDPContext:
+    return FSDPContext(
+        rank=info.rank,
+        world_size=info.world_size,
+        module=model,
+        inputs=(),
+        target=None,
+        loss_fn=task.loss_fn,
+        shard_sizes=shard_sizes,
+        device=torch.device(info.device),
+        shard_modules=task.shard_modules,
+        reshard_after_forward=task.reshard_after_forward,
+        info=info,
+    )
+
+
+def _run_one(info: RankInfo, task: FSDPStepTask, step: Any) -> FSDPRankStep:
+    device = torch.device(info.device)
+    model = copy.deepcopy(task.module).to(device)
+    inputs, target, kwargs = _shard_of(task.inputs, task.target, task.shard_sizes, info.rank, task.kwargs)
+    per_rank, mine = _items_of(task.item_counts, info.rank)
+    ctx = _context(info, model, task, task.shard_sizes)
+    ctx.inputs, ctx.target, ctx.kwargs = _on(inputs, device), _on(target, device), _on(kwargs, device)
+    ctx.item_kind, ctx.item_counts, ctx.micro_batch_items = task.item_kind, per_rank, mine
+    fork = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=fork), no_tf32():
+        torch.manual_seed(task.seed)
+        output = step(ctx)
+        loss = None
+        if output is not None and ctx.shard_size > 0:  # a mean over no row is NaN, not a loss
+            with torch.no_grad():
+                loss = float(task.loss_fn(output, ctx.target))
+    grads, plain = _grads_and_plain(model)
+    return FSDPRankStep(
+        grads=grads,
+        outputs=_outputs(output) if output is not None else (),
+        loss=loss,
+        buffers=_buffers(model),
+        wrapped=ctx.wrapped,
+        syncs=None,
+        held=_holding(model),
+        plain_grads=plain,
+    )
+
+
+def run_fsdp_step_task(info: RankInfo, task: FSDPStepTask) -> tuple[FSDPRankStep, ...]:
+    """Runs every step of ``task`` on this rank's shard (a task for ``RankRunner.run``)."""
+    with _quiet():
+        return tuple(_run_one(info, task, step) for step in task.steps)
+
+
+@dataclass(frozen=True)
+class FSDPTrainingTask:
+    """``len(batches)`` optimizer steps of FSDP2 training; the module is sharded before the
+    optimizer is built, so the optimizer holds the DTensor parameters (and its state is
+    sharded like them)."""
+
+    module: nn.Module
+    batches: tuple[tuple[tuple[Any, ...], Mapping[str, Any], Any], ...]
+    loss_fn: LossFn
+    optimizer: OptimizerFactory
+    shard_sizes: tuple[tuple[int, ...], ...]
+    step: Any
+    shard_modules: tuple[str, ...]
+    reshard_after_forward: bool = True
+    seed: int = 0
+    item_kinds: tuple[str, ...] = ()
+    item_counts: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class FSDPRankTraining(RankTraining):
+    """``RankTraining`` (full parameters after every step), and how the rank held its
+    parameters and its optimizer state at the end (``state``: one ``Held`` per tensor
+    of the optimizer's per-parameter state with at least one dimension, named
+    ``"<parameter>.<key>"``, e.g. ``"0.weight.exp_avg"``)."""
+
+    held: tuple[Held, ...] = ()
+    state: tuple[Held, ...] = ()
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> tuple[Held, ...]:
+    held = []
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                held.append(_held(f"{names.get(id(param), '?')}.{key}", value))
+    return tuple(held)
+
+
+def run_fsdp_training_task(info: RankInfo, task: FSDPTrainingTask) -> FSDPRankTraining:
+    """Shards this rank's copy, builds the optimizer over the sharded parameters, and
+    trains for ``len(task.batches)`` steps (a task for ``RankRunner.run``)."""
+    device = torch.device(info.device)
+    model = copy.deepcopy(task.module).to(device)
+    ctx = _context(info, model, task, task.shard_sizes[0])
+    history: list[dict[str, torch.Tensor]] = []
+    fork = [device] if device.type == "cuda" else []
+    with _quiet(), torch.random.fork_rng(devices=fork), no_tf32():
+        torch.manual_seed(task.seed)
+        ctx.fsdp()
+        optimizer = task.optimizer(model.parameters())
+        for index, ((inputs, kwargs, target), sizes) in enumerate(zip(task.batches, task.shard_sizes, strict=True)):
+            shard_inputs, shard_target, shard_kwargs = _shard_of(inputs, target, sizes, info.rank, kwargs)
+            ctx.inputs, ctx.target, ctx.shard_sizes = _on(shard_inputs, device), _on(shard_target, device), sizes
+            ctx.kwargs = _on(shard_kwargs, device)
+            ctx.item_kind = task.item_kinds[index] if task.item_kinds else "rows"
+            ctx.item_counts = task.item_counts[index] if task.item_counts else ()
+            ctx.micro_batch_items = (ctx.item_counts[info.rank],) if ctx.item_counts else ()
+            optimizer.zero_grad(set_to_none=True)
+            try:
+                task.step(ctx)
+            except Exception as error:
+                error.add_note(f"dpverify: raised in optimizer step {index + 1} of {len(task.batches)}")
+                raise
+            optimizer.step()
+            history.append(_full_params(model))
+        grads_none = tuple(name for name, p in model.named_parameters() if p.grad is None)
+        names = {id(p): name for name, p in model.named_parameters()}
+        state = _optimizer_state(optimizer, names)
+    return FSDPRankTraining(tuple(history), _buffers(model), grads_none, ctx.wrapped, _holding(model), state)

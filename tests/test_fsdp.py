@@ -1,0 +1,319 @@
+"""FSDP2 (fully_shard) checks on gloo CPU ranks: gradients, training, the evidence that
+sharding ran, the loss-averaging trap, and the deliberately broken steps they must catch."""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpverify.core.errors import InvalidArgument, ParallelMismatch
+from dpverify.ddp.pool import DDPWorkerPool
+from dpverify.sharded.fsdp import (
+    FSDPContext,
+    assert_fsdp_grads_match,
+    assert_fsdp_training_matches,
+    fsdp_step,
+    fsdp_summed_loss_step,
+    fsdp_undivided_step,
+    fsdp_wrong_weight_step,
+    weighted_fsdp_step,
+)
+from dpverify.sharded.fsdp import _state_findings as state_findings
+from dpverify.sharded.fsdp_rank import FSDPRankTraining, Held, shard_order
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+PLAIN_SGD = functools.partial(torch.optim.SGD, lr=0.1)
+ADAM = functools.partial(torch.optim.Adam, lr=0.01)
+SUM_MSE = functools.partial(F.mse_loss, reduction="sum")
+
+
+def mlp(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)).to(dtype)
+
+
+def batch(rows: int, seed: int = 1, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 5, generator=generator, dtype=dtype), torch.randn(rows, 2, generator=generator, dtype=dtype)
+
+
+class Nested(nn.Module):
+    """A block of two layers inside a model, to shard at more than one depth."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.block = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 6))
+            self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(torch.tanh(self.block(x)))
+        return out
+
+
+class WithUnused(nn.Module):
+    """A pooler whose output the loss ignores, and a layer the forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.encoder = nn.Linear(5, 2)
+            self.pooler = nn.Linear(2, 2)
+            self.never = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.tanh(self.encoder(x))
+        return hidden, self.pooler(hidden)
+
+
+def first_output_mse(output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output[0], target)
+
+
+class KeywordOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, *, features: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net(features)
+        return out
+
+
+# --------------------------------------------------------------------------- user steps
+
+
+def local_step(ctx: FSDPContext) -> Any:
+    """Never shards: a plain local backward on the rank's copy."""
+    output = ctx.module(*ctx.inputs, **ctx.kwargs)
+    ctx.loss_fn(output, ctx.target).backward()
+    return output
+
+
+def summed_over_batch_step(ctx: FSDPContext) -> Any:
+    """A correct hand-written step: the rank's summed squared error over the whole batch's
+    element count, times the world size FSDP2 divides by."""
+    model = ctx.fsdp()
+    output = model(*ctx.inputs, **ctx.kwargs)
+    total = F.mse_loss(output, ctx.target, reduction="sum")
+    (total * ctx.world_size / (ctx.batch_size * output.shape[1])).backward()
+    return output
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ddp_pool", [2, 4], indirect=True)
+def test_every_rank_gets_the_full_batch_gradient_from_sharded_parameters(ddp_pool: DDPWorkerPool) -> None:
+    world = ddp_pool.world_size
+    x, y = batch(2 * world)
+    result = assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=world, pool=ddp_pool)
+    assert result.ok
+    names = [t.name for t in result.tensors]
+    assert len(names) == world * (1 + 4)
+    assert f"rank {world - 1} grad '2.weight'" in names
+    assert "fully_shard on ['0', '2', '(root)'] modules, reshard_after_forward=True" in result.scenario
+    assert "step fsdp_step" in result.scenario
+    evidence = next(n for n in result.notes if n.startswith("Sharding ran"))
+    assert "(Shard(dim=0),)" in evidence
+    # 66 elements: rank 0 holds ceil(8/W) rows of each weight and bias of layer 0, ceil(2/W) of layer 2
+    rows0, rows2 = -(-8 // world), -(-2 // world)
+    assert f"rank 0 stored {rows0 * 5 + rows0 + rows2 * 8 + rows2} of their 66 elements" in evidence
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_reshard_after_forward_either_way_matches_one_device(ddp_pool: DDPWorkerPool, reshard: bool, dtype: torch.dtype) -> None:
+    x, y = batch(6, dtype=dtype)
+    result = assert_fsdp_grads_match(mlp(dtype=dtype), x, y, loss_fn=F.mse_loss, world_size=2, pool=ddp_pool, reshard_after_forward=reshard)
+    assert f"reshard_after_forward={reshard}" in result.scenario
+    assert result.worst_ratio < 1
+
+
+def test_a_step_that_never_shards_fails_even_where_numbers_could_match(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch, match=r"never called ctx.fsdp\(\) on ranks \[0, 1\]") as caught:
+        assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=local_step, pool=ddp_pool)
+    assert "Rank 0 and rank 1 hold different gradients" in str(caught.value)
+    # identical shards make the local gradients equal the full-batch one: only the evidence fails
+    same = torch.cat([x[:3], x[:3]]), torch.cat([y[:3], y[:3]])
+    with pytest.raises(ParallelMismatch, match=r"never called ctx.fsdp\(\)") as caught:
+        assert_fsdp_grads_match(mlp(), *same, loss_fn=F.mse_loss, world_size=2, step=local_step, pool=ddp_pool)
+    assert all(t.ok for t in caught.value.report.tensors)  # type: ignore[attr-defined]
+
+
+def test_uneven_shards_verify_the_weighted_step_and_report_the_trap(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(5)
+    result = assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, shards=[4, 1], pool=ddp_pool)
+    assert "step weighted_fsdp_step" in result.scenario
+    trap = next(note for note in result.notes if "loss-averaging trap" in note)
+    assert "[1/8, 1/2] instead of 1/B = 1/5" in trap
+    assert "n_r * world_size / B = [1.6, 0.4] (ctx.loss_weight; weighted_fsdp_step)" in trap
+    model = mlp().double()
+    with torch.no_grad():
+        shard_losses = [F.mse_loss(model(x[a:b].double()), y[a:b].double()) for a, b in ((0, 4), (4, 5))]
+        expected_bias = float(sum(shard_losses) / 2 - F.mse_loss(model(x.double()), y.double()))
+    reported = float(re.search(r"bias ([-+][0-9.e+-]+)\)", trap).group(1))  # type: ignore[union-attr]
+    assert reported == pytest.approx(expected_bias, rel=1e-3)
+    assert any(c.mismatched for c in result.contrasts)
+    assert all(c.name.startswith(("rank 0 plain fsdp_step", "rank 1 plain fsdp_step")) for c in result.contrasts)
+
+
+def test_the_plain_step_on_uneven_shards_fails_naming_the_trap_and_the_recipe(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(5)
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=fsdp_step, pool=ddp_pool)
+    text = str(caught.value)
+    assert "falls into the loss-averaging trap" in text
+    assert "multiply each rank's mean loss by n_r * world_size / B = [1.2, 0.8]" in text
+    assert "shards [3, 2]" in text
+
+
+def test_a_sum_loss_fails_with_one_over_the_world_size(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch, match=r"0\.5 times .*\(1/2, one over the world size\): loss_fn is a sum-reduction loss"):
+        assert_fsdp_grads_match(mlp(), x, y, loss_fn=SUM_MSE, world_size=2, pool=ddp_pool)
+    assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, pool=ddp_pool)
+
+
+def test_a_hand_written_step_is_verified_on_uneven_shards(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(7)
+    result = assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=summed_over_batch_step, pool=ddp_pool)
+    assert "step summed_over_batch_step" in result.scenario
+
+
+def test_nested_shard_modules_are_sharded_deepest_first(ddp_pool: DDPWorkerPool) -> None:
+    assert shard_order(["block", "", "block.0", "head"]) == ("block.0", "block", "head", "")
+    x, y = batch(6)
+    result = assert_fsdp_grads_match(Nested(), x, y, loss_fn=F.mse_loss, world_size=2, shard_modules=["block", "block.0"], pool=ddp_pool)
+    assert "fully_shard on ['block.0', 'block', '(root)'] modules" in result.scenario
+    with pytest.raises(ParallelMismatch, match="one over the world size"):
+        assert_fsdp_grads_match(Nested(), x, y, loss_fn=SUM_MSE, world_size=2, shard_modules=["block", "block.0"], pool=ddp_pool)
+
+
+def test_unused_parameters_keep_none_gradients_as_on_one_device(ddp_pool: DDPWorkerPool) -> None:
+    # torch 2.13: FSDP2 leaves .grad None for parameters outside the loss, whether the
+    # forward skips them (never) or the loss ignores their output (pooler).
+    x, y = batch(6)
+    result = assert_fsdp_grads_match(WithUnused(), x, y, loss_fn=first_output_mse, world_size=2, pool=ddp_pool)
+    grads = {t.name: t for t in result.tensors if "grad" in t.name}
+    assert "rank 1 grad 'pooler.weight'" in grads
+    assert "rank 1 grad 'never.bias'" in grads
+    assert all(t.ok for t in grads.values())
+    with pytest.raises(ParallelMismatch):
+        assert_fsdp_grads_match(WithUnused(), x, y, loss_fn=first_output_mse, world_size=2, step=fsdp_undivided_step, pool=ddp_pool)
+
+
+def test_keyword_only_forward(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(5)
+    result = assert_fsdp_grads_match(KeywordOnly(), (), y, loss_fn=F.mse_loss, world_size=2, forward_kwargs={"features": x}, pool=ddp_pool)
+    assert "keyword arguments ['features']" in result.scenario
+    with pytest.raises(ParallelMismatch, match="loss-averaging trap"):
+        assert_fsdp_grads_match(KeywordOnly(), (), y, loss_fn=F.mse_loss, world_size=2, forward_kwargs={"features": x}, step=fsdp_step, pool=ddp_pool)
+
+
+def test_a_rank_without_rows_is_accepted_as_fsdp_accepts_it(ddp_pool: DDPWorkerPool) -> None:
+    # FSDP2 runs a rank with an empty shard (it joins every collective with zero gradients);
+    # weighting that rank by 0 keeps the full-batch gradient, the plain step halves it.
+    x, y = batch(4)
+    result = assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, shards=[4, 0], pool=ddp_pool)
+    assert "step weighted_fsdp_step" in result.scenario
+    with pytest.raises(ParallelMismatch, match=r"0\.5 times"):
+        assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, shards=[4, 0], step=fsdp_step, pool=ddp_pool)
+
+
+def test_bad_arguments_are_refused_before_anything_is_sent(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    model = mlp()
+    with pytest.raises(InvalidArgument, match=r"world_size=0 must be an int >= 1"):
+        assert_fsdp_grads_match(model, x, y, loss_fn=F.mse_loss, world_size=0, pool=ddp_pool)
+    with pytest.raises(InvalidArgument, match=r"shards=\[4, 1\] sums to 5 but the batch has 6 rows"):
+        assert_fsdp_grads_match(model, x, y, loss_fn=F.mse_loss, world_size=2, shards=[4, 1], pool=ddp_pool)
+    with pytest.raises(InvalidArgument, match=r"shards=\[7, -1\] contains -1"):
+        assert_fsdp_grads_match(model, x, y, loss_fn=F.mse_loss, world_size=2, shards=[7, -1], pool=ddp_pool)
+    with pytest.raises(InvalidArgument, match=r"loss_fn=.*cannot be pickled"):
+        assert_fsdp_grads_match(model, x, y, loss_fn=lambda out, t: F.mse_loss(out, t), world_size=2, pool=ddp_pool)
+    with pytest.raises(InvalidArgument, match=r"step=.*cannot be pickled"):
+        assert_fsdp_grads_match(model, x, y, loss_fn=F.mse_loss, world_size=2, step=lambda ctx: None, pool=ddp_pool)
+    with pytest.raises(InvalidArgument, match=r"has no parameter that requires grad.*fully_shard"):
+        assert_fsdp_grads_match(mlp().requires_grad_(False), x, y, loss_fn=F.mse_loss, world_size=2, pool=ddp_pool)
+    with pytest.raises(InvalidArgument, match=r"shard_modules names 'block\.9'.*valid names: 'block', 'block\.0', 'block\.1', 'block\.2', 'head'"):
+        assert_fsdp_grads_match(Nested(), x, y, loss_fn=F.mse_loss, world_size=2, shard_modules=["block.9"], pool=ddp_pool)
+    with pytest.raises(InvalidArgument, match=r"shard_modules='block'"):
+        assert_fsdp_grads_match(Nested(), x, y, loss_fn=F.mse_loss, world_size=2, shard_modules="block", pool=ddp_pool)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"reshard_after_forward"):
+        assert_fsdp_grads_match(model, x, y, loss_fn=F.mse_loss, world_size=2, reshard_after_forward=2, pool=ddp_pool)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"pool has world_size 2 but world_size=4"):
+        assert_fsdp_grads_match(model, x, y, loss_fn=F.mse_loss, world_size=4, pool=ddp_pool)
+
+
+# --------------------------------------------------------------------------- mutants
+
+
+def test_undivided_gradients_are_caught_naming_the_world_size(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch, match=r"is 2 times .*\(2, the world size\)") as caught:
+        assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=fsdp_undivided_step, pool=ddp_pool)
+    assert "set_gradient_divide_factor(1.0)" in str(caught.value)
+
+
+def test_a_summed_loss_step_is_caught_naming_the_rows_per_rank(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch, match=r"is 3 times .*\(3, the rows per rank\)"):
+        assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=fsdp_summed_loss_step, pool=ddp_pool)
+
+
+def test_the_wrong_loss_weight_is_caught_on_uneven_shards(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(5)
+    with pytest.raises(ParallelMismatch, match=r"0\.5 times .*\(1/2, one over the world size\).*divided by the world size twice"):
+        assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=fsdp_wrong_weight_step, pool=ddp_pool)
+    assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=weighted_fsdp_step, pool=ddp_pool)
+
+
+# --------------------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("optimizer", [SGD, ADAM], ids=["sgd-momentum", "adam"])
+def test_training_matches_one_device_with_sharded_optimizer_state(ddp_pool: DDPWorkerPool, optimizer: Callable[..., Any]) -> None:
+    batches = [batch(6, seed=s) for s in range(3)]
+    result = assert_fsdp_training_matches(mlp(), batches, loss_fn=F.mse_loss, optimizer=optimizer, world_size=2, pool=ddp_pool)
+    assert len(result.tensors) == 2 * 4
+    state = next(n for n in result.notes if n.startswith("Optimizer state sharded"))
+    key = "exp_avg" if optimizer is ADAM else "momentum_buffer"
+    assert f"'0.weight.{key}': 20 of 40" in state
+
+
+def test_training_with_uneven_batches_uses_the_weighted_step(ddp_pool: DDPWorkerPool) -> None:
+    batches = [batch(5, seed=s) for s in range(2)]
+    result = assert_fsdp_training_matches(mlp(), batches, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, pool=ddp_pool, reshard_after_forward=False)
+    assert "step weighted_fsdp_step" in result.scenario
+    with pytest.raises(ParallelMismatch, match="step 1 param"):
+        assert_fsdp_training_matches(mlp(), batches, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, step=fsdp_step, pool=ddp_pool)
+
+
+def test_training_catches_undivided_gradients(ddp_pool: DDPWorkerPool) -> None:
+    batches = [batch(6, seed=s) for s in range(2)]
+    with pytest.raises(ParallelMismatch, match=r"rank [01] step 1 param"):
+        assert_fsdp_training_matches(mlp(), batches, loss_fn=F.mse_loss, optimizer=PLAIN_SGD, world_size=2, step=fsdp_undivided_step, pool=ddp_pool)
+
+
+def test_optimizer_state_kept_whole_is_a_failure() -> None:
+    sharded = Held("0.weight.exp_avg", True, 20, 40, "(Shard(dim=0),)")
+    whole = Held("0.weight.exp_avg", False, 40, 40, "")
+    good = FSDPRankTraining((), {}, (), True, (), (sharded,))
+    bad = FSDPRankTraining((), {}, (), True, (), (whole,))
+    assert state_findings(2, [good, good])[0] == []
+    failures, _notes = state_findings(2, [good, bad])
+    assert failures
+    assert "Rank 1's optimizer state ['0.weight.exp_avg'] is not sharded" in failures[0]
