@@ -317,3 +317,12 @@ def test_optimizer_state_kept_whole_is_a_failure() -> None:
     failures, _notes = state_findings(2, [good, bad])
     assert failures
     assert "Rank 1's optimizer state ['0.weight.exp_avg'] is not sharded" in failures[0]
+
+
+def test_adam_hides_undivided_gradients_that_the_gradient_check_catches(ddp_pool: DDPWorkerPool) -> None:
+    # Adam's update m / sqrt(v) is invariant to a uniform gradient factor (up to eps): twice
+    # the gradients train the same parameters, so only the gradient check sees the bug.
+    x, y = batch(6)
+    assert_fsdp_training_matches(mlp(), [(x, y), (x, y)], loss_fn=F.mse_loss, optimizer=ADAM, world_size=2, step=fsdp_undivided_step, pool=ddp_pool)
+    with pytest.raises(ParallelMismatch, match="the world size"):
+        assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=fsdp_undivided_step, pool=ddp_pool)
