@@ -326,3 +326,28 @@ def test_adam_hides_undivided_gradients_that_the_gradient_check_catches(ddp_pool
     assert_fsdp_training_matches(mlp(), [(x, y), (x, y)], loss_fn=F.mse_loss, optimizer=ADAM, world_size=2, step=fsdp_undivided_step, pool=ddp_pool)
     with pytest.raises(ParallelMismatch, match="the world size"):
         assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=fsdp_undivided_step, pool=ddp_pool)
+
+
+def test_a_model_of_one_element_parameters_is_sharded_across_ranks_not_on_each(ddp_pool: DDPWorkerPool) -> None:
+    # Linear(1, 1): rank 0 stores each parameter's one element whole, rank 1 stores none of
+    # it; the module is sharded all the same (found by the fuzz session's first example)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        tiny = nn.Sequential(nn.Linear(1, 1), nn.Tanh(), nn.Linear(1, 1))
+    x, y = torch.randn(2, 1), torch.randn(2, 1)
+    result = assert_fsdp_grads_match(tiny, x, y, loss_fn=F.mse_loss, world_size=2, pool=ddp_pool)
+    assert any(note.startswith("Sharding ran") for note in result.notes)
+
+
+def test_parameters_every_rank_stored_whole_are_a_failure() -> None:
+    from dpverify.sharded.fsdp import FSDPCheck
+    from dpverify.sharded.fsdp import _sharding_findings as sharding_findings
+
+    check = FSDPCheck.for_fsdp(mlp(), batch(4)[0], batch(4)[1], loss_fn=F.mse_loss, world_size=2)
+    whole = (Held("0.weight", True, 40, 40, "(Replicate(),)"),)
+    split = (Held("0.weight", True, 20, 40, "(Shard(dim=0),)"),)
+    assert sharding_findings(check, [whole, whole], [True, True], [(), ()])[0] == [
+        "Every rank stored every parameter whole (no DTensor shard smaller than the parameter): "
+        "the parameters were never sharded over the ranks."
+    ]
+    assert sharding_findings(check, [whole, split], [True, True], [(), ()])[0] == []

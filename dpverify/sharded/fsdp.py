@@ -245,11 +245,13 @@ def _sharding_findings(check: FSDPCheck, held: Sequence[tuple[Held, ...]], wrapp
             failures.append(
                 f"Rank {r} held parameters {plain_params} as plain tensors, not DTensors: fully_shard did not manage them."
             )
-        if check.world_size > 1 and params and not any(h.sharded for h in params):
-            failures.append(
-                f"Rank {r} stored every parameter whole (no DTensor shard smaller than the parameter): "
-                "the parameters were never sharded over the ranks."
-            )
+    # across ranks: a parameter of one element is stored whole by one rank and not at all
+    # by the others, so a rank may hold nothing in part while the module is sharded
+    if check.world_size > 1 and any(held) and not any(h.sharded for params in held for h in params):
+        failures.append(
+            "Every rank stored every parameter whole (no DTensor shard smaller than the parameter): "
+            "the parameters were never sharded over the ranks."
+        )
     for r, names in enumerate(plain):
         if names:
             failures.append(
