@@ -57,6 +57,7 @@ __all__ = [
     "SkipLastMicrobatchGPipe",
     "UnscaledGPipe",
     "assert_pipeline_grads_match",
+    "pipeline_check",
     "stage_children",
 ]
 
@@ -302,11 +303,28 @@ class PipelineCheck(DDPCheck):
         return "mean" if self.scale_grads else "sum"
 
 
-def _create(
-    module: nn.Module, inputs: Any, target: Any, loss_fn: LossFn, world_size: int, n_microbatches: int,
-    split_points: Sequence[int | str] | None, schedule: Any, scale_grads: bool, pool: RankRunner | None,
-    rtol: float | None, atol: float | None,
+def pipeline_check(
+    module: nn.Module,
+    inputs: Any,
+    target: Any,
+    *,
+    loss_fn: LossFn,
+    world_size: int,
+    n_microbatches: int,
+    split_points: Sequence[int | str] | None = None,
+    schedule: str | type[PipelineScheduleSingle] = "gpipe",
+    scale_grads: bool = True,
+    pool: RankRunner | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
 ) -> PipelineCheck:
+    """The validated scenario of ``assert_pipeline_grads_match`` (same arguments): its
+    ``task()`` is what the ranks run (``run_pipeline_task``), for a caller that wants the
+    ranks' evidence itself.
+
+    Raises:
+        InvalidArgument: an argument cannot be used.
+    """
     require_module_with_grads(module, why="there is no gradient for a pipeline stage to compare")
     if isinstance(world_size, int) and not isinstance(world_size, bool) and world_size == 1:
         raise InvalidArgument(
@@ -421,7 +439,10 @@ def assert_pipeline_grads_match(
         InvalidArgument: an argument cannot be used (see above).
     """
     __tracebackhide__ = True
-    check = _create(module, inputs, target, loss_fn, world_size, n_microbatches, split_points, schedule, scale_grads, pool, rtol, atol)
+    check = pipeline_check(
+        module, inputs, target, loss_fn=loss_fn, world_size=world_size, n_microbatches=n_microbatches,
+        split_points=split_points, schedule=schedule, scale_grads=scale_grads, pool=pool, rtol=rtol, atol=atol,
+    )
     title = "Pipeline-parallel gradients must match the single-device full-batch gradient on every stage"
     ranks: tuple[PipelineRankStep, ...] = check.send(run_pipeline_task, check.task(), title)
     refs = check.references()
