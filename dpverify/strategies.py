@@ -519,13 +519,18 @@ FSDP_KINDS: tuple[str, ...] = ("linear", "mlp", "residual", "layernorm", "conv1d
 
 def fsdp_layouts(module: nn.Module) -> SearchStrategy[FSDPLayout]:
     """FSDP2 layouts for ``module``: ``fully_shard`` on the default modules (each child with
-    parameters) or on a drawn subset of the modules with parameters of their own subtree,
-    nested ones included, with ``reshard_after_forward`` True or False.
+    parameters) or on a drawn subset of the modules with parameters in their subtree,
+    nested ones included (no ModuleList or ModuleDict, which have no forward for
+    ``fully_shard`` to hook), with ``reshard_after_forward`` True or False.
 
     Shrinks toward the default layout with ``reshard_after_forward=True``.
     """
     require_instance(module, "module", nn.Module)
-    names = [name for name, sub in module.named_modules() if name and any(True for _ in sub.parameters())]
+    # not a ModuleList or ModuleDict: fully_shard needs a module with a forward of its own
+    names = [
+        name for name, sub in module.named_modules()
+        if name and any(True for _ in sub.parameters()) and not isinstance(sub, (nn.ModuleList, nn.ModuleDict))
+    ]
     subsets = st.lists(st.sampled_from(names), min_size=1, unique=True).map(tuple) if names else st.nothing()
     return st.builds(
         FSDPLayout,

@@ -351,3 +351,30 @@ def test_parameters_every_rank_stored_whole_are_a_failure() -> None:
         "the parameters were never sharded over the ranks."
     ]
     assert sharding_findings(check, [whole, split], [True, True], [(), ()])[0] == []
+
+
+class Blocks(nn.Module):
+    """Residual blocks in a ModuleList, a container fully_shard refuses (it has no forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.stem = nn.Linear(5, 4)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2))
+            self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = h + block(h)
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+def test_the_default_shards_each_element_of_a_module_list_and_naming_the_list_is_refused(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    result = assert_fsdp_grads_match(Blocks(), x, y, loss_fn=F.mse_loss, world_size=2, pool=ddp_pool)
+    assert "fully_shard on ['blocks.0', 'blocks.1', 'stem', 'head', '(root)'] modules" in result.scenario
+    with pytest.raises(InvalidArgument, match=r"shard_modules names 'blocks', a ModuleList: .* name its elements instead \('blocks.0', 'blocks.1'\)"):
+        assert_fsdp_grads_match(Blocks(), x, y, loss_fn=F.mse_loss, world_size=2, pool=ddp_pool, shard_modules=["blocks"])

@@ -110,8 +110,7 @@ def _shard_modules(module: nn.Module, shard_modules: Sequence[str] | None) -> tu
     then the root; the root is always sharded (torch's FSDP2 expects ``fully_shard`` on the
     root, which owns what no child does and runs the root pre-forward)."""
     if shard_modules is None:
-        names = [name for name, child in module.named_children() if any(True for _ in child.parameters())]
-        return shard_order([*names, ""])
+        return shard_order([*_default_units(module), ""])
     if isinstance(shard_modules, (str, bytes)) or not isinstance(shard_modules, Sequence):
         raise InvalidArgument(
             f"shard_modules={shard_modules!r}: pass a list of qualified module names, e.g. ['0', '2'] or ['encoder.layers.0']"
@@ -126,7 +125,30 @@ def _shard_modules(module: nn.Module, shard_modules: Sequence[str] | None) -> tu
                 f"shard_modules names {name!r}, which is not a submodule of {type(module).__name__}; "
                 f"valid names: {listed} ('' is the root)"
             )
+        if isinstance(valid[name], _CONTAINERS):
+            elements = ", ".join(repr(f"{name}.{child}") for child, _ in valid[name].named_children())
+            raise InvalidArgument(
+                f"shard_modules names {name!r}, a {type(valid[name]).__name__}: fully_shard needs a module "
+                f"with a forward of its own; name its elements instead ({elements})"
+            )
     return shard_order([*shard_modules, ""])
+
+
+#: Containers without a forward of their own, which ``fully_shard`` refuses
+#: (torch/distributed/fsdp/_fully_shard/_fsdp_init.py, ``_validate_module``).
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def _default_units(module: nn.Module, prefix: str = "") -> list[str]:
+    """Each direct child that holds a parameter, as FSDP users wrap their blocks; a
+    ModuleList or ModuleDict is replaced by its elements (each block of a layer list)."""
+    names: list[str] = []
+    for name, child in module.named_children():
+        if not any(True for _ in child.parameters()):
+            continue
+        path = f"{prefix}{name}"
+        names += _default_units(child, f"{path}.") if isinstance(child, _CONTAINERS) else [path]
+    return names
 
 
 def _step(step: FSDPStep | None) -> None:
