@@ -246,6 +246,16 @@ def test_a_module_that_is_not_the_chain_of_its_children_is_refused() -> None:
     pipeline_check(Chain(), x, y, loss_fn=F.mse_loss, world_size=2, n_microbatches=4)
 
 
+def test_validation_leaves_the_module_untouched() -> None:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2)).double()
+    x, y = batch(8)
+    pipeline_check(model, x, y, loss_fn=F.mse_loss, world_size=2, n_microbatches=4)
+    assert int(model[1].num_batches_tracked) == 0
+    assert torch.equal(model[1].running_mean, torch.zeros(6, dtype=torch.float64))
+
+
 def test_the_target_must_have_the_batch_rows() -> None:
     x, y = batch(8)
     with pytest.raises(InvalidArgument, match=r"target is a tensor of shape \(4, 2\)"):

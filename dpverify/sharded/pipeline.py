@@ -15,6 +15,7 @@ self-tests: ``UnscaledGPipe`` and ``SkipLastMicrobatchGPipe``.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from collections.abc import Sequence
@@ -214,6 +215,7 @@ def _require_chain(module: nn.Module, args: tuple[Any, ...], stages: Sequence[Se
     refuse a module whose forward is something else (checked on this batch), or a stage
     boundary that is not one tensor."""
     sequential = type(module).forward is nn.Sequential.forward
+    module = copy.deepcopy(module)  # a train-mode forward updates BatchNorm's statistics
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         chained, ends = _chain_outputs(module, args, stages)
