@@ -34,8 +34,18 @@ from dpverify.checks.registry import CHECKS, MICRO_BATCHES, Case, Target
 from dpverify.core.tree import concatenate, first_batched, map_tensors
 from dpverify.core.virtual import VirtualDataParallel
 from dpverify.ddp.rank import ShardContext
+from dpverify.models.layouts import ShardedScenario
 from dpverify.models.specs import KINDS
-from dpverify.strategies import Scenario, device_lists, loss_specs, model_specs, scenarios
+from dpverify.sharded.fsdp import fsdp_summed_loss_step, fsdp_undivided_step, fsdp_wrong_weight_step
+from dpverify.sharded.pipeline import SkipLastMicrobatchGPipe, UnscaledGPipe
+from dpverify.strategies import (
+    Scenario,
+    device_lists,
+    loss_specs,
+    model_specs,
+    scenarios,
+    sharded_scenarios,
+)
 
 __all__ = [
     "MUTANTS",
@@ -486,13 +496,13 @@ def zero_grad_in_loop_step(ctx: ShardContext) -> None:
 # --------------------------------------------------------------------------- properties
 
 
-def _runs(name: str) -> Callable[[Scenario], bool]:
+def _runs(name: str) -> Callable[[Scenario | ShardedScenario], bool]:
     """Whether registry check ``name`` runs on a scenario: a property draws only those, so a
     scenario the check does not apply to (an eval-mode buffer counter for the buffer check)
     or skips (a one-row BatchNorm chunk, fewer rows than ranks) is never a false catch."""
     spec = CHECKS[name]
 
-    def runs(scenario: Scenario) -> bool:
+    def runs(scenario: Scenario | ShardedScenario) -> bool:
         case = Case.from_scenario(scenario)
         return spec.why_not(case) is None
 
@@ -512,9 +522,9 @@ class Property:
     the engine never imports it."""
 
     check: str
-    scenarios: SearchStrategy[Scenario]
+    scenarios: SearchStrategy[Scenario] | SearchStrategy[ShardedScenario]
 
-    def run(self, scenario: Scenario, target: Target | None = None) -> None:
+    def run(self, scenario: Scenario | ShardedScenario, target: Target | None = None) -> None:
         """``CHECKS[check].check`` on one scenario against ``target`` (default: torch's own);
         raises what the check raises (``ParallelMismatch`` when the code under test is caught)."""
         __tracebackhide__ = True
@@ -532,13 +542,17 @@ def _properties() -> dict[str, Property]:
         models=ddp_models, devices=device_lists(min_devices=2, max_devices=3),
         losses=loss_specs(reductions=("mean",)), max_batch=12,
     )
-    drawn = {
+    drawn: dict[str, SearchStrategy[Any]] = {
         "dp-grads": exact,
         "dp-grad-sum": exact,
         "dp-buffers": scenarios(models=model_specs(kinds=["buffer-counter", "batchnorm"]), devices=devices),
         "dp-weighted-loss": scenarios(models=model_specs(kinds=["loss-head"]), devices=devices),
         "ddp-grads": ddp,
         "ddp-accumulation": ddp.filter(_equal_micro_batches),
+        # the sharded checks on 2 or 3 ranks (tensor parallelism on 2: a 2-D mesh needs 4),
+        # each with layouts drawn for its model (``sharded_scenarios``)
+        "fsdp-grads": sharded_scenarios("fsdp", world_sizes=(2, 3)),
+        "pp-grads": sharded_scenarios("pp", world_sizes=(2, 3)),
     }
     return {name: Property(name, strategy.filter(_runs(name))) for name, strategy in drawn.items()}
 
@@ -556,8 +570,10 @@ class Mutant:
         implementation: the wrapper class, reduction function or DDP step.
         kind: ``"dp"`` (a DataParallel-like wrapper), ``"criterion"`` (the criterion
             wrapper of a model/criterion pair, whose model wrapper is ``model``),
-            ``"reduce"`` (a reduction of per-replica losses) or ``"ddp-step"`` (a per-rank
-            DDP training step).
+            ``"reduce"`` (a reduction of per-replica losses), ``"ddp-step"`` (a per-rank
+            DDP training step), ``"fsdp-step"`` (a per-rank FSDP2 step), ``"tp-plan"`` (a
+            tensor-parallel plan builder, ``plan(layout)``) or ``"pp-schedule"`` (a pipeline
+            schedule class).
         bug: what is wrong, in one sentence.
         caught_by: the registry check that catches it (a key of ``CHECKS`` and
             ``PROPERTIES``).
@@ -584,11 +600,18 @@ class Mutant:
             return Target(parallel=self.model, parallel_loss=self.implementation)
         if self.kind == "reduce":
             return Target(reduce=self.implementation)
-        if self.kind == "ddp-step":
+        if self.kind in ("ddp-step", "fsdp-step"):
             return Target(step=self.implementation)
-        raise ValueError(f"mutant {self.name!r} has kind {self.kind!r}; expected 'dp', 'criterion', 'reduce' or 'ddp-step'")
+        if self.kind == "tp-plan":
+            return Target(plan=self.implementation)
+        if self.kind == "pp-schedule":
+            return Target(schedule=self.implementation)
+        raise ValueError(
+            f"mutant {self.name!r} has kind {self.kind!r}; expected 'dp', 'criterion', 'reduce', 'ddp-step', "
+            "'fsdp-step', 'tp-plan' or 'pp-schedule'"
+        )
 
-    def check(self, scenario: Scenario) -> None:
+    def check(self, scenario: Scenario | ShardedScenario) -> None:
         """Runs the catching check on one scenario with this mutant (raises when caught)."""
         __tracebackhide__ = True
         PROPERTIES[self.caught_by].run(scenario, self.target)
@@ -614,5 +637,10 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("ddp-forward-outside-no-sync", forward_outside_no_sync_step, "ddp-step", "runs the forward outside no_sync(), so every micro-batch synchronises", "ddp-accumulation", "synchronised"),
         Mutant("ddp-undivided-accumulation", undivided_accumulation_step, "ddp-step", "accumulates micro-batch losses without dividing by their number", "ddp-accumulation", "the number of micro-batches"),
         Mutant("ddp-zero-grad-in-loop", zero_grad_in_loop_step, "ddp-step", "calls zero_grad() inside the accumulation loop", "ddp-accumulation", "tensors are not close"),
+        Mutant("fsdp-undivided", fsdp_undivided_step, "fsdp-step", "skips the reduce-scatter's average: FSDP2 sums the ranks' gradients", "fsdp-grads", "the world size"),
+        Mutant("fsdp-summed-loss", fsdp_summed_loss_step, "fsdp-step", "sums each rank's losses over its rows instead of averaging them", "fsdp-grads", "tensors are not close"),
+        Mutant("pp-unscaled", UnscaledGPipe, "pp-schedule", "a GPipe schedule that does not scale gradients by 1/n_microbatches", "pp-grads", "microbatches"),
+        Mutant("pp-skip-last-microbatch", SkipLastMicrobatchGPipe, "pp-schedule", "a GPipe schedule that never runs its last microbatch", "pp-grads", "microbatch"),
+        Mutant("fsdp-wrong-weight", fsdp_wrong_weight_step, "fsdp-step", "weights each rank's loss by n_r / B, forgetting the world size FSDP2 divides by", "fsdp-grads", "the world size"),
     )
 }

@@ -36,6 +36,7 @@ from torch import nn
 
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
+from dpverify.core.text import plural
 from dpverify.core.validation import require_bool, require_instance, require_int_at_least
 from dpverify.models.layouts import (
     BACKENDS,
@@ -591,24 +592,35 @@ def _all_linear_pairs(module: nn.Module, tp_size: int) -> list[tuple[str, str]]:
 
 def pipeline_layouts(n_children: int, world_size: int, batch_size: int, *, schedules: Sequence[str] = SCHEDULES) -> SearchStrategy[PipelineLayout]:
     """Pipelines of ``world_size`` stages over ``n_children`` top-level children: sorted
-    split points (every stage at least one child), a microbatch count that cuts
-    ``batch_size`` into equal microbatches (torch's schedules need equal shapes), and a
-    schedule from ``schedules``.
+    split points (every stage at least one child), a schedule from ``schedules``, and a
+    microbatch count that cuts ``batch_size`` into equal microbatches (torch's schedules
+    need equal shapes), at least one per stage for 1F1B (torch's ``Schedule1F1B`` refuses
+    fewer; with no such count for this batch, GPipe is drawn).
 
-    Shrinks toward the even split, the most microbatches up to 4 and GPipe.
+    Shrinks toward the even split, GPipe and the most microbatches up to 8.
     """
     require_int_at_least(world_size, "world_size", 1)
     require_int_at_least(n_children, "n_children", world_size)
     require_int_at_least(batch_size, "batch_size", 1)
     chosen = _subset("schedules", schedules, SCHEDULES, f"choose a non-empty subset of {SCHEDULES}")
+    counts = microbatch_counts(batch_size, most=min(batch_size, 8))
+    enough = {"gpipe": counts, "1f1b": [n for n in counts if n >= world_size]}
+    usable = [s for s in SCHEDULES if s in chosen and enough[s]]
+    if not usable:
+        raise InvalidArgument(
+            f"schedules={list(chosen)!r}: 1F1B needs at least {world_size} equal microbatches, which a batch "
+            f"of {plural(batch_size, 'row')} cannot give; add 'gpipe' or draw larger batches"
+        )
     even = even_split_points(n_children, world_size)
     points = st.lists(st.integers(1, n_children - 1), min_size=world_size - 1, max_size=world_size - 1, unique=True).map(lambda p: tuple(sorted(p)))
-    return st.builds(
-        PipelineLayout,
-        split_points=st.one_of(st.just(even), points) if world_size > 1 else st.just(()),
-        n_microbatches=st.sampled_from(microbatch_counts(batch_size, most=min(batch_size, 8))),
-        schedule=st.sampled_from([s for s in SCHEDULES if s in chosen]),
-    )
+
+    @st.composite
+    def draw_layout(draw: st.DrawFn) -> PipelineLayout:
+        schedule = draw(st.sampled_from(usable))
+        split = draw(st.one_of(st.just(even), points) if world_size > 1 else st.just(()))
+        return PipelineLayout(split, draw(st.sampled_from(enough[schedule])), schedule)
+
+    return draw_layout()
 
 
 @st.composite

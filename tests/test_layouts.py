@@ -131,6 +131,13 @@ def test_drawn_pipelines_give_every_stage_a_child_and_equal_microbatches(data: s
     bounds = [0, *layout.split_points, children]
     assert all(a < b for a, b in itertools.pairwise(bounds))
     assert batch % layout.n_microbatches == 0
+    if layout.schedule == "1f1b":  # torch's Schedule1F1B needs a microbatch per stage
+        assert layout.n_microbatches >= world
+
+
+def test_pipeline_layouts_refuse_a_1f1b_only_draw_that_no_batch_split_allows() -> None:
+    with pytest.raises(InvalidArgument, match="1F1B needs at least 2 equal microbatches, which a batch of 1 row cannot give"):
+        pipeline_layouts(3, 2, 1, schedules=("1f1b",))
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "tp", "pp"])

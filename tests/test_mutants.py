@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import Phase, given, settings
+from torch.distributed.pipelining import ScheduleGPipe
 
 import dpverify
 from dpverify.checks.registry import CHECKS, Target
@@ -19,6 +20,7 @@ from dpverify.mutants import (
     manual_allreduce_step,
     weighted_replica_losses,
 )
+from dpverify.sharded.fsdp import weighted_fsdp_step
 from dpverify.strategies import Scenario
 
 # The search is bounded by the CI profile's examples; shrinking is left out to bound time.
@@ -43,7 +45,7 @@ def test_every_mutant_is_caught_with_a_message_that_points_at_the_bug(name: str)
 
 #: The correct implementation each property runs, by registry check: a DataParallel from
 #: scratch, a reduction weighted by chunk size, a DDP step with a hand-written all-reduce,
-#: torch's no_sync recipe.
+#: torch's no_sync recipe, the FSDP2 step weighted by each rank's share of the batch.
 CORRECT = {
     "dp-grads": Target(parallel=ScratchDataParallel),
     "dp-grad-sum": Target(parallel=ScratchDataParallel),
@@ -51,6 +53,8 @@ CORRECT = {
     "dp-weighted-loss": Target(reduce=weighted_replica_losses),
     "ddp-grads": Target(step=manual_allreduce_step),
     "ddp-accumulation": Target(step=dpverify.no_sync_accumulation_step),
+    "fsdp-grads": Target(step=weighted_fsdp_step),
+    "pp-grads": Target(schedule=ScheduleGPipe),
 }
 
 
