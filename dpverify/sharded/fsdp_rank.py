@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from dpverify.core.step import no_tf32
 from dpverify.ddp.rank import (
@@ -190,40 +190,54 @@ def weighted_fsdp_step(ctx: FSDPContext) -> Any:
 # --------------------------------------------------------------------------- tasks
 
 
-def _all_have(present: bool) -> bool:
-    """Whether every rank has ``present`` (one all-gather of a flag): a DTensor collective
-    that some rank skips would hang the others."""
-    flags: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, present)
-    return all(flags)
+def _dim0_shard(tensor: DTensor) -> bool:
+    """Sharded as FSDP2 shards by default: along dim 0 over a 1-D mesh, so the full tensor
+    is the ranks' local pieces concatenated in rank order."""
+    return tensor.device_mesh.ndim == 1 and tuple(tensor.placements) == (Shard(0),)
 
 
-def _full(tensor: torch.Tensor, everywhere: bool) -> torch.Tensor:
-    """A CPU copy of the whole tensor: ``full_tensor()`` of a DTensor (an all-gather, made
-    only when every rank holds one), else this rank's tensor or shard as it is."""
-    if isinstance(tensor, DTensor):
-        return _cpu(tensor.full_tensor() if everywhere else tensor.to_local())
-    return _cpu(tensor)
+def _gather_full(named: Sequence[tuple[str, torch.Tensor | None]]) -> dict[str, torch.Tensor | None]:
+    """CPU copies of whole tensors on every rank, with one collective for all of them.
+
+    Every rank sends what it holds of each tensor (its local shard of a DTensor sharded
+    along dim 0, else nothing) in one ``all_gather_object``, and rebuilds each tensor from
+    the ranks' pieces: what ``full_tensor()`` gives, without an all-gather per tensor
+    (FSDP2's own collectives already cost several milliseconds a step on gloo). A tensor
+    not every rank holds so (a plain gradient, another placement) is gathered with
+    ``full_tensor()`` when every rank holds a DTensor, else kept as this rank has it: a
+    rank without one never leaves the others waiting in a collective.
+    """
+    mine = [
+        _cpu(t.to_local()) if isinstance(t, DTensor) and _dim0_shard(t) else (isinstance(t, DTensor) if t is not None else None)
+        for _name, t in named
+    ]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    full: dict[str, torch.Tensor | None] = {}
+    for index, (name, tensor) in enumerate(named):
+        pieces = [held[index] for held in every]
+        if tensor is None:
+            full[name] = None
+        elif all(isinstance(piece, torch.Tensor) for piece in pieces):
+            full[name] = torch.cat(pieces, dim=0)
+        elif isinstance(tensor, DTensor) and all(piece is True or isinstance(piece, torch.Tensor) for piece in pieces):
+            full[name] = _cpu(tensor.full_tensor())
+        else:
+            full[name] = _cpu(tensor.to_local() if isinstance(tensor, DTensor) else tensor)
+    return full
 
 
 def _grads_and_plain(module: nn.Module) -> tuple[dict[str, torch.Tensor | None], tuple[str, ...]]:
-    """Each parameter's full gradient, and the parameters whose gradient is not a DTensor
-    (it did not come out of FSDP2's reduce-scatter)."""
-    grads: dict[str, torch.Tensor | None] = {}
-    plain: list[str] = []
-    for name, param in module.named_parameters():
-        grad = param.grad
-        if grad is not None and not isinstance(grad, DTensor):
-            plain.append(name)
-        everywhere = _all_have(isinstance(grad, DTensor))
-        grads[name] = None if grad is None else _full(grad, everywhere)
-    return grads, tuple(plain)
+    """Each parameter's full gradient (``_gather_full``), and the parameters whose gradient
+    is not a DTensor (it did not come out of FSDP2's reduce-scatter)."""
+    named = [(name, param.grad) for name, param in module.named_parameters()]
+    plain = tuple(name for name, grad in named if grad is not None and not isinstance(grad, DTensor))
+    return _gather_full(named), plain
 
 
 def _full_params(module: nn.Module) -> dict[str, torch.Tensor]:
-    params = list(module.named_parameters())
-    everywhere = _all_have(all(isinstance(p, DTensor) for _n, p in params))
-    return {name: _full(p.detach(), everywhere) for name, p in params}
+    full = _gather_full([(name, p.detach()) for name, p in module.named_parameters()])
+    return {name: tensor for name, tensor in full.items() if tensor is not None}
 
 
 def _holding(module: nn.Module) -> tuple[Held, ...]:
