@@ -1,0 +1,765 @@
+"""Public tensor-parallel check: torch's ``parallelize_module`` on real ranks against one device.
+
+The check sends one task to the pooled ranks (``dpverify.ddp.pool``; never a process group of
+its own). Every rank applies the user's plan to a fresh copy of the module over the ``"tp"``
+dimension of a device mesh (``dpverify.sharded.mesh``), with FSDP2 over a ``"dp"`` dimension
+when ``data_parallel`` > 1, runs the step, and returns its output made whole, its loss, the
+full gradients (``DTensor.full_tensor()``), how it held every parameter, and the layouts its
+modules' inputs and outputs had (forward hooks). The parent compares the tensors with the
+single-device full-batch step as the DDP checks do (``DDPCheck``, ``DDPReferences``:
+float64-anchored tolerance, a second look for rounding), fails a step that sharded nothing,
+and explains a plan whose layouts do not compose (or whose output stays a local shard) from
+the recorded layouts rather than from torch's traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from dpverify.checks.dp import raise_unless_ok, require_loss_fn
+from dpverify.core.comparison import (
+    Msg,
+    StepComparison,
+    TensorComparison,
+    Tolerance,
+    step_comparison,
+)
+from dpverify.core.errors import InvalidArgument
+from dpverify.core.step import StepResult, as_inputs, batch_size_of, first_parameter_dtype
+from dpverify.core.validation import require_int_at_least, require_module_with_grads
+from dpverify.ddp.checks import (
+    DDPCheck,
+    DDPReferences,
+    _forward_kwargs,
+    _items_notes,
+    _name,
+    _optional,
+    _relative_gap,
+    _runner,
+    _same_up_to_rounding,
+    _scale_note,
+    _sendable,
+    _token_trap_note,
+)
+from dpverify.ddp.items import PieceItems
+from dpverify.ddp.pool import RankRunner, require_picklable
+from dpverify.ddp.rank import LossFn, even_shards, shard_bounds, take_rows
+from dpverify.sharded.fsdp import _default_units
+from dpverify.sharded.fsdp_rank import shard_order
+from dpverify.sharded.tensor_parallel_rank import (
+    DP_DIM,
+    TP_DIM,
+    Placed,
+    Seen,
+    TPContext,
+    TPRankStep,
+    TPStepTask,
+    _matched,
+    full_output,
+    placement_text,
+    run_tp_step_task,
+    tp_step,
+    weighted_tp_step,
+)
+
+__all__ = [
+    "LocalOutputColwiseParallel",
+    "NoAllReduceRowwiseParallel",
+    "TPCheck",
+    "TPContext",
+    "assert_tensor_parallel_grads_match",
+    "full_output",
+    "tp_step",
+    "weighted_tp_step",
+]
+
+TPStep = Any  # Callable[[TPContext], Any]; Any keeps partials and callables welcome
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _module_paths(module: nn.Module) -> str:
+    listed = ", ".join(repr(path) for path, _ in module.named_modules() if path)
+    return listed or "(none: the module has no submodule)"
+
+
+def _plan(module: nn.Module, plan: Any) -> dict[str, ParallelStyle]:
+    """The plan, checked as ``parallelize_module`` would read it, before any rank sees it:
+    a dict of module paths (``fnmatch`` patterns per dotted part) to ``ParallelStyle``s, each
+    key matching a submodule, Colwise and Rowwise styles only on what they can shard."""
+    if not isinstance(plan, Mapping) or not plan:
+        raise InvalidArgument(
+            f"plan={plan!r}: pass a non-empty dict from module path to ParallelStyle, e.g. "
+            "{'0': ColwiseParallel(), '2': RowwiseParallel()}"
+        )
+    checked: dict[str, ParallelStyle] = {}
+    for key, style in plan.items():
+        if not isinstance(key, str) or not key:
+            raise InvalidArgument(
+                f"plan has the key {key!r}; name submodules by their qualified paths (non-empty strings such as "
+                f"'0' or 'layers.*.mlp'): {_module_paths(module)}"
+            )
+        if not isinstance(style, ParallelStyle):
+            raise InvalidArgument(
+                f"plan[{key!r}] is {style!r} ({type(style).__name__}), not a ParallelStyle; pass an instance such as "
+                "ColwiseParallel(), RowwiseParallel(), SequenceParallel() or PrepareModuleInput(...)"
+            )
+        matched = _matched(module, {key: style})
+        if not matched:
+            raise InvalidArgument(
+                f"plan key {key!r} matches no submodule of {type(module).__name__} (parallelize_module would "
+                f"only warn and shard nothing there); the module paths are: {_module_paths(module)}"
+            )
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            for path, _style in matched:
+                sub = module.get_submodule(path)
+                if not isinstance(sub, (nn.Linear, nn.Embedding)):
+                    raise InvalidArgument(
+                        f"plan[{key!r}] is {type(style).__name__}, which shards nn.Linear and nn.Embedding only, but "
+                        f"{path!r} is {type(sub).__name__}; name a Linear, or use SequenceParallel / "
+                        "PrepareModuleInput on other modules"
+                    )
+        checked[key] = style
+    try:
+        pickle.dumps(checked)
+    except Exception as error:
+        raise InvalidArgument(
+            f"plan cannot be sent to the ranks ({type(error).__name__}: {error}); use torch's styles, or a "
+            "ParallelStyle subclass defined at the top level of an importable module"
+        ) from None
+    return checked
+
+
+def _dp_shards(shards: Sequence[int] | None, batch_size: int, data_parallel: int) -> tuple[int, ...]:
+    """Rows per data-parallel group (one entry with ``data_parallel=1``: the whole batch)."""
+    if shards is None:
+        if batch_size < data_parallel:
+            raise InvalidArgument(
+                f"the batch has {batch_size} rows for data_parallel={data_parallel} groups; every group needs a row "
+                "(a larger batch, or fewer data-parallel groups)"
+            )
+        return even_shards(batch_size, data_parallel)
+    if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence):
+        raise InvalidArgument(f"shards={shards!r}: pass one row count per data-parallel group, e.g. [3, 2]")
+    sizes = tuple(shards)
+    if len(sizes) != data_parallel:
+        raise InvalidArgument(
+            f"shards={list(sizes)} has {len(sizes)} entries for data_parallel={data_parallel}; pass one row count "
+            "per data-parallel group (each group's tensor-parallel ranks share its rows)"
+        )
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise InvalidArgument(
+                f"shards={list(sizes)} contains {size!r}; every data-parallel group needs an int >= 1 rows"
+            )
+    if sum(sizes) != batch_size:
+        raise InvalidArgument(
+            f"shards={list(sizes)} sums to {sum(sizes)} but the batch has {batch_size} rows; the shards must "
+            "cover the batch exactly"
+        )
+    return sizes
+
+
+def _style_text(style: ParallelStyle) -> str:
+    """A style as its constructor call, with the layouts that matter."""
+    fields = []
+    for attribute in ("input_layouts", "desired_input_layouts", "output_layouts", "sequence_sharding", "use_local_output"):
+        if hasattr(style, attribute):
+            value = getattr(style, attribute)
+            if isinstance(value, tuple):
+                value = value[0] if len(value) == 1 else value
+            fields.append(f"{attribute}={placement_text(value) if not isinstance(value, (bool, tuple)) else value}")
+    return f"{type(style).__name__}({', '.join(fields)})"
+
+
+@dataclass(frozen=True)
+class TPCheck(DDPCheck):
+    """A validated tensor-parallel scenario: ``DDPCheck``'s, with ``shard_sizes`` the rows of
+    each data-parallel group (one entry without data parallelism), and the plan."""
+
+    plan: Mapping[str, ParallelStyle] = None  # type: ignore[assignment]
+    data_parallel: int = 1
+    fsdp_modules: tuple[str, ...] = ()
+
+    @classmethod
+    def for_tp(
+        cls,
+        module: nn.Module,
+        inputs: Any,
+        target: Any,
+        *,
+        loss_fn: LossFn,
+        world_size: int,
+        plan: Any,
+        data_parallel: int = 1,
+        shards: Sequence[int] | None = None,
+        pool: RankRunner | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
+        forward_kwargs: Mapping[str, Any] | None = None,
+    ) -> TPCheck:
+        """Validates every argument, in this process, before anything reaches the ranks."""
+        require_module_with_grads(module, why="there would be no gradient to compare")
+        world = require_int_at_least(world_size, "world_size", 1)
+        dp = require_int_at_least(data_parallel, "data_parallel", 1)
+        if world % dp:
+            raise InvalidArgument(
+                f"world_size={world} is not divisible by data_parallel={dp}; the mesh is (data_parallel, "
+                f"world_size // data_parallel) = ('dp', 'tp'): pass a data_parallel that divides {world}"
+            )
+        checked_plan = _plan(module, plan)
+        kwargs = _forward_kwargs(forward_kwargs)
+        args = as_inputs(inputs, keywords=bool(kwargs))
+        batch = batch_size_of(args, kwargs=kwargs)
+        require_loss_fn(loss_fn)
+        require_picklable(loss_fn, "loss_fn")
+        require_picklable(module, "module")
+        require_picklable(args, "inputs")
+        require_picklable(target, "target")
+        return cls(
+            module=module,
+            args=args,
+            target=target,
+            loss_fn=loss_fn,
+            world_size=world,
+            shard_sizes=_dp_shards(shards, batch, dp),
+            runner=_runner(pool, world),
+            tolerance=Tolerance(rtol=rtol, atol=atol),
+            dtype=first_parameter_dtype(module),
+            ddp_kwargs=(),
+            kwargs=kwargs,
+            plan=checked_plan,
+            data_parallel=dp,
+            fsdp_modules=shard_order([*_default_units(module), ""]) if dp > 1 else (),
+        )
+
+    @property
+    def tp_size(self) -> int:
+        return self.world_size // self.data_parallel
+
+    def mesh_text(self) -> str:
+        if self.data_parallel > 1:
+            return f"a mesh ({self.data_parallel}, {self.tp_size}) named ({DP_DIM!r}, {TP_DIM!r})"
+        return f"a mesh ({self.world_size},) named ({TP_DIM!r},)"
+
+    def describe(self, step: TPStep | None = None) -> str:
+        keywords = f" (keyword arguments {sorted(self.kwargs)})" if self.kwargs else ""
+        plan = "{" + ", ".join(f"{key!r}: {_style_text(style)}" for key, style in self.plan.items()) + "}"
+        if self.data_parallel > 1:
+            shown = [name if name else "(root)" for name in self.fsdp_modules]
+            split = (
+                f"batch of {self.batch_size} rows{keywords} in contiguous shards {list(self.shard_sizes)}, one per "
+                f"data-parallel group, on {self.world_size} ranks ({self.runner.backend}); parallelize_module plan "
+                f"{plan} on {self.mesh_text()}, FSDP2 fully_shard over {DP_DIM!r} on {shown}"
+            )
+        else:
+            split = (
+                f"batch of {self.batch_size} rows{keywords}, whole on each of {self.world_size} ranks "
+                f"({self.runner.backend}); parallelize_module plan {plan} on {self.mesh_text()}"
+            )
+        return split if step is None else f"{split}; step {_name(step)}"
+
+    def counted(self) -> PieceItems:
+        """What each data-parallel group's mean loss averages over (rows, or tokens)."""
+        return self.count_items(1, None)
+
+    def tp_task(self, steps: Sequence[TPStep], items: PieceItems) -> TPStepTask:
+        return TPStepTask(
+            module=self.module,
+            inputs=self.args,
+            target=self.target,
+            loss_fn=self.loss_fn,
+            shard_sizes=self.shard_sizes,
+            steps=tuple(steps),
+            plan=dict(self.plan),
+            data_parallel=self.data_parallel,
+            fsdp_modules=self.fsdp_modules,
+            kwargs=self.kwargs,
+            item_kind=items.kind,
+            item_counts=items.counts if items.by_tokens else (),
+        )
+
+    def tp_rows(self, label: str, actual: TPRankStep, refs: DDPReferences) -> list[TensorComparison]:
+        """This rank's output (its group's rows of the full-batch output), its loss and its
+        gradients against the single-device step."""
+        rows = self.rows(label, actual, refs, actual.dp_rank)
+        if actual.loss is not None:
+            start, stop = shard_bounds(self.shard_sizes)[actual.dp_rank]
+            key = functools.partial(_group_loss, self, start, stop)
+            where = "" if self.data_parallel == 1 else f" (rows [{start}:{stop}])"
+            loss = torch.tensor(actual.loss, dtype=refs.expected.loss.dtype)
+            rows.insert(0, refs.compare(f"{label}loss{where}", loss, key))
+        return rows
+
+
+def _group_loss(check: TPCheck, start: int, stop: int, step: StepResult) -> torch.Tensor | None:
+    """The single-device loss on one data-parallel group's rows (the whole batch's loss
+    when there is one group)."""
+    if start == 0 and stop == check.batch_size:
+        return step.loss.detach()
+    if step.output is None:
+        return None
+    output = take_rows(step.output, start, stop, check.batch_size)
+    target = take_rows(check.target_as(step.loss.dtype), start, stop, check.batch_size)
+    with torch.no_grad():
+        return check.loss_fn(output, target).detach()
+
+
+# --------------------------------------------------------------------------- evidence
+
+
+def _placement_text(held: Sequence[Placed]) -> str:
+    shown = [f"{p.name}: {p.placements} local {list(p.local)}" for p in held if p.placements]
+    return "; ".join(shown) if shown else "none"
+
+
+def _sharding_findings(check: TPCheck, steps: Sequence[TPRankStep]) -> tuple[list[str], str]:
+    """(failures, the evidence for the scenario line): whether the plan was applied and sharded
+    some parameter over ``"tp"`` on every rank."""
+    failures: list[str] = []
+    lazy = [r for r, s in enumerate(steps) if not s.wrapped]
+    if lazy:
+        failures.append(
+            f"The step never called ctx.parallelize() on ranks {lazy}: the plan was not applied, so nothing of "
+            "tensor parallelism was checked. Call model = ctx.parallelize() and run forward and backward through it."
+        )
+        return failures, "no parameter sharded (ctx.parallelize() never ran)"
+    unsharded = [r for r, s in enumerate(steps) if not any(p.tp_sharded for p in s.held)]
+    if unsharded and check.tp_size > 1:
+        keys = list(check.plan)
+        failures.append(
+            f"No parameter was sharded over the {TP_DIM!r} mesh dimension on ranks {unsharded}: the plan "
+            f"(keys {keys}) matched no module whose parameters its styles shard (ColwiseParallel and "
+            "RowwiseParallel shard Linear and Embedding weights; SequenceParallel and PrepareModuleInput shard "
+            "none), so every rank computed the whole model and the check would pass vacuously."
+        )
+    sharded = [p for p in steps[0].held if p.tp_sharded]
+    evidence = (
+        f"rank 0 held {len(sharded)} of {len(steps[0].held)} parameters sharded over {TP_DIM!r} ("
+        f"{_placement_text(sharded)})"
+    )
+    return failures, evidence
+
+
+def _style_of(check: TPCheck, path: str) -> ParallelStyle | None:
+    return next((style for p, style in _matched(check.module, check.plan) if p == path), None)
+
+
+def _output_shape(check: TPCheck, expected: StepResult, dp_rank: int) -> tuple[int, ...] | None:
+    """The shape of the first tensor one device outputs, cut to a data-parallel group's rows."""
+    if not expected.outputs:
+        return None
+    shape = tuple(expected.outputs[0][1].shape)
+    if check.data_parallel > 1 and shape:
+        return (check.shard_sizes[dp_rank], *shape[1:])
+    return shape
+
+
+def _local_output_findings(check: TPCheck, steps: Sequence[TPRankStep], expected: StepResult) -> list[str]:
+    """A model output whose shape on a rank is not one device's (the root's output as the
+    hooks saw it handed on): name the styled module that handed on a local shard (its output
+    a DTensor sharded over ``"tp"``, handed on as a plain tensor), its layouts, and the fix."""
+    for r, step in enumerate(steps):
+        root = next((s for s in step.seen if s.path == "" and s.handed is not None), None)
+        want = _output_shape(check, expected, step.dp_rank)
+        if root is None or root.handed is None or want is None or root.handed.dtensor or root.handed.shape == want:
+            continue
+        culprit = next(
+            (s for s in reversed(step.seen) if s.style and s.produced is not None and s.produced.dtensor
+             and s.produced.sharded and s.handed is not None and not s.handed.dtensor),
+            None,
+        )
+        text = f"Rank {r}'s model output has shape {list(root.handed.shape)} where one device gives {list(want)}"
+        if culprit is not None and culprit.produced is not None:
+            style = _style_of(check, culprit.path)
+            text += (
+                f": module {culprit.path!r} ({_style_text(style) if style is not None else culprit.style}) produced "
+                f"{culprit.produced.describe()} and handed on its local shard as a plain tensor (use_local_output=True), "
+                f"so the output left the model sharded, {culprit.produced.placements} local "
+                f"{list(culprit.produced.local)}, where one device gives {list(culprit.produced.shape)} replicated. Fix: "
+                "ColwiseParallel(use_local_output=False) (a DTensor the step makes whole), or "
+                "output_layouts=Replicate() (an all-gather), or follow it with a RowwiseParallel Linear."
+            )
+        else:
+            text += "; no module of the plan handed on a sharded DTensor as a plain tensor, so the step itself changed the shape."
+        return [text]
+    return []
+
+
+def _partial_findings(check: TPCheck, steps: Sequence[TPRankStep]) -> list[str]:
+    """A styled module whose forward produced a ``Partial`` DTensor (a sum still spread over
+    the ranks) and handed it on as a plain tensor: the reduction never ran."""
+    for step in steps:
+        for seen in step.seen:
+            produced, handed = seen.produced, seen.handed
+            if seen.style and produced is not None and produced.partial and handed is not None and seen.kept_local:
+                style = _style_of(check, seen.path)
+                return [
+                    f"Module {seen.path!r} ({_style_text(style) if style is not None else seen.style}) produced "
+                    f"{produced.describe()}, a sum spread over the {TP_DIM!r} ranks, and handed on its local part as a "
+                    "plain tensor (its own storage: no collective ran on it). The all-reduce (or reduce-scatter) that "
+                    "makes a RowwiseParallel output whole never ran, so each rank went on with its own partial sum."
+                ]
+    return []
+
+
+def _partial_sum_note(check: TPCheck, steps: Sequence[TPRankStep], expected: StepResult) -> list[str]:
+    """When the ranks' outputs differ and their sum over a tensor-parallel group is the
+    single-device output (up to the replicated bias counted on every rank), say so."""
+    if check.tp_size < 2:
+        return []
+    group = [s for s in steps if s.dp_rank == 0]
+    want = dict(expected.outputs)
+    for path, first in group[0].outputs:
+        if path not in want:
+            continue
+        rows = want[path][: first.shape[0]] if first.dim() else want[path]
+        found = [dict(s.outputs).get(path) for s in group]
+        parts = [p for p in found if p is not None and p.shape == rows.shape]
+        if len(parts) < len(found) or all(torch.equal(parts[0], p) for p in parts):
+            continue
+        total = torch.stack([p.double() for p in parts]).sum(0)
+        scale = float(rows.double().abs().max()) or 1.0
+        exact = float((total - rows.double()).abs().max()) / scale
+        offset = total - rows.double()
+        shifted = float((offset - offset.mean(0, keepdim=True)).abs().max()) / scale if offset.dim() else exact
+        if exact < 1e-4 or shifted < 1e-4:
+            extra = "" if exact < 1e-4 else " plus a constant per column (a replicated bias added on every rank)"
+            return [
+                f"The tensor-parallel ranks' {path} differ from each other, and their sum over the {check.tp_size} "
+                f"ranks of a group is the single-device {path}{extra}: each rank's output is a partial sum, off by the "
+                "other ranks' partial sums. The all-reduce of the RowwiseParallel output is missing."
+            ]
+    return []
+
+
+def _own_columns_note(check: TPCheck, steps: Sequence[TPRankStep], expected: StepResult) -> list[str]:
+    """When each rank's output equals one device's in its own block of columns and is zero
+    elsewhere: a local colwise shard padded and used as the whole output."""
+    want = dict(expected.outputs)
+    found = []
+    for r, step in enumerate(steps):
+        for path, got in step.outputs:
+            ref = want.get(path)
+            if ref is None or got.dim() < 2 or got.shape[1:] != ref.shape[1:]:
+                continue
+            start, stop = shard_bounds(check.shard_sizes)[step.dp_rank]
+            ref = ref[start:stop] if check.data_parallel > 1 else ref
+            if got.shape != ref.shape:
+                continue
+            width = got.shape[-1]
+            scale = float(ref.double().abs().max()) or 1.0
+            same = ((got.double() - ref.double()).abs() <= 1e-4 * scale).all(dim=tuple(range(got.dim() - 1)))
+            zero = (got == 0).all(dim=tuple(range(got.dim() - 1)))
+            if bool(same.all()) or not bool((same | zero).all()):
+                continue
+            cols = [c for c in range(width) if bool(same[c]) and not bool(zero[c])]
+            if cols:
+                found.append(f"rank {r} columns [{cols[0]}:{cols[-1] + 1}]")
+    if not found:
+        return []
+    return [
+        f"Each rank's output equals the single-device output only in its own block of columns ({', '.join(found)}) "
+        "and is zero elsewhere: the local shard of a ColwiseParallel output was used as the whole output (padded to "
+        "the full width) instead of being gathered. Keep the DTensor (use_local_output=False) or set "
+        "output_layouts=Replicate()."
+    ]
+
+
+def _failed_call(seen: Sequence[Seen]) -> Seen | None:
+    """The innermost module call that had not finished when the forward raised."""
+    unfinished = [s for s in seen if s.handed is None]
+    return unfinished[-1] if unfinished else None
+
+
+def _expects(style: ParallelStyle | None) -> str:
+    if style is None:
+        return ""
+    layouts = getattr(style, "input_layouts", None) or getattr(style, "sequence_sharding", None)
+    if not layouts:
+        return ""
+    layout = placement_text(layouts[0])
+    desired = getattr(style, "desired_input_layouts", None)
+    wanted = f", then redistributed to {placement_text(desired[0])}" if desired and desired != layouts else ""
+    return f" It reads a plain input as input_layouts={layout} (DTensor.from_local: this rank's local piece of that layout){wanted}."
+
+
+def _layout_error(check: TPCheck, steps: Sequence[TPRankStep]) -> list[str]:
+    """The failure for a step that raised on the ranks: where (the module call that had not
+    finished), with which layouts (what arrived, from which module, what its forward saw),
+    what the style expects, and torch's own message last."""
+    failed = steps[0].failed_ranks
+    rank = failed[0]
+    step = steps[rank]
+    error = step.error or "(no message)"
+    if not step.wrapped:
+        return [f"The step raised on ranks {list(failed)} before ctx.parallelize() applied the plan: {error}"]
+    if not step.seen:
+        return [f"parallelize_module raised on ranks {list(failed)} while applying the plan: {error}"]
+    call = _failed_call(step.seen)
+    if call is None:
+        return [
+            f"The step raised on ranks {list(failed)} after the forward finished (in the loss or the backward), "
+            f"with the layouts every module handed on recorded: {error}"
+        ]
+    style = _style_of(check, call.path)
+    name = _style_text(style) if style is not None else (call.style or "no style of the plan")
+    where = f"module {call.path!r} ({name})"
+    received = call.received.describe() if call.received is not None else "no tensor"
+    source = ""
+    if call.source is not None:
+        producer = next((s for s in step.seen if s.path == call.source and s.handed is not None), None)
+        source_style = _style_of(check, call.source)
+        if producer is not None and producer.produced is not None and producer.handed is not None:
+            source = (
+                f", handed on by module {call.source!r} ({_style_text(source_style) if source_style is not None else producer.style}), "
+                f"whose forward produced {producer.produced.describe()} and handed on {producer.handed.describe()}"
+            )
+    text = f"The plan's layouts do not compose: {where} raised on ranks {list(failed)}. It received {received}{source}."
+    if call.entered is not None:
+        text += f" Its forward saw {call.entered.describe()}."
+    else:
+        text += " The style's input hook failed before its forward ran."
+    text += _expects(style)
+    widths = _received_widths(steps, call.path, step.dp_rank)
+    if call.style and len(widths) > 1:
+        text += (
+            f" The ranks received different widths {sorted(widths)}: a sharded dimension not divisible by the "
+            f"{check.tp_size} tensor-parallel ranks, which DTensor.from_local (the plain-tensor input of a style) assumes "
+            "is cut evenly. Make the width divisible, or hand on DTensors (use_local_output=False)."
+        )
+    elif call.entered is not None and call.entered.dtensor and call.received is not None and not call.received.dtensor:
+        text += (
+            f" Read so, the plain {list(call.received.shape)} became global {list(call.entered.shape)}, which this module's "
+            "weights cannot take: the producer's output layout and this style's input layout disagree (a "
+            "RowwiseParallel expects a ColwiseParallel's Shard(-1) output; a ColwiseParallel expects a replicated "
+            "input). Pair ColwiseParallel then RowwiseParallel, or set input_layouts to what the previous module hands on."
+        )
+    return [text, f"torch's message (rank {rank}): {error}"]
+
+
+def _received_widths(steps: Sequence[TPRankStep], path: str, dp_rank: int) -> set[int]:
+    """The last dimension of what the first call of ``path`` received on each rank of one
+    tensor-parallel group."""
+    found = set()
+    for step in steps:
+        call = next((s for s in step.seen if s.path == path and s.received is not None), None)
+        if step.dp_rank == dp_rank and call is not None and call.received is not None and call.received.local:
+            found.add(call.received.local[-1])
+    return found
+
+
+def _tp_trap_note(check: TPCheck, naive: Sequence[TPRankStep], reference: StepResult) -> str:
+    """The loss-averaging trap over data-parallel groups (FSDP2 averages their gradients)."""
+    sizes, batch, d = check.shard_sizes, check.batch_size, check.data_parallel
+    weights = ", ".join(f"1/{d * n}" for n in sizes)
+    factors = ", ".join(f"{n * d / batch:.4g}" for n in sizes)
+    losses = {s.dp_rank: s.loss for s in naive}
+    text = (
+        f"Uneven data-parallel shards {list(sizes)}: FSDP2's reduce-scatter over {DP_DIM!r} averages the "
+        f"{d} groups' gradients, so a per-group mean loss gives each sample of group g the weight "
+        f"1/(data_parallel * n_g) = [{weights}] instead of 1/B = 1/{batch} (the loss-averaging trap)."
+    )
+    if all(losses.get(g) is not None for g in range(d)):
+        mean_of_means = sum(float(losses[g] or 0.0) for g in range(d)) / d
+        text += (
+            f" With the plain step (tp_step) the groups' mean losses average to {mean_of_means:.8g} against the "
+            f"full batch's {float(reference.loss):.8g} (bias {mean_of_means - float(reference.loss):+.3g}),"
+        )
+    gap = _relative_gap(naive[0].grads, reference.grads)
+    return text + (
+        f" its gradients differ from the full-batch gradients by up to {gap:.3g} (relative). Exact for any "
+        f"shards: multiply each group's mean loss by n_g * data_parallel / B = [{factors}] (ctx.loss_weight; "
+        "weighted_tp_step)."
+    )
+
+
+# --------------------------------------------------------------------------- the check
+
+
+def assert_tensor_parallel_grads_match(
+    module: nn.Module,
+    inputs: Any,
+    target: Any,
+    *,
+    loss_fn: LossFn,
+    world_size: int,
+    plan: Mapping[str, ParallelStyle],
+    data_parallel: int = 1,
+    shards: Sequence[int] | None = None,
+    step: TPStep | None = None,
+    pool: RankRunner | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    msg: Msg = None,
+    forward_kwargs: Mapping[str, Any] | None = None,
+) -> StepComparison:
+    """Asserts one tensor-parallel step (``parallelize_module`` with ``plan``) gives every
+    rank the single-device output, loss and gradients.
+
+    Each rank takes a copy of ``module`` (same weights everywhere) and runs ``step``, which
+    applies ``plan`` with ``ctx.parallelize()`` over the ``"tp"`` dimension of a device mesh.
+    With ``data_parallel=1`` the mesh is ``("tp",)`` over every rank and each rank sees the
+    whole batch. With ``data_parallel=d`` > 1 it is ``(d, world_size // d)`` named
+    ``("dp", "tp")``: after the plan, FSDP2's ``fully_shard`` over ``"dp"`` shards each child
+    with parameters, then the root, and data-parallel group g takes the g-th contiguous shard
+    of the batch. Every rank's output (made whole: its group's rows), its loss, and every
+    parameter's full gradient (``DTensor.full_tensor()``) must equal the single-device
+    full-batch step (float64-anchored tolerance, as ``assert_ddp_grads_match``). ``module`` is
+    left untouched.
+
+    Evidence: each rank reports which parameters became DTensors sharded over ``"tp"`` (the
+    scenario line lists them), and forward hooks record every module's input and output
+    layouts. A step that never applied the plan, or a plan that sharded no parameter, fails.
+    A plan whose final output is left a local shard, or whose layouts do not compose (torch
+    raises on the ranks), fails with the module paths and the layouts they produced and
+    expected instead of a traceback.
+
+    With uneven data-parallel shards the plain ``tp_step`` is biased (FSDP2 averages the
+    groups' gradients: the loss-averaging trap); it is run for contrast and
+    ``weighted_tp_step`` is the one verified by default.
+
+    Args:
+        module: the model to check.
+        inputs: the batch tensor, or a tuple of positional forward arguments; ``()`` for a
+            keyword-only forward (the batch in ``forward_kwargs``).
+        target: the second argument of ``loss_fn``.
+        loss_fn: ``loss_fn(output, target)``, a scalar loss; picklable.
+        world_size: number of ranks.
+        plan: what ``parallelize_module`` takes: module path (``fnmatch`` patterns per dotted
+            part) to ``ParallelStyle``.
+        data_parallel: data-parallel groups (a divisor of ``world_size``).
+        shards: rows per data-parallel group (default: as even as possible).
+        step: the per-rank step, ``step(ctx: TPContext)``, picklable; it must apply the plan
+            with ``ctx.parallelize()``. Default ``tp_step``, or ``weighted_tp_step`` when the
+            data-parallel groups hold different numbers of items.
+        pool: the ranks to use (default: the shared pool of ``world_size`` ranks).
+        rtol: explicit relative tolerance (with ``atol``) instead of the anchored rule.
+        atol: explicit absolute tolerance (with ``rtol``).
+        msg: replaces the failure message, or a callable that rewrites it.
+        forward_kwargs: keyword forward arguments, sharded along dim 0 like ``inputs``.
+
+    Returns:
+        The comparison (``str()`` summarises it).
+
+    Raises:
+        ParallelMismatch: a rank's output, loss or gradient differs; the plan sharded nothing
+            or was never applied; the output stayed sharded; the layouts did not compose.
+        ParallelError: a rank died or hung; the pool restarts for the next check.
+        InvalidArgument: an argument cannot be used (a plan key that matches no submodule, a
+            value that is not a ParallelStyle, a world size that data_parallel does not divide).
+    """
+    __tracebackhide__ = True
+    check = TPCheck.for_tp(
+        module, inputs, target, loss_fn=loss_fn, world_size=world_size, plan=plan, data_parallel=data_parallel,
+        shards=shards, pool=pool, rtol=rtol, atol=atol, forward_kwargs=forward_kwargs,
+    )
+    if step is not None:
+        _sendable(step, "step", "a top-level function step(ctx: TPContext)")
+    counted = check.counted()
+    trap = counted.unequal_ranks
+    chosen: TPStep = step or (weighted_tp_step if trap else tp_step)
+    steps = [chosen, tp_step] if trap else [chosen]
+    title = "Tensor-parallel (parallelize_module) output, loss and gradients must match the single-device full-batch step on every rank"
+    results: tuple[tuple[TPRankStep, ...], ...] = check.send(run_tp_step_task, check.tp_task(steps, counted), title)
+    verified = [rank_steps[0] for rank_steps in results]
+    if verified[0].failed_ranks:
+        one_device = _optional(lambda: check.reference(None))
+        local = _local_output_findings(check, verified, one_device) if one_device is not None else []
+        failures = [*local, f"torch's message (rank {verified[0].failed_ranks[0]}): {verified[verified[0].failed_ranks[0]].error}"] if local else _layout_error(check, verified)
+        outcome = step_comparison(
+            title, check.describe(chosen), check.tolerance, check.dtype, check.module, (), failures=failures, divergence=False,
+        )
+        return raise_unless_ok(outcome, msg)
+    refs = check.references(items=counted if counted.by_tokens else None)
+    expected, anchor = refs.expected, refs.anchor
+    rows = [row for r, s in enumerate(verified) for row in check.tp_rows(f"rank {r} ", s, refs)]
+    ok = all(row.ok for row in rows)
+    notes: list[str] = _items_notes(counted, trap)
+    contrasts: list[TensorComparison] = []
+    if trap:
+        naive = [rank_steps[1] for rank_steps in results]
+        reference = anchor or expected
+        if counted.by_tokens:
+            notes.append(
+                "FSDP2 averages the data-parallel groups' gradients as DDP's all-reduce averages the ranks', so "
+                "DDP's token trap holds here with the groups for ranks: " + _token_trap_note(check, counted, naive, reference)
+            )
+        else:
+            notes.append(_tp_trap_note(check, naive, reference))
+        if step is None:
+            contrasts = [
+                c for r, s in enumerate(naive) for c in check.tp_rows(f"rank {r} plain tp_step ", s, refs)
+                if c.name.startswith(f"rank {r} plain tp_step grad")
+            ]
+        elif not ok and _same_up_to_rounding(verified[0].grads, naive[0].grads):
+            notes.append(
+                "The step's gradients equal the plain per-group mean-loss step's (tp_step): it falls into the "
+                "loss-averaging trap. Multiply the group's loss by ctx.loss_weight (weighted_tp_step)."
+            )
+    failures, evidence = _sharding_findings(check, verified)
+    failures += _local_output_findings(check, verified, expected)
+    failures += _partial_findings(check, verified)
+    scale = None
+    if not ok:
+        notes += _own_columns_note(check, verified, expected) or _partial_sum_note(check, verified, expected)
+        if check.data_parallel > 1:
+            reduction = check.loss_reduction(counted)
+            more, scale = _scale_note(verified, expected, check.data_parallel, shard_sizes=check.shard_sizes, reduction=reduction)
+            notes += [
+                note.replace("world size", "number of data-parallel groups").replace("DDP", "FSDP2 over 'dp'")
+                for note in more
+            ]
+    scenario = f"{check.describe(chosen)}; evidence: {evidence}"
+    outcome = step_comparison(title, scenario, check.tolerance, check.dtype, check.module, rows, contrasts=contrasts, notes=notes, failures=failures, scale=scale)
+    return raise_unless_ok(outcome, msg)
+
+
+# --------------------------------------------------------------------------- mutants
+# Deliberately broken parallel styles, each a mistake seen in hand-written tensor-parallel
+# code. They exist so that the check can be shown to catch them; never use them to train.
+
+
+class NoAllReduceRowwiseParallel(RowwiseParallel):
+    """DELIBERATELY BROKEN: a ``RowwiseParallel`` whose output skips the all-reduce. Its
+    forward produces a ``Partial`` DTensor (each rank's matmul over its input columns, a
+    partial sum); this style hands on each rank's local partial sum as if it were the whole
+    output, so every rank's output is off by the other ranks' partial sums."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: Any) -> Any:
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
+class LocalOutputColwiseParallel(ColwiseParallel):
+    """DELIBERATELY BROKEN: a ``ColwiseParallel`` that uses its local shard of the output
+    columns as the whole output: it pads the rank's columns with zeros to the full width
+    (where they sit in the global output) instead of all-gathering the other ranks'."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: Any) -> Any:
+        if not isinstance(outputs, DTensor):
+            return outputs
+        local = outputs.to_local()
+        width = outputs.shape[-1]
+        rank, size = device_mesh.get_local_rank(), device_mesh.size()
+        start = sum(_chunk_widths(width, size)[:rank])
+        return torch.nn.functional.pad(local, (start, width - start - local.shape[-1]))
+
+
+def _chunk_widths(width: int, parts: int) -> list[int]:
+    """The width of each rank's ``Shard`` of ``width`` columns (``torch.chunk``'s cut, with
+    empty shards for the ranks it leaves out)."""
+    widths = [piece.numel() for piece in torch.arange(width).chunk(parts)]
+    return widths + [0] * (parts - len(widths))

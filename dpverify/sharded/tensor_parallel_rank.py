@@ -1,0 +1,549 @@
+"""What runs on each rank of a tensor-parallel check: the context a step sees, the default
+steps, the hooks that record the layouts module inputs and outputs really had, and the task
+that returns gradients, outputs and the evidence that tensor parallelism ran.
+
+A check sends one frozen task to every rank of a ``RankRunner``. Each rank takes a fresh copy
+of the module and runs a step whose ``ctx.parallelize()`` applies torch's
+``parallelize_module`` with the user's plan over the ``"tp"`` dimension of a device mesh
+(``dpverify.sharded.mesh``): the mesh ``("tp",)`` of every rank, or ``("dp", "tp")`` when
+``data_parallel`` > 1, where FSDP2's ``fully_shard`` then shards over ``"dp"`` and each
+data-parallel group takes its contiguous shard of the batch. What comes back is made of
+plain CPU tensors: the full gradients (``DTensor.full_tensor()``), the output made whole,
+how each parameter was held (its placements), and, from forward hooks, the layout of every
+module's input and output at each point torch's styles touch it. A rank that raises inside
+the step reports the error with the layouts seen until then, so that a plan whose layouts do
+not compose is explained from evidence instead of torch's traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils._pytree import tree_leaves, tree_map
+
+from dpverify.core.step import no_tf32
+from dpverify.ddp.rank import (
+    LossFn,
+    RankInfo,
+    RankStep,
+    ShardContext,
+    _buffers,
+    _cpu,
+    _items_of,
+    _on,
+    _outputs,
+    _shard_of,
+)
+from dpverify.sharded.fsdp_rank import _gather_full
+from dpverify.sharded.mesh import device_mesh
+
+__all__ = [
+    "DP_DIM",
+    "TP_DIM",
+    "Layout",
+    "Placed",
+    "Seen",
+    "TPContext",
+    "TPRankStep",
+    "TPStepTask",
+    "full_output",
+    "run_tp_step_task",
+    "tp_step",
+    "weighted_tp_step",
+]
+
+#: The mesh dimension tensor parallelism shards over, and the data-parallel one (FSDP2).
+TP_DIM = "tp"
+DP_DIM = "dp"
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def placement_text(placement: Any) -> str:
+    """``Shard(1)``, ``Replicate()``, ``Partial(sum)`` (torch's ``str`` abbreviates them to
+    ``S(1)``, ``R``, ``P(sum)``; its ``repr`` says ``Shard(dim=1)``)."""
+    if isinstance(placement, Shard):
+        return f"Shard({placement.dim})"
+    if type(placement).__name__ == "_StridedShard":  # FSDP2's dim-0 shard of a TP shard (2-D meshes)
+        return f"StridedShard({placement.dim}, split_factor={placement.split_factor})"
+    if isinstance(placement, Replicate):
+        return "Replicate()"
+    if isinstance(placement, Partial):
+        return f"Partial({placement.reduce_op})"
+    return str(placement)
+
+
+def _short(placements: Sequence[Any]) -> str:
+    return ", ".join(placement_text(p) for p in placements)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one tensor looked at one point of a forward, on one rank.
+
+    Attributes:
+        dtensor: whether it was a DTensor.
+        placements: its placements (``"Shard(1)"``, ``"Replicate()"``, ``"Partial(sum)"``;
+            ``""`` for a plain tensor).
+        local: the shape this rank stored.
+        shape: the global shape (a plain tensor's own).
+        sharded: some placement is a ``Shard``.
+        partial: some placement is a ``Partial`` (a sum not yet reduced over the ranks).
+    """
+
+    dtensor: bool
+    placements: str
+    local: tuple[int, ...]
+    shape: tuple[int, ...]
+    sharded: bool = False
+    partial: bool = False
+
+    def describe(self) -> str:
+        """``DTensor Shard(1) local [8, 2] of global [8, 4]``, or ``plain tensor [8, 4]``."""
+        if self.dtensor:
+            return f"DTensor {self.placements} local {list(self.local)} of global {list(self.shape)}"
+        return f"plain tensor {list(self.shape)}"
+
+
+def layout_of(obj: Any) -> Layout | None:
+    """The layout of the first tensor in ``obj`` (any nesting), None when it holds none."""
+    tensor = next((leaf for leaf in tree_leaves(obj) if isinstance(leaf, torch.Tensor)), None)
+    if tensor is None:
+        return None
+    if isinstance(tensor, DTensor):
+        kinds = tensor.placements
+        return Layout(
+            True, _short(kinds), tuple(tensor.to_local().shape), tuple(tensor.shape),
+            any(isinstance(p, Shard) or type(p).__name__ == "_StridedShard" for p in kinds),
+            any(isinstance(p, Partial) for p in kinds),
+        )
+    return Layout(False, "", tuple(tensor.shape), tuple(tensor.shape))
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One module call of a forward on one rank, as the hooks saw it.
+
+    Attributes:
+        path: the module's qualified name (``""``: the root).
+        style: the plan's style on it (its class name; ``""``: none).
+        received: its first input as it arrived (before the style's input hook).
+        entered: its first input as its forward saw it (after the style's input hook).
+        produced: its forward's output (before the style's output hook; None: the forward
+            raised).
+        handed: its output as handed on (after the style's output hook).
+        source: the module whose handed-on output ``received`` is (through modules without
+            a style that kept its shape), or None.
+        kept_local: the forward produced a DTensor and what was handed on is its local
+            tensor itself (same storage: ``to_local()`` without any collective).
+    """
+
+    path: str
+    style: str
+    received: Layout | None
+    entered: Layout | None = None
+    produced: Layout | None = None
+    handed: Layout | None = None
+    source: str | None = None
+    kept_local: bool = False
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    """Where ``tensor``'s data lives; None for the pending result of a collective
+    (``AsyncCollectiveTensor``: a collective did run) or a tensor without storage."""
+    if isinstance(tensor, AsyncCollectiveTensor):
+        return None
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except RuntimeError:
+        return None
+
+
+class _Recorder:
+    """Forward hooks on every module, placed around the hooks ``parallelize_module``
+    installed (torch/distributed/tensor/_api.py, ``distribute_module``: the style's input
+    function is a forward pre-hook, its output function a forward hook): prepended ones see
+    what arrives and what the forward produced, appended ones what the forward saw and what
+    was handed on."""
+
+    def __init__(self, model: nn.Module, styles: Mapping[str, str]) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self._open: list[int] = []
+        self._origin: dict[int, str] = {}
+        self._alive: list[torch.Tensor] = []  # keeps tagged tensors alive, so ids stay unique
+        for path, module in model.named_modules():
+            style = styles.get(path, "")
+            module.register_forward_pre_hook(self._arrived(path, style), prepend=True, with_kwargs=True)
+            module.register_forward_pre_hook(self._entered, with_kwargs=True)
+            module.register_forward_hook(self._produced, prepend=True)
+            module.register_forward_hook(self._handed(path, style))
+
+    def _first(self, obj: Any) -> torch.Tensor | None:
+        return next((leaf for leaf in tree_leaves(obj) if isinstance(leaf, torch.Tensor)), None)
+
+    def _arrived(self, path: str, style: str) -> Any:
+        def hook(_module: nn.Module, args: Any, kwargs: Any) -> None:
+            first = self._first((args, kwargs))
+            source = self._origin.get(id(first)) if first is not None else None
+            self.calls.append({"path": path, "style": style, "received": layout_of((args, kwargs)), "source": source, "first": first})
+            self._open.append(len(self.calls) - 1)
+
+        return hook
+
+    def _entered(self, _module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self._open:
+            self.calls[self._open[-1]]["entered"] = layout_of((args, kwargs))
+
+    def _produced(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        if self._open:
+            call = self.calls[self._open[-1]]
+            call["produced"] = layout_of(output)
+            first = self._first(output)
+            if isinstance(first, DTensor):
+                call["local_storage"] = _storage(first.to_local())
+
+    def _handed(self, path: str, style: str) -> Any:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            if not self._open:
+                return
+            call = self.calls[self._open.pop()]
+            call["handed"] = layout_of(output)
+            out = self._first(output)
+            if out is not None and not isinstance(out, DTensor) and call.get("local_storage") is not None:
+                call["kept_local"] = _storage(out) == call["local_storage"]
+            if out is None or id(out) in self._origin:
+                return
+            first = call.pop("first", None)
+            if style:
+                origin: str | None = path
+            elif first is not None and tuple(first.shape) == tuple(out.shape):
+                origin = self._origin.get(id(first))  # an elementwise module passes its input's origin on
+            else:
+                origin = None
+            if origin is not None:
+                self._origin[id(out)] = origin
+                self._alive.append(out)
+
+        return hook
+
+    def seen(self) -> tuple[Seen, ...]:
+        return tuple(
+            Seen(
+                c["path"], c["style"], c["received"], c.get("entered"), c.get("produced"), c.get("handed"), c["source"],
+                c.get("kept_local", False),
+            )
+            for c in self.calls
+        )
+
+
+# --------------------------------------------------------------------------- context
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DTensor's redistribution log lines, FSDP2's warning about view outputs and the fake
+    tensor errors that sharding propagation logs before raising are noise to someone
+    checking a model: hide them while a rank runs a task (the error itself is reported)."""
+    loggers = [logging.getLogger(name) for name in ("torch.distributed", "torch._subclasses.fake_tensor")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+@dataclass
+class TPContext(ShardContext):
+    """What a rank's tensor-parallel step sees; the argument of every ``step`` function.
+
+    The attributes of ``ShardContext`` (``rank``, ``world_size`` (every rank), ``module``,
+    ``inputs``, ``target``, ``loss_fn``, ``device``, ``kwargs``, ...), and:
+
+    Attributes:
+        plan: the plan ``parallelize()`` gives ``parallelize_module``.
+        data_parallel: data-parallel groups (1: every rank sees the whole batch).
+        dp_rank: this rank's data-parallel group; ``inputs``, ``target`` and ``kwargs`` are
+            its shard of the batch, ``shard_sizes`` the rows of every group.
+        tp_rank: this rank's place in its tensor-parallel group.
+        fsdp_modules: with ``data_parallel`` > 1, the modules ``parallelize()`` then shards
+            with FSDP2 over the ``"dp"`` dimension (deepest first, ``""`` the root).
+        mesh: the whole device mesh (``("tp",)``, or ``("dp", "tp")``).
+
+    A step calls ``ctx.parallelize()`` to apply the plan (once; later calls return the same
+    module), runs forward and backward, and may return the output to have it compared; the
+    default steps make a DTensor output whole first (``full_output``). With data-parallel
+    groups, FSDP2 averages the groups' gradients: a per-group mean loss is exact only when
+    the groups hold as many items, and ``ctx.loss_weight`` (``n_g * data_parallel / B``)
+    fixes the rest.
+    """
+
+    plan: Mapping[str, Any] = field(default_factory=dict)
+    data_parallel: int = 1
+    dp_rank: int = 0
+    tp_rank: int = 0
+    fsdp_modules: tuple[str, ...] = ()
+    mesh: DeviceMesh | None = field(default=None, repr=False)
+    _recorder: _Recorder | None = field(default=None, repr=False)
+    _parallel: bool = field(default=False, repr=False)
+
+    @property
+    def tp_size(self) -> int:
+        return self.world_size // self.data_parallel
+
+    @property
+    def shard_size(self) -> int:
+        return self.shard_sizes[self.dp_rank]
+
+    @property
+    def items(self) -> int:
+        """The items this rank's group's mean loss averages over (rows, or tokens)."""
+        return self.item_counts[self.dp_rank] if self.item_counts else self.shard_size
+
+    @property
+    def loss_weight(self) -> float:
+        """``t_g * data_parallel / T``: the factor that makes FSDP2's average over the
+        data-parallel groups of their mean losses the full-batch mean loss (1.0 with one
+        group, or equal ones)."""
+        return self.items * self.data_parallel / self.total_items
+
+    @property
+    def wrapped(self) -> bool:
+        """Whether ``parallelize()`` applied the plan."""
+        return self._parallel
+
+    def tp_mesh(self) -> DeviceMesh:
+        """The mesh dimension the plan shards over."""
+        if self.mesh is None:
+            raise RuntimeError("TPContext has no device mesh (mesh=)")
+        return self.mesh[TP_DIM] if self.data_parallel > 1 else self.mesh
+
+    def parallelize(self) -> nn.Module:
+        """``module`` after ``parallelize_module(module, tp_mesh, plan)`` and, with
+        data-parallel groups, ``fully_shard`` over ``"dp"`` on each of ``fsdp_modules``
+        (applied on the first call; the same module after)."""
+        if not self._parallel:
+            parallelize_module(self.module, self.tp_mesh(), dict(self.plan))
+            if self.data_parallel > 1:
+                assert self.mesh is not None
+                for name in self.fsdp_modules:
+                    fully_shard(self.module.get_submodule(name), mesh=self.mesh[DP_DIM])
+            self._recorder = _Recorder(self.module, {path: type(style).__name__ for path, style in _matched(self.module, self.plan)})
+            self._parallel = True
+        return self.module
+
+    def seen(self) -> tuple[Seen, ...]:
+        """The module calls recorded since ``parallelize()``."""
+        return self._recorder.seen() if self._recorder is not None else ()
+
+    def ddp(self) -> Any:
+        raise TypeError("a tensor-parallel step applies its plan with ctx.parallelize(); ctx.ddp() is for the DDP checks")
+
+
+def _matched(module: nn.Module, plan: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """``(path, style)`` for every module a plan key matches, as ``parallelize_module``
+    matches them (``fnmatch`` per dotted atom)."""
+    from fnmatch import fnmatch
+
+    found = []
+    for path, _sub in module.named_modules():
+        atoms = path.split(".") if path else []
+        for key, style in plan.items():
+            parts = key.split(".")
+            if len(parts) == len(atoms) and all(fnmatch(a, p) for a, p in zip(atoms, parts, strict=True)):
+                found.append((path, style))
+                break
+    return found
+
+
+def full_output(output: Any) -> Any:
+    """``output`` with every DTensor made whole (``full_tensor()``, differentiable): what one
+    device would have returned. A pending collective's result (``AsyncCollectiveTensor``,
+    what a style's ``to_local()`` hands on) is left as it is: it waits when used, and
+    ``wait()`` would cut it from the autograd graph."""
+    return tree_map(lambda leaf: leaf.full_tensor() if isinstance(leaf, DTensor) else leaf, output)
+
+
+def tp_step(ctx: TPContext) -> Any:
+    """The textbook tensor-parallel step: apply the plan, forward (the group's rows), mean
+    loss on the whole output, backward. Biased when data-parallel groups hold different
+    numbers of items (FSDP2 averages per-group means: the loss-averaging trap)."""
+    model = ctx.parallelize()
+    output = full_output(model(*ctx.inputs, **ctx.kwargs))
+    ctx.loss_fn(output, ctx.target).backward()
+    return output
+
+
+def weighted_tp_step(ctx: TPContext) -> Any:
+    """The exact step for any data-parallel shards: the group's mean loss times its share of
+    the items, ``ctx.loss_weight`` (1.0 without data-parallel groups)."""
+    model = ctx.parallelize()
+    output = full_output(model(*ctx.inputs, **ctx.kwargs))
+    (ctx.loss_fn(output, ctx.target) * ctx.loss_weight).backward()
+    return output
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+@dataclass(frozen=True)
+class Placed:
+    """How one rank held one parameter after the step.
+
+    Attributes:
+        name: the parameter's qualified name.
+        placements: the DTensor's placements, e.g. ``"Shard(0)"`` (``""``: a plain tensor).
+        tp_sharded: whether it was sharded over the ``"tp"`` dimension.
+        local: the shape this rank stored.
+        shape: the full shape.
+    """
+
+    name: str
+    placements: str
+    tp_sharded: bool
+    local: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+def _placed(name: str, param: torch.Tensor) -> Placed:
+    if not isinstance(param, DTensor):
+        return Placed(name, "", False, tuple(param.shape), tuple(param.shape))
+    names = param.device_mesh.mesh_dim_names or ()
+    tp = names.index(TP_DIM) if TP_DIM in names else -1
+    sharded = tp >= 0 and isinstance(param.placements[tp], Shard)
+    return Placed(name, _short(param.placements), sharded, tuple(param.to_local().shape), tuple(param.shape))
+
+
+@dataclass(frozen=True)
+class TPStepTask:
+    """One tensor-parallel step per function in ``steps``, each on a fresh copy of ``module``;
+    ``shard_sizes``: the rows of each data-parallel group."""
+
+    module: nn.Module
+    inputs: tuple[Any, ...]
+    target: Any
+    loss_fn: LossFn
+    shard_sizes: tuple[int, ...]
+    steps: tuple[Any, ...]
+    plan: Mapping[str, Any]
+    data_parallel: int = 1
+    fsdp_modules: tuple[str, ...] = ()
+    seed: int = 0
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    item_kind: str = "rows"
+    item_counts: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class TPRankStep(RankStep):
+    """What one tensor-parallel step left on one rank: ``RankStep``'s full gradients, whole
+    outputs and loss, ``wrapped`` (``ctx.parallelize()`` ran), and:
+
+    Attributes:
+        dp_rank: the rank's data-parallel group (whose rows it ran).
+        tp_rank: its place in its tensor-parallel group.
+        held: how it held each parameter.
+        seen: every module call of the forward, with its layouts (``Seen``).
+        error: ``"Type: message"`` of what the step raised on this rank (None: it ran).
+        failed_ranks: the ranks on which the step raised (every rank reports them).
+    """
+
+    dp_rank: int = 0
+    tp_rank: int = 0
+    held: tuple[Placed, ...] = ()
+    seen: tuple[Seen, ...] = ()
+    error: str | None = None
+    failed_ranks: tuple[int, ...] = ()
+
+
+def _full_grads(model: nn.Module, one_dim: bool) -> dict[str, torch.Tensor | None]:
+    """Every parameter's whole gradient on every rank. On a 1-D mesh over every rank,
+    ``_gather_full``'s one ``all_gather_object``; on a 2-D mesh, ``full_tensor()`` per
+    DTensor (its shards live on sub-groups that one world-wide gather would mix)."""
+    named = [(name, p.grad) for name, p in model.named_parameters()]
+    if one_dim:
+        return _gather_full(named)
+    return {
+        name: None if grad is None else _cpu(grad.full_tensor() if isinstance(grad, DTensor) else grad)
+        for name, grad in named
+    }
+
+
+def _settled(output: Any) -> Any:
+    return tree_map(lambda leaf: leaf.wait() if isinstance(leaf, AsyncCollectiveTensor) else leaf, output)
+
+
+def _run_one(info: RankInfo, task: TPStepTask, step: Any) -> TPRankStep:
+    device = torch.device(info.device)
+    model = copy.deepcopy(task.module).to(device)
+    d = task.data_parallel
+    tp_size = info.world_size // d
+    dp_rank, tp_rank = divmod(info.rank, tp_size)
+    mesh = device_mesh(info, (d, tp_size), (DP_DIM, TP_DIM)) if d > 1 else device_mesh(info, (info.world_size,), (TP_DIM,))
+    inputs, target, kwargs = _shard_of(task.inputs, task.target, task.shard_sizes, dp_rank, task.kwargs)
+    per_group, mine = _items_of(task.item_counts, dp_rank)
+    ctx = TPContext(
+        rank=info.rank, world_size=info.world_size, module=model, inputs=_on(inputs, device),
+        target=_on(target, device), loss_fn=task.loss_fn, shard_sizes=task.shard_sizes, device=device,
+        kwargs=_on(kwargs, device), item_kind=task.item_kind, item_counts=per_group, micro_batch_items=mine,
+        plan=task.plan, data_parallel=d, dp_rank=dp_rank, tp_rank=tp_rank, fsdp_modules=task.fsdp_modules, mesh=mesh,
+    )
+    error: str | None = None
+    output: Any = None
+    loss = None
+    fork = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=fork), no_tf32():
+        torch.manual_seed(task.seed)
+        try:
+            output = step(ctx)
+            if output is not None:
+                output = _settled(output)
+                with torch.no_grad():
+                    loss = float(task.loss_fn(full_output(output), ctx.target))
+        except Exception as raised:  # reported with the layouts seen; the parent explains it
+            error = f"{type(raised).__name__}: {raised}"
+    # every rank learns whether any raised, so none waits alone in the gradient gathering
+    failures: list[Any] = [None] * info.world_size
+    dist.all_gather_object(failures, error is not None)
+    failed = tuple(r for r, f in enumerate(failures) if f)
+    held = tuple(_placed(name, p) for name, p in model.named_parameters())
+    if failed:
+        return TPRankStep({}, (), None, {}, ctx.wrapped, None, dp_rank, tp_rank, held, ctx.seen(), error, failed)
+    return TPRankStep(
+        grads=_full_grads(model, d == 1),
+        outputs=_outputs(full_output(output)) if output is not None else (),
+        loss=loss,
+        buffers=_buffers(model),
+        wrapped=ctx.wrapped,
+        syncs=None,
+        dp_rank=dp_rank,
+        tp_rank=tp_rank,
+        held=held,
+        seen=ctx.seen(),
+    )
+
+
+def run_tp_step_task(info: RankInfo, task: TPStepTask) -> tuple[TPRankStep, ...]:
+    """Runs every step of ``task`` on this rank (a task for ``RankRunner.run``)."""
+    with _quiet():
+        return tuple(_run_one(info, task, step) for step in task.steps)
