@@ -345,10 +345,13 @@ def _sharding_findings(check: TPCheck, steps: Sequence[TPRankStep]) -> tuple[lis
             "none), so every rank computed the whole model and the check would pass vacuously."
         )
     sharded = [p for p in steps[0].held if p.tp_sharded]
+    others = [p.name for p in steps[0].held if p.placements and not p.tp_sharded]
     evidence = (
         f"rank 0 held {len(sharded)} of {len(steps[0].held)} parameters sharded over {TP_DIM!r} ("
         f"{_placement_text(sharded)})"
     )
+    if others:
+        evidence += f", and {others} as DTensors not sharded over {TP_DIM!r}"
     return failures, evidence
 
 
@@ -539,7 +542,16 @@ def _layout_error(check: TPCheck, steps: Sequence[TPRankStep]) -> list[str]:
             f"{check.tp_size} tensor-parallel ranks, which DTensor.from_local (the plain-tensor input of a style) assumes "
             "is cut evenly. Make the width divisible, or hand on DTensors (use_local_output=False)."
         )
-    elif call.entered is not None and call.entered.dtensor and call.received is not None and not call.received.dtensor:
+    elif call.entered is not None and call.entered.dtensor and _plain_params(step, call.path):
+        text += (
+            f" Its parameters {_plain_params(step, call.path)} are plain tensors (the plan shards none of them), so "
+            "its forward mixed a DTensor input with plain parameters. Hand it a plain tensor (use_local_output=True "
+            "on the style that feeds it), or shard the module with a style of its own."
+        )
+    elif (
+        call.entered is not None and call.entered.dtensor and call.received is not None and not call.received.dtensor
+        and call.entered.shape != call.received.shape
+    ):
         text += (
             f" Read so, the plain {list(call.received.shape)} became global {list(call.entered.shape)}, which this module's "
             "weights cannot take: the producer's output layout and this style's input layout disagree (a "
@@ -547,6 +559,12 @@ def _layout_error(check: TPCheck, steps: Sequence[TPRankStep]) -> list[str]:
             "input). Pair ColwiseParallel then RowwiseParallel, or set input_layouts to what the previous module hands on."
         )
     return [text, f"torch's message (rank {rank}): {error}"]
+
+
+def _plain_params(step: TPRankStep, path: str) -> list[str]:
+    """The parameters of module ``path`` (its own, not its children's) held as plain tensors."""
+    prefix = f"{path}." if path else ""
+    return [p.name for p in step.held if p.name.startswith(prefix) and "." not in p.name[len(prefix):] and not p.placements]
 
 
 def _received_widths(steps: Sequence[TPRankStep], path: str, dp_rank: int) -> set[int]:
