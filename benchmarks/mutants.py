@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from hypothesis import HealthCheck, Phase, find, given, seed, settings
 
 import dpverify
+from dpverify.models.layouts import ShardedScenario
 from dpverify.mutants import MUTANTS, PROPERTIES, Mutant
 from dpverify.strategies import Scenario
 
@@ -32,7 +33,7 @@ def examples_until_found(mutant: Mutant, seed_value: int, max_examples: int) -> 
     @seed(seed_value)
     @settings(max_examples=max_examples, database=None, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @given(PROPERTIES[mutant.caught_by].scenarios)
-    def search(scenario: Scenario) -> None:
+    def search(scenario: Scenario | ShardedScenario) -> None:
         nonlocal count
         count += 1
         try:
@@ -48,7 +49,7 @@ def examples_until_found(mutant: Mutant, seed_value: int, max_examples: int) -> 
     return None, time.perf_counter() - started
 
 
-def _fails(mutant: Mutant, scenario: Scenario) -> bool:
+def _fails(mutant: Mutant, scenario: Scenario | ShardedScenario) -> bool:
     try:
         mutant.check(scenario)
     except dpverify.ParallelMismatch:
@@ -56,7 +57,7 @@ def _fails(mutant: Mutant, scenario: Scenario) -> bool:
     return False
 
 
-def shrunk(mutant: Mutant) -> Scenario:
+def shrunk(mutant: Mutant) -> Scenario | ShardedScenario:
     return find(
         PROPERTIES[mutant.caught_by].scenarios,
         lambda s: _fails(mutant, s),
@@ -80,10 +81,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         counts = f"{statistics.median(found):g}, {max(found)}" if found else "not found"
         if missed:
             counts += f" ({missed} of {len(runs)} seeds missed)"
-        example = shrunk(mutant)
+        shrunk_example = shrunk(mutant)
+        # a sharded scenario is a plain one on its ranks, with a layout
+        example = shrunk_example.scenario if isinstance(shrunk_example, ShardedScenario) else shrunk_example
         size = f"{example.model.kind}, {example.batch_size} rows, devices {list(example.devices.device_ids)}"
         if example.devices.output_device is not None:
             size += f", output_device {example.devices.output_device}"
+        if isinstance(shrunk_example, ShardedScenario):
+            size += f", {shrunk_example.layout!r}"
         print(f"| {mutant.name} | {mutant.bug} | `{mutant.caught_by}` | {counts} | {seconds:.2f} | {size} |")
 
 

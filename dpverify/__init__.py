@@ -1,8 +1,8 @@
 """dpverify: a correctness harness for PyTorch data parallelism.
 
-DataParallel (real, or virtual on any machine) checked against the single-device step, by
-execution, with float64-anchored tolerances and messages in the style of
-``torch.testing.assert_close``.
+DataParallel (real, or virtual on any machine), DistributedDataParallel, FSDP2, tensor and
+pipeline parallelism checked against the single-device step, by execution, with
+float64-anchored tolerances and messages in the style of ``torch.testing.assert_close``.
 
 The names imported below are the public API, together with the modules
 ``dpverify.strategies`` (Hypothesis strategies) and ``dpverify.mutants`` (deliberately broken
@@ -63,6 +63,18 @@ from dpverify.ddp.rank import ShardContext as ShardContext
 from dpverify.ddp.rank import ddp_step as ddp_step
 from dpverify.ddp.rank import no_sync_accumulation_step as no_sync_accumulation_step
 from dpverify.ddp.rank import weighted_ddp_step as weighted_ddp_step
+from dpverify.sharded.fsdp import FSDPContext as FSDPContext
+from dpverify.sharded.fsdp import assert_fsdp_grads_match as assert_fsdp_grads_match
+from dpverify.sharded.fsdp import assert_fsdp_training_matches as assert_fsdp_training_matches
+from dpverify.sharded.fsdp import fsdp_step as fsdp_step
+from dpverify.sharded.fsdp import weighted_fsdp_step as weighted_fsdp_step
+from dpverify.sharded.pipeline import assert_pipeline_grads_match as assert_pipeline_grads_match
+from dpverify.sharded.tensor_parallel import TPContext as TPContext
+from dpverify.sharded.tensor_parallel import (
+    assert_tensor_parallel_grads_match as assert_tensor_parallel_grads_match,
+)
+from dpverify.sharded.tensor_parallel import tp_step as tp_step
+from dpverify.sharded.tensor_parallel import weighted_tp_step as weighted_tp_step
 
 __version__ = "0.1.0"
 

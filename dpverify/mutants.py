@@ -5,8 +5,10 @@ really make (docs/semantics.md, docs/questions.md). The DataParallel mutants hav
 signature, ``Wrapper(module, device_ids=..., output_device=...)``, and can be passed as
 ``Target(parallel=...)`` to a registry check, as ``parallel=`` to every assertion helper or
 as ``dpverify verify --parallel``; reduction mutants have ``reduce(replica_losses,
-chunk_sizes)``'s signature (``Target(reduce=...)``); DDP mutants are per-rank steps,
-``step(ctx: ShardContext)`` (``Target(step=...)``). ``MUTANTS`` describes them all: the bug,
+chunk_sizes)``'s signature (``Target(reduce=...)``); DDP and FSDP2 mutants are per-rank
+steps, ``step(ctx)`` (``Target(step=...)``), tensor-parallel mutants plan builders
+``plan(layout, module)`` (``Target(plan=...)``) and pipeline mutants schedule classes
+(``Target(schedule=...)``). ``MUTANTS`` describes them all: the bug,
 the registry check that catches it (``dpverify.checks.registry.CHECKS``), and a phrase the
 failure message contains; ``PROPERTIES`` gives each of those checks the random scenarios it
 runs on. ``ScratchDataParallel`` (a DataParallel written from scratch) and
@@ -34,10 +36,11 @@ from dpverify.checks.registry import CHECKS, MICRO_BATCHES, Case, Target
 from dpverify.core.tree import concatenate, first_batched, map_tensors
 from dpverify.core.virtual import VirtualDataParallel
 from dpverify.ddp.rank import ShardContext
-from dpverify.models.layouts import ShardedScenario
+from dpverify.models.layouts import ShardedScenario, TPLayout
 from dpverify.models.specs import KINDS
 from dpverify.sharded.fsdp import fsdp_summed_loss_step, fsdp_undivided_step, fsdp_wrong_weight_step
 from dpverify.sharded.pipeline import SkipLastMicrobatchGPipe, UnscaledGPipe
+from dpverify.sharded.tensor_parallel import LocalOutputColwiseParallel, NoAllReduceRowwiseParallel
 from dpverify.strategies import (
     Scenario,
     device_lists,
@@ -66,8 +69,10 @@ __all__ = [
     "TinyErrorDataParallel",
     "WeightedCriterionParallel",
     "forward_outside_no_sync_step",
+    "local_output_plan",
     "manual_allreduce_step",
     "mean_of_replica_losses",
+    "no_allreduce_plan",
     "rank_seeded_init_step",
     "summed_allreduce_step",
     "summed_loss_step",
@@ -493,6 +498,32 @@ def zero_grad_in_loop_step(ctx: ShardContext) -> None:
             (ctx.loss_fn(output, part.target) * part.rows * ctx.world_size / ctx.batch_size).backward()
 
 
+# --------------------------------------------------------------------------- tensor-parallel plans
+# Plan builders, ``plan(layout, module)`` (``Target.plan``): the layout's plan with one
+# deliberately broken style from ``dpverify.sharded.tensor_parallel``.
+
+
+def no_allreduce_plan(layout: TPLayout, module: nn.Module) -> dict[str, Any]:
+    """Every rowwise layer of the layout's plan skips its all-reduce
+    (``NoAllReduceRowwiseParallel``): each rank's output is its partial sum."""
+    del module
+    return layout.plan(rowwise=NoAllReduceRowwiseParallel)
+
+
+def local_output_plan(layout: TPLayout, module: nn.Module) -> dict[str, Any]:
+    """The model's last Linear is a colwise layer whose local shard of the output columns
+    is used as the whole output (``LocalOutputColwiseParallel``, its columns zero-padded to
+    the full width); a pair of the layout that holds that Linear is left plain."""
+    plan = layout.plan()
+    last = [path for path, sub in module.named_modules() if isinstance(sub, nn.Linear)][-1]
+    for pair in layout.pairs:
+        if last in pair:
+            for path in pair:
+                del plan[path]
+    plan[last] = LocalOutputColwiseParallel()
+    return plan
+
+
 # --------------------------------------------------------------------------- properties
 
 
@@ -553,6 +584,7 @@ def _properties() -> dict[str, Property]:
         # each with layouts drawn for its model (``sharded_scenarios``)
         "fsdp-grads": sharded_scenarios("fsdp", world_sizes=(2, 3)),
         "pp-grads": sharded_scenarios("pp", world_sizes=(2, 3)),
+        "tp-grads": sharded_scenarios("tp", world_sizes=(2,)),
     }
     return {name: Property(name, strategy.filter(_runs(name))) for name, strategy in drawn.items()}
 
@@ -572,7 +604,7 @@ class Mutant:
             wrapper of a model/criterion pair, whose model wrapper is ``model``),
             ``"reduce"`` (a reduction of per-replica losses), ``"ddp-step"`` (a per-rank
             DDP training step), ``"fsdp-step"`` (a per-rank FSDP2 step), ``"tp-plan"`` (a
-            tensor-parallel plan builder, ``plan(layout)``) or ``"pp-schedule"`` (a pipeline
+            tensor-parallel plan builder, ``plan(layout, module)``) or ``"pp-schedule"`` (a pipeline
             schedule class).
         bug: what is wrong, in one sentence.
         caught_by: the registry check that catches it (a key of ``CHECKS`` and
@@ -639,6 +671,8 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("ddp-zero-grad-in-loop", zero_grad_in_loop_step, "ddp-step", "calls zero_grad() inside the accumulation loop", "ddp-accumulation", "tensors are not close"),
         Mutant("fsdp-undivided", fsdp_undivided_step, "fsdp-step", "skips the reduce-scatter's average: FSDP2 sums the ranks' gradients", "fsdp-grads", "the world size"),
         Mutant("fsdp-summed-loss", fsdp_summed_loss_step, "fsdp-step", "sums each rank's losses over its rows instead of averaging them", "fsdp-grads", "tensors are not close"),
+        Mutant("tp-no-allreduce", no_allreduce_plan, "tp-plan", "a RowwiseParallel that skips its all-reduce, so each rank's output is its partial sum", "tp-grads", "no collective ran on it"),
+        Mutant("tp-local-output", local_output_plan, "tp-plan", "a ColwiseParallel whose local shard of the output columns is used as the whole output", "tp-grads", "the local shard of a ColwiseParallel output was used as the whole output"),
         Mutant("pp-unscaled", UnscaledGPipe, "pp-schedule", "a GPipe schedule that does not scale gradients by 1/n_microbatches", "pp-grads", "microbatches"),
         Mutant("pp-skip-last-microbatch", SkipLastMicrobatchGPipe, "pp-schedule", "a GPipe schedule that never runs its last microbatch", "pp-grads", "microbatch"),
         Mutant("fsdp-wrong-weight", fsdp_wrong_weight_step, "fsdp-step", "weights each rank's loss by n_r / B, forgetting the world size FSDP2 divides by", "fsdp-grads", "the world size"),

@@ -343,7 +343,15 @@ def test_the_header_says_what_ran(capsys: pytest.CaptureFixture[str]) -> None:
     assert "virtual" not in ddp
     assert main(["check", "--model", "mlp", "--backend", "all", "--batch-sizes", "1", "--devices", "2", "4", "--no-color"]) == 0
     both = " ".join(capsys.readouterr().out.split())
-    assert "DataParallel on virtual devices (no CUDA here) and real DDP on gloo ranks (2 and 4 processes)" in both
+    assert (
+        "DataParallel on virtual devices (no CUDA here), real DDP on gloo ranks (2 and 4 processes) and FSDP2 "
+        "(fully_shard), tensor parallelism (parallelize_module) and pipeline parallelism "
+        "(torch.distributed.pipelining) on the same gloo ranks"
+    ) in both
+    assert main(["check", "--model", "mlp", "--backend", "pp", "--batch-sizes", "4", "--devices", "2", "--no-color"]) == 0
+    pipeline = " ".join(capsys.readouterr().out.split())
+    assert "pipeline parallelism (torch.distributed.pipelining) on gloo ranks (2 processes)" in pipeline
+    assert "virtual" not in pipeline
 
 
 def test_checks_option_runs_the_named_registry_checks(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 from torch.distributed.pipelining import ScheduleGPipe
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import dpverify
 from dpverify.checks.registry import CHECKS, Target
@@ -55,6 +56,7 @@ CORRECT = {
     "ddp-accumulation": Target(step=dpverify.no_sync_accumulation_step),
     "fsdp-grads": Target(step=weighted_fsdp_step),
     "pp-grads": Target(schedule=ScheduleGPipe),
+    "tp-grads": Target(plan=lambda layout, module: layout.plan(ColwiseParallel, RowwiseParallel)),
 }
 
 
@@ -87,6 +89,8 @@ def test_the_correct_model_criterion_pair_passes_the_gradient_properties(check: 
 
 def test_catalogue_entries_are_documented_and_name_registry_checks() -> None:
     assert len(MUTANTS) >= 15
+    sharded = [m for m in MUTANTS.values() if m.kind in ("fsdp-step", "tp-plan", "pp-schedule")]
+    assert len(sharded) >= 6
     assert set(CORRECT) == set(PROPERTIES)
     assert set(PROPERTIES) <= set(CHECKS)
     for name, prop in PROPERTIES.items():
@@ -96,5 +100,6 @@ def test_catalogue_entries_are_documented_and_name_registry_checks() -> None:
         assert (mutant.model is not None) == (mutant.kind == "criterion"), mutant.name
         assert mutant.caught_by in PROPERTIES
         assert mutant.caught_by in CHECKS
-        assert CHECKS[mutant.caught_by].backend == ("ddp" if mutant.kind == "ddp-step" else "dp")
+        backend = {"ddp-step": "ddp", "fsdp-step": "fsdp", "tp-plan": "tp", "pp-schedule": "pp"}.get(mutant.kind, "dp")
+        assert CHECKS[mutant.caught_by].backend == backend, mutant.name
         assert torch.is_tensor(torch.zeros(1))  # the catalogue imports without side effects

@@ -143,12 +143,12 @@ def test_ddp_checks_say_why_they_skip() -> None:
 def test_every_check_has_a_unique_name_title_and_statement() -> None:
     assert all(name == spec.name for name, spec in CHECKS.items())
     assert len({spec.title for spec in CHECKS.values()}) == len(CHECKS)
-    assert all(spec.backend in ("dp", "ddp") and spec.statement.endswith(".") for spec in CHECKS.values())
+    assert all(spec.backend in ("dp", "ddp", "fsdp", "tp", "pp") and spec.statement.endswith(".") for spec in CHECKS.values())
 
 
 def test_the_readme_lists_every_check_as_the_registry_defines_it() -> None:
     text = README.read_text()
-    rows = re.findall(r"^\| `([a-z0-9-]+)` \| (dp|ddp) \| (.+?) \| (.+?) \|$", text, flags=re.MULTILINE)
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \| (dp|ddp|fsdp|tp|pp) \| (.+?) \| (.+?) \|$", text, flags=re.MULTILINE)
     assert {name: (backend, title, statement) for name, backend, title, statement in rows} == {
         spec.name: (spec.backend, spec.title, spec.statement) for spec in CHECKS.values()
     }

@@ -3,7 +3,8 @@
 For each split (a batch size on a number of devices or ranks) it runs every check of
 ``dpverify.checks.registry.CHECKS`` that applies to the model and the backend: gradients
 against one device and the replica gradient sum, the loss-in-forward checks when the model
-returns its loss, buffer updates in train mode, and the DDP checks with ``backend="ddp"``.
+returns its loss, buffer updates in train mode, the DDP checks with ``backend="ddp"``, and FSDP2, tensor and pipeline parallelism with
+``"fsdp"``, ``"tp"`` and ``"pp"``.
 A model with BatchNorm in train mode or Dropout cannot match exactly: its mismatches are
 explained (the modules and the fix) rather than failed, and the same checks then run on an
 eval-mode copy, which must match.
@@ -30,9 +31,11 @@ from dpverify.core.divergence import (
 )
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.step import batch_size_of
+from dpverify.models.layouts import BACKENDS as SHARDED_BACKENDS
 from dpverify.models.user import UserModel
 
 __all__ = [
+    "BACKENDS",
     "DEFAULT_BATCH_SIZES",
     "DEFAULT_CHECKS",
     "DEFAULT_DEVICE_COUNTS",
@@ -51,7 +54,9 @@ DEFAULT_DEVICE_COUNTS: tuple[int, ...] = (2, 4)
 #: The checks ``dpverify check`` runs by default, where they apply: what a user's model and
 #: training loop can get wrong. The others (buffers, accumulation, training, SyncBatchNorm,
 #: ...) test the parallel wrapper itself, torch's unless one is given: ``--checks`` adds them.
-DEFAULT_CHECKS: tuple[str, ...] = ("dp-grads", "dp-grad-sum", "dp-loss-average", "dp-weighted-loss", "ddp-grads")
+DEFAULT_CHECKS: tuple[str, ...] = (
+    "dp-grads", "dp-grad-sum", "dp-loss-average", "dp-weighted-loss", "ddp-grads", "fsdp-grads", "tp-grads", "pp-grads",
+)
 
 
 @dataclass(frozen=True)
@@ -106,10 +111,14 @@ class PlannedCheck:
         return self.spec.run(self.case, self.target, eval_copy=self.eval_copy)
 
 
+#: Every backend ``check`` runs, by name: DataParallel, DDP, then the sharded ones.
+BACKENDS: tuple[str, ...] = ("dp", "ddp", *SHARDED_BACKENDS)
+
+
 def _backends(backend: str) -> tuple[str, ...]:
-    if backend not in ("dp", "ddp", "all"):
-        raise InvalidArgument(f"backend={backend!r} must be 'dp', 'ddp' or 'all'")
-    return ("dp", "ddp") if backend == "all" else (backend,)
+    if backend not in (*BACKENDS, "all"):
+        raise InvalidArgument(f"backend={backend!r} must be one of {', '.join(map(repr, BACKENDS))} or 'all'")
+    return BACKENDS if backend == "all" else (backend,)
 
 
 def _specs(checks: Sequence[str], backend: str) -> list[CheckSpec]:
@@ -206,7 +215,8 @@ def check_model(
         model: the model and its batches.
         batch_sizes: the batch sizes to check.
         device_counts: the device counts (DataParallel) or world sizes (DDP).
-        backend: ``"dp"``, ``"ddp"`` or ``"all"``.
+        backend: one of ``BACKENDS`` (``"dp"``, ``"ddp"``, ``"fsdp"``, ``"tp"``, ``"pp"``) or
+            ``"all"``.
         checks: names from ``CHECKS`` to run where they apply.
         splits: ``(batch size, devices)`` pairs instead of the cross product.
         target: the code under test (default: torch's own).

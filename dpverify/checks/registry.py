@@ -49,6 +49,15 @@ from dpverify.core.text import and_list
 from dpverify.core.tracebacks import describe_exception, failure_detail
 from dpverify.core.tree import map_tensors
 from dpverify.ddp import checks_if_available
+from dpverify.models.layouts import (
+    FSDPLayout,
+    Layout,
+    PipelineLayout,
+    ShardedScenario,
+    TPLayout,
+    default_layout,
+    layout_of,
+)
 from dpverify.models.specs import AttributeCounter, BufferCounter, Scenario
 
 __all__ = [
@@ -119,6 +128,9 @@ class Case:
         batches: the batches of the DDP training check (default: this batch, three times).
         optimizer: the DDP training check's optimizer factory (default: SGD with momentum).
         dim: the dimension DataParallel splits the batch along (DataParallel checks only).
+        layout: how the sharded checks lay the model out (``FSDPLayout``, ``TPLayout``,
+            ``PipelineLayout``); a check whose backend has no layout here derives one
+            (``dpverify.models.layouts.default_layout``), or skips saying why.
     """
 
     module: nn.Module
@@ -132,15 +144,24 @@ class Case:
     batches: tuple[tuple[Any, Any], ...] = ()
     optimizer: Callable[..., torch.optim.Optimizer] | None = None
     dim: int = 0
+    layout: Layout | None = None
 
     @classmethod
-    def from_scenario(cls, scenario: Scenario) -> Case:
-        """A generated scenario, built (its models' losses are per-row means)."""
-        s = scenario.build()
+    def from_scenario(cls, scenario: Scenario | ShardedScenario) -> Case:
+        """A generated scenario, built (its models' losses are per-row means); a sharded
+        scenario brings its layout."""
+        layout = scenario.layout if isinstance(scenario, ShardedScenario) else None
+        plain = scenario.scenario if isinstance(scenario, ShardedScenario) else scenario
+        s = plain.build()
         return cls(
-            s.module, s.inputs, s.target, None if scenario.model.returns_loss else s.loss_fn,
-            tuple(s.device_ids), s.output_device, s.kwargs or None, per_row_mean_loss=True,
+            s.module, s.inputs, s.target, None if plain.model.returns_loss else s.loss_fn,
+            tuple(s.device_ids), s.output_device, s.kwargs or None, per_row_mean_loss=True, layout=layout,
         )
+
+    def layout_for(self, backend: str) -> Layout | str:
+        """This case's layout for a sharded ``backend``, the default one when it has none
+        of that backend (``default_layout``), or why the backend cannot lay the model out."""
+        return layout_of(self.layout, backend) or default_layout(backend, self.module, self.world_size, self.batch_size)
 
     @property
     def returns_loss(self) -> bool:
@@ -185,9 +206,15 @@ class Target:
         reduce: a reduction of per-replica losses, ``reduce(losses, chunk_sizes)`` or
             ``reduce(losses, chunk_sizes, item_counts)`` (default: the exact weighting by
             item counts, ``chunk_weighted_loss(losses, item_counts)``).
-        step: a per-rank DDP step, ``step(ctx)``.
-        pool: the ranks the DDP checks run on (default: a pool of the world size).
+        step: a per-rank step, ``step(ctx)``: DDP's (a ``ShardContext``) for the DDP
+            checks, FSDP2's (an ``FSDPContext``) for the FSDP checks.
+        pool: the ranks the DDP and sharded checks run on (default: a pool of the world size).
         ddp_kwargs: keyword arguments for ``DistributedDataParallel``.
+        plan: the tensor-parallel plan under test, ``plan(layout, module)`` given the
+            case's ``TPLayout`` and module returns what ``parallelize_module`` takes
+            (default: ``layout.plan()``, torch's ColwiseParallel and RowwiseParallel).
+        schedule: the pipeline schedule under test, a ``PipelineScheduleSingle`` subclass
+            (default: the layout's, torch's ``ScheduleGPipe`` or ``Schedule1F1B``).
     """
 
     parallel: Any = None
@@ -196,6 +223,8 @@ class Target:
     step: Any = None
     pool: Any = None
     ddp_kwargs: Mapping[str, Any] | None = None
+    plan: Any = None
+    schedule: Any = None
 
 
 @dataclass(frozen=True)
@@ -260,7 +289,7 @@ class CheckSpec:
     Attributes:
         name: the registry key (``"dp-grads"``).
         title: a table row's label.
-        backend: ``"dp"`` or ``"ddp"``.
+        backend: ``"dp"``, ``"ddp"``, or a sharded backend: ``"fsdp"``, ``"tp"``, ``"pp"``.
         statement: what passing means, in one sentence.
         body: runs the check; raises ``ParallelMismatch`` on a mismatch.
         wanted: whether the check means anything for a case (a loss-in-forward model has
@@ -503,6 +532,90 @@ def _ddp_training(case: Case, target: Target) -> Report:
     return result
 
 
+def _sharded(module: str) -> Any:
+    """``dpverify.sharded.<module>``, imported when a sharded check first runs (it imports
+    torch.distributed's FSDP, DTensor or pipelining)."""
+    import importlib
+
+    return importlib.import_module(f"dpverify.sharded.{module}")
+
+
+def _fsdp_layout(case: Case) -> FSDPLayout:
+    layout = case.layout_for("fsdp")
+    assert isinstance(layout, FSDPLayout)  # the skip said why otherwise
+    return layout
+
+
+def _fsdp_grads(case: Case, target: Target) -> Report:
+    assert case.loss_fn is not None
+    layout = _fsdp_layout(case)
+    result: StepComparison = _sharded("fsdp").assert_fsdp_grads_match(
+        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
+        step=target.step, pool=target.pool, shard_modules=layout.shard_modules,
+        reshard_after_forward=layout.reshard_after_forward, forward_kwargs=case.forward_kwargs,
+    )
+    return result
+
+
+def _fsdp_training(case: Case, target: Target) -> Report:
+    assert case.loss_fn is not None
+    layout = _fsdp_layout(case)
+    batches = case.batches or ((case.inputs, case.target),) * TRAINING_STEPS
+    optimizer = case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    result: StepComparison = _sharded("fsdp").assert_fsdp_training_matches(
+        case.module, list(batches), loss_fn=case.loss_fn, optimizer=optimizer, world_size=case.world_size,
+        step=target.step, pool=target.pool, shard_modules=layout.shard_modules,
+        reshard_after_forward=layout.reshard_after_forward,
+    )
+    return result
+
+
+def _tp_grads(case: Case, target: Target) -> Report:
+    assert case.loss_fn is not None
+    layout = case.layout_for("tp")
+    assert isinstance(layout, TPLayout)
+    plan = target.plan(layout, case.module) if target.plan is not None else layout.plan()
+    result: StepComparison = _sharded("tensor_parallel").assert_tensor_parallel_grads_match(
+        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
+        plan=plan, data_parallel=layout.data_parallel, pool=target.pool, forward_kwargs=case.forward_kwargs,
+    )
+    return result
+
+
+def _pp_grads(case: Case, target: Target) -> Report:
+    assert case.loss_fn is not None
+    layout = case.layout_for("pp")
+    assert isinstance(layout, PipelineLayout)
+    result: StepComparison = _sharded("pipeline").assert_pipeline_grads_match(
+        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
+        n_microbatches=layout.n_microbatches, split_points=layout.split_points,
+        schedule=target.schedule or layout.schedule, pool=target.pool,
+    )
+    return result
+
+
+def _sharded_skip(backend: str, case: Case) -> str | None:
+    """Why a sharded check cannot run on ``case``: no loss function, another dimension,
+    too few rows for the ranks that split the batch, or no layout of ``backend`` for the
+    model (``Case.layout_for`` says why)."""
+    if case.loss_fn is None:
+        return "needs loss_fn(output, target); this forward returns its loss"
+    if case.dim != 0:
+        return f"the sharded checks cut the batch along dim 0 (this case splits along dim {case.dim})"
+    if backend == "fsdp":
+        return _ddp_skip(case)
+    if backend == "pp" and case.forward_kwargs:
+        return "the pipeline checks feed the first stage positional inputs; this forward takes keyword arguments"
+    layout = case.layout_for(backend)
+    if isinstance(layout, str):
+        return layout
+    if isinstance(layout, TPLayout) and case.batch_size < layout.data_parallel:
+        return f"fewer rows than data-parallel groups ({case.batch_size} < {layout.data_parallel})"
+    if isinstance(layout, PipelineLayout) and case.batch_size % layout.n_microbatches:
+        return f"{case.batch_size} rows do not cut into {layout.n_microbatches} equal microbatches"
+    return None
+
+
 # --------------------------------------------------------------------------- applicability
 
 
@@ -619,6 +732,30 @@ _SPECS = (
         "DataParallel and DDP give the same gradients for the same loss code (they do for a "
         "mean loss; a sum loss differs by the world size).",
         _ddp_helper("assert_dp_ddp_agree", takes_step=False), skip=_ddp_skip,
+    ),
+    CheckSpec(
+        "fsdp-grads", "FSDP2 grads match one device", "fsdp",
+        "Every rank's full (unsharded) gradients after an FSDP2 step equal the single-device "
+        "full-batch step's.",
+        _fsdp_grads, skip=functools.partial(_sharded_skip, "fsdp"),
+    ),
+    CheckSpec(
+        "fsdp-training", f"FSDP2 training, {TRAINING_STEPS} steps", "fsdp",
+        "Parameters after several FSDP2 optimizer steps (sharded optimizer state) equal "
+        "single-device training's.",
+        _fsdp_training, skip=functools.partial(_sharded_skip, "fsdp"),
+    ),
+    CheckSpec(
+        "tp-grads", "TP grads match one device", "tp",
+        "A tensor-parallel plan's outputs and full gradients on every rank equal the "
+        "single-device step's.",
+        _tp_grads, skip=functools.partial(_sharded_skip, "tp"),
+    ),
+    CheckSpec(
+        "pp-grads", "pipeline grads match one device", "pp",
+        "Every pipeline stage's gradients and the schedule's loss equal the single-device "
+        "full-batch step's.",
+        _pp_grads, skip=functools.partial(_sharded_skip, "pp"),
     ),
 )
 

@@ -34,15 +34,24 @@ def _ddp_backend(world_size: int) -> str:
     return default_backend(world_size)
 
 
+#: The sharded backends, in words.
+_SHARDED = {
+    "fsdp": "FSDP2 (fully_shard)",
+    "tp": "tensor parallelism (parallelize_module)",
+    "pp": "pipeline parallelism (torch.distributed.pipelining)",
+}
+
+
 def runs_on(
     backend: str, device_counts: Sequence[int], wrapper: str | None = None, *, criterion: str | None = None, dim: int = 0,
 ) -> str:
-    """What runs the checks, in words: DataParallel on virtual or CUDA devices; DDP as
-    real processes, one per rank, in gloo or nccl process groups.
+    """What runs the checks, in words: DataParallel on virtual or CUDA devices; DDP, FSDP2,
+    tensor and pipeline parallelism as real processes, one per rank, in gloo or nccl
+    process groups.
 
     Args:
-        backend: ``"dp"``, ``"ddp"`` or ``"all"``.
-        device_counts: the device counts, which are the world sizes under DDP.
+        backend: ``"dp"``, ``"ddp"``, ``"fsdp"``, ``"tp"``, ``"pp"`` or ``"all"``.
+        device_counts: the device counts, which are the world sizes of the ranked backends.
         wrapper: the DataParallel-like wrapper under test (default torch's DataParallel).
         criterion: the criterion wrapper of a model/criterion pair, if one is under test.
         dim: the dimension DataParallel splits the batch along.
@@ -56,15 +65,18 @@ def runs_on(
         pair = f" with criterion wrapper {criterion}" if criterion else ""
         along = f", batch split along dim {dim}" if dim != 0 else ""
         parts.append(f"{wrapper or 'DataParallel'}{pair} on {where}{along}")
+    sizes: dict[str, list[int]] = {}
+    for size in sorted(set(device_counts)):
+        sizes.setdefault(_ddp_backend(size), []).append(size)
+    ranks = and_list([
+        f"{name} ranks ({and_list([str(n) for n in counts])} {'process' if counts == [1] else 'processes'})"
+        for name, counts in sizes.items()
+    ])
     if backend in ("ddp", "all"):
-        sizes: dict[str, list[int]] = {}
-        for size in sorted(set(device_counts)):
-            sizes.setdefault(_ddp_backend(size), []).append(size)
-        groups = [
-            f"{name} ranks ({and_list([str(n) for n in counts])} {'process' if counts == [1] else 'processes'})"
-            for name, counts in sizes.items()
-        ]
-        parts.append(f"real DDP on {and_list(groups)}")
+        parts.append(f"real DDP on {ranks}")
+    sharded = [what for name, what in _SHARDED.items() if backend in (name, "all")]
+    if sharded:
+        parts.append(f"{and_list(sharded)} on the same {ranks}" if backend == "all" else f"{sharded[0]} on {ranks}")
     return and_list(parts)
 
 

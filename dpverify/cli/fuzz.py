@@ -9,6 +9,9 @@ that apply to it, as the property suite checks (``tests/test_properties.py``):
   computed in forward the bias of ``loss.mean()`` (exactly when the chunks are uneven) and
   the exact n_i/B-weighted reduction;
 - ``--backend ddp`` (``DDP_CHECKS``): the gradients on ``--devices`` ranks, for mean losses;
+- ``--backend fsdp``, ``tp`` or ``pp`` (``SHARDED_CHECKS``): FSDP2, tensor-parallel or
+  pipeline gradients on ``--devices`` ranks, each example a ``ShardedScenario`` with a
+  layout drawn for its model (``dpverify.strategies.sharded_scenarios``);
 - BatchNorm or Dropout in train mode: a check that comes back ``EXPLAINED`` counts as an
   expected divergence of its module classes, not a failure, and the same check on the
   eval-mode copy must pass.
@@ -43,6 +46,8 @@ from dpverify.checks.registry import CHECKS, Case, CheckResult, Target, Verdict
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import ParallelMismatch
 from dpverify.core.text import plural
+from dpverify.models.layouts import BACKENDS as SHARDED_BACKENDS
+from dpverify.models.layouts import ShardedScenario
 from dpverify.models.specs import KINDS
 from dpverify.strategies import (
     DeviceList,
@@ -51,6 +56,7 @@ from dpverify.strategies import (
     loss_specs,
     model_specs,
     scenarios,
+    sharded_scenarios,
 )
 
 __all__ = [
@@ -58,6 +64,8 @@ __all__ = [
     "DEFAULT_MAX_EXAMPLES",
     "DEFAULT_TIME_BUDGET",
     "DP_CHECKS",
+    "SHARDED_CHECKS",
+    "TARGET_FIELDS",
     "FuzzConfig",
     "FuzzFailure",
     "FuzzReport",
@@ -82,6 +90,11 @@ DP_CHECKS: tuple[str, ...] = ("dp-grads", "dp-grad-sum", "dp-loss-average", "dp-
 #: The registry checks a DDP example runs: each costs a pool of rank processes, so the
 #: session keeps to the gradients (``dpverify check --backend ddp`` runs the others).
 DDP_CHECKS: tuple[str, ...] = ("ddp-grads",)
+#: The registry checks a sharded example runs, by backend.
+SHARDED_CHECKS: dict[str, tuple[str, ...]] = {"fsdp": ("fsdp-grads",), "tp": ("tp-grads",), "pp": ("pp-grads",)}
+#: The ``Target`` field ``--target`` fills, by backend: DataParallel's wrapper, a per-rank
+#: step (DDP, FSDP2), a tensor-parallel plan builder, a pipeline schedule class.
+TARGET_FIELDS: dict[str, str] = {"dp": "parallel", "ddp": "step", "fsdp": "step", "tp": "plan", "pp": "schedule"}
 
 #: Model kinds the DDP check takes: it has no forward keyword arguments, and a loss computed
 #: in forward is DataParallel's trap (DDP's is the uneven-shard average, checked anyway).
@@ -126,7 +139,7 @@ class _CheckFailed(Exception):
             whose train-mode run diverged as expected.
     """
 
-    def __init__(self, scenario: Scenario, result: CheckResult, *, eval_mode: bool = False) -> None:
+    def __init__(self, scenario: Scenario | ShardedScenario, result: CheckResult, *, eval_mode: bool = False) -> None:
         super().__init__(result.summary)
         self.check = result.check
         self.scenario = scenario
@@ -144,7 +157,7 @@ def _bucket(name: str) -> str:
     return name
 
 
-def _run_check(name: str, scenario: Scenario, target: Target) -> tuple[str, ...]:
+def _run_check(name: str, scenario: Scenario | ShardedScenario, target: Target) -> tuple[str, ...]:
     """Runs one registry check on a fresh ``Case`` of ``scenario`` (a check may change its
     module, as ``dp-state`` does, and a repro script starts from a fresh one too).
 
@@ -321,7 +334,7 @@ class FuzzFailure:
     """
 
     check: str
-    scenario: Scenario
+    scenario: Scenario | ShardedScenario
     report: str
     repro: Path
     first_found_at: int
@@ -358,10 +371,13 @@ class _TimeUp(BaseException):
     instead of treating it as a failure to shrink)."""
 
 
-def scenario_strategy(config: FuzzConfig) -> SearchStrategy[Scenario]:
+def scenario_strategy(config: FuzzConfig) -> SearchStrategy[Scenario] | SearchStrategy[ShardedScenario]:
     """The scenarios a session draws: DataParallel device lists of 1 to ``devices``
-    devices, or, for the DDP backend alone, ``devices`` ranks and at least one row each.
-    A session with a criterion wrapper draws its own scenarios (``_pair_scenarios``)."""
+    devices, or, for the DDP backend alone, ``devices`` ranks and at least one row each;
+    for a sharded backend, its ``sharded_scenarios`` on ``devices`` ranks. A session with
+    a criterion wrapper draws its own scenarios (``_pair_scenarios``)."""
+    if config.backend in SHARDED_BACKENDS:
+        return sharded_scenarios(config.backend, world_sizes=(config.devices,))
     if config.backend == "ddp":
         ranks = DeviceList(tuple(range(config.devices)))
         # DDP averages gradients over ranks: it matches the full batch for mean losses only
@@ -401,9 +417,12 @@ def devices_text(config: FuzzConfig) -> str:
     """Where the session runs, in words: DataParallel's devices, virtual or CUDA, and
     DDP's ranks, which are real processes."""
     visible = cuda_device_count()
-    ranks = f"{plural(config.devices, 'DDP rank')} ({'nccl' if visible >= config.devices else 'gloo'})"
+    group = "nccl" if visible >= config.devices else "gloo"
+    ranks = f"{plural(config.devices, 'DDP rank')} ({group})"
     if config.backend == "ddp":
         return ranks
+    if config.backend in SHARDED_BACKENDS:
+        return f"{plural(config.devices, 'rank')} ({group})"
     if visible >= 2:
         last = min(visible, config.devices) - 1
         where = f"CUDA devices 0-{last}" if last else "CUDA device 0"
@@ -414,15 +433,20 @@ def devices_text(config: FuzzConfig) -> str:
     return f"{where}, and {ranks}" if config.backend == "all" else where
 
 
-def _example_runner(config: FuzzConfig) -> Callable[[Scenario], Outcome]:
+def _example_runner(config: FuzzConfig) -> Callable[[Scenario | ShardedScenario], Outcome]:
     """One example: the DataParallel checks that apply, then (``ddp``, or ``all`` where DDP's
     contract holds) the DDP checks on ``--devices`` ranks; raises ``_CheckFailed``."""
     torch_wrapper = config.target is None
     dp = Target(parallel=config.target_object, parallel_loss=config.parallel_loss_object)
     ddp = Target(step=config.target_object)
+    sharded = Target(**{TARGET_FIELDS[config.backend]: config.target_object}) if config.backend in SHARDED_BACKENDS else ddp
 
-    def example(scenario: Scenario) -> Outcome:
+    def example(scenario: Scenario | ShardedScenario) -> Outcome:
         diverged: set[str] = set()
+        if isinstance(scenario, ShardedScenario):
+            for name in SHARDED_CHECKS[scenario.backend]:
+                diverged.update(_run_check(name, scenario, sharded))
+            return Outcome(tuple(sorted(diverged)))
         if config.backend in ("dp", "all"):
             for name in _dp_checks(Case.from_scenario(scenario), torch_wrapper=torch_wrapper):
                 diverged.update(_run_check(name, scenario, dp))
@@ -478,7 +502,7 @@ def fuzz(config: FuzzConfig, *, on_example: Callable[[Tally], None] | None = Non
     # first: this many of the first examples (if any) came from the database
     saved: list[int] = []
 
-    def check(scenario: Scenario) -> None:
+    def check(scenario: Scenario | ShardedScenario) -> None:
         if not saved:
             saved.append(database.fetched)
         if config.time_budget is not None and tally.first_failure_at is None and tally.elapsed > config.time_budget:
@@ -572,7 +596,7 @@ def _target_import(target: str | None, parallel_loss: str | None = None) -> list
 
 def repro_script(
     check: str,
-    scenario: Scenario,
+    scenario: Scenario | ShardedScenario,
     *,
     target: str | None,
     eval_mode: bool = False,
@@ -594,7 +618,7 @@ def repro_script(
         parallel_loss: ``MODULE:CALLABLE``, the criterion wrapper of a model/criterion pair
             (a DataParallel check's ``Target.parallel_loss``), or None.
     """
-    field_name = "step" if CHECKS[check].backend == "ddp" else "parallel"
+    field_name = TARGET_FIELDS[CHECKS[check].backend]
     fields = f"{field_name}=target" + (", parallel_loss=parallel_loss" if parallel_loss else "")
     imports = target is not None or parallel_loss is not None
     case = "Case.from_scenario(scenario)" + (".in_eval_mode()" if eval_mode else "")
@@ -613,6 +637,7 @@ def repro_script(
         "",
         "from dpverify.checks.registry import CHECKS, Case, Target",
         "from dpverify.models.specs import DeviceList, LossSpec, ModelSpec, Scenario",
+        *(["from dpverify.models.layouts import FSDPLayout, PipelineLayout, ShardedScenario, TPLayout"] if isinstance(scenario, ShardedScenario) else []),
         "",
         *_target_import(target, parallel_loss),
         "",

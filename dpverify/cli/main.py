@@ -191,7 +191,7 @@ def _duration(text: str) -> float:
 def _require_ddp(backend: str) -> None:
     from dpverify.ddp import checks_if_available
 
-    if backend in ("ddp", "all") and checks_if_available() is None:
+    if backend != "dp" and checks_if_available() is None:
         raise InvalidArgument(f"--backend {backend}: the DDP backend is not available in this build; use --backend dp")
 
 
@@ -224,11 +224,14 @@ def _fuzz(args: argparse.Namespace) -> int:
             raise InvalidArgument(f"--parallel is a DataParallel-like wrapper, for --backend dp; for --backend {args.backend} pass a DDP step as --target")
         args.target = args.parallel
     if args.target and args.backend == "all":
-        raise InvalidArgument("--target fuzzes one backend: pass --backend dp (a DataParallel-like wrapper) or --backend ddp (a DDP step)")
+        raise InvalidArgument(
+            "--target fuzzes one backend: pass --backend dp (a DataParallel-like wrapper), ddp or fsdp (a per-rank "
+            "step), tp (a plan builder, plan(layout, module)) or pp (a pipeline schedule class)"
+        )
     if args.parallel_loss and args.backend != "dp":
         raise InvalidArgument(
             f"--parallel-loss is a DataParallel criterion wrapper, for --backend dp; --backend {args.backend} "
-            "fuzzes DDP, whose ranks compute their own loss"
+            "fuzzes ranks that compute their own loss"
         )
     if args.profile:
         from hypothesis import settings
@@ -258,10 +261,14 @@ def _fuzz_header(console: Console, config: FuzzConfig, where: str) -> None:
     under_test = {
         "dp": "torch.nn.DataParallel",
         "ddp": "torch DistributedDataParallel",
+        "fsdp": "torch FSDP2 (fully_shard)",
+        "tp": "torch tensor parallelism (parallelize_module)",
+        "pp": "torch pipeline parallelism (ScheduleGPipe, Schedule1F1B)",
         "all": "torch.nn.DataParallel and DistributedDataParallel",
     }[config.backend]
     if config.target:
-        under_test = f"{config.target} ({'DataParallel-like wrapper' if config.backend == 'dp' else 'DDP step'})"
+        kind = {"dp": "DataParallel-like wrapper", "ddp": "DDP step", "fsdp": "FSDP2 step", "tp": "plan builder", "pp": "pipeline schedule"}
+        under_test = f"{config.target} ({kind[config.backend]})"
     if config.parallel_loss:
         under_test += f" with criterion wrapper {config.parallel_loss}"
     limits = [plural(config.max_examples, "example")] if config.max_examples is not None else []
@@ -338,8 +345,8 @@ def _check(args: argparse.Namespace) -> int:
 
     _require_ddp(args.backend)
     _check_dim(args)
-    if args.parallel_loss and args.backend == "ddp":
-        raise InvalidArgument("--parallel-loss is a DataParallel criterion wrapper, for --backend dp or all; the DDP checks compute the loss on each rank")
+    if args.parallel_loss and args.backend not in ("dp", "all"):
+        raise InvalidArgument(f"--parallel-loss is a DataParallel criterion wrapper, for --backend dp or all; the {args.backend} checks compute the loss on each rank")
     model = _load_model(args, default=None)
     # planning makes every batch: a batch that cannot be made is a usage error before any output
     target = Target(parallel=_load_parallel(args.parallel), parallel_loss=_load_parallel_loss(args.parallel_loss))
@@ -428,14 +435,22 @@ def _add_fuzz(commands: Any, common: argparse.ArgumentParser) -> None:
         "next time; a failure is shrunk, printed as a spec with its full report, and written as a "
         "standalone script .dpverify/repro_<id>.py. Exit status 1 on failure, 0 when all passed.",
     )
-    fuzz.add_argument("--backend", choices=("dp", "ddp", "all"), default="dp", help="DataParallel (default), DistributedDataParallel, or both")
-    fuzz.add_argument("--devices", type=_positive("--devices"), default=4, metavar="N", help="DataParallel: 1 to N devices per example (virtual on CPU, real on GPUs); DDP: N ranks (default 4)")
+    fuzz.add_argument(
+        "--backend", choices=("dp", "ddp", "fsdp", "tp", "pp", "all"), default="dp",
+        help="DataParallel (default), DistributedDataParallel, FSDP2, tensor parallel, pipeline parallel, or DataParallel and DDP (all)",
+    )
+    fuzz.add_argument("--devices", type=_positive("--devices"), default=4, metavar="N", help="DataParallel: 1 to N devices per example (virtual on CPU, real on GPUs); DDP, fsdp, tp, pp: N ranks (default 4)")
     fuzz.add_argument("--max-examples", type=_positive("--max-examples"), metavar="N", help="examples to run (default: 1000, or one minute, whichever comes first)")
     fuzz.add_argument("--time-budget", type=_duration, metavar="DURATION", help="start no new example after this long: 90s, 10m, 1h (with --max-examples, whichever comes first)")
     fuzz.add_argument("--seed", type=int, help="Hypothesis seed for a repeatable session (default: random; a seeded session does not use the example database)")
     fuzz.add_argument("--profile", metavar="NAME", help="start from this Hypothesis settings profile (dpverify-dev, dpverify-ci, dpverify-fuzz)")
     fuzz.add_argument("--parallel", metavar="MODULE:CALLABLE", help="fuzz your own DataParallel-like wrapper, CALLABLE(module, device_ids=..., output_device=...) (--backend dp)")
-    fuzz.add_argument("--target", metavar="MODULE:CALLABLE", help="fuzz your own code: --backend dp, a DataParallel-like CALLABLE(module, device_ids=..., output_device=...); --backend ddp, a DDP step CALLABLE(ctx)")
+    fuzz.add_argument(
+        "--target", metavar="MODULE:CALLABLE",
+        help="fuzz your own code: --backend dp, a DataParallel-like CALLABLE(module, device_ids=..., output_device=...); "
+        "--backend ddp or fsdp, a per-rank step CALLABLE(ctx); --backend tp, a plan builder CALLABLE(layout, module) returning "
+        "parallelize_module's plan; --backend pp, a pipeline schedule class",
+    )
     fuzz.add_argument(
         "--parallel-loss", metavar="MODULE:CALLABLE",
         help="fuzz a model/criterion pair (--backend dp): the criterion wrapper CALLABLE(criterion, device_ids=..., "
@@ -445,6 +460,7 @@ def _add_fuzz(commands: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
+    from dpverify.checks.model import BACKENDS as CHECK_BACKENDS
     from dpverify.checks.model import DEFAULT_BATCH_SIZES, DEFAULT_CHECKS, DEFAULT_DEVICE_COUNTS
     from dpverify.checks.registry import CHECKS
 
@@ -459,7 +475,10 @@ def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
     )
     _model_arguments(check)
     check.add_argument("--model", choices=sorted(BUILTIN_MODELS), help="a built-in model instead of MODULE:FACTORY")
-    check.add_argument("--backend", choices=("dp", "ddp", "all"), default="dp", help="DataParallel (default), DDP, or both")
+    check.add_argument(
+        "--backend", choices=(*CHECK_BACKENDS, "all"), default="dp",
+        help="DataParallel (default), DDP, FSDP2 (fsdp), tensor parallel (tp), pipeline parallel (pp), or all of them",
+    )
     check.add_argument("--batch-sizes", type=_positive("--batch-sizes"), nargs="+", default=list(DEFAULT_BATCH_SIZES), metavar="B", help=f"batch sizes (default {' '.join(map(str, DEFAULT_BATCH_SIZES))})")
     check.add_argument("--devices", type=_positive("--devices"), nargs="+", default=list(DEFAULT_DEVICE_COUNTS), metavar="N", help=f"device counts or DDP world sizes (default {' '.join(map(str, DEFAULT_DEVICE_COUNTS))})")
     check.add_argument(

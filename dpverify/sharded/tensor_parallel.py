@@ -468,8 +468,8 @@ def _own_columns_note(check: TPCheck, steps: Sequence[TPRankStep], expected: Ste
             if bool(same.all()) or not bool((same | zero).all()):
                 continue
             cols = [c for c in range(width) if bool(same[c]) and not bool(zero[c])]
-            if cols:
-                found.append(f"rank {r} columns [{cols[0]}:{cols[-1] + 1}]")
+            # a rank whose shard holds no column (fewer columns than ranks) hands on zeros
+            found.append(f"rank {r} columns [{cols[0]}:{cols[-1] + 1}]" if cols else f"rank {r} no column")
     if not found:
         return []
     return [
