@@ -92,26 +92,49 @@ def test_a_fuzz_session_of_each_sharded_backend_passes_torchs_own_code(backend: 
     assert report.passed == 4
 
 
+def test_a_fuzz_session_catches_a_broken_step_or_schedule_and_writes_its_repro(tmp_path: Path) -> None:
+    from dpverify.sharded.fsdp import fsdp_undivided_step
+    from dpverify.sharded.pipeline import UnscaledGPipe
+
+    for backend, target, obj, field in (
+        ("fsdp", "dpverify.sharded.fsdp:fsdp_undivided_step", fsdp_undivided_step, "step"),
+        ("pp", "dpverify.sharded.pipeline:UnscaledGPipe", UnscaledGPipe, "schedule"),
+    ):
+        config = FuzzConfig(backend=backend, devices=2, max_examples=10, seed=0, target=target, target_object=obj, state_dir=tmp_path / backend)
+        report = fuzz(config)
+        assert report.failure is not None, backend
+        assert report.failure.check == SHARDED_CHECKS[backend][0]
+        script = report.failure.repro.read_text()
+        assert f"from {target.split(':')[0]} import {target.split(':')[1]} as target" in script
+        assert f"Target({field}=target)" in script
+        assert "from dpverify.models.layouts import" in script
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    ("backend", "target", "check"),
-    [
-        ("fsdp", "dpverify.sharded.fsdp:fsdp_undivided_step", "fsdp-grads"),
-        ("tp", "planted:no_allreduce_plan", "tp-grads"),
-        ("pp", "dpverify.sharded.pipeline:UnscaledGPipe", "pp-grads"),
-    ],
-)
-def test_a_fuzz_session_catches_a_broken_target_and_its_repro_raises_the_same(backend: str, target: str, check: str, tmp_path: Path) -> None:
+def test_a_fuzz_session_catches_a_broken_plan_and_its_repro_raises_the_same(tmp_path: Path) -> None:
     (tmp_path / "planted.py").write_text(PLANTED)
-    command = [sys.executable, "-m", "dpverify", "fuzz", "--backend", backend, "--devices", "2", "--target", target, "--max-examples", "10", "--seed", "0", "--no-color"]
+    command = [sys.executable, "-m", "dpverify", "fuzz", "--backend", "tp", "--devices", "2", "--target", "planted:no_allreduce_plan", "--max-examples", "10", "--seed", "0", "--no-color"]
     result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=200, check=False)
     out = result.stdout
     assert result.returncode == 1, out + result.stderr
-    assert f"Counterexample (check {check!r}" in out
+    assert out.startswith("dpverify fuzz: planted:no_allreduce_plan (plan builder) on 2 ranks (gloo)")
+    assert "Counterexample (check 'tp-grads'" in out
     path = tmp_path / out.split("Reproduce with: python ")[1].split()[0]
-    field = {"fsdp": "step", "tp": "plan", "pp": "schedule"}[backend]
-    assert f"Target({field}=target)" in path.read_text()
+    assert "Target(plan=target)" in path.read_text()
     ran = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=150, check=False)
     assert ran.returncode == 1, ran.stdout + ran.stderr
     head = out.split("Full report:\n")[1].splitlines()[0]
     assert f"dpverify.core.errors.ParallelMismatch: {head}" in ran.stderr.splitlines()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["fuzz", "--backend", "tp", "--parallel", "x:y"], "--parallel is a DataParallel-like wrapper, for --backend dp"),
+        (["fuzz", "--backend", "pp", "--parallel-loss", "x:y"], "--backend pp fuzzes ranks that compute their own loss"),
+        (["check", "--model", "mlp", "--backend", "fsdp", "--parallel-loss", "x:y"], "the fsdp checks compute the loss on each rank"),
+    ],
+)
+def test_dataparallel_options_with_a_sharded_backend_are_usage_errors(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
