@@ -378,3 +378,12 @@ def test_the_default_shards_each_element_of_a_module_list_and_naming_the_list_is
     assert "fully_shard on ['blocks.0', 'blocks.1', 'stem', 'head', '(root)'] modules" in result.scenario
     with pytest.raises(InvalidArgument, match=r"shard_modules names 'blocks', a ModuleList: .* name its elements instead \('blocks.0', 'blocks.1'\)"):
         assert_fsdp_grads_match(Blocks(), x, y, loss_fn=F.mse_loss, world_size=2, pool=ddp_pool, shard_modules=["blocks"])
+
+
+def test_a_sum_loss_is_explained_in_fsdp2s_words(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch) as failed:
+        assert_fsdp_grads_match(mlp(), x, y, loss_fn=SUM_MSE, world_size=2, pool=ddp_pool)
+    text = str(failed.value)
+    assert "FSDP2's reduce-scatter divides the sum of the ranks' gradients by the world size, 2" in text
+    assert "DDP" not in text

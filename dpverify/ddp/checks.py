@@ -539,6 +539,7 @@ _UNUSED_HINT = (
 
 def _explain_scale(
     c: float, world_size: int, micro_batches: int = 1, shard_size: int | None = None, reduction: str | None = None,
+    averager: str = "DDP",
 ) -> str:
     """A sentence on a uniform gradient factor between a rank and one device, naming every
     classic mistake that produces that factor (2 can be the world size and the rows per rank).
@@ -553,6 +554,9 @@ def _explain_scale(
       ``1/W`` of the full-batch sum), or a mean loss divided by ``W`` on top of DDP;
     - ``1/(k W)``: a sum loss whose micro-batch losses were weighted by ``1/k``, as the
       mean-loss recipe does.
+
+    ``averager`` names what averages the ranks' gradients in the text (FSDP2's
+    reduce-scatter averages as DDP's all-reduce does).
     """
     text = f"Every rank's gradient is {c:.6g} times the single-device full-batch gradient"
 
@@ -570,16 +574,16 @@ def _explain_scale(
     if world_size > 1 and near(world_size) and not summed:
         causes.append(
             f"({world_size}, the world size): the ranks' gradients were summed but not divided "
-            "by the world size. DDP averages for you; a hand-written all_reduce with "
+            f"by the world size. {averager} averages for you; a hand-written all_reduce with "
             "ReduceOp.SUM must be followed by grad /= world_size, and a loss must not be "
-            "multiplied by the world size on top of DDP's average"
+            f"multiplied by the world size on top of the average {averager} takes"
         )
     if shard_size and shard_size > 1 and near(shard_size) and not summed:
         causes.append(
             f"({shard_size}, the rows per rank): the step's loss is the sum over the rank's "
             "rows (or its mean times the rows) while loss_fn, which the single-device step "
             "uses, averages: divide the step's loss by its rows (ctx.shard_size), or use "
-            "loss_fn as it is; DDP then averages the ranks"
+            f"loss_fn as it is; {averager} then averages the ranks"
         )
     if world_size > 1 and near(1.0 / world_size):
         if reduction != "mean":
@@ -588,7 +592,7 @@ def _explain_scale(
                 f"(1/{world_size}, one over the world size): "
                 + ("loss_fn is a sum-reduction loss (the full batch's loss is the sum of the shards' losses)" if summed else "a sum-reduction loss (e.g. reduction='sum')")
                 + f"{unweighted}. Each rank's loss sums its own rows, and "
-                f"DDP divides the sum of the ranks' gradients by the world size, {world_size}, "
+                f"{averager} divides the sum of the ranks' gradients by the world size, {world_size}, "
                 "so every rank gets 1/world_size of the full-batch sum that one device computes. "
                 "Use a mean loss (reduction='mean'); or keep the sum and multiply each rank's "
                 "loss by world_size (loss * ctx.world_size in a step); DataParallel, which sums "
@@ -598,14 +602,14 @@ def _explain_scale(
             causes.append(
                 f"(1/{world_size}, one over the world size): the gradients were divided by the "
                 "world size twice, e.g. a mean loss divided by world_size (or a hand-written "
-                "average) on top of DDP, which already averages over ranks"
+                f"average) on top of {averager}, which already averages over ranks"
             )
     if world_size > 1 and micro_batches > 1 and near(1.0 / (world_size * micro_batches)) and reduction != "mean":
         causes.append(
             f"(1/{world_size * micro_batches} = 1/(micro-batches * world size)): "
             f"a sum-reduction loss with each micro-batch's loss weighted by its share "
             f"(1/{micro_batches}, the recipe for a mean loss): each rank's gradient is "
-            f"1/{micro_batches} of the sum over its rows, and DDP divides by the world size, "
+            f"1/{micro_batches} of the sum over its rows, and {averager} divides by the world size, "
             f"{world_size}. Use a mean loss; or keep the sum, add the micro-batch losses up "
             "unweighted and multiply them by world_size"
         )
@@ -718,10 +722,10 @@ def _loss_reduction(
     return None
 
 
-def _sum_loss_note(world_size: int) -> str:
+def _sum_loss_note(world_size: int, averager: str = "DDP") -> str:
     return (
         "loss_fn sums over the rows (the full batch's loss is the sum of the shards' losses, "
-        "not their mean, e.g. reduction='sum'). DDP averages the ranks' gradients, which is "
+        f"not their mean, e.g. reduction='sum'). {averager} averages the ranks' gradients, which is "
         "right for a mean loss; with a sum loss each rank sums only its own rows and the "
         f"average divides by the world size, {world_size}, so the gradients are not the "
         "single-device ones. Use a mean loss; or keep the sum and multiply each rank's loss by "
@@ -747,15 +751,15 @@ def _ranks_disagree(steps: Sequence[RankStep]) -> list[str]:
 
 def _scale_note(
     steps: Sequence[RankStep], expected: StepResult, world_size: int, micro_batches: int = 1,
-    shard_sizes: Sequence[int] = (), reduction: str | None = None,
+    shard_sizes: Sequence[int] = (), reduction: str | None = None, averager: str = "DDP",
 ) -> tuple[list[str], float | None]:
     """The uniform factor's sentence, and the sum-loss note when the factor did not name it;
-    and the factor."""
+    and the factor. ``averager``: what averages the ranks' gradients, in the text."""
     c = uniform_scale(steps[0].grads, expected.grads)
     equal = shard_sizes[0] if shard_sizes and len(set(shard_sizes)) == 1 else None
-    notes = [] if c is None else [_explain_scale(c, world_size, micro_batches, equal, reduction)]
+    notes = [] if c is None else [_explain_scale(c, world_size, micro_batches, equal, reduction, averager)]
     if reduction == "sum" and not any("sum-reduction loss" in note for note in notes):
-        notes.append(_sum_loss_note(world_size))
+        notes.append(_sum_loss_note(world_size, averager))
     return notes, c
 
 

@@ -452,7 +452,10 @@ def assert_fsdp_grads_match(
     notes += evidence
     scale = None
     if not ok:
-        more, scale = _scale_note(verified, expected, check.world_size, shard_sizes=check.shard_sizes, reduction=reduction)
+        more, scale = _scale_note(
+            verified, expected, check.world_size, shard_sizes=check.shard_sizes, reduction=reduction,
+            averager="FSDP2's reduce-scatter",
+        )
         notes += more + _undivided_note(scale, check.world_size) + _ranks_disagree(verified)
     outcome = check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, failures=failures, scale=scale)
     return raise_unless_ok(outcome, msg)
