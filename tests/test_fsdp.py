@@ -387,3 +387,12 @@ def test_a_sum_loss_is_explained_in_fsdp2s_words(ddp_pool: DDPWorkerPool) -> Non
     text = str(failed.value)
     assert "FSDP2's reduce-scatter divides the sum of the ranks' gradients by the world size, 2" in text
     assert "DDP" not in text
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_float64_gradients_are_within_1_5e_8_of_one_device(reshard: bool, ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6, dtype=torch.float64)
+    result = assert_fsdp_grads_match(mlp(dtype=torch.float64), x, y, loss_fn=F.mse_loss, world_size=2, pool=ddp_pool, reshard_after_forward=reshard)
+    grads = [t for t in result.tensors if " grad " in t.name]
+    assert grads
+    assert all(t.max_abs <= 1.5e-8 for t in grads)

@@ -339,3 +339,16 @@ def test_bad_arguments_are_refused_before_the_ranks(ddp_pool: DDPWorkerPool) -> 
         assert_tensor_parallel_grads_match(
             mlp(), x[:1], y[:1], loss_fn=F.mse_loss, world_size=2, data_parallel=2, plan=MLP_PLAN, pool=ddp_pool,
         )
+
+
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_float64_colwise_rowwise_gradients_are_within_1_5e_8_of_one_device(data_parallel: int, ddp_pools: Callable[[int], DDPWorkerPool]) -> None:
+    world = 2 * data_parallel
+    x, y = batch(8, dtype=torch.float64)
+    result = assert_tensor_parallel_grads_match(
+        mlp(dtype=torch.float64), x, y, loss_fn=F.mse_loss, world_size=world, data_parallel=data_parallel,
+        plan={"0": ColwiseParallel(), "2": RowwiseParallel()}, pool=ddp_pools(world),
+    )
+    grads = [t for t in result.tensors if " grad " in t.name]
+    assert grads
+    assert all(t.max_abs <= 1.5e-8 for t in grads)
