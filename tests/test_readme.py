@@ -1,0 +1,192 @@
+"""The README is executable: every fenced block is run here, or says why not.
+
+Python blocks run through pytest-examples (pydantic's maintained runner for code in
+Markdown): each block runs as its own module, with pytest's assertion rewriting, and the
+output of a ``print`` must equal the ``#>`` lines under it (``pytest --update-examples
+tests/test_readme.py`` rewrites them after a deliberate change). Bash blocks run in a
+fresh working directory with ``bash -e``. A block that is not run starts with the comment
+``# not run by the tests: <reason>``, which the reader sees too. Output blocks are
+``text``: the deterministic ones are compared with a fresh run (the ``explain`` excerpt,
+line by line, in order), the others checked for what they show (the fuzz session's labels,
+a scenario that evaluates to itself, a layout of paths that exist).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest_examples = pytest.importorskip("pytest_examples")
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+NOT_RUN = "# not run by the tests: "
+FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[^\n]*)\n(?P<body>.*?)^(?P=indent)```$", re.MULTILINE | re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of the README."""
+
+    lang: str
+    body: str
+    line: int
+
+    @property
+    def not_run(self) -> str | None:
+        """The reason the block is not run, or None when it runs."""
+        first = self.body.lstrip().splitlines()[0] if self.body.strip() else ""
+        return first.removeprefix(NOT_RUN) if first.startswith(NOT_RUN) else None
+
+    def __str__(self) -> str:
+        return f"README.md:{self.line} ({self.lang})"
+
+
+def _blocks() -> list[Block]:
+    text = README.read_text()
+    return [
+        Block(m.group("lang").strip(), m.group("body"), text[: m.start()].count("\n") + 1)
+        for m in FENCE.finditer(text)
+    ]
+
+
+BLOCKS = _blocks()
+
+
+def _run(command: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1", "PYTHONPATH": str(cwd)}
+    return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_every_block_names_its_language() -> None:
+    assert BLOCKS
+    assert {block.lang for block in BLOCKS} <= {"python", "bash", "text"}, [str(b) for b in BLOCKS if b.lang not in ("python", "bash", "text")]
+
+
+def test_blocks_that_are_not_run_say_why_and_only_code_may_be_left_out() -> None:
+    for block in BLOCKS:
+        if block.not_run is not None:
+            assert block.lang == "bash", f"{block}: only shell commands are left out; make Python blocks runnable"
+            assert len(block.not_run) >= 20, f"{block}: give the reason in words"
+
+
+def _python_examples() -> list[object]:
+    return [example for example in pytest_examples.find_examples(str(README)) if example.prefix.strip() == "python"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("example", _python_examples(), ids=str)
+def test_python_block_runs(example: object, eval_example: object) -> None:
+    eval_example.set_config(line_length=120)  # type: ignore[attr-defined]
+    failure = ""
+    try:
+        if eval_example.update_examples:  # type: ignore[attr-defined]
+            eval_example.run_print_update(example)  # type: ignore[attr-defined]
+        else:
+            eval_example.run_print_check(example)  # type: ignore[attr-defined]
+    except Exception as error:
+        # pytest-examples points the traceback at the README's lines with frames pytest 9
+        # cannot render (an INTERNALERROR, here or as a chained context): report the frames
+        # and the error ourselves, outside the except block
+        failure = f"{example} raised:\n{_frames(error)}{''.join(traceback.format_exception_only(error))}"
+    if failure:
+        pytest.fail(failure, pytrace=False)
+
+
+def _frames(error: BaseException) -> str:
+    lines, tb = [], error.__traceback__
+    while tb is not None:
+        lines.append(f"  {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}\n")
+        tb = tb.tb_next
+    return "".join(lines)
+
+
+def test_every_python_block_is_found_by_pytest_examples() -> None:
+    assert len(_python_examples()) == sum(block.lang == "python" for block in BLOCKS)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "bash" and b.not_run is None], ids=str)
+def test_bash_block_runs(block: Block, tmp_path: Path) -> None:
+    result = _run(block.body, tmp_path)
+    assert result.returncode == 0, f"{block} failed:\n{result.stdout}\n{result.stderr}"
+
+
+def _text_block(first_line: str) -> Block:
+    found = [b for b in BLOCKS if b.lang == "text" and b.body.startswith(first_line)]
+    assert len(found) == 1, first_line
+    return found[0]
+
+
+def test_the_explain_excerpt_is_what_explain_prints(tmp_path: Path) -> None:
+    block = _text_block("dpverify explain: embedding")
+    result = _run("dpverify explain --no-color", tmp_path)
+    assert result.returncode == 0, result.stderr
+    printed = [line.rstrip() for line in result.stdout.splitlines()]
+    at = 0
+    for line in (line.rstrip() for line in block.body.splitlines()):
+        if not line or line.strip() == "...":
+            continue
+        assert line in printed[at:], f"{block}: {line!r} is not printed (in this order) by dpverify explain"
+        at = printed.index(line, at) + 1
+
+
+def test_the_fuzz_session_shown_has_the_labels_a_session_prints(tmp_path: Path) -> None:
+    block = _text_block("dpverify fuzz:")
+    result = _run("dpverify fuzz --max-examples 12 --seed 0 --no-color", tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    shown = block.body.splitlines()
+    assert result.stdout.startswith(shown[0].split(";")[0] + ";")
+    labels = [line.split("  ")[0].strip() for line in shown[2:-1] if not line.strip().startswith("expected divergence")]
+    for label in labels:
+        assert re.search(rf"^\s*{re.escape(label)}\s", result.stdout, flags=re.MULTILINE), label
+    assert result.stdout.rstrip().splitlines()[-1].startswith("OK: 12 examples, no failure")
+    assert shown[-1].startswith("OK: 1000 examples, no failure")
+
+
+def test_the_shrunk_scenario_shown_evaluates_to_itself() -> None:
+    import torch
+
+    from dpverify.strategies import DeviceList, LossSpec, ModelSpec, Scenario
+
+    block = _text_block("Scenario(")
+    names = {"Scenario": Scenario, "ModelSpec": ModelSpec, "DeviceList": DeviceList, "LossSpec": LossSpec, "torch": torch}
+    scenario = eval(block.body.strip(), names)
+    assert repr(scenario) == block.body.strip()
+
+
+def test_the_layout_names_paths_that_exist() -> None:
+    block = _text_block("dpverify/")
+    parent = ROOT
+    for line in block.body.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if not line.strip() or indent > 2:  # a description's continuation
+            continue
+        name = line.split()[0]
+        path = (ROOT if indent == 0 else parent) / name
+        assert path.exists(), f"{block}: {name} is not in the repository"
+        if indent == 0:
+            parent = path
+
+
+def test_the_quickstart_verify_prints_what_the_readme_says(tmp_path: Path) -> None:
+    result = _run(f"{sys.executable} -m dpverify verify", tmp_path)
+    assert result.returncode == 0, result.stdout
+    verdict = result.stdout.rstrip().splitlines()[-1]
+    said = re.search(r"`(OK: \d+ passed, \d+ failed, \d+ warned)`", README.read_text())
+    assert said is not None
+    assert verdict.startswith(said.group(1) + " in ")
+
+
+def test_ci_runs_the_readmes_test_command() -> None:
+    quickstart = next(b for b in BLOCKS if b.lang == "bash" and "'.[test]'" in b.body)
+    command = next(line for line in quickstart.body.splitlines() if "'.[test]'" in line)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert command.replace("pip install -c", "pip install -q -c") in ci.splitlines()
