@@ -13,11 +13,8 @@ sharded from one that only looks right.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import logging
-import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +39,7 @@ from dpverify.ddp.rank import (
     _outputs,
     _shard_of,
 )
-from dpverify.sharded.mesh import device_mesh
+from dpverify.sharded.mesh import device_mesh, quiet
 
 __all__ = [
     "FSDPContext",
@@ -100,22 +97,6 @@ def _held(name: str, tensor: torch.Tensor) -> Held:
     if isinstance(tensor, DTensor):
         return Held(name, True, tensor.to_local().numel(), tensor.numel(), str(tuple(tensor.placements)))
     return Held(name, False, tensor.numel(), tensor.numel(), "")
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """FSDP2's warning about view outputs and DTensor's redistribution log lines are noise
-    to someone checking a model: hide them while a rank runs a task."""
-    logger = logging.getLogger("torch.distributed")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            warnings.simplefilter("ignore", FutureWarning)
-            yield
-    finally:
-        logger.setLevel(level)
 
 
 @dataclass
@@ -323,7 +304,7 @@ def _run_one(info: RankInfo, task: FSDPStepTask, step: Any) -> FSDPRankStep:
 
 def run_fsdp_step_task(info: RankInfo, task: FSDPStepTask) -> tuple[FSDPRankStep, ...]:
     """Runs every step of ``task`` on this rank's shard (a task for ``RankRunner.run``)."""
-    with _quiet():
+    with quiet():
         return tuple(_run_one(info, task, step) for step in task.steps)
 
 
@@ -374,7 +355,7 @@ def run_fsdp_training_task(info: RankInfo, task: FSDPTrainingTask) -> FSDPRankTr
     ctx = _context(info, model, task, task.shard_sizes[0])
     history: list[dict[str, torch.Tensor]] = []
     fork = [device] if device.type == "cuda" else []
-    with _quiet(), torch.random.fork_rng(devices=fork), no_tf32():
+    with quiet(), torch.random.fork_rng(devices=fork), no_tf32():
         torch.manual_seed(task.seed)
         ctx.fsdp()
         optimizer = task.optimizer(model.parameters())

@@ -12,10 +12,7 @@ reached the stage's output, and which parameters the stage held.
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +22,8 @@ from torch.distributed.pipelining import PipelineStage
 
 from dpverify.core.step import convert_tensors, flatten_tensors, no_tf32, parameter_sites
 from dpverify.core.tree import first_batched
-from dpverify.ddp.rank import LossFn, RankInfo
+from dpverify.ddp.rank import LossFn, RankInfo, _cpu
+from dpverify.sharded.mesh import quiet
 
 __all__ = ["PipelineRankStep", "PipelineTask", "StageModule", "run_pipeline_task"]
 
@@ -148,25 +146,6 @@ class _Evidence:
         self.output_grads += 1
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Warnings and pipelining's log lines are per-rank noise to the user: the check reports
-    what matters itself."""
-    logger = logging.getLogger("torch.distributed.pipelining")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logger.setLevel(level)
-
-
-def _cpu(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu", copy=True)
-
-
 def _stage_grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
     grads: dict[str, torch.Tensor | None] = {}
     for name, path, attr in parameter_sites(module):
@@ -199,7 +178,7 @@ def run_pipeline_task(info: RankInfo, task: PipelineTask) -> PipelineRankStep:
     module = StageModule([(name, children[name]) for name in names]).to(device)
     last = rank == stages - 1
     fork = [device] if device.type == "cuda" else []
-    with _quiet(), torch.random.fork_rng(devices=fork), no_tf32():
+    with quiet(), torch.random.fork_rng(devices=fork), no_tf32():
         torch.manual_seed(task.seed)
         stage = PipelineStage(module, rank, stages, device)
         evidence = _Evidence(stage, module)

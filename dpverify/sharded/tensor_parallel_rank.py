@@ -17,11 +17,8 @@ not compose is explained from evidence instead of torch's traceback.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import logging
-import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +46,7 @@ from dpverify.ddp.rank import (
     _shard_of,
 )
 from dpverify.sharded.fsdp_rank import _gather_full
-from dpverify.sharded.mesh import device_mesh
+from dpverify.sharded.mesh import device_mesh, quiet
 
 __all__ = [
     "DP_DIM",
@@ -252,25 +249,6 @@ class _Recorder:
 
 
 # --------------------------------------------------------------------------- context
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """DTensor's redistribution log lines, FSDP2's warning about view outputs and the fake
-    tensor errors that sharding propagation logs before raising are noise to someone
-    checking a model: hide them while a rank runs a task (the error itself is reported)."""
-    loggers = [logging.getLogger(name) for name in ("torch.distributed", "torch._subclasses.fake_tensor")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            warnings.simplefilter("ignore", FutureWarning)
-            yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
 
 
 @dataclass
@@ -545,5 +523,5 @@ def _run_one(info: RankInfo, task: TPStepTask, step: Any) -> TPRankStep:
 
 def run_tp_step_task(info: RankInfo, task: TPStepTask) -> tuple[TPRankStep, ...]:
     """Runs every step of ``task`` on this rank (a task for ``RankRunner.run``)."""
-    with _quiet():
+    with quiet():
         return tuple(_run_one(info, task, step) for step in task.steps)
