@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from dpverify.core.step import no_tf32
 from dpverify.ddp.rank import (
@@ -33,13 +32,12 @@ from dpverify.ddp.rank import (
     RankTraining,
     ShardContext,
     _buffers,
-    _cpu,
     _items_of,
     _on,
     _outputs,
     _shard_of,
 )
-from dpverify.sharded.mesh import device_mesh, quiet
+from dpverify.sharded.mesh import device_mesh, gather_full, quiet
 
 __all__ = [
     "FSDPContext",
@@ -171,53 +169,16 @@ def weighted_fsdp_step(ctx: FSDPContext) -> Any:
 # --------------------------------------------------------------------------- tasks
 
 
-def _dim0_shard(tensor: DTensor) -> bool:
-    """Sharded as FSDP2 shards by default: along dim 0 over a 1-D mesh, so the full tensor
-    is the ranks' local pieces concatenated in rank order."""
-    return tensor.device_mesh.ndim == 1 and tuple(tensor.placements) == (Shard(0),)
-
-
-def _gather_full(named: Sequence[tuple[str, torch.Tensor | None]]) -> dict[str, torch.Tensor | None]:
-    """CPU copies of whole tensors on every rank, with one collective for all of them.
-
-    Every rank sends what it holds of each tensor (its local shard of a DTensor sharded
-    along dim 0, else nothing) in one ``all_gather_object``, and rebuilds each tensor from
-    the ranks' pieces: what ``full_tensor()`` gives, without an all-gather per tensor
-    (FSDP2's own collectives already cost several milliseconds a step on gloo). A tensor
-    not every rank holds so (a plain gradient, another placement) is gathered with
-    ``full_tensor()`` when every rank holds a DTensor, else kept as this rank has it: a
-    rank without one never leaves the others waiting in a collective.
-    """
-    mine = [
-        _cpu(t.to_local()) if isinstance(t, DTensor) and _dim0_shard(t) else (isinstance(t, DTensor) if t is not None else None)
-        for _name, t in named
-    ]
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    full: dict[str, torch.Tensor | None] = {}
-    for index, (name, tensor) in enumerate(named):
-        pieces = [held[index] for held in every]
-        if tensor is None:
-            full[name] = None
-        elif all(isinstance(piece, torch.Tensor) for piece in pieces):
-            full[name] = torch.cat(pieces, dim=0)
-        elif isinstance(tensor, DTensor) and all(piece is True or isinstance(piece, torch.Tensor) for piece in pieces):
-            full[name] = _cpu(tensor.full_tensor())
-        else:
-            full[name] = _cpu(tensor.to_local() if isinstance(tensor, DTensor) else tensor)
-    return full
-
-
 def _grads_and_plain(module: nn.Module) -> tuple[dict[str, torch.Tensor | None], tuple[str, ...]]:
-    """Each parameter's full gradient (``_gather_full``), and the parameters whose gradient
+    """Each parameter's full gradient (``gather_full``), and the parameters whose gradient
     is not a DTensor (it did not come out of FSDP2's reduce-scatter)."""
     named = [(name, param.grad) for name, param in module.named_parameters()]
     plain = tuple(name for name, grad in named if grad is not None and not isinstance(grad, DTensor))
-    return _gather_full(named), plain
+    return gather_full(named), plain
 
 
 def _full_params(module: nn.Module) -> dict[str, torch.Tensor]:
-    full = _gather_full([(name, p.detach()) for name, p in module.named_parameters()])
+    full = gather_full([(name, p.detach()) for name, p in module.named_parameters()])
     return {name: tensor for name, tensor in full.items() if tensor is not None}
 
 

@@ -45,8 +45,7 @@ from dpverify.ddp.rank import (
     _outputs,
     _shard_of,
 )
-from dpverify.sharded.fsdp_rank import _gather_full
-from dpverify.sharded.mesh import device_mesh, quiet
+from dpverify.sharded.mesh import device_mesh, gather_full, quiet
 
 __all__ = [
     "DP_DIM",
@@ -456,11 +455,11 @@ class TPRankStep(RankStep):
 
 def _full_grads(model: nn.Module, one_dim: bool) -> dict[str, torch.Tensor | None]:
     """Every parameter's whole gradient on every rank. On a 1-D mesh over every rank,
-    ``_gather_full``'s one ``all_gather_object``; on a 2-D mesh, ``full_tensor()`` per
+    ``gather_full``'s one ``all_gather_object``; on a 2-D mesh, ``full_tensor()`` per
     DTensor (its shards live on sub-groups that one world-wide gather would mix)."""
     named = [(name, p.grad) for name, p in model.named_parameters()]
     if one_dim:
-        return _gather_full(named)
+        return gather_full(named)
     return {
         name: None if grad is None else _cpu(grad.full_tensor() if isinstance(grad, DTensor) else grad)
         for name, grad in named
