@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -30,9 +31,22 @@ from dpverify.core.devices import cuda_device_count, normalize_device_ids, norma
 from dpverify.core.divergence import divergence_sources
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.core.scatter import ScatterPlan, plan_scatter
-from dpverify.core.step import StepResult, as_inputs, batch_size_of, first_parameter_dtype, run_step
+from dpverify.core.step import (
+    StepResult,
+    as_inputs,
+    batch_size_of,
+    copy_module,
+    first_parameter_dtype,
+    run_step,
+)
 from dpverify.core.tree import first_batched, map_tensors
-from dpverify.core.validation import require_callable, require_mapping, require_module_with_grads
+from dpverify.core.validation import (
+    require_arguments_fit,
+    require_callable,
+    require_mapping,
+    require_module_with_grads,
+    require_target_rows,
+)
 from dpverify.core.virtual import data_parallel, observe_gathers, virtual_devices
 
 __all__ = ["Check", "LossModule", "assert_dp_grads_match", "assert_grad_sum_equals_mean_loss_grad", "raise_unless_ok", "require_loss_fn"]
@@ -58,6 +72,97 @@ class LossModule(nn.Module):
         return getattr(self.loss_fn, "__qualname__", type(self.loss_fn).__name__)
 
 
+
+
+def _require_ids_on_this_machine(ids: Sequence[int]) -> None:
+    """On a machine with CUDA devices, ids beyond them run on virtual devices only as the
+    first ``n`` ids (more devices than the machine has, as ``dpverify check --devices 4``
+    asks on two GPUs); other ids beyond them (``[0, 99]`` on two GPUs) are a mistake that
+    would otherwise silently run on virtual devices instead of the GPUs asked for.
+
+    Raises:
+        InvalidArgument: CUDA devices exist, an id is beyond them, and the ids are not
+            ``0 .. n - 1``.
+    """
+    gpus = cuda_device_count()
+    if gpus and max(ids) >= gpus and sorted(ids) != list(range(len(ids))):
+        raise InvalidArgument(
+            f"device_ids={list(ids)}: this machine has {gpus} CUDA device{'s' if gpus != 1 else ''} "
+            f"(ids 0 to {gpus - 1}); pass ids below {gpus}, or device_ids=list(range(n)) to run n virtual "
+            "devices on the CPU"
+        )
+
+
+def _require_rows_for_every_replica(module: nn.Module, plan: ScatterPlan, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """torch's ``scatter_kwargs`` copies a keyword argument that is not a tensor to every
+    device, while the batch makes fewer chunks than devices: the replicas of the devices
+    left without rows are called with the keyword arguments and no positional input
+    (torch/nn/parallel/scatter_gather.py, ``scatter_kwargs`` pads the inputs with ``()``),
+    and a forward that needs one fails there.
+
+    Raises:
+        InvalidArgument: such a replica would be called without the positional arguments
+            its forward requires.
+    """
+    empty = [device for device, rows in zip(plan.device_ids[: plan.n_replicas], plan.chunk_sizes, strict=False) if rows == 0]
+    if not empty or not args:
+        return
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    needed = [p.name for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty and p.name not in kwargs]
+    if not needed:
+        return
+    copied = sorted(name for name, value in kwargs.items() if not isinstance(value, torch.Tensor))
+    rows = sum(plan.chunk_sizes)
+    raise InvalidArgument(
+        f"device_ids={list(plan.device_ids)}: {rows} rows make {plan.n_replicas - len(empty)} chunks, yet torch's "
+        f"DataParallel runs {plan.n_replicas} replicas, because scatter_kwargs copies the keyword arguments "
+        f"{copied} (not tensors) to every device; the replicas on devices {empty} get those and no positional "
+        f"input, and {type(module).__name__}.forward needs {', '.join(needed)}. Use at most "
+        f"{plan.n_replicas - len(empty)} devices for this batch, or pass {', '.join(copied)} as tensors with a row "
+        "per sample (split like the batch)"
+    )
+
+
+def _gather_problem(value: Any, path: str = "output") -> str | None:
+    """What in a forward's output torch's ``gather`` cannot gather
+    (torch/nn/parallel/scatter_gather.py, ``gather_map``: tensors, None, dicts,
+    namedtuples, and tuples or lists of them), or None."""
+    if value is None or isinstance(value, torch.Tensor):
+        return None
+    if isinstance(value, Mapping):
+        return next((p for k, v in value.items() if (p := _gather_problem(v, f"{path}[{k!r}]")) is not None), None)
+    if isinstance(value, (tuple, list)):
+        return next((p for i, v in enumerate(value) if (p := _gather_problem(v, f"{path}[{i}]")) is not None), None)
+    return f"{path} is of type {type(value).__name__}"
+
+
+def _ungatherable_output(check: Check) -> str | None:
+    """Why DataParallel cannot gather what the module returns (its output on the batch, in
+    this process, in eval-free no-grad mode), or None when it can: the error a failed
+    parallel step is explained with."""
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            output = copy_module(check.module, None)(*check.args, **check.kwargs)
+    except Exception:
+        return None
+    problem = _gather_problem(output)
+    if output is None:
+        return (
+            f"{type(check.module).__name__}.forward returned None: DataParallel gathers None as None, so "
+            "loss_fn(None, target) has nothing to compare; return the output the loss needs"
+        )
+    if problem is None:
+        return None
+    return (
+        f"{problem}, which DataParallel cannot gather: torch's gather takes tensors, None, and dicts, "
+        "namedtuples, tuples or lists of them (torch.nn.parallel.scatter_gather.gather). Return one of "
+        "those (a dataclass as dataclasses.astuple(out) or a dict, a Hugging Face ModelOutput is a dict), "
+        "or check a wrapper that handles it with parallel="
+    )
 @dataclass(frozen=True)
 class Check:
     """A validated check: the module, its arguments, the split and where the steps run.
@@ -112,12 +217,15 @@ class Check:
         kwargs: dict[str, Any] = {}
         if forward_kwargs is not None:
             kwargs = dict(require_mapping(forward_kwargs, "forward_kwargs", "{'attention_mask': mask}"))
+        require_arguments_fit(module, inputs)
         args = as_inputs(inputs, keywords=bool(kwargs))
         batch_size_of(args, dim=dim, kwargs=kwargs)
         # Real devices when they exist, for torch's DataParallel and a user's wrapper alike.
         real = cuda_device_count() > max(ids)
+        _require_ids_on_this_machine(ids)
         device = torch.device("cuda", ids[0]) if real else torch.device("cpu")
         plan = plan_scatter(args, kwargs, ids, dim=dim)
+        _require_rows_for_every_replica(module, plan, args, kwargs)
         return cls(
             module=module,
             args=args,
@@ -132,6 +240,12 @@ class Check:
             dim=dim,
             parallel_loss=parallel_loss_fn,
         )
+
+    def require_target(self, target: Any) -> None:
+        """The target has the batch's rows (checked when the batch is split along dim 0; a
+        batch split along another dimension leaves the target's layout to the loss)."""
+        if self.dim == 0:
+            require_target_rows(target, batch_size_of(self.args, kwargs=self.kwargs))
 
     @property
     def scenario(self) -> str:
@@ -160,6 +274,8 @@ class Check:
         text += f"; outputs gathered on {where}; wrapper {_name(self.parallel)}"
         if self.parallel_loss is not None:
             text += f"; criterion wrapper {_name(self.parallel_loss)}"
+        if self.device.type == "cpu" and max(self.device_ids) + 1 > max(len(self.device_ids), cuda_device_count()):
+            text += f"; virtual devices (a real machine would need {max(self.device_ids) + 1} CUDA devices for these ids)"
         return text
 
     def devices(self) -> contextlib.AbstractContextManager[Any]:
@@ -862,10 +978,16 @@ def _steps(check: Check, loss_fn: LossFn, target: Any, *, take: bool) -> tuple[S
         parallel, rows = entry.parallel, entry.parallel_rows
     entry.parallel_key, entry.parallel, entry.parallel_rows = None, None, {}
     if parallel is None:
-        parallel = check.run(
-            check.parallel_loss_of(loss_fn, _target_on(target, check, None)), parallel=True, record_replicas=True,
-            loss_argument="parallel_loss_fn" if check.parallel_loss is not None else "loss_fn",
-        )
+        try:
+            parallel = check.run(
+                check.parallel_loss_of(loss_fn, _target_on(target, check, None)), parallel=True, record_replicas=True,
+                loss_argument="parallel_loss_fn" if check.parallel_loss is not None else "loss_fn",
+            )
+        except (TypeError, AttributeError, ValueError) as error:
+            problem = _ungatherable_output(check) if check.parallel_loss is None else None
+            if problem is not None:
+                raise InvalidArgument(problem) from error
+            raise
         if not take:
             entry.parallel_key, entry.parallel, entry.parallel_rows = parallel_key, parallel, rows
     refs = check._references(entry, lambda dtype: _loss_of(loss_fn, _target_on(target, check, dtype)), "loss_fn", rows)
@@ -934,6 +1056,7 @@ def assert_dp_grads_match(
         parallel=parallel, rtol=rtol, atol=atol, forward_kwargs=forward_kwargs, dim=dim,
         parallel_loss_fn=parallel_loss_fn,
     )
+    check.require_target(target)
     parallel_step, refs = _steps(check, loss_fn, target, take=False)
     title = "DataParallel outputs and gradients must match the single-device step"
     rows = check.compare(parallel_step, refs)
@@ -1120,6 +1243,7 @@ def assert_grad_sum_equals_mean_loss_grad(
         module, inputs, device_ids=device_ids, parallel=parallel, rtol=rtol, atol=atol,
         forward_kwargs=forward_kwargs, dim=dim, parallel_loss_fn=parallel_loss_fn,
     )
+    check.require_target(target)
     parallel_step, refs = _steps(check, loss_fn, target, take=True)
     title = "Replica gradients must sum to the full-batch mean-loss gradient"
     contributions = [grads for _device, grads in parallel_step.contributions]

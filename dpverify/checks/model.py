@@ -162,9 +162,8 @@ def plan_checks(
         modules.append((copy.deepcopy(model.module).eval(), True))
     # one batch per batch size, shared by its device counts and both modes
     batches = {size: model.make_batch(size) for size in dict.fromkeys(size for size, _ in pairs)}
-    if dim != 0:
-        for size, batch in batches.items():
-            _require_rows_along(batch.inputs, size, dim, model.batch_source)
+    for size, batch in batches.items():
+        _require_rows_along(batch.inputs, size, dim, model.batch_source, dict(batch.kwargs))
     planned: list[PlannedCheck] = []
     for module, eval_copy in modules:
         for batch_size, devices in pairs:
@@ -177,21 +176,29 @@ def plan_checks(
     return planned
 
 
-def _require_rows_along(inputs: tuple[object, ...], size: int, dim: int, source: str) -> None:
-    """A batch split along ``dim`` must have its batch size there: a batch made with its
-    rows along dim 0 would be split along another dimension (time, features) instead.
+def _require_rows_along(inputs: tuple[object, ...], size: int, dim: int, source: str, kwargs: dict[str, object] | None = None) -> None:
+    """A batch made for a batch size has that many rows along the dimension it is split
+    along: a batch that ignores the size (a fixed one) would be checked, and reported, as a
+    batch of another size; one made with its rows along dim 0 would be split along another
+    dimension (time, features).
 
     Raises:
         InvalidArgument: the batch's first tensor has another size along ``dim``, or no such
             dimension.
     """
-    rows = batch_size_of(inputs, argument=f"the batch from {source}", dim=dim)
-    if rows != size:
+    rows = batch_size_of(inputs, argument=f"the batch from {source}", dim=dim, kwargs=kwargs)
+    if rows == size:
+        return
+    if dim == 0:
         raise InvalidArgument(
-            f"dim={dim}: the batch of size {size} from {source} has {rows} rows along dim {dim}; "
-            f"the batch is split along dim {dim}, so its batch_size rows must be there (FN(batch_size) "
-            f"returns inputs with batch_size along dim {dim})"
+            f"{source} returned a batch of {rows} rows when asked for batch_size={size}: FN(batch_size) "
+            "must return batch_size rows (the checks split, and report, the batch by that size)"
         )
+    raise InvalidArgument(
+        f"dim={dim}: the batch of size {size} from {source} has {rows} rows along dim {dim}; "
+        f"the batch is split along dim {dim}, so its batch_size rows must be there (FN(batch_size) "
+        f"returns inputs with batch_size along dim {dim})"
+    )
 
 
 def check_model(

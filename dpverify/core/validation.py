@@ -8,20 +8,24 @@ engine: nothing here imports Hypothesis or rich.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from torch import nn
 
 from dpverify.core.errors import InvalidArgument
+from dpverify.core.tree import first_batched
 
 __all__ = [
+    "require_arguments_fit",
     "require_bool",
     "require_callable",
     "require_instance",
     "require_int_at_least",
     "require_mapping",
     "require_module_with_grads",
+    "require_target_rows",
 ]
 
 T = TypeVar("T")
@@ -95,3 +99,45 @@ def require_module_with_grads(module: object, *, why: str) -> nn.Module:
             "unfreeze at least one parameter (requires_grad_(True))"
         )
     return module
+
+
+def require_target_rows(target: Any, rows: int, *, argument: str = "target") -> None:
+    """A target with a batch dimension has the batch's rows there (its first tensor that is
+    not a scalar: a tensor, or inside a tuple or dict): a target of other rows would reach
+    the loss as a broadcasting error, or silently broadcast.
+
+    Raises:
+        InvalidArgument: the target's first batched tensor has another number of rows.
+    """
+    first = first_batched(target)
+    if first is not None and first.size(0) != rows:
+        raise InvalidArgument(
+            f"{argument} has {first.size(0)} rows (shape {tuple(first.shape)}) but the batch has {rows}: "
+            f"loss_fn(output, {argument}) compares row i of the output with row i of {argument}, so "
+            f"pass a {argument} with one row per sample of the batch"
+        )
+
+
+def require_arguments_fit(module: nn.Module, inputs: Any, *, argument: str = "inputs") -> None:
+    """A list given as ``inputs`` is one positional argument, as ``forward(*inputs)`` takes
+    it; when the module's forward needs more positional arguments than that, the list was
+    meant as a tuple of arguments.
+
+    Raises:
+        InvalidArgument: ``inputs`` is a list and the forward needs several positional
+            arguments.
+    """
+    if not isinstance(inputs, list):
+        return
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # a forward without a signature tells nothing
+        return
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty]
+    if len(required) > 1:
+        raise InvalidArgument(
+            f"{argument} is a list of {len(inputs)}, which is one positional argument (forward(*inputs) "
+            f"receives the list itself), but {type(module).__name__}.forward takes {len(required)} "
+            f"({', '.join(required)}): pass a tuple, {argument}=tuple(...), to give each its own argument"
+        )

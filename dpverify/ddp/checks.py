@@ -49,10 +49,12 @@ from dpverify.core.step import (
     run_step,
 )
 from dpverify.core.validation import (
+    require_arguments_fit,
     require_callable,
     require_int_at_least,
     require_mapping,
     require_module_with_grads,
+    require_target_rows,
 )
 from dpverify.ddp.items import PieceItems, count_piece_items, require_items
 from dpverify.ddp.pool import ParallelError, RankRunner, require_picklable, shared_pool
@@ -203,6 +205,26 @@ def _name(fn: Any) -> str:
     return str(getattr(fn, "__qualname__", None) or type(fn).__name__)
 
 
+def validated_call(
+    module: nn.Module, inputs: Any, target: Any, loss_fn: LossFn, forward_kwargs: Mapping[str, Any] | None,
+) -> tuple[tuple[Any, ...], dict[str, Any], int]:
+    """The positional and keyword forward arguments of a ranked check and the batch's rows,
+    every argument checked the same way for DDP, FSDP2 and tensor parallelism: a list of
+    arguments meant as a tuple, a target of other rows, a loss that is not callable, and
+    anything that cannot be pickled to the ranks."""
+    kwargs = _forward_kwargs(forward_kwargs)
+    require_arguments_fit(module, inputs)
+    args = as_inputs(inputs, keywords=bool(kwargs))
+    batch = batch_size_of(args, kwargs=kwargs)
+    require_target_rows(target, batch)
+    require_loss_fn(loss_fn)
+    require_picklable(loss_fn, "loss_fn")
+    require_picklable(module, "module")
+    require_picklable(args, "inputs")
+    require_picklable(target, "target")
+    return args, kwargs, batch
+
+
 @dataclass(frozen=True)
 class DDPCheck:
     """A validated DDP scenario: module, batch, shards, where it runs and how it compares."""
@@ -237,14 +259,7 @@ class DDPCheck:
     ) -> DDPCheck:
         _trainable_module(module)
         world = require_int_at_least(world_size, "world_size", 1)
-        kwargs = _forward_kwargs(forward_kwargs)
-        args = as_inputs(inputs, keywords=bool(kwargs))
-        batch = batch_size_of(args, kwargs=kwargs)
-        require_loss_fn(loss_fn)
-        require_picklable(loss_fn, "loss_fn")
-        require_picklable(module, "module")
-        require_picklable(args, "inputs")
-        require_picklable(target, "target")
+        args, kwargs, batch = validated_call(module, inputs, target, loss_fn, forward_kwargs)
         return cls(
             module=module,
             args=args,

@@ -22,15 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpverify.checks.dp import raise_unless_ok, require_loss_fn
+from dpverify.checks.dp import raise_unless_ok
 from dpverify.core.comparison import Msg, StepComparison, TensorComparison, Tolerance
 from dpverify.core.errors import InvalidArgument
-from dpverify.core.step import as_inputs, batch_size_of, first_parameter_dtype
+from dpverify.core.step import batch_size_of, first_parameter_dtype
 from dpverify.core.validation import require_bool, require_int_at_least, require_module_with_grads
 from dpverify.ddp.checks import (
     DDPCheck,
     _describe_batches,
-    _forward_kwargs,
     _items_notes,
     _name,
     _ranks_disagree,
@@ -43,6 +42,7 @@ from dpverify.ddp.checks import (
     _token_trap_note,
     _train_single_device,
     _training_rows,
+    validated_call,
 )
 from dpverify.ddp.items import PieceItems, count_piece_items
 from dpverify.ddp.pool import RankRunner, require_picklable
@@ -183,14 +183,7 @@ class FSDPCheck(DDPCheck):
         """Validates every argument, in this process, before anything reaches the ranks."""
         require_module_with_grads(module, why="fully_shard would have no gradient to reduce-scatter, and there is nothing to compare")
         world = require_int_at_least(world_size, "world_size", 1)
-        kwargs = _forward_kwargs(forward_kwargs)
-        args = as_inputs(inputs, keywords=bool(kwargs))
-        batch = batch_size_of(args, kwargs=kwargs)
-        require_loss_fn(loss_fn)
-        require_picklable(loss_fn, "loss_fn")
-        require_picklable(module, "module")
-        require_picklable(args, "inputs")
-        require_picklable(target, "target")
+        args, kwargs, batch = validated_call(module, inputs, target, loss_fn, forward_kwargs)
         return cls(
             module=module,
             args=args,

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from dpverify.checks.dp import raise_unless_ok, require_loss_fn
+from dpverify.checks.dp import raise_unless_ok
 from dpverify.core.comparison import (
     Msg,
     StepComparison,
@@ -35,12 +35,11 @@ from dpverify.core.comparison import (
     step_comparison,
 )
 from dpverify.core.errors import InvalidArgument
-from dpverify.core.step import StepResult, as_inputs, batch_size_of, first_parameter_dtype
+from dpverify.core.step import StepResult, first_parameter_dtype
 from dpverify.core.validation import require_int_at_least, require_module_with_grads
 from dpverify.ddp.checks import (
     DDPCheck,
     DDPReferences,
-    _forward_kwargs,
     _items_notes,
     _name,
     _optional,
@@ -50,9 +49,10 @@ from dpverify.ddp.checks import (
     _scale_note,
     _sendable,
     _token_trap_note,
+    validated_call,
 )
 from dpverify.ddp.items import PieceItems
-from dpverify.ddp.pool import RankRunner, require_picklable
+from dpverify.ddp.pool import RankRunner
 from dpverify.ddp.rank import LossFn, even_shards, shard_bounds, take_rows
 from dpverify.sharded.fsdp import _default_units
 from dpverify.sharded.fsdp_rank import shard_order
@@ -219,14 +219,7 @@ class TPCheck(DDPCheck):
                 f"world_size // data_parallel) = ('dp', 'tp'): pass a data_parallel that divides {world}"
             )
         checked_plan = _plan(module, plan)
-        kwargs = _forward_kwargs(forward_kwargs)
-        args = as_inputs(inputs, keywords=bool(kwargs))
-        batch = batch_size_of(args, kwargs=kwargs)
-        require_loss_fn(loss_fn)
-        require_picklable(loss_fn, "loss_fn")
-        require_picklable(module, "module")
-        require_picklable(args, "inputs")
-        require_picklable(target, "target")
+        args, kwargs, batch = validated_call(module, inputs, target, loss_fn, forward_kwargs)
         return cls(
             module=module,
             args=args,
