@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import bench_ddp_pool
 import bench_overhead
+import bench_sharded_pool
 import calibrate
 import mutants as mutants_benchmark
 import noise_stats
@@ -78,6 +79,15 @@ def test_mutant_benchmark_finds_a_mutant() -> None:
 def test_ddp_pool_benchmark_smoke() -> None:
     examples = bench_ddp_pool.scenarios(4, 2)
     seconds, rate = bench_ddp_pool.through_pool(examples, 2)
+    assert seconds > 0
+    assert rate > 0
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["fsdp", "tp", "pp"])
+def test_sharded_pool_benchmark_smoke(backend: str) -> None:
+    examples = bench_sharded_pool.examples(3, 2, backend)
+    seconds, rate = bench_sharded_pool.through_pool(examples, backend, 2)
     assert seconds > 0
     assert rate > 0
 
