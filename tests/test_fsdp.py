@@ -396,3 +396,23 @@ def test_float64_gradients_are_within_1_5e_8_of_one_device(reshard: bool, ddp_po
     grads = [t for t in result.tensors if " grad " in t.name]
     assert grads
     assert all(t.max_abs <= 1.5e-8 for t in grads)
+
+
+def _gpt2_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+    logits = output.logits[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
+
+
+def test_a_tiny_gpt2_with_tied_embeddings_is_sharded_around_the_tied_weight(ddp_pool: DDPWorkerPool) -> None:
+    # the output layer shares its weight with the token embedding: FSDP2 refuses a parameter
+    # in two groups, so the default layout leaves both to the root's group
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval().double()
+    ids = torch.randint(1, 64, (4, 8))
+    result = assert_fsdp_grads_match(model, (), ids, loss_fn=_gpt2_loss, world_size=2, forward_kwargs={"input_ids": ids}, pool=ddp_pool)
+    assert "fully_shard on ['transformer.h.0', 'transformer.h.1', 'transformer.wpe', 'transformer.ln_f', '(root)'] modules" in result.scenario
+    assert "'lm_head'" not in result.scenario
+    assert "'transformer.wte'" not in result.scenario

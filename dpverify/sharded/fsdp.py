@@ -139,15 +139,27 @@ def _shard_modules(module: nn.Module, shard_modules: Sequence[str] | None) -> tu
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
-def _default_units(module: nn.Module, prefix: str = "") -> list[str]:
+def _default_units(module: nn.Module, prefix: str = "", outside: frozenset[int] = frozenset()) -> list[str]:
     """Each direct child that holds a parameter, as FSDP users wrap their blocks; a
-    ModuleList or ModuleDict is replaced by its elements (each block of a layer list)."""
+    ModuleList or ModuleDict is replaced by its elements (each block of a layer list).
+
+    A child that shares a parameter with another (a language model's output layer tied to
+    its embedding) cannot be a group of its own: FSDP2 refuses a parameter two groups
+    manage (torch/distributed/fsdp/_fully_shard/_fsdp_init.py). Such a child is replaced by
+    its own children, and a leaf that still shares is left to the root's group, which then
+    holds the tied parameter once.
+    """
+    children = [(name, child) for name, child in module.named_children() if any(True for _ in child.parameters())]
+    owned = [frozenset(id(p) for p in child.parameters()) for _name, child in children]
     names: list[str] = []
-    for name, child in module.named_children():
-        if not any(True for _ in child.parameters()):
-            continue
+    for index, (name, child) in enumerate(children):
         path = f"{prefix}{name}"
-        names += _default_units(child, f"{path}.") if isinstance(child, _CONTAINERS) else [path]
+        others = outside.union(*(ids for j, ids in enumerate(owned) if j != index))
+        shared = not owned[index].isdisjoint(others)
+        if isinstance(child, _CONTAINERS) or (shared and any(True for _ in child.children())):
+            names += _default_units(child, f"{path}.", others)
+        elif not shared:
+            names.append(path)
     return names
 
 
