@@ -218,7 +218,19 @@ def _require_chain(module: nn.Module, args: tuple[Any, ...], stages: Sequence[Se
     module = copy.deepcopy(module)  # a train-mode forward updates BatchNorm's statistics
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        chained, ends = _chain_outputs(module, args, stages)
+        try:
+            chained, ends = _chain_outputs(module, args, stages)
+        except Exception as error:
+            if sequential:
+                raise  # the module's own forward fails the same way: its error is the answer
+            names = [name for names in stages for name in names]
+            raise InvalidArgument(
+                f"module={type(module).__name__} is not the chain of its top-level children: running "
+                f"{names} in order, each on the previous one's output, raised {type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}. A pipeline runs exactly that chain, "
+                "one stage after the other; pass an nn.Sequential, or a module whose forward calls its "
+                "children in named_children() order"
+            ) from error
         whole = None
         if not sequential:
             torch.manual_seed(0)
