@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 from hypothesis import settings
@@ -15,14 +16,33 @@ if "HYPOTHESIS_PROFILE" not in os.environ:
 
 
 def under_hypofuzz(config: pytest.Config) -> bool:
-    """Whether HypoFuzz is collecting the suite: ``hypothesis fuzz`` runs
-    ``pytest --collect-only -m=hypothesis`` with its own collector plugin
-    (hypofuzz/collection.py, ``collect_tests`` and ``_ItemsCollector``)."""
-    return any(type(plugin).__module__.startswith("hypofuzz") for plugin in config.pluginmanager.get_plugins())
+    """Whether ``hypothesis fuzz`` (HypoFuzz 25.11) is collecting the suite.
+
+    Two signals, either enough. HypoFuzz's documented one, ``in_hypofuzz_run()``
+    (hypofuzz/detection.py), is set by the CLI before it collects (hypofuzz/entrypoint.py,
+    ``fuzz``: ``detection._in_hypofuzz_run = True``) and by each worker
+    (hypofuzz/hypofuzz.py, ``_start_worker``), but not by the dashboard's process, which
+    collects too and inherits the flag only when multiprocessing forks. Every collection
+    passes HypoFuzz's own plugin to pytest (hypofuzz/collection.py, ``collect_tests``:
+    ``pytest.main([..., "--collect-only", "-m=hypothesis", ...], plugins=[collector])``,
+    an ``_ItemsCollector``). The module is looked up, not imported: HypoFuzz imports it
+    before it collects, and a plain run must not need HypoFuzz installed.
+    """
+    detection = sys.modules.get("hypofuzz.detection")
+    if detection is not None and detection.in_hypofuzz_run():
+        return True
+    plugins = config.pluginmanager.get_plugins()
+    return any(type(plugin).__module__.startswith("hypofuzz.") for plugin in plugins)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # HypoFuzz refuses derandomized tests ("sets_derandomize", hypofuzz/collection.py): a
-    # fuzzing session gets the random dpverify-fuzz profile, the suite keeps dpverify-ci.
-    if "HYPOTHESIS_PROFILE" not in os.environ and under_hypofuzz(config):
+    # HypoFuzz skips derandomized tests ("sets_derandomize", hypofuzz/collection.py,
+    # _ItemsCollector.pytest_collection_finish) and says "No property-based tests were
+    # collected": a fuzzing session gets the random dpverify-fuzz profile, a plain run keeps
+    # dpverify-ci. HYPOTHESIS_PROFILE and --hypothesis-profile still choose.
+    if (
+        "HYPOTHESIS_PROFILE" not in os.environ
+        and not config.getoption("--hypothesis-profile", default=None)
+        and under_hypofuzz(config)
+    ):
         settings.load_profile("dpverify-fuzz")
