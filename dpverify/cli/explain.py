@@ -149,6 +149,7 @@ class GradFact:
         sum_error: greatest ``|sum - full|``.
         average_error: greatest ``|average - full|``.
         average_ratio: ``|average| / |full|`` (``1 / replicas``).
+        sum_ratio: ``|sum| / |full|`` (1: the sum is the full-batch gradient).
     """
 
     parameter: str
@@ -156,6 +157,7 @@ class GradFact:
     sum_error: float
     average_error: float
     average_ratio: float
+    sum_ratio: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -795,6 +797,7 @@ def _float64_grads(runner: _Runner, module: nn.Module, batch: Batch, device_ids:
                 sum_error=float((total - full).abs().max()),
                 average_error=float((average - full).abs().max()),
                 average_ratio=float(average.norm()) / norm if norm else 0.0,
+                sum_ratio=float(total.norm()) / norm if norm else 0.0,
             )
         )
     return tuple(facts)
