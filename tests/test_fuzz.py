@@ -313,7 +313,45 @@ def test_an_eval_mode_failure_is_reproduced_on_the_eval_mode_copy(tmp_path: Path
     ],
 )
 def test_expected_divergences_are_counted_by_module_class(scenario: Scenario, diverged: tuple[str, ...]) -> None:
-    assert _example_runner(FuzzConfig())(scenario) == Outcome(diverged)
+    outcome = _example_runner(FuzzConfig())(scenario)
+    assert outcome.diverged == diverged
+    # every one of these compares tensors; the ratio is the run that had to match (the
+    # eval-mode copy's for a divergence, whose train-mode difference is far beyond 1)
+    assert outcome.worst_ratio is not None
+    assert 0.0 <= outcome.worst_ratio < 1.0
+
+
+def test_an_example_s_ratio_is_the_worst_of_its_checks_and_none_without_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    ratios = {"dp-grads": 0.25, "dp-grad-sum": None}
+
+    def record(name: str, scenario: Scenario, target: object) -> Outcome:
+        return Outcome(worst_ratio=ratios[name])
+
+    monkeypatch.setattr(engine, "_run_check", record)
+    run = _example_runner(FuzzConfig())
+    mlp = Scenario(ModelSpec(kind="mlp"), batch_size=4, devices=DeviceList((0, 1)))
+    assert run(mlp) == Outcome((), 0.25)
+    ratios["dp-grad-sum"] = 0.5
+    assert run(mlp) == Outcome((), 0.5)
+    ratios["dp-grads"] = ratios["dp-grad-sum"] = None
+    assert run(mlp) == Outcome((), None)
+    assert Outcome(("Dropout",), 0.1) | Outcome(("BatchNorm",), None) == Outcome(("BatchNorm", "Dropout"), 0.1)
+
+
+def test_a_failure_s_ratio_is_the_failing_result_s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    scenario, planted = FAILING["dp-grads"]
+    config = FuzzConfig(target_object=_planted(tmp_path, monkeypatch, planted), target="planted_targets:x")
+    with pytest.raises(_CheckFailed) as failed:
+        _example_runner(config)(scenario)
+    ratio = failed.value.worst_ratio
+    assert ratio is not None
+    assert ratio > 1.0  # averaged gradients: far beyond rounding
+    assert ratio == max(t.ratio for t in failed.value.result.tensors if t.problem is None)
+    # a wrapper that raises compares nothing: no ratio
+    config = FuzzConfig(target_object=_planted(tmp_path, monkeypatch, "Raising"), target="planted_targets:Raising")
+    with pytest.raises(_CheckFailed) as raised:
+        _example_runner(config)(scenario)
+    assert raised.value.worst_ratio is None
 
 
 @pytest.mark.parametrize(
@@ -331,9 +369,9 @@ def test_expected_divergences_are_counted_by_module_class(scenario: Scenario, di
 def test_which_checks_a_dp_example_runs(kind: str, torch_wrapper: bool, checks: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     ran: list[str] = []
 
-    def record(name: str, scenario: Scenario, target: object) -> tuple[str, ...]:
+    def record(name: str, scenario: Scenario, target: object) -> Outcome:
         ran.append(name)
-        return ()
+        return Outcome()
 
     monkeypatch.setattr(engine, "_run_check", record)
     config = FuzzConfig(target=None if torch_wrapper else "x:y")
@@ -344,9 +382,9 @@ def test_which_checks_a_dp_example_runs(kind: str, torch_wrapper: bool, checks: 
 def test_ddp_examples_run_on_one_device_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     ran: list[tuple[str, Scenario]] = []
 
-    def record(name: str, scenario: Scenario, target: object) -> tuple[str, ...]:
+    def record(name: str, scenario: Scenario, target: object) -> Outcome:
         ran.append((name, scenario))
-        return ()
+        return Outcome()
 
     monkeypatch.setattr(engine, "_run_check", record)
     drawn = Scenario(ModelSpec(kind="mlp"), batch_size=4, devices=DeviceList((0, 1), output_device=1))

@@ -67,6 +67,7 @@ __all__ = [
     "SHARDED_CHECKS",
     "TARGET_FIELDS",
     "FuzzConfig",
+    "FuzzExample",
     "FuzzFailure",
     "FuzzReport",
     "Tally",
@@ -122,9 +123,29 @@ def parse_duration(text: str) -> float:
 
 @dataclass(frozen=True)
 class Outcome:
-    """One example's outcome: passed, or an expected divergence by module class."""
+    """One example's (or one check's) outcome: passed, or an expected divergence by module
+    class; and how close its comparisons came to their tolerance.
+
+    Attributes:
+        diverged: the module classes of an expected divergence; empty when it passed.
+        worst_ratio: the greatest error/allowed (``TensorComparison.ratio``) over the
+            tensors compared (the eval-mode copy's for a divergence: the train-mode
+            difference is expected to be large), or None when no tensor was compared.
+    """
 
     diverged: tuple[str, ...] = ()
+    worst_ratio: float | None = None
+
+    def __or__(self, other: Outcome) -> Outcome:
+        """Both outcomes of one example: their divergences, and the worse ratio."""
+        ratios = [r for r in (self.worst_ratio, other.worst_ratio) if r is not None]
+        return Outcome(tuple(sorted({*self.diverged, *other.diverged})), max(ratios, default=None))
+
+
+def _worst_ratio(result: CheckResult) -> float | None:
+    """The greatest error/allowed of the tensors ``result`` compared (those with a
+    ``problem``, a shape or a missing gradient, have no ratio), or None when none."""
+    return max((t.ratio for t in result.tensors if t.problem is None), default=None)
 
 
 class _CheckFailed(Exception):
@@ -148,6 +169,12 @@ class _CheckFailed(Exception):
         self.error: BaseException = result.error or ParallelMismatch(result.detail or result.summary)
         self.eval_mode = eval_mode
 
+    @property
+    def worst_ratio(self) -> float | None:
+        """The failing result's greatest error/allowed (above 1 for a mismatch), or None
+        when it compared no tensor (the code under test raised)."""
+        return _worst_ratio(self.result)
+
 
 def _bucket(name: str) -> str:
     """A divergence's module class by family: BatchNorm1d and BatchNorm2d count together."""
@@ -157,12 +184,14 @@ def _bucket(name: str) -> str:
     return name
 
 
-def _run_check(name: str, scenario: Scenario | ShardedScenario, target: Target) -> tuple[str, ...]:
+def _run_check(name: str, scenario: Scenario | ShardedScenario, target: Target) -> Outcome:
     """Runs one registry check on a fresh ``Case`` of ``scenario`` (a check may change its
     module, as ``dp-state`` does, and a repro script starts from a fresh one too).
 
     Returns:
-        The module classes of an expected divergence; empty when the check passed.
+        The module classes of an expected divergence (empty when the check passed), and
+        the worst error/allowed of the run that had to match: the eval-mode copy's for a
+        divergence.
 
     Raises:
         _CheckFailed: the check failed, in train mode or on the eval-mode copy.
@@ -173,13 +202,13 @@ def _run_check(name: str, scenario: Scenario | ShardedScenario, target: Target) 
     if result.verdict is Verdict.FAIL:
         raise _CheckFailed(scenario, result)
     if result.verdict is not Verdict.EXPLAINED:
-        return ()
+        return Outcome(worst_ratio=_worst_ratio(result))
     # train-mode BatchNorm/Dropout explain the difference; without them it must vanish (an
     # eval-mode copy has no divergence source, so it is PASS or FAIL, never EXPLAINED)
     exact = spec.run(case.in_eval_mode(), target, eval_copy=True)
     if exact.verdict is Verdict.FAIL:
         raise _CheckFailed(scenario, exact, eval_mode=True)
-    return tuple(sorted({_bucket(group.module_type) for group in result.groups}))
+    return Outcome(tuple(sorted({_bucket(group.module_type) for group in result.groups})), _worst_ratio(exact))
 
 
 def _dp_checks(case: Case, *, torch_wrapper: bool) -> list[str]:
@@ -274,9 +303,37 @@ class FuzzConfig:
         return (key + (f" {self.parallel_loss}" if self.parallel_loss else "")).encode()
 
 
+@dataclass(frozen=True)
+class FuzzExample:
+    """One example of a session, for its figure (shrinking attempts are not examples).
+
+    Attributes:
+        index: the example's number, from 1.
+        elapsed: seconds since the session started, when the example ended.
+        outcome: ``"pass"``; for an expected divergence its module classes, ``"BatchNorm"``,
+            ``"Dropout"`` or ``"BatchNorm + Dropout"``; or ``"failure"``.
+        worst_ratio: the greatest error/allowed over the tensors its checks compared (the
+            eval-mode copy's for a divergence; the failing check's for a failure, above 1
+            for a mismatch), or None when it compared none (for a failure: the code raised).
+    """
+
+    index: int
+    elapsed: float
+    outcome: str
+    worst_ratio: float | None
+
+
+def _outcome_class(outcome: Outcome | _CheckFailed) -> str:
+    """A ``FuzzExample.outcome``: the divergence's module classes joined, in order."""
+    if isinstance(outcome, _CheckFailed):
+        return "failure"
+    return " + ".join(outcome.diverged) if outcome.diverged else "pass"
+
+
 @dataclass
 class Tally:
-    """Running counts, updated after every example (read by the progress display)."""
+    """Running counts, updated after every example (read by the progress display), and the
+    examples one by one (``history``, for the session's figure)."""
 
     started: float = field(default_factory=time.perf_counter)
     run: int = 0
@@ -286,6 +343,7 @@ class Tally:
     first_failure_at: int | None = None
     shrink_runs: int = 0
     last_failure: _CheckFailed | None = None
+    history: list[FuzzExample] = field(default_factory=list)
 
     @property
     def elapsed(self) -> float:
@@ -302,6 +360,7 @@ class Tally:
                 self.last_failure = outcome
             return
         self.run += 1
+        self.history.append(FuzzExample(self.run, self.elapsed, _outcome_class(outcome), outcome.worst_ratio))
         if isinstance(outcome, _CheckFailed):
             self.failed, self.first_failure_at, self.last_failure = 1, self.run, outcome
         elif outcome.diverged:
@@ -352,6 +411,8 @@ class FuzzReport:
         failure: the failure found, or None.
         elapsed: seconds.
         stopped_by: ``"max-examples"``, ``"time-budget"``, ``"failure"`` or ``"interrupt"``.
+        history: the examples in the order they ran (``examples`` of them), for the
+            session's figure (``dpverify.figures.fuzz``).
     """
 
     examples: int
@@ -360,6 +421,7 @@ class FuzzReport:
     failure: FuzzFailure | None
     elapsed: float
     stopped_by: str
+    history: tuple[FuzzExample, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -442,19 +504,19 @@ def _example_runner(config: FuzzConfig) -> Callable[[Scenario | ShardedScenario]
     sharded = Target(**{TARGET_FIELDS[config.backend]: config.target_object}) if config.backend in SHARDED_BACKENDS else ddp
 
     def example(scenario: Scenario | ShardedScenario) -> Outcome:
-        diverged: set[str] = set()
+        outcome = Outcome()
         if isinstance(scenario, ShardedScenario):
             for name in SHARDED_CHECKS[scenario.backend]:
-                diverged.update(_run_check(name, scenario, sharded))
-            return Outcome(tuple(sorted(diverged)))
+                outcome |= _run_check(name, scenario, sharded)
+            return outcome
         if config.backend in ("dp", "all"):
             for name in _dp_checks(Case.from_scenario(scenario), torch_wrapper=torch_wrapper):
-                diverged.update(_run_check(name, scenario, dp))
+                outcome |= _run_check(name, scenario, dp)
         if config.backend == "ddp" or (config.backend == "all" and _ddp_applies(scenario, config.devices)):
             ranks = _on_ranks(scenario, config.devices)
             for name in DDP_CHECKS:
-                diverged.update(_run_check(name, ranks, ddp))
-        return Outcome(tuple(sorted(diverged)))
+                outcome |= _run_check(name, ranks, ddp)
+        return outcome
 
     return example
 
@@ -543,6 +605,7 @@ def fuzz(config: FuzzConfig, *, on_example: Callable[[Tally], None] | None = Non
         failure=failure,
         elapsed=tally.elapsed,
         stopped_by=stopped_by,
+        history=tuple(tally.history),
     )
 
 
