@@ -1,9 +1,12 @@
-"""The engine (dpverify/core, models, checks, ddp) stands alone: no Hypothesis, no rich, no CLI.
+"""The engine (dpverify/core, models, checks, ddp) stands alone: no Hypothesis, no rich, no
+matplotlib, no CLI.
 
 The assertion helpers and the DDP checks are a library for test suites. What only the
-command line (rich, dpverify.cli) or property-based testing (Hypothesis, dpverify.strategies,
-dpverify.mutants) needs must not be imported by them, or every ``import dpverify`` pays for,
-and depends on, all of it.
+command line (rich, dpverify.cli), property-based testing (Hypothesis, dpverify.strategies,
+dpverify.mutants) or figures (matplotlib, an optional extra) need must not be imported by
+them, or every ``import dpverify`` pays for, and depends on, all of it. A figure method
+(``StepComparison.figure()``) imports ``dpverify.figures`` inside its body, when called, and
+names matplotlib's ``Figure`` for its annotation under ``if TYPE_CHECKING:`` only.
 """
 
 from __future__ import annotations
@@ -12,11 +15,15 @@ import ast
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = ("core", "models", "checks", "ddp")
-FORBIDDEN = ("rich", "hypothesis", "dpverify.cli", "dpverify.strategies", "dpverify.mutants")
+FORBIDDEN = ("rich", "hypothesis", "matplotlib", "dpverify.cli", "dpverify.strategies", "dpverify.mutants")
+
+#: Allowed inside a function only: drawing loads matplotlib, so only drawing may load it.
+LAZY = ("dpverify.figures",)
 
 #: The one sanctioned exception: InvalidArgument subclasses Hypothesis's, so that the
 #: strategies raise it too, through an import that falls back when Hypothesis is absent.
@@ -62,8 +69,36 @@ def _guarded(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
     return bool(caught & {"ImportError", "ModuleNotFoundError"})
 
 
+def _ancestors(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> Iterator[tuple[ast.AST, ast.AST]]:
+    """``(parent, child)`` pairs from ``node`` up to the module."""
+    while node in parents:
+        yield parents[node], node
+        node = parents[node]
+
+
+def _type_checking_only(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    """Whether ``node`` is in the body of an ``if TYPE_CHECKING:`` (never run)."""
+    for parent, child in _ancestors(node, parents):
+        if isinstance(parent, ast.If) and child in parent.body:
+            test = parent.test
+            name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", "")
+            if name == "TYPE_CHECKING":
+                return True
+    return False
+
+
+def _in_function(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    """Whether ``node`` runs only when a function is called, not when its module is imported."""
+    return any(isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) for parent, _ in _ancestors(node, parents))
+
+
+def _matches(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == f or name.startswith(f + ".") for f in prefixes)
+
+
 def violations(source: str, path: Path) -> list[str]:
-    """``path:line: imports ...`` for every forbidden import in ``source``, at any depth.
+    """``path:line: imports ...`` for every forbidden import in ``source``, at any depth
+    (but under ``if TYPE_CHECKING:``), and every import of ``LAZY`` outside a function.
 
     Args:
         source: the module's text.
@@ -73,11 +108,12 @@ def violations(source: str, path: Path) -> list[str]:
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     found = []
     for node in ast.walk(tree):
-        bad = sorted(
-            name
-            for name in _imported(node, path)
-            if any(name == f or name.startswith(f + ".") for f in FORBIDDEN)
-        )
+        names = _imported(node, path)
+        if not names or _type_checking_only(node, parents):
+            continue
+        bad = sorted(name for name in names if _matches(name, FORBIDDEN))
+        if not _in_function(node, parents):
+            bad += sorted(f"{name} (at import time)" for name in names if _matches(name, LAZY))
         if not bad:
             continue
         sanctioned = (
@@ -91,7 +127,7 @@ def violations(source: str, path: Path) -> list[str]:
     return [text for _, text in sorted(found)]
 
 
-def test_the_engine_imports_no_hypothesis_rich_cli_strategies_or_mutants() -> None:
+def test_the_engine_imports_no_hypothesis_rich_matplotlib_cli_strategies_or_mutants() -> None:
     files = sorted(p for sub in ENGINE for p in (ROOT / "dpverify" / sub).rglob("*.py"))
     assert len(files) > len(ENGINE)
     problems = [
@@ -131,11 +167,44 @@ def test_the_import_check_sees_nested_relative_and_dynamic_imports() -> None:
     assert violations(source, GUARDED_FILE)[-1].endswith("dpverify.strategies")
 
 
-# Run in a fresh interpreter in which importing Hypothesis or rich raises ImportError.
+def test_figures_are_imported_when_drawn_and_matplotlib_only_for_annotations() -> None:
+    source = textwrap.dedent(
+        """
+        from typing import TYPE_CHECKING
+        import typing
+
+        if TYPE_CHECKING:
+            from matplotlib.figure import Figure
+        if typing.TYPE_CHECKING:
+            import matplotlib.axes
+        else:
+            import matplotlib.pyplot
+
+        import matplotlib
+        from dpverify.figures.check import comparison_figure
+
+        def figure():
+            from dpverify.figures.check import comparison_figure
+            from matplotlib.figure import Figure
+            return comparison_figure
+        """
+    )
+    found = violations(source, Path("dpverify/core/probe.py"))
+    assert [text.split(": ", 1)[1] for text in found] == [
+        "imports matplotlib.pyplot",
+        "imports matplotlib",
+        "imports dpverify.figures.check (at import time), dpverify.figures.check.comparison_figure (at import time)",
+        # lazily, but matplotlib itself: only dpverify.figures draws
+        "imports matplotlib.figure, matplotlib.figure.Figure",
+    ]
+
+
+# Run in a fresh interpreter in which importing Hypothesis, rich or matplotlib raises ImportError.
 WITHOUT_HYPOTHESIS_AND_RICH = """
 import sys
 sys.modules["hypothesis"] = None
 sys.modules["rich"] = None
+sys.modules["matplotlib"] = None
 
 import torch
 import dpverify
@@ -151,12 +220,20 @@ result = dpverify.assert_dp_grads_match(
 )
 assert isinstance(result, dpverify.StepComparison), result
 assert issubclass(dpverify.InvalidArgument, ValueError)
-assert not any(name.split(".")[0] in ("hypothesis", "rich") for name, mod in sys.modules.items() if mod)
+# the figure modules import without matplotlib; drawing says what to install
+import dpverify.figures.check
+try:
+    result.figure()
+except ModuleNotFoundError as error:
+    assert "pip install 'dpverify[plot]'" in str(error), error
+else:
+    raise AssertionError("a figure was drawn without matplotlib")
+assert not any(name.split(".")[0] in ("hypothesis", "rich", "matplotlib") for name, mod in sys.modules.items() if mod)
 print("OK")
 """
 
 
-def test_a_check_runs_without_hypothesis_and_rich() -> None:
+def test_a_check_runs_without_hypothesis_rich_and_matplotlib() -> None:
     run = subprocess.run(
         [sys.executable, "-c", WITHOUT_HYPOTHESIS_AND_RICH],
         capture_output=True,
