@@ -73,3 +73,19 @@ def test_the_docs_exist_and_the_readme_links_them() -> None:
     for page in ("docs/semantics.md", "docs/questions.md"):
         assert (ROOT / page).is_file(), page
         assert f"]({page})" in readme, f"README.md does not link {page}"
+
+
+def test_the_readme_shows_one_figure_of_each_kind_kept_in_docs() -> None:
+    from PIL import Image
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    images = re.findall(r"!\[[^\]]*\]\((docs/figures/[\w.]+)\)", readme)
+    assert images == ["docs/figures/explain.png", "docs/figures/check.png", "docs/figures/fuzz.png"]
+    for image in images:
+        # each made by a command the README shows
+        assert f"--figure {image}" in readme, image
+        with Image.open(ROOT / image) as png:
+            assert png.format == "PNG"
+            assert png.size[0] == 1200, image
+            histogram = png.convert("L").histogram()
+        assert sum(histogram[:245]) / sum(histogram) > 0.05, f"{image} is nearly blank"

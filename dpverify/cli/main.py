@@ -208,12 +208,34 @@ def _load_model(args: argparse.Namespace, *, default: str | None) -> UserModel:
     return builtin_model(name, seed=args.seed)
 
 
+def _figure_target(args: argparse.Namespace) -> Path | None:
+    """``--figure FILE`` checked before the command runs (its suffix, its folder, and
+    matplotlib), so that minutes of checks do not end in a typo."""
+    if args.figure is None:
+        return None
+    from dpverify.figures.base import figure_path
+
+    return figure_path(args.figure, "--figure")
+
+
+def _write_figure(draw: Callable[[], Any], target: Path | None) -> None:
+    """Draws the figure and writes it to ``target``; says where on stderr (stdout stays the
+    report, or the JSON)."""
+    if target is None:
+        return
+    from dpverify.figures.base import save_figure
+
+    save_figure(draw(), target)
+    print(f"wrote {target}", file=sys.stderr)
+
+
 # --------------------------------------------------------------------------- fuzz
 
 
 def _fuzz(args: argparse.Namespace) -> int:
     from dpverify.cli.fuzz import FuzzConfig, devices_text, fuzz
     from dpverify.cli.fuzz_view import FuzzProgress
+    from dpverify.figures.fuzz import fuzz_figure
 
     _require_ddp(args.backend)
     if args.parallel:
@@ -245,6 +267,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     target = load_object(args.target, "--target") if args.target else None
     if target is not None and not callable(target):
         raise InvalidArgument(f"--target {args.target!r} is {type(target).__name__}, not callable")
+    figure = _figure_target(args)
     config = FuzzConfig(
         backend=args.backend, devices=args.devices, max_examples=args.max_examples,
         time_budget=args.time_budget, seed=args.seed, profile=args.profile, target=args.target,
@@ -254,7 +277,9 @@ def _fuzz(args: argparse.Namespace) -> int:
     _fuzz_header(console, config, devices_text(config))
     with FuzzProgress(console, config) as progress:
         report = fuzz(config, on_example=progress.update)
-    return _fuzz_summary(console, config, report)
+    status = _fuzz_summary(console, config, report)
+    _write_figure(lambda: fuzz_figure(report), figure)
+    return status
 
 
 def _fuzz_header(console: Console, config: FuzzConfig, where: str) -> None:
@@ -342,9 +367,11 @@ def _check(args: argparse.Namespace) -> int:
     from dpverify.checks.model import check_model, plan_checks
     from dpverify.checks.registry import CHECKS, Target
     from dpverify.cli.check_view import CheckProgress, render_model_check, render_model_check_header
+    from dpverify.figures.check import check_figure
 
     _require_ddp(args.backend)
     _check_dim(args)
+    figure = _figure_target(args)
     if args.parallel_loss and args.backend not in ("dp", "all"):
         raise InvalidArgument(f"--parallel-loss is a DataParallel criterion wrapper, for --backend dp or all; the {args.backend} checks compute the loss on each rank")
     model = _load_model(args, default=None)
@@ -377,6 +404,7 @@ def _check(args: argparse.Namespace) -> int:
             dim=args.dim,
         )
     render_model_check(console, report)
+    _write_figure(lambda: check_figure(report), figure)
     if report.failed:
         return EXIT_FAILED
     # a run that compared nothing is no pass: the skip reasons are printed above
@@ -390,7 +418,9 @@ def _explain(args: argparse.Namespace) -> int:
     from dpverify.cli.explain import explain
     from dpverify.cli.explain_view import explanation_json, render_explanation
     from dpverify.ddp import checks_if_available
+    from dpverify.figures.explain import explain_figure
 
+    figure = _figure_target(args)
     model = _load_model(args, default=DEFAULT_EXPLAIN_MODEL)
     ids = list(range(args.devices))
     if args.output_device is not None and args.output_device not in ids:
@@ -410,6 +440,7 @@ def _explain(args: argparse.Namespace) -> int:
         if args.svg is not None:
             console.save_svg(str(args.svg), title=f"dpverify explain {explanation.model}")
             print(f"wrote {args.svg}", file=sys.stderr)
+    _write_figure(lambda: explain_figure(explanation), figure)
     return EXIT_OK
 
 
@@ -456,6 +487,7 @@ def _add_fuzz(commands: Any, common: argparse.ArgumentParser) -> None:
         help="fuzz a model/criterion pair (--backend dp): the criterion wrapper CALLABLE(criterion, device_ids=..., "
         "output_device=...) returns loss(outputs, target) from what the --parallel wrapper returns; the repro script imports it too",
     )
+    fuzz.add_argument("--figure", type=Path, metavar="FILE.{png,svg,pdf}", help="also draw the session as a figure: examples over time by outcome, and how close the checks came to their tolerance (needs matplotlib: pip install 'dpverify[plot]')")
     fuzz.set_defaults(run=_fuzz)
 
 
@@ -500,6 +532,7 @@ def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
         "--checks", nargs="+", choices=list(CHECKS), default=list(DEFAULT_CHECKS), metavar="NAME",
         help=f"the checks to run where they apply (default {' '.join(DEFAULT_CHECKS)}; all: {' '.join(CHECKS)})",
     )
+    check.add_argument("--figure", type=Path, metavar="FILE.{png,svg,pdf}", help="also draw every check's error/allowed per tensor, worst first, as a figure (needs matplotlib: pip install 'dpverify[plot]')")
     check.set_defaults(run=_check)
 
 
@@ -526,6 +559,7 @@ def _add_explain(commands: Any, common: argparse.ArgumentParser) -> None:
     )
     explain.add_argument("--svg", type=Path, metavar="FILE", help="also write the explanation as an SVG picture")
     explain.add_argument("--json", action="store_true", help="print every measured value as JSON instead")
+    explain.add_argument("--figure", type=Path, metavar="FILE.{png,svg,pdf}", help="also draw the step as a figure: a lane per device, bytes held per device, loss weights and gradient ratios (needs matplotlib: pip install 'dpverify[plot]')")
     explain.set_defaults(run=_explain)
 
 

@@ -15,13 +15,14 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from dpverify.cli.fuzz import FuzzExample, FuzzReport
 from dpverify.core.text import plural
 from dpverify.figures.base import COLOURS, drawing, message_panel, new_figure
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
+
+    from dpverify.cli.fuzz import FuzzExample, FuzzReport
 
 __all__ = ["OUTCOMES", "fuzz_figure"]
 
