@@ -153,6 +153,21 @@ def test_an_unmeasured_question_says_so_instead_of_drawing(uneven: Explanation) 
         assert [text.get_text() for text in ax.texts] == [f"{what}: not measured for MyDP (it raised)"]
 
 
+def test_a_wrapper_s_lanes_are_the_rows_its_replicas_received_not_torch_s_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    from cli_pairs_code import balanced
+
+    e = explain(builtin_model("mlp", seed=0), batch_size=8, device_ids=[0, 1, 2, 3], parallel=balanced, parallel_name="balanced")
+    assert e.planned_chunk_sizes == (2, 2, 2, 2)
+    lanes = step_lanes(e)
+    scatter = [next(cell for cell in lanes[d] if cell.stage == "scatter").text.split("\n")[0] for d in range(4)]
+    assert scatter == ["row 0 (1)", "rows 1-3 (3)", "rows 4-5 (2)", "rows 6-7 (2)"]
+    backward = [next(cell for cell in lanes[d] if cell.stage == "backward").text for d in range(4)]
+    assert backward == [f"d loss / d output\n{n}" for n in ("1 row", "3 rows", "2 rows", "2 rows")]
+    step = _axes(explain_figure(e), "step")
+    assert step.get_title(loc="left") == "One balanced step, measured: batch of 8 on devices [0, 1, 2, 3], chunks [1, 3, 2, 2]"
+
+
 def test_one_device_runs_the_module_itself() -> None:
     e = explain(builtin_model("mlp", seed=0), batch_size=3, device_ids=[0])
     cells = {cell.stage: cell for cell in step_lanes(e)[0]}

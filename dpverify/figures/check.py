@@ -13,7 +13,6 @@ matplotlib is imported inside the functions only: importing this module needs no
 from __future__ import annotations
 
 import math
-import re
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -104,17 +103,10 @@ def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1].rstrip() + ELLIPSIS
 
 
-_SHAPES = re.compile(r"has shape (\(.*?\)) in the parallel step and (\(.*?\))")
-
-
 def _problem_label(problem: str) -> str:
-    """A few words for a tensor that has no ratio: ``missing``, or the two shapes."""
-    if "is None" in problem or "missing" in problem:
-        return "missing"
-    shapes = _SHAPES.search(problem)
-    if shapes is not None:
-        return f"shape {shapes.group(1)} vs {shapes.group(2)}"
-    return _clip(problem, 32)
+    """The problem of a tensor that has no ratio (a missing gradient, two shapes), cut short:
+    the field itself, never a number read back out of it."""
+    return _clip(problem, 64)
 
 
 # --------------------------------------------------------------------------- scale
@@ -185,7 +177,8 @@ def _draw_row(ax: Axes, y: int, row: _Row, floor: float, right: float) -> None:
         edge = blended_transform_factory(ax.transAxes, ax.transData)
         ax.plot([0.995], [y], marker="<", markersize=8, color=fail, transform=edge, clip_on=False)
         text = _problem_label(tensor.problem) + (f"  ({row.where})" if row.where else "")
-        ax.text(0.98, y, text, transform=edge, ha="right", va="center", color=fail, fontsize=9)
+        # on white, above the limit line it may cross
+        ax.text(0.98, y, text, transform=edge, ha="right", va="center", color=fail, fontsize=9, zorder=3, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0})
         return
     width = _width(tensor.ratio, floor, right)
     ax.barh(y, width, height=0.7, color=COLOURS["pass"] if tensor.ok else fail, edgecolor="none")

@@ -246,6 +246,8 @@ def _draw_step(ax: Axes, e: Explanation) -> None:
     ax.set_label("step")
     under = "DataParallel" if e.wrapper is None else e.wrapper
     mode = " (in eval mode: a one-row chunk makes BatchNorm raise in train mode)" if e.eval_mode_for_step else ""
+    if not e.replica_devices_known:
+        mode += " (replicas ran outside parallel_apply: placed on the devices in the order they ran)"
     ax.set_title(
         f"One {under} step, measured: batch of {e.batch_size} on devices {list(e.device_ids)}, "
         f"chunks {list(e.chunk_sizes)}{mode}",
