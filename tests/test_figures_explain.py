@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from figure_files import read_png
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch
-from PIL import Image
 from torch import nn
 
 import dpverify
@@ -215,20 +215,12 @@ def test_the_loss_report_of_a_mismatch_draws_itself() -> None:
     assert lines == {"loss.mean()": report.mean_of_means, "full-batch loss": report.full_batch_loss}
 
 
-def _not_blank(path: Path) -> float:
-    """The share of pixels that are not (nearly) white."""
-    with Image.open(path) as image:
-        histogram = image.convert("L").histogram()
-    return sum(histogram[:245]) / sum(histogram)
-
-
 def test_the_png_is_1200_pixels_wide_and_drawn(drawn: Figure, tmp_path: Path) -> None:
-    path = save_figure(drawn, tmp_path / "explain.png")
-    with Image.open(path) as image:
-        width, height = image.size
-    assert width == 1200
-    assert 700 <= height <= 2400
-    assert _not_blank(path) > 0.05
+    png = read_png(save_figure(drawn, tmp_path / "explain.png"))
+    assert png.format == "PNG"
+    assert png.width == 1200
+    assert 700 <= png.height <= 2400
+    assert png.inked > 0.05
     assert save_figure(drawn, tmp_path / "explain.svg").read_text().startswith("<?xml")
 
 
@@ -240,8 +232,7 @@ def test_the_command_writes_the_figure_and_prints_the_same_text(tmp_path: Path, 
     captured = capsys.readouterr()
     assert captured.out == plain
     assert captured.err.strip() == f"wrote {tmp_path / 'e.png'}"
-    with Image.open(tmp_path / "e.png") as image:
-        assert image.size[0] == 1200
+    assert read_png(tmp_path / "e.png").width == 1200
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy
 import pytest
-from PIL import Image
+from figure_files import read_png
 
 from dpverify.cli.fuzz import FuzzConfig, FuzzExample, FuzzFailure, FuzzReport, fuzz
 from dpverify.figures.base import save_figure
@@ -214,20 +214,11 @@ def test_a_session_without_examples_says_so() -> None:
     assert not any(ax.get_lines() for ax in figure.axes)
 
 
-def _inked(path: Path) -> float:
-    """The share of pixels that are not white."""
-    with Image.open(path) as image:
-        levels = image.convert("L").histogram()
-    return sum(levels[:250]) / sum(levels)
-
-
 def test_the_png_is_1200_pixels_wide_and_drawn(figure: Figure, tmp_path: Path) -> None:
-    path = save_figure(figure, tmp_path / "fuzz.png")
-    with Image.open(path) as image:
-        width, height = image.size
-    assert width == 1200
-    assert 300 <= height <= 1500
-    assert _inked(path) > 0.02
+    png = read_png(save_figure(figure, tmp_path / "fuzz.png"))
+    assert png.width == 1200
+    assert 300 <= png.height <= 1500
+    assert png.inked > 0.02
     svg = save_figure(figure, tmp_path / "fuzz.svg").read_text()
     assert svg.lstrip().startswith("<?xml")
     assert "How close the checks came to their tolerance" in svg
@@ -252,9 +243,9 @@ def test_fuzz_writes_its_figure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     target = tmp_path / "f.png"
     assert main(["fuzz", "--max-examples", "3", "--seed", "0", "--no-color", "--figure", str(target)]) == 0
     assert f"wrote {target}" in capsys.readouterr().err
-    with Image.open(target) as image:
-        assert image.size[0] == 1200
-    assert _inked(target) > 0.02
+    png = read_png(target)
+    assert png.width == 1200
+    assert png.inked > 0.02
 
 
 def test_fuzz_refuses_a_figure_it_cannot_write_before_running(
