@@ -168,9 +168,18 @@ def test_a_wrapper_s_lanes_are_the_rows_its_replicas_received_not_torch_s_plan(m
     assert step.get_title(loc="left") == "One balanced step, measured: batch of 8 on devices [0, 1, 2, 3], chunks [1, 3, 2, 2]"
 
 
+def test_the_loss_cell_names_a_short_loss_and_leaves_a_sentence_to_the_title() -> None:
+    e = explain(builtin_model("loss-in-forward", seed=0), batch_size=7, device_ids=[0, 1, 2])
+    assert len(e.loss) > 40  # "computed in forward (each replica's chunk mean)"
+    cells = {cell.stage: cell for cell in step_lanes(e)[0]}
+    assert cells["loss"].text == f"loss\n= {e.loss_value:.5g}"
+    assert e.loss in explain_figure(e).get_suptitle()
+
+
 def test_one_device_runs_the_module_itself() -> None:
     e = explain(builtin_model("mlp", seed=0), batch_size=3, device_ids=[0])
     cells = {cell.stage: cell for cell in step_lanes(e)[0]}
+    assert cells["loss"].text == f"mse_loss\n= {e.loss_value:.5g}"
     assert cells["replicate"].text == "none: the module\nitself runs"
     assert cells["reduce-add"].text == ".grad directly\n(no replicas)"
     assert cells["gather"].text == "none: the output\nis the module's"

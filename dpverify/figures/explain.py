@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dpverify.core.text import plural, shorten_middle, shorten_names
+from dpverify.core.text import plural, shorten_names
 from dpverify.figures.base import COLOURS, drawing, message_panel, new_figure
 
 if TYPE_CHECKING:
@@ -103,13 +103,11 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def _wrapped(text: str, width: int = 20) -> str:
-    """``text`` in at most two lines of ``width`` characters (a cell is small), cut with an
-    ellipsis beyond."""
-    lines = textwrap.wrap(text, width) or [""]
-    if len(lines) > 2:
-        lines = [lines[0], shorten_middle(" ".join(lines[1:]), width)]
-    return "\n".join(lines)
+def _loss_text(name: str, value: float, width: int = 20) -> str:
+    """The loss cell: its name in at most two lines of ``width`` characters (a cell is
+    small; a longer name, a sentence, is in the figure's title), and its value."""
+    lines = textwrap.wrap(name, width)
+    return "\n".join([*(lines if len(lines) <= 2 else ["loss"]), f"= {value:.5g}"])
 
 
 def _shape(shape: Sequence[int]) -> str:
@@ -164,7 +162,7 @@ def step_lanes(e: Explanation) -> dict[int, tuple[Cell, ...]]:
             else:
                 seen = "" if e.gathered_on is not None else "\n(no gather() seen)"
                 cells.append(Cell("gather", device, f"outputs {_shape(e.output_shape)}\n◀ {plural(e.replicas_used, 'chunk')}{seen}", "gather"))
-            cells.append(Cell("loss", device, f"{_wrapped(e.loss)}\n= {e.loss_value:.5g}", "loss"))
+            cells.append(Cell("loss", device, _loss_text(e.loss, e.loss_value), "loss"))
         if replica is not None:
             rows = plural(replica.output_grad_rows, "row")
             cells.append(Cell("backward", device, f"d loss / d output\n{rows}", "backward"))
