@@ -247,6 +247,7 @@ class CheckResult:
         chunks: the rows per replica or rank.
         groups: the modules that explain an ``EXPLAINED`` verdict.
         error: what the check raised (a ``ParallelMismatch`` or the code's exception).
+        eval_copy: the case was an eval-mode copy of the model (the title says so too).
     """
 
     check: str
@@ -261,6 +262,7 @@ class CheckResult:
     chunks: tuple[int, ...] = ()
     groups: tuple[SourceGroup, ...] = ()
     error: BaseException | None = field(default=None, compare=False)
+    eval_copy: bool = False
 
     @property
     def ok(self) -> bool:
@@ -271,6 +273,12 @@ class CheckResult:
     def worst(self) -> TensorComparison | None:
         """The worst failing tensor, if any."""
         return _worst(self.tensors)
+
+    @property
+    def worst_ratio(self) -> float | None:
+        """The greatest error/allowed of the compared tensors (those with a ``problem``, a
+        shape or a missing gradient, have no ratio), or None when none was compared."""
+        return max((t.ratio for t in self.tensors if t.problem is None), default=None)
 
 
 def _worst(tensors: Sequence[TensorComparison]) -> TensorComparison | None:
@@ -353,7 +361,7 @@ class CheckSpec:
         split = case.split
 
         def result(verdict: Verdict, summary: str, **fields: Any) -> CheckResult:
-            return CheckResult(self.name, title, split, verdict, summary, **fields)
+            return CheckResult(self.name, title, split, verdict, summary, **fields, eval_copy=eval_copy)
 
         reason = self.skip(case)
         if reason is not None:

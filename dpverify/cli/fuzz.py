@@ -142,12 +142,6 @@ class Outcome:
         return Outcome(tuple(sorted({*self.diverged, *other.diverged})), max(ratios, default=None))
 
 
-def _worst_ratio(result: CheckResult) -> float | None:
-    """The greatest error/allowed of the tensors ``result`` compared (those with a
-    ``problem``, a shape or a missing gradient, have no ratio), or None when none."""
-    return max((t.ratio for t in result.tensors if t.problem is None), default=None)
-
-
 class _CheckFailed(Exception):
     """A check failed on an example; carries what the report and the repro script need.
 
@@ -173,7 +167,7 @@ class _CheckFailed(Exception):
     def worst_ratio(self) -> float | None:
         """The failing result's greatest error/allowed (above 1 for a mismatch), or None
         when it compared no tensor (the code under test raised)."""
-        return _worst_ratio(self.result)
+        return self.result.worst_ratio
 
 
 def _bucket(name: str) -> str:
@@ -202,13 +196,13 @@ def _run_check(name: str, scenario: Scenario | ShardedScenario, target: Target) 
     if result.verdict is Verdict.FAIL:
         raise _CheckFailed(scenario, result)
     if result.verdict is not Verdict.EXPLAINED:
-        return Outcome(worst_ratio=_worst_ratio(result))
+        return Outcome(worst_ratio=result.worst_ratio)
     # train-mode BatchNorm/Dropout explain the difference; without them it must vanish (an
     # eval-mode copy has no divergence source, so it is PASS or FAIL, never EXPLAINED)
     exact = spec.run(case.in_eval_mode(), target, eval_copy=True)
     if exact.verdict is Verdict.FAIL:
         raise _CheckFailed(scenario, exact, eval_mode=True)
-    return Outcome(tuple(sorted({_bucket(group.module_type) for group in result.groups})), _worst_ratio(exact))
+    return Outcome(tuple(sorted({_bucket(group.module_type) for group in result.groups})), exact.worst_ratio)
 
 
 def _dp_checks(case: Case, *, torch_wrapper: bool) -> list[str]:

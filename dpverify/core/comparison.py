@@ -45,6 +45,7 @@ __all__ = [
     "shared_references",
     "step_comparison",
     "uniform_scale",
+    "worst_first",
 ]
 
 
@@ -718,7 +719,9 @@ def _table(rows: Sequence[TensorComparison], title: str) -> list[str]:
     return lines
 
 
-def _severity(r: TensorComparison) -> tuple[bool, float]:
+def worst_first(r: TensorComparison) -> tuple[bool, float]:
+    """The sort key of every "worst first" list (the report's table, its figure): a tensor
+    that could not be compared (no ratio) first, then by ratio, largest first."""
     return (r.problem is None, -r.ratio)
 
 
@@ -770,12 +773,12 @@ class StepComparison:
         for failure in self.failures:
             lines += [failure, ""]
         if bad:
-            lines += [min(bad, key=_severity).details(), ""]
+            lines += [min(bad, key=worst_first).details(), ""]
         lines.append(f"Scenario: {self.scenario}.")
         lines.append(f"Tolerance: {self.tolerance}.")
         lines.extend(self.notes)
         lines.append("")
-        lines += _table(sorted(self.tensors, key=_severity), "Every compared tensor, worst first:")
+        lines += _table(sorted(self.tensors, key=worst_first), "Every compared tensor, worst first:")
         if self.contrasts:
             lines += _table(list(self.contrasts), "Shown for contrast (expected to differ):")
         if self.divergence and bad:

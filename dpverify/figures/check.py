@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dpverify.checks.registry import Verdict
+from dpverify.checks.registry import CHECKS, Verdict
+from dpverify.core.comparison import worst_first
 from dpverify.core.text import ELLIPSIS, and_list, plural, shorten_names
 from dpverify.figures.base import COLOURS, DPI, WIDTH, drawing, message_panel, new_figure
 
@@ -81,15 +82,9 @@ class _Panel:
         return _PANEL + 0.18 * self.title(width).count("\n") + self.inner
 
 
-def _severity(tensor: TensorComparison) -> tuple[bool, float]:
-    """Smaller is worse, as the text report orders its table: a tensor that could not be
-    compared (no ratio), then by ratio."""
-    return (tensor.problem is None, -tensor.ratio)
-
-
 def _limit(rows: Sequence[_Row]) -> tuple[tuple[_Row, ...], tuple[_Row, ...]]:
     """The rows worst first: the ``MAX_BARS`` drawn, and the rest."""
-    ordered = sorted(rows, key=lambda row: _severity(row.tensor))
+    ordered = sorted(rows, key=lambda row: worst_first(row.tensor))
     return tuple(ordered[:MAX_BARS]), tuple(ordered[MAX_BARS:])
 
 
@@ -297,7 +292,7 @@ def comparison_figure(comparison: StepComparison) -> Figure:
 
 def _where(result: CheckResult) -> str:
     """The split a result ran on, and the mode when it was the eval-mode copy."""
-    return result.split.label + (" (eval mode)" if result.title.endswith("(eval mode)") else "")
+    return result.split.label + (" (eval mode)" if result.eval_copy else "")
 
 
 def _worst_rows(results: Sequence[CheckResult]) -> list[_Row]:
@@ -306,13 +301,13 @@ def _worst_rows(results: Sequence[CheckResult]) -> list[_Row]:
     for result in results:
         for tensor in result.tensors:
             kept = worst.get(tensor.name)
-            if kept is None or _severity(tensor) < _severity(kept.tensor):
+            if kept is None or worst_first(tensor) < worst_first(kept.tensor):
                 worst[tensor.name] = _Row(tensor, _where(result))
     return list(worst.values())
 
 
 def _check_title(name: str, results: Sequence[CheckResult], rows: Sequence[_Row]) -> tuple[str, ...]:
-    title = results[0].title.removesuffix(" (eval mode)")
+    title = CHECKS[name].title
     failed = [r for r in results if r.verdict is Verdict.FAIL]
     bad = sum(not row.tensor.ok for row in rows)
     splits = plural(len(results), "split")
