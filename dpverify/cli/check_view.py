@@ -10,7 +10,7 @@ import torch
 
 from dpverify.checks.model import ModelCheckReport, parameter_errors
 from dpverify.checks.registry import CheckResult, Split, Verdict
-from dpverify.core.text import and_list, plural, shorten_names
+from dpverify.core.text import and_list, plural, shape_text, shorten_names
 from dpverify.models.user import UserModel
 
 __all__ = ["CheckProgress", "render_model_check", "render_model_check_header", "runs_on"]
@@ -230,5 +230,5 @@ def _render_parameters(console: Any, report: ModelCheckReport) -> None:
     table.add_column("where")
     for row, name in zip(rows, names, strict=True):
         style = "bold red" if row.ratio > 1 else "green"
-        table.add_row(name, "x".join(map(str, row.shape)) or "scalar", Text(f"{row.ratio:.3g}", style=style), f"{row.max_abs:.3g}", f"{row.allowed:.3g}", row.where)
+        table.add_row(name, shape_text(row.shape), Text(f"{row.ratio:.3g}", style=style), f"{row.max_abs:.3g}", f"{row.allowed:.3g}", row.where)
     console.print(table)

@@ -16,7 +16,7 @@ from rich.text import Text
 
 from dpverify.cli.explain import ChunkFact, Explanation, ReplicaFact, StateFact
 from dpverify.cli.explain_answers import Answer, answers
-from dpverify.core.text import name_list, plural, shorten_names
+from dpverify.core.text import name_list, plural, shape_text, shorten_names
 
 __all__ = ["explanation_json", "render_explanation"]
 
@@ -40,10 +40,6 @@ def _rows(n: int) -> str:
     return f"{n} row" if n == 1 else f"{n} rows"
 
 
-def _shape(shape: Sequence[int]) -> str:
-    return "x".join(map(str, shape)) or "scalar"
-
-
 def _diagram(e: Explanation) -> Table:
     """One step as a table: a column per device, a row per stage, arrows down then up."""
     title = "One DataParallel step, measured" if e.wrapper is None else f"One step of {e.wrapper}, measured"
@@ -61,20 +57,20 @@ def _diagram(e: Explanation) -> Table:
     def row(stage: str, cell: Any) -> None:
         table.add_row(stage, *[cell(d) for d in e.device_ids])
 
-    row("batch", lambda d: f"{e.batch_size} rows, {_shape(e.batch_shape)}" if d == first else "")
+    row("batch", lambda d: f"{e.batch_size} rows, {shape_text(e.batch_shape)}" if d == first else "")
     row("▼ scatter", lambda d: _chunk_cell(chunks[d]))
     if not e.replicated:
         row("▼ replicate", lambda d: Text("none: with one device\nthe module itself runs", style="dim"))
     else:
         row("▼ replicate", lambda d: _replica_cell(replicas.get(d)))
-    row("▼ forward", lambda d: f"output {_shape(replicas[d].output_shape)}\nactivations {_kb(replicas[d].activation_bytes)}" if d in replicas else "")
+    row("▼ forward", lambda d: f"output {shape_text(replicas[d].output_shape)}\nactivations {_kb(replicas[d].activation_bytes)}" if d in replicas else "")
     if not e.replicated:
         row("▼ gather", lambda d: Text("none: the output\nis the module's", style="dim"))
     elif e.gathered_on is None:
-        row("▼ gather", lambda d: f"[bold]outputs {_shape(e.output_shape)}[/]\n(no gather() call seen)" if d == out else "")
+        row("▼ gather", lambda d: f"[bold]outputs {shape_text(e.output_shape)}[/]\n(no gather() call seen)" if d == out else "")
     else:
         gathered = e.gathered_on
-        row("▼ gather", lambda d: f"[bold]outputs {_shape(e.output_shape)}[/] ◀ {e.replicas_used} chunk{'s' if e.replicas_used != 1 else ''}" if d == gathered else (f"→ device {gathered}" if d in replicas else ""))
+        row("▼ gather", lambda d: f"[bold]outputs {shape_text(e.output_shape)}[/] ◀ {e.replicas_used} chunk{'s' if e.replicas_used != 1 else ''}" if d == gathered else (f"→ device {gathered}" if d in replicas else ""))
     at = out if e.gathered_on is None else e.gathered_on
     row("▼ loss", lambda d: f"[bold]{e.loss}[/]\n= {e.loss_value:.5g}" if d == at else "")
     row("▲ backward", lambda d: f"d loss/d output:\n{_rows(replicas[d].output_grad_rows)}" if d in replicas else "")

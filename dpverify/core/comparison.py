@@ -28,6 +28,7 @@ from torch import nn
 from dpverify.core.divergence import DivergenceSource, divergence_sources
 from dpverify.core.errors import InvalidArgument, NonFiniteReference
 from dpverify.core.numerics import max_abs
+from dpverify.core.text import shape_text
 
 if TYPE_CHECKING:
     # for the annotation only: the engine never loads matplotlib unless a figure is drawn
@@ -710,7 +711,7 @@ def _table(rows: Sequence[TensorComparison], title: str) -> list[str]:
         f"{'allowed':>9}  {'ratio':>9}",
     ]
     for r in rows:
-        shape = "x".join(map(str, r.shape)) or "scalar"
+        shape = shape_text(r.shape)
         ratio = "-" if r.problem else f"{r.ratio:.3g}"
         lines.append(
             f"  {r.name:<{width}}  {shape:<14}  {f'{r.mismatched}/{r.numel}':>13}  "

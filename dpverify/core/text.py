@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["ELLIPSIS", "and_list", "name_list", "plural", "shorten_middle", "shorten_names"]
+__all__ = ["ELLIPSIS", "and_list", "name_list", "plural", "shape_text", "shorten_middle", "shorten_names"]
 
 
 #: Stands for the characters ``shorten_middle`` leaves out.
@@ -21,6 +21,11 @@ def plural(count: int, word: str, many: str | None = None) -> str:
         many: the plural where it is not ``word + "s"``.
     """
     return f"{count:,} {word if count == 1 else many or word + 's'}"
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    """``"5x7"``, or ``"scalar"`` for a shape with no dimensions."""
+    return "x".join(map(str, shape)) or "scalar"
 
 
 def _indices(parts: Sequence[str]) -> int:

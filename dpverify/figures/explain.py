@@ -15,11 +15,10 @@ alone, for a ``LossAverageReport`` (``report.figure()``).
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dpverify.core.text import plural, shorten_names
+from dpverify.core.text import plural, shape_text, shorten_names
 from dpverify.figures.base import COLOURS, drawing, message_panel, new_figure
 
 if TYPE_CHECKING:
@@ -110,10 +109,6 @@ def _loss_text(name: str, value: float, width: int = 20) -> str:
     return "\n".join([*(lines if len(lines) <= 2 else ["loss"]), f"= {value:.5g}"])
 
 
-def _shape(shape: Sequence[int]) -> str:
-    return "x".join(map(str, shape)) or "scalar"
-
-
 def _chunk_cell(chunk: ChunkFact) -> Cell:
     if chunk.kind == "idle":
         return Cell("scatter", chunk.device, "idle: no rows", "idle")
@@ -150,18 +145,18 @@ def step_lanes(e: Explanation) -> dict[int, tuple[Cell, ...]]:
     for device in e.device_ids:
         cells: list[Cell] = []
         if device == source:
-            cells.append(Cell("batch", device, f"batch: {plural(e.batch_size, 'row')}\n{_shape(e.batch_shape)}", "plain"))
+            cells.append(Cell("batch", device, f"batch: {plural(e.batch_size, 'row')}\n{shape_text(e.batch_shape)}", "plain"))
         cells.append(_chunk_cell(chunks[device]))
         replica = replicas.get(device)
         if replica is not None:
             cells.append(_replica_cell(e, replica))
-            cells.append(Cell("forward", device, f"output {_shape(replica.output_shape)}\nactivations {_size(replica.activation_bytes)}", "plain"))
+            cells.append(Cell("forward", device, f"output {shape_text(replica.output_shape)}\nactivations {_size(replica.activation_bytes)}", "plain"))
         if device == at:
             if not e.replicated:
                 cells.append(Cell("gather", device, "none: the output\nis the module's", "plain"))
             else:
                 seen = "" if e.gathered_on is not None else "\n(no gather() seen)"
-                cells.append(Cell("gather", device, f"outputs {_shape(e.output_shape)}\n◀ {plural(e.replicas_used, 'chunk')}{seen}", "gather"))
+                cells.append(Cell("gather", device, f"outputs {shape_text(e.output_shape)}\n◀ {plural(e.replicas_used, 'chunk')}{seen}", "gather"))
             cells.append(Cell("loss", device, _loss_text(e.loss, e.loss_value), "loss"))
         if replica is not None:
             rows = plural(replica.output_grad_rows, "row")
