@@ -288,3 +288,39 @@ def test_without_matplotlib_everything_else_works_and_a_figure_says_what_to_inst
     assert "--figure needs matplotlib, which is not installed: pip install 'dpverify[plot]'" in done.stderr
     assert "RAISED a figure needs matplotlib, which is not installed: pip install 'dpverify[plot]'" in done.stdout
     assert not (tmp_path / "e.png").exists()
+
+
+def tiny_bert() -> nn.Module:
+    """A BERT classifier from a tiny local config (nothing downloaded): a model this project
+    did not design, for the explain figure (imported as ``test_figures_explain:tiny_bert``)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=16, num_labels=3,
+    )
+    return transformers.BertForSequenceClassification(config).eval()
+
+
+def test_a_tiny_bert_is_drawn_from_its_own_measurements(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers", reason="transformers is a test extra: pip install -e '.[test]'")
+    from dpverify.cli.user_model import user_model
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    e = explain(user_model("test_figures_explain:tiny_bert"), batch_size=3, device_ids=[0, 1])
+    ax = _axes(explain_figure(e), "gradients")
+    summed, averaged = ax.containers
+    assert len(summed) == min(len(e.grads), 40)
+    largest = max(g.full_norm for g in e.grads)
+    # attention's key bias gets no gradient in exact arithmetic (softmax ignores a shift):
+    # measured here as rounding, drawn as no ratio
+    noise = [i for i, g in enumerate(e.grads[:40]) if g.full_norm <= 1e-12 * largest]
+    assert [e.grads[i].parameter for i in noise] == [f"bert.encoder.layer.{n}.attention.self.key.bias" for n in (0, 1)]
+    assert all(summed[i].get_width() == averaged[i].get_width() == 0.0 for i in noise)
+    others = [i for i in range(len(summed)) if i not in noise]
+    assert [summed[i].get_width() for i in others] == pytest.approx([1.0] * len(others))
+    assert [averaged[i].get_width() for i in others] == pytest.approx([0.5] * len(others))
+    labels = [label.get_text() for label in ax.get_yticklabels()]
+    assert len(set(labels)) == len(labels)  # cut in the middle, still told apart
+    assert "bert.embeddings.word_embeddings.weight" in labels
