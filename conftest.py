@@ -46,3 +46,17 @@ def pytest_configure(config: pytest.Config) -> None:
         and under_hypofuzz(config)
     ):
         settings.load_profile("dpverify-fuzz")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_tier_sees_no_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test but the ``multigpu`` ones runs as on a machine without CUDA.
+
+    The CPU tier's assertions are about the CPU model (virtual devices, sparse virtual ids,
+    gloo ranks); on a GPU machine dpverify would put the same checks on the real devices,
+    refuse ids beyond them and choose nccl. ``DPVERIFY_GPUS=0`` (read by
+    ``dpverify.core.devices.cuda_device_count``, and inherited by the subprocesses a test
+    starts) keeps the tier the same on every machine; the ``multigpu`` tests see the GPUs.
+    """
+    if request.node.get_closest_marker("multigpu") is None:
+        monkeypatch.setenv("DPVERIFY_GPUS", "0")

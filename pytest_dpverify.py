@@ -10,7 +10,8 @@ What it adds to a pytest run:
 - the marker ``multigpu(n=2)``: the test needs ``n`` distinct CUDA devices. Tests with too few
   devices are skipped at collection with the reason ``needs N CUDA devices, found M``;
 - the option ``--dpverify-gpus N`` and the environment variable ``DPVERIFY_GPUS``: use at
-  most ``N`` of the CUDA devices torch sees (after ``CUDA_VISIBLE_DEVICES``);
+  most ``N`` of the CUDA devices torch sees (after ``CUDA_VISIBLE_DEVICES``), in the
+  plugin's skips and fixtures and in dpverify itself (the option sets the variable);
 - the fixtures ``gpu_count``, ``cuda_device_ids``, ``dp_devices``, ``ddp_pool`` and
   ``ddp_pools``;
 - the Hypothesis profiles ``dpverify-dev``, ``dpverify-ci`` and ``dpverify-fuzz``, selected
@@ -169,6 +170,7 @@ _DEVICES = pytest.StashKey[_Devices]()
 # yet): the collection report then shows them if a collected test uses dpverify.
 _DEVICES_PENDING = pytest.StashKey[bool]()
 _RESTORE_PROFILE = pytest.StashKey[str]()
+_RESTORE_GPUS_ENV = pytest.StashKey[str | None]()
 
 
 def _devices(config: pytest.Config) -> _Devices:
@@ -303,15 +305,28 @@ def pytest_configure(config: pytest.Config) -> None:
         f"{MARKER}(n={DEFAULT_DEVICES}): the test needs n distinct CUDA devices; skipped at "
         f"collection when fewer are visible (see {GPUS_OPTION})",
     )
-    config.stash[_DEVICES] = _read_devices(config)
+    config.stash[_DEVICES] = devices = _read_devices(config)
+    option = config.getoption("dpverify_gpus")
+    if option is not None:
+        # dpverify's engine reads the cap from the environment (dpverify.core.devices), in
+        # this process and in every process a test starts
+        config.stash[_RESTORE_GPUS_ENV] = os.environ.get(GPUS_ENV)
+        os.environ[GPUS_ENV] = str(devices.override)
     _load_profile_from_env(config)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """Restores the Hypothesis profile replaced for ``HYPOTHESIS_PROFILE`` (nested runs)."""
+    """Restores the Hypothesis profile replaced for ``HYPOTHESIS_PROFILE`` and the
+    ``DPVERIFY_GPUS`` set for ``--dpverify-gpus`` (nested runs)."""
     previous = config.stash.get(_RESTORE_PROFILE, None)
     if previous is not None:
         settings.load_profile(previous)
+    if _RESTORE_GPUS_ENV in config.stash:
+        env = config.stash[_RESTORE_GPUS_ENV]
+        if env is None:
+            os.environ.pop(GPUS_ENV, None)
+        else:
+            os.environ[GPUS_ENV] = env
 
 
 def _seed_text(config: pytest.Config) -> str:

@@ -212,7 +212,9 @@ def device_lists(*, min_devices: int = 1, max_devices: int = 4) -> SearchStrateg
     """Device ids for DataParallel, with an output device drawn from them (or the default).
 
     Subsets and orders of the visible CUDA devices when at least ``min_devices`` are
-    visible, virtual ids ``0 .. max_devices - 1`` otherwise. Shrinks toward
+    visible; else virtual ids from ``0 .. max_devices - 1``, and on a machine with fewer
+    CUDA devices than ``min_devices`` (but some) the first ``n`` of them in any order, the
+    only virtual ids a check accepts beside real devices. Shrinks toward
     ``DeviceList((0,) * min_devices ...)`` in natural order with the default output device.
     """
     require_int_at_least(min_devices, "min_devices", 1)
@@ -222,11 +224,14 @@ def device_lists(*, min_devices: int = 1, max_devices: int = 4) -> SearchStrateg
         pool, most = list(range(visible)), min(max_devices, visible)
     else:
         pool, most = list(range(max_devices)), max_devices
+    # Beside some GPUs too few for the list, virtual ids must be 0 .. n - 1 (in any order):
+    # a check refuses [0, 2] there as a likely mistake for real devices.
+    dense = 0 < visible < min_devices
 
     @st.composite
     def draw_list(draw: st.DrawFn) -> DeviceList:
         n = draw(st.integers(min_devices, most))
-        order = draw(st.permutations(pool))
+        order = draw(st.permutations(pool[:n] if dense else pool))
         ids = tuple(order[:n])
         # the default, device_ids[0] named explicitly, or another device: a third each
         others = [st.sampled_from(ids[1:])] if len(ids) > 1 else []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import os
 import re
@@ -885,15 +886,22 @@ def test_buffers_come_from_rank_0(ddp_pool: DDPWorkerPool) -> None:
     assert sum("at the next forward" in t.name for t in result.tensors) == 3 * world
 
 
+#: torch 2.13 has DDP's ``forward_sync_buffers`` beside ``broadcast_buffers`` (the old name
+#: warns); older torch (2.11) has only ``broadcast_buffers``.
+HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+NO_BUFFER_SYNC = {"forward_sync_buffers" if HAS_FORWARD_SYNC_BUFFERS else "broadcast_buffers": False}
+
+
 def test_buffers_not_synchronised_are_caught(ddp_pool: DDPWorkerPool) -> None:
     x, y = batch(6)
     with pytest.raises(ParallelMismatch, match=r"Ranks \[1\] kept their own running statistics") as caught:
-        assert_ddp_buffers_match(bn_model(), x, y, loss_fn=F.mse_loss, world_size=2, pool=ddp_pool, ddp_kwargs={"forward_sync_buffers": False})
+        assert_ddp_buffers_match(bn_model(), x, y, loss_fn=F.mse_loss, world_size=2, pool=ddp_pool, ddp_kwargs=NO_BUFFER_SYNC)
     bad = [t.name for t in caught.value.report.tensors if not t.ok]  # type: ignore[attr-defined]
     assert "rank 1 buffer '1.running_mean' at the next forward" in bad
     assert not any(name.startswith("rank 0") for name in bad)
 
 
+@pytest.mark.skipif(not HAS_FORWARD_SYNC_BUFFERS, reason=f"the DDP of torch {torch.__version__} has no forward_sync_buffers")
 def test_torch_deprecates_broadcast_buffers(ddp_pool: DDPWorkerPool) -> None:
     """The issue names broadcast_buffers; torch 2.13 warns it is deprecated for
     forward_sync_buffers (whose False still syncs at construction)."""

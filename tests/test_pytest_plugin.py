@@ -227,6 +227,24 @@ def test_option_wins_over_env_var(
     pytester.runpytest_inprocess("--dpverify-gpus=3").assert_outcomes(passed=1)
 
 
+def test_the_option_reaches_dpverify_itself_and_is_put_back(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, fake_gpus: Callable[[int], None]
+) -> None:
+    """``--dpverify-gpus 0`` caps dpverify's own device count too (virtual devices, gloo
+    ranks), not only the plugin's skips and fixtures; the variable is restored after."""
+    fake_gpus(2)
+    monkeypatch.setenv("DPVERIFY_GPUS", "1")
+    pytester.makepyfile(
+        "import os\n"
+        "from dpverify.core.devices import cuda_device_count\n"
+        "def test_cap():\n"
+        "    assert os.environ['DPVERIFY_GPUS'] == '0'\n"
+        "    assert cuda_device_count() == 0\n"
+    )
+    pytester.runpytest_inprocess("--dpverify-gpus", "0").assert_outcomes(passed=1)
+    assert os.environ["DPVERIFY_GPUS"] == "1"
+
+
 @pytest.mark.parametrize(
     ("args", "env", "message"),
     [

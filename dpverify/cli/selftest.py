@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpverify.checks.registry import CHECKS, Case, Target, Verdict
+from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.text import plural
 from dpverify.ddp.pool import DDPWorkerPool, ProcessGroupRunner, RankRunner
@@ -136,15 +137,25 @@ def _under_torchrun() -> bool:
     return all(name in os.environ for name in TORCHRUN_VARIABLES)
 
 
+def torchrun_backend() -> str:
+    """The backend every rank of this node chooses alike: nccl only when each of the node's
+    ``LOCAL_WORLD_SIZE`` ranks has a CUDA device of its own (``DPVERIFY_GPUS`` caps the count),
+    else gloo. A choice by the rank's own index would split the group (two ranks on one GPU:
+    rank 0 on nccl, rank 1 on gloo) and hang ``init_process_group``.
+    """
+    import torch.distributed as dist
+
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return "nccl" if cuda_device_count() >= local_ranks and dist.is_nccl_available() else "gloo"
+
+
 def _join_torchrun_group(backend: str | None) -> ProcessGroupRunner:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        chosen = backend or ("nccl" if gpus > local_rank and dist.is_nccl_available() else "gloo")
+        chosen = backend or torchrun_backend()
         if chosen == "nccl":
-            torch.cuda.set_device(local_rank)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(chosen)
     return ProcessGroupRunner()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 from dpverify.core.errors import InvalidArgument
 
 __all__ = [
+    "GPUS_ENV",
     "HOST",
     "cuda_device_count",
     "device_index",
@@ -19,6 +21,10 @@ __all__ = [
 
 #: Index torch uses for "gather on the host" (``output_device=-1``).
 HOST = -1
+
+#: The environment variable that caps the CUDA devices dpverify uses (``0``: none, every
+#: DataParallel check on virtual devices and every rank on gloo, even on a GPU machine).
+GPUS_ENV = "DPVERIFY_GPUS"
 
 
 def _index_of(device: Any, argument: str) -> int:
@@ -110,14 +116,45 @@ def normalize_output_device(output_device: Any, device_ids: Sequence[int]) -> in
 _torch_queries: tuple[Callable[[], bool], Callable[[], int]] | None = None
 
 
-def cuda_device_count() -> int:
-    """Number of CUDA devices torch can use here (0 without CUDA); respects CUDA_VISIBLE_DEVICES.
+def _gpu_cap() -> int | None:
+    """The ``DPVERIFY_GPUS`` cap, or None where it is unset.
 
-    The machine's devices, inside ``virtual_devices`` blocks too (where torch reports the
-    virtual ones): dpverify puts a step on real devices only where they exist.
+    Raises:
+        InvalidArgument: the variable is set to something other than a whole number >= 0.
     """
+    text = os.environ.get(GPUS_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        cap = int(text)
+    except ValueError:
+        cap = -1
+    if cap < 0:
+        raise InvalidArgument(
+            f"{GPUS_ENV}={text!r}: set it to a whole number of CUDA devices to use (0 for none), "
+            "or unset it to use every visible device"
+        )
+    return cap
+
+
+def cuda_device_count() -> int:
+    """Number of CUDA devices dpverify may use here (0 without CUDA).
+
+    The machine's devices, after ``CUDA_VISIBLE_DEVICES``, at most ``DPVERIFY_GPUS`` of them,
+    inside ``virtual_devices`` blocks too (where torch reports the virtual ones): dpverify
+    puts a step on real devices only where they exist. ``DPVERIFY_GPUS=0`` runs everything
+    as on a machine without CUDA (virtual devices, gloo ranks), which is how the CPU tier of
+    dpverify's own test suite runs on a GPU machine.
+
+    Raises:
+        InvalidArgument: ``DPVERIFY_GPUS`` is not a whole number >= 0.
+    """
+    cap = _gpu_cap()
+    if cap == 0:
+        return 0  # not even a query: CUDA stays uninitialised
     queries = _torch_queries
     if queries is None:
         queries = (torch.cuda.is_available, torch.cuda.device_count)
     is_available, device_count = queries
-    return device_count() if is_available() else 0
+    count = device_count() if is_available() else 0
+    return count if cap is None else min(count, cap)

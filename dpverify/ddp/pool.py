@@ -189,19 +189,21 @@ def _pickle_task(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
 
 
 def default_backend(world_size: int) -> str:
-    """nccl when CUDA, NCCL and one GPU per rank are there; gloo otherwise."""
-    import torch
+    """nccl when CUDA, NCCL and one GPU per rank are there (``DPVERIFY_GPUS`` caps the
+    GPUs counted); gloo otherwise."""
     import torch.distributed as dist
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus >= world_size and dist.is_nccl_available():
+    from dpverify.core.devices import cuda_device_count
+
+    if cuda_device_count() >= world_size and dist.is_nccl_available():
         return "nccl"
     return "gloo"
 
 
 def _validate_backend(backend: str | None, world_size: int) -> str:
-    import torch
     import torch.distributed as dist
+
+    from dpverify.core.devices import cuda_device_count
 
     if not dist.is_available():
         raise InvalidArgument("this torch build has no torch.distributed; DDP cannot run here")
@@ -210,7 +212,7 @@ def _validate_backend(backend: str | None, world_size: int) -> str:
     if backend not in ("gloo", "nccl"):
         raise InvalidArgument(f"backend={backend!r}: pass 'gloo', 'nccl', or None to choose")
     if backend == "nccl":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpus = cuda_device_count()
         if gpus < world_size or not dist.is_nccl_available():
             raise InvalidArgument(
                 f"backend='nccl' needs one CUDA device per rank: world_size={world_size}, "
