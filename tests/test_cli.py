@@ -85,13 +85,13 @@ def test_verify_prints_a_verdict_and_exits_zero() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("dpverify verify: DataParallel on ")
-    # four models, three splits, two checks each: verify is `check` on the built-in models
-    assert sum(line.lstrip().startswith("PASS") for line in lines) == 23
+    # nine models, three splits, two checks each: verify is `check` on the built-in models
+    assert sum(line.lstrip().startswith("PASS") for line in lines) == 53
     # the loss-in-forward model's loss.mean() on chunks [2, 2, 1] is the trap, as predicted
     warned = [line for line in lines if line.lstrip().startswith("WARN")]
     assert len(warned) == 1
     assert "loss-in-forward  B=5 on 4   loss.mean() of replica losses      biased by +0.133 (chunks [2, 2, 1])" in warned[0]
-    assert lines[-1].startswith("OK: 23 passed, 0 failed, 1 warned in ")
+    assert lines[-1].startswith("OK: 53 passed, 0 failed, 1 warned in ")
     assert result.stderr == ""
 
 
