@@ -275,10 +275,13 @@ def test_ddp_selftest_with_one_rank_says_rank(monkeypatch: pytest.MonkeyPatch, c
     every = _ddp_selftest._checks
     # one check is enough to see the wording; the full self-test is run above
     monkeypatch.setattr(_ddp_selftest, "_checks", lambda world, seed: every(world, seed)[:1])
-    assert main(["ddp-selftest", "--world-size", "1"]) == 0
+    # one rank runs nothing in parallel: no pass, and the exit status of a run that checked nothing
+    assert main(["ddp-selftest", "--world-size", "1"]) == 3
     out = capsys.readouterr().out
     assert "local pool, 1 rank (gloo)" in out
-    assert "OK, 1 of 1 check passed on 1 rank (gloo)" in out
+    assert "SKIP  grads: mlp, even shards" in out
+    assert "nothing runs in parallel on one rank" in out
+    assert "NOTHING CHECKED, 0 of 1 check passed on 1 rank (gloo)" in out
     assert "1 ranks" not in out
     assert "1 checks" not in out
 
