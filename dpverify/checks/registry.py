@@ -13,7 +13,8 @@ end reads ``CHECKS``:
 
 ``CheckSpec.run`` never raises for what the code under test does: a mismatch, an exception
 or a ``sys.exit()`` is a ``FAIL`` with its report; a train-mode BatchNorm or Dropout that
-makes the parallel step differ is ``EXPLAINED``, with the modules; only an
+makes the parallel step differ is ``EXPLAINED``, with the modules; a match where one
+replica forward (or one rank) ran is a ``SKIP``, since nothing ran in parallel; only an
 ``InvalidArgument`` (the case itself cannot be checked) propagates. ``CheckSpec.check``
 is the same check raising the original error, for tests and repro scripts.
 """
