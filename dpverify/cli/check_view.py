@@ -212,7 +212,7 @@ def _render_notes(console: Any, report: ModelCheckReport) -> None:
         elif report.checked_nothing:
             title = "Nothing was checked: every check was skipped"
         else:
-            title = f"Skipped: {plural(len(skipped), 'check')} did not run" + (f" in parallel ({serial} ran one replica)" if serial else "")
+            title = f"Skipped: {plural(len(skipped), 'check')}" + (f", {serial} of them ran one replica (nothing in parallel)" if serial else " did not run")
         console.print(Panel(Text(lines), title=title, title_align="left", border_style="yellow" if report.checked_nothing else "dim"))
     for result in report.failed:
         console.print(Panel(Text(result.detail or result.summary), title=f"FAIL: {result.title}, {result.split.label}", title_align="left", border_style="red"))
