@@ -3,6 +3,7 @@ never a pass unless the replicas really ran."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -328,3 +329,19 @@ def test_every_data_parallel_helper_fails_a_wrapper_that_never_splits(kind: str)
         with pytest.raises(dpverify.ParallelMismatch, match=r"ran one forward of the module where the split calls for 3 replicas") as caught:
             helper()
         assert caught.value.report.replicas == 1, helper.func.__name__
+
+
+class _Doubles(_NoSplit):
+    """Doubles the output, whatever the devices: wrong on one device too."""
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return 2 * self.module(*inputs, **kwargs)
+
+
+def test_a_one_replica_split_skips_a_match_but_keeps_a_mismatch() -> None:
+    case = dataclasses.replace(_kind_case("output"), device_ids=(0,))
+    matched = dpverify.CHECKS["dp-grads"].run(case, dpverify.Target(parallel=_NoSplit))
+    assert matched.serial, matched
+    # a wrapper wrong on its one-device path is wrong: the evidence of a mismatch stands
+    failed = dpverify.CHECKS["dp-grads"].run(case, dpverify.Target(parallel=_Doubles))
+    assert failed.verdict is dpverify.Verdict.FAIL, failed
