@@ -36,10 +36,14 @@ __all__ = [
     "BalancedDataParallel",
     "CriterionParallel",
     "DeviceLoopDataParallel",
+    "DroppedKeywords",
     "FunctionsDataParallel",
+    "IgnoredDim",
+    "MangledDict",
     "OutputsPerDevice",
     "ReduceAddBroadcast",
     "ReduceAddCommBroadcast",
+    "ZeroedReplicaBuffers",
 ]
 
 
@@ -183,3 +187,45 @@ class FunctionsDataParallel(DataParallel):
 
     def gather(self, outputs: Any, output_device: Any) -> Any:
         return Gather.apply(output_device, self.dim, *outputs)
+
+
+# --- bugs that only some models show (``dpverify verify`` must catch each) -------------------
+
+
+class ZeroedReplicaBuffers(DataParallel):
+    """Gives every replica but the first zeroed buffers (a replicate that copies parameters
+    only and makes fresh buffers): invisible to a model that reads no buffer in forward."""
+
+    def replicate(self, module: nn.Module, device_ids: Sequence[Any]) -> Any:
+        replicas = super().replicate(module, device_ids)
+        for replica in replicas[1:]:
+            for sub in replica.modules():
+                for name, buffer in sub._buffers.items():
+                    if buffer is not None:
+                        sub._buffers[name] = torch.zeros_like(buffer)
+        return replicas
+
+
+class DroppedKeywords(DataParallel):
+    """Scatters the positional inputs only: keyword arguments never reach the replicas."""
+
+    def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Sequence[Any]) -> Any:
+        return super().scatter(inputs, {}, device_ids)
+
+
+class IgnoredDim(DataParallel):
+    """Takes ``dim=`` and drops it: splits and gathers along dim 0 whatever it is asked."""
+
+    def __init__(self, module: nn.Module, device_ids: Any = None, output_device: Any = None, dim: int = 0) -> None:
+        super().__init__(module, device_ids=device_ids, output_device=output_device)
+
+
+class MangledDict(DataParallel):
+    """Gathers a dict output's values under each other's keys (values taken in reverse key
+    order): tensors, tuples and the loss are gathered right."""
+
+    def gather(self, outputs: Any, output_device: Any) -> Any:
+        gathered = super().gather(outputs, output_device)
+        if isinstance(gathered, dict):
+            return dict(zip(gathered, reversed(list(gathered.values())), strict=True))
+        return gathered

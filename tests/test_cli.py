@@ -85,13 +85,13 @@ def test_verify_prints_a_verdict_and_exits_zero() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("dpverify verify: DataParallel on ")
-    # four models, three splits, two checks each: verify is `check` on the built-in models
-    assert sum(line.lstrip().startswith("PASS") for line in lines) == 23
+    # nine models, three splits, two checks each: verify is `check` on the built-in models
+    assert sum(line.lstrip().startswith("PASS") for line in lines) == 53
     # the loss-in-forward model's loss.mean() on chunks [2, 2, 1] is the trap, as predicted
     warned = [line for line in lines if line.lstrip().startswith("WARN")]
     assert len(warned) == 1
     assert "loss-in-forward  B=5 on 4   loss.mean() of replica losses      biased by +0.133 (chunks [2, 2, 1])" in warned[0]
-    assert lines[-1].startswith("OK: 23 passed, 0 failed, 1 warned in ")
+    assert lines[-1].startswith("OK: 53 passed, 0 failed, 1 warned in ")
     assert result.stderr == ""
 
 
@@ -275,10 +275,13 @@ def test_ddp_selftest_with_one_rank_says_rank(monkeypatch: pytest.MonkeyPatch, c
     every = _ddp_selftest._checks
     # one check is enough to see the wording; the full self-test is run above
     monkeypatch.setattr(_ddp_selftest, "_checks", lambda world, seed: every(world, seed)[:1])
-    assert main(["ddp-selftest", "--world-size", "1"]) == 0
+    # one rank runs nothing in parallel: no pass, and the exit status of a run that checked nothing
+    assert main(["ddp-selftest", "--world-size", "1"]) == 3
     out = capsys.readouterr().out
     assert "local pool, 1 rank (gloo)" in out
-    assert "OK, 1 of 1 check passed on 1 rank (gloo)" in out
+    assert "SKIP  grads: mlp, even shards" in out
+    assert "nothing runs in parallel on one rank" in out
+    assert "NOTHING CHECKED, 0 of 1 check passed on 1 rank (gloo)" in out
     assert "1 ranks" not in out
     assert "1 checks" not in out
 

@@ -214,3 +214,48 @@ def test_explain_unusable_parallel_is_a_usage_error(wrapper: str, message: str, 
     assert message in err
     if wrapper == PER_DEVICE:
         assert "dpverify check --parallel MODULE:CALLABLE --parallel-loss MODULE:CALLABLE" in err
+
+
+# --- verify -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("wrapper", "model"),
+    [
+        ("ZeroedReplicaBuffers", "buffered"),
+        ("DroppedKeywords", "keywords"),
+        ("IgnoredDim", "time-major"),
+        ("MangledDict", "dict-output"),
+    ],
+)
+def test_verify_catches_a_bug_that_only_one_kind_of_model_shows(wrapper: str, model: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "--parallel", f"dp_lookalikes:{wrapper}"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    failed = {line.split()[1] for line in lines if line.startswith("  FAIL  ")}
+    # the model made for the bug fails, on every split; the others pass: each bug needs its model
+    assert failed == {model}
+    assert sum(line.lstrip().startswith(f"FAIL  {model} ") for line in lines) == 6
+    assert lines[-1].startswith("FAILED: 47 passed, 6 failed, 1 warned")
+
+
+def test_verify_passes_a_correct_wrapper_and_says_what_it_covered(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "--parallel", "dp_lookalikes:DeviceLoopDataParallel"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    covered = next(line for line in lines if line.startswith("covered: "))
+    for behaviour in (
+        "buffers read in forward (buffered)", "loss computed in forward (loss-in-forward)", "keyword arguments (keywords)",
+        "split along dim=1 (time-major)", "tuple output (loss-in-forward, tuple-output)", "dict output (dict-output)",
+    ):
+        assert behaviour in covered
+    assert "splits: B=8 on 2 (chunks [4, 4]), B=5 on 4 (chunks [2, 2, 1]), B=2 on 4 (chunks [1, 1])" in lines
+    assert not any(line.startswith("not covered") for line in lines)
+    assert lines[-1].startswith("OK: 53 passed, 0 failed, 1 warned")
+
+
+def test_verify_on_some_models_says_what_it_left_out(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "--models", "mlp", "keywords"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "covered: tensor output (mlp); keyword arguments (keywords)" in lines
+    missing = next(line for line in lines if line.startswith("not covered: "))
+    assert "buffers read in forward" in missing
+    assert "split along dim=1" in missing

@@ -3,6 +3,7 @@ never a pass unless the replicas really ran."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -217,3 +218,130 @@ def test_the_buffer_check_compares_with_what_replica_zero_really_ran() -> None:
     balanced = functools.partial(BalancedDataParallel, 1)  # replica 0 gets 1 row, not 2
     result = dpverify.assert_dp_buffers_match(BufferCounter(4, 3), x, device_ids=[0, 1, 2, 3], parallel=balanced)
     assert "Replica 0 ran on 1 row;" in "\n".join(result.notes)
+
+
+# --- no vacuous pass, on any model kind -----------------------------------------------------
+
+
+class _NoSplit(nn.Module):
+    """A wrapper whose forward is ``self.module(*inputs, **kwargs)``: it never splits."""
+
+    def __init__(self, module: nn.Module, device_ids: list[int], output_device: int | None = None) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.module(*inputs, **kwargs)
+
+
+class _Kinds(nn.Module):
+    """One model of every kind a forward can be: it returns a tensor, its loss (a scalar or
+    a dict with a ``loss`` key), a dict or a tuple, called positionally or keyword-only. It
+    reads a buffer, so that the buffer check applies too."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.linear = nn.Linear(4, 3)
+        self.register_buffer("scale", torch.full((1,), 1.5))
+
+    def _forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Any:
+        out = self.linear(x) * self.scale
+        if self.kind == "dict":
+            return {"pred": out, "aux": out.detach().sum(-1)}
+        if self.kind == "tuple":
+            return out, x.sum(-1)
+        if y is None:
+            return out
+        loss = F.mse_loss(out, y)
+        return {"pred": out, "loss": loss} if self.kind == "loss-dict" else loss
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.kind.startswith("keyword-only"):
+            assert not args, "keyword-only"
+            return self._forward(kwargs["x"], kwargs.get("y"))
+        return self._forward(*args)
+
+
+_KINDS = ["output", "loss", "loss-dict", "keyword-only", "keyword-only-loss", "dict", "tuple"]
+
+
+def _kind_case(kind: str) -> dpverify.Case:
+    torch.manual_seed(0)
+    x, y = _batch(6)
+    module = _Kinds(kind)
+    returns_loss = "loss" in kind
+    loss_fn: Any = None
+    if not returns_loss:
+        def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+            pred = out["pred"] if isinstance(out, dict) else out[0] if isinstance(out, tuple) else out
+            return F.mse_loss(pred, target)
+    arguments = {"x": x, **({"y": y} if returns_loss else {})}
+    if kind.startswith("keyword-only"):
+        return dpverify.Case(module, (), None if returns_loss else y, loss_fn, (0, 1, 2), forward_kwargs=arguments)
+    return dpverify.Case(module, tuple(arguments.values()), None if returns_loss else y, loss_fn, (0, 1, 2))
+
+
+#: every DataParallel check of the registry that takes a wrapper (dp-state checks torch's
+#: own), with each model kind it applies to
+_KIND_CHECKS = [
+    (kind, name) for kind in _KINDS for name, spec in dpverify.CHECKS.items()
+    if spec.backend == "dp" and name != "dp-state" and spec.applies(_kind_case(kind))
+]
+
+
+def test_every_model_kind_meets_the_checks_meant_for_it() -> None:
+    assert {kind for kind, _ in _KIND_CHECKS} == set(_KINDS)
+    names = {name for _, name in _KIND_CHECKS}
+    assert names == {"dp-grads", "dp-grad-sum", "dp-loss-average", "dp-weighted-loss", "dp-buffers"}
+
+
+@pytest.mark.parametrize(("kind", "name"), _KIND_CHECKS)
+def test_a_wrapper_that_never_splits_fails_every_check_on_every_model_kind(kind: str, name: str) -> None:
+    case = _kind_case(kind)
+    spec = dpverify.CHECKS[name]
+    # torch's DataParallel passes the same case: what fails is the wrapper's one forward
+    assert spec.run(case).verdict is dpverify.Verdict.PASS
+    result = spec.run(case, dpverify.Target(parallel=_NoSplit))
+    assert result.verdict is dpverify.Verdict.FAIL, result
+    assert result.summary.startswith("The parallel step ran one forward of the module where the split calls for 3 replicas (chunks [2, 2, 2])")
+
+
+@pytest.mark.parametrize("kind", _KINDS)
+def test_every_data_parallel_helper_fails_a_wrapper_that_never_splits(kind: str) -> None:
+    case = _kind_case(kind)
+    common: dict[str, Any] = {"device_ids": [0, 1, 2], "parallel": _NoSplit, "forward_kwargs": case.forward_kwargs}
+    helpers: list[Any] = [functools.partial(dpverify.assert_dp_buffers_match, case.module, case.inputs, **common)]
+    if case.loss_fn is None:
+        helpers += [
+            functools.partial(dpverify.check_forward_loss_average, case.module, case.inputs, **common),
+            functools.partial(
+                dpverify.assert_loss_reduction_matches_full_batch, case.module, case.inputs,
+                reduce=lambda losses, sizes: dpverify.chunk_weighted_loss(losses, sizes), **common,
+            ),
+        ]
+    else:
+        helpers += [
+            functools.partial(helper, case.module, case.inputs, case.target, loss_fn=case.loss_fn, **common)
+            for helper in (dpverify.assert_dp_grads_match, dpverify.assert_grad_sum_equals_mean_loss_grad)
+        ]
+    for helper in helpers:
+        with pytest.raises(dpverify.ParallelMismatch, match=r"ran one forward of the module where the split calls for 3 replicas") as caught:
+            helper()
+        assert caught.value.report.replicas == 1, helper.func.__name__
+
+
+class _Doubles(_NoSplit):
+    """Doubles the output, whatever the devices: wrong on one device too."""
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return 2 * self.module(*inputs, **kwargs)
+
+
+def test_a_one_replica_split_skips_a_match_but_keeps_a_mismatch() -> None:
+    case = dataclasses.replace(_kind_case("output"), device_ids=(0,))
+    matched = dpverify.CHECKS["dp-grads"].run(case, dpverify.Target(parallel=_NoSplit))
+    assert matched.serial, matched
+    # a wrapper wrong on its one-device path is wrong: the evidence of a mismatch stands
+    failed = dpverify.CHECKS["dp-grads"].run(case, dpverify.Target(parallel=_Doubles))
+    assert failed.verdict is dpverify.Verdict.FAIL, failed

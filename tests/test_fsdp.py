@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.ddp.pool import DDPWorkerPool
@@ -416,3 +418,51 @@ def test_a_tiny_gpt2_with_tied_embeddings_is_sharded_around_the_tied_weight(ddp_
     assert "fully_shard on ['transformer.h.0', 'transformer.h.1', 'transformer.wpe', 'transformer.ln_f', '(root)'] modules" in result.scenario
     assert "'lm_head'" not in result.scenario
     assert "'transformer.wte'" not in result.scenario
+
+
+# --- evidence by the parameters, and fully_shard's keywords -----------------------------------
+
+MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def own_fully_shard_step(ctx: FSDPContext) -> Any:
+    """Shards with ``fully_shard`` itself, under mixed precision, never calling ``ctx.fsdp()``."""
+    for name in ctx.shard_modules:
+        fully_shard(ctx.module.get_submodule(name), mesh=init_device_mesh("cpu", (ctx.world_size,)), mp_policy=MIXED)
+    output = ctx.module(*ctx.inputs, **ctx.kwargs)
+    ctx.loss_fn(output, ctx.target).backward()
+    return output
+
+
+def mixed_precision_step(ctx: FSDPContext) -> Any:
+    model = ctx.fsdp(mp_policy=MIXED, reshard_after_forward=False)
+    output = model(*ctx.inputs, **ctx.kwargs)
+    ctx.loss_fn(output, ctx.target).backward()
+    return output
+
+
+def halved_mixed_precision_step(ctx: FSDPContext) -> Any:
+    model = ctx.fsdp(mp_policy=MIXED)
+    output = model(*ctx.inputs, **ctx.kwargs)
+    (ctx.loss_fn(output, ctx.target) / 2).backward()
+    return output
+
+
+@pytest.mark.parametrize("step", [own_fully_shard_step, mixed_precision_step], ids=["own-fully-shard", "ctx-fsdp-keywords"])
+def test_a_correct_mixed_precision_step_passes_whoever_sharded(ddp_pool: DDPWorkerPool, step: Callable[[FSDPContext], Any]) -> None:
+    x, y = batch(6)
+    result = assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=step, pool=ddp_pool)
+    # sharded: judged by the parameters (DTensor shards), not by which helper sharded them
+    assert any(note.startswith("Sharding ran: every rank held its 4 parameters as DTensors") for note in result.notes)
+    # the reference ran in the policy's param_dtype, anchored in float64
+    assert any(note.startswith("Mixed precision: the ranks' fully_shard computed in bfloat16") for note in result.notes)
+    assert "bfloat16 roundoff" in result.tolerance
+
+
+def test_mixed_precision_still_fails_a_wrong_step(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch(6)
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=halved_mixed_precision_step, pool=ddp_pool)
+    failing = [t.name for t in caught.value.report.tensors if not t.ok]  # type: ignore[attr-defined]
+    # half the gradient is beyond bfloat16's rounding: the reference's precision is no free pass
+    assert any(name.startswith("rank 0 grad") for name in failing), failing

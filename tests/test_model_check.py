@@ -392,3 +392,47 @@ def test_check_parallel_checks_your_wrapper(capsys: pytest.CaptureFixture[str]) 
     assert out.splitlines()[-1] == "FAILED: 0 passed, 2 failed"
     assert main([*args, "--parallel", "dpverify.mutants:ScratchDataParallel"]) == 0
     assert main([*args, "--parallel", "no_such_module:X"]) == 2
+
+
+@pytest.mark.parametrize("name", ["mlp", "loss-in-forward"])
+def test_a_split_that_ran_one_replica_is_no_pass(name: str) -> None:
+    # one device, and one row on two devices, run one replica: nothing ran in parallel
+    report = check_model(builtin_model(name, seed=0), splits=[(4, 1), (1, 2), (4, 2)], checks=("dp-grads", "dp-grad-sum", "dp-loss-average", "dp-weighted-loss", "dp-buffers", "dp-state"))
+    serial = [r for r in report.results if r.split.devices == 1 or r.split.batch_size == 1]
+    parallel = [r for r in report.results if r not in serial]
+    assert serial
+    assert parallel
+    for result in serial:
+        assert result.serial, result
+        assert result.replicas == 1
+        assert "1 replica forward ran" in result.summary
+        assert "nothing ran in parallel" in result.summary
+    assert all(r.verdict in (Verdict.PASS, Verdict.WARN) and not r.serial for r in parallel)
+    # some splits ran in parallel: the run checked something
+    assert not report.checked_nothing
+
+
+def test_a_run_where_only_one_replica_ran_checked_nothing() -> None:
+    report = check_model(builtin_model("mlp", seed=0), splits=[(5, 1), (1, 4)])
+    assert report.results
+    assert report.checked_nothing
+    assert all(r.serial for r in report.results)
+
+
+@pytest.mark.parametrize(("devices", "code"), [(["1"], 3), (["1", "2"], 0)])
+def test_check_on_one_device_says_nothing_ran_in_parallel(devices: list[str], code: int, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--model", "mlp", "--batch-sizes", "5", "--devices", *devices, "--no-color"]) == code
+    out = capsys.readouterr().out
+    assert "DP grads match one device, B=5 on 1: 1 replica forward ran (chunks [5]): nothing ran in" in " ".join(out.split())
+    if code == 3:
+        assert "Nothing ran in parallel: every check ran one replica" in out
+        assert out.splitlines()[-1] == "NOTHING CHECKED: 0 passed, 0 failed, 2 skipped"
+    else:
+        assert "Skipped: 2 checks, 2 of them ran one replica (nothing in parallel)" in out
+        assert out.splitlines()[-1] == "OK: 2 passed, 0 failed, 2 skipped"
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+def test_one_rank_runs_nothing_in_parallel(backend: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--model", "mlp", "--backend", backend, "--batch-sizes", "4", "--devices", "1", "--no-color"]) == 3
+    assert "nothing runs in parallel on one rank" in capsys.readouterr().out

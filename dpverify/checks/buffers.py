@@ -10,6 +10,7 @@ and ``num_batches_tracked``, and spectral norm's power-iteration vectors, rely o
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,8 +45,13 @@ class _ReplicaZero:
         self.device = device
         self.args: tuple[Any, ...] | None = None
         self.kwargs: dict[str, Any] = {}
+        #: every replica forward seen: the evidence that the step ran in parallel
+        self.forwards = 0
+        self._lock = threading.Lock()
 
     def see(self, replica: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        with self._lock:  # replicas run in concurrent threads
+            self.forwards += 1
         where = replica_device(first_batched(args))
         if where is None:  # one device: the module itself, on device_ids[0]
             where = self.device
@@ -135,4 +141,5 @@ def assert_dp_buffers_match(
         "torch keeps its in-place buffer updates and drops the other replicas'."
     ]
     title = "Buffers after the parallel step must be those replica 0 left"
-    return raise_unless_ok(check.outcome(title, rows, notes=notes), msg)
+    ran = replica_zero.forwards
+    return raise_unless_ok(check.outcome(title, rows, notes=notes, failures=check.replica_failures(ran), replicas=ran), msg)

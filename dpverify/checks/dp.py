@@ -547,6 +547,41 @@ class Check:
         # round with heavy tails. Passing checks never pay for this step.
         return compare(True)
 
+    def replica_failures(self, ran: int) -> list[str]:
+        """A failure unless the parallel step really ran in parallel, judged by the
+        ``ran`` replica forwards its hooks saw: fewer than two where the split calls for
+        two or more matched nothing parallel (a torch.nn.DataParallel built without CUDA
+        devices runs the module once, on the whole batch), so it is never a pass, whatever
+        the model returns (an output, a dict, its own loss)."""
+        planned = self.plan.n_replicas
+        if ran == 0:
+            return [
+                "No replica ran a forward of the module's copies: the wrapper never called the "
+                "module (or a copy of it made with Module._replicate_for_data_parallel or deepcopy)."
+            ]
+        if planned < 2 or ran >= 2:
+            return []
+        return [
+            f"The parallel step ran one forward of the module where the split calls for {planned} replicas "
+            f"(chunks {list(self.plan.chunk_sizes)}): nothing ran in parallel, so a match would "
+            "say nothing. A wrapper that calls the module on the whole batch (as "
+            "torch.nn.DataParallel does when it finds no CUDA device) does this; dpverify runs "
+            "wrappers inside dpverify.virtual_devices, where torch's primitives are virtual, so "
+            "one that still does not split the batch decides not to."
+        ]
+
+    def serial_notes(self, ran: int) -> list[str]:
+        """A note when the split itself calls for one replica (one device, or one row) and
+        one ran: the step compared the wrapper's one-device path, nothing parallel."""
+        if ran >= 2 or self.plan.n_replicas >= 2:
+            return []
+        rows = sum(self.plan.chunk_sizes)
+        return [
+            f"Nothing ran in parallel: {rows} row{'s' if rows != 1 else ''} on device_ids {list(self.device_ids)} "
+            f"make one chunk, so one replica forward ran; this match checks only the wrapper's "
+            "one-device path. Use at least two devices and two rows to check the parallel step."
+        ]
+
     def outcome(
         self,
         check: str,
@@ -557,12 +592,18 @@ class Check:
         failures: Sequence[str] = (),
         scale: float | None = None,
         step: StepResult | None = None,
+        replicas: int | None = None,
     ) -> StepComparison:
         """The comparison's report; its scenario is the split ``step`` (the parallel step)
-        really ran, when given."""
+        really ran, when given, and its ``replicas`` the replica forwards ``step`` recorded
+        (or ``replicas``), with a note when that is one on a one-chunk split."""
+        if replicas is None and step is not None:
+            replicas = len(step.contributions)
+        if replicas is not None:
+            notes = [*notes, *self.serial_notes(replicas)]
         return step_comparison(
             check, self.scenario_of(step), self.tolerance, self.dtype, self.module, rows,
-            contrasts=contrasts, notes=notes, failures=failures, scale=scale,
+            contrasts=contrasts, notes=notes, failures=failures, scale=scale, replicas=replicas,
         )
 
 
@@ -1060,34 +1101,11 @@ def assert_dp_grads_match(
     parallel_step, refs = _steps(check, loss_fn, target, take=False)
     title = "DataParallel outputs and gradients must match the single-device step"
     rows = check.compare(parallel_step, refs)
-    failures = _replicas_ran(check, parallel_step) + _gathered_elsewhere(check, parallel_step)
+    failures = check.replica_failures(len(parallel_step.contributions)) + _gathered_elsewhere(check, parallel_step)
     failed = bool(failures) or not all(row.ok for row in rows)
     notes, scale = _diagnose(check, parallel_step, refs, loss_fn, target) if failed else ([], None)
     notes = _per_replica_note(parallel_step, refs.expected) + notes
     return raise_unless_ok(check.outcome(title, rows, notes=notes, failures=failures, scale=scale, step=parallel_step), msg)
-
-
-def _replicas_ran(check: Check, step: StepResult) -> list[str]:
-    """A failure unless the parallel step really ran in parallel: a step with fewer than two
-    replica forwards where the split calls for two or more matched nothing parallel (a
-    torch.nn.DataParallel built without CUDA devices runs the module once, on the whole
-    batch), so it is never a pass."""
-    ran, planned = len(step.contributions), check.plan.n_replicas
-    if ran == 0:
-        return [
-            "No replica ran a forward of the module's copies: the wrapper never called the "
-            "module (or a copy of it made with Module._replicate_for_data_parallel or deepcopy)."
-        ]
-    if planned < 2 or ran >= 2:
-        return []
-    return [
-        f"The parallel step ran one forward of the module where the split calls for {planned} replicas "
-        f"(chunks {list(check.plan.chunk_sizes)}): nothing ran in parallel, so a match would "
-        "say nothing. A wrapper that calls the module on the whole batch (as "
-        "torch.nn.DataParallel does when it finds no CUDA device) does this; dpverify runs "
-        "wrappers inside dpverify.virtual_devices, where torch's primitives are virtual, so "
-        "one that still does not split the batch decides not to."
-    ]
 
 
 def _diagnose(
@@ -1248,7 +1266,7 @@ def assert_grad_sum_equals_mean_loss_grad(
     title = "Replica gradients must sum to the full-batch mean-loss gradient"
     contributions = [grads for _device, grads in parallel_step.contributions]
     replicas = len(contributions)
-    failures = _replicas_ran(check, parallel_step)
+    failures = check.replica_failures(len(parallel_step.contributions))
     rows: list[TensorComparison] = []
     contrasts: list[TensorComparison] = []
     averages_differ = False

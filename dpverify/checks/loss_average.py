@@ -138,6 +138,8 @@ class _ObservedRows:
         self.ignore_indices = tuple(ignore_indices)
         self.order = {device: position for position, device in enumerate(device_ids)}
         self.seen: list[_Seen] = []
+        #: every replica forward, with rows or not: the evidence that the step ran in parallel
+        self.forwards = 0
         self._lock = threading.Lock()
         self._handle = model.register_forward_pre_hook(self._see, with_kwargs=True)
 
@@ -146,6 +148,8 @@ class _ObservedRows:
         return self
 
     def _see(self, replica: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        with self._lock:
+            self.forwards += 1
         first = first_batched((args, kwargs))
         if first is None:
             return
@@ -293,6 +297,8 @@ class LossAverageReport:
         normalizer_given: the value each replica received, in replica order.
         items: what is counted: ``"rows"``, ``"tokens (labels != -100, shifted)"``, or
             ``"items"`` for a count given with ``items=``.
+        replicas: the replica forwards seen to run (forward hooks), None when not counted;
+            one ran nothing in parallel (a one-device or one-row split).
     """
 
     batch_size: int
@@ -317,6 +323,7 @@ class LossAverageReport:
     normalizer: str = ""
     normalizer_full: float | None = None
     normalizer_given: tuple[float, ...] = ()
+    replicas: int | None = None
 
     @property
     def counts(self) -> tuple[int, ...]:
@@ -678,6 +685,8 @@ def check_forward_loss_average(
 
     Raises:
         InvalidArgument: bad arguments, or a forward that returns no per-replica scalar loss.
+        ParallelMismatch: the wrapper ran fewer than two replica forwards where the split
+            calls for two or more (one loss of the whole batch measures nothing parallel).
     """
     check = Check.create(module, inputs, device_ids=device_ids, parallel=parallel, forward_kwargs=forward_kwargs, dim=dim)
     single_given = _per_call(per_call_kwargs, 1, check.kwargs)
@@ -701,6 +710,11 @@ def check_forward_loss_average(
         try:
             with check.devices():
                 output = check.wrap(parallel_model)(*args, **parallel_kwargs)
+            failures = check.replica_failures(observed.forwards)
+            if failures:
+                # one loss of the whole batch is no replica loss: nothing to measure
+                title = "loss.mean() of replica losses needs a loss from each replica"
+                raise_unless_ok(check.outcome(title, [], failures=failures, replicas=observed.forwards), None)
             # the replicas that ran (a balanced wrapper can run more than torch's scatter would)
             losses = _replica_losses(output, loss_at, len(observed.seen) or check.plan.n_replicas)
         except IndexError as error:
@@ -807,6 +821,7 @@ def check_forward_loss_average(
         item_counts=tuple(counts),
         items=item_kind,
         **_normalizer_fields(single_given, observed, losses.numel()),
+        replicas=observed.forwards,
     )
 
 
@@ -857,7 +872,8 @@ def assert_loss_reduction_matches_full_batch(
     arguments are as in ``assert_dp_grads_match``.
 
     Raises:
-        ParallelMismatch: the reduced loss or its gradients differ, with the bias.
+        ParallelMismatch: the reduced loss or its gradients differ, with the bias; or the
+            wrapper ran fewer than two replica forwards where the split calls for more.
     """
     __tracebackhide__ = True
     if not callable(reduce):
@@ -930,7 +946,8 @@ def assert_loss_reduction_matches_full_batch(
             "i by n_i/B instead."
         )
     title = "The reduced per-replica loss must equal the full-batch loss"
-    return raise_unless_ok(check.outcome(title, rows, notes=notes), msg)
+    ran = len(parallel_step.contributions)
+    return raise_unless_ok(check.outcome(title, rows, notes=notes, failures=check.replica_failures(ran), step=parallel_step), msg)
 
 
 def _takes_three(reduce: Callable[..., Any]) -> bool:

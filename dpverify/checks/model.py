@@ -83,7 +83,8 @@ class ModelCheckReport:
 
     @property
     def checked_nothing(self) -> bool:
-        """Whether no check ran: every one was skipped (or none was planned)."""
+        """Whether no check ran: every one was skipped (or none was planned), those that
+        ran one replica forward included (nothing ran in parallel there)."""
         return all(r.verdict is Verdict.SKIP for r in self.results)
 
     def count(self, verdict: Verdict) -> int:

@@ -13,7 +13,8 @@ end reads ``CHECKS``:
 
 ``CheckSpec.run`` never raises for what the code under test does: a mismatch, an exception
 or a ``sys.exit()`` is a ``FAIL`` with its report; a train-mode BatchNorm or Dropout that
-makes the parallel step differ is ``EXPLAINED``, with the modules; only an
+makes the parallel step differ is ``EXPLAINED``, with the modules; a match where one
+replica forward (or one rank) ran is a ``SKIP``, since nothing ran in parallel; only an
 ``InvalidArgument`` (the case itself cannot be checked) propagates. ``CheckSpec.check``
 is the same check raising the original error, for tests and repro scripts.
 """
@@ -248,6 +249,9 @@ class CheckResult:
         groups: the modules that explain an ``EXPLAINED`` verdict.
         error: what the check raised (a ``ParallelMismatch`` or the code's exception).
         eval_copy: the case was an eval-mode copy of the model (the title says so too).
+        replicas: the replica forwards (DataParallel) or ranks the parallel step was seen
+            to run, where counted; a check that ran one is a ``SKIP``: nothing ran in
+            parallel, so a match there is no pass.
     """
 
     check: str
@@ -263,6 +267,12 @@ class CheckResult:
     groups: tuple[SourceGroup, ...] = ()
     error: BaseException | None = field(default=None, compare=False)
     eval_copy: bool = False
+    replicas: int | None = None
+
+    @property
+    def serial(self) -> bool:
+        """Skipped because one replica or rank ran: nothing ran in parallel."""
+        return self.verdict is Verdict.SKIP and self.replicas is not None and self.replicas < 2
 
     @property
     def ok(self) -> bool:
@@ -377,7 +387,12 @@ class CheckSpec:
             if groups:
                 return _explained(result, groups, tensors)
             worst = _worst(tensors)
-            summary = f"{worst.name}: {worst.max_abs:.3g} > {worst.allowed:.3g} allowed" if worst else str(failure).splitlines()[0]
+            if worst is not None:
+                summary = f"{worst.name}: {worst.max_abs:.3g} > {worst.allowed:.3g} allowed"
+            elif comparison is not None and comparison.failures:
+                summary = _first_sentence(comparison.failures[0])
+            else:
+                summary = str(failure).splitlines()[0]
             loss = failure.report if isinstance(failure.report, LossAverageReport) else None
             return result(
                 Verdict.FAIL, summary, detail=str(failure), tensors=tensors, error=failure,
@@ -388,9 +403,21 @@ class CheckSpec:
             if groups and ONE_ROW_BATCHNORM in str(error):
                 return _explained(result, groups, ())
             return result(Verdict.FAIL, describe_exception(error), detail=failure_detail(error), error=error)
+        if report.replicas is not None and report.replicas < 2:
+            # the evidence, not the plan: a match of one replica's forward checked nothing parallel
+            return result(
+                Verdict.SKIP,
+                f"{report.replicas} replica forward ran (chunks {list(case.chunk_sizes)}): nothing ran in parallel",
+                replicas=report.replicas,
+            )
         if isinstance(report, LossAverageReport):
-            return _loss_verdict(result, report)
-        return result(Verdict.PASS, f"worst at {report.worst_ratio:.2g} of tolerance", tensors=report.tensors)
+            return _loss_verdict(result, report, replicas=report.replicas)
+        return result(Verdict.PASS, f"worst at {report.worst_ratio:.2g} of tolerance", tensors=report.tensors, replicas=report.replicas)
+
+
+def _first_sentence(text: str) -> str:
+    head, dot, _rest = text.partition(". ")
+    return head + dot.strip()
 
 
 def _explained(result: Callable[..., CheckResult], groups: Sequence[SourceGroup], tensors: tuple[TensorComparison, ...]) -> CheckResult:
@@ -404,9 +431,9 @@ def _loss_fields(report: LossAverageReport | None) -> dict[str, Any]:
     return {} if report is None else {"bias": report.loss_bias, "chunks": tuple(report.chunk_sizes)}
 
 
-def _loss_verdict(result: Callable[..., CheckResult], report: LossAverageReport) -> CheckResult:
+def _loss_verdict(result: Callable[..., CheckResult], report: LossAverageReport, **extra: Any) -> CheckResult:
     chunks = str(list(report.chunk_sizes))
-    fields = _loss_fields(report) | {"detail": str(report)}
+    fields = _loss_fields(report) | {"detail": str(report)} | extra
     if not report.is_biased:
         return result(Verdict.PASS, f"exact here (chunks {chunks})", **fields)
     if report.empty_replicas:
@@ -501,7 +528,8 @@ def _dp_state(case: Case, target: Target) -> Report:
         what = "calls (an attribute set in forward) must be lost on every replica"
     if seen != expected:
         raise ParallelMismatch(f"{what}: expected {expected}, found {seen}; chunks {case.chunk_sizes}")
-    return StepComparison(check=what, scenario=f"chunks {case.chunk_sizes}", tolerance="exact", tensors=())
+    # torch's own DataParallel: one replica per chunk
+    return StepComparison(check=what, scenario=f"chunks {case.chunk_sizes}", tolerance="exact", tensors=(), replicas=len(case.chunk_sizes))
 
 
 def _ddp() -> Any:
@@ -606,6 +634,8 @@ def _sharded_skip(backend: str, case: Case) -> str | None:
     """Why a sharded check cannot run on ``case``: no loss function, another dimension,
     too few rows for the ranks that split the batch, or no layout of ``backend`` for the
     model (``Case.layout_for`` says why)."""
+    if (one := _one_rank(case)) is not None:
+        return one
     if case.loss_fn is None:
         return "needs loss_fn(output, target); this forward returns its loss"
     if case.dim != 0:
@@ -653,7 +683,15 @@ def _one_row_chunk_batchnorm(case: Case, sizes: Sequence[int]) -> str | None:
     return None
 
 
+def _one_rank(case: Case) -> str | None:
+    if case.world_size < 2:
+        return "nothing runs in parallel on one rank; pass at least 2 devices"
+    return None
+
+
 def _ddp_skip(case: Case, *, rows_per_rank: int = 1) -> str | None:
+    if (one := _one_rank(case)) is not None:
+        return one
     if case.loss_fn is None:
         return "needs loss_fn(output, target); this forward returns its loss"
     if case.dim != 0:

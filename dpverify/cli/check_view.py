@@ -206,7 +206,13 @@ def _render_notes(console: Any, report: ModelCheckReport) -> None:
     if skipped:
         # the reasons, so that a skip is a decision to read rather than a silent gap
         lines = "\n".join(f"{r.title}, {r.split.label}: {r.summary}" for r in skipped)
-        title = "Nothing was checked: every check was skipped" if report.checked_nothing else f"Skipped: {plural(len(skipped), 'check')} did not run"
+        serial = sum(r.serial for r in skipped)
+        if report.checked_nothing and serial == len(skipped):
+            title = "Nothing ran in parallel: every check ran one replica (one device, or one row)"
+        elif report.checked_nothing:
+            title = "Nothing was checked: every check was skipped"
+        else:
+            title = f"Skipped: {plural(len(skipped), 'check')}" + (f", {serial} of them ran one replica (nothing in parallel)" if serial else " did not run")
         console.print(Panel(Text(lines), title=title, title_align="left", border_style="yellow" if report.checked_nothing else "dim"))
     for result in report.failed:
         console.print(Panel(Text(result.detail or result.summary), title=f"FAIL: {result.title}, {result.split.label}", title_align="left", border_style="red"))

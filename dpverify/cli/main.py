@@ -28,12 +28,13 @@ from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.text import plural
 from dpverify.core.tracebacks import describe_exception, user_traceback
-from dpverify.models.builtin import BUILTIN_MODELS
+from dpverify.models.builtin import BUILTIN_MODELS, VERIFY_MODELS, builtin_case
 from dpverify.models.user import UserModel, builtin_model
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from dpverify.checks.registry import CheckResult
     from dpverify.cli.fuzz import FuzzConfig, FuzzReport
 
 __all__ = [
@@ -107,12 +108,12 @@ def _load_callable(spec: str | None, option: str, what: str) -> Any:
 def _verify(args: argparse.Namespace) -> int:
     """``check`` on the built-in models, one line per check, for a wrapper under test."""
     from dpverify.checks.model import check_model
-    from dpverify.checks.registry import CheckResult, Target, Verdict
+    from dpverify.checks.registry import Target, Verdict
 
-    models = args.models or list(BUILTIN_MODELS)
-    unknown = sorted(set(models) - set(BUILTIN_MODELS))
+    models = args.models or list(VERIFY_MODELS)
+    unknown = sorted(set(models) - set(VERIFY_MODELS))
     if unknown:
-        raise InvalidArgument(f"unknown --models {unknown}; choose from {sorted(BUILTIN_MODELS)}")
+        raise InvalidArgument(f"unknown --models {unknown}; choose from {sorted(VERIFY_MODELS)}")
     target = Target(parallel=_load_parallel(args.parallel))
     gpus = cuda_device_count()
     where = plural(gpus, "CUDA device") if gpus else "virtual devices (no CUDA here)"
@@ -125,7 +126,8 @@ def _verify(args: argparse.Namespace) -> int:
             # flushed: piped into a log, each verdict shows as it comes
             print(f"  {result.verdict:<4}  {name:<16} {result.split.label:<10} {result.title:<34} {result.summary}", flush=True)
 
-        report = check_model(builtin_model(name, seed=args.seed), splits=SPLITS, target=target, on_result=show)
+        dim = builtin_case(name, batch=1, seed=args.seed).dim
+        report = check_model(builtin_model(name, seed=args.seed), splits=SPLITS, target=target, on_result=show, dim=dim)
         results += [(name, result) for result in report.results]
     failed = [(name, r) for name, r in results if r.verdict is Verdict.FAIL]
     for name, result in failed:
@@ -134,6 +136,9 @@ def _verify(args: argparse.Namespace) -> int:
     counts = {v: sum(r.verdict is v for _, r in results) for v in Verdict}
     text = f"{counts[Verdict.PASS]} passed, {counts[Verdict.FAIL]} failed"
     text += "".join(f", {counts[v]} {word}" for v, word in ((Verdict.WARN, "warned"), (Verdict.EXPLAINED, "explained"), (Verdict.SKIP, "skipped")) if counts[v])
+    print()
+    for line in _verify_coverage(results, seed=args.seed):
+        print(line)
     if failed:
         print(f"\nFAILED: {text} in {elapsed:.1f}s")
         return EXIT_FAILED
@@ -142,6 +147,31 @@ def _verify(args: argparse.Namespace) -> int:
         return EXIT_NOTHING_CHECKED
     print(f"\nOK: {text} in {elapsed:.1f}s")
     return EXIT_OK
+
+
+def _verify_coverage(results: list[tuple[str, CheckResult]], *, seed: int) -> list[str]:
+    """What the run exercised, so that its OK means something: each behaviour a built-in
+    model covers (``BuiltinCase.covers``) and each split, where a check of it ran (not
+    skipped); and what the chosen models left out."""
+    from dpverify.checks.registry import Verdict
+    from dpverify.core.scatter import chunk_sizes
+
+    ran = [(name, r) for name, r in results if r.verdict is not Verdict.SKIP]
+    models = {name for name, _ in ran}
+    behaviours: dict[str, list[str]] = {}
+    for name in VERIFY_MODELS:
+        for behaviour in builtin_case(name, batch=1, seed=seed).covers:
+            behaviours.setdefault(behaviour, []).append(name)
+    covered = [f"{b} ({', '.join(n for n in names if n in models)})" for b, names in behaviours.items() if models & set(names)]
+    missing = [b for b, names in behaviours.items() if not models & set(names)]
+    splits = {r.split.label: r.chunks or tuple(chunk_sizes(r.split.batch_size, r.split.devices)) for _, r in ran}
+    lines = [
+        "covered: " + ("; ".join(covered) or "nothing"),
+        "splits: " + (", ".join(f"{label} (chunks {list(chunks)})" for label, chunks in splits.items()) or "none"),
+    ]
+    if missing:
+        lines.append(f"not covered: {'; '.join(missing)} (their models did not run)")
+    return lines
 
 
 # --------------------------------------------------------------------------- shared
@@ -577,7 +607,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Runs every check on the built-in models for even chunks, uneven chunks "
         "and a batch smaller than the device count.",
     )
-    verify.add_argument("--models", nargs="+", metavar="NAME", help=f"subset of {', '.join(BUILTIN_MODELS)}")
+    verify.add_argument("--models", nargs="+", metavar="NAME", help=f"subset of {', '.join(VERIFY_MODELS)}")
     verify.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default 0)")
     verify.add_argument(
         "--parallel",

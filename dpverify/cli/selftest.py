@@ -123,9 +123,12 @@ def _checks(world: int, seed: int) -> list[SelfCheck]:
     ]
 
 
-def _verdict(check: SelfCheck, runner: RankRunner) -> tuple[bool, str, str]:
-    """``(ok, one line, report)`` of one self-check on ``runner``'s ranks."""
+def _verdict(check: SelfCheck, runner: RankRunner) -> tuple[bool | None, str, str]:
+    """``(ok, one line, report)`` of one self-check on ``runner``'s ranks; ok is None when
+    the check was skipped (one rank: nothing runs in parallel)."""
     result = CHECKS[check.check].run(check.case, replace(check.target, pool=runner))
+    if result.verdict is Verdict.SKIP:
+        return None, result.summary, ""
     if check.expect_scale is None:
         return result.verdict is Verdict.PASS, result.summary, result.detail
     if result.verdict is Verdict.FAIL and result.scale is not None and abs(result.scale / check.expect_scale - 1) < 1e-3:
@@ -176,24 +179,30 @@ def _parser() -> argparse.ArgumentParser:
 def _run_all(runner: RankRunner, seed: int, show: Callable[[str], None]) -> int:
     started = time.perf_counter()
     failed: list[tuple[str, str]] = []
+    skipped = 0
     checks = _checks(runner.world_size, seed)
     for check in checks:
+        ok: bool | None
         try:
             ok, line, report = _verdict(check, runner)
         except InvalidArgument as error:  # a self-check that cannot run here is a failure too
             ok, line, report = False, str(error).splitlines()[0], str(error)
-        if not ok:
+        if ok is False:
             failed.append((check.label, report or line))
-        show(f"  {'PASS' if ok else 'FAIL'}  {check.label:<32} {line}")
+        skipped += ok is None
+        show(f"  {'SKIP' if ok is None else 'PASS' if ok else 'FAIL'}  {check.label:<32} {line}")
     for name, detail in failed:
         show(f"\n--- {name}\n{detail}")
     elapsed = time.perf_counter() - started
-    status = "OK" if not failed else "FAILED"
+    nothing = skipped == len(checks)  # one rank: nothing ran in parallel, which is no pass
+    status = "FAILED" if failed else "NOTHING CHECKED" if nothing else "OK"
     show(
-        f"\ndpverify ddp-selftest: {status}, {len(checks) - len(failed)} of {plural(len(checks), 'check')} "
+        f"\ndpverify ddp-selftest: {status}, {len(checks) - len(failed) - skipped} of {plural(len(checks), 'check')} "
         f"passed on {plural(runner.world_size, 'rank')} ({runner.backend}) in {elapsed:.1f}s"
+        + (f", {skipped} skipped" if skipped else "")
     )
-    return 1 if failed else 0
+    # the command line's exit statuses (dpverify.cli.main): failed, nothing checked, ok
+    return 1 if failed else 3 if nothing else 0
 
 
 def main_selftest(argv: Sequence[str] | None = None) -> int:

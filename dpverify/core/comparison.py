@@ -743,6 +743,10 @@ class StepComparison:
         scale: the uniform factor between the parallel gradients and the expected ones,
             when one factor explains them all (0.5: halved; ``1 / world_size``: a sum loss
             under DDP); None when none does or the check passed.
+        replicas: the replica forwards the parallel step was seen to run (forward hooks on
+            the module's copies); None where they are not counted (the DDP and sharded
+            checks run one rank per process). Fewer than two ran nothing in parallel, so a
+            match says nothing about the parallel code.
     """
 
     check: str
@@ -754,6 +758,7 @@ class StepComparison:
     notes: tuple[str, ...] = field(default_factory=tuple)
     failures: tuple[str, ...] = field(default_factory=tuple)
     scale: float | None = None
+    replicas: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -836,6 +841,7 @@ def step_comparison(
     failures: Sequence[str] = (),
     scale: float | None = None,
     divergence: bool = True,
+    replicas: int | None = None,
 ) -> StepComparison:
     """The outcome of a check, built the same way by the DataParallel and the DDP helpers so
     that their messages read alike: the tolerance in words for the working ``dtype``, and
@@ -852,6 +858,7 @@ def step_comparison(
         notes=tuple(notes),
         failures=tuple(failures),
         scale=scale,
+        replicas=replicas,
     )
 
 

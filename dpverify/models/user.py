@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dpverify.core.errors import InvalidArgument
-from dpverify.models.builtin import BUILTIN_MODELS, builtin_case
+from dpverify.models.builtin import BUILTIN_MODELS, VERIFY_MODELS, builtin_case
 
 __all__ = ["Batch", "LossFn", "UserModel", "builtin_model"]
 
@@ -69,19 +69,20 @@ class UserModel:
 
 def builtin_model(name: str, *, seed: int = 0) -> UserModel:
     """One of dpverify's built-in models (``mlp``, ``conv``, ``embedding``,
-    ``loss-in-forward``) with its batches.
+    ``loss-in-forward``, or another of ``VERIFY_MODELS``) with its batches; the batches
+    of ``time-major`` are split along dim 1 (``builtin_case(name, ...).dim``).
 
     Raises:
         InvalidArgument: unknown name.
     """
-    if name not in BUILTIN_MODELS:
+    if name not in VERIFY_MODELS:
         raise InvalidArgument(f"--model {name!r} is not a built-in model; choose from {sorted(BUILTIN_MODELS)}")
 
     def make(batch_size: int) -> Batch:
         case = builtin_case(name, batch=batch_size, seed=seed)
         if case.loss_fn is None:
-            return Batch(case.inputs, None, None, "computed in forward (each replica's chunk mean)", per_row_mean_loss=True)
-        return Batch(case.inputs, case.target, case.loss_fn, getattr(case.loss_fn, "__name__", "loss"))
+            return Batch(case.inputs, None, None, "computed in forward (each replica's chunk mean)", per_row_mean_loss=True, kwargs=case.kwargs)
+        return Batch(case.inputs, case.target, case.loss_fn, getattr(case.loss_fn, "__name__", "loss"), kwargs=case.kwargs)
 
     module = builtin_case(name, batch=1, seed=seed).module
     return UserModel(name, module, "built in", make)

@@ -16,7 +16,7 @@ loss-averaging trap), and a sum loss gives ``1/world_size`` of the single-device
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from torch import nn
 from dpverify.checks.dp import raise_unless_ok
 from dpverify.core.comparison import Msg, StepComparison, TensorComparison, Tolerance
 from dpverify.core.errors import InvalidArgument
-from dpverify.core.step import batch_size_of, first_parameter_dtype
+from dpverify.core.step import StepResult, batch_size_of, first_parameter_dtype
 from dpverify.core.validation import require_bool, require_int_at_least, require_module_with_grads
 from dpverify.ddp.checks import (
     DDPCheck,
@@ -174,6 +174,28 @@ class FSDPCheck(DDPCheck):
 
     shard_modules: tuple[str, ...] = ("",)
     reshard_after_forward: bool = True
+    #: the dtype the ranks' mixed-precision policy computed in, when coarser than the
+    #: module's: the single-device reference runs in it too (``in_compute_dtype``)
+    compute_dtype: torch.dtype | None = None
+
+    def reference(self, dtype: torch.dtype | None, *, jitter: float = 0.0) -> StepResult:
+        """The single-device full-batch step in ``dtype``; None is the dtype the ranks
+        computed in (``compute_dtype``, else the module's own)."""
+        return super().reference(self.compute_dtype if dtype is None else dtype, jitter=jitter)
+
+    def in_compute_dtype(self, ranks: Sequence[FSDPRankStep]) -> FSDPCheck:
+        """This check judged at the precision the ranks computed in: under
+        ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` FSDP2 runs forward and backward
+        in bfloat16 (its gradients are reduced in ``reduce_dtype`` and kept in the
+        parameters' dtype), so a fair reference is the single-device step run in bfloat16,
+        anchored in float64 as usual: the tolerance is then bfloat16's. Unchanged without
+        mixed precision, or with a ``param_dtype`` no coarser than the module's."""
+        found = {name for rank in ranks for name in rank.compute_dtypes}
+        dtypes = [getattr(torch, name.removeprefix("torch.")) for name in sorted(found)]
+        coarsest = max(dtypes, key=lambda d: torch.finfo(d).eps, default=None)
+        if coarsest is None or torch.finfo(coarsest).eps <= torch.finfo(self.dtype).eps:
+            return self
+        return replace(self, dtype=coarsest, compute_dtype=coarsest)
 
     @classmethod
     def for_fsdp(
@@ -256,19 +278,28 @@ class FSDPCheck(DDPCheck):
 
 
 def _sharding_findings(check: FSDPCheck, held: Sequence[tuple[Held, ...]], wrapped: Sequence[bool], plain: Sequence[tuple[str, ...]]) -> tuple[list[str], list[str]]:
-    """(failures, notes) on whether the ranks really ran FSDP2: every parameter a DTensor,
-    some held in part (with more than one rank), every gradient a DTensor."""
+    """(failures, notes) on whether the ranks really ran FSDP2, judged by the parameters
+    whoever sharded them (``ctx.fsdp()``, or a step calling ``fully_shard`` itself): every
+    parameter a DTensor, some held in part (with more than one rank), every gradient a
+    DTensor. ``wrapped`` (``ctx.fsdp()`` ran) only words the failure of a rank that held
+    no DTensor at all."""
     failures: list[str] = []
-    if not all(wrapped):
-        ranks = [r for r, w in enumerate(wrapped) if not w]
+    unsharded = [r for r, params in enumerate(held) if params and not any(h.dtensor for h in params)]
+    if unsharded:
+        never = [r for r in unsharded if r < len(wrapped) and not wrapped[r]]
+        how = (
+            f"The step never called ctx.fsdp() on ranks {unsharded}, nor fully_shard itself" if never == unsharded
+            else f"fully_shard left every parameter a plain tensor on ranks {unsharded}"
+        )
         failures.append(
-            f"The step never called ctx.fsdp() on ranks {ranks}: the module was not sharded, so "
+            f"{how}: the module was not sharded (no parameter is a DTensor), so "
             "no gradient went through FSDP2's reduce-scatter and nothing of FSDP2 was checked. "
-            "Call model = ctx.fsdp() and run forward and backward through it."
+            "Call model = ctx.fsdp() (it takes fully_shard's keywords, mp_policy= among them) and run "
+            "forward and backward through it."
         )
     for r, params in enumerate(held):
         plain_params = [h.name for h in params if not h.dtensor]
-        if plain_params and all(wrapped):
+        if plain_params and r not in unsharded:
             failures.append(
                 f"Rank {r} held parameters {plain_params} as plain tensors, not DTensors: fully_shard did not manage them."
             )
@@ -424,6 +455,7 @@ def assert_fsdp_grads_match(
     title = "FSDP2 (fully_shard) gradients must match the single-device full-batch gradient on every rank"
     results: tuple[tuple[FSDPRankStep, ...], ...] = check.send(run_fsdp_step_task, check.fsdp_task(steps, counted), title)
     verified = [rank_steps[0] for rank_steps in results]
+    check = check.in_compute_dtype(verified)
     refs = check.references(items=counted if counted.by_tokens else None)
     expected, anchor = refs.expected, refs.anchor
     rows = [row for r, s in enumerate(verified) for row in check.rows(f"rank {r} ", s, refs, r)]
@@ -455,6 +487,12 @@ def assert_fsdp_grads_match(
             )
     failures, evidence = _sharding_findings(check, [s.held for s in verified], [s.wrapped for s in verified], [s.plain_grads for s in verified])
     notes += evidence
+    if check.compute_dtype is not None:
+        dtype = str(check.compute_dtype).removeprefix("torch.")
+        notes.append(
+            f"Mixed precision: the ranks' fully_shard computed in {dtype} (MixedPrecisionPolicy param_dtype), so "
+            f"the single-device reference ran in {dtype} too, anchored in float64: the tolerance is {dtype}'s."
+        )
     scale = None
     if not ok:
         more, scale = _scale_note(

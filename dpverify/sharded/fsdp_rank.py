@@ -46,6 +46,7 @@ __all__ = [
     "FSDPStepTask",
     "FSDPTrainingTask",
     "Held",
+    "compute_dtypes",
     "fsdp_step",
     "run_fsdp_step_task",
     "run_fsdp_training_task",
@@ -112,7 +113,9 @@ class FSDPContext(ShardContext):
 
     A step calls ``ctx.fsdp()`` to shard ``module`` in place (once; later calls return
     the same module), runs forward and backward on its shard, and may return the output
-    to have it compared row by row. FSDP2 leaves each parameter's gradient as a DTensor
+    to have it compared row by row. ``ctx.fsdp(mp_policy=MixedPrecisionPolicy(...))``
+    passes ``fully_shard``'s keywords on (a step may also call ``fully_shard`` itself: the
+    check judges sharding by the parameters, whoever sharded them). FSDP2 leaves each parameter's gradient as a DTensor
     shard, averaged over the ranks by a reduce-scatter: like DDP, a per-rank mean loss is
     exact only when every rank holds as many items (``ctx.loss_weight`` fixes the rest).
     """
@@ -127,15 +130,24 @@ class FSDPContext(ShardContext):
         """Whether ``fsdp()`` sharded the module."""
         return self._sharded
 
-    def fsdp(self) -> nn.Module:
-        """``module`` after ``fully_shard`` on each of ``shard_modules`` over the mesh
-        ``("dp",)`` of every rank (applied on the first call; the same module after)."""
+    def fsdp(self, **options: Any) -> nn.Module:
+        """``module`` after ``fully_shard`` on each of ``shard_modules`` (applied on the first
+        call; the same module after).
+
+        Args:
+            **options: ``fully_shard``'s keyword arguments, passed to every call:
+                ``mp_policy``, ``offload_policy``, ``reshard_after_forward`` (default the
+                context's), ``mesh`` (default the mesh ``("dp",)`` of every rank; another
+                must span every rank, which the check's batch is sharded over), ...
+        """
         if not self._sharded:
             if self.info is None:
                 raise RuntimeError("FSDPContext.fsdp() needs the rank's RankInfo (info=)")
-            mesh = device_mesh(self.info, (self.world_size,), (MESH_DIM,))
+            if options.get("mesh") is None:
+                options["mesh"] = device_mesh(self.info, (self.world_size,), (MESH_DIM,))
+            options.setdefault("reshard_after_forward", self.reshard_after_forward)
             for name in self.shard_modules:
-                fully_shard(self.module.get_submodule(name), mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+                fully_shard(self.module.get_submodule(name), **options)
             self._sharded = True
         return self.module
 
@@ -212,10 +224,31 @@ class FSDPRankStep(RankStep):
     Attributes:
         held: how the rank held each parameter at the end of the step.
         plain_grads: parameters whose gradient was a plain tensor, not a DTensor.
+        compute_dtypes: the mixed-precision ``param_dtype`` the FSDP2 modules computed in
+            (``compute_dtypes``); empty without a ``MixedPrecisionPolicy``.
     """
 
     held: tuple[Held, ...] = ()
     plain_grads: tuple[str, ...] = ()
+    compute_dtypes: tuple[str, ...] = ()
+
+
+def compute_dtypes(module: nn.Module) -> tuple[str, ...]:
+    """The ``param_dtype`` of every ``MixedPrecisionPolicy`` that the FSDP2 modules in
+    ``module`` hold (``"torch.bfloat16"``), whoever called ``fully_shard``: the dtypes
+    their forward and backward computed in. Empty without mixed precision. Read from
+    each module's parameter group (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py,
+    ``FSDPParamGroup.mp_policy``), the policy ``fully_shard`` was given."""
+    found: list[str] = []
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        group = getattr(sub._get_fsdp_state(), "_fsdp_param_group", None)
+        policy = getattr(group, "mp_policy", None)
+        dtype = getattr(policy, "param_dtype", None)
+        if isinstance(dtype, torch.dtype):
+            found.append(str(dtype))
+    return tuple(dict.fromkeys(found))
 
 
 def _context(info: RankInfo, model: nn.Module, task: FSDPStepTask | FSDPTrainingTask, shard_sizes: tuple[int, ...]) -> FSDPContext:
@@ -260,6 +293,7 @@ def _run_one(info: RankInfo, task: FSDPStepTask, step: Any) -> FSDPRankStep:
         syncs=None,
         held=_holding(model),
         plain_grads=plain,
+        compute_dtypes=compute_dtypes(model),
     )
 
 
