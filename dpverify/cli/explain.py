@@ -390,24 +390,27 @@ def _positional(model: UserModel, first: Batch) -> UserModel:
 
 class _LossInForward(nn.Module):
     """The user's model with its loss moved into forward: ``forward(*inputs, target)``
-    returns the chunk's mean loss, as a model that computes its loss in forward does."""
+    returns the chunk's mean loss, as a model that computes its loss in forward does. Split
+    along ``dim`` other than 0, the loss has ``dim + 1`` dimensions of one entry: torch's
+    gather concatenates along ``dim`` and stacks scalars only for dim 0."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], dim: int = 0) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.dim = dim
 
     def forward(self, *args: Any) -> torch.Tensor:
         *inputs, target = args
         loss: torch.Tensor = self.loss_fn(self.model(*inputs), target)
-        return loss
+        return loss.reshape((1,) * (self.dim + 1)) if self.dim > 0 else loss
 
 
-def _loss_model(module: nn.Module, batch: Batch) -> tuple[nn.Module, tuple[Any, ...]]:
+def _loss_model(module: nn.Module, batch: Batch, dim: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
     """A model whose forward returns its loss, and its arguments."""
     if batch.loss_fn is None:
         return module, batch.inputs
-    return _LossInForward(module, batch.loss_fn), (*batch.inputs, batch.target)
+    return _LossInForward(module, batch.loss_fn, dim), (*batch.inputs, batch.target)
 
 
 def _loss_of(batch: Batch, sizes: Sequence[int], counts: Sequence[int] = ()) -> Callable[[Any], torch.Tensor]:
@@ -868,7 +871,7 @@ def _float64_grads(
 def _returned_loss(runner: _Runner, module: nn.Module, batch: Batch, device_ids: list[int]) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
     """Shape of the loss DataParallel returns on these devices and on one, and whether
     torch warned that it unsqueezed scalars."""
-    model, args = _loss_model(module, batch)
+    model, args = _loss_model(module, batch, runner.dim)
     shapes: list[tuple[int, ...]] = []
     warned = False
     for ids in (device_ids, device_ids[:1]):
@@ -1151,7 +1154,7 @@ def explain(
     unanswered: list[tuple[int, str]] = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
-        loss_model, loss_args = _loss_model(exact, batch)
+        loss_model, loss_args = _loss_model(exact, batch, dim)
         # question 4 first: for a forward that returns its loss it finds the items (rows, or
         # tokens) each replica's loss is a mean over, which the step weights replicas by
         loss_average = runner.measure(

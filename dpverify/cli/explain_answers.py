@@ -411,9 +411,8 @@ def _answer_batch_size(e: Explanation) -> str:
     n = len(e.device_ids)
     if e.wrapper is not None:
         return _answer_batch_size_wrapper(e, n)
-    along = "" if e.dim == 0 else f" along dim {e.dim}"
     text = (
-        f"No. torch.chunk gives chunks{along} of ceil(B/{n}) {_unit(e, 2)} and the last may be smaller: "
+        f"No. torch.chunk gives chunks of ceil(B/{n}) {_unit(e, 2)} and the last may be smaller: "
         f"B={e.batch_size} on {n} devices gives {list(e.chunk_sizes)}, so {e.replicas_used} "
         f"replica{'s' if e.replicas_used != 1 else ''} run"
     )
@@ -466,7 +465,7 @@ def _answer_unchanged(e: Explanation) -> str:
         return (
             "This one, yes: one forward on one device and one under DataParallel left the same "
             "buffers and attributes, no module depends on the batch split or on random draws "
-            "(BatchNorm or Dropout in train mode), and no rows are dropped. Models that count "
+            f"(BatchNorm or Dropout in train mode), and no {_unit(e, 2)} are dropped. Models that count "
             "calls in forward, update buffers in place, or use BatchNorm/Dropout would not."
         )
     kinds = _list(sorted({s.kind for s in e.state}))

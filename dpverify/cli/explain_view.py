@@ -127,7 +127,7 @@ def _loss_table(e: Explanation) -> Table | None:
         table.add_column(f"replica {i}", justify="right")
     # a token-mean loss is a mean over each replica's tokens t_i: its weights are per token
     # and the exact one is 1/T, the reduction sum(t_i/T * loss_i)
-    item, symbol, total = ("token", "t_i/T", "T") if r.by_tokens else ("row", "n_i/B", "B")
+    item, symbol, total = ("token", "t_i/T", "T") if r.by_tokens else ("row" if e.dim == 0 else "entry", "n_i/B", "B")
     table.add_row("chunk size n_i", *map(str, r.chunk_sizes))
     if r.by_tokens:
         table.add_row("tokens t_i", *map(str, r.counts))
