@@ -143,14 +143,16 @@ def test_the_loss_in_forward_answers_are_what_was_measured() -> None:
     'uneven shards'."""
     e = _token_lm_explained()
     assert e.chunk_sizes == (2, 2, 2, 2)
-    assert e.loss_in_forward and e.weighting == "t_i/T"
+    assert e.loss_in_forward
+    assert e.weighting == "t_i/T"
     counts = e.loss_counts
     assert len(set(counts)) > 1  # equal rows, unequal tokens
     weights = [r.loss_grad for r in e.replicas]
     assert weights == pytest.approx([n / sum(counts) for n in counts])
     texts = [a.answer for a in answers(e)]
     assert texts[1].startswith("No: this forward returns its loss")
-    assert "computed once" not in texts[1] and "0 rows" not in texts[1]
+    assert "computed once" not in texts[1]
+    assert "0 rows" not in texts[1]
     assert "uneven shards" not in texts[10]
     assert f"the shards hold different numbers of tokens, {list(counts)}" in texts[10]
     assert e.grads_add_up

@@ -536,10 +536,13 @@ class _StepRecorder:
     ``torch.cuda.device``.
     """
 
-    def __init__(self, module: nn.Module, batch: Sequence[torch.Tensor], device_ids: Sequence[int], dim: int = 0) -> None:
+    def __init__(
+        self, module: nn.Module, batch: Sequence[torch.Tensor], device_ids: Sequence[int], dim: int = 0, loss_in_forward: bool = False,
+    ) -> None:
         self.module = module
         self.device_ids = list(device_ids)
         self.dim = dim
+        self.loss_in_forward = loss_in_forward
         self.sites = parameter_sites(module)
         self.originals = {name: getattr(module.get_submodule(path), attr) for name, path, attr in self.sites}
         self.buffers = dict(module.named_buffers())
@@ -630,16 +633,21 @@ class _StepRecorder:
         # a forward that returns only its loss (a scalar) has no batched output
         primary = _primary(output) if any(t.dim() > 0 for t in _tensors(output)) else None
         log.output_shape = tuple(primary.shape) if primary is not None else ()
+        loss = None
+        if self.loss_in_forward:
+            with contextlib.suppress(InvalidArgument):  # no loss where the step looks for it: the step says so
+                loss = extract_loss(output, -1)
         for tensor in _tensors(output):
             if tensor.requires_grad:
-                tensor.register_hook(self._output_grad_recorder(log))
+                tensor.register_hook(self._output_grad_recorder(log, is_loss=tensor is loss))
 
-    def _output_grad_recorder(self, log: _ReplicaLog) -> Callable[[torch.Tensor], None]:
+    def _output_grad_recorder(self, log: _ReplicaLog, *, is_loss: bool = False) -> Callable[[torch.Tensor], None]:
         def record(grad: torch.Tensor) -> None:
-            if grad.dim() > 0 and not log.output_grad_rows:
+            if is_loss:
+                if grad.numel() == 1:
+                    log.loss_grad = float(grad.detach().reshape(()))
+            elif grad.dim() > 0 and not log.output_grad_rows:
                 log.output_grad_rows = _along(grad, self.dim)
-            elif grad.numel() == 1 and log.loss_grad is None:
-                log.loss_grad = float(grad.detach().reshape(()))
             log.output_grad_bytes += _nbytes(grad)
 
         return record
@@ -674,7 +682,7 @@ def _recorded_step(
 ) -> _Step:
     model = copy.deepcopy(module)
     batch_tensors = _tensors(batch.inputs)
-    recorder = _StepRecorder(model, batch_tensors, device_ids, runner.dim)
+    recorder = _StepRecorder(model, batch_tensors, device_ids, runner.dim, loss_in_forward=batch.loss_fn is None)
     gathered: list[int] = []
     recorder.attach()
     try:

@@ -417,10 +417,12 @@ def _answer_batch_size(e: Explanation) -> str:
         f"replica{'s' if e.replicas_used != 1 else ''} run"
     )
     text += f" and device {_list(list(e.idle_devices))} sits idle. " if e.idle_devices else ". "
+    tokens = e.loss_average is not None and e.loss_average.by_tokens
     text += (
         f"Fewer {_unit(e, 2)} than devices leaves devices idle; uneven chunks still give the exact "
-        "gradient (question 3), but bias a loss averaged after forward (question 4). "
-        "Other batch sizes are in the table."
+        "gradient (question 3), but bias a loss averaged after forward (question 4)"
+        + (", as do equal chunks holding different numbers of tokens. " if tokens else ". ")
+        + "Other batch sizes are in the table."
     )
     return text
 

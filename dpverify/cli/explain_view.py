@@ -45,8 +45,9 @@ def _rows(n: int, dim: int = 0) -> str:
 
 def _backward_cell(e: Explanation, replica: ReplicaFact) -> str:
     """What Gather's backward sent a replica: the rows of d loss/d output, or, for a forward
-    that returns its loss, the one number d loss/d loss_i (the replica's weight)."""
-    if e.loss_in_forward and replica.output_grad_rows == 0:
+    that returns its loss, the one number d loss/d loss_i (the replica's weight; what it sent
+    any other output is zero, the loss being computed from the replica losses alone)."""
+    if e.loss_in_forward:
         if replica.loss_grad is None:
             return "d loss/d loss_i:\nnot seen"
         if not e.replicated:

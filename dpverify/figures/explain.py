@@ -137,7 +137,7 @@ def _backward_cell(e: Explanation, replica: ReplicaFact) -> Cell:
     """What Gather's backward sent a replica: rows of d loss / d output, or, for a forward
     that returns its loss (a scalar per replica), the one number d loss / d loss_i, the
     replica's weight in the step's loss."""
-    if e.loss_in_forward and replica.output_grad_rows == 0:
+    if e.loss_in_forward:
         if replica.loss_grad is None:
             text = "d loss / d loss_i\nnot seen"
         elif not e.replicated:
