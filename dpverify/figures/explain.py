@@ -2,8 +2,9 @@
 
 Four panels, each drawn from the ``Explanation``'s measured facts, never from a fixed
 drawing: the step as a lane per device (the rows scatter sent it, view or copy, its replica,
-its output, the gather, the loss, the output-gradient rows Gather's backward sent back and
-the reduce-add onto the source device), the bytes each device held by kind, the weight
+its output, the gather, the loss, the output-gradient rows Gather's backward sent back, or
+for a forward that returns its loss the replica loss's weight, and the reduce-add onto the
+source device), the bytes each device held by kind, the weight
 ``loss.mean()`` of the replica losses gives one row (or token) against the exact ``1/B``
 (``1/N``), and each parameter's summed and averaged replica gradient against the full batch's.
 
