@@ -322,3 +322,81 @@ def test_the_explain_modules_name_only_what_exists(module: str) -> None:
         for attribute in parts[cut:]:
             assert hasattr(found, attribute), dotted
             found = getattr(found, attribute)
+
+
+def _seq_first(monkeypatch: pytest.MonkeyPatch) -> UserModel:
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))
+    return user_model("explain_user_models:seq_first_lstm", inputs_spec="explain_user_models:seq_first_batch")
+
+
+def test_dim_1_splits_a_sequence_first_batch_and_speaks_of_dim_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A T x B x F batch split along dim 1: the chunks are B's entries, every replica ran its
+    whole sequence, the gradients add up, and the words are of dim 1, not of rows."""
+    import io
+
+    from rich.console import Console
+
+    from dpverify.cli.explain_view import render_explanation
+
+    e = explain(_seq_first(monkeypatch), batch_size=5, device_ids=[0, 1, 2, 3], dim=1)
+    assert e.dim == 1
+    assert e.chunk_sizes == (2, 2, 1)
+    assert [c.start for c in e.chunks if c.kind != "idle"] == [0, 2, 4]
+    assert [r.output_shape for r in e.replicas] == [(5, 2, 3), (5, 2, 3), (5, 1, 3)]
+    assert [r.output_grad_rows for r in e.replicas] == [2, 2, 1]
+    assert e.grads_add_up
+    texts = [a.answer for a in answers(e)]
+    assert "entries 0-1 along dim 1" in texts[0]
+    assert "gathered along dim 1" in texts[1]
+    assert "[2, 2, 1] entries along dim 1" in texts[1]
+    assert "they do not" not in texts[2]
+    console = Console(file=io.StringIO(), width=120, no_color=True)
+    render_explanation(console, e)
+    out = " ".join(console.file.getvalue().split())  # type: ignore[attr-defined]
+    assert "batch of 5 entries along dim 1" in out
+    assert "split and gathered along dim 1" in out
+    assert "batch of 5 rows" not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--dim", "1"], "--dim 1: the built-in model embedding batches along dim 0"),
+        (["--model", "mlp", "--dim", "1"], "--dim 1: the built-in models batch along dim 0"),
+        (["explain_user_models:seq_first_lstm", "--dim", "1"], "--dim 1: the batch inferred from the first layer has its rows along dim 0"),
+        (["explain_user_models:seq_first_lstm", "--inputs", "explain_user_models:seq_first_batch", "--dim", "1", "--batch", "6"], None),
+        (["explain_user_models:seq_first_lstm", "--inputs", "explain_user_models:seq_first_batch", "--dim", "3"], "dim=3 is not a dimension"),
+    ],
+)
+def test_dim_usage_errors(args: list[str], message: str | None, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))
+    if message is None:  # a valid call: not refused
+        assert main(["explain", *args, "--devices", "2", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["dim"] == 1
+        return
+    assert main(["explain", *args]) == 2
+    assert message in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_token_mean_loss_table_weighs_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loss table of a token-mean loss returned by forward: the counts are tokens, the
+    exact weight 1/T, and the exact reduction is labelled Σ t_i/T·loss_i (not n_i/B)."""
+    import io
+
+    from rich.console import Console
+
+    from dpverify.cli.explain_view import render_explanation
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent))
+    e = explain(user_model("explain_user_models:token_lm", inputs_spec="explain_user_models:token_batch"), batch_size=8, device_ids=[0, 1, 2, 3])
+    assert e.loss_average is not None
+    assert e.loss_average.by_tokens
+    console = Console(file=io.StringIO(), width=120, no_color=True)
+    render_explanation(console, e)
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "weighted mean, Σ t_i/T·loss_i" in out
+    assert "Σ n_i/B" not in out
+    assert re.search(r"tokens t_i +" + r" +".join(map(str, e.loss_average.counts)), out)
+    assert "exact weight per token (1/T)" in out
+    assert "d loss/d output" not in out  # each replica got one number, d loss/d loss_i
+    assert "d loss/d loss_0" in out

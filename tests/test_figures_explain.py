@@ -324,3 +324,24 @@ def test_a_tiny_bert_is_drawn_from_its_own_measurements(monkeypatch: pytest.Monk
     labels = [label.get_text() for label in ax.get_yticklabels()]
     assert len(set(labels)) == len(labels)  # cut in the middle, still told apart
     assert "bert.embeddings.word_embeddings.weight" in labels
+
+
+def test_a_forward_that_returns_its_loss_gets_its_weight_back_not_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each replica's forward returned one number, its loss: Gather's backward sent it one
+    number back, d loss / d loss_i, its weight in the step's loss (n_i/B for per-row means,
+    t_i/T for token means), never 'd loss / d output, 0 rows'."""
+    from dpverify.cli.user_model import user_model
+
+    rows = explain(builtin_model("loss-in-forward", seed=0), batch_size=7, device_ids=[0, 1, 2])
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    tokens = explain(user_model("explain_user_models:token_lm", inputs_spec="explain_user_models:token_batch"), batch_size=8, device_ids=[0, 1, 2, 3])
+    for e, counts, symbol in ((rows, rows.chunk_sizes, "n_i/B"), (tokens, tokens.loss_counts, "t_i/T")):
+        lanes = step_lanes(e)
+        backward = [next(cell for cell in lanes[r.device] if cell.stage == "backward") for r in e.replicas]
+        assert all("0 rows" not in cell.text and "d loss / d output" not in cell.text for cell in backward)
+        for replica, cell, n in zip(e.replicas, backward, counts, strict=True):
+            assert replica.loss_grad == pytest.approx(n / sum(counts))
+            assert cell.text == f"d loss / d loss_{replica.replica}\n= {replica.loss_grad:.4g} ({symbol})"
+    one = explain(builtin_model("loss-in-forward", seed=0), batch_size=3, device_ids=[0])
+    cell = next(cell for cell in step_lanes(one)[0] if cell.stage == "backward")
+    assert cell.text == "d loss / d loss\n= 1 (the loss)"

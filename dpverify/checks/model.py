@@ -31,8 +31,9 @@ from dpverify.core.divergence import (
 )
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.step import batch_size_of
+from dpverify.core.tree import first_batched
 from dpverify.models.layouts import BACKENDS as SHARDED_BACKENDS
-from dpverify.models.user import UserModel
+from dpverify.models.user import Batch, UserModel
 
 __all__ = [
     "BACKENDS",
@@ -45,6 +46,8 @@ __all__ = [
     "check_model",
     "parameter_errors",
     "plan_checks",
+    "require_batch_dim",
+    "require_rows_along",
 ]
 
 #: Even chunks, uneven chunks, one-row chunks and fewer rows than devices, on 2 and 4 devices.
@@ -164,7 +167,9 @@ def plan_checks(
     # one batch per batch size, shared by its device counts and both modes
     batches = {size: model.make_batch(size) for size in dict.fromkeys(size for size, _ in pairs)}
     for size, batch in batches.items():
-        _require_rows_along(batch.inputs, size, dim, model.batch_source, dict(batch.kwargs))
+        require_rows_along(batch.inputs, size, dim, model.batch_source, dict(batch.kwargs))
+    largest = max(batches)
+    require_batch_dim(model, largest, dim, batches[largest])
     planned: list[PlannedCheck] = []
     for module, eval_copy in modules:
         for batch_size, devices in pairs:
@@ -177,7 +182,7 @@ def plan_checks(
     return planned
 
 
-def _require_rows_along(inputs: tuple[object, ...], size: int, dim: int, source: str, kwargs: dict[str, object] | None = None) -> None:
+def require_rows_along(inputs: tuple[object, ...], size: int, dim: int, source: str, kwargs: dict[str, object] | None = None) -> None:
     """A batch made for a batch size has that many rows along the dimension it is split
     along: a batch that ignores the size (a fixed one) would be checked, and reported, as a
     batch of another size; one made with its rows along dim 0 would be split along another
@@ -199,6 +204,37 @@ def _require_rows_along(inputs: tuple[object, ...], size: int, dim: int, source:
         f"dim={dim}: the batch of size {size} from {source} has {rows} rows along dim {dim}; "
         f"the batch is split along dim {dim}, so its batch_size rows must be there (FN(batch_size) "
         f"returns inputs with batch_size along dim {dim})"
+    )
+
+
+def require_batch_dim(model: UserModel, size: int, dim: int, batch: Batch | None = None) -> None:
+    """The batch grows along ``dim`` with the batch size: a batch of ``size + 1`` has one
+    more entry there. A batch whose ``size`` happens to equal another dimension (five time
+    steps of a sequence-first LSTM at batch size 5) passes ``require_rows_along``, and would
+    be split along that dimension (time) and reported as a wrong DataParallel; the batch of
+    another size shows where its rows are. A batch of ``size + 1`` that cannot be made is no
+    evidence either way (a batch function that takes only some sizes).
+
+    Raises:
+        InvalidArgument: the batch grows along another dimension and not along ``dim``.
+    """
+    made = batch if batch is not None else model.make_batch(size)
+    first = first_batched((made.inputs, dict(made.kwargs)))
+    try:
+        probe = model.make_batch(size + 1)
+    except Exception:  # the batch function's: nothing to learn from it
+        return
+    grown = first_batched((probe.inputs, dict(probe.kwargs)))
+    if first is None or grown is None or first.dim() != grown.dim() or not -first.dim() <= dim < first.dim():
+        return
+    growing = [d for d in range(first.dim()) if first.shape[d] == size and grown.shape[d] == size + 1]
+    if dim % first.dim() in growing or not growing:
+        return
+    other = growing[0]
+    raise InvalidArgument(
+        f"{model.batch_source}: the batch grows along dim {other}, not along dim {dim} where it is split (batch_size "
+        f"{size} gives shape {tuple(first.shape)}, {size + 1} gives {tuple(grown.shape)}): dim {dim} is another "
+        f"dimension (time, features) of the same size. Pass dim={other} (--dim {other}) to split the batch along its rows"
     )
 
 

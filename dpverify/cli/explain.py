@@ -41,6 +41,7 @@ from dpverify.checks.loss_average import (
     chunk_weighted_loss,
     extract_loss,
 )
+from dpverify.checks.model import require_batch_dim, require_rows_along
 from dpverify.core.devices import device_index
 from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
 from dpverify.core.errors import InvalidArgument
@@ -105,9 +106,13 @@ class ReplicaFact:
         leaf_parameters: parameters that are leaf tensors (replicas' are Broadcast outputs).
         parameter_bytes: bytes of parameter and buffer copies (0 when shared).
         output_shape: shape of its output (its part of the batch).
-        output_grad_rows: rows of d loss / d output that Gather's backward sent it.
+        output_grad_rows: rows (entries along the split dimension) of d loss / d output
+            that Gather's backward sent it; 0 when its output is only a scalar loss.
         activation_bytes: bytes of the module outputs it produced (forward hooks).
         grad_bytes: bytes of its gradient contribution to the parameters.
+        loss_grad: for a forward that returns its loss, the gradient Gather's backward sent
+            that scalar: d (step's loss) / d (this replica's loss), its weight in the step's
+            loss (None when its output had no scalar loss).
     """
 
     replica: int
@@ -121,6 +126,7 @@ class ReplicaFact:
     output_grad_rows: int
     activation_bytes: int
     grad_bytes: int
+    loss_grad: float | None = None
 
 
 @dataclass(frozen=True)
@@ -229,6 +235,12 @@ class Explanation:
     no ``gather`` call was seen (a wrapper without one). ``replica_devices_known`` is False
     when the wrapper ran its replicas outside ``parallel_apply`` and ``torch.cuda.device``:
     they are placed on ``device_ids`` in the order they ran.
+
+    ``dim``: the dimension the batch is split and gathered along (DataParallel's ``dim``);
+    ``batch_size``, chunk sizes and rows count entries along it. ``loss_in_forward``: the
+    forward returns its loss, and the step reduces the gathered replica losses weighting
+    replica i by ``loss_counts[i]`` over their sum: the items its loss is a mean over,
+    ``loss_items`` (its rows, or its tokens), as question 4 measured them.
     """
 
     model: str
@@ -264,6 +276,10 @@ class Explanation:
     planned_chunk_sizes: tuple[int, ...] = ()
     unanswered: tuple[tuple[int, str], ...] = ()
     replica_devices_known: bool = True
+    dim: int = 0
+    loss_in_forward: bool = False
+    loss_counts: tuple[int, ...] = ()
+    loss_items: str = "rows"
 
     @property
     def replicas_used(self) -> int:
@@ -278,6 +294,25 @@ class Explanation:
     def under_test(self) -> str:
         """What ran the step, in words: the user's wrapper, or torch's DataParallel."""
         return self.wrapper or "DataParallel"
+
+    @property
+    def weighting(self) -> str:
+        """What the step weighted replica i's loss by, for a forward that returns its loss:
+        ``"t_i/T"`` (its share of the tokens its loss is a mean over) or ``"n_i/B"`` (of
+        the rows); ``""`` for a loss computed on the gathered output."""
+        if not self.loss_in_forward:
+            return ""
+        return "t_i/T" if self.loss_items != "rows" and self.loss_counts else "n_i/B"
+
+    @property
+    def grads_add_up(self) -> bool | None:
+        """Whether the replica gradients add up to the full-batch gradient (float64: within
+        1e-9 of the largest full-batch gradient norm), as a correct DataParallel's do; None
+        when question 3 was not measured."""
+        if not self.grads:
+            return None
+        scale = max(g.full_norm for g in self.grads) or 1.0
+        return max(g.sum_error for g in self.grads) <= 1e-9 * scale
 
     @property
     def replicated(self) -> bool:
@@ -300,6 +335,12 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 def _storage(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage().data_ptr())
+
+
+def _along(tensor: torch.Tensor, dim: int) -> int:
+    """Entries of ``tensor`` along ``dim`` (its rows for dim 0); 0 when it has no such
+    dimension."""
+    return int(tensor.shape[dim]) if -tensor.dim() <= dim < tensor.dim() else 0
 
 
 def _primary(output: Any) -> torch.Tensor:
@@ -349,29 +390,34 @@ def _positional(model: UserModel, first: Batch) -> UserModel:
 
 class _LossInForward(nn.Module):
     """The user's model with its loss moved into forward: ``forward(*inputs, target)``
-    returns the chunk's mean loss, as a model that computes its loss in forward does."""
+    returns the chunk's mean loss, as a model that computes its loss in forward does. Split
+    along ``dim`` other than 0, the loss has ``dim + 1`` dimensions of one entry: torch's
+    gather concatenates along ``dim`` and stacks scalars only for dim 0."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], dim: int = 0) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.dim = dim
 
     def forward(self, *args: Any) -> torch.Tensor:
         *inputs, target = args
         loss: torch.Tensor = self.loss_fn(self.model(*inputs), target)
-        return loss
+        return loss.reshape((1,) * (self.dim + 1)) if self.dim > 0 else loss
 
 
-def _loss_model(module: nn.Module, batch: Batch) -> tuple[nn.Module, tuple[Any, ...]]:
+def _loss_model(module: nn.Module, batch: Batch, dim: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
     """A model whose forward returns its loss, and its arguments."""
     if batch.loss_fn is None:
         return module, batch.inputs
-    return _LossInForward(module, batch.loss_fn), (*batch.inputs, batch.target)
+    return _LossInForward(module, batch.loss_fn, dim), (*batch.inputs, batch.target)
 
 
-def _loss_of(batch: Batch, sizes: Sequence[int]) -> Callable[[Any], torch.Tensor]:
+def _loss_of(batch: Batch, sizes: Sequence[int], counts: Sequence[int] = ()) -> Callable[[Any], torch.Tensor]:
     """The step's loss: ``loss_fn(output, target)``, or for a model that returns its loss,
-    the n_i/B-weighted replica losses (exact; a scalar on one device)."""
+    the replica losses weighted by ``counts`` over their sum (the items each replica's loss
+    is a mean over: its tokens for a token-mean loss), by the rows ``sizes`` when there is
+    no count per replica; exact either way for the right counts (a scalar on one device)."""
     loss_fn, target = batch.loss_fn, batch.target
     if loss_fn is not None:
         return lambda output: loss_fn(output, target)
@@ -380,7 +426,9 @@ def _loss_of(batch: Batch, sizes: Sequence[int]) -> Callable[[Any], torch.Tensor
         losses = extract_loss(output, -1)
         if losses.dim() == 0:
             return losses
-        return chunk_weighted_loss(losses.reshape(-1), list(sizes))
+        losses = losses.reshape(-1)
+        weights = counts if len(counts) == losses.numel() and sum(counts) > 0 else sizes
+        return chunk_weighted_loss(losses, list(weights))
 
     return from_forward
 
@@ -398,21 +446,26 @@ class _Runner:
     Attributes:
         parallel: ``parallel(module, device_ids=..., output_device=...)``, or None for torch's.
         name: the wrapper in words (``MODULE:CALLABLE``).
+        dim: the dimension the batch is split and gathered along.
     """
 
     parallel: Callable[..., Any] | None = None
     name: str | None = None
+    dim: int = 0
 
     @property
     def users(self) -> bool:
         return self.parallel is not None
 
     def build(self, module: nn.Module, device_ids: Sequence[int], output_device: int | None = None) -> Any:
-        """The wrapper around ``module``; call it inside ``devices``."""
+        """The wrapper around ``module``, splitting along ``dim`` (a user's wrapper gets
+        ``dim=`` only when it is not 0, as ``dpverify check --parallel`` builds it); call it
+        inside ``devices``."""
         ids = list(device_ids)
         if self.parallel is None:
-            return VirtualDataParallel(module, ids, output_device)
-        return self.parallel(module, device_ids=ids, output_device=ids[0] if output_device is None else output_device)
+            return VirtualDataParallel(module, ids, output_device, dim=self.dim)
+        extra = {"dim": self.dim} if self.dim else {}
+        return self.parallel(module, device_ids=ids, output_device=ids[0] if output_device is None else output_device, **extra)
 
     def devices(self, device_ids: Sequence[int]) -> contextlib.AbstractContextManager[Any]:
         """Where a user's wrapper is built and runs, forward and backward (a custom autograd
@@ -455,7 +508,7 @@ def _watch_gather(wrapper: Any, seen: list[int]) -> None:
 class _ReplicaLog:
     device: int
     seen_device: int | None = None  # current_virtual_device() when its forward started
-    rows: int = 0  # of the first batched argument its forward received
+    rows: int = 0  # of the first batched argument its forward received, along the split dim
     first_input: torch.Tensor | None = None  # that argument, to find its rows in the batch
     shared: int = 0
     copied: int = 0
@@ -466,6 +519,7 @@ class _ReplicaLog:
     output_shape: tuple[int, ...] = ()
     output_grad_rows: int = 0
     output_grad_bytes: int = 0
+    loss_grad: float | None = None  # the gradient its scalar output (a loss) received
     activation_bytes: int = 0
     grad_bytes: int = 0
 
@@ -482,9 +536,13 @@ class _StepRecorder:
     ``torch.cuda.device``.
     """
 
-    def __init__(self, module: nn.Module, batch: Sequence[torch.Tensor], device_ids: Sequence[int]) -> None:
+    def __init__(
+        self, module: nn.Module, batch: Sequence[torch.Tensor], device_ids: Sequence[int], dim: int = 0, loss_in_forward: bool = False,
+    ) -> None:
         self.module = module
         self.device_ids = list(device_ids)
+        self.dim = dim
+        self.loss_in_forward = loss_in_forward
         self.sites = parameter_sites(module)
         self.originals = {name: getattr(module.get_submodule(path), attr) for name, path, attr in self.sites}
         self.buffers = dict(module.named_buffers())
@@ -542,7 +600,7 @@ class _StepRecorder:
         self.current.log = log
         first = first_batched((args, kwargs))
         if first is not None:
-            log.rows, log.first_input = int(first.shape[0]), first.detach()
+            log.rows, log.first_input = _along(first, self.dim), first.detach()
         log.input_tensors = tuple(
             (_storage(t) in self.batch_storages, _nbytes(t)) for t in _tensors((args, kwargs))
         )
@@ -575,14 +633,21 @@ class _StepRecorder:
         # a forward that returns only its loss (a scalar) has no batched output
         primary = _primary(output) if any(t.dim() > 0 for t in _tensors(output)) else None
         log.output_shape = tuple(primary.shape) if primary is not None else ()
+        loss = None
+        if self.loss_in_forward:
+            with contextlib.suppress(InvalidArgument):  # no loss where the step looks for it: the step says so
+                loss = extract_loss(output, -1)
         for tensor in _tensors(output):
             if tensor.requires_grad:
-                tensor.register_hook(self._output_grad_recorder(log))
+                tensor.register_hook(self._output_grad_recorder(log, is_loss=tensor is loss))
 
-    def _output_grad_recorder(self, log: _ReplicaLog) -> Callable[[torch.Tensor], None]:
+    def _output_grad_recorder(self, log: _ReplicaLog, *, is_loss: bool = False) -> Callable[[torch.Tensor], None]:
         def record(grad: torch.Tensor) -> None:
-            if grad.dim() > 0 and not log.output_grad_rows:
-                log.output_grad_rows = int(grad.shape[0])
+            if is_loss:
+                if grad.numel() == 1:
+                    log.loss_grad = float(grad.detach().reshape(()))
+            elif grad.dim() > 0 and not log.output_grad_rows:
+                log.output_grad_rows = _along(grad, self.dim)
             log.output_grad_bytes += _nbytes(grad)
 
         return record
@@ -612,10 +677,12 @@ class _Step:
     parameter_bytes: int  # the module's parameters and buffers, on device_ids[0]
 
 
-def _recorded_step(runner: _Runner, module: nn.Module, batch: Batch, device_ids: list[int], output_device: int) -> _Step:
+def _recorded_step(
+    runner: _Runner, module: nn.Module, batch: Batch, device_ids: list[int], output_device: int, counts: Sequence[int] = (),
+) -> _Step:
     model = copy.deepcopy(module)
     batch_tensors = _tensors(batch.inputs)
-    recorder = _StepRecorder(model, batch_tensors, device_ids)
+    recorder = _StepRecorder(model, batch_tensors, device_ids, runner.dim, loss_in_forward=batch.loss_fn is None)
     gathered: list[int] = []
     recorder.attach()
     try:
@@ -625,8 +692,9 @@ def _recorded_step(runner: _Runner, module: nn.Module, batch: Batch, device_ids:
             _watch_gather(wrapper, gathered)
             seed_step(0, torch.device("cpu"))
             output = wrapper(*batch.inputs)
-            # the loss of a model that returns it weights each replica by the rows it really got
-            loss = _step_loss(runner, batch, recorder.sizes(), output)
+            # the loss of a model that returns it weights each replica by the items (rows, or
+            # tokens) its loss is a mean over, else by the rows it really got
+            loss = _step_loss(runner, batch, recorder.sizes(), output, counts)
             loss.backward()
     finally:
         recorder.detach()
@@ -647,20 +715,20 @@ def _recorded_step(runner: _Runner, module: nn.Module, batch: Batch, device_ids:
     )
 
 
-def _step_loss(runner: _Runner, batch: Batch, sizes: Sequence[int], output: Any) -> torch.Tensor:
+def _step_loss(runner: _Runner, batch: Batch, sizes: Sequence[int], output: Any, counts: Sequence[int] = ()) -> torch.Tensor:
     """The step's loss of what the wrapper returned; for a user's wrapper, a loss that
     cannot be computed from it is a usage error naming ``--parallel`` (what explain measures
     is a wrapper that gathers the outputs, as DataParallel does)."""
     if not runner.users:
-        return _loss_of(batch, sizes)(output)
+        return _loss_of(batch, sizes, counts)(output)
     try:
-        loss = _loss_of(batch, sizes)(output)
+        loss = _loss_of(batch, sizes, counts)(output)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"the loss is {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}, not a scalar")
         return loss
     except Exception as error:
         returned = f"{type(output).__name__} of {len(output)}" if isinstance(output, (list, tuple)) else type(output).__name__
-        rows = batch_size_of(batch.inputs)
+        rows = batch_size_of(batch.inputs, dim=runner.dim)
         if sum(sizes) < rows:
             hint = (
                 f"Its replicas' forwards received {list(sizes)} rows, {sum(sizes)} of the batch's {rows}: rows that "
@@ -679,7 +747,7 @@ def _step_loss(runner: _Runner, batch: Batch, sizes: Sequence[int], output: Any)
         ) from error
 
 
-def _chunks(step: _Step, device_ids: Sequence[int], batch: Batch) -> tuple[ChunkFact, ...]:
+def _chunks(step: _Step, device_ids: Sequence[int], batch: Batch, dim: int = 0) -> tuple[ChunkFact, ...]:
     """What each device received, from the rows its replica's forward really got: where
     they sit in the batch (a view's offset, or the rows a copy equals), and whether they
     are a view of the batch or a copy."""
@@ -696,26 +764,28 @@ def _chunks(step: _Step, device_ids: Sequence[int], batch: Batch) -> tuple[Chunk
         views = log.input_tensors
         copied = sum(nbytes for is_view, nbytes in views if not is_view)
         kind = "view" if views and all(is_view for is_view, _ in views) else "copy"
-        found = _rows_in_batch(whole, log.first_input, expected=start)
+        found = _rows_in_batch(whole, log.first_input, expected=start, dim=dim)
         rows = "?" if found is None else (f"{found}" if size == 1 else f"{found}-{found + size - 1}")
         facts.append(ChunkFact(device, rows, size, kind, copied, found))
         start = (found if found is not None else start) + size
     return tuple(facts)
 
 
-def _rows_in_batch(whole: torch.Tensor | None, chunk: torch.Tensor | None, *, expected: int) -> int | None:
-    """The first row of ``whole`` that ``chunk``'s rows start at: ``expected`` (where the
-    previous chunk ended) when they are equal there, else the first offset where they are;
-    None when they are no contiguous rows of the batch."""
-    if whole is None or chunk is None or chunk.dim() == 0 or chunk.shape[1:] != whole.shape[1:]:
+def _rows_in_batch(whole: torch.Tensor | None, chunk: torch.Tensor | None, *, expected: int, dim: int = 0) -> int | None:
+    """The first row (entry along ``dim``) of ``whole`` that ``chunk``'s rows start at:
+    ``expected`` (where the previous chunk ended) when they are equal there, else the first
+    offset where they are; None when they are no contiguous rows of the batch."""
+    if whole is None or chunk is None or chunk.dim() != whole.dim() or not -whole.dim() <= dim < whole.dim():
         return None
-    rows, size = int(whole.shape[0]), int(chunk.shape[0])
+    if any(a != b for i, (a, b) in enumerate(zip(whole.shape, chunk.shape, strict=True)) if i != dim % whole.dim()):
+        return None
+    rows, size = int(whole.shape[dim]), int(chunk.shape[dim])
     if size > rows:
         return None
     candidates = [expected] if 0 <= expected <= rows - size else []
     candidates += [offset for offset in range(rows - size + 1) if offset != expected]
     with torch.no_grad():
-        return next((o for o in candidates if torch.equal(whole.narrow(0, o, size), chunk.to(whole.device))), None)
+        return next((o for o in candidates if torch.equal(whole.narrow(dim, o, size), chunk.to(whole.device))), None)
 
 
 def _replicas(step: _Step) -> tuple[ReplicaFact, ...]:
@@ -732,6 +802,7 @@ def _replicas(step: _Step) -> tuple[ReplicaFact, ...]:
             output_grad_rows=log.output_grad_rows,
             activation_bytes=log.activation_bytes,
             grad_bytes=log.grad_bytes,
+            loss_grad=log.loss_grad,
         )
         for i, log in enumerate(step.logs)
     )
@@ -772,13 +843,15 @@ def _device_bytes(step: _Step, chunks: Sequence[ChunkFact], device_ids: Sequence
 # --------------------------------------------------------------------------- further runs
 
 
-def _float64_grads(runner: _Runner, module: nn.Module, batch: Batch, device_ids: list[int], sizes: Sequence[int]) -> tuple[GradFact, ...]:
+def _float64_grads(
+    runner: _Runner, module: nn.Module, batch: Batch, device_ids: list[int], sizes: Sequence[int], counts: Sequence[int] = (),
+) -> tuple[GradFact, ...]:
     """Sum and average of the replica gradients against the full-batch gradient, in float64."""
-    loss = _loss_of(batch, sizes)
+    loss = _loss_of(batch, sizes, counts)
     with runner.devices(device_ids):
         parallel = run_step(
             module, batch.inputs, loss, wrap=lambda m: runner.build(m, device_ids),
-            dtype=torch.float64, record_replicas=True, device_ids=device_ids,
+            dtype=torch.float64, record_replicas=True, device_ids=device_ids, dim=runner.dim,
         )
     single = run_step(module, batch.inputs, _loss_of(batch, [sum(sizes)]), dtype=torch.float64)
     contributions = [grads for _device, grads in parallel.contributions]
@@ -806,7 +879,7 @@ def _float64_grads(runner: _Runner, module: nn.Module, batch: Batch, device_ids:
 def _returned_loss(runner: _Runner, module: nn.Module, batch: Batch, device_ids: list[int]) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
     """Shape of the loss DataParallel returns on these devices and on one, and whether
     torch warned that it unsqueezed scalars."""
-    model, args = _loss_model(module, batch)
+    model, args = _loss_model(module, batch, runner.dim)
     shapes: list[tuple[int, ...]] = []
     warned = False
     for ids in (device_ids, device_ids[:1]):
@@ -836,6 +909,7 @@ def _replicas_per_forward(runner: _Runner, module: nn.Module, batch: Batch, devi
 
 def _output_device_gap(
     runner: _Runner, module: nn.Module, batch: Batch, device_ids: list[int], output_device: int, sizes: Sequence[int], used: Sequence[int],
+    counts: Sequence[int] = (),
 ) -> tuple[int | None, float | None]:
     """Greatest gradient difference when the outputs are gathered on another of the
     devices ``used`` (those whose replica ran)."""
@@ -843,7 +917,7 @@ def _output_device_gap(
     if not others:
         return None, None
     other = others[-1]
-    loss = _loss_of(batch, sizes)
+    loss = _loss_of(batch, sizes, counts)
     with runner.devices(device_ids):
         steps = [run_step(module, batch.inputs, loss, wrap=_gathering_on(runner, device_ids, out)) for out in (output_device, other)]
     gaps = [
@@ -887,7 +961,7 @@ def _measured_splits(runner: _Runner, model: UserModel, module: nn.Module, batch
             del replica
             first = first_batched((args, kwargs))
             current = current_virtual_device()
-            rows[device_ids[0] if current is None else current] = int(first.shape[0]) if first is not None else 0
+            rows[device_ids[0] if current is None else current] = _along(first, runner.dim) if first is not None else 0
 
         handle = copy_.register_forward_pre_hook(record, with_kwargs=True)
         try:
@@ -972,7 +1046,7 @@ def _state(runner: _Runner, module: nn.Module, batch: Batch, device_ids: list[in
     return tuple(facts)
 
 
-def _ddp_fact(module: nn.Module, batch: Batch, device_ids: list[int], sizes: Sequence[int], real_ddp: bool) -> DDPFact:
+def _ddp_fact(module: nn.Module, batch: Batch, device_ids: list[int], sizes: Sequence[int], real_ddp: bool, dim: int = 0) -> DDPFact:
     """DDP's gradient (per-shard gradients averaged) against DataParallel's for the same
     chunks, with a mean loss and with a summed loss; simulated in one process, or measured
     on real ranks with ``real_ddp``."""
@@ -980,7 +1054,7 @@ def _ddp_fact(module: nn.Module, batch: Batch, device_ids: list[int], sizes: Seq
 
     def rows(obj: Any, start: int, size: int) -> Any:
         # the shard's rows of every batched tensor, wherever scatter would find it
-        return map_tensors(obj, lambda t: t.narrow(0, start, size) if t.dim() > 0 else t)
+        return map_tensors(obj, lambda t: t.narrow(dim, start, size) if t.dim() > dim else t)
 
     def grads(loss_scale: Callable[[int], float], start: int, size: int) -> list[torch.Tensor]:
         shard = Batch(rows(batch.inputs, start, size), rows(batch.target, start, size), batch.loss_fn, batch.loss_name)
@@ -1005,11 +1079,11 @@ def _ddp_fact(module: nn.Module, batch: Batch, device_ids: list[int], sizes: Seq
         ratio = sum(float(t.norm()) for t in ddp_sum) / norms if norms else None
     fact = DDPFact("simulated", gap(ddp_mean, full), ratio)
     if real_ddp:
-        fact = _measured_ddp(module, batch, k, fact)
+        fact = _measured_ddp(module, batch, k, fact, dim)
     return fact
 
 
-def _measured_ddp(module: nn.Module, batch: Batch, world_size: int, simulated: DDPFact) -> DDPFact:
+def _measured_ddp(module: nn.Module, batch: Batch, world_size: int, simulated: DDPFact, dim: int = 0) -> DDPFact:
     from dpverify.checks.registry import CHECKS, Case, Verdict
     from dpverify.ddp import checks_if_available
 
@@ -1017,6 +1091,8 @@ def _measured_ddp(module: nn.Module, batch: Batch, world_size: int, simulated: D
         return DDPFact("simulated", simulated.mean_loss_gap, simulated.sum_loss_ratio, "the DDP backend is not available in this build")
     if batch.loss_fn is None:
         return DDPFact("simulated", simulated.mean_loss_gap, simulated.sum_loss_ratio, "real DDP needs loss_fn(output, target); this forward returns its loss")
+    if dim != 0:
+        return DDPFact("simulated", simulated.mean_loss_gap, simulated.sum_loss_ratio, f"the DDP checks shard the batch along dim 0, and this one is split along dim {dim}")
     case = Case(module, batch.inputs, batch.target, batch.loss_fn, tuple(range(world_size)))
     result = CHECKS["dp-ddp-agree"].run(case)
     if result.verdict is Verdict.PASS:
@@ -1040,6 +1116,7 @@ def explain(
     real_ddp: bool = False,
     parallel: Callable[..., Any] | None = None,
     parallel_name: str | None = None,
+    dim: int = 0,
 ) -> Explanation:
     """Measures one DataParallel step of ``model`` on virtual devices, and what every
     question of docs/questions.md needs (``explain_answers.answers`` words it).
@@ -1056,39 +1133,50 @@ def explain(
             received. A measurement it raises in leaves its question unanswered, with the
             reason (``Explanation.unanswered``).
         parallel_name: the wrapper in words (default its qualified name).
+        dim: the dimension DataParallel splits and gathers the batch along (its ``dim``);
+            ``batch_size`` is the entries along it, and the batches must grow along it.
 
     Raises:
         InvalidArgument: the wrapper's step cannot be measured at all (it raises, or what it
             returns has no loss: a wrapper that does not gather); the message names
-            ``--parallel``, and the wrapper's exception is the ``__cause__``.
+            ``--parallel``, and the wrapper's exception is the ``__cause__``. Or the batch
+            does not have ``batch_size`` entries along ``dim``, or grows along another
+            dimension (a sequence-first batch split along time): ``check`` refuses the same.
     """
     name = parallel_name or (getattr(parallel, "__qualname__", type(parallel).__name__) if parallel is not None else None)
-    runner = _Runner(parallel, name)
+    runner = _Runner(parallel, name, dim)
     ids = list(device_ids)
     out = ids[0] if output_device is None else output_device
-    model = _positional(model, model.make_batch(batch_size))
+    first = model.make_batch(batch_size)
+    # the batch check splits: batch_size entries along dim, growing along it
+    require_rows_along(first.inputs, batch_size, dim, model.batch_source, dict(first.kwargs))
+    require_batch_dim(model, batch_size, dim, first)
+    model = _positional(model, first)
     batch = model.make_batch(batch_size)
     module = model.module
     diverges = bool(divergence_sources(module))
     # BatchNorm/Dropout in train mode make every replica differ from the full batch: the
     # arithmetic questions are answered on an eval-mode copy, where only DataParallel differs.
     exact = copy.deepcopy(module).eval() if diverges else module
-    plan = plan_scatter(batch.inputs, None, ids, warn=False)
+    plan = plan_scatter(batch.inputs, None, ids, dim=dim, warn=False)
     unanswered: list[tuple[int, str]] = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
-        step, step_in_eval = _step(runner, module, exact, batch, ids, out)
-        chunks = _chunks(step, ids, batch)
+        loss_model, loss_args = _loss_model(exact, batch, dim)
+        # question 4 first: for a forward that returns its loss it finds the items (rows, or
+        # tokens) each replica's loss is a mean over, which the step weights replicas by
+        loss_average = runner.measure(
+            4, unanswered, lambda: check_forward_loss_average(loss_model, loss_args, device_ids=ids, parallel=parallel, dim=dim),
+        )
+        counts = list(loss_average.counts) if batch.loss_fn is None and loss_average is not None else []
+        step, step_in_eval = _step(runner, module, exact, batch, ids, out, counts)
+        chunks = _chunks(step, ids, batch, dim)
         # the rows each replica's forward received: torch's plan, or what the wrapper did
         sizes = [chunk.size for chunk in chunks if chunk.kind != "idle"]
         used = [chunk.device for chunk in chunks if chunk.kind != "idle"]
-        loss_model, loss_args = _loss_model(exact, batch)
         returned = runner.measure(6, unanswered, lambda: _returned_loss(runner, exact, batch, ids))
-        gap = runner.measure(8, unanswered, lambda: _output_device_gap(runner, exact, batch, ids, out, sizes, used))
-        loss_average = runner.measure(
-            4, unanswered, lambda: check_forward_loss_average(loss_model, loss_args, device_ids=ids, parallel=parallel),
-        )
-        grads = runner.measure(3, unanswered, lambda: _float64_grads(runner, exact, batch, ids, sizes))
+        gap = runner.measure(8, unanswered, lambda: _output_device_gap(runner, exact, batch, ids, out, sizes, used, counts))
+        grads = runner.measure(3, unanswered, lambda: _float64_grads(runner, exact, batch, ids, sizes, counts))
         replicas = runner.measure(5, unanswered, lambda: _replicas_per_forward(runner, exact if step_in_eval else module, batch, ids))
         dropped = _dropped(runner, plan.dropped, chunks, batch_size)
         state = runner.measure(10, unanswered, lambda: _state(runner, module, batch, ids, dropped))
@@ -1121,17 +1209,23 @@ def explain(
             other_output_device_grad_gap=gap[1] if gap else None,
             splits=splits,
             state=state or (),
-            ddp=_ddp_fact(exact, batch, ids, sizes, real_ddp),
+            ddp=_ddp_fact(exact, batch, ids, sizes, real_ddp, dim),
             eval_mode_for_losses=diverges,
             eval_mode_for_step=step_in_eval,
             wrapper=name,
             planned_chunk_sizes=tuple(plan.chunk_sizes),
             unanswered=tuple(sorted(unanswered)),
             replica_devices_known=step.devices_known,
+            dim=dim,
+            loss_in_forward=batch.loss_fn is None,
+            loss_counts=tuple(counts),
+            loss_items=loss_average.items if counts and loss_average is not None else "rows",
         )
 
 
-def _step(runner: _Runner, module: nn.Module, exact: nn.Module, batch: Batch, ids: list[int], out: int) -> tuple[_Step, bool]:
+def _step(
+    runner: _Runner, module: nn.Module, exact: nn.Module, batch: Batch, ids: list[int], out: int, counts: Sequence[int] = (),
+) -> tuple[_Step, bool]:
     """The recorded step of the model as given, or of its eval-mode copy when a one-row
     chunk made BatchNorm raise in train mode (and whether it is the copy's).
 
@@ -1140,11 +1234,11 @@ def _step(runner: _Runner, module: nn.Module, exact: nn.Module, batch: Batch, id
     """
     try:
         try:
-            step, in_eval = _recorded_step(runner, module, batch, ids, out), False
+            step, in_eval = _recorded_step(runner, module, batch, ids, out, counts), False
         except (RuntimeError, ValueError) as error:
             if ONE_ROW_BATCHNORM not in str(error):
                 raise
-            step, in_eval = _recorded_step(runner, exact, batch, ids, out), True
+            step, in_eval = _recorded_step(runner, exact, batch, ids, out, counts), True
     except InvalidArgument:
         raise
     except Exception as error:

@@ -92,12 +92,12 @@ def _answer_views(e: Explanation) -> str:
     total = r0.shared_parameters + r0.copied_parameters
     if first.kind == "view":
         text = (
-            f"No. Device {first.device}'s chunk (rows {first.rows}) is a view of the batch, "
+            f"No. Device {first.device}'s chunk ({_span(e, first.rows)}) is a view of the batch, "
             f"which already lives there: nothing is sent. "
         )
     elif first.kind == "copy":
         text = (
-            f"Yes: device {first.device}'s chunk (rows {first.rows}) is a copy "
+            f"Yes: device {first.device}'s chunk ({_span(e, first.rows)}) is a copy "
             f"({_bytes(first.copied_bytes)}), made although the batch already lives there. "
         )
     else:
@@ -125,15 +125,67 @@ def _answer_views(e: Explanation) -> str:
     return text + "."
 
 
+def _weighting(e: Explanation) -> tuple[str, str]:
+    """How the step reduces the replica losses of a forward that returns its loss:
+    ``("t_i/T", "its share of the 38 tokens, t_i/T")``, or by rows ``n_i/B``."""
+    if e.weighting == "t_i/T":
+        noun = e.loss_items.split(" (")[0]
+        return e.weighting, f"its share of the {sum(e.loss_counts)} {noun} its loss is a mean over, t_i/T"
+    return "n_i/B", f"its share of the {e.batch_size} {_unit(e, e.batch_size)}, n_i/B"
+
+
+def _unit(e: Explanation, n: int) -> str:
+    """What ``n`` entries of the batch are called: rows (dim 0), or entries along dim D."""
+    if e.dim == 0:
+        return "row" if n == 1 else "rows"
+    return f"{'entry' if n == 1 else 'entries'} along dim {e.dim}"
+
+
+def _span(e: Explanation, rows: str) -> str:
+    """``rows 0-1``, or ``entries 0-1 along dim 1``: a chunk's place in the batch."""
+    return f"rows {rows}" if e.dim == 0 else f"entries {rows} along dim {e.dim}"
+
+
+def _answer_loss_once_in_forward(e: Explanation) -> str:
+    """Question 2 for a forward that returns its loss: each replica computed its own, and
+    the step reduced the gathered replica losses."""
+    if not e.replicated:
+        runs = "DataParallel runs the module itself" if e.wrapper is None else f"{e.under_test} ran one replica"
+        return (
+            f"With one device {runs}: there is no gather, the forward computed the loss ({e.loss}) once, "
+            f"on the whole batch on device {e.gathered_on} ({e.loss_value:.6g}), and backward starts from it."
+        )
+    symbol, share = _weighting(e)
+    weights = [r.loss_grad for r in e.replicas]
+    where = f"on device {e.gathered_on}" if e.gathered_on is not None else "(no gather() call dpverify could see)"
+    text = (
+        f"No: this forward returns its loss, so each replica computed the loss of its own chunk on its own device, "
+        f"and the {plural(e.replicas_used, 'replica loss', 'replica losses')} were gathered into one "
+        f"{_shape(e.output_shape)} vector {where}. The step reduces that vector, weighting replica i by {share} "
+        f"(the exact reduction, question 4): {e.loss_value:.6g}. "
+    )
+    if all(w is not None for w in weights):
+        shown = ", ".join(f"{w:.4g}" for w in weights if w is not None)
+        text += (
+            f"In backward, Gather's backward sent each replica one number, the gradient of the reduced loss with "
+            f"respect to its own loss, its weight {symbol}: [{shown}]."
+        )
+    else:
+        text += "In backward, Gather's backward sent each replica the gradient of the reduced loss with respect to its own loss."
+    return text
+
+
 def _answer_loss_once(e: Explanation) -> str:
-    rows = e.output_shape[0] if e.output_shape else 0
+    if e.loss_in_forward:
+        return _answer_loss_once_in_forward(e)
+    rows = e.output_shape[e.dim] if len(e.output_shape) > e.dim else 0
     if not e.replicated:
         runs = "DataParallel runs the module itself" if e.wrapper is None else f"{e.under_test} ran one replica"
         return (
             f"With one device {runs}: there is no gather, the loss "
             f"({e.loss}) was computed once on device {e.gathered_on} on the whole "
             f"{_shape(e.output_shape)} output ({e.loss_value:.6g}), and its gradient "
-            f"({e.replicas[0].output_grad_rows} rows) flows straight into the module."
+            f"({e.replicas[0].output_grad_rows} {_unit(e, e.replicas[0].output_grad_rows)}) flows straight into the module."
         )
     sizes = [r.output_grad_rows for r in e.replicas]
     if e.gathered_on is None:
@@ -143,11 +195,12 @@ def _answer_loss_once(e: Explanation) -> str:
         passed = "torch's forward passed to gather" if e.wrapper is None else "the wrapper passed to its gather"
         where = f"into one {_shape(e.output_shape)} tensor on device {e.gathered_on} (the output_device {passed})"
         there = "there"
+    along = "" if e.dim == 0 else f" along dim {e.dim}"
     return (
-        f"Yes. The {plural(e.replicas_used, 'replica output')} were gathered {where}, and the loss "
+        f"Yes. The {plural(e.replicas_used, 'replica output')} were gathered{along} {where}, and the loss "
         f"({e.loss}) was computed once {there}: "
-        f"{e.loss_value:.6g}. In backward, Gather's backward split d loss/d output ({rows} rows) "
-        f"by chunk size and sent each replica its part: {sizes} rows."
+        f"{e.loss_value:.6g}. In backward, Gather's backward split d loss/d output ({rows} {_unit(e, rows)}) "
+        f"by chunk size and sent each replica its part: {sizes} {_unit(e, 2)}."
     )
 
 
@@ -165,18 +218,24 @@ def _answer_sum(e: Explanation) -> str:
             f"rows or devices to see the sum at work."
         )
     ratio = _worst(e.grads, lambda g: g.average_ratio)
-    scale = max((g.full_norm for g in e.grads), default=0.0) or 1.0
-    if sum_error > 1e-9 * scale:
+    if e.loss_in_forward:
+        symbol, _share = _weighting(e)
+        items = "tokens" if symbol == "t_i/T" else _unit(e, 2)
+        setting = f"With the replica losses weighted by {symbol}"
+        why = f"replica i's gradient is (1/{symbol[-1]}) times the sum over its own {items}"
+    else:
+        setting = "With a mean loss over the gathered batch"
+        why = f"replica i's gradient is (1/B) times the sum over its own {_unit(e, 2)}"
+    if not e.grads_add_up:
         # float64: a sum that misses the full-batch gradient by more than rounding is not one
         return (
-            f"With a mean loss over the gathered batch the replica gradients should add up to the "
+            f"{setting} the replica gradients should add up to the "
             f"full-batch gradient, but under {e.under_test} they do not: greatest |sum - full| = "
             f"{sum_error:.3g} over all parameters (float64), |average| / |full| = {ratio:.3g}. "
             "dpverify check names the parameters and the likely bug."
         )
     return (
-        f"With a mean loss over the gathered batch, replica i's gradient is (1/B) times the sum "
-        f"over its own rows, so the replica gradients add up to the full-batch gradient: "
+        f"{setting}, {why}, so the replica gradients add up to the full-batch gradient: "
         f"greatest |sum - full| = {sum_error:.2g} over all parameters (float64). Their average "
         f"is the full gradient divided by the {k} replicas a second time: greatest "
         f"|average - full| = {_worst(e.grads, lambda g: g.average_error):.3g}, "
@@ -353,15 +412,17 @@ def _answer_batch_size(e: Explanation) -> str:
     if e.wrapper is not None:
         return _answer_batch_size_wrapper(e, n)
     text = (
-        f"No. torch.chunk gives chunks of ceil(B/{n}) rows and the last may be smaller: "
+        f"No. torch.chunk gives chunks of ceil(B/{n}) {_unit(e, 2)} and the last may be smaller: "
         f"B={e.batch_size} on {n} devices gives {list(e.chunk_sizes)}, so {e.replicas_used} "
         f"replica{'s' if e.replicas_used != 1 else ''} run"
     )
     text += f" and device {_list(list(e.idle_devices))} sits idle. " if e.idle_devices else ". "
+    tokens = e.loss_average is not None and e.loss_average.by_tokens
     text += (
-        "Fewer rows than devices leaves devices idle; uneven chunks still give the exact "
-        "gradient (question 3), but bias a loss averaged after forward (question 4). "
-        "Other batch sizes are in the table."
+        f"Fewer {_unit(e, 2)} than devices leaves devices idle; uneven chunks still give the exact "
+        "gradient (question 3), but bias a loss averaged after forward (question 4)"
+        + (", as do equal chunks holding different numbers of tokens. " if tokens else ". ")
+        + "Other batch sizes are in the table."
     )
     return text
 
@@ -406,7 +467,7 @@ def _answer_unchanged(e: Explanation) -> str:
         return (
             "This one, yes: one forward on one device and one under DataParallel left the same "
             "buffers and attributes, no module depends on the batch split or on random draws "
-            "(BatchNorm or Dropout in train mode), and no rows are dropped. Models that count "
+            f"(BatchNorm or Dropout in train mode), and no {_unit(e, 2)} are dropped. Models that count "
             "calls in forward, update buffers in place, or use BatchNorm/Dropout would not."
         )
     kinds = _list(sorted({s.kind for s in e.state}))
@@ -425,8 +486,7 @@ def _answer_ddp(e: Explanation) -> str:
     text = (
         f"Simulated in one process (DDP's arithmetic: per-shard gradients averaged over ranks), "
         f"with the chunks {list(e.chunk_sizes)} as shards on {k} ranks: with a mean loss DDP's "
-        f"gradient differs from {dp} by up to {d.mean_loss_gap:.3g} (relative) "
-        + ("(exact: equal shards). " if d.mean_loss_gap < 1e-9 else "(biased: uneven shards; weight rank r's loss by n_r*W/B). ")
+        f"gradient differs from {dp} by up to {d.mean_loss_gap:.3g} (relative) ({_ddp_why(e)}). "
     )
     if d.sum_loss_ratio is not None:
         theirs = "DataParallel's" if e.wrapper is None else "a correct DataParallel's"
@@ -437,6 +497,23 @@ def _answer_ddp(e: Explanation) -> str:
     else:
         text += "Run with --ddp to measure real DDP ranks."
     return text.rstrip()
+
+
+def _ddp_why(e: Explanation) -> str:
+    """Why DDP's averaged gradient is exact or biased here, from the measured split: the
+    shards' rows, or the items (tokens) their mean losses are over (question 4)."""
+    r = e.loss_average
+    tokens = r is not None and r.by_tokens and len(r.counts) == len(e.chunk_sizes)
+    if e.ddp.mean_loss_gap < 1e-9:
+        return "exact: equal shards" + (f" holding equal numbers of tokens, {r.counted}" if tokens and r is not None else "")
+    if len(set(e.chunk_sizes)) > 1:
+        return "biased: uneven shards; weight rank r's loss by n_r*W/B"
+    if tokens and r is not None and r.unequal_items:
+        return f"biased: the shards hold different numbers of tokens, {r.counted}; weight rank r's loss by t_r*W/T"
+    return (
+        "biased although the shards are equal: each rank's loss is not the mean over its share of the batch "
+        "(question 4 measures the replica losses)"
+    )
 
 
 def _shape(shape: Sequence[int]) -> str:

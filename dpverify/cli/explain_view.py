@@ -36,8 +36,24 @@ def _kb(n: int) -> str:
     return f"{n / 1024:,.1f} KiB" if n >= 1024 else f"{n} B"
 
 
-def _rows(n: int) -> str:
+def _rows(n: int, dim: int = 0) -> str:
+    """``5 rows``, or ``5 entries along dim 1``: entries of the dimension the batch is split along."""
+    if dim != 0:
+        return f"{n} {'entry' if n == 1 else 'entries'} along dim {dim}"
     return f"{n} row" if n == 1 else f"{n} rows"
+
+
+def _backward_cell(e: Explanation, replica: ReplicaFact) -> str:
+    """What Gather's backward sent a replica: the rows of d loss/d output, or, for a forward
+    that returns its loss, the one number d loss/d loss_i (the replica's weight; what it sent
+    any other output is zero, the loss being computed from the replica losses alone)."""
+    if e.loss_in_forward:
+        if replica.loss_grad is None:
+            return "d loss/d loss_i:\nnot seen"
+        if not e.replicated:
+            return f"d loss/d loss = {replica.loss_grad:.4g}\n(the loss itself)"
+        return f"d loss/d loss_{replica.replica}\n= {replica.loss_grad:.4g} (its weight)"
+    return f"d loss/d output:\n{_rows(replica.output_grad_rows, e.dim)}"
 
 
 def _diagram(e: Explanation) -> Table:
@@ -57,8 +73,8 @@ def _diagram(e: Explanation) -> Table:
     def row(stage: str, cell: Any) -> None:
         table.add_row(stage, *[cell(d) for d in e.device_ids])
 
-    row("batch", lambda d: f"{e.batch_size} rows, {shape_text(e.batch_shape)}" if d == first else "")
-    row("▼ scatter", lambda d: _chunk_cell(chunks[d]))
+    row("batch", lambda d: f"{_rows(e.batch_size, e.dim)}, {shape_text(e.batch_shape)}" if d == first else "")
+    row("▼ scatter", lambda d: _chunk_cell(chunks[d], e.dim))
     if not e.replicated:
         row("▼ replicate", lambda d: Text("none: with one device\nthe module itself runs", style="dim"))
     else:
@@ -72,8 +88,10 @@ def _diagram(e: Explanation) -> Table:
         gathered = e.gathered_on
         row("▼ gather", lambda d: f"[bold]outputs {shape_text(e.output_shape)}[/] ◀ {e.replicas_used} chunk{'s' if e.replicas_used != 1 else ''}" if d == gathered else (f"→ device {gathered}" if d in replicas else ""))
     at = out if e.gathered_on is None else e.gathered_on
-    row("▼ loss", lambda d: f"[bold]{e.loss}[/]\n= {e.loss_value:.5g}" if d == at else "")
-    row("▲ backward", lambda d: f"d loss/d output:\n{_rows(replicas[d].output_grad_rows)}" if d in replicas else "")
+    # a forward that returns its loss: the step's loss is the weighted sum of the gathered replica losses
+    loss = f"Σ {e.weighting}·loss_i" if e.loss_in_forward and e.replicated else e.loss
+    row("▼ loss", lambda d: f"[bold]{loss}[/]\n= {e.loss_value:.5g}" if d == at else "")
+    row("▲ backward", lambda d: _backward_cell(e, replicas[d]) if d in replicas else "")
     if not e.replicated:
         row("▲ .grad", lambda d: "[bold].grad[/] directly\n(no replicas)")
     else:
@@ -81,11 +99,11 @@ def _diagram(e: Explanation) -> Table:
     return table
 
 
-def _chunk_cell(chunk: ChunkFact) -> Text | str:
+def _chunk_cell(chunk: ChunkFact, dim: int = 0) -> Text | str:
     if chunk.kind == "idle":
         return Text("idle (no chunk)", style="dim")
     colour = "green" if chunk.kind == "view" else "yellow"
-    rows = "row" if chunk.size == 1 else "rows"
+    rows = ("row" if chunk.size == 1 else "rows") if dim == 0 else f"dim {dim}:"
     label = Text(f"{rows} {chunk.rows} ({chunk.size})\n")
     label.append(chunk.kind.upper(), style=f"bold {colour}")
     label.append(" of the batch" if chunk.kind == "view" else f" {_kb(chunk.copied_bytes)}")
@@ -108,15 +126,21 @@ def _loss_table(e: Explanation) -> Table | None:
     table.add_column("")
     for i, _size in enumerate(r.chunk_sizes):
         table.add_column(f"replica {i}", justify="right")
+    # a token-mean loss is a mean over each replica's tokens t_i: its weights are per token
+    # and the exact one is 1/T, the reduction sum(t_i/T * loss_i)
+    item, symbol, total = ("token", "t_i/T", "T") if r.by_tokens else ("row" if e.dim == 0 else "entry", "n_i/B", "B")
     table.add_row("chunk size n_i", *map(str, r.chunk_sizes))
+    if r.by_tokens:
+        table.add_row("tokens t_i", *map(str, r.counts))
     table.add_row("replica loss", *[f"{x:.6g}" for x in r.replica_losses])
-    table.add_row("loss.mean() weight per row", *[f"{w:.4g}" for w in r.sample_weights])
-    table.add_row("exact weight per row (1/B)", *[f"{1 / r.batch_size:.4g}"] * len(r.chunk_sizes))
+    table.add_row(f"loss.mean() weight per {item}", *[f"{w:.4g}" for w in r.sample_weights])
+    exact = 1 / sum(r.counts) if sum(r.counts) else 0.0
+    table.add_row(f"exact weight per {item} (1/{total})", *[f"{exact:.4g}"] * len(r.chunk_sizes))
     summary = Table.grid(padding=(0, 2))
     summary.add_column()
     summary.add_column(justify="right")
     summary.add_row("mean of means, loss.mean()", f"{r.mean_of_means:.8g}")
-    summary.add_row("weighted mean, Σ n_i/B·loss_i", f"{r.weighted_mean:.8g}")
+    summary.add_row(f"weighted mean, Σ {symbol}·loss_i", f"{r.weighted_mean:.8g}")
     summary.add_row("full-batch loss", f"{r.full_batch_loss:.8g}")
     style = "bold red" if r.is_biased else "green"
     summary.add_row(Text("bias of loss.mean()", style=style), Text(f"{r.loss_bias:+.3g}", style=style))
@@ -219,14 +243,15 @@ def render_explanation(console: Console, e: Explanation) -> None:
     idle = f", device {', '.join(map(str, e.idle_devices))} idle" if e.idle_devices else ""
     title = f"dpverify explain: {e.model}" + (f" under {e.wrapper}" if e.wrapper is not None else "")
     console.print(Text(title, style="bold"))
-    console.print(f"{e.parameters:,} parameters ({e.dtype}); batch of {e.batch_size} rows ({e.batch_source}); loss: {e.loss}", markup=False)
+    console.print(f"{e.parameters:,} parameters ({e.dtype}); batch of {_rows(e.batch_size, e.dim)} ({e.batch_source}); loss: {e.loss}", markup=False)
+    split = "" if e.dim == 0 else f", split and gathered along dim {e.dim}"
     if e.wrapper is None:
-        console.print(f"virtual devices {list(e.device_ids)}, output_device {e.output_device}: chunks {list(e.chunk_sizes)}{idle}")
+        console.print(f"virtual devices {list(e.device_ids)}, output_device {e.output_device}{split}: chunks {list(e.chunk_sizes)}{idle}")
     else:
         planned = f" (torch's scatter: {list(e.planned_chunk_sizes)})" if list(e.planned_chunk_sizes) != list(e.chunk_sizes) else ""
         console.print(
             f"wrapper {e.wrapper}, run inside dpverify.virtual_devices({max(e.device_ids) + 1}): virtual devices "
-            f"{list(e.device_ids)}, output_device {e.output_device}: chunks {list(e.chunk_sizes)} as it split the batch{planned}{idle}",
+            f"{list(e.device_ids)}, output_device {e.output_device}{split}: chunks {list(e.chunk_sizes)} as it split the batch{planned}{idle}",
             markup=False,
         )
         if not e.replica_devices_known:

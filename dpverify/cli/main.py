@@ -451,6 +451,9 @@ def _explain(args: argparse.Namespace) -> int:
     from dpverify.figures.explain import explain_figure
 
     figure = _figure_target(args)
+    if args.dim != 0 and args.factory is None and args.model is None:
+        raise InvalidArgument(f"--dim {args.dim}: the built-in model {DEFAULT_EXPLAIN_MODEL} batches along dim 0; --dim applies to MODULE:FACTORY with --inputs")
+    _check_dim(args)
     model = _load_model(args, default=DEFAULT_EXPLAIN_MODEL)
     ids = list(range(args.devices))
     if args.output_device is not None and args.output_device not in ids:
@@ -460,7 +463,7 @@ def _explain(args: argparse.Namespace) -> int:
     parallel = _load_parallel(args.parallel)
     explanation = explain(
         model, batch_size=args.batch, device_ids=ids, output_device=args.output_device, real_ddp=args.ddp,
-        parallel=parallel, parallel_name=args.parallel,
+        parallel=parallel, parallel_name=args.parallel, dim=args.dim,
     )
     if args.json:
         print(explanation_json(explanation))
@@ -586,6 +589,12 @@ def _add_explain(commands: Any, common: argparse.ArgumentParser) -> None:
         help="explain your own DataParallel-like wrapper, CALLABLE(module, device_ids=..., output_device=...), run "
         "inside dpverify.virtual_devices: the chunks are the rows its replicas really received; a question it "
         "cannot be measured for says so",
+    )
+    explain.add_argument(
+        "--dim", type=int, default=0, metavar="D",
+        help="the dimension DataParallel splits and gathers the batch along (default 0), as in check: --batch counts "
+        "entries along it, so with D other than 0 pass --inputs returning the batch that way (T x B x F for a "
+        "sequence-first LSTM: --dim 1)",
     )
     explain.add_argument("--svg", type=Path, metavar="FILE", help="also write the explanation as an SVG picture")
     explain.add_argument("--json", action="store_true", help="print every measured value as JSON instead")

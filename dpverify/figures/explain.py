@@ -2,8 +2,9 @@
 
 Four panels, each drawn from the ``Explanation``'s measured facts, never from a fixed
 drawing: the step as a lane per device (the rows scatter sent it, view or copy, its replica,
-its output, the gather, the loss, the output-gradient rows Gather's backward sent back and
-the reduce-add onto the source device), the bytes each device held by kind, the weight
+its output, the gather, the loss, the output-gradient rows Gather's backward sent back, or
+for a forward that returns its loss the replica loss's weight, and the reduce-add onto the
+source device), the bytes each device held by kind, the weight
 ``loss.mean()`` of the replica losses gives one row (or token) against the exact ``1/B``
 (``1/N``), and each parameter's summed and averaged replica gradient against the full batch's.
 
@@ -109,10 +110,18 @@ def _loss_text(name: str, value: float, width: int = 20) -> str:
     return "\n".join([*(lines if len(lines) <= 2 else ["loss"]), f"= {value:.5g}"])
 
 
-def _chunk_cell(chunk: ChunkFact) -> Cell:
+def _entries(n: int, dim: int) -> str:
+    """``5 rows``, or ``5 along dim 1``: entries of the dimension the batch is split along."""
+    return plural(n, "row") if dim == 0 else f"{n:,} along dim {dim}"
+
+
+def _chunk_cell(chunk: ChunkFact, dim: int = 0) -> Cell:
     if chunk.kind == "idle":
-        return Cell("scatter", chunk.device, "idle: no rows", "idle")
-    rows = f"row {chunk.rows}" if chunk.size == 1 else f"rows {chunk.rows}"
+        return Cell("scatter", chunk.device, "idle: no rows" if dim == 0 else "idle: no chunk", "idle")
+    if dim != 0:
+        rows = f"dim {dim}: {chunk.rows}"
+    else:
+        rows = f"row {chunk.rows}" if chunk.size == 1 else f"rows {chunk.rows}"
     what = "VIEW of the batch" if chunk.kind == "view" else f"COPY, {_size(chunk.copied_bytes)}"
     return Cell("scatter", chunk.device, f"{rows} ({chunk.size})\n{what}", chunk.kind)
 
@@ -123,6 +132,21 @@ def _replica_cell(e: Explanation, replica: ReplicaFact) -> Cell:
     if replica.copied_parameters == 0:
         return Cell("replicate", replica.device, f"replica {replica.replica}\n= the module,\nshares storage", "module")
     return Cell("replicate", replica.device, f"replica {replica.replica}: copy\n{_size(replica.parameter_bytes)}", "replica")
+
+
+def _backward_cell(e: Explanation, replica: ReplicaFact) -> Cell:
+    """What Gather's backward sent a replica: rows of d loss / d output, or, for a forward
+    that returns its loss (a scalar per replica), the one number d loss / d loss_i, the
+    replica's weight in the step's loss."""
+    if e.loss_in_forward:
+        if replica.loss_grad is None:
+            text = "d loss / d loss_i\nnot seen"
+        elif not e.replicated:
+            text = f"d loss / d loss\n= {replica.loss_grad:.4g} (the loss)"
+        else:
+            text = f"d loss / d loss_{replica.replica}\n= {replica.loss_grad:.4g} ({e.weighting})"
+        return Cell("backward", replica.device, text, "backward")
+    return Cell("backward", replica.device, f"d loss / d output\n{_entries(replica.output_grad_rows, e.dim)}", "backward")
 
 
 def _loss_device(e: Explanation) -> int:
@@ -145,8 +169,8 @@ def step_lanes(e: Explanation) -> dict[int, tuple[Cell, ...]]:
     for device in e.device_ids:
         cells: list[Cell] = []
         if device == source:
-            cells.append(Cell("batch", device, f"batch: {plural(e.batch_size, 'row')}\n{shape_text(e.batch_shape)}", "plain"))
-        cells.append(_chunk_cell(chunks[device]))
+            cells.append(Cell("batch", device, f"batch: {_entries(e.batch_size, e.dim)}\n{shape_text(e.batch_shape)}", "plain"))
+        cells.append(_chunk_cell(chunks[device], e.dim))
         replica = replicas.get(device)
         if replica is not None:
             cells.append(_replica_cell(e, replica))
@@ -159,8 +183,7 @@ def step_lanes(e: Explanation) -> dict[int, tuple[Cell, ...]]:
                 cells.append(Cell("gather", device, f"outputs {shape_text(e.output_shape)}\n◀ {plural(e.replicas_used, 'chunk')}{seen}", "gather"))
             cells.append(Cell("loss", device, _loss_text(e.loss, e.loss_value), "loss"))
         if replica is not None:
-            rows = plural(replica.output_grad_rows, "row")
-            cells.append(Cell("backward", device, f"d loss / d output\n{rows}", "backward"))
+            cells.append(_backward_cell(e, replica))
         if device == source:
             text = ".grad directly\n(no replicas)" if not e.replicated else f".grad = Σ of\n{plural(e.replicas_used, 'replica grad')}"
             cells.append(Cell("reduce-add", device, text, "backward"))
