@@ -27,7 +27,7 @@ PROGRESS_DEADLINE_S = 90
 #: Seconds from Ctrl-C to the end of the session, and again to the end of every process it
 #: started; it takes two to four on a loaded 2-core machine.
 STOP_DEADLINE_S = 10
-#: The live bar's count on a terminal, or a piped status line's.
+#: The live bar's count of examples, on a terminal.
 PROGRESS = re.compile(rb"(\d+) examples, budget")
 
 psutil = pytest.importorskip("psutil")
