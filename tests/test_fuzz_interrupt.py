@@ -20,6 +20,8 @@ import pytest
 if TYPE_CHECKING:
     import psutil  # type: ignore[import-untyped]
 
+    from dpverify.ddp.pool import DDPWorkerPool
+
 ROOT = Path(__file__).resolve().parent.parent
 #: Seconds a session may take to show its first examples: importing torch, then starting
 #: the fork server and two ranks. About ten on a loaded 2-core machine.
@@ -207,3 +209,15 @@ def test_ctrl_c_while_the_fork_server_preloads_torch_kills_no_process(tmp_path: 
     assert "KeyboardInterrupt" not in text, text[-3000:]
     assert took <= STOP_DEADLINE_S + 3, text[-3000:]  # the script waits 3 s on purpose
     assert not left, f"processes outlived the pool by {STOP_DEADLINE_S}s: {left}"
+
+
+def _sigint_blocked(info: object) -> bool:
+    """On a rank: whether SIGINT is blocked there."""
+    return signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="POSIX signal masks")
+def test_ranks_take_sigint_though_the_fork_server_holds_it_back(ddp_pool: DDPWorkerPool) -> None:
+    # The fork server keeps SIGINT blocked, and its children inherit the mask; a rank, out
+    # of the terminal's process group, unblocks it for the code it runs.
+    assert ddp_pool.run(_sigint_blocked) == (False, False)
