@@ -18,7 +18,8 @@ ranks never joined) raise ``ParallelError`` with every rank's story (traceback, 
 the Python stack where it hung); the ranks are then killed and the pool starts fresh ones
 for the next task. No rank outlives the pool: ranks are stopped by ``close()``, by a
 finalizer when the pool is garbage collected or the interpreter exits, and a watchdog thread
-in every rank ends it when the parent process dies.
+in every rank ends it when the parent process dies. A Ctrl-C in the terminal is the parent's
+alone: the fork server and the ranks are out of its reach (``_ctrl_c_held``).
 """
 
 from __future__ import annotations
