@@ -419,6 +419,8 @@ def pytest_make_collect_report(
     error, while a failed collect report is shown as ``ERROR collecting <module>``.
     """
     outcome = yield
+    if outcome.exception is not None:
+        return  # Ctrl-C or an exit while collecting: pytest reports it, not as this hook's
     report = outcome.get_result()
     if not report.passed:
         return

@@ -1,6 +1,7 @@
 """Fuzzing the property suite with HypoFuzz works as the README says (``hypothesis fuzz --
 tests/test_properties.py``, no environment variable), while a plain pytest run of the suite
-stays derandomized."""
+stays derandomized; and HypoFuzz 25.11.01 itself misbehaves as the README warns (these
+checks are skipped with any other version)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ REPORT_DEADLINE_S = 60
 #: soon as its start-up ends and it sees its parent gone, which on two loaded cores (the
 #: rest of the suite running beside this test) took more than 20 seconds once.
 STOP_DEADLINE_S = 60
+#: The HypoFuzz release whose own misbehaviour the README describes.
+README_HYPOFUZZ = "25.11.01"
 
 
 def _config(*plugins: object, profile_option: str | None = None) -> pytest.Config:
@@ -177,15 +180,24 @@ def _stop(fuzz: subprocess.Popen[Any]) -> list[psutil.Process]:
     return left
 
 
+def _readme_hypofuzz() -> bool:
+    """Whether the installed HypoFuzz is the release the README's warnings are about."""
+    import hypofuzz
+
+    return bool(hypofuzz.__version__ == README_HYPOFUZZ)
+
+
+def _hypothesis_fuzz(*args: str) -> list[str]:
+    """The ``hypothesis fuzz`` command line, with this interpreter."""
+    return [sys.executable, "-c", "from hypothesis.extra.cli import main; main()", "fuzz", *args]
+
+
 @pytest.mark.timeout(REPORT_DEADLINE_S + 3 * STOP_DEADLINE_S)
 def test_hypothesis_fuzz_collects_and_fuzzes_the_property_suite(tmp_path: Path) -> None:
     pytest.importorskip("hypofuzz", reason="hypofuzz is a test extra: pip install -e '.[test]'")
     # The README's command with one worker and no dashboard (no port), stopped once a
     # property has been fuzzed: it fuzzes until stopped and has no time limit.
-    command = [
-        sys.executable, "-c", "from hypothesis.extra.cli import main; main()",  # `hypothesis`
-        "fuzz", "-n", "1", "--no-dashboard", "--", str(PROPERTIES),
-    ]  # fmt: skip
+    command = _hypothesis_fuzz("-n", "1", "--no-dashboard", "--", str(PROPERTIES))
     # As the README has it: no profile asked for (and no pytest options from outside).
     env = {k: v for k, v in os.environ.items() if k not in ("HYPOTHESIS_PROFILE", "PYTEST_ADDOPTS")}
     log = tmp_path / "fuzz.log"
@@ -209,6 +221,7 @@ def test_hypothesis_fuzz_collects_and_fuzzes_the_property_suite(tmp_path: Path) 
             if fuzzed:
                 break
             time.sleep(0.25)
+        shown = log.read_text()  # before Ctrl-C
     finally:
         orphans = _stop(fuzz)
     output = log.read_text()
@@ -218,4 +231,57 @@ def test_hypothesis_fuzz_collects_and_fuzzes_the_property_suite(tmp_path: Path) 
     assert int(collected.group(1)) >= 5, output[-3000:]  # the property suite's @given tests
     assert fuzzed, f"no test reported fuzzed within {REPORT_DEADLINE_S}s:\n{output[-3000:]}"
     assert all(nodeid.startswith("tests/test_properties.py::test_") for nodeid in fuzzed), fuzzed
+    assert not orphans, f"processes outlived hypothesis fuzz by {STOP_DEADLINE_S}s: {orphans}"
+    if _readme_hypofuzz():
+        # The README's account of HypoFuzz itself: nothing shows how fuzzing goes without the
+        # dashboard, and its worker dies of the Ctrl-C with a traceback.
+        assert "::test_" not in shown[collected.end() :], shown[-3000:]
+        assert "KeyboardInterrupt" in output[len(shown) :], output[-3000:]
+
+
+#: A property that fails at once, and a profile HypoFuzz accepts wherever it runs (Hypothesis
+#: loads its derandomized "ci" profile, which HypoFuzz refuses, when it detects CI).
+FAILING_SUITE = {
+    "conftest.py": """
+from hypothesis import settings
+
+settings.register_profile("random", settings.get_profile("default"), derandomize=False)
+settings.load_profile("random")
+""",
+    "test_failing.py": """
+from hypothesis import given, strategies as st
+
+
+@given(st.integers())
+def test_fails(x):
+    assert x < 10
+""",
+}
+
+
+@pytest.mark.timeout(REPORT_DEADLINE_S + 3 * STOP_DEADLINE_S)
+def test_hypofuzz_25_11_01_crashes_on_a_failure_instead_of_reporting_it(tmp_path: Path) -> None:
+    pytest.importorskip("hypofuzz", reason="hypofuzz is a test extra: pip install -e '.[test]'")
+    from hypothesis.internal.conjecture.data import ConjectureResult
+
+    if not _readme_hypofuzz() or "slice_comments" in getattr(ConjectureResult, "__slots__", ()):
+        pytest.skip(f"the README describes HypoFuzz {README_HYPOFUZZ} with a Hypothesis that renamed slice_comments")
+    for name, text in FAILING_SUITE.items():
+        (tmp_path / name).write_text(text)
+    log = tmp_path / "fuzz.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("HYPOTHESIS_PROFILE", "PYTEST_ADDOPTS")}
+    with log.open("w") as out:
+        fuzz = subprocess.Popen(
+            _hypothesis_fuzz("-n", "1", "--no-dashboard", "--", "test_failing.py"),
+            cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    crash = "AttributeError: 'ConjectureResult' object has no attribute 'slice_comments'"
+    try:
+        deadline = time.monotonic() + REPORT_DEADLINE_S
+        while crash not in log.read_text() and fuzz.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.25)
+    finally:
+        orphans = _stop(fuzz)
+    output = log.read_text()
+    assert crash in output, output[-3000:]  # in FuzzTarget.run_one, after shrinking the failure
     assert not orphans, f"processes outlived hypothesis fuzz by {STOP_DEADLINE_S}s: {orphans}"

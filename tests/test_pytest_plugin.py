@@ -192,6 +192,20 @@ def test_bad_marker_arguments_are_a_collection_error(
     )
 
 
+def test_ctrl_c_while_collecting_is_pytest_s_to_report(pytester: pytest.Pytester) -> None:
+    # The collection wrapper used to re-raise it from its teardown, and pluggy then warned
+    # that "Plugin: dpverify" raised (a Ctrl-C while hypothesis fuzz collects, too).
+    pytester.makepyfile(test_stopped="raise KeyboardInterrupt")
+    # no_reraise_ctrlc: pytester would raise the nested run's Ctrl-C in this session
+    result = pytester.runpytest_inprocess(
+        "-W", "error::pluggy.PluggyTeardownRaisedWarning", no_reraise_ctrlc=True
+    )
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    output = result.stdout.str() + result.stderr.str()
+    assert "PluggyTeardownRaisedWarning" not in output
+    assert "Plugin: dpverify" not in output
+
+
 # --dpverify-gpus and DPVERIFY_GPUS
 
 

@@ -18,7 +18,8 @@ ranks never joined) raise ``ParallelError`` with every rank's story (traceback, 
 the Python stack where it hung); the ranks are then killed and the pool starts fresh ones
 for the next task. No rank outlives the pool: ranks are stopped by ``close()``, by a
 finalizer when the pool is garbage collected or the interpreter exits, and a watchdog thread
-in every rank ends it when the parent process dies.
+in every rank ends it when the parent process dies. A Ctrl-C in the terminal is the parent's
+alone: the fork server and the ranks are out of its reach (``_ctrl_c_held``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -341,6 +342,37 @@ def _stop_fork_server() -> None:
         server._stop()
 
 
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """Holds SIGINT back from this thread while it starts a process, which inherits the
+    mask: multiprocessing starts its resource tracker so (resource_tracker.py,
+    ``ensure_running``). A Ctrl-C in the terminal reaches the whole foreground process
+    group, and a fork server preloading torch, or a spawned rank importing it before it
+    leaves the group (``_leave_terminal_group``), would die of it with a KeyboardInterrupt
+    traceback. A Ctrl-C meanwhile is delivered to this process when the block ends."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    # It unblocks SIGINT after starting itself: started first, it does not start inside.
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _start_fork_server() -> None:
+    """Starts this process's fork server, if it has none, out of Ctrl-C's reach: it keeps
+    SIGINT blocked while it preloads, then ignores it (forkserver.py, ``main``)."""
+    from multiprocessing import forkserver
+
+    with _ctrl_c_held():
+        forkserver.ensure_running()
+
+
 def _arrange_fork_server_stop() -> None:
     global _FORK_SERVER_STOP
     if _FORK_SERVER_STOP is None:
@@ -435,10 +467,23 @@ def _serve(conn: Connection, info: RankInfo) -> None:
         conn.send_bytes(pickle.dumps(reply, protocol=_PICKLE_PROTOCOL))
 
 
+def _leave_terminal_group() -> None:
+    """Moves this rank into a process group of its own, which the pool kills whole
+    (DataLoader workers too) and a Ctrl-C in the parent's terminal does not reach, then
+    takes SIGINT again: the rank started with it blocked (``_ctrl_c_held``), and a Ctrl-C
+    that came before it left the parent's group was the parent's and is dropped."""
+    if hasattr(os, "setpgrp"):
+        os.setpgrp()
+    if hasattr(signal, "pthread_sigmask"):
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # drops a pending SIGINT
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
+
+
 def _rank_main(spec: _WorkerSpec, conn: Connection, alive: Connection) -> None:
     """Entry point of a rank process: join the group, then serve tasks until told to stop."""
-    if hasattr(os, "setpgrp"):
-        os.setpgrp()  # the pool kills the rank's whole process group (DataLoader workers too)
+    _leave_terminal_group()
     threading.Thread(target=_watch_parent, args=(alive,), daemon=True, name="dpverify-watchdog").start()
     if _STACK_SIGNAL is not None:
         stack_file = open(spec.stack_path, "w")  # noqa: SIM115 - lives as long as the rank
@@ -867,6 +912,7 @@ class DDPWorkerPool:
             # Only takes effect if this process has not started its fork server yet.
             context.set_forkserver_preload(_PRELOAD)
             _arrange_fork_server_stop()
+            _start_fork_server()
         self._starts += 1
         directory = self._state.directory
         store_path = os.path.join(directory, f"store-{self._starts}")
@@ -896,7 +942,9 @@ class DDPWorkerPool:
                 name=f"{_RANK_NAME}{rank}",
                 daemon=False,  # a daemon may not start children (DataLoader workers)
             )
-            proc.start()
+            # a fork server's child inherits its mask; a spawned rank is started from here
+            with _ctrl_c_held() if self._method == "spawn" else contextlib.nullcontext():
+                proc.start()
             child_end.close()
             processes.append(proc)
             conns.append(parent_end)
