@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from dpverify.cli.explain import Explanation, explain
 from dpverify.cli.explain_answers import QUESTIONS, answers
 from dpverify.cli.main import main
 from dpverify.cli.user_model import user_model
-from dpverify.models.user import UserModel, builtin_model
+from dpverify.models.user import Batch, UserModel, builtin_model
 
 QUESTIONS_DOC = Path(__file__).resolve().parents[1] / "docs" / "questions.md"
 
@@ -400,3 +401,25 @@ def test_a_token_mean_loss_table_weighs_tokens(monkeypatch: pytest.MonkeyPatch) 
     assert "exact weight per token (1/T)" in out
     assert "d loss/d output" not in out  # each replica got one number, d loss/d loss_i
     assert "d loss/d loss_0" in out
+
+
+def test_a_float64_run_hands_the_loss_a_target_of_its_own_dtype() -> None:
+    """explain's float64 runs cast the target as the checks do: on torch 2.11 ``mse_loss``
+    of a float64 output and a float32 target fails in backward ("Found dtype Float but
+    expected Double"); this loss refuses the mix on any torch."""
+    mlp = builtin_model("mlp")
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def strict_mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        seen.append((output.dtype, target.dtype))
+        if output.dtype != target.dtype:
+            raise RuntimeError(f"Found dtype {target.dtype} but expected {output.dtype}")
+        return torch.nn.functional.mse_loss(output, target)
+
+    def make(batch_size: int) -> Batch:
+        batch = mlp.make_batch(batch_size)
+        return replace(batch, loss_fn=strict_mse, loss_name="strict_mse")
+
+    explanation = explain(replace(mlp, make_batch=make), batch_size=5, device_ids=[0, 1, 2, 3])
+    assert (torch.float64, torch.float64) in seen
+    assert not explanation.unanswered

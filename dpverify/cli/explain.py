@@ -843,10 +843,18 @@ def _device_bytes(step: _Step, chunks: Sequence[ChunkFact], device_ids: Sequence
 # --------------------------------------------------------------------------- further runs
 
 
+def _target_in_float64(batch: Batch) -> Batch:
+    """``batch`` with its floating targets in float64, for a step run in float64: the
+    loss then sees one dtype, as the checks give it (``mse_loss`` of a float64 output and a
+    float32 target fails in backward on torch 2.11: "Found dtype Float but expected Double")."""
+    return replace(batch, target=map_tensors(batch.target, lambda t: t.double() if t.is_floating_point() else t))
+
+
 def _float64_grads(
     runner: _Runner, module: nn.Module, batch: Batch, device_ids: list[int], sizes: Sequence[int], counts: Sequence[int] = (),
 ) -> tuple[GradFact, ...]:
     """Sum and average of the replica gradients against the full-batch gradient, in float64."""
+    batch = _target_in_float64(batch)
     loss = _loss_of(batch, sizes, counts)
     with runner.devices(device_ids):
         parallel = run_step(
@@ -1051,6 +1059,7 @@ def _ddp_fact(module: nn.Module, batch: Batch, device_ids: list[int], sizes: Seq
     chunks, with a mean loss and with a summed loss; simulated in one process, or measured
     on real ranks with ``real_ddp``."""
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    batch = _target_in_float64(batch)
 
     def rows(obj: Any, start: int, size: int) -> Any:
         # the shard's rows of every batched tensor, wherever scatter would find it
