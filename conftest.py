@@ -1,9 +1,12 @@
-"""Repository-level pytest configuration: this suite's Hypothesis profile."""
+"""Repository-level pytest configuration: this suite's Hypothesis profile and, for checking
+that no test depends on it, torch's intra-op thread count."""
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -35,7 +38,66 @@ def under_hypofuzz(config: pytest.Config) -> bool:
     return any(type(plugin).__module__.startswith("hypofuzz.") for plugin in plugins)
 
 
+#: Runs the suite with this many torch intra-op threads in every process (xdist workers
+#: read it too): a test must not depend on the bits one thread count produces.
+THREADS_VARIABLE = "DPVERIFY_TEST_THREADS"
+
+
+def requested_threads() -> int | None:
+    """The thread count ``DPVERIFY_TEST_THREADS`` asks for, or None when it is unset.
+
+    Raises:
+        pytest.UsageError: The value is not a positive integer.
+    """
+    value = os.environ.get(THREADS_VARIABLE, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise pytest.UsageError(f"{THREADS_VARIABLE}={value!r}: give a positive number of torch threads, e.g. {THREADS_VARIABLE}=1")
+    return int(value)
+
+
+def _process_state() -> dict[str, Any]:
+    """What a test could change for every later test of its process: the current directory
+    and, once torch is imported, its process-wide settings."""
+    state: dict[str, Any] = {"os.getcwd()": os.getcwd()}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state |= {
+            "torch.get_num_threads()": torch.get_num_threads(),
+            "torch.get_default_dtype()": torch.get_default_dtype(),
+            "torch.is_grad_enabled()": torch.is_grad_enabled(),
+            "torch.is_inference_mode_enabled()": torch.is_inference_mode_enabled(),
+            "torch.is_anomaly_enabled()": torch.is_anomaly_enabled(),
+            "torch.are_deterministic_algorithms_enabled()": torch.are_deterministic_algorithms_enabled(),
+        }
+    return state
+
+
+@pytest.fixture(autouse=True)
+def _process_state_left_as_found() -> Iterator[None]:
+    """Fails a test that leaves the current directory or torch's thread count, default
+    dtype, grad mode or determinism changed: the tests after it in the same process (an
+    xdist worker runs many) would pass or fail by the order they run in."""
+    before = _process_state()
+    yield
+    after = _process_state()
+    changed = [f"{name} is {after[name]!r}, was {value!r}" for name, value in before.items() if after[name] != value]
+    if changed:
+        pytest.fail(f"the test left process-wide state changed ({'; '.join(changed)}): restore it in a finally or with monkeypatch", pytrace=False)
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    threads = requested_threads()
+    return None if threads is None else f"torch threads: {threads} ({THREADS_VARIABLE})"
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    threads = requested_threads()
+    if threads is not None:
+        import torch  # only when asked: a plain run imports torch when a test does
+
+        torch.set_num_threads(threads)
     # HypoFuzz skips derandomized tests ("sets_derandomize", hypofuzz/collection.py,
     # _ItemsCollector.pytest_collection_finish) and says "No property-based tests were
     # collected": a fuzzing session gets the random dpverify-fuzz profile, a plain run keeps
