@@ -58,9 +58,9 @@ def requested_threads() -> int | None:
 
 
 def _process_state() -> dict[str, Any]:
-    """What a test could change for every later test of its process: the current directory
-    and, once torch is imported, its process-wide settings."""
-    state: dict[str, Any] = {"os.getcwd()": os.getcwd()}
+    """What a test could change for every later test of its process: the current directory,
+    the Hypothesis profile and, once torch is imported, its process-wide settings."""
+    state: dict[str, Any] = {"os.getcwd()": os.getcwd(), "the Hypothesis profile": settings.get_current_profile_name()}
     torch = sys.modules.get("torch")
     if torch is not None:
         state |= {
@@ -76,8 +76,8 @@ def _process_state() -> dict[str, Any]:
 
 @pytest.fixture(autouse=True)
 def _process_state_left_as_found() -> Iterator[None]:
-    """Fails a test that leaves the current directory or torch's thread count, default
-    dtype, grad mode or determinism changed: the tests after it in the same process (an
+    """Fails a test that leaves the current directory, the Hypothesis profile or torch's
+    thread count, default dtype, grad mode or determinism changed: the tests after it in the same process (an
     xdist worker runs many) would pass or fail by the order they run in."""
     before = _process_state()
     yield

@@ -35,6 +35,7 @@ LEAKS = """
 import os
 
 import torch
+from hypothesis import settings
 
 
 def test_leaves_the_default_dtype_changed():
@@ -47,6 +48,10 @@ def test_leaves_the_thread_count_changed():
 
 def test_leaves_the_directory_changed(tmp_path):
     os.chdir(tmp_path)
+
+
+def test_leaves_the_profile_changed():
+    settings.load_profile("dpverify-dev")
 
 
 def test_restores_what_it_changes(monkeypatch, tmp_path):
@@ -81,11 +86,12 @@ def test_a_bad_thread_count_is_a_usage_error_that_says_what_to_give(repo_conftes
 
 
 def test_a_test_that_leaves_process_state_changed_fails(repo_conftest: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("DPVERIFY_TEST_THREADS", raising=False)
+    for name in ("DPVERIFY_TEST_THREADS", "HYPOTHESIS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
     repo_conftest.makepyfile(LEAKS)
     result = repo_conftest.runpytest_subprocess("-p", "no:cacheprovider", "-rE")
     # each leak is an error at its teardown, after the test itself passed; restoring passes
-    result.assert_outcomes(passed=4, errors=3)
+    result.assert_outcomes(passed=5, errors=4)
     result.stdout.fnmatch_lines(
         [
             "*ERROR at teardown of test_leaves_the_default_dtype_changed*",
@@ -94,5 +100,7 @@ def test_a_test_that_leaves_process_state_changed_fails(repo_conftest: pytest.Py
             "the test left process-wide state changed (torch.get_num_threads() is *, was *)*",
             "*ERROR at teardown of test_leaves_the_directory_changed*",
             "the test left process-wide state changed (os.getcwd() is *, was *)*",
+            "*ERROR at teardown of test_leaves_the_profile_changed*",
+            "the test left process-wide state changed (the Hypothesis profile is 'dpverify-dev', was 'dpverify-ci')*",
         ]
     )
