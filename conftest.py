@@ -1,5 +1,7 @@
-"""Repository-level pytest configuration: this suite's Hypothesis profile and, for checking
-that no test depends on it, torch's intra-op thread count."""
+"""Repository-level pytest configuration: this suite's Hypothesis profile; for checking
+that no test depends on it, torch's intra-op thread count; and what keeps tests from
+depending on the machine, the terminal or each other (no terminal variables, and process
+state left as found)."""
 
 from __future__ import annotations
 
@@ -55,6 +57,36 @@ def requested_threads() -> int | None:
     if not value.isdigit() or int(value) < 1:
         raise pytest.UsageError(f"{THREADS_VARIABLE}={value!r}: give a positive number of torch threads, e.g. {THREADS_VARIABLE}=1")
     return int(value)
+
+
+#: What the user's terminal tells rich (the command line's colour and width). A test that
+#: reads the CLI's output must not pass or fail by them; one that tests them sets them.
+TERMINAL_VARIABLES = (
+    "FORCE_COLOR",
+    "NO_COLOR",
+    "TTY_COMPATIBLE",
+    "TTY_INTERACTIVE",
+    "COLUMNS",
+    "LINES",
+    "JUPYTER_COLUMNS",
+    "JUPYTER_LINES",
+)
+
+
+@pytest.fixture(autouse=True)
+def _plain_terminal() -> Iterator[None]:
+    """Every test, and every process it starts, sees none of ``TERMINAL_VARIABLES``: the
+    CLI writes plain text 100 columns wide, whatever the terminal of the run (FORCE_COLOR=1
+    in a shell's profile made every test that reads the CLI's output fail).
+
+    A MonkeyPatch of its own, not the ``monkeypatch`` fixture: requesting that here would set
+    it up before ``_process_state_left_as_found`` and undo a test's ``monkeypatch.chdir``
+    only after the guard has looked.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        for name in TERMINAL_VARIABLES:
+            patch.delenv(name, raising=False)
+        yield
 
 
 def _process_state() -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The repository's ``conftest.py``, run in nested pytest sessions: ``DPVERIFY_TEST_THREADS``
-sets torch's thread count in every process of a run (xdist workers too), and a test that
-leaves process-wide state changed fails, so that no test passes only in the order it ran.
+sets torch's thread count in every process of a run (xdist workers too), no test sees the
+terminal's colour and width variables, and a test that leaves process-wide state changed
+fails, so that no test passes only on one machine or in the order it ran.
 
 Each session runs in a subprocess (``runpytest_subprocess``): the conftest sets torch's
 thread count, which must not leak into this process."""
@@ -61,6 +62,23 @@ def test_restores_what_it_changes(monkeypatch, tmp_path):
     torch.set_default_dtype(saved)
 """
 
+TERMINAL_SEEN = """
+import os
+import subprocess
+import sys
+
+
+def test_no_terminal_variable_reaches_a_test_or_its_processes():
+    assert "FORCE_COLOR" not in os.environ and "COLUMNS" not in os.environ
+    child = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.environ))"], capture_output=True, text=True, check=True)
+    assert "FORCE_COLOR" not in child.stdout and "'COLUMNS'" not in child.stdout
+
+
+def test_a_test_may_set_one(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert os.environ["COLUMNS"] == "80"
+"""
+
 
 @pytest.fixture
 def repo_conftest(pytester: pytest.Pytester) -> pytest.Pytester:
@@ -74,6 +92,13 @@ def test_the_thread_variable_sets_every_xdist_worker(repo_conftest: pytest.Pytes
     result = repo_conftest.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["torch threads: 5 (DPVERIFY_TEST_THREADS)"])
+
+
+def test_the_terminal_of_the_run_reaches_no_test(repo_conftest: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "40")
+    repo_conftest.makepyfile(TERMINAL_SEEN)
+    repo_conftest.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=2)
 
 
 @pytest.mark.parametrize("value", ["0", "many", "-2"])
