@@ -109,8 +109,9 @@ def _process_state() -> dict[str, Any]:
 @pytest.fixture(autouse=True)
 def _process_state_left_as_found() -> Iterator[None]:
     """Fails a test that leaves the current directory, the Hypothesis profile or torch's
-    thread count, default dtype, grad mode or determinism changed: the tests after it in the same process (an
-    xdist worker runs many) would pass or fail by the order they run in."""
+    thread count, default dtype, grad mode or determinism changed: the tests after it in
+    the same process (an xdist worker runs many) would pass or fail by the order they run
+    in."""
     before = _process_state()
     yield
     after = _process_state()
