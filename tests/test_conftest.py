@@ -69,9 +69,10 @@ import sys
 
 
 def test_no_terminal_variable_reaches_a_test_or_its_processes():
-    assert "FORCE_COLOR" not in os.environ and "COLUMNS" not in os.environ
+    names = ("FORCE_COLOR", "NO_COLOR", "COLUMNS")
+    assert not [name for name in names if name in os.environ]
     child = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.environ))"], capture_output=True, text=True, check=True)
-    assert "FORCE_COLOR" not in child.stdout and "'COLUMNS'" not in child.stdout
+    assert not [name for name in names if repr(name) in child.stdout]
 
 
 def test_a_test_may_set_one(monkeypatch):
@@ -97,6 +98,7 @@ def test_the_thread_variable_sets_every_xdist_worker(repo_conftest: pytest.Pytes
 def test_the_terminal_of_the_run_reaches_no_test(repo_conftest: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FORCE_COLOR", "1")
     monkeypatch.setenv("COLUMNS", "40")
+    monkeypatch.setenv("NO_COLOR", "1")
     repo_conftest.makepyfile(TERMINAL_SEEN)
     repo_conftest.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=2)
 
