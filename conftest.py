@@ -1,9 +1,14 @@
-"""Repository-level pytest configuration: this suite's Hypothesis profile."""
+"""Repository-level pytest configuration: this suite's Hypothesis profile; for checking
+that no test depends on it, torch's intra-op thread count; and what keeps tests from
+depending on the machine, the terminal or each other (no terminal variables, and process
+state left as found)."""
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -35,7 +40,97 @@ def under_hypofuzz(config: pytest.Config) -> bool:
     return any(type(plugin).__module__.startswith("hypofuzz.") for plugin in plugins)
 
 
+#: Runs the suite with this many torch intra-op threads in every process (xdist workers
+#: read it too): a test must not depend on the bits one thread count produces.
+THREADS_VARIABLE = "DPVERIFY_TEST_THREADS"
+
+
+def requested_threads() -> int | None:
+    """The thread count ``DPVERIFY_TEST_THREADS`` asks for, or None when it is unset.
+
+    Raises:
+        pytest.UsageError: The value is not a positive integer.
+    """
+    value = os.environ.get(THREADS_VARIABLE, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise pytest.UsageError(f"{THREADS_VARIABLE}={value!r}: give a positive number of torch threads, e.g. {THREADS_VARIABLE}=1")
+    return int(value)
+
+
+#: What the user's terminal tells rich (the command line's colour and width). A test that
+#: reads the CLI's output must not pass or fail by them; one that tests them sets them.
+TERMINAL_VARIABLES = (
+    "FORCE_COLOR",
+    "NO_COLOR",
+    "TTY_COMPATIBLE",
+    "TTY_INTERACTIVE",
+    "COLUMNS",
+    "LINES",
+    "JUPYTER_COLUMNS",
+    "JUPYTER_LINES",
+)
+
+
+@pytest.fixture(autouse=True)
+def _plain_terminal() -> Iterator[None]:
+    """Every test, and every process it starts, sees none of ``TERMINAL_VARIABLES``: the
+    CLI writes plain text 100 columns wide, whatever the terminal of the run (FORCE_COLOR=1
+    in a shell's profile made every test that reads the CLI's output fail).
+
+    A MonkeyPatch of its own, not the ``monkeypatch`` fixture: requesting that here would set
+    it up before ``_process_state_left_as_found`` and undo a test's ``monkeypatch.chdir``
+    only after the guard has looked.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        for name in TERMINAL_VARIABLES:
+            patch.delenv(name, raising=False)
+        yield
+
+
+def _process_state() -> dict[str, Any]:
+    """What a test could change for every later test of its process: the current directory,
+    the Hypothesis profile and, once torch is imported, its process-wide settings."""
+    state: dict[str, Any] = {"os.getcwd()": os.getcwd(), "the Hypothesis profile": settings.get_current_profile_name()}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state |= {
+            "torch.get_num_threads()": torch.get_num_threads(),
+            "torch.get_default_dtype()": torch.get_default_dtype(),
+            "torch.is_grad_enabled()": torch.is_grad_enabled(),
+            "torch.is_inference_mode_enabled()": torch.is_inference_mode_enabled(),
+            "torch.is_anomaly_enabled()": torch.is_anomaly_enabled(),
+            "torch.are_deterministic_algorithms_enabled()": torch.are_deterministic_algorithms_enabled(),
+        }
+    return state
+
+
+@pytest.fixture(autouse=True)
+def _process_state_left_as_found() -> Iterator[None]:
+    """Fails a test that leaves the current directory, the Hypothesis profile or torch's
+    thread count, default dtype, grad mode or determinism changed: the tests after it in
+    the same process (an xdist worker runs many) would pass or fail by the order they run
+    in."""
+    before = _process_state()
+    yield
+    after = _process_state()
+    changed = [f"{name} is {after[name]!r}, was {value!r}" for name, value in before.items() if after[name] != value]
+    if changed:
+        pytest.fail(f"the test left process-wide state changed ({'; '.join(changed)}): restore it in a finally or with monkeypatch", pytrace=False)
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    threads = requested_threads()
+    return None if threads is None else f"torch threads: {threads} ({THREADS_VARIABLE})"
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    threads = requested_threads()
+    if threads is not None:
+        import torch  # only when asked: a plain run imports torch when a test does
+
+        torch.set_num_threads(threads)
     # HypoFuzz skips derandomized tests ("sets_derandomize", hypofuzz/collection.py,
     # _ItemsCollector.pytest_collection_finish) and says "No property-based tests were
     # collected": a fuzzing session gets the random dpverify-fuzz profile, a plain run keeps
@@ -49,14 +144,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _cpu_tier_sees_no_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+def _cpu_tier_sees_no_cuda(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every test but the ``multigpu`` ones runs as on a machine without CUDA.
 
     The CPU tier's assertions are about the CPU model (virtual devices, sparse virtual ids,
     gloo ranks); on a GPU machine dpverify would put the same checks on the real devices,
     refuse ids beyond them and choose nccl. ``DPVERIFY_GPUS=0`` (read by
-    ``dpverify.core.devices.cuda_device_count``, and inherited by the subprocesses a test
+    ``dpverify.core.devices.cuda_device_count``, and inherited by the processes a test
     starts) keeps the tier the same on every machine; the ``multigpu`` tests see the GPUs.
+    A MonkeyPatch of its own, as ``_plain_terminal`` has.
     """
-    if request.node.get_closest_marker("multigpu") is None:
-        monkeypatch.setenv("DPVERIFY_GPUS", "0")
+    with pytest.MonkeyPatch.context() as patch:
+        if request.node.get_closest_marker("multigpu") is None:
+            patch.setenv("DPVERIFY_GPUS", "0")
+        yield

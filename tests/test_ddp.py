@@ -1010,20 +1010,24 @@ def test_cancelling_rank_gradients_in_float64_are_no_false_alarm(ddp_pools: Call
     result = assert_ddp_grads_match(s.module, s.inputs, s.target, loss_fn=s.loss_fn, world_size=3, pool=ddp_pools(3))
     assert result.ok
     # the scenario still shows the cancellation: the bias gradient, the mean of the rows'
-    # signs, is 0 in exact arithmetic; one device and the ranks round it differently
+    # signs, is 0 in exact arithmetic; one device and the ranks may round it differently
+    # (2.8e-17 against 0 on one CPU), or both to 0 where a CPU sums in another order: only
+    # rounding either way
     with torch.no_grad():
         signs = torch.sign(s.module(*s.inputs) - s.target)
     assert float(signs.sum()) == 0.0
     bias = [t for t in result.tensors if t.name.endswith("grad 'bias'")]
     assert len(bias) == 3
-    assert all(0.0 < t.max_abs < 1e-15 for t in bias)
+    assert all(t.max_abs < 1e-15 for t in bias)
 
 
 def test_accumulation_rounding_in_float64_is_no_false_alarm(ddp_pools: Callable[[int], DDPWorkerPool]) -> None:
     s = GRU_F64.build()
     result = assert_ddp_accumulation_matches(s.module, s.inputs, s.target, loss_fn=s.loss_fn, world_size=3, micro_batches=2, pool=ddp_pools(3))
     assert result.ok
-    assert any(t.max_abs > 0 for t in result.tensors if "grad" in t.name)  # the ranks did round differently
+    # every rank's gradients were compared; whether accumulation rounded them differently
+    # from one device depends on the CPU's summation order, so it is not assumed
+    assert {t.name.split(" ")[1] for t in result.tensors if " grad " in t.name} == {"0", "1", "2"}
 
 
 def test_a_gradient_off_by_one_in_a_million_still_fails_in_float64(ddp_pools: Callable[[int], DDPWorkerPool]) -> None:

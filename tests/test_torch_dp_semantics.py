@@ -493,7 +493,11 @@ def test_module_output_matches_in_each_dtype(dtype: torch.dtype) -> None:
     x = torch.randn(20, 10, dtype=dtype)
     out = VirtualDataParallel(module, [0, 1])(x)
     assert out.dtype == dtype
-    torch.testing.assert_close(out, module(x), rtol=0, atol=0)
+    # each replica computes the module on its chunk, bit for bit; the whole batch in one
+    # matmul may round differently (torch's numerical accuracy notes: batched and sliced
+    # computations need not be bitwise identical), so it agrees only up to rounding
+    torch.testing.assert_close(out, torch.cat([module(chunk) for chunk in x.chunk(2)]), rtol=0, atol=0)
+    torch.testing.assert_close(out, module(x))
 
 
 @pytest.mark.parametrize("unused", [None, [], {}, ()])
@@ -512,7 +516,8 @@ def test_keyword_only_inputs_including_empty_containers(unused: Any) -> None:
     x = torch.randn(20, 10)
     argument: Any = x if unused is None else {"data": x, "unused": unused}
     out = VirtualDataParallel(Net(), [0, 1])(input=argument)
-    torch.testing.assert_close(out, linear(x), rtol=0, atol=0)
+    torch.testing.assert_close(out, torch.cat([linear(chunk) for chunk in x.chunk(2)]), rtol=0, atol=0)
+    torch.testing.assert_close(out, linear(x))  # the whole batch: up to rounding
 
 
 # --- the functional API: scatter, gather, replicate -------------------------------------
