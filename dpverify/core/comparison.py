@@ -212,6 +212,10 @@ class TensorComparison:
     noise: bool = False
     #: the reference's largest |entry| (measured for failing tensors; 0 otherwise)
     size: float = 0.0
+    #: neither step has a gradient here (None in both, or None in one and all zeros in the
+    #: other, as DataParallel's reduce-add gives a parameter no replica used): nothing to
+    #: compare, and no error to show
+    absent: bool = False
 
     @property
     def ok(self) -> bool:
@@ -262,7 +266,7 @@ def _missing(name: str, actual: torch.Tensor | None, expected: torch.Tensor | No
     present = actual if actual is not None else expected
     if present is None or not bool(present.any()):
         shape = tuple(present.shape) if present is not None else ()
-        return TensorComparison(name, shape, present.numel() if present is not None else 0)
+        return TensorComparison(name, shape, present.numel() if present is not None else 0, absent=True)
     where = "parallel" if actual is None else "single-device"
     other = "single-device" if actual is None else "parallel"
     return TensorComparison(
@@ -718,6 +722,9 @@ def _table(rows: Sequence[TensorComparison], title: str) -> list[str]:
     ]
     for r in rows:
         shape = shape_text(r.shape)
+        if r.absent:
+            lines.append(f"  {r.name:<{width}}  {shape:<14}  {'no gradient in either step':>45}")
+            continue
         ratio = "-" if r.problem else f"{r.ratio:.3g}"
         lines.append(
             f"  {r.name:<{width}}  {shape:<14}  {f'{r.mismatched}/{r.numel}':>13}  "
