@@ -38,6 +38,7 @@ from dpverify.core.step import (
     batch_size_of,
     copy_module,
     first_parameter_dtype,
+    quiet_size_warnings,
     run_step,
 )
 from dpverify.core.tree import first_batched, map_tensors
@@ -317,7 +318,7 @@ class Check:
         criterion wrapper's loss, the wrapper built on first use (inside ``devices()``,
         where it sees the virtual devices) around ``loss_fn`` as a module."""
         if self.parallel_loss is None:
-            return _loss_of(loss_fn, target)
+            return quiet_size_warnings(_loss_of(loss_fn, target))
         require_loss_fn(loss_fn)
         factory = self.parallel_loss
         built: list[Callable[[Any, Any], torch.Tensor]] = []
@@ -329,7 +330,7 @@ class Check:
             result: torch.Tensor = built[0](output, target)
             return result
 
-        return loss
+        return quiet_size_warnings(loss)
 
     def run(
         self,
