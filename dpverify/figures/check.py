@@ -214,8 +214,34 @@ def _figure(panels: Sequence[_Panel], notes: Sequence[str], suptitle: str | None
     if notes:
         _footnote(fig, axes[-1], notes)
     if suptitle:
-        fig.suptitle(suptitle, x=0.01, ha="left", fontweight="bold", fontsize=12)
+        _suptitle(fig, suptitle)
     return fig
+
+
+def _suptitle(fig: Figure, text: str) -> None:
+    """The figure's title from its left edge, wrapped where the renderer measures it wider
+    than the figure (a long model name, a loss computed in forward, many verdict counts),
+    the figure made taller by the lines it adds."""
+    title = fig.suptitle(text, x=0.01, ha="left", fontweight="bold", fontsize=12)
+    room = fig.bbox.width * 0.97
+    width = title.get_window_extent().width
+    if width <= room:
+        return
+    lines = textwrap.wrap(text, max(20, int(len(text) * room / width)), break_on_hyphens=False)
+    # the estimate is proportional; a line of wide letters can still be too long
+    while max(_width_of(fig, line) for line in lines) > room:
+        lines = textwrap.wrap(text, max(10, max(map(len, lines)) - 4), break_on_hyphens=False)
+    title.set_text("\n".join(lines))
+    fig.set_figheight(fig.get_figheight() + 0.24 * (len(lines) - 1))
+
+
+def _width_of(fig: Figure, line: str) -> float:
+    """Pixels ``line`` takes in the title's font, measured by the figure's renderer."""
+    probe = fig.text(0, 0, line, fontweight="bold", fontsize=12)
+    try:
+        return float(probe.get_window_extent().width)
+    finally:
+        probe.remove()
 
 
 def _footnote(fig: Figure, ax: Axes, notes: Sequence[str]) -> None:
@@ -240,7 +266,7 @@ def _message(text: str, notes: Sequence[str], suptitle: str | None, label: str) 
     lines = [text, *(f"- {_clip(note, _NOTE_CHARS)}" for note in notes)]
     message_panel(ax, "\n".join(lines))
     if suptitle:
-        fig.suptitle(suptitle, x=0.01, ha="left", fontweight="bold", fontsize=12)
+        _suptitle(fig, suptitle)
     return fig
 
 
