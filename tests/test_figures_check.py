@@ -159,6 +159,15 @@ def test_an_exact_tensor_sits_at_the_floor_labelled_exact() -> None:
     assert "passed: all 3 compared tensors within tolerance" in ax.get_title(loc="left")
 
 
+def test_a_parameter_without_a_gradient_is_said_so_not_drawn_as_exact() -> None:
+    absent = TensorComparison("grad 'unused.weight'", (4,), 4, absent=True)
+    ax = _axes(_comparison([_row("output", 0.25), absent, _row("loss", 0.0)]).figure(), "tensors")
+    assert len(_bars(ax)) == 2  # output and the exact loss; nothing for the absent gradient
+    texts = [text.get_text() for text in ax.texts]
+    assert "no gradient" in texts
+    assert texts.count("exact") == 1
+
+
 def test_long_names_are_shortened_in_the_middle_and_stay_apart() -> None:
     short = [f"grad 'bert.encoder.layer.{i}.attention.self.query.weight'" for i in range(12)]
     long = [f"sum of replica grads 'bert.encoder.layer.{i}.attention.output.LayerNorm.weight'" for i in range(12)]

@@ -284,6 +284,7 @@ def test_a_replayed_failure_draws_its_tensors_worst_first() -> None:
             for i, ratio in enumerate([0.3, 2e5, 40.0, 0.0])
         ),
         TensorComparison("output", (2, 3), 6, mismatched=6, problem="has shape (1, 3) in the parallel step"),
+        TensorComparison("grad 'unused.weight'", (3,), 3, absent=True),
     )
     figure = fuzz_figure(_replayed(tensors))
     ax = _axes(figure, "failure")
@@ -295,11 +296,12 @@ def test_a_replayed_failure_draws_its_tensors_worst_first() -> None:
     # the tensor without a ratio first, then by ratio, largest first
     assert [t.get_text() for t in ax.get_yticklabels()] == [
         "output", "grad 'layer1.weight'", "grad 'layer2.weight'", "grad 'layer0.weight'", "grad 'layer3.weight'",
+        "grad 'unused.weight'",
     ]
     bars = [patch for container in ax.containers for patch in container]
     assert len(bars) == 4  # one per tensor with a ratio
     assert any("has shape (1, 3)" in text.get_text() for text in ax.texts)
-    assert {text.get_text() for text in ax.texts} >= {"2e+05", "40", "0.3", "exact"}
+    assert {text.get_text() for text in ax.texts} >= {"2e+05", "40", "0.3", "exact", "no gradient"}
     assert ax.get_xscale() == "log"
     # the session's panels are there too
     _axes(figure, "timeline")

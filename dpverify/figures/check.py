@@ -175,6 +175,11 @@ def _draw_row(ax: Axes, y: int, row: _Row, floor: float, right: float) -> None:
         # on white, above the limit line it may cross
         ax.text(0.98, y, text, transform=edge, ha="right", va="center", color=fail, fontsize=9, zorder=3, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0})
         return
+    if tensor.absent:
+        # nothing compared: no bar, which would read as an exact match
+        note = "no gradient" + (f"  {row.where}" if row.where else "")
+        ax.text(floor, y, note, ha="left", va="center", fontsize=8, color=COLOURS["muted"])
+        return
     width = _width(tensor.ratio, floor, right)
     ax.barh(y, width, height=0.7, color=COLOURS["pass"] if tensor.ok else fail, edgecolor="none")
     note = _value(tensor.ratio) + (f"  {row.where}" if row.where else "")

@@ -270,6 +270,9 @@ def _draw_failure(ax: Axes, failure: FuzzFailure) -> None:
         if tensor.problem is not None:
             ax.text(0.99, y, tensor.problem[:90], transform=edge, ha="right", va="center", fontsize=8, color=COLOURS["fail"])
             continue
+        if tensor.absent:
+            ax.text(low, y, "no gradient", ha="left", va="center", fontsize=8, color=COLOURS["muted"])
+            continue
         value = tensor.ratio if _drawable(tensor.ratio) else (right if tensor.ratio == math.inf else low)
         ax.barh(y, value, left=low, height=0.7, color=COLOURS["pass"] if tensor.ok else COLOURS["fail"], edgecolor="none")
         label = "exact" if tensor.ratio == 0 else ("inf" if tensor.ratio == math.inf else f"{tensor.ratio:.2g}")
