@@ -1100,6 +1100,12 @@ def _replicas_ran(check: Check, step: StepResult, refs: References | None = None
     ]
 
 
+# Rows of an output the mismatch message locates one by one, and elements of one it
+# matches row against row (a distance matrix of the rows): beyond them, it says nothing.
+_MOST_ROWS = 4096
+_MOST_ELEMENTS = 1 << 24
+
+
 def _lost_chunks(check: Check, step: StepResult, refs: References | None) -> str | None:
     """A sentence when the replica forwards received fewer rows than the batch holds (None
     otherwise): which of torch's chunks never ran, named by the rows of the single-device
@@ -1140,7 +1146,7 @@ def _rows_held(check: Check, step: StepResult, refs: References, count: int) -> 
         reference = expected.get(path)
         if reference is None or got.dim() == 0 or got.dim() != reference.dim() or not -got.dim() <= check.dim < got.dim():
             continue
-        if got.size(check.dim) != count or reference.size(check.dim) != batch:
+        if got.size(check.dim) != count or reference.size(check.dim) != batch or reference.numel() > _MOST_ELEMENTS:
             continue
         a = got.detach().movedim(check.dim, 0).reshape(count, -1).double().cpu()
         e = reference.detach().movedim(check.dim, 0).reshape(batch, -1).double().cpu()
@@ -1194,6 +1200,8 @@ def _differing_rows(check: Check, actual: StepResult, refs: References, rows: Se
         if row is None or reference is None or got.shape != reference.shape or got.dim() == 0:
             continue
         dim = check.dim if -got.dim() <= check.dim < got.dim() else 0
+        if got.size(dim) > _MOST_ROWS:
+            continue
         bad = _rows_over(got, reference, row, check.tolerance, dim)
         if bad:
             notes.append(_rows_sentence(path, bad, got.size(dim), list(actual.replica_rows)))
@@ -1204,22 +1212,30 @@ def _rows_over(got: torch.Tensor, reference: torch.Tensor, row: TensorComparison
     """The rows of ``got`` along ``dim`` farther from ``reference`` than ``row`` allows:
     an element beyond the elementwise allowance, or, for an error that fails the tensor's
     norm only (small, spread over the tensor), a row whose share of the difference's norm
-    exceeds its share of the allowed norm."""
-    got64 = got.detach().to(torch.float64).cpu().movedim(dim, 0)
-    ref64 = reference.detach().to(torch.float64).cpu().movedim(dim, 0)
-    count = got64.size(0)
-    if tolerance.explicit:
-        assert tolerance.rtol is not None
-        assert tolerance.atol is not None
-        outside = ~torch.isclose(got64, ref64, rtol=tolerance.rtol, atol=tolerance.atol)
-    else:
-        difference = (got64 - ref64).abs().nan_to_num(nan=math.inf)
-        outside = difference > row.allowed
-        if not bool(outside.any()) and row.norm_allowed > 0:
-            norms = torch.linalg.vector_norm(difference.reshape(count, -1), dim=1)
-            share = row.norm_allowed / math.sqrt(count)
-            return [i for i, norm in enumerate(norms.tolist()) if norm > share]
-    return [i for i, over in enumerate(outside.reshape(count, -1).any(dim=1).tolist()) if over]
+    exceeds its share of the allowed norm. A row at a time, in float64: the temporaries
+    stay the size of one row (an LM's logits are hundreds of megabytes in float64)."""
+    got, reference = got.detach().movedim(dim, 0), reference.detach().movedim(dim, 0)
+    count = got.size(0)
+    over: list[int] = []
+    norms: list[float] = []
+    for i in range(count):
+        mine = got[i].to(device="cpu", dtype=torch.float64)
+        theirs = reference[i].to(device="cpu", dtype=torch.float64)
+        if tolerance.explicit:
+            assert tolerance.rtol is not None
+            assert tolerance.atol is not None
+            if not bool(torch.isclose(mine, theirs, rtol=tolerance.rtol, atol=tolerance.atol).all()):
+                over.append(i)
+            continue
+        # not in place: a float64 output on the host is its own .to(float64)
+        difference = (mine - theirs).abs_().nan_to_num_(nan=math.inf)
+        if difference.numel() and float(difference.max()) > row.allowed:
+            over.append(i)
+        norms.append(float(torch.linalg.vector_norm(difference)) if difference.numel() else 0.0)
+    if over or tolerance.explicit or row.norm_allowed <= 0:
+        return over
+    share = row.norm_allowed / math.sqrt(count)
+    return [i for i, norm in enumerate(norms) if norm > share]
 
 
 def _row_ranges(rows: Sequence[int]) -> str:
