@@ -211,3 +211,15 @@ def test_the_float32_band_is_relative_to_each_tensors_largest_entry() -> None:
     assert float32_hint([failing(3e-8, 1.0, nonfinite=1)]) is None
     assert float32_hint([failing(3e-8, 0.0)]) is None  # the size was not measured
     assert float32_hint([TensorComparison("w", (3,), 3)]) is None  # nothing failed
+
+
+def test_an_error_that_fails_only_the_norm_test_names_the_rows_that_carry_it() -> None:
+    from dpverify.checks.dp import _rows_over
+    from dpverify.core.comparison import Tolerance
+
+    reference = torch.ones(6, 4, dtype=torch.float64)
+    got = reference.clone()
+    got[4:] += 1e-3  # within the elementwise allowance, beyond the norm's
+    row = TensorComparison("output", (6, 4), 24, allowed=1e-2, norm_allowed=1e-3, norm_gap=float(torch.linalg.vector_norm(got - reference)))
+    assert _rows_over(got, reference, row, Tolerance(), 0) == [4, 5]
+    assert bool((got[4:] - 1 - 1e-3).abs().max() < 1e-12)  # the output itself is left as it was
