@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+import dpverify
 from dpverify.core.step import SIZE_MISMATCH_WARNING, quiet_size_warnings
 
 #: A wrapper that drops its last chunk whatever the split (two devices included), and a
@@ -80,3 +82,34 @@ def test_the_filter_holds_for_that_warning_in_that_call_only() -> None:
     assert sum("Using a target size" in m for m in messages) == 1
     assert "another warning" in messages
     assert re.match(SIZE_MISMATCH_WARNING, next(m for m in messages if "Using a target size" in m))
+
+
+def test_the_diagnosis_of_a_split_along_another_dim_warns_nothing() -> None:
+    class ZeroesCopiesBuffers(nn.DataParallel):  # type: ignore[type-arg]
+        def replicate(self, module: nn.Module, device_ids: object) -> object:
+            replicas = super().replicate(module, device_ids)  # type: ignore[arg-type]
+            for replica in replicas[1:]:
+                replica.shift = torch.zeros_like(replica.shift)
+            return replicas
+
+    class Transposed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 3)
+            self.register_buffer("shift", torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = (self.linear(x.t()) + self.shift).t()
+            return out
+
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 6, generator=generator), torch.randn(6, 3, generator=generator)
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(output, target.t())  # the target kept row-major: the loss transposes it
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(dpverify.ParallelMismatch):
+            dpverify.assert_dp_grads_match(Transposed(), x, y, loss_fn=loss, device_ids=[0, 1], parallel=ZeroesCopiesBuffers, dim=1)
+    assert not [str(w.message) for w in caught if "Using a target size" in str(w.message)]
