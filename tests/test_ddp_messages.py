@@ -279,3 +279,24 @@ def test_advice_for_ranks_that_exit_silently_or_cannot_unpickle(monkeypatch: pyt
     assert "defined under `if __name__ == '__main__':` or inside a function" in _main_module_advice(unpickle, starting=False)
     monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # python -c: no file
     assert "define models, loss functions and steps in an importable module" in _main_module_advice(unpickle, starting=False)
+
+
+def count_kept_in_float32(ctx: ShardContext) -> Any:
+    """A float64 step whose mean divides by a count kept in float32: 1/3 rounded to
+    float32 scales every gradient by 1 + 3e-8."""
+    model = ctx.ddp()
+    output = model(*ctx.inputs)
+    weight = 1 / torch.tensor(float(output.numel()), dtype=torch.float32)
+    (F.mse_loss(output, ctx.target, reduction="sum") * weight).backward()
+    return output
+
+
+def test_a_count_kept_in_float32_in_a_float64_step_is_hinted(ddp_pool: DDPWorkerPool) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 1).double()
+    x = torch.randn(6, 5, dtype=torch.float64)
+    y = torch.randn(6, 1, dtype=torch.float64)
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_ddp_grads_match(model, x, y, loss_fn=F.mse_loss, world_size=2, step=count_kept_in_float32, pool=ddp_pool)
+    assert "This float64 step is off by float32's rounding" in str(caught.value)
+    assert "A float32 intermediate in the parallel step is the likely cause" in str(caught.value)

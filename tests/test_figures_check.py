@@ -164,6 +164,15 @@ def test_an_exact_tensor_sits_at_the_floor_labelled_exact() -> None:
     assert "passed: all 3 compared tensors within tolerance" in ax.get_title(loc="left")
 
 
+def test_a_parameter_without_a_gradient_is_said_so_not_drawn_as_exact() -> None:
+    absent = TensorComparison("grad 'unused.weight'", (4,), 4, absent=True)
+    ax = _axes(_comparison([_row("output", 0.25), absent, _row("loss", 0.0)]).figure(), "tensors")
+    assert len(_bars(ax)) == 2  # output and the exact loss; nothing for the absent gradient
+    texts = [text.get_text() for text in ax.texts]
+    assert "no gradient" in texts
+    assert texts.count("exact") == 1
+
+
 def test_long_names_are_shortened_in_the_middle_and_stay_apart() -> None:
     short = [f"grad 'bert.encoder.layer.{i}.attention.self.query.weight'" for i in range(12)]
     long = [f"sum of replica grads 'bert.encoder.layer.{i}.attention.output.LayerNorm.weight'" for i in range(12)]
@@ -320,3 +329,35 @@ def test_cli_figure_with_another_suffix_is_a_usage_error(tmp_path: Path, capsys:
     assert main(["check", "--model", "mlp", "--batch-sizes", "5", "--devices", "2", "--no-color", "--figure", str(target)]) == 2
     assert "--figure" in capsys.readouterr().err
     assert not target.exists()
+
+
+# --------------------------------------------------------------------------- the title
+
+
+def _inside(fig: Figure) -> list[str]:
+    """The titles (the figure's, each panel's) that the renderer measures past the figure's
+    edges, once drawn (none, when all fit)."""
+    from matplotlib.text import Text
+
+    fig.draw_without_rendering()  # lays the figure out as saving it does
+    wanted = {fig.get_suptitle(), *(ax.get_title(loc=loc) for ax in fig.axes for loc in ("left", "center", "right"))} - {""}
+    titles = [text for text in fig.findobj(Text) if text.get_text() in wanted]
+    assert {text.get_text() for text in titles} == wanted
+    return [text.get_text() for text in titles if not fig.bbox.contains(*text.get_window_extent().max)]
+
+
+@pytest.mark.parametrize("model", ["user_models_with_a_rather_long_module_name:transformer_factory_for_the_trial", "m:f"])
+def test_the_title_fits_the_figure_however_long(model: str) -> None:
+    split = Split(5, 2)
+    tensor = TensorComparison("grad 'w'", (3,), 3, ratio=0.1)
+    results = (
+        *(CheckResult("dp-grads", "DP grads match one device", Split(b, d), Verdict.PASS, "ok", tensors=(tensor,)) for b in (8, 5, 2) for d in (2, 4)),
+        *(CheckResult("dp-loss-average", "loss.mean() of replica losses", Split(b, d), Verdict.WARN, "biased") for b in (8, 5, 2) for d in (2, 4)),
+        CheckResult("dp-grad-sum", "replica grads sum", split, Verdict.SKIP, "skipped"),
+    )
+    loss = "computed in forward (each replica's chunk mean, weighted as the model returns it)"
+    fig = check_figure(ModelCheckReport(model, loss, results, ()))
+    assert _inside(fig) == []
+    title = fig.get_suptitle()
+    assert " ".join(title.split()) == f"dpverify check: {model} (loss: {loss}): 6 passed, 0 failed, 6 warned, 1 skipped"
+    assert title.endswith("6 warned, 1 skipped")  # whole, not cut

@@ -345,3 +345,18 @@ def test_a_forward_that_returns_its_loss_gets_its_weight_back_not_rows(monkeypat
     one = explain(builtin_model("loss-in-forward", seed=0), batch_size=3, device_ids=[0])
     cell = next(cell for cell in step_lanes(one)[0] if cell.stage == "backward")
     assert cell.text == "d loss / d loss\n= 1 (the loss)"
+
+
+@pytest.mark.parametrize(("kind", "batch", "ids"), [("mlp", 8, [0, 1]), ("embedding", 2, [0, 1]), ("embedding", 5, [0, 1, 2, 3])])
+def test_the_bytes_legend_covers_no_bar_and_no_bar_label(kind: str, batch: int, ids: list[int]) -> None:
+    figure = explain_figure(explain(builtin_model(kind, seed=0), batch_size=batch, device_ids=ids))
+    figure.draw_without_rendering()  # lays the figure out as saving it does
+    ax = _axes(figure, "bytes")
+    legend = ax.get_legend()
+    assert legend is not None
+    box = legend.get_window_extent()
+    labels = [text for text in ax.texts if text.get_text()]
+    assert len(labels) == len(ids)  # a total over every device's bar
+    assert not [text.get_text() for text in labels if text.get_window_extent().overlaps(box)]
+    assert not [rect for container in ax.containers for rect in container if rect.get_height() and rect.get_window_extent().overlaps(box)]
+    assert figure.bbox.contains(*box.max)  # and the legend is on the figure

@@ -15,6 +15,7 @@ import pytest
 from figure_files import read_png
 
 from dpverify.cli.fuzz import FuzzConfig, FuzzExample, FuzzFailure, FuzzReport, fuzz
+from dpverify.core.comparison import TensorComparison
 from dpverify.figures.base import save_figure
 from dpverify.figures.fuzz import fuzz_figure
 from dpverify.strategies import DeviceList, ModelSpec, Scenario
@@ -82,6 +83,8 @@ def test_a_failing_session_ends_its_history_at_the_failure_without_shrink_attemp
     # averaged gradients are far beyond rounding, or the code raised before comparing
     assert last.worst_ratio is None or last.worst_ratio > 1.0
     assert all(e.outcome != "failure" for e in report.history[:-1])
+    # the shrunk counterexample keeps its compared tensors, for the figure's failure panel
+    assert any(not t.ok for t in report.failure.tensors)
 
 
 # --------------------------------------------------------------------------- the figure
@@ -261,3 +264,66 @@ def test_fuzz_refuses_a_figure_it_cannot_write_before_running(
     assert ".png, .svg, .pdf" in message
     assert not (tmp_path / ".dpverify").exists()  # nothing ran
     assert not (tmp_path / "f.txt").exists()
+
+
+def _replayed(tensors: tuple[TensorComparison, ...], report: str = "report") -> FuzzReport:
+    failure = FuzzFailure(
+        "dp-grads", Scenario(ModelSpec(kind="linear"), batch_size=2, devices=DeviceList((0, 1))), report,
+        Path(".dpverify/repro_0123abcd.py"), first_found_at=1, replayed=True, tensors=tensors,
+    )
+    return FuzzReport(
+        examples=1, passed=0, diverged=(), failure=failure, elapsed=0.8, stopped_by="failure",
+        history=(FuzzExample(1, 0.4, "failure", max((t.ratio for t in tensors), default=None)),),
+    )
+
+
+def test_a_replayed_failure_draws_its_tensors_worst_first() -> None:
+    tensors = (
+        *(
+            TensorComparison(f"grad 'layer{i}.weight'", (3, 3), 9, mismatched=9 if ratio > 1 else 0, ratio=ratio)
+            for i, ratio in enumerate([0.3, 2e5, 40.0, 0.0])
+        ),
+        TensorComparison("output", (2, 3), 6, mismatched=6, problem="has shape (1, 3) in the parallel step"),
+        TensorComparison("grad 'unused.weight'", (3,), 3, absent=True),
+    )
+    figure = fuzz_figure(_replayed(tensors))
+    ax = _axes(figure, "failure")
+    title = ax.get_title(loc="left")
+    assert "replayed from the example database" in title
+    assert "check 'dp-grads'" in title
+    assert "python .dpverify/repro_0123abcd.py" in title
+    assert "batch_size=2" in title  # the scenario, pasteable
+    # the tensor without a ratio first, then by ratio, largest first
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "output", "grad 'layer1.weight'", "grad 'layer2.weight'", "grad 'layer0.weight'", "grad 'layer3.weight'",
+        "grad 'unused.weight'",
+    ]
+    bars = [patch for container in ax.containers for patch in container]
+    assert len(bars) == 4  # one per tensor with a ratio
+    assert any("has shape (1, 3)" in text.get_text() for text in ax.texts)
+    assert {text.get_text() for text in ax.texts} >= {"2e+05", "40", "0.3", "exact", "no gradient"}
+    assert ax.get_xscale() == "log"
+    # the session's panels are there too
+    _axes(figure, "timeline")
+    _axes(figure, "ratios")
+
+
+def test_a_replayed_failure_of_code_that_raised_shows_its_report() -> None:
+    figure = fuzz_figure(_replayed((), report="RuntimeError: the wrapper raised\nwhile gathering"))
+    ax = _axes(figure, "failure")
+    assert "raised" in ax.get_title(loc="left")
+    assert any("RuntimeError: the wrapper raised" in text.get_text() for text in ax.texts)
+
+
+def test_a_failure_draws_at_most_its_worst_tensors() -> None:
+    from dpverify.figures.fuzz import FAILURE_BARS
+
+    tensors = tuple(TensorComparison(f"grad 'w{i}'", (2,), 2, mismatched=2, ratio=10.0 + i) for i in range(FAILURE_BARS + 5))
+    ax = _axes(fuzz_figure(_replayed(tensors)), "failure")
+    assert len([patch for container in ax.containers for patch in container]) == FAILURE_BARS
+    assert "5 more tensors not drawn" in ax.get_xlabel()
+
+
+def test_a_passing_session_has_no_failure_panel() -> None:
+    figure = fuzz_figure(_report(HISTORY[:4], elapsed=2.5))
+    assert "failure" not in [ax.get_label() for ax in figure.axes]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +38,7 @@ from dpverify.core.step import (
     batch_size_of,
     copy_module,
     first_parameter_dtype,
+    quiet_size_warnings,
     run_step,
 )
 from dpverify.core.tree import first_batched, map_tensors
@@ -316,7 +318,7 @@ class Check:
         criterion wrapper's loss, the wrapper built on first use (inside ``devices()``,
         where it sees the virtual devices) around ``loss_fn`` as a module."""
         if self.parallel_loss is None:
-            return _loss_of(loss_fn, target)
+            return quiet_size_warnings(_loss_of(loss_fn, target))
         require_loss_fn(loss_fn)
         factory = self.parallel_loss
         built: list[Callable[[Any, Any], torch.Tensor]] = []
@@ -328,7 +330,7 @@ class Check:
             result: torch.Tensor = built[0](output, target)
             return result
 
-        return loss
+        return quiet_size_warnings(loss)
 
     def run(
         self,
@@ -547,12 +549,14 @@ class Check:
         # round with heavy tails. Passing checks never pay for this step.
         return compare(True)
 
-    def replica_failures(self, ran: int) -> list[str]:
+    def replica_failures(self, ran: int, *, lost: str | None = None) -> list[str]:
         """A failure unless the parallel step really ran in parallel, judged by the
         ``ran`` replica forwards its hooks saw: fewer than two where the split calls for
         two or more matched nothing parallel (a torch.nn.DataParallel built without CUDA
         devices runs the module once, on the whole batch), so it is never a pass, whatever
-        the model returns (an output, a dict, its own loss)."""
+        the model returns (an output, a dict, its own loss). ``lost`` says which chunks
+        never ran, when the forwards received fewer rows than the batch holds: the fault is
+        then a dropped chunk, not a call on the whole batch."""
         planned = self.plan.n_replicas
         if ran == 0:
             return [
@@ -561,10 +565,14 @@ class Check:
             ]
         if planned < 2 or ran >= 2:
             return []
-        return [
+        head = (
             f"The parallel step ran one forward of the module where the split calls for {planned} replicas "
-            f"(chunks {list(self.plan.chunk_sizes)}): nothing ran in parallel, so a match would "
-            "say nothing. A wrapper that calls the module on the whole batch (as "
+            f"(chunks {list(self.plan.chunk_sizes)}): nothing ran in parallel, so a match would say nothing."
+        )
+        if lost is not None:
+            return [f"{head} {lost}"]
+        return [
+            f"{head} A wrapper that calls the module on the whole batch (as "
             "torch.nn.DataParallel does when it finds no CUDA device) does this; dpverify runs "
             "wrappers inside dpverify.virtual_devices, where torch's primitives are virtual, so "
             "one that still does not split the batch decides not to."
@@ -1101,11 +1109,72 @@ def assert_dp_grads_match(
     parallel_step, refs = _steps(check, loss_fn, target, take=False)
     title = "DataParallel outputs and gradients must match the single-device step"
     rows = check.compare(parallel_step, refs)
-    failures = check.replica_failures(len(parallel_step.contributions)) + _gathered_elsewhere(check, parallel_step)
+    failures = check.replica_failures(len(parallel_step.contributions), lost=_lost_chunks(check, parallel_step, refs)) + _gathered_elsewhere(check, parallel_step)
     failed = bool(failures) or not all(row.ok for row in rows)
     notes, scale = _diagnose(check, parallel_step, refs, loss_fn, target) if failed else ([], None)
-    notes = _per_replica_note(parallel_step, refs.expected) + notes
+    lost = _lost_chunks(check, parallel_step, refs) if failed and len(parallel_step.contributions) >= 2 else None
+    notes = [*_per_replica_note(parallel_step, refs.expected), *([lost] if lost else []), *_differing_rows(check, parallel_step, refs, rows), *notes]
     return raise_unless_ok(check.outcome(title, rows, notes=notes, failures=failures, scale=scale, step=parallel_step), msg)
+
+
+# Rows of an output the mismatch message locates one by one, and elements of one it
+# matches row against row (a distance matrix of the rows): beyond them, it says nothing.
+_MOST_ROWS = 4096
+_MOST_ELEMENTS = 1 << 24
+
+
+def _lost_chunks(check: Check, step: StepResult, refs: References | None) -> str | None:
+    """A sentence when the replica forwards received fewer rows than the batch holds (None
+    otherwise): which of torch's chunks never ran, named by the rows of the single-device
+    output that the parallel output holds, or else by the rows the forwards received."""
+    received = list(step.replica_rows)
+    planned = list(check.plan.chunk_sizes)
+    batch = sum(planned)
+    if not received or sum(received) >= batch:
+        return None
+    forwards = f"The replica forward{'s' if len(received) != 1 else ''} received {received} rows, {sum(received)} of {batch}"
+    found = _rows_held(check, step, refs, sum(received)) if refs is not None else None
+    if found is None:
+        return (
+            f"{forwards}: {batch - sum(received)} rows never reached a replica (torch's scatter makes chunks "
+            f"{planned}), so the wrapper dropped rows of the batch rather than calling the module on all of it."
+        )
+    missing = [row for row in range(batch) if row not in found]
+    starts = [sum(planned[:i]) for i in range(len(planned))]
+    dropped = [i for i, start in enumerate(starts) if all(row in missing for row in range(start, start + planned[i]))]
+    covered = [row for i in dropped for row in range(starts[i], starts[i] + planned[i])]
+    text = f"{forwards}; the parallel output holds the single-device {_row_ranges(sorted(found))}"
+    if covered != missing:
+        return f"{text}, so {_row_ranges(missing)} never reached a replica: the wrapper dropped them."
+    last = dropped == list(range(len(planned) - len(dropped), len(planned)))
+    which = ("the last chunk" if len(dropped) == 1 else f"the last {len(dropped)} chunks") if last else (
+        "chunk " + ", ".join(map(str, dropped)) if len(dropped) == 1 else "chunks " + ", ".join(map(str, dropped))
+    )
+    return f"{text}, so {which} ({_row_ranges(missing)}) never ran: the wrapper dropped {'it' if len(dropped) == 1 else 'them'}."
+
+
+def _rows_held(check: Check, step: StepResult, refs: References, count: int) -> list[int] | None:
+    """Which rows of the single-device output the parallel output's ``count`` rows are
+    (each the nearest, all distinct, each within a thousandth of the output's size), read
+    from the first output that has those rows; None when no output tells."""
+    expected = dict(refs.expected.outputs)
+    batch = sum(check.plan.chunk_sizes)
+    for path, got in compared_outputs(step, refs.expected):
+        reference = expected.get(path)
+        if reference is None or got.dim() == 0 or got.dim() != reference.dim() or not -got.dim() <= check.dim < got.dim():
+            continue
+        if got.size(check.dim) != count or reference.size(check.dim) != batch or reference.numel() > _MOST_ELEMENTS:
+            continue
+        a = got.detach().movedim(check.dim, 0).reshape(count, -1).double().cpu()
+        e = reference.detach().movedim(check.dim, 0).reshape(batch, -1).double().cpu()
+        if a.shape[1] != e.shape[1]:
+            continue
+        nearest = torch.cdist(a, e).min(dim=1)
+        rows = nearest.indices.tolist()
+        scale = float(e.abs().max()) or 1.0
+        if len(set(rows)) == len(rows) and float(nearest.values.max()) <= 1e-3 * scale:
+            return list(rows)
+    return None
 
 
 def _diagnose(
@@ -1133,6 +1202,100 @@ def _diagnose(
     if scale is not None:
         notes.append(explain_scale(scale, check.plan.n_replicas, rounding))
     return notes, scale
+
+
+def _differing_rows(check: Check, actual: StepResult, refs: References, rows: Sequence[TensorComparison]) -> list[str]:
+    """Per mismatched output, a sentence naming its rows (along the split dimension) that
+    differ and the replicas whose chunks they are, by the rows each replica forward really
+    received (a wrapper that breaks some replicas only, such as one that loses their
+    buffers, shows here as the rows of those replicas)."""
+    failing = {row.name: row for row in rows if not row.ok and row.problem is None}
+    notes = []
+    for path, got in compared_outputs(actual, refs.expected):
+        row = failing.get(path)
+        reference = refs.keyed(_output_key(path), "expected" if check.tolerance.explicit else "anchor")
+        if row is None or reference is None or got.shape != reference.shape or got.dim() == 0:
+            continue
+        dim = check.dim if -got.dim() <= check.dim < got.dim() else 0
+        if got.size(dim) > _MOST_ROWS:
+            continue
+        bad = _rows_over(got, reference, row, check.tolerance, dim)
+        if bad:
+            notes.append(_rows_sentence(path, bad, got.size(dim), list(actual.replica_rows)))
+    return notes
+
+
+def _rows_over(got: torch.Tensor, reference: torch.Tensor, row: TensorComparison, tolerance: Tolerance, dim: int) -> list[int]:
+    """The rows of ``got`` along ``dim`` farther from ``reference`` than ``row`` allows:
+    an element beyond the elementwise allowance, or, for an error that fails the tensor's
+    norm only (small, spread over the tensor), a row whose share of the difference's norm
+    exceeds its share of the allowed norm. A row at a time, in float64: the temporaries
+    stay the size of one row (an LM's logits are hundreds of megabytes in float64)."""
+    got, reference = got.detach().movedim(dim, 0), reference.detach().movedim(dim, 0)
+    count = got.size(0)
+    over: list[int] = []
+    norms: list[float] = []
+    for i in range(count):
+        mine = got[i].to(device="cpu", dtype=torch.float64)
+        theirs = reference[i].to(device="cpu", dtype=torch.float64)
+        if tolerance.explicit:
+            assert tolerance.rtol is not None
+            assert tolerance.atol is not None
+            if not bool(torch.isclose(mine, theirs, rtol=tolerance.rtol, atol=tolerance.atol).all()):
+                over.append(i)
+            continue
+        # not in place: a float64 output on the host is its own .to(float64)
+        difference = (mine - theirs).abs_().nan_to_num_(nan=math.inf)
+        if difference.numel() and float(difference.max()) > row.allowed:
+            over.append(i)
+        norms.append(float(torch.linalg.vector_norm(difference)) if difference.numel() else 0.0)
+    if over or tolerance.explicit or row.norm_allowed <= 0:
+        return over
+    share = row.norm_allowed / math.sqrt(count)
+    return [i for i, norm in enumerate(norms) if norm > share]
+
+
+def _row_ranges(rows: Sequence[int]) -> str:
+    """``row 4``, ``rows 2-4``, ``rows 0-1, 5``: row indices as runs."""
+    runs: list[list[int]] = []
+    for row in rows:
+        if runs and row == runs[-1][1] + 1:
+            runs[-1][1] = row
+        else:
+            runs.append([row, row])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:8]) + (", ..." if len(runs) > 8 else "")
+    return ("row " if len(rows) == 1 else "rows ") + text
+
+
+def _rows_sentence(path: str, bad: Sequence[int], count: int, chunks: Sequence[int]) -> str:
+    """Which rows of ``path`` differ and, when the replicas' chunks (the rows each forward
+    received, in device order) tile the rows, which replicas made them."""
+    text = f"{path}: {_row_ranges(bad)} of {count} differ"
+    if len(chunks) < 2 or sum(chunks) != count:
+        return text + "."
+    starts = [sum(chunks[:i]) for i in range(len(chunks))]
+    wrong = sorted({next(r for r, start in enumerate(starts) if start <= row < start + chunks[r]) for row in bad})
+    right = [r for r in range(len(chunks)) if r not in wrong]
+
+    def replicas(group: Sequence[int]) -> str:
+        return ("replica " if len(group) == 1 else "replicas ") + _row_ranges(group).split(" ", 1)[1]
+
+    def rows_of(group: Sequence[int]) -> str:
+        return _row_ranges([row for r in group for row in range(starts[r], starts[r] + chunks[r])])
+
+    if right:
+        own = "'s" if len(right) == 1 else "'"
+        text += f": the chunk{'s' if len(wrong) > 1 else ''} of {replicas(wrong)} ({rows_of(wrong)})"
+        text += f", while {replicas(right)}{own} {rows_of(right)} match"
+    else:
+        text += ": rows of every replica's chunk"
+    text += f" (chunks of {list(chunks)} rows, as the replicas' forwards received them)."
+    if right == [0]:
+        text += (
+            " Only the copies differ: replica 0 holds the module's own parameters and buffers, the others "
+            "what the wrapper copied for them (their buffers, parameters or attributes are the likely cause)."
+        )
+    return text
 
 
 def _reordered(path: str, actual: torch.Tensor, expected: torch.Tensor | None, dim: int = 0) -> str | None:
@@ -1179,7 +1342,9 @@ def _loss_averaging_trap(check: Check, actual: StepResult, refs: References, los
                         return tensor
                     return tensor.narrow(check.dim, start, size)
 
-                losses.append(float(loss_fn(map_tensors(reference.output, cut), map_tensors(chunk_target, cut))))
+                # a target laid out otherwise than the output is cut as it is: torch's size
+                # warning would be about dpverify's cut, not the user's loss
+                losses.append(float(quiet_size_warnings(_loss_of(loss_fn, map_tensors(chunk_target, cut)))(map_tensors(reference.output, cut))))
                 start += size
     except Exception:  # a loss that cannot take one chunk: no diagnosis
         return []
@@ -1266,7 +1431,7 @@ def assert_grad_sum_equals_mean_loss_grad(
     title = "Replica gradients must sum to the full-batch mean-loss gradient"
     contributions = [grads for _device, grads in parallel_step.contributions]
     replicas = len(contributions)
-    failures = check.replica_failures(len(parallel_step.contributions))
+    failures = check.replica_failures(len(parallel_step.contributions), lost=_lost_chunks(check, parallel_step, refs))
     rows: list[TensorComparison] = []
     contrasts: list[TensorComparison] = []
     averages_differ = False

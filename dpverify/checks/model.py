@@ -305,7 +305,10 @@ class ParameterError:
         ratio: greatest difference as a fraction of the allowed difference (> 1 fails).
         max_abs: the greatest absolute difference there.
         allowed: the allowed difference there.
-        where: the check and split it came from.
+        where: the check (its name, as ``--checks`` takes it; ``(eval)`` on the eval-mode
+            copy) and split it came from.
+        absent: the parameter had no gradient in any of them (``TensorComparison.absent``):
+            there is no error, and ``ratio``, ``max_abs`` and ``allowed`` are 0.
     """
 
     name: str
@@ -314,6 +317,7 @@ class ParameterError:
     max_abs: float
     allowed: float
     where: str
+    absent: bool = False
 
 
 def parameter_errors(report: ModelCheckReport) -> list[ParameterError]:
@@ -329,7 +333,8 @@ def parameter_errors(report: ModelCheckReport) -> list[ParameterError]:
                 continue
             name = match.group("name")
             current = worst.get(name)
-            if current is None or tensor.ratio > current.ratio:
-                where = f"{result.title}, {result.split.label}"
-                worst[name] = ParameterError(name, tensor.shape, tensor.ratio, tensor.max_abs, tensor.allowed, where)
+            # a comparison made beats none (a gradient absent on some splits only)
+            if current is None or (current.absent and not tensor.absent) or (tensor.ratio > current.ratio and not tensor.absent):
+                where = f"{result.check}{' (eval)' if result.eval_copy else ''}, {result.split.label}"
+                worst[name] = ParameterError(name, tensor.shape, tensor.ratio, tensor.max_abs, tensor.allowed, where, tensor.absent)
     return list(worst.values())

@@ -219,22 +219,39 @@ def _render_notes(console: Any, report: ModelCheckReport) -> None:
 
 
 def _render_parameters(console: Any, report: ModelCheckReport) -> None:
+    """The worst gradient error of every parameter, one line per parameter at any width of
+    80 columns or more: the names are cut in the middle to the room the other columns
+    leave, the check is named by its short name, and no cell wraps."""
     from rich.table import Table
     from rich.text import Text
 
     rows = parameter_errors(report)
     if not rows:
         return
-    # cut in the middle, never at the end, and wide enough that rich does not cut again
-    names = shorten_names([row.name for row in rows], max(24, console.width // 3))
+    cells = [
+        (
+            shape_text(row.shape),
+            Text("no gradient", style="dim") if row.absent else Text(f"{row.ratio:.3g}", style="bold red" if row.ratio > 1 else "green"),
+            "" if row.absent else f"{row.max_abs:.3g}",
+            "" if row.absent else f"{row.allowed:.3g}",
+            row.where,
+        )
+        for row in rows
+    ]
+    headers = ("shape", "error/allowed", "max |Δ|", "allowed", "where")
+    widths = [max(len(header), *(len(cell[i]) for cell in cells)) for i, header in enumerate(headers)]
+    # 7 borders and 2 spaces of padding per column; the names get what the others leave,
+    # and on a narrow console the split they came from is cut at its end
+    chrome = 7 + 2 * 6
+    names = shorten_names([row.name for row in rows], max(16, min(console.width - chrome - sum(widths), max(len(row.name) for row in rows))))
+    where_room = max(8, console.width - chrome - max(map(len, names)) - sum(widths[:-1]))
     table = Table(title="Per-parameter gradient error (worst over checks and splits)", title_justify="left")
     table.add_column("parameter", no_wrap=True, min_width=max(map(len, names)))
-    table.add_column("shape")
-    table.add_column("error / tolerance", justify="right")
-    table.add_column("max |Δ|", justify="right")
-    table.add_column("allowed", justify="right")
-    table.add_column("where")
-    for row, name in zip(rows, names, strict=True):
-        style = "bold red" if row.ratio > 1 else "green"
-        table.add_row(name, shape_text(row.shape), Text(f"{row.ratio:.3g}", style=style), f"{row.max_abs:.3g}", f"{row.allowed:.3g}", row.where)
+    table.add_column("shape", no_wrap=True)
+    table.add_column("error/allowed", justify="right", no_wrap=True)
+    table.add_column("max |Δ|", justify="right", no_wrap=True)
+    table.add_column("allowed", justify="right", no_wrap=True)
+    table.add_column("where", no_wrap=True, overflow="ellipsis", max_width=where_room)
+    for name, (shape, ratio, gap, allowed, where) in zip(names, cells, strict=True):
+        table.add_row(name, shape, ratio, gap, allowed, where)
     console.print(table)

@@ -46,7 +46,13 @@ from dpverify.core.devices import device_index
 from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.scatter import plan_scatter
-from dpverify.core.step import batch_size_of, parameter_sites, run_step, seed_step
+from dpverify.core.step import (
+    batch_size_of,
+    parameter_sites,
+    quiet_size_warnings,
+    run_step,
+    seed_step,
+)
 from dpverify.core.tracebacks import describe_exception
 from dpverify.core.tree import first_batched, map_tensors, tensor_leaves
 from dpverify.core.virtual import (
@@ -720,9 +726,9 @@ def _step_loss(runner: _Runner, batch: Batch, sizes: Sequence[int], output: Any,
     cannot be computed from it is a usage error naming ``--parallel`` (what explain measures
     is a wrapper that gathers the outputs, as DataParallel does)."""
     if not runner.users:
-        return _loss_of(batch, sizes, counts)(output)
+        return quiet_size_warnings(_loss_of(batch, sizes, counts))(output)
     try:
-        loss = _loss_of(batch, sizes, counts)(output)
+        loss = quiet_size_warnings(_loss_of(batch, sizes, counts))(output)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"the loss is {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}, not a scalar")
         return loss
@@ -855,7 +861,7 @@ def _float64_grads(
 ) -> tuple[GradFact, ...]:
     """Sum and average of the replica gradients against the full-batch gradient, in float64."""
     batch = _target_in_float64(batch)
-    loss = _loss_of(batch, sizes, counts)
+    loss = quiet_size_warnings(_loss_of(batch, sizes, counts))
     with runner.devices(device_ids):
         parallel = run_step(
             module, batch.inputs, loss, wrap=lambda m: runner.build(m, device_ids),
@@ -925,7 +931,7 @@ def _output_device_gap(
     if not others:
         return None, None
     other = others[-1]
-    loss = _loss_of(batch, sizes, counts)
+    loss = quiet_size_warnings(_loss_of(batch, sizes, counts))
     with runner.devices(device_ids):
         steps = [run_step(module, batch.inputs, loss, wrap=_gathering_on(runner, device_ids, out)) for out in (output_device, other)]
     gaps = [

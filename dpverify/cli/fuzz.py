@@ -43,6 +43,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.strategies import SearchStrategy
 
 from dpverify.checks.registry import CHECKS, Case, CheckResult, Target, Verdict
+from dpverify.core.comparison import TensorComparison
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import ParallelMismatch
 from dpverify.core.text import plural
@@ -384,6 +385,9 @@ class FuzzFailure:
         replayed: whether that example was one saved in the example database (replayed
             first) rather than a new one; never for a seeded session, which reads no
             database.
+        tensors: the failing result's compared tensors (none when the code raised), for
+            the session's figure.
+        eval_mode: the failure is on the eval-mode copy of the model.
     """
 
     check: str
@@ -392,6 +396,8 @@ class FuzzFailure:
     repro: Path
     first_found_at: int
     replayed: bool = False
+    tensors: tuple[TensorComparison, ...] = ()
+    eval_mode: bool = False
 
 
 @dataclass(frozen=True)
@@ -623,7 +629,7 @@ def _failure(config: FuzzConfig, tally: Tally, *, replayable: int) -> FuzzFailur
     path.write_text(script)
     # a seeded session reads no database, whatever the counts say
     replayed = config.seed is None and tally.first_failure_at <= replayable
-    return FuzzFailure(last.check, last.scenario, report, path, tally.first_failure_at, replayed)
+    return FuzzFailure(last.check, last.scenario, report, path, tally.first_failure_at, replayed, last.result.tensors, last.eval_mode)
 
 
 def _error_line(error: BaseException) -> str:

@@ -41,6 +41,7 @@ __all__ = [
     "Tolerance",
     "compare_tensors",
     "explain_scale",
+    "float32_hint",
     "render",
     "require_finite",
     "shared_references",
@@ -209,6 +210,12 @@ class TensorComparison:
     norm_allowed: float = 0.0
     nonfinite: int = 0
     noise: bool = False
+    #: the reference's largest |entry| (measured for failing tensors; 0 otherwise)
+    size: float = 0.0
+    #: neither step has a gradient here (None in both, or None in one and all zeros in the
+    #: other, as DataParallel's reduce-add gives a parameter no replica used): nothing to
+    #: compare, and no error to show
+    absent: bool = False
 
     @property
     def ok(self) -> bool:
@@ -259,7 +266,7 @@ def _missing(name: str, actual: torch.Tensor | None, expected: torch.Tensor | No
     present = actual if actual is not None else expected
     if present is None or not bool(present.any()):
         shape = tuple(present.shape) if present is not None else ()
-        return TensorComparison(name, shape, present.numel() if present is not None else 0)
+        return TensorComparison(name, shape, present.numel() if present is not None else 0, absent=True)
     where = "parallel" if actual is None else "single-device"
     other = "single-device" if actual is None else "parallel"
     return TensorComparison(
@@ -628,6 +635,7 @@ def _detailed(
         ratio=float(ratios.max()),
         reference_error=reference_error,
         nonfinite=nonfinite_count,
+        size=float(reference.abs().amax()),
     )
 
 
@@ -648,9 +656,10 @@ def _detailed_finite(
     difference over ``allowed``, since rounding is monotone.
     """
     flat_actual, flat_rounded = actual.reshape(-1), rounded.reshape(-1)
-    mismatched, largest, at_largest, max_rel, at_rel = 0, -1.0, 0, -1.0, 0
+    mismatched, largest, at_largest, max_rel, at_rel, size = 0, -1.0, 0, -1.0, 0, 0.0
     for start in range(0, flat_actual.numel(), _DETAIL_CHUNK):
         part = flat_rounded[start : start + _DETAIL_CHUNK]
+        size = max(size, float(part.abs().amax()))
         diff = flat_actual[start : start + _DETAIL_CHUNK].to(torch.float64, copy=True)
         diff.sub_(part)
         diff.abs_()
@@ -681,6 +690,7 @@ def _detailed_finite(
         allowed=allowed,
         ratio=ratio,
         reference_error=reference_error,
+        size=size,
     )
 
 
@@ -712,6 +722,9 @@ def _table(rows: Sequence[TensorComparison], title: str) -> list[str]:
     ]
     for r in rows:
         shape = shape_text(r.shape)
+        if r.absent:
+            lines.append(f"  {r.name:<{width}}  {shape:<14}  {'no gradient in either step':>45}")
+            continue
         ratio = "-" if r.problem else f"{r.ratio:.3g}"
         lines.append(
             f"  {r.name:<{width}}  {shape:<14}  {f'{r.mismatched}/{r.numel}':>13}  "
@@ -847,7 +860,10 @@ def step_comparison(
     that their messages read alike: the tolerance in words for the working ``dtype``, and
     ``module``'s divergence sources, the likely cause of a mismatch (unless ``divergence``
     is False: a check whose reference already splits the batch as the parallel step does,
-    such as DDP's buffer and SyncBatchNorm checks)."""
+    such as DDP's buffer and SyncBatchNorm checks). A float64 step whose every mismatch is
+    of float32's rounding in size gets a note that names a float32 intermediate as the
+    likely cause (``float32_hint``)."""
+    hint = float32_hint(rows) if dtype == torch.float64 else None
     return StepComparison(
         check=check,
         scenario=scenario,
@@ -855,10 +871,41 @@ def step_comparison(
         tensors=tuple(rows),
         contrasts=tuple(contrasts),
         divergence=divergence_sources(module) if divergence else (),
-        notes=tuple(notes),
+        notes=(*notes, *([hint] if hint else [])),
         failures=tuple(failures),
         scale=scale,
         replicas=replicas,
+    )
+
+
+# The relative error of float64 results that passed through float32 once or a few times:
+# from a lucky sixteenth of float32's unit roundoff to 32 units of it.
+_FLOAT32_ROUNDOFF = torch.finfo(torch.float32).eps / 2
+_FLOAT32_BAND = (_FLOAT32_ROUNDOFF / 16, _FLOAT32_ROUNDOFF * 32)
+
+
+def float32_hint(rows: Sequence[TensorComparison]) -> str | None:
+    """A sentence when the mismatched tensors of a float64 step are off by float32's
+    rounding relative to their largest entries: the worst within ``_FLOAT32_BAND``, far
+    beyond float64's rounding and far below what a wrong reduction or a lost row gives
+    (the others may be closer: rounding averages out in a loss). A float32 intermediate
+    in the step (a count or a mask made in float32, a float32 buffer) does exactly that.
+    None when a tensor fails otherwise (missing, another shape, non-finite, or an error
+    of another size)."""
+    bad = [row for row in rows if not row.ok]
+    if not bad or any(row.problem is not None or row.nonfinite or row.size <= 0 for row in bad):
+        return None
+    relative = [row.max_abs / row.size for row in bad]
+    low, high = _FLOAT32_BAND
+    if not low <= max(relative) <= high:
+        return None
+    return (
+        f"This float64 step is off by float32's rounding: the mismatched tensors' greatest differences are "
+        f"at most {max(relative):.1e} of their largest entries, where float32 rounds at "
+        f"{_FLOAT32_ROUNDOFF:.1e} and float64 at {torch.finfo(torch.float64).eps / 2:.1e}. A float32 "
+        "intermediate in the parallel step is the likely cause: a count, a weight or a mask made as float32 "
+        "(torch.tensor(n) or .float() where the default dtype is float32), or a float32 buffer; make it with "
+        "dtype=the inputs' dtype."
     )
 
 

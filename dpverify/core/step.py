@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,12 +29,34 @@ __all__ = [
     "default_dtype",
     "flatten_tensors",
     "no_tf32",
+    "quiet_size_warnings",
     "run_step",
     "seed_step",
 ]
 
 LossOfOutput = Callable[[Any], torch.Tensor]
 Wrap = Callable[[nn.Module], Callable[..., Any]]
+
+#: The start of the warning torch's regression losses give when the input and the target
+#: differ in size (``mse_loss``, ``l1_loss``, ``smooth_l1_loss``, ``huber_loss`` in
+#: torch/nn/functional.py), as a ``warnings.filterwarnings`` pattern.
+SIZE_MISMATCH_WARNING = r"Using a target size \(.*\) that is different to the input size"
+
+
+def quiet_size_warnings(loss_of_output: LossOfOutput) -> LossOfOutput:
+    """``loss_of_output`` without torch's size-mismatch warning, for the loss of a parallel
+    step's output only: a wrapper that loses rows returns fewer rows than the target has,
+    which dpverify reports itself (the outputs' shapes, the rows each replica received), so
+    torch's warning would only repeat it, once per batch size, on stderr. The filter holds
+    for the loss call alone; every other warning, and this one anywhere else (a loss given
+    a wrong target on one device), is left as it is."""
+
+    def loss(output: Any) -> torch.Tensor:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=SIZE_MISMATCH_WARNING, category=UserWarning)
+            return loss_of_output(output)
+
+    return loss
 
 
 def as_inputs(inputs: Any, *, keywords: bool = False) -> tuple[Any, ...]:

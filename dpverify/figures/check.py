@@ -175,6 +175,11 @@ def _draw_row(ax: Axes, y: int, row: _Row, floor: float, right: float) -> None:
         # on white, above the limit line it may cross
         ax.text(0.98, y, text, transform=edge, ha="right", va="center", color=fail, fontsize=9, zorder=3, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0})
         return
+    if tensor.absent:
+        # nothing compared: no bar, which would read as an exact match
+        note = "no gradient" + (f"  {row.where}" if row.where else "")
+        ax.text(floor, y, note, ha="left", va="center", fontsize=8, color=COLOURS["muted"])
+        return
     width = _width(tensor.ratio, floor, right)
     ax.barh(y, width, height=0.7, color=COLOURS["pass"] if tensor.ok else fail, edgecolor="none")
     note = _value(tensor.ratio) + (f"  {row.where}" if row.where else "")
@@ -214,8 +219,34 @@ def _figure(panels: Sequence[_Panel], notes: Sequence[str], suptitle: str | None
     if notes:
         _footnote(fig, axes[-1], notes)
     if suptitle:
-        fig.suptitle(suptitle, x=0.01, ha="left", fontweight="bold", fontsize=12)
+        _suptitle(fig, suptitle)
     return fig
+
+
+def _suptitle(fig: Figure, text: str) -> None:
+    """The figure's title from its left edge, wrapped where the renderer measures it wider
+    than the figure (a long model name, a loss computed in forward, many verdict counts),
+    the figure made taller by the lines it adds."""
+    title = fig.suptitle(text, x=0.01, ha="left", fontweight="bold", fontsize=12)
+    room = fig.bbox.width * 0.97
+    width = title.get_window_extent().width
+    if width <= room:
+        return
+    lines = textwrap.wrap(text, max(20, int(len(text) * room / width)), break_on_hyphens=False)
+    # the estimate is proportional; a line of wide letters can still be too long
+    while max(_width_of(fig, line) for line in lines) > room:
+        lines = textwrap.wrap(text, max(10, max(map(len, lines)) - 4), break_on_hyphens=False)
+    title.set_text("\n".join(lines))
+    fig.set_figheight(fig.get_figheight() + 0.24 * (len(lines) - 1))
+
+
+def _width_of(fig: Figure, line: str) -> float:
+    """Pixels ``line`` takes in the title's font, measured by the figure's renderer."""
+    probe = fig.text(0, 0, line, fontweight="bold", fontsize=12)
+    try:
+        return float(probe.get_window_extent().width)
+    finally:
+        probe.remove()
 
 
 def _footnote(fig: Figure, ax: Axes, notes: Sequence[str]) -> None:
@@ -240,7 +271,7 @@ def _message(text: str, notes: Sequence[str], suptitle: str | None, label: str) 
     lines = [text, *(f"- {_clip(note, _NOTE_CHARS)}" for note in notes)]
     message_panel(ax, "\n".join(lines))
     if suptitle:
-        fig.suptitle(suptitle, x=0.01, ha="left", fontweight="bold", fontsize=12)
+        _suptitle(fig, suptitle)
     return fig
 
 

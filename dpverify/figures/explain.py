@@ -301,7 +301,8 @@ def _draw_bytes(ax: Axes, e: Explanation) -> None:
     ax.set_xlabel("device")
     ax.set_title("Bytes held per device, measured")
     ax.set_ylim(0, max(bottom, default=0.0) * 1.15 or 1.0)
-    ax.legend(loc="upper right", fontsize=8)
+    # right of the axes, where no bar and no bar's label can be, whichever device holds most
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8)
     ax.set_label("bytes")
 
 

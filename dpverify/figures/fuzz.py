@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from dpverify.cli.fuzz import FuzzExample, FuzzReport
+    from dpverify.cli.fuzz import FuzzExample, FuzzFailure, FuzzReport
 
-__all__ = ["OUTCOMES", "fuzz_figure"]
+__all__ = ["FAILURE_BARS", "OUTCOMES", "fuzz_figure"]
 
 #: The outcome classes of ``FuzzExample.outcome``, in the order they are drawn and listed.
 OUTCOMES: tuple[str, ...] = ("pass", "BatchNorm", "Dropout", "BatchNorm + Dropout", "failure")
@@ -64,8 +64,19 @@ def fuzz_figure(report: FuzzReport) -> Figure:
     with drawing():
         if not report.history:
             return _empty(report)
-        figure = new_figure(4.8)
-        timeline, ratios = figure.subplots(1, 2, width_ratios=(1.0, 1.1))
+        failure = report.failure
+        if failure is None:
+            figure = new_figure(4.8)
+            timeline, ratios = figure.subplots(1, 2, width_ratios=(1.0, 1.1))
+        else:
+            # the counterexample's own tensors under the session: for a replayed failure
+            # (one or two examples) the session's panels hold a single point each
+            below = _failure_height(failure)
+            above = 4.4 if len(report.history) > 2 else 3.2
+            figure = new_figure(0.4 + above + below)
+            grid = figure.add_gridspec(2, 2, width_ratios=(1.0, 1.1), height_ratios=(above, below))
+            timeline, ratios = figure.add_subplot(grid[0, 0]), figure.add_subplot(grid[0, 1])
+            _draw_failure(figure.add_subplot(grid[1, :]), failure)
         _draw_timeline(timeline, report)
         _draw_ratios(ratios, report.history)
         figure.suptitle(_title(report), x=0.01, ha="left", fontweight="bold")
@@ -201,3 +212,77 @@ def _not_drawn(history: Sequence[FuzzExample]) -> list[str]:
         (sum(1 for e in history if e.worst_ratio is None), "compared no tensor, not drawn"),
     )
     return [f"{count:,} {why}" for count, why in counts if count]
+
+
+# --------------------------------------------------------------------------- the counterexample
+
+#: The most tensors the counterexample's panel draws, worst first; the rest are counted.
+FAILURE_BARS = 12
+
+# Characters per line of the counterexample's title (11 pt bold across 1,200 pixels).
+_FAILURE_TITLE_CHARS = 130
+
+
+def _failure_height(failure: FuzzFailure) -> float:
+    """Inches for the counterexample's panel: its title, and a row per bar (or the report's
+    first lines when its code raised)."""
+    if not failure.tensors:
+        return 2.4
+    return 1.9 + 0.24 * min(len(failure.tensors), FAILURE_BARS)
+
+
+def _failure_title(failure: FuzzFailure) -> str:
+    import textwrap
+
+    where = "replayed from the example database" if failure.replayed else f"example {failure.first_found_at}, shrunk"
+    mode = " on the eval-mode copy" if failure.eval_mode else ""
+    head = f"The counterexample ({where}): check {failure.check!r}{mode}, each tensor's error / allowed"
+    if not failure.tensors:
+        head = f"The counterexample ({where}): check {failure.check!r}{mode} raised"
+    scenario = textwrap.wrap(repr(failure.scenario), _FAILURE_TITLE_CHARS, break_on_hyphens=False)
+    if len(scenario) > 3:
+        scenario = [*scenario[:2], scenario[2][: _FAILURE_TITLE_CHARS - 1] + "\u2026"]
+    return "\n".join([head, *scenario, f"reproduce with: python {failure.repro}"])
+
+
+def _draw_failure(ax: Axes, failure: FuzzFailure) -> None:
+    """The failing example's compared tensors as bars of error / allowed on a log axis,
+    worst first, the limit at 1; a tensor that could not be compared (missing, another
+    shape) named at the right edge; or, when the check's code raised, the report's first
+    lines."""
+    from matplotlib.transforms import blended_transform_factory
+
+    from dpverify.core.comparison import worst_first
+
+    ax.set_label("failure")
+    ax.set_title(_failure_title(failure), loc="left", fontsize=10)
+    if not failure.tensors:
+        lines = [line for line in failure.report.splitlines() if line.strip()][:5]
+        message_panel(ax, "\n".join(line if len(line) <= 170 else line[:169] + "\u2026" for line in lines))
+        return
+    ordered = sorted(failure.tensors, key=worst_first)
+    shown, hidden = ordered[:FAILURE_BARS], ordered[FAILURE_BARS:]
+    measured = [t.ratio for t in shown if t.problem is None and _drawable(t.ratio)]
+    low, high = _span(measured)
+    right = high
+    edge = blended_transform_factory(ax.transAxes, ax.transData)
+    for y, tensor in enumerate(shown):
+        if tensor.problem is not None:
+            ax.text(0.99, y, tensor.problem[:90], transform=edge, ha="right", va="center", fontsize=8, color=COLOURS["fail"])
+            continue
+        if tensor.absent:
+            ax.text(low, y, "no gradient", ha="left", va="center", fontsize=8, color=COLOURS["muted"])
+            continue
+        value = tensor.ratio if _drawable(tensor.ratio) else (right if tensor.ratio == math.inf else low)
+        ax.barh(y, value, left=low, height=0.7, color=COLOURS["pass"] if tensor.ok else COLOURS["fail"], edgecolor="none")
+        label = "exact" if tensor.ratio == 0 else ("inf" if tensor.ratio == math.inf else f"{tensor.ratio:.2g}")
+        ax.text(min(value, right) * 1.15, y, label, ha="left", va="center", fontsize=8, color=COLOURS["limit"])
+    ax.set_yticks(range(len(shown)), [t.name if len(t.name) <= 48 else t.name[:47] + "\u2026" for t in shown], fontsize=8)
+    for tick, tensor in zip(ax.get_yticklabels(), shown, strict=True):
+        tick.set_color(COLOURS["limit"] if tensor.ok else COLOURS["fail"])
+    ax.axvline(1.0, color=COLOURS["limit"], linestyle="--", linewidth=1.2, label="allowed (error = tolerance)")
+    ax.set_xscale("log")
+    ax.set_xlim(low, high * 10)  # room for the last value's label
+    ax.set_ylim(len(shown) - 0.5, -0.5)  # the worst on top
+    more = f"; {len(hidden)} more tensors not drawn, all at or below the last" if hidden else ""
+    ax.set_xlabel(f"error / allowed (log scale; below 1 passes){more}")
