@@ -6,7 +6,13 @@ near-converged targets (the model's own output plus tiny residuals), unused, fro
 parameters, LayerNorm over one or two features, residual blocks, LSTM/GRU,
 MultiheadAttention (float64 too), float32/float64/bfloat16/float16, batches of 1 to 33 rows
 on 1 to 8 virtual devices with non-contiguous ids and any ``output_device`` (or -1), five
-mean losses, and models whose forward returns their loss. Every model is one that
+mean losses, and models whose forward returns their loss. A second stream of draws
+(``widen``, outside the sensitivity subsample) adds the classes an independent generator
+found false alarms and a crash in: RMSNorm stacks, tied language models (``padding_idx``,
+token cross-entropy with -100, masked sequence-first attention), float64 attention over one
+token with inputs of 1e4..1e5, subnormal float64 inputs, near-converged smooth L1 with a
+frozen output bias, keyword-only forwards, and nested dict/tuple/namedtuple outputs. Every
+model is one that
 DataParallel must reproduce exactly (BatchNorm and Dropout only in eval mode), so every
 check must pass.
 
