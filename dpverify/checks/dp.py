@@ -358,7 +358,7 @@ class Check:
                     loss_of_output,
                     wrap=(
                         (lambda model: _WatchGathers(self.wrap(model), gathers)) if parallel
-                        else (lambda model: _Split(model, self.plan.chunk_sizes, self.dim)) if split
+                        else _Split(self.plan.chunk_sizes, self.dim) if split
                         else None
                     ),
                     dtype=dtype,
@@ -814,22 +814,27 @@ def _step_tensors(step: StepResult) -> list[torch.Tensor]:
 
 
 class _Split:
-    """Runs a module alone, one chunk of the parallel split at a time: every batched
-    tensor argument split along ``dim`` into ``sizes``, the outputs concatenated as
-    DataParallel gathers them. What a correct parallel step computes kernel by kernel."""
+    """The ``wrap`` of a step that runs the module alone, one chunk of the parallel split at
+    a time: every batched tensor argument split along ``dim`` into ``sizes``, the outputs
+    concatenated as DataParallel gathers them. What a correct parallel step computes
+    kernel by kernel."""
 
-    def __init__(self, module: nn.Module, sizes: Sequence[int], dim: int) -> None:
-        self.module, self.sizes, self.dim = module, list(sizes), dim
+    def __init__(self, sizes: Sequence[int], dim: int) -> None:
+        self.sizes, self.dim = list(sizes), dim
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        outputs = []
-        start = 0
-        for size in self.sizes:
-            def part(tensor: torch.Tensor, start: int = start, size: int = size) -> torch.Tensor:
-                return tensor.narrow(self.dim, start, size) if tensor.dim() > self.dim else tensor
-            outputs.append(self.module(*map_tensors(args, part), **map_tensors(kwargs, part)))
-            start += size
-        return concatenate(outputs, self.dim)
+    def __call__(self, module: nn.Module) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            outputs = []
+            start = 0
+            for size in self.sizes:
+                def part(tensor: torch.Tensor, start: int = start, size: int = size) -> torch.Tensor:
+                    return tensor.narrow(self.dim, start, size) if tensor.dim() > self.dim else tensor
+
+                outputs.append(module(*map_tensors(args, part), **map_tensors(kwargs, part)))
+                start += size
+            return concatenate(outputs, self.dim)
+
+        return run
 
 
 # Relative size of the parameter perturbation of a float64 model's jittered run: a few
