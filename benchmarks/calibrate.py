@@ -6,7 +6,13 @@ near-converged targets (the model's own output plus tiny residuals), unused, fro
 parameters, LayerNorm over one or two features, residual blocks, LSTM/GRU,
 MultiheadAttention (float64 too), float32/float64/bfloat16/float16, batches of 1 to 33 rows
 on 1 to 8 virtual devices with non-contiguous ids and any ``output_device`` (or -1), five
-mean losses, and models whose forward returns their loss. Every model is one that
+mean losses, and models whose forward returns their loss. A second stream of draws
+(``widen``, outside the sensitivity subsample) adds the classes an independent generator
+found false alarms and a crash in: RMSNorm stacks, tied language models (``padding_idx``,
+token cross-entropy with -100, masked sequence-first attention), float64 attention over one
+token with inputs of 1e4..1e5, subnormal float64 inputs, near-converged smooth L1 with a
+frozen output bias, keyword-only forwards, and nested dict/tuple/namedtuple outputs. Every
+model is one that
 DataParallel must reproduce exactly (BatchNorm and Dropout only in eval mode), so every
 check must pass.
 
@@ -45,8 +51,8 @@ import traceback
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +61,8 @@ from torch import nn
 import dpverify
 
 KINDS = ("mlp", "residual", "layernorm", "lstm", "gru", "attention", "conv")
+#: Drawn in a second stream (``widen``) so that the scenarios above keep their draws.
+WIDE_KINDS = ("rmsnorm", "lm")
 LOSSES = ("mse", "l1", "smooth_l1", "ce", "bce")
 DTYPES: dict[str, torch.dtype] = {
     "f32": torch.float32,
@@ -109,6 +117,7 @@ class Spec:
     head: int  # 1: forward returns its loss (model(x, y) -> (out, per-row loss))
     sens: int  # 1: part of the sensitivity subsample
     seed: int  # torch seed for weights and data, and secondary choices
+    io: int = 0  # forward interface bits: 1 keyword-only forward, 2 nested dict/tuple/namedtuple output
 
     def __str__(self) -> str:
         parts = []
@@ -142,7 +151,7 @@ class Spec:
                 values[key] = () if raw == "-" else tuple(raw.split(","))
             else:
                 values[key] = raw
-        missing = set(types) - set(values)
+        missing = {f.name for f in fields(cls) if f.default is MISSING} - set(values)
         if missing:
             raise ValueError(f"spec lacks {sorted(missing)}: {text!r}")
         return cls(**values)
@@ -166,6 +175,16 @@ class Spec:
         tags = [f"kind:{self.kind}", f"dtype:{self.dt}", f"loss:{self.loss}"]
         if self.kind == "attention" and self.dt == "f64":
             tags.append("attention:f64")
+            if self.T == 1 and self.xs > 1e3:
+                tags.append("attention:f64-one-token-large")
+        if self.kind == "lm":
+            tags.append("lm:tied-padding-idx-ce-100" + (":masked-seq-first" if self.opt & 1 else ""))
+        if self.io & 1:
+            tags.append("io:keyword-only")
+        if self.io & 2:
+            tags.append("io:nested-output")
+        if self.xs < 1e-290:
+            tags.append("x:subnormal")
         tags += [f"mod:{m}" for m in self.mods]
         if self.near:
             tags.append("near-converged")
@@ -173,6 +192,8 @@ class Spec:
             tags.append("loss-head")
         x = math.log10(self.xs)
         tags.append("x:<1e-4" if x < -4 else "x:>1e4" if x > 4 else "x:1e-4..1e4")
+        if "frozen-bias" in self.mods and self.near:
+            tags.append("near-converged:frozen-bias")
         gain = math.log10(self.g)
         if abs(gain) > 1:
             tags.append("gain:<0.1" if gain < 0 else "gain:>10")
@@ -228,12 +249,37 @@ def generate(index: int, seed: int) -> Spec:
         o = max(o, 2)
     mods = tuple(m for m in MODS if rng.random() < 0.15)
     near = _log_uniform(rng, -8, -4) if rng.random() < 0.2 else 0.0
-    return Spec(
+    spec = Spec(
         i=index, kind=kind, dt=dt, B=batch, dev=tuple(dev), out=out, loss=loss,
         ls=_log_uniform(rng, l_lo, l_hi), xs=xs, g=_log_uniform(rng, g_lo, g_hi),
         w=w, h=h, o=o, d=d, T=seq, opt=opt, act=rng.choice(ACTS), mods=mods, near=near,
         head=head, sens=int(sens), seed=rng.randrange(2**31),
     )
+    return spec if sens else widen(spec, random.Random(f"calibrate-wide:{seed}:{index}"))
+
+
+def widen(s: Spec, rng: random.Random) -> Spec:
+    """The classes an independent generator found false alarms and a crash in, drawn in
+    their own stream (the sensitivity subsample is left as it was): RMSNorm stacks, tied
+    language models (``padding_idx``, token cross-entropy with -100, masked seq-first
+    attention), float64 attention over one token with inputs of 1e4..1e5, subnormal float64
+    inputs, near-converged smooth L1 with a frozen output bias, keyword-only forwards and
+    nested dict/tuple/namedtuple outputs."""
+    draw = rng.random()
+    if draw < 0.08:
+        s = replace(s, kind="rmsnorm")
+    elif draw < 0.14 and s.dt != "f16":
+        # token ids, not scaled inputs; per-token CE over a vocabulary of o + 2
+        s = replace(s, kind="lm", loss="token_ce", head=0, T=max(s.T, 2), xs=1.0, o=max(s.o, 2))
+    if s.kind == "attention" and s.dt == "f64" and rng.random() < 0.3:
+        s = replace(s, T=1, xs=_log_uniform(rng, 4, 5))
+    if s.dt == "f64" and s.kind != "lm" and rng.random() < 0.04:
+        s = replace(s, xs=_log_uniform(rng, -318, -300))
+    if s.near and s.kind != "lm" and rng.random() < 0.3:
+        loss = "smooth_l1" if rng.random() < 0.7 else s.loss
+        s = replace(s, loss=loss, mods=(*(m for m in s.mods if m != "frozen"), "frozen-bias"))
+    io = (rng.random() < 0.1) | (2 * (rng.random() < 0.1 and not s.head))
+    return replace(s, io=io)
 
 
 # --------------------------------------------------------------------------------------
@@ -356,9 +402,53 @@ class ConvNet(nn.Module):
         return out
 
 
+class RMSNormNet(nn.Module):
+    """Linear, then ``d`` blocks of RMSNorm, Linear and ``act``, then a Linear head with a
+    bias; opt bit 0: RMSNorm without a weight."""
+
+    def __init__(self, s: Spec) -> None:
+        super().__init__()
+        self.act = s.act
+        self.inp = nn.Linear(s.w, s.h)
+        self.norms = nn.ModuleList(nn.RMSNorm(s.h, elementwise_affine=not s.opt & 1) for _ in range(s.d))
+        self.layers = nn.ModuleList(nn.Linear(s.h, s.h) for _ in range(s.d))
+        self.outp = nn.Linear(s.h, s.o)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for norm, layer in zip(self.norms, self.layers, strict=True):
+            x = _act(self.act, layer(norm(x)))
+        out: torch.Tensor = self.outp(x)
+        return out
+
+
+class LMNet(nn.Module):
+    """A language model over ``o + 2`` tokens (token 0 pads): an embedding with
+    ``padding_idx=0``, an optional masked self-attention in the sequence-first layout (opt bit
+    0: ``batch_first=False`` with a key padding mask), ``act``, and logits through the
+    embedding's own weight (tied) plus a bias: [rows, T, vocabulary]."""
+
+    def __init__(self, s: Spec) -> None:
+        super().__init__()
+        vocab, width = s.o + 2, 2 * s.h
+        self.act = s.act
+        self.embed = nn.Embedding(vocab, width, padding_idx=0)
+        self.attn = nn.MultiheadAttention(width, 2, batch_first=False) if s.opt & 1 else None
+        self.mix = nn.Linear(width, width)
+        self.bias = nn.Parameter(torch.zeros(vocab))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        if self.attn is not None:
+            seq = x.transpose(0, 1)  # [T, rows, width]
+            x = x + self.attn(seq, seq, seq, key_padding_mask=tokens == 0, need_weights=False)[0].transpose(0, 1)
+        x = _act(self.act, self.mix(x))
+        return F.linear(x, self.embed.weight, self.bias)
+
+
 BODIES: dict[str, Callable[[Spec], nn.Module]] = {
     "mlp": MLP, "residual": Residual, "layernorm": LayerNormNet, "lstm": RNNNet, "gru": RNNNet,
-    "attention": AttentionNet, "conv": ConvNet,
+    "attention": AttentionNet, "conv": ConvNet, "rmsnorm": RMSNormNet, "lm": LMNet,
 }
 
 
@@ -370,10 +460,12 @@ class Net(nn.Module):
         super().__init__()
         self.body = BODIES[s.kind](s)
         self.act = s.act
-        self.bn = nn.BatchNorm1d(s.o) if "eval" in s.mods else None
-        self.drop = nn.Dropout(0.5) if "eval" in s.mods else None
-        self.tie_a = nn.Linear(s.o, s.o) if "tied" in s.mods else None
-        self.tie_b = nn.Linear(s.o, s.o) if "tied" in s.mods else None
+        eval_mods = "eval" in s.mods and s.kind != "lm"  # BatchNorm1d over [rows, outputs] only
+        self.bn = nn.BatchNorm1d(s.o) if eval_mods else None
+        self.drop = nn.Dropout(0.5) if eval_mods else None
+        tied = "tied" in s.mods and s.kind != "lm"  # the language model ties its own weights
+        self.tie_a = nn.Linear(s.o, s.o) if tied else None
+        self.tie_b = nn.Linear(s.o, s.o) if tied else None
         if self.tie_a is not None and self.tie_b is not None:
             self.tie_b.weight = self.tie_a.weight
         self.unused = nn.Linear(3, 2) if "unused" in s.mods else None
@@ -385,6 +477,45 @@ class Net(nn.Module):
         if self.tie_a is not None and self.tie_b is not None:
             y = self.tie_b(_act(self.act, self.tie_a(y)))
         return y
+
+
+class KeywordOnly(nn.Module):
+    """``forward(*, x, y=None)``: the batch reaches the model by keyword only."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, *, x: torch.Tensor, y: torch.Tensor | None = None) -> Any:
+        return self.net(x) if y is None else self.net(x, y)
+
+
+class Pair(NamedTuple):
+    main: torch.Tensor
+    aux: torch.Tensor
+
+
+class Nested(nn.Module):
+    """``{"pred": (summary, Pair(main, aux))}``: the loss reads ``main``; every leaf is
+    gathered, and compared."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> dict[str, tuple[torch.Tensor, Pair]]:
+        y = self.net(x)
+        return {"pred": (y.sum(-1), Pair(y, 2 * y))}
+
+
+@dataclass(frozen=True)
+class NestedLoss:
+    """``loss(output["pred"][1].main, target)``."""
+
+    loss: Callable[[Any, Any], torch.Tensor]
+
+    def __call__(self, output: dict[str, tuple[torch.Tensor, Pair]], target: Any) -> torch.Tensor:
+        return self.loss(output["pred"][1].main, target)
 
 
 def _per_row(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -410,7 +541,9 @@ class ScaledLoss:
     scale: float
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.name == "ce":
+        if self.name == "token_ce":
+            loss = F.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=-100)
+        elif self.name == "ce":
             loss = F.cross_entropy(output, target)
         elif self.name == "mse":
             loss = F.mse_loss(output, target)
@@ -447,10 +580,12 @@ def head_loss(output: tuple[torch.Tensor, torch.Tensor], target: Any) -> torch.T
 class Scenario:
     spec: Spec
     module: nn.Module  # what the checks receive
-    inputs: Any  # x, or (x, y) for a loss head
+    inputs: Any  # x, or (x, y) for a loss head; () for a keyword-only forward
     target: Any  # None for a loss head
     loss_fn: Callable[[Any, Any], torch.Tensor]
     mean_head: nn.Module | None  # the chunk-mean variant of a loss head
+    kwargs: dict[str, Any] = field(default_factory=dict)  # keyword-only forward arguments
+    positional: Any = None  # the inputs of mean_head (positional even for a keyword-only forward)
 
 
 def build(spec: Spec | str) -> Scenario:
@@ -469,25 +604,57 @@ def build(spec: Spec | str) -> Scenario:
         if "eval" in s.mods:
             net.eval()
         net.to(s.dtype)
+        if "frozen-bias" in s.mods:
+            # the output bias: the last bias forward uses
+            biases = [p for name, p in net.named_parameters() if name.endswith("bias") and not name.startswith("unused.")]
+            if biases and sum(p.numel() for p in net.parameters()) > biases[-1].numel():
+                biases[-1].requires_grad_(False)
         if "frozen" in s.mods:
             # among the parameters forward uses, leaving at least one trainable
             params = [p for name, p in net.named_parameters() if not name.startswith("unused.")]
             for index in rng.sample(range(len(params)), min(len(params) - 1, rng.randint(1, 2))):
                 params[index].requires_grad_(False)
         shape = {"lstm": (s.B, s.T, s.w), "gru": (s.B, s.T, s.w), "attention": (s.B, s.T, s.w), "conv": (s.B, s.w, s.T)}
-        x64 = torch.randn(shape.get(s.kind, (s.B, s.w)), dtype=torch.float64) * s.xs
-        x = x64.to(s.dtype)
-        with torch.no_grad():
-            out64 = copy.deepcopy(net).double()(x.double())
-        target = _target(s, out64)
+        if s.kind == "lm":
+            x = _tokens(s)
+            with torch.no_grad():
+                out64 = copy.deepcopy(net).double()(x)
+        else:
+            x64 = torch.randn(shape.get(s.kind, (s.B, s.w)), dtype=torch.float64) * s.xs
+            x = x64.to(s.dtype)
+            with torch.no_grad():
+                out64 = copy.deepcopy(net).double()(x.double())
+        target = _target(s, out64, x)
     if s.head:
         module: nn.Module = LossHead(net, s.loss, s.ls, mean=False)
         mean_head = LossHead(net, s.loss, s.ls, mean=True)
-        return Scenario(s, module, (x, target), None, head_loss, mean_head)
-    return Scenario(s, net, x, target, ScaledLoss(s.loss, s.ls), None)
+        if s.io & 1:
+            return Scenario(s, KeywordOnly(module), (), None, head_loss, mean_head, {"x": x, "y": target}, (x, target))
+        return Scenario(s, module, (x, target), None, head_loss, mean_head, positional=(x, target))
+    loss_fn: Callable[[Any, Any], torch.Tensor] = ScaledLoss(s.loss, s.ls)
+    if s.io & 2:
+        body: nn.Module = Nested(net)
+        loss_fn = NestedLoss(loss_fn)
+    else:
+        body = net
+    if s.io & 1:
+        return Scenario(s, KeywordOnly(body), (), target, loss_fn, None, {"x": x})
+    return Scenario(s, body, x, target, loss_fn, None)
 
 
-def _target(s: Spec, out64: torch.Tensor) -> torch.Tensor:
+def _tokens(s: Spec) -> torch.Tensor:
+    """Token ids [rows, T] over o + 2 tokens, every row padded (token 0) after a random
+    length of at least one token."""
+    tokens = torch.randint(1, s.o + 2, (s.B, s.T))
+    lengths = torch.randint(1, s.T + 1, (s.B,))
+    return tokens.masked_fill(torch.arange(s.T) >= lengths[:, None], 0)
+
+
+def _target(s: Spec, out64: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if s.loss == "token_ce":
+        # the next token (the model's own choice when near-converged); -100 on padding
+        labels = out64.argmax(-1) if s.near else torch.randint(0, s.o + 2, x.shape)
+        return labels.masked_fill(x == 0, -100)
     noise = torch.randn(out64.shape, dtype=torch.float64)
     if s.loss == "ce":
         if s.near:
@@ -515,9 +682,10 @@ def single_step(sc: Scenario, dtype: torch.dtype) -> tuple[float, dict[str, torc
 
     model = copy.deepcopy(sc.module).to(dtype)
     args = tuple(cast(a) for a in sc.inputs) if isinstance(sc.inputs, tuple) else (cast(sc.inputs),)
+    kwargs = {k: cast(v) for k, v in sc.kwargs.items()}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        loss = sc.loss_fn(model(*args), cast(sc.target))
+        loss = sc.loss_fn(model(*args, **kwargs), cast(sc.target))
         loss.backward()
     grads = {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
     return float(loss.detach()), grads
@@ -718,7 +886,7 @@ def _scenario_checks(spec: Spec, tally: Tally, verbose: bool) -> tuple[str, floa
         if verbose:
             print(f"skipped: the single-device {spec.dt} step is not finite (loss {loss:g})")
         return "skipped", None
-    common: dict[str, Any] = {"loss_fn": sc.loss_fn, "device_ids": list(spec.dev)}
+    common: dict[str, Any] = {"loss_fn": sc.loss_fn, "device_ids": list(spec.dev), "forward_kwargs": sc.kwargs or None}
     outcomes: list[str] = []
     ratios: list[float] = []
     for check, call in (
@@ -742,7 +910,7 @@ def _loss_average(tally: Tally, spec: Spec, sc: Scenario, verbose: bool) -> str:
     check = "check_forward_loss_average"
     assert sc.mean_head is not None
     try:
-        report = dpverify.check_forward_loss_average(sc.mean_head, sc.inputs, device_ids=list(spec.dev))
+        report = dpverify.check_forward_loss_average(sc.mean_head, sc.positional, device_ids=list(spec.dev))
     except Exception as error:
         tally.failures.append(Failure("crash", check, str(spec), tuple(spec.classes), type(error).__name__, _first_line(error)))
         if verbose:
@@ -789,7 +957,7 @@ def _sensitivity(tally: Tally, spec: Spec, sc: Scenario, grads32: dict[str, torc
         try:
             result = dpverify.assert_dp_grads_match(
                 sc.module, sc.inputs, sc.target, loss_fn=sc.loss_fn, device_ids=list(spec.dev),
-                output_device=spec.out, parallel=injecting(name, delta),
+                output_device=spec.out, parallel=injecting(name, delta), forward_kwargs=sc.kwargs or None,
             )
             caught = False
         except dpverify.ParallelMismatch as error:

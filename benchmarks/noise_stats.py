@@ -87,7 +87,7 @@ def collect(n: int, seed: int) -> list[Row]:
             ):
                 try:
                     check(scenario.module, scenario.inputs, scenario.target, loss_fn=scenario.loss_fn,
-                          device_ids=list(spec.dev), **extra)
+                          device_ids=list(spec.dev), forward_kwargs=scenario.kwargs or None, **extra)
                 except Exception:  # outcomes are calibrate.py's business: only the numbers count here
                     continue
     finally:

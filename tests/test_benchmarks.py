@@ -92,17 +92,33 @@ def test_sharded_pool_benchmark_smoke(backend: str) -> None:
     assert rate > 0
 
 
-# Scenarios of the calibration generator (seed 0) that earlier tolerances called mismatches
-# on correct code: float16 gradients in the subnormal range (205, 563, 818, 932, 1574, 1897,
-# 2452) and the loss-average report of a float64 attention whose gradients rounding wipes
-# out (4587).
-KNOWN_FALSE_ALARMS = (205, 563, 818, 932, 1574, 1897, 2452, 4587)
+# Scenarios of the calibration generator that earlier tolerances called mismatches, or
+# crashed on, on correct code, as spec lines (the generator has widened since): float16
+# gradients in the subnormal range (seed 0: 205, 563, 818, 932, 1574, 1897, 2452), the
+# loss-average report of a float64 attention whose gradients rounding wipes out (4587); a
+# tied language model whose one-row chunks round its embedding gradient 270 times further
+# from float64 than the full batch (ratio 16.5 before the chunk-by-chunk sample), and
+# gradients of a float64 attention and LSTM whose scale times the roundoff underflowed to 0
+# (ZeroDivisionError).
+KNOWN_FALSE_ALARMS = (
+    "i=205 kind=lstm dt=f16 B=28 dev=0,1,2,3,4,7,9,10 out=3 loss=ce ls=0.02261 xs=0.01815 g=0.4039 w=2 h=3 o=2 d=3 T=4 opt=3 act=tanh mods=- near=0.0 head=0 sens=0 seed=378629051",
+    "i=563 kind=attention dt=f16 B=32 dev=3,4,5,6,7,8,10,11 out=7 loss=smooth_l1 ls=0.02154 xs=0.1092 g=0.6239 w=2 h=7 o=2 d=3 T=1 opt=1 act=tanh mods=tied near=0.0 head=0 sens=0 seed=556453017",
+    "i=818 kind=attention dt=f16 B=9 dev=1,5,8 out=8 loss=smooth_l1 ls=0.07148 xs=0.01749 g=0.6682 w=2 h=5 o=1 d=2 T=3 opt=3 act=none mods=- near=0.0 head=0 sens=0 seed=1872548976",
+    "i=932 kind=gru dt=f16 B=8 dev=9,4,7,3,2,11,1,5 out=3 loss=ce ls=0.03787 xs=0.08685 g=1.413 w=3 h=2 o=2 d=3 T=4 opt=1 act=softplus mods=- near=8.201e-07 head=0 sens=0 seed=16255563",
+    "i=1574 kind=lstm dt=f16 B=18 dev=0,5,6,7,9 out=6 loss=mse ls=0.0328 xs=0.03845 g=1.134 w=1 h=8 o=4 d=1 T=2 opt=2 act=relu mods=tied near=0.0 head=0 sens=0 seed=393734284",
+    "i=1897 kind=residual dt=f16 B=27 dev=3,5,7 out=-1 loss=ce ls=0.03199 xs=0.9716 g=0.3527 w=2 h=2 o=2 d=1 T=1 opt=0 act=relu mods=- near=0.0 head=0 sens=0 seed=1021273944",
+    "i=2452 kind=residual dt=f16 B=5 dev=0,2,6,8,10,11 out=8 loss=bce ls=0.1464 xs=0.3008 g=0.5315 w=5 h=5 o=3 d=2 T=1 opt=0 act=gelu mods=tied near=0.0 head=0 sens=0 seed=1753550783",
+    "i=4587 kind=attention dt=f64 B=28 dev=2,4,6,8 out=-1 loss=mse ls=1703.0 xs=19090000.0 g=405.3 w=8 h=1 o=1 d=1 T=3 opt=3 act=softplus mods=unused near=0.0 head=1 sens=0 seed=1351051103",
+    "i=94 kind=lm dt=f32 B=7 dev=0,1,4,6,7,8,10 out=4 loss=token_ce ls=0.2238 xs=1.0 g=531.2 w=4 h=3 o=2 d=1 T=2 opt=3 act=relu mods=- near=0.0 head=0 sens=0 seed=2023076023 io=0",
+    "i=765 kind=attention dt=f64 B=1 dev=9 out=9 loss=mse ls=0.06885 xs=30140.0 g=0.003747 w=2 h=2 o=1 d=3 T=1 opt=3 act=gelu mods=eval near=0.0 head=0 sens=0 seed=1027755323",
+    "i=1489 kind=lstm dt=f64 B=27 dev=1,5,2,8,11,7,6 out=5 loss=smooth_l1 ls=0.0008071 xs=5178000.0 g=0.3846 w=4 h=5 o=2 d=2 T=2 opt=0 act=silu mods=frozen-bias near=6.506e-06 head=0 sens=0 seed=365938662 io=0",
+)
 
 
-@pytest.mark.parametrize("index", KNOWN_FALSE_ALARMS)
-def test_former_false_alarms_pass(index: int) -> None:
+@pytest.mark.parametrize("spec", KNOWN_FALSE_ALARMS, ids=lambda spec: spec.split()[0])
+def test_former_false_alarms_pass(spec: str) -> None:
     tally = calibrate.Tally()
-    outcome = calibrate.run_scenario(calibrate.generate(index, 0), tally)
+    outcome = calibrate.run_scenario(calibrate.Spec.parse(spec), tally)
     assert outcome == "pass", [f"{f.check}: {f.message}" for f in tally.failures]
 
 

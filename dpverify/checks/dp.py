@@ -41,7 +41,7 @@ from dpverify.core.step import (
     quiet_size_warnings,
     run_step,
 )
-from dpverify.core.tree import first_batched, map_tensors
+from dpverify.core.tree import concatenate, first_batched, map_tensors
 from dpverify.core.validation import (
     require_arguments_fit,
     require_callable,
@@ -342,8 +342,10 @@ class Check:
         loss_argument: str = "loss_fn",
         measure_terms: bool = False,
         jitter: float = 0.0,
+        split: bool = False,
     ) -> StepResult:
-        """One step: through the wrapper (``parallel``) or alone, in ``dtype``."""
+        """One step: through the wrapper (``parallel``) or alone, in ``dtype``; ``split``:
+        alone, one chunk of the parallel split at a time (``_Split``)."""
         stage = "parallel" if parallel else "single-device"
         if dtype == torch.float64:
             stage = "float64 single-device"
@@ -356,7 +358,11 @@ class Check:
                     self.module,
                     self.args,
                     loss_of_output,
-                    wrap=(lambda model: _WatchGathers(self.wrap(model), gathers)) if parallel else None,
+                    wrap=(
+                        (lambda model: _WatchGathers(self.wrap(model), gathers)) if parallel
+                        else _Split(self.plan.chunk_sizes, self.dim) if split
+                        else None
+                    ),
                     dtype=dtype,
                     device=self.device,
                     record_replicas=record_replicas,
@@ -427,12 +433,37 @@ class Check:
         steps = entry.steps
         step_rows = {} if rows is None else rows
 
+        def split(dtype: torch.dtype | None) -> Callable[[], StepResult | None]:
+            # keyed by the split too: the checks of one batch on several device counts share steps
+            kind = f"split {dtype} {tuple(self.plan.chunk_sizes)} dim {self.dim}"
+
+            def run() -> StepResult | None:
+                if kind not in steps:
+                    try:
+                        result = self.run(loss_in(dtype), parallel=False, dtype=dtype, loss_argument=loss_argument, split=True)
+                    except Exception:  # a module that cannot run chunk by chunk alone: no such sample
+                        return None
+                    if not all(bool(t.isfinite().all()) for t in _step_tensors(result)):
+                        return None
+                    steps[kind] = result
+                return steps[kind]
+
+            return run
+
         def made(
             expected: StepResult, anchor: StepResult | None = None, probe: StepResult | None = None,
             jitter: StepResult | None = None, settle: Callable[[], StepResult] | None = None,
         ) -> References:
+            # A second reference that runs the parallel split chunk by chunk, without the
+            # wrapper (the working dtype and the other precision), for a tensor that fails
+            # every other rounding sample; not for a module with divergence sources.
+            splits = None
+            if anchor is not None and len(self.plan.chunk_sizes) > 1 and not divergence_sources(self.module):
+                other = torch.float32 if self.dtype == torch.float64 else torch.float64
+                splits = (split(None), split(other))
             return References(
                 expected, anchor, probe, jitter, settle, prepared=entry.prepared, anchored=entry.anchored, rows=step_rows,
+                splits=splits,
             )
 
         def step(kind: str, run: Callable[[], StepResult]) -> StepResult:
@@ -542,12 +573,27 @@ class Check:
                 )
 
         result = compare(False)
-        if result.ok or result.problem is not None or refs.settle is None or contrast:
+        if result.ok or result.problem is not None or contrast:
             return result
-        # A tensor that fails against one sample of the single-device rounding gets a
-        # second sample before it is called a mismatch: ill-conditioned computations
-        # round with heavy tails. Passing checks never pay for this step.
-        return compare(True)
+        if refs.settle is not None:
+            # A tensor that fails against one sample of the single-device rounding gets a
+            # second sample before it is called a mismatch: ill-conditioned computations
+            # round with heavy tails. Passing checks never pay for this step.
+            result = compare(True)
+            if result.ok:
+                return result
+        sample = refs.split_sample(key, self.dtype)
+        if sample is None:
+            return result
+        # The last sample: the step run chunk by chunk as the parallel split runs it, where
+        # its distance from the full batch is rounding (``References.split_sample``).
+        # Batch-size-dependent kernels round each chunk differently from the full batch.
+        with shared_references(refs.anchored):
+            split_result = compare_tensors(
+                name, actual, refs.keyed(key), refs.keyed(key, "anchor"), self.tolerance,
+                refs.keyed(key, "probe"), terms, sample,
+            )
+        return split_result if split_result.ok else result
 
     def replica_failures(self, ran: int, *, lost: str | None = None) -> list[str]:
         """A failure unless the parallel step really ran in parallel, judged by the
@@ -742,6 +788,10 @@ class References:
     probe: StepResult | None = None
     jitter: StepResult | None = None
     settle: Callable[[], StepResult] | None = None
+    #: the step run chunk by chunk (``_Split``) in the working dtype and in the other
+    #: precision (float64, or float32 for a float64 model), each run on first need; None
+    #: where no such sample is taken
+    splits: tuple[Callable[[], StepResult | None], Callable[[], StepResult | None]] | None = None
     _settled: list[StepResult] = field(default_factory=list, repr=False, compare=False)
     #: the tensors ``keyed`` picked, and what the comparisons derived from them
     #: (``shared_references``), for every check that shares the steps
@@ -758,6 +808,32 @@ class References:
             self._settled.append(self.settle())
         return self._settled[0]
 
+    def split_sample(self, key: Key, dtype: torch.dtype) -> torch.Tensor | None:
+        """The chunk-by-chunk step's tensor of ``key``, when its distance from the full-batch
+        step is rounding: the same distance in the other precision must scale with the
+        precision, below 2^-10 of it from float64 to float32 (a module whose result depends
+        on the split, a chunk-mean loss, differs by as much in float64 as in float32);
+        None otherwise, or when there is no such sample."""
+        if self.splits is None or self.anchor is None:
+            return None
+        working, other = (run() for run in self.splits)
+        if working is None or other is None:
+            return None
+        sample, twin = key(working), key(other)
+        # the full-batch steps in the same two precisions
+        if dtype == torch.float64:
+            full, full_twin = key(self.expected), key(self.probe) if self.probe is not None else None
+        else:
+            full, full_twin = key(self.expected), key(self.anchor)
+        if sample is None or twin is None or full is None or full_twin is None:
+            return None
+        if sample.shape != full.shape or twin.shape != full_twin.shape:
+            return None
+        distance = _largest(sample.double() - full.double())
+        twin_distance = _largest(twin.double() - full_twin.double())
+        near, far = (distance, twin_distance) if dtype == torch.float64 else (twin_distance, distance)
+        return sample if near <= far * _SPLIT_SCALING else None
+
     def keyed(self, key: Key, step: str = "expected") -> torch.Tensor | None:
         """The tensor ``key`` picks from one of the steps (``expected``, ``anchor``,
         ``probe``, ``jitter``, or ``settled``: the second rounding sample, run on first
@@ -768,6 +844,46 @@ class References:
             self.prepared[slot] = key(source) if source is not None else None
         tensor: torch.Tensor | None = self.prepared[slot]
         return tensor
+
+
+# How much smaller the float64 chunk-by-chunk distance from the full batch must be than the
+# float32 one for it to count as rounding (it is about 2^-29 of it when it is).
+_SPLIT_SCALING = 2.0**-10
+
+
+def _largest(tensor: torch.Tensor) -> float:
+    values = tensor.to_dense() if tensor.is_sparse else tensor
+    return float(values.abs().max()) if values.numel() else 0.0
+
+
+def _step_tensors(step: StepResult) -> list[torch.Tensor]:
+    return [t for _, t in step.outputs if t.is_floating_point()] + [step.loss] + [
+        g for g in step.grads.values() if g is not None
+    ]
+
+
+class _Split:
+    """The ``wrap`` of a step that runs the module alone, one chunk of the parallel split at
+    a time: every batched tensor argument split along ``dim`` into ``sizes``, the outputs
+    concatenated as DataParallel gathers them. What a correct parallel step computes
+    kernel by kernel."""
+
+    def __init__(self, sizes: Sequence[int], dim: int) -> None:
+        self.sizes, self.dim = list(sizes), dim
+
+    def __call__(self, module: nn.Module) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            outputs = []
+            start = 0
+            for size in self.sizes:
+                def part(tensor: torch.Tensor, start: int = start, size: int = size) -> torch.Tensor:
+                    return tensor.narrow(self.dim, start, size) if tensor.dim() > self.dim else tensor
+
+                outputs.append(module(*map_tensors(args, part), **map_tensors(kwargs, part)))
+                start += size
+            return concatenate(outputs, self.dim)
+
+        return run
 
 
 # Relative size of the parameter perturbation of a float64 model's jittered run: a few

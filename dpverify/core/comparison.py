@@ -496,7 +496,8 @@ def _anchored(
         floor = norm_floor = 1.0 / roundoff
     spacing = tolerance.subnormal_floor * torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
     def conditioning(error: float, size: float) -> float:
-        return error / (roundoff * size) if size > 0 else 0.0
+        # divided in two steps: roundoff * size underflows to 0 for subnormal gradients
+        return error / size / roundoff if size > 0 else 0.0
 
     allowed = max(
         tolerance.reference_factor(numel, conditioning(reference_error, scale)) * reference_error,

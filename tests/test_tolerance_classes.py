@@ -1,0 +1,144 @@
+"""Classes of correct scenarios an independent generator found false alarms and a crash in:
+subnormal float64 gradients, steps whose chunks round differently from the full batch, and
+near-converged targets. Every model here is built from fixed values, not a seed, and
+every test asserts the verdict, not the bits of one machine's kernels."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpverify
+from dpverify import ParallelMismatch, Tolerance
+from dpverify.core.comparison import compare_tensors
+from dpverify.mutants import TinyErrorDataParallel
+
+
+def _fixed_linear(inputs: int, outputs: int, dtype: torch.dtype = torch.float64) -> nn.Linear:
+    layer = nn.Linear(inputs, outputs).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.linspace(-0.9, 0.8, inputs * outputs, dtype=dtype).reshape(outputs, inputs))
+        layer.bias.copy_(torch.linspace(0.3, -0.2, outputs, dtype=dtype))
+    return layer
+
+
+def _rows(rows: int, features: int, scale: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    values = torch.linspace(-1.0, 1.0, rows * features, dtype=torch.float64).reshape(rows, features)
+    return (values.sin() * scale).to(dtype)
+
+
+def test_subnormal_float64_gradients_pass_instead_of_raising_zero_division() -> None:
+    # roundoff * scale underflows to 0 for a scale of 1e-309: the issue's reproduction
+    x, y = _rows(4, 3, 1e-309), _rows(4, 2, 1e-309)
+    result = dpverify.assert_dp_grads_match(_fixed_linear(3, 2), x, y, loss_fn=F.mse_loss, device_ids=[0, 1])
+    assert result.ok
+
+
+def test_a_zero_difference_passes_whatever_the_references_round_to() -> None:
+    # subnormal references, the float32 probe flushed to 0: the parallel result equal to
+    # the single-device one is never a mismatch
+    expected = torch.tensor([3e-320, -7e-321, 0.0, 5e-324], dtype=torch.float64)
+    anchor = torch.tensor([2.5e-320, -7e-321, 1e-323, 0.0], dtype=torch.float64)
+    for probe in (None, torch.zeros(4), anchor.float()):
+        row = compare_tensors("grad 'w'", expected.clone(), expected, anchor, Tolerance(), probe, 0.0, anchor)
+        assert row.ok, row.details()
+
+
+class _ChunkRounding(nn.Module):
+    """``(x + K) - K`` with ``K = 1e8 / rows**2``: x in exact arithmetic, rounded at the
+    spacing of K, which a chunk of few rows makes far coarser than the full batch (the
+    way batch-size-dependent kernels round), then a Linear layer. Elementwise IEEE
+    arithmetic, the same on every machine."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head = _fixed_linear(3, 2, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shift = 1e8 / x.shape[0] ** 2
+        out: torch.Tensor = self.head((x + shift) - shift)
+        return out
+
+
+def test_a_step_whose_chunks_round_coarser_than_the_full_batch_passes() -> None:
+    for dtype in (torch.float32, torch.float64):
+        x, y = _rows(16, 3, 1.0, dtype), _rows(16, 2, 1.0, dtype)
+        result = dpverify.assert_dp_grads_match(
+            _ChunkRounding(dtype), x, y, loss_fn=F.mse_loss, device_ids=list(range(16))
+        )
+        assert result.ok
+        summed = dpverify.assert_grad_sum_equals_mean_loss_grad(
+            _ChunkRounding(dtype), x, y, loss_fn=F.mse_loss, device_ids=list(range(16))
+        )
+        assert summed.ok
+
+
+class _ChunkCentred(nn.Module):
+    """Subtracts the mean of the rows it receives: a result that depends on the split in
+    exact arithmetic, as much in float64 as in float32."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head = _fixed_linear(3, 2, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(x - 1e-3 * x.mean(0, keepdim=True))
+        return out
+
+
+def test_a_result_that_depends_on_the_split_still_fails() -> None:
+    # the chunk-by-chunk sample reproduces it, but it does not shrink with the precision
+    for dtype in (torch.float32, torch.float64):
+        x, y = _rows(8, 3, 1.0, dtype) + 1.0, _rows(8, 2, 1.0, dtype)
+        try:
+            dpverify.assert_dp_grads_match(_ChunkCentred(dtype), x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2, 3])
+        except ParallelMismatch:
+            continue
+        raise AssertionError(f"{dtype}: a split-dependent result passed")
+
+
+def test_a_wrapper_error_is_still_caught_where_chunks_round_coarser() -> None:
+    # the chunk-by-chunk sample never contains what the wrapper does (float64: its chunks
+    # round at 1e-8, far below the error)
+    x, y = _rows(16, 3, 1.0), _rows(16, 2, 1.0)
+    try:
+        dpverify.assert_dp_grads_match(
+            _ChunkRounding(torch.float64), x, y, loss_fn=F.mse_loss, device_ids=list(range(16)),
+            parallel=TinyErrorDataParallel,
+        )
+    except ParallelMismatch:
+        return
+    raise AssertionError("a 1e-4 error in one gradient passed")
+
+
+class _NearConverged(nn.Module):
+    """Two RMSNorm blocks and a Linear head whose bias is frozen (the output bias of an
+    RMSNorm stack is the other case)."""
+
+    def __init__(self, frozen_bias: bool) -> None:
+        super().__init__()
+        self.inp = _fixed_linear(3, 4, torch.float32)
+        self.norm = nn.RMSNorm(4)
+        self.mid = _fixed_linear(4, 4, torch.float32)
+        self.out = _fixed_linear(4, 2, torch.float32)
+        self.out.bias.requires_grad_(not frozen_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.out(torch.tanh(self.mid(self.norm(self.inp(x)))) * 1e4)
+        return out
+
+
+def test_near_converged_targets_pass() -> None:
+    for frozen_bias, loss in ((True, F.smooth_l1_loss), (False, F.mse_loss)):
+        model = _NearConverged(frozen_bias)
+        x = _rows(11, 3, 1.0, torch.float32)
+        with torch.no_grad():
+            out64 = copy.deepcopy(model).double()(x.double())
+        residual = 1e-7 * out64.abs() * _rows(11, 2, 1.0)
+        y = (out64 + residual).float()
+        for devices in ([0, 1, 2], list(range(11))):
+            assert dpverify.assert_dp_grads_match(model, x, y, loss_fn=loss, device_ids=devices).ok
+            assert dpverify.assert_grad_sum_equals_mean_loss_grad(model, x, y, loss_fn=loss, device_ids=devices).ok
