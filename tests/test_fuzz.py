@@ -92,8 +92,27 @@ def test_max_examples_and_outcome_classes(tmp_path: Path) -> None:
     assert report.ok
     assert report.stopped_by == "max-examples"
     assert report.examples == 12 == seen[-1]
-    assert report.passed + sum(n for _, n in report.diverged) == 12
+    assert report.passed + report.serial + sum(n for _, n in report.diverged) == 12
     assert {name for name, _ in report.diverged} <= {"BatchNorm", "Dropout"}
+
+
+def test_an_example_that_ran_one_replica_is_not_counted_as_passed(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """On one device every check is skipped (nothing ran in parallel): such examples are
+    counted apart, never as passes, and a session of nothing else checked nothing (exit 3)."""
+    report = fuzz(FuzzConfig(max_examples=5, seed=0, devices=1, state_dir=tmp_path))
+    assert report.serial == report.examples == 5
+    assert report.passed == 0
+    assert {example.outcome for example in report.history} == {"nothing parallel"}
+    from dpverify.cli.main import main
+
+    monkeypatch.chdir(tmp_path)  # the command keeps its state in ./.dpverify
+    assert main(["fuzz", "--devices", "1", "--max-examples", "3", "--seed", "0", "--no-color"]) == 3
+    out = capsys.readouterr().out
+    assert "NOTHING CHECKED: 3 examples, none ran in parallel" in out
+    mixed = fuzz(FuzzConfig(max_examples=30, seed=1, devices=2, state_dir=tmp_path))
+    assert mixed.ok
+    assert mixed.passed > 0
+    assert mixed.serial == sum(1 for example in mixed.history if example.outcome == "nothing parallel")
 
 
 @pytest.mark.timeout(120)

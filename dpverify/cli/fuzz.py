@@ -132,15 +132,19 @@ class Outcome:
         worst_ratio: the greatest error/allowed (``TensorComparison.ratio``) over the
             tensors compared (the eval-mode copy's for a divergence: the train-mode
             difference is expected to be large), or None when no tensor was compared.
+        parallel: a check ran in parallel and gave a verdict; False when every check was
+            skipped (one device or one row: one replica ran, nothing parallel to compare).
     """
 
     diverged: tuple[str, ...] = ()
     worst_ratio: float | None = None
+    parallel: bool = False
 
     def __or__(self, other: Outcome) -> Outcome:
-        """Both outcomes of one example: their divergences, and the worse ratio."""
+        """Both outcomes of one example: their divergences, the worse ratio, and whether
+        anything ran in parallel."""
         ratios = [r for r in (self.worst_ratio, other.worst_ratio) if r is not None]
-        return Outcome(tuple(sorted({*self.diverged, *other.diverged})), max(ratios, default=None))
+        return Outcome(tuple(sorted({*self.diverged, *other.diverged})), max(ratios, default=None), self.parallel or other.parallel)
 
 
 class _CheckFailed(Exception):
@@ -197,13 +201,13 @@ def _run_check(name: str, scenario: Scenario | ShardedScenario, target: Target) 
     if result.verdict is Verdict.FAIL:
         raise _CheckFailed(scenario, result)
     if result.verdict is not Verdict.EXPLAINED:
-        return Outcome(worst_ratio=result.worst_ratio)
+        return Outcome(worst_ratio=result.worst_ratio, parallel=result.verdict is not Verdict.SKIP)
     # train-mode BatchNorm/Dropout explain the difference; without them it must vanish (an
     # eval-mode copy has no divergence source, so it is PASS or FAIL, never EXPLAINED)
     exact = spec.run(case.in_eval_mode(), target, eval_copy=True)
     if exact.verdict is Verdict.FAIL:
         raise _CheckFailed(scenario, exact, eval_mode=True)
-    return Outcome(tuple(sorted({_bucket(group.module_type) for group in result.groups})), exact.worst_ratio)
+    return Outcome(tuple(sorted({_bucket(group.module_type) for group in result.groups})), exact.worst_ratio, parallel=True)
 
 
 def _dp_checks(case: Case, *, torch_wrapper: bool) -> list[str]:
@@ -322,7 +326,13 @@ def _outcome_class(outcome: Outcome | _CheckFailed) -> str:
     """A ``FuzzExample.outcome``: the divergence's module classes joined, in order."""
     if isinstance(outcome, _CheckFailed):
         return "failure"
-    return " + ".join(outcome.diverged) if outcome.diverged else "pass"
+    if outcome.diverged:
+        return " + ".join(outcome.diverged)
+    return "pass" if outcome.parallel else NOTHING_PARALLEL
+
+
+#: The outcome of an example whose every check was skipped because one replica or rank ran.
+NOTHING_PARALLEL = "nothing parallel"
 
 
 @dataclass
@@ -333,6 +343,7 @@ class Tally:
     started: float = field(default_factory=time.perf_counter)
     run: int = 0
     passed: int = 0
+    serial: int = 0
     diverged: Counter[str] = field(default_factory=Counter)
     failed: int = 0
     first_failure_at: int | None = None
@@ -360,8 +371,10 @@ class Tally:
             self.failed, self.first_failure_at, self.last_failure = 1, self.run, outcome
         elif outcome.diverged:
             self.diverged.update(outcome.diverged)
-        else:
+        elif outcome.parallel:
             self.passed += 1
+        else:
+            self.serial += 1
 
     def describe_divergence(self) -> str:
         if not self.diverged:
@@ -406,7 +419,9 @@ class FuzzReport:
 
     Attributes:
         examples: examples run (shrinking attempts not counted).
-        passed: examples whose checks all passed.
+        passed: examples whose checks all passed, in parallel.
+        serial: examples where nothing ran in parallel (one device or one row): every
+            check was skipped, and none is counted as passed.
         diverged: expected divergences by module class.
         failure: the failure found, or None.
         elapsed: seconds.
@@ -422,6 +437,7 @@ class FuzzReport:
     elapsed: float
     stopped_by: str
     history: tuple[FuzzExample, ...] = ()
+    serial: int = 0
 
     @property
     def ok(self) -> bool:
@@ -449,9 +465,11 @@ def scenario_strategy(config: FuzzConfig) -> SearchStrategy[Scenario] | SearchSt
             max_batch=max(12, 2 * config.devices),
         )
         return drawn.map(lambda s: dataclasses.replace(s, batch_size=max(s.batch_size, config.devices)))
-    visible = cuda_device_count()
-    # A single visible GPU would give single-device lists only: use virtual ids then.
-    least = 2 if visible == 1 and config.devices >= 2 else 1
+    # Two devices at least where --devices allows: a one-device example runs one replica,
+    # so every check skips it (nothing parallel to compare), and Hypothesis, which draws
+    # small values first, spent most of a short session on them. With one GPU visible this
+    # also means virtual ids.
+    least = 2 if config.devices >= 2 else 1
     devices = device_lists(min_devices=least, max_devices=config.devices)
     if config.parallel_loss is not None:
         return _pair_scenarios(devices)
@@ -601,6 +619,7 @@ def fuzz(config: FuzzConfig, *, on_example: Callable[[Tally], None] | None = Non
     return FuzzReport(
         examples=tally.run,
         passed=tally.passed,
+        serial=tally.serial,
         diverged=tuple(sorted(tally.diverged.items())),
         failure=failure,
         elapsed=tally.elapsed,

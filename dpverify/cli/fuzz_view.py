@@ -81,7 +81,8 @@ class FuzzProgress:
 
 def outcome_line(tally: Tally) -> str:
     """``passed 38 · expected divergences 2 (BatchNorm 1, Dropout 1) · failed 0``."""
-    text = f"passed {tally.passed} · {tally.describe_divergence()} · failed {tally.failed}"
+    serial = f" · nothing parallel {tally.serial}" if tally.serial else ""
+    text = f"passed {tally.passed}{serial} · {tally.describe_divergence()} · failed {tally.failed}"
     if tally.first_failure_at is not None:
         text += f" · shrinking the failure ({tally.shrink_runs} tried)"
     return text

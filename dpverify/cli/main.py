@@ -342,6 +342,8 @@ def _fuzz_summary(console: Console, config: FuzzConfig, report: FuzzReport) -> i
     table = Table(show_header=False, box=None, padding=(0, 2))
     table.add_row("examples", f"{report.examples} in {report.elapsed:.1f} s ({report.examples / max(report.elapsed, 1e-9):.1f}/s)")
     table.add_row("passed", str(report.passed))
+    if report.serial:
+        table.add_row("nothing parallel", f"{report.serial} (one device or one row: every check skipped, none counted as passed)")
     for name, count in report.diverged:
         table.add_row(f"expected divergence: {name}", f"{count} (classified, and exact in eval mode)")
     table.add_row("failed", "1" if report.failure else "0")
@@ -368,6 +370,13 @@ def _fuzz_summary(console: Console, config: FuzzConfig, report: FuzzReport) -> i
         console.print(f"INTERRUPTED after {plural(report.examples, 'example')}, no failure so far ({rerun})", soft_wrap=True)
         return EXIT_INTERRUPTED
     stop = "time budget reached" if report.stopped_by == "time-budget" else "all examples run"
+    if report.examples and report.serial == report.examples:
+        console.print(
+            f"[bold yellow]NOTHING CHECKED[/]: {plural(report.examples, 'example')}, none ran in parallel "
+            f"(one device or one row each); pass --devices 2 or more; {stop} ({rerun})",
+            soft_wrap=True,
+        )
+        return EXIT_NOTHING_CHECKED
     console.print(f"[bold green]OK[/]: {plural(report.examples, 'example')}, no failure; {stop} ({rerun})", soft_wrap=True)
     return EXIT_OK
 

@@ -60,6 +60,7 @@ COLOURS: dict[str, str] = {
     "BatchNorm": "#f28e2b",
     "Dropout": "#4e79a7",
     "failure": "#c0392b",
+    "nothing parallel": "#9e9e9e",
 }
 
 # The same look whatever the user's matplotlibrc says, and SVGs that do not change from one

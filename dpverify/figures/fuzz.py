@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["FAILURE_BARS", "OUTCOMES", "fuzz_figure"]
 
 #: The outcome classes of ``FuzzExample.outcome``, in the order they are drawn and listed.
-OUTCOMES: tuple[str, ...] = ("pass", "BatchNorm", "Dropout", "BatchNorm + Dropout", "failure")
+OUTCOMES: tuple[str, ...] = ("pass", "nothing parallel", "BatchNorm", "Dropout", "BatchNorm + Dropout", "failure")
 
 #: Colours of the classes without one of their own in ``COLOURS``.
 _MIXED = "#8c6d31"
