@@ -39,6 +39,7 @@ from dpverify.core.step import (
     first_parameter_dtype,
     run_step,
 )
+from dpverify.core.tracebacks import describe_exception
 from dpverify.core.tree import first_batched, map_tensors
 from dpverify.core.validation import (
     require_arguments_fit,
@@ -983,15 +984,40 @@ def _steps(check: Check, loss_fn: LossFn, target: Any, *, take: bool) -> tuple[S
                 check.parallel_loss_of(loss_fn, _target_on(target, check, None)), parallel=True, record_replicas=True,
                 loss_argument="parallel_loss_fn" if check.parallel_loss is not None else "loss_fn",
             )
-        except (TypeError, AttributeError, ValueError) as error:
-            problem = _ungatherable_output(check) if check.parallel_loss is None else None
+        except InvalidArgument:
+            raise
+        except Exception as error:
+            problem = _ungatherable_output(check) if check.parallel_loss is None and isinstance(error, (TypeError, AttributeError, ValueError)) else None
             if problem is not None:
                 raise InvalidArgument(problem) from error
+            _raise_if_single_device_fails(check, loss_fn, target)
             raise
         if not take:
             entry.parallel_key, entry.parallel, entry.parallel_rows = parallel_key, parallel, rows
     refs = check._references(entry, lambda dtype: _loss_of(loss_fn, _target_on(target, check, dtype)), "loss_fn", rows)
     return parallel, refs
+
+
+def _raise_if_single_device_fails(check: Check, loss_fn: LossFn, target: Any) -> None:
+    """After the parallel step raised: when the single-device step raises too, nothing
+    parallel is at fault. The loss, the target or the batch cannot be used as given (a loss
+    for another output shape, a key the output lacks), which is a usage error, not a
+    mismatch of the parallel step.
+
+    Raises:
+        InvalidArgument: the single-device step raised; its exception is the ``__cause__``.
+    """
+    try:
+        check.run(_loss_of(loss_fn, _target_on(target, check, None)), parallel=False)
+    except InvalidArgument:
+        raise
+    except Exception as error:
+        raise InvalidArgument(
+            f"the single-device step raised too, so this is no parallel mismatch: {describe_exception(error)}. "
+            "loss_fn(output, target), the target or the inputs cannot be used as given; pass a loss_fn that "
+            "takes this model's output and target (on the command line: --loss MODULE:FN, --output-key KEY "
+            "or --inputs MODULE:FN)"
+        ) from error
 
 
 def assert_dp_grads_match(

@@ -199,9 +199,9 @@ def _load_model(args: argparse.Namespace, *, default: str | None) -> UserModel:
     if args.factory:
         if args.model:
             raise InvalidArgument("give either MODULE:FACTORY or --model NAME, not both")
-        return user_model(args.factory, inputs_spec=args.inputs, loss=args.loss, seed=args.seed)
-    if args.inputs or args.loss:
-        raise InvalidArgument("--inputs and --loss apply to MODULE:FACTORY; the built-in models bring their own")
+        return user_model(args.factory, inputs_spec=args.inputs, loss=args.loss, seed=args.seed, output_key=args.output_key)
+    if args.inputs or args.loss or args.output_key is not None:
+        raise InvalidArgument("--inputs, --loss and --output-key apply to MODULE:FACTORY; the built-in models bring their own")
     name = args.model or default
     if name is None:
         raise InvalidArgument("give MODULE:FACTORY (a function returning your nn.Module), or --model NAME for a built-in model")
@@ -453,7 +453,17 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         help="your model: FACTORY() returns the nn.Module (the current directory is importable)",
     )
     parser.add_argument("--inputs", metavar="MODULE:FN", help="FN(batch_size) returns (inputs, target), target None if forward returns the loss; or keyword arguments: a dict, (kwargs, target), (args, kwargs) or (args, kwargs, target) (default: inferred from the first layer)")
-    parser.add_argument("--loss", metavar="NAME", help="mse, l1, smooth_l1, cross_entropy, nll or bce_with_logits (default: cross_entropy for integer targets, else mse)")
+    parser.add_argument(
+        "--loss", metavar="NAME|MODULE:FN",
+        help="mse, l1, smooth_l1, cross_entropy, nll or bce_with_logits, or your own FN(output, target) returning "
+        "the scalar loss (default: cross_entropy for integer targets, else mse)",
+    )
+    parser.add_argument(
+        "--output-key", metavar="KEY",
+        help="the output the loss applies to: a dict's key, a namedtuple's field or a tuple's index (default: "
+        "the whole output for --loss MODULE:FN; for a built-in loss the tensor, a tuple's first element, or "
+        "a dict's 'logits')",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default 0)")
 
 
