@@ -92,3 +92,33 @@ class UnusedParameter(nn.Module):
 
 def unused_parameter() -> nn.Module:
     return UnusedParameter()
+
+
+class ReducingParallel(nn.DataParallel):  # type: ignore[type-arg]
+    """DataParallel that averages its replicas' losses itself: one value comes back."""
+
+    def gather(self, outputs: Any, output_device: Any) -> Any:
+        prediction, losses = super().gather(outputs, output_device)
+        return prediction, losses.mean()
+
+
+def per_row_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A loss without reduction: one value per row, not the scalar a step needs."""
+    return F.mse_loss(output, target, reduction="none").mean(dim=1)
+
+
+class Pair(nn.Module):
+    """forward returns ``(features, prediction)``: the prediction is the second element."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 6)
+        self.pred = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.body(x))
+        return h, self.pred(h)
+
+
+def pair() -> nn.Module:
+    return Pair()

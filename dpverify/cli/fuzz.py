@@ -257,6 +257,8 @@ class FuzzConfig:
         parallel_loss: ``MODULE:CALLABLE``, the criterion wrapper of a model/criterion pair
             under test with the DataParallel checks (``Target.parallel_loss``), or None.
         parallel_loss_object: the imported criterion wrapper.
+        ddp_kwargs: keyword arguments for DistributedDataParallel in the DDP checks
+            (``Target.ddp_kwargs``), as sorted pairs; empty for none.
         state_dir: the example database and repro scripts live here.
     """
 
@@ -270,6 +272,7 @@ class FuzzConfig:
     target_object: Any = None
     parallel_loss: str | None = None
     parallel_loss_object: Any = None
+    ddp_kwargs: tuple[tuple[str, Any], ...] = ()
     state_dir: Path = STATE_DIR
 
     def with_defaults(self) -> FuzzConfig:
@@ -293,8 +296,9 @@ class FuzzConfig:
         """Separates the saved examples of different sessions (backend, devices, target and
         criterion wrapper)."""
         key = f"dpverify fuzz {self.backend} {self.devices} {self.target}"
-        # unchanged without a criterion wrapper: the examples saved before it existed still replay
-        return (key + (f" {self.parallel_loss}" if self.parallel_loss else "")).encode()
+        # unchanged without a criterion wrapper or DDP keywords: the examples saved before they existed still replay
+        key += f" {self.parallel_loss}" if self.parallel_loss else ""
+        return (key + (f" {self.ddp_kwargs}" if self.ddp_kwargs else "")).encode()
 
 
 @dataclass(frozen=True)
@@ -494,7 +498,7 @@ def _example_runner(config: FuzzConfig) -> Callable[[Scenario | ShardedScenario]
     contract holds) the DDP checks on ``--devices`` ranks; raises ``_CheckFailed``."""
     torch_wrapper = config.target is None
     dp = Target(parallel=config.target_object, parallel_loss=config.parallel_loss_object)
-    ddp = Target(step=config.target_object)
+    ddp = Target(step=config.target_object, ddp_kwargs=dict(config.ddp_kwargs) or None)
     sharded = Target(**{TARGET_FIELDS[config.backend]: config.target_object}) if config.backend in SHARDED_BACKENDS else ddp
 
     def example(scenario: Scenario | ShardedScenario) -> Outcome:
@@ -612,12 +616,14 @@ def _failure(config: FuzzConfig, tally: Tally, *, replayable: int) -> FuzzFailur
         report = f"On the eval-mode copy (train mode diverges as expected; eval mode must match):\n{report}"
     key = f"{last.check} {last.scenario!r} {last.eval_mode} {config.target} {config.devices}"
     key += f" {config.parallel_loss}" if config.parallel_loss else ""
+    key += f" {config.ddp_kwargs}" if config.ddp_kwargs else ""
     path = config.state_dir / f"repro_{hashlib.sha1(key.encode()).hexdigest()[:8]}.py"
     # the criterion wrapper goes with the DataParallel checks only (a DDP check's target is its step)
     pair = config.parallel_loss if CHECKS[last.check].backend == "dp" else None
+    ddp_kwargs = dict(config.ddp_kwargs) if CHECKS[last.check].backend == "ddp" else None
     script = repro_script(
         last.check, last.scenario, target=config.target, eval_mode=last.eval_mode, path=path,
-        expected=_error_line(last.error), parallel_loss=pair,
+        expected=_error_line(last.error), parallel_loss=pair, ddp_kwargs=ddp_kwargs or None,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
@@ -660,6 +666,7 @@ def repro_script(
     path: Path | None = None,
     expected: str = "",
     parallel_loss: str | None = None,
+    ddp_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """A standalone script that runs registry check ``check`` on ``scenario`` (with
     ``target``, and ``parallel_loss``) and raises the same error; it needs only torch and
@@ -674,9 +681,12 @@ def repro_script(
         expected: the error it should raise, for its docstring.
         parallel_loss: ``MODULE:CALLABLE``, the criterion wrapper of a model/criterion pair
             (a DataParallel check's ``Target.parallel_loss``), or None.
+        ddp_kwargs: keyword arguments for DistributedDataParallel (a DDP check's
+            ``Target.ddp_kwargs``, ``--ddp-kwargs``), or None.
     """
     field_name = TARGET_FIELDS[CHECKS[check].backend]
     fields = f"{field_name}=target" + (", parallel_loss=parallel_loss" if parallel_loss else "")
+    fields += f", ddp_kwargs={ddp_kwargs!r}" if ddp_kwargs else ""
     imports = target is not None or parallel_loss is not None
     case = "Case.from_scenario(scenario)" + (".in_eval_mode()" if eval_mode else "")
     run = f"python {path.as_posix()}" if path is not None else "python <this file>"

@@ -188,6 +188,70 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+#: DistributedDataParallel's arguments that each rank sets itself (the module, its device,
+#: the process group) or that would move the batch off dim 0, where the ranks shard it.
+_RANK_SET_DDP_KWARGS = ("self", "module", "device_ids", "output_device", "process_group", "device_mesh", "dim")
+
+
+def _ddp_kwargs_text(text: str) -> dict[str, bool | int | float | None]:
+    """``--ddp-kwargs KEY=VALUE[,KEY=VALUE...]``, values ``true``, ``false``, ``none`` or a
+    number (an argparse type: the keys are checked against DDP when the command runs)."""
+    parsed: dict[str, bool | int | float | None] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, equals, value = (part.strip() for part in item.partition("="))
+        if not equals or not key:
+            raise argparse.ArgumentTypeError(
+                f"--ddp-kwargs {text!r}: {item!r} is not KEY=VALUE; write e.g. find_unused_parameters=true,broadcast_buffers=false"
+            )
+        literal: bool | int | float | None
+        if value.lower() in ("true", "false"):
+            literal = value.lower() == "true"
+        elif value.lower() == "none":
+            literal = None
+        else:
+            try:
+                literal = int(value)
+            except ValueError:
+                try:
+                    literal = float(value)
+                except ValueError:
+                    raise argparse.ArgumentTypeError(
+                        f"--ddp-kwargs {text!r}: {key}={value!r} is not true, false, none or a number"
+                    ) from None
+        parsed[key] = literal
+    if not parsed:
+        raise argparse.ArgumentTypeError(f"--ddp-kwargs {text!r} names no keyword; write e.g. find_unused_parameters=true")
+    return parsed
+
+
+def _ddp_kwargs(args: argparse.Namespace, *, backends: tuple[str, ...]) -> dict[str, Any] | None:
+    """``--ddp-kwargs`` checked against ``DistributedDataParallel``'s signature, or None.
+
+    Raises:
+        InvalidArgument: the option is given for a backend without DDP, or names a keyword
+            DDP does not take (or one each rank sets itself).
+    """
+    kwargs: dict[str, Any] | None = args.ddp_kwargs
+    if kwargs is None:
+        return None
+    if args.backend not in backends:
+        raise InvalidArgument(
+            f"--ddp-kwargs goes to DistributedDataParallel, which --backend {args.backend} does not run; "
+            f"pass --backend {' or '.join(backends)}, or leave --ddp-kwargs out"
+        )
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    accepted = [name for name in inspect.signature(DistributedDataParallel.__init__).parameters if name not in _RANK_SET_DDP_KWARGS]
+    for key in kwargs:
+        if key in _RANK_SET_DDP_KWARGS:
+            raise InvalidArgument(f"--ddp-kwargs {key}=...: each rank sets {key!r} itself (its module, device and process group, batch along dim 0); leave it out")
+        if key not in accepted:
+            raise InvalidArgument(f"--ddp-kwargs {key}=...: DistributedDataParallel takes no keyword {key!r}; choose from {', '.join(accepted)}")
+    return kwargs
+
+
 def _require_ddp(backend: str) -> None:
     from dpverify.ddp import checks_if_available
 
@@ -264,6 +328,7 @@ def _fuzz(args: argparse.Namespace) -> int:
             settings.get_profile(args.profile)
         except Exception:
             raise InvalidArgument(f"--profile {args.profile!r} is not a Hypothesis profile; try dpverify-dev, dpverify-ci or dpverify-fuzz") from None
+    ddp_kwargs = _ddp_kwargs(args, backends=("ddp", "all"))
     target = load_object(args.target, "--target") if args.target else None
     if target is not None and not callable(target):
         raise InvalidArgument(f"--target {args.target!r} is {type(target).__name__}, not callable")
@@ -272,6 +337,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         backend=args.backend, devices=args.devices, max_examples=args.max_examples,
         time_budget=args.time_budget, seed=args.seed, profile=args.profile, target=args.target,
         target_object=target, parallel_loss=args.parallel_loss, parallel_loss_object=_load_parallel_loss(args.parallel_loss),
+        ddp_kwargs=tuple(sorted((ddp_kwargs or {}).items())),
     ).with_defaults()
     console = _console(args)
     _fuzz_header(console, config, devices_text(config))
@@ -296,6 +362,8 @@ def _fuzz_header(console: Console, config: FuzzConfig, where: str) -> None:
         under_test = f"{config.target} ({kind[config.backend]})"
     if config.parallel_loss:
         under_test += f" with criterion wrapper {config.parallel_loss}"
+    if config.ddp_kwargs:
+        under_test += f" with DDP keywords {', '.join(f'{k}={v}' for k, v in config.ddp_kwargs)}"
     limits = [plural(config.max_examples, "example")] if config.max_examples is not None else []
     limits += [f"time budget {config.time_budget:g}s"] if config.time_budget is not None else []
     limit = " or ".join(limits) or plural(config.examples, "example")
@@ -374,12 +442,14 @@ def _check(args: argparse.Namespace) -> int:
     figure = _figure_target(args)
     if args.parallel_loss and args.backend not in ("dp", "all"):
         raise InvalidArgument(f"--parallel-loss is a DataParallel criterion wrapper, for --backend dp or all; the {args.backend} checks compute the loss on each rank")
+    ddp_kwargs = _ddp_kwargs(args, backends=("ddp", "all"))
+    checks = list(CHECKS) if "all" in args.checks else list(args.checks)
     model = _load_model(args, default=None)
     # planning makes every batch: a batch that cannot be made is a usage error before any output
-    target = Target(parallel=_load_parallel(args.parallel), parallel_loss=_load_parallel_loss(args.parallel_loss))
+    target = Target(parallel=_load_parallel(args.parallel), parallel_loss=_load_parallel_loss(args.parallel_loss), ddp_kwargs=ddp_kwargs)
     plan = plan_checks(
         model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend,
-        checks=args.checks, target=target, dim=args.dim,
+        checks=checks, target=target, dim=args.dim,
     )
     if not plan:
         every = plan_checks(model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend="all", checks=list(CHECKS), dim=args.dim)
@@ -400,7 +470,7 @@ def _check(args: argparse.Namespace) -> int:
     with CheckProgress(console, len(plan)) as progress:
         report = check_model(
             model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend,
-            checks=args.checks, target=target, on_start=progress.start, on_result=progress.finished, plan=plan,
+            checks=checks, target=target, on_start=progress.start, on_result=progress.finished, plan=plan,
             dim=args.dim,
         )
     render_model_check(console, report)
@@ -467,6 +537,14 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default 0)")
 
 
+def _ddp_kwargs_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ddp-kwargs", type=_ddp_kwargs_text, metavar="KEY=VALUE,...",
+        help="keyword arguments for DistributedDataParallel (--backend ddp or all), values true, false, none or "
+        "a number: e.g. find_unused_parameters=true,broadcast_buffers=false",
+    )
+
+
 def _add_fuzz(commands: Any, common: argparse.ArgumentParser) -> None:
     fuzz = commands.add_parser(
         "fuzz", parents=[common],
@@ -498,6 +576,7 @@ def _add_fuzz(commands: Any, common: argparse.ArgumentParser) -> None:
         "output_device=...) returns loss(outputs, target) from what the --parallel wrapper returns; the repro script imports it too",
     )
     fuzz.add_argument("--figure", type=Path, metavar="FILE.{png,svg,pdf}", help="also draw the session as a figure: examples over time by outcome, and how close the checks came to their tolerance (needs matplotlib: pip install 'dpverify[plot]')")
+    _ddp_kwargs_argument(fuzz)
     fuzz.set_defaults(run=_fuzz)
 
 
@@ -539,9 +618,10 @@ def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
         "are rows along it, so with D other than 0 pass --inputs returning the batch that way",
     )
     check.add_argument(
-        "--checks", nargs="+", choices=list(CHECKS), default=list(DEFAULT_CHECKS), metavar="NAME",
-        help=f"the checks to run where they apply (default {' '.join(DEFAULT_CHECKS)}; all: {' '.join(CHECKS)})",
+        "--checks", nargs="+", choices=[*CHECKS, "all"], default=list(DEFAULT_CHECKS), metavar="NAME",
+        help=f"the checks to run where they apply, or all of them (default {' '.join(DEFAULT_CHECKS)}; all: {' '.join(CHECKS)})",
     )
+    _ddp_kwargs_argument(check)
     check.add_argument("--figure", type=Path, metavar="FILE.{png,svg,pdf}", help="also draw every check's error/allowed per tensor, worst first, as a figure (needs matplotlib: pip install 'dpverify[plot]')")
     check.set_defaults(run=_check)
 
