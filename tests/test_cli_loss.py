@@ -268,3 +268,28 @@ def test_fuzz_keeps_ddp_kwargs_in_its_repro_script_and_database_key() -> None:
     compile(script, "repro.py", "exec")
     plain = FuzzConfig(backend="ddp")
     assert FuzzConfig(backend="ddp", ddp_kwargs=(("find_unused_parameters", True),)).database_key != plain.database_key
+
+
+# --- verify --loss ---------------------------------------------------------------------------
+
+
+def test_verify_takes_a_loss_for_the_models_it_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    from dpverify.cli.main import _parser, _verify_model
+    from dpverify.cli.user_model import OutputLoss
+
+    assert main(["verify", "--loss", "cli_loss_code:smoothed_ce", "--models", "conv", "loss-in-forward"]) == EXIT_OK
+    assert capsys.readouterr().out.splitlines()[-1].startswith("OK: ")
+    args = _parser().parse_args(["verify", "--loss", "cli_loss_code:smoothed_ce"])
+    batch = _verify_model("conv", args).make_batch(4)
+    assert isinstance(batch.loss_fn, OutputLoss)
+    assert batch.loss_fn.fn.__name__ == "smoothed_ce"
+    assert batch.loss_name == "cli_loss_code:smoothed_ce"
+    # a forward that returns its loss keeps it
+    assert _verify_model("loss-in-forward", args).make_batch(4).loss_fn is None
+
+
+def test_verify_with_a_loss_a_model_cannot_take_names_loss_and_models(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _usage(capsys, ["verify", "--loss", "cli_loss_code:token_ce"])
+    assert "built-in model 'mlp'" in err
+    assert "--models" in err
+    assert "cli_loss_code:token_ce" in err

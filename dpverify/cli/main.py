@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dpverify.cli.user_model import load_object, user_model
+from dpverify.cli.user_model import load_object, user_model, with_loss
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.text import plural
@@ -104,6 +104,12 @@ def _load_callable(spec: str | None, option: str, what: str) -> Any:
     return loaded
 
 
+def _verify_model(name: str, args: argparse.Namespace) -> UserModel:
+    """A built-in model for ``verify``, with ``--loss`` instead of its own where given."""
+    model = builtin_model(name, seed=args.seed)
+    return with_loss(model, args.loss) if args.loss else model
+
+
 def _verify(args: argparse.Namespace) -> int:
     """``check`` on the built-in models, one line per check, for a wrapper under test."""
     from dpverify.checks.model import check_model
@@ -114,6 +120,8 @@ def _verify(args: argparse.Namespace) -> int:
     if unknown:
         raise InvalidArgument(f"unknown --models {unknown}; choose from {sorted(BUILTIN_MODELS)}")
     target = Target(parallel=_load_parallel(args.parallel))
+    # every model before any output: a loss that does not fit one is a usage error
+    built = {name: _verify_model(name, args) for name in models}
     gpus = cuda_device_count()
     where = plural(gpus, "CUDA device") if gpus else "virtual devices (no CUDA here)"
     wrapper = args.parallel or "DataParallel"
@@ -125,7 +133,7 @@ def _verify(args: argparse.Namespace) -> int:
             # flushed: piped into a log, each verdict shows as it comes
             print(f"  {result.verdict:<4}  {name:<16} {result.split.label:<10} {result.title:<34} {result.summary}", flush=True)
 
-        report = check_model(builtin_model(name, seed=args.seed), splits=SPLITS, target=target, on_result=show)
+        report = check_model(built[name], splits=SPLITS, target=target, on_result=show)
         results += [(name, result) for result in report.results]
     failed = [(name, r) for name, r in results if r.verdict is Verdict.FAIL]
     for name, result in failed:
@@ -669,6 +677,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--models", nargs="+", metavar="NAME", help=f"subset of {', '.join(BUILTIN_MODELS)}")
     verify.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default 0)")
+    verify.add_argument(
+        "--loss", metavar="NAME|MODULE:FN",
+        help="the loss of the built-in models that compute it outside the forward: a built-in name or your own "
+        "FN(output, target) (default: their own, mse or cross_entropy); pick the models it fits with --models",
+    )
     verify.add_argument(
         "--parallel",
         metavar="MODULE:CALLABLE",

@@ -30,7 +30,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar, cast
 
 import torch
@@ -50,6 +50,7 @@ __all__ = [
     "load_object",
     "select_output",
     "user_model",
+    "with_loss",
 ]
 
 T = TypeVar("T")
@@ -213,6 +214,30 @@ def user_model(
     return UserModel(factory_spec, module, source, make)
 
 
+def with_loss(model: UserModel, loss: str) -> UserModel:
+    """``model`` (a built-in one, for ``verify --loss``) with ``loss`` instead of its own
+    wherever the loss is computed outside the forward; a forward that returns its loss keeps
+    it.
+
+    Raises:
+        InvalidArgument: ``loss`` cannot be loaded, or cannot be applied to the model's
+            output and target; the message names ``--loss`` and ``--models``.
+    """
+    user_loss = _user_loss(loss)
+    fn: LossFn = user_loss if user_loss is not None else LossSpec(loss)
+    replaced = OutputLoss(fn, loss)
+
+    def make(batch_size: int) -> Batch:
+        batch = model.make_batch(batch_size)
+        if batch.loss_fn is None:
+            return batch
+        return replace(batch, loss_fn=replaced, loss_name=loss)
+
+    advice = f"Pass --models with the built-in models whose output and target it takes, leaving out {model.name!r}"
+    _try_loss(model.module, make(2), model.batch_source, None, inputs_given=False, advice=advice, where=f"built-in model {model.name!r}")
+    return replace(model, make_batch=make)
+
+
 def _user_loss(loss: str | None) -> LossFn | None:
     """``--loss MODULE:FN`` imported (None for a built-in name or no ``--loss``).
 
@@ -241,7 +266,10 @@ def _described(value: Any) -> str:
     return type(value).__name__
 
 
-def _try_loss(module: nn.Module, batch: Batch, source: str, output_key: str | None, *, inputs_given: bool) -> None:
+def _try_loss(
+    module: nn.Module, batch: Batch, source: str, output_key: str | None, *, inputs_given: bool,
+    advice: str | None = None, where: str = "the model",
+) -> None:
     """Applies the loss once to a single-device forward on two rows, before any check: a
     loss that cannot be applied to this output and target is the command line's usage error
     (it would fail the single-device step and the parallel one alike), never a check's FAIL.
@@ -262,9 +290,9 @@ def _try_loss(module: nn.Module, batch: Batch, source: str, output_key: str | No
             raise
         except (Exception, SystemExit) as error:
             raise InvalidArgument(
-                f"the loss ({batch.loss_name}) cannot be applied to the forward's output, "
+                f"the loss ({batch.loss_name}) cannot be applied to the output of {where}, "
                 f"{_described(output)}, and the target, {_described(batch.target)}, on one device "
-                f"(nothing parallel ran): {describe_exception(error)}. {_loss_advice(output, output_key, inputs_given)}"
+                f"(nothing parallel ran): {describe_exception(error)}. {advice or _loss_advice(output, output_key, inputs_given)}"
             ) from error
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
         raise InvalidArgument(
