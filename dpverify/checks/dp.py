@@ -979,9 +979,11 @@ def _steps(check: Check, loss_fn: LossFn, target: Any, *, take: bool) -> tuple[S
         parallel, rows = entry.parallel, entry.parallel_rows
     entry.parallel_key, entry.parallel, entry.parallel_rows = None, None, {}
     if parallel is None:
+        loss_raised: list[BaseException] = []
         try:
             parallel = check.run(
-                check.parallel_loss_of(loss_fn, _target_on(target, check, None)), parallel=True, record_replicas=True,
+                _watched(check.parallel_loss_of(loss_fn, _target_on(target, check, None)), loss_raised if check.parallel_loss is None else None),
+                parallel=True, record_replicas=True,
                 loss_argument="parallel_loss_fn" if check.parallel_loss is not None else "loss_fn",
             )
         except InvalidArgument:
@@ -990,7 +992,9 @@ def _steps(check: Check, loss_fn: LossFn, target: Any, *, take: bool) -> tuple[S
             problem = _ungatherable_output(check) if check.parallel_loss is None and isinstance(error, (TypeError, AttributeError, ValueError)) else None
             if problem is not None:
                 raise InvalidArgument(problem) from error
-            _raise_if_single_device_fails(check, loss_fn, target)
+            if loss_raised:
+                # raised applying loss_fn to the gathered output: the same on one device is no mismatch
+                _raise_if_single_device_fails(check, loss_fn, target)
             raise
         if not take:
             entry.parallel_key, entry.parallel, entry.parallel_rows = parallel_key, parallel, rows
@@ -998,8 +1002,23 @@ def _steps(check: Check, loss_fn: LossFn, target: Any, *, take: bool) -> tuple[S
     return parallel, refs
 
 
+def _watched(loss: Callable[[Any], torch.Tensor], raised: list[BaseException] | None) -> Callable[[Any], torch.Tensor]:
+    """``loss``, recording in ``raised`` what it raises (None: ``loss`` as it is)."""
+    if raised is None:
+        return loss
+
+    def watched(output: Any) -> torch.Tensor:
+        try:
+            return loss(output)
+        except Exception as error:
+            raised.append(error)
+            raise
+
+    return watched
+
+
 def _raise_if_single_device_fails(check: Check, loss_fn: LossFn, target: Any) -> None:
-    """After the parallel step raised: when the single-device step raises too, nothing
+    """After the parallel step raised in ``loss_fn``: when the single-device step raises too, nothing
     parallel is at fault. The loss, the target or the batch cannot be used as given (a loss
     for another output shape, a key the output lacks), which is a usage error, not a
     mismatch of the parallel step.
