@@ -6,7 +6,8 @@ and ``explain [MODULE:FACTORY]`` (the questions of ``docs/questions.md`` answere
 
 Exit status (``EXIT_*`` below): 0 when everything checked passed, 1 when a check failed
 (including code under test that raised or called ``sys.exit()`` during a check), 2 for a
-usage error (an argument, or user code that cannot be loaded or run to make a batch), 3 when
+usage error (an argument, user code that cannot be loaded or run to make a batch, or a loss
+that cannot be applied to the model's output on one device: never a failed check), 3 when
 nothing was checked (every check skipped), 130 for an interrupted ``fuzz``. Every
 ``InvalidArgument`` raised while a command runs becomes exit 2 in one place, ``main``.
 """
