@@ -131,6 +131,12 @@ def test_a_tuple_output_takes_the_first_element_unless_output_key_says(capsys: p
     assert main(["check", "cli_loss_code:pair", "--inputs", "cli_loss_code:dict_batches", "--output-key", "1", *SPLITS]) == EXIT_OK
 
 
+def test_output_key_on_a_forward_that_returns_its_loss_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # the keyword model computes its own loss from labels: no loss is applied to an output
+    argv = ["check", "cli_keywords_code:token_model", "--inputs", "cli_keywords_code:padded_labels", "--output-key", "logits"]
+    assert "this forward returns its own loss" in _usage(capsys, argv)
+
+
 def test_select_output_reads_keys_fields_and_indices() -> None:
     a, b = torch.zeros(1), torch.ones(1)
     Out = namedtuple("Out", ["logits", "extra"])
