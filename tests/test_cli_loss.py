@@ -299,3 +299,20 @@ def test_verify_with_a_loss_a_model_cannot_take_names_loss_and_models(capsys: py
     assert "built-in model 'mlp'" in err
     assert "--models" in err
     assert "cli_loss_code:token_ce" in err
+
+
+def test_fuzz_gives_ddp_kwargs_to_every_ddp_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dpverify.checks.registry import Target
+    from dpverify.cli import fuzz
+
+    seen: list[tuple[str, Target]] = []
+
+    def record(name: str, scenario: object, target: Target) -> fuzz.Outcome:
+        seen.append((name, target))
+        return fuzz.Outcome()
+
+    monkeypatch.setattr(fuzz, "_run_check", record)
+    config = FuzzConfig(backend="ddp", devices=2, ddp_kwargs=(("find_unused_parameters", True),))
+    fuzz._example_runner(config)(Scenario(ModelSpec(), 4, DeviceList((0, 1)), LossSpec()))
+    assert [name for name, _ in seen] == list(fuzz.DDP_CHECKS)
+    assert all(target.ddp_kwargs == {"find_unused_parameters": True} for _, target in seen)
