@@ -307,7 +307,7 @@ def test_fuzz_gives_ddp_kwargs_to_every_ddp_check(monkeypatch: pytest.MonkeyPatc
 
     seen: list[tuple[str, Target]] = []
 
-    def record(name: str, scenario: object, target: Target) -> fuzz.Outcome:
+    def record(name: str, scenario: object, target: Target, loss: object = None) -> fuzz.Outcome:
         seen.append((name, target))
         return fuzz.Outcome()
 
@@ -316,3 +316,45 @@ def test_fuzz_gives_ddp_kwargs_to_every_ddp_check(monkeypatch: pytest.MonkeyPatc
     fuzz._example_runner(config)(Scenario(ModelSpec(), 4, DeviceList((0, 1)), LossSpec()))
     assert [name for name, _ in seen] == list(fuzz.DDP_CHECKS)
     assert all(target.ddp_kwargs == {"find_unused_parameters": True} for _, target in seen)
+
+
+# --- fuzz --loss -----------------------------------------------------------------------------
+
+
+def test_fuzz_uses_the_users_loss(tmp_path: object, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import cli_loss_code
+
+    monkeypatch.chdir(str(tmp_path))
+    cli_loss_code.CALLS.clear()
+    assert main(["fuzz", "--loss", "cli_loss_code:counted_mse", "--max-examples", "5", "--seed", "2", "--no-color"]) == EXIT_OK
+    assert "with loss cli_loss_code:counted_mse" in _flat(capsys.readouterr().out)
+    assert cli_loss_code.CALLS  # the checks called it
+
+
+def test_fuzz_with_a_builtin_loss_name_draws_that_loss(capsys: pytest.CaptureFixture[str]) -> None:
+    from hypothesis import find
+    from hypothesis.errors import NoSuchExample
+
+    from dpverify.cli.fuzz import scenario_strategy
+
+    drawn = find(scenario_strategy(FuzzConfig(loss="l1")), lambda s: True)
+    assert isinstance(drawn, Scenario)
+    assert drawn.loss.name == "l1"
+    with pytest.raises(NoSuchExample):  # no other loss is ever drawn
+        find(scenario_strategy(FuzzConfig(loss="l1")), lambda s: isinstance(s, Scenario) and s.loss.name != "l1")
+
+
+def test_fuzz_refuses_a_loss_it_cannot_apply(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _usage(capsys, ["fuzz", "--loss", "cli_loss_code:token_ce", "--max-examples", "1"])
+    assert "--loss cli_loss_code:token_ce cannot be applied to a drawn model's output" in err
+    err = _usage(capsys, ["fuzz", "--loss", "cli_loss_code:huber", "--backend", "fsdp", "--max-examples", "1"])
+    assert "--loss applies to --backend dp, ddp or all" in err
+
+
+def test_fuzz_repro_script_imports_the_users_loss() -> None:
+    scenario = Scenario(ModelSpec(), 4, DeviceList((0, 1)), LossSpec())
+    script = repro_script("dp-grads", scenario, target=None, loss="cli_loss_code:huber")
+    assert "from cli_loss_code import huber as loss" in script
+    assert 'CHECKS["dp-grads"].check(with_user_loss(Case.from_scenario(scenario), loss), Target(parallel=target))' in script
+    compile(script, "repro.py", "exec")
+    assert FuzzConfig(loss="cli_loss_code:huber", loss_object=len).database_key != FuzzConfig().database_key

@@ -338,6 +338,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         except Exception:
             raise InvalidArgument(f"--profile {args.profile!r} is not a Hypothesis profile; try dpverify-dev, dpverify-ci or dpverify-fuzz") from None
     ddp_kwargs = _ddp_kwargs(args, backends=("ddp", "all"))
+    loss = _fuzz_loss(args)
     target = load_object(args.target, "--target") if args.target else None
     if target is not None and not callable(target):
         raise InvalidArgument(f"--target {args.target!r} is {type(target).__name__}, not callable")
@@ -346,7 +347,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         backend=args.backend, devices=args.devices, max_examples=args.max_examples,
         time_budget=args.time_budget, seed=args.seed, profile=args.profile, target=args.target,
         target_object=target, parallel_loss=args.parallel_loss, parallel_loss_object=_load_parallel_loss(args.parallel_loss),
-        ddp_kwargs=tuple(sorted((ddp_kwargs or {}).items())),
+        ddp_kwargs=tuple(sorted((ddp_kwargs or {}).items())), loss=args.loss, loss_object=loss,
     ).with_defaults()
     console = _console(args)
     _fuzz_header(console, config, devices_text(config))
@@ -355,6 +356,46 @@ def _fuzz(args: argparse.Namespace) -> int:
     status = _fuzz_summary(console, config, report)
     _write_figure(lambda: fuzz_figure(report), figure)
     return status
+
+
+def _fuzz_loss(args: argparse.Namespace) -> Any:
+    """``fuzz --loss``: None for a built-in name (the scenarios draw it) or none, else the
+    user's ``FN``, tried on a drawn model's output and target before the session starts.
+
+    Raises:
+        InvalidArgument: a sharded backend (its scenarios bring their losses), a loss that
+            cannot be loaded, or one that cannot be applied to a tensor output and a float
+            target shaped like it.
+    """
+    if args.loss is None:
+        return None
+    if args.backend not in ("dp", "ddp", "all"):
+        raise InvalidArgument(f"--loss applies to --backend dp, ddp or all; the {args.backend} scenarios bring their own losses")
+    from dpverify.cli.user_model import load_loss
+
+    loss = load_loss(args.loss)
+    if loss is None:
+        return None
+    from dpverify.checks.registry import Case
+    from dpverify.cli.fuzz import with_user_loss
+    from dpverify.models.specs import Scenario
+
+    case = with_user_loss(Case.from_scenario(Scenario(batch_size=4)), loss)
+    assert case.loss_fn is not None
+    with torch.no_grad():
+        output = case.module(*case.inputs)
+        try:
+            value = case.loss_fn(output, case.target)
+        except Exception as error:
+            raise InvalidArgument(
+                f"--loss {args.loss} cannot be applied to a drawn model's output, a tensor of shape "
+                f"{tuple(output.shape)}, and its target, a float tensor of the same shape: "
+                f"{describe_exception(error)}. fuzz --loss MODULE:FN takes a loss(output, target) for "
+                "such a pair (the scenarios draw MSE's target, which it replaces)"
+            ) from error
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise InvalidArgument(f"--loss {args.loss} returned {type(value).__name__} of {getattr(value, 'numel', lambda: '?')()} values; loss(output, target) must return one value")
+    return loss
 
 
 def _fuzz_header(console: Console, config: FuzzConfig, where: str) -> None:
@@ -371,6 +412,8 @@ def _fuzz_header(console: Console, config: FuzzConfig, where: str) -> None:
         under_test = f"{config.target} ({kind[config.backend]})"
     if config.parallel_loss:
         under_test += f" with criterion wrapper {config.parallel_loss}"
+    if config.loss:
+        under_test += f" with loss {config.loss}"
     if config.ddp_kwargs:
         under_test += f" with DDP keywords {', '.join(f'{k}={v}' for k, v in config.ddp_kwargs)}"
     limits = [plural(config.max_examples, "example")] if config.max_examples is not None else []
@@ -585,6 +628,11 @@ def _add_fuzz(commands: Any, common: argparse.ArgumentParser) -> None:
         "output_device=...) returns loss(outputs, target) from what the --parallel wrapper returns; the repro script imports it too",
     )
     fuzz.add_argument("--figure", type=Path, metavar="FILE.{png,svg,pdf}", help="also draw the session as a figure: examples over time by outcome, and how close the checks came to their tolerance (needs matplotlib: pip install 'dpverify[plot]')")
+    fuzz.add_argument(
+        "--loss", metavar="NAME|MODULE:FN",
+        help="--backend dp, ddp or all: draw only this built-in loss, or use your own FN(output, target) in place "
+        "of the drawn one, on models with a tensor output and a float target shaped like it",
+    )
     _ddp_kwargs_argument(fuzz)
     fuzz.set_defaults(run=_fuzz)
 

@@ -47,6 +47,7 @@ from dpverify.models.user import Batch, UserModel
 __all__ = [
     "OutputLoss",
     "first_layer_batch",
+    "load_loss",
     "load_object",
     "select_output",
     "user_model",
@@ -182,7 +183,7 @@ def user_model(
             user's exception is the ``__cause__``), or no batch can be inferred; the
             message says what to pass.
     """
-    user_loss = _user_loss(loss)
+    user_loss = load_loss(loss)
     factory = load_object(factory_spec, "MODULE:FACTORY")
     if not callable(factory):
         raise InvalidArgument(f"MODULE:FACTORY {factory_spec!r} is {type(factory).__name__}, not callable; pass a function or class that returns the model")
@@ -223,7 +224,7 @@ def with_loss(model: UserModel, loss: str) -> UserModel:
         InvalidArgument: ``loss`` cannot be loaded, or cannot be applied to the model's
             output and target; the message names ``--loss`` and ``--models``.
     """
-    user_loss = _user_loss(loss)
+    user_loss = load_loss(loss)
     fn: LossFn = user_loss if user_loss is not None else LossSpec(loss)
     replaced = OutputLoss(fn, loss)
 
@@ -238,7 +239,7 @@ def with_loss(model: UserModel, loss: str) -> UserModel:
     return replace(model, make_batch=make)
 
 
-def _user_loss(loss: str | None) -> LossFn | None:
+def load_loss(loss: str | None) -> LossFn | None:
     """``--loss MODULE:FN`` imported (None for a built-in name or no ``--loss``).
 
     Raises:
