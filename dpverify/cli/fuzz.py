@@ -18,6 +18,9 @@ that apply to it, as the property suite checks (``tests/test_properties.py``):
 - a model/criterion pair (``--parallel`` with ``--parallel-loss``): the DataParallel checks
   run with the criterion wrapper too (``Target.parallel_loss``), on models whose loss the
   criterion computes and mean losses (``_pair_scenarios`` says why).
+- ``--loss``: a built-in name is the only loss drawn; the user's ``MODULE:FN`` replaces the
+  drawn loss (``with_user_loss``) on models with a tensor output and MSE's float target
+  shaped like it; ``--ddp-kwargs`` go to DistributedDataParallel in the DDP checks.
 
 Failing examples are kept in a Hypothesis example database under ``.dpverify/examples``
 and replayed first next time. A failure is shrunk, printed as a pasteable spec with the
