@@ -307,7 +307,7 @@ def test_fuzz_gives_ddp_kwargs_to_every_ddp_check(monkeypatch: pytest.MonkeyPatc
 
     seen: list[tuple[str, Target]] = []
 
-    def record(name: str, scenario: object, target: Target, loss: object = None) -> fuzz.Outcome:
+    def record(name: str, scenario: object, target: Target) -> fuzz.Outcome:
         seen.append((name, target))
         return fuzz.Outcome()
 

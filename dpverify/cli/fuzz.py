@@ -546,6 +546,12 @@ def _example_runner(config: FuzzConfig) -> Callable[[Scenario | ShardedScenario]
     ddp = Target(step=config.target_object, ddp_kwargs=dict(config.ddp_kwargs) or None)
     sharded = Target(**{TARGET_FIELDS[config.backend]: config.target_object}) if config.backend in SHARDED_BACKENDS else ddp
 
+    def run(name: str, scenario: Scenario, target: Target) -> Outcome:
+        # the user's loss (--loss MODULE:FN) where one was given
+        if config.loss_object is None:
+            return _run_check(name, scenario, target)
+        return _run_check(name, scenario, target, config.loss_object)
+
     def example(scenario: Scenario | ShardedScenario) -> Outcome:
         outcome = Outcome()
         if isinstance(scenario, ShardedScenario):
@@ -554,11 +560,11 @@ def _example_runner(config: FuzzConfig) -> Callable[[Scenario | ShardedScenario]
             return outcome
         if config.backend in ("dp", "all"):
             for name in _dp_checks(Case.from_scenario(scenario), torch_wrapper=torch_wrapper):
-                outcome |= _run_check(name, scenario, dp, config.loss_object)
+                outcome |= run(name, scenario, dp)
         if config.backend == "ddp" or (config.backend == "all" and _ddp_applies(scenario, config.devices)):
             ranks = _on_ranks(scenario, config.devices)
             for name in DDP_CHECKS:
-                outcome |= _run_check(name, ranks, ddp, config.loss_object)
+                outcome |= run(name, ranks, ddp)
         return outcome
 
     return example
