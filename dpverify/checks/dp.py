@@ -29,7 +29,7 @@ from dpverify.core.comparison import (
     uniform_scale,
 )
 from dpverify.core.devices import cuda_device_count, normalize_device_ids, normalize_output_device
-from dpverify.core.divergence import divergence_sources
+from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.core.scatter import ScatterPlan, plan_scatter
 from dpverify.core.step import (
@@ -41,6 +41,7 @@ from dpverify.core.step import (
     quiet_size_warnings,
     run_step,
 )
+from dpverify.core.tracebacks import describe_exception
 from dpverify.core.tree import concatenate, first_batched, map_tensors
 from dpverify.core.validation import (
     require_arguments_fit,
@@ -1143,20 +1144,68 @@ def _steps(check: Check, loss_fn: LossFn, target: Any, *, take: bool) -> tuple[S
         parallel, rows = entry.parallel, entry.parallel_rows
     entry.parallel_key, entry.parallel, entry.parallel_rows = None, None, {}
     if parallel is None:
+        loss_raised: list[BaseException] = []
         try:
             parallel = check.run(
-                check.parallel_loss_of(loss_fn, _target_on(target, check, None)), parallel=True, record_replicas=True,
+                _watched(check.parallel_loss_of(loss_fn, _target_on(target, check, None)), loss_raised if check.parallel_loss is None else None),
+                parallel=True, record_replicas=True,
                 loss_argument="parallel_loss_fn" if check.parallel_loss is not None else "loss_fn",
             )
-        except (TypeError, AttributeError, ValueError) as error:
-            problem = _ungatherable_output(check) if check.parallel_loss is None else None
+        except InvalidArgument:
+            raise
+        except Exception as error:
+            problem = _ungatherable_output(check) if check.parallel_loss is None and isinstance(error, (TypeError, AttributeError, ValueError)) else None
             if problem is not None:
                 raise InvalidArgument(problem) from error
+            if loss_raised:
+                # raised applying loss_fn to the gathered output: the same on one device is no mismatch
+                _raise_if_single_device_fails(check, loss_fn, target)
             raise
         if not take:
             entry.parallel_key, entry.parallel, entry.parallel_rows = parallel_key, parallel, rows
     refs = check._references(entry, lambda dtype: _loss_of(loss_fn, _target_on(target, check, dtype)), "loss_fn", rows)
     return parallel, refs
+
+
+def _watched(loss: Callable[[Any], torch.Tensor], raised: list[BaseException] | None) -> Callable[[Any], torch.Tensor]:
+    """``loss``, recording in ``raised`` what it raises (None: ``loss`` as it is)."""
+    if raised is None:
+        return loss
+
+    def watched(output: Any) -> torch.Tensor:
+        try:
+            return loss(output)
+        except Exception as error:
+            raised.append(error)
+            raise
+
+    return watched
+
+
+def _raise_if_single_device_fails(check: Check, loss_fn: LossFn, target: Any) -> None:
+    """After the parallel step raised in ``loss_fn``: when the single-device step raises too, nothing
+    parallel is at fault. The loss, the target or the batch cannot be used as given (a loss
+    for another output shape, a key the output lacks), which is a usage error, not a
+    mismatch of the parallel step.
+
+    Raises:
+        InvalidArgument: the single-device step raised; its exception is the ``__cause__``.
+    """
+    try:
+        check.run(_loss_of(loss_fn, _target_on(target, check, None)), parallel=False)
+    except InvalidArgument:
+        raise
+    except Exception as error:
+        if ONE_ROW_BATCHNORM in str(error):
+            # train-mode BatchNorm on one row: the parallel error stands, and the registry
+            # explains it by the module (dpverify.core.divergence)
+            return
+        raise InvalidArgument(
+            f"the single-device step raised too, so this is no parallel mismatch: {describe_exception(error)}. "
+            "loss_fn(output, target), the target or the inputs cannot be used as given; pass a loss_fn that "
+            "takes this model's output and target (on the command line: --loss MODULE:FN, --output-key KEY "
+            "or --inputs MODULE:FN)"
+        ) from error
 
 
 def assert_dp_grads_match(

@@ -103,6 +103,16 @@ def _replica_losses(output: Any, loss_at: int, replicas: int) -> torch.Tensor:
     if losses is None:
         extract_loss(output, loss_at)  # raises, with the message for the gathered output
     assert losses is not None
+    if losses.numel() == 1 and replicas > 1:
+        raise InvalidArgument(
+            f"the parallel step returned one loss for {replicas} replicas: the wrapper reduces the replica "
+            "losses itself, so no replica's loss can be checked. These checks take one loss per replica, "
+            "as DataParallel gathers them, and test the reduction on its own: let the wrapper return the "
+            "gathered replica losses and pass the reduction as reduce=fn(losses, chunk_sizes[, item_counts]) "
+            "(assert_loss_reduction_matches_full_batch); or, with the loss computed outside the forward, "
+            "check the pair on the command line with --parallel WRAPPER --parallel-loss CRITERION_WRAPPER, "
+            "the criterion wrapper being what combines the replica losses"
+        )
     if losses.numel() != replicas:
         raise InvalidArgument(
             f"the forward's loss gathered into {losses.numel()} values for {replicas} replicas; "

@@ -11,7 +11,9 @@ eval-mode copy, which must match.
 
 Whatever a check's code raises (the model's forward, a loss, a ``sys.exit()`` in either) is
 that check's failure, with the user's frames of the traceback; only an ``InvalidArgument``
-stops the run, as the command line's usage error. A run whose every check was skipped
+stops the run, as the command line's usage error. A loss that raises on the single-device
+step as it did on the parallel one is such an error: it cannot be applied to this output
+and target, which is no parallel mismatch. A run whose every check was skipped
 checked nothing, and says so (``ModelCheckReport.checked_nothing``).
 """
 

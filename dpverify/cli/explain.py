@@ -626,8 +626,11 @@ class _StepRecorder:
                 log.parameter_bytes += _nbytes(buffer)
 
     def _grad_recorder(self, log: _ReplicaLog) -> Callable[[torch.Tensor], None]:
-        def record(grad: torch.Tensor) -> None:
-            log.grad_bytes += _nbytes(grad)
+        def record(grad: torch.Tensor | None) -> None:
+            # None for a parameter only an output the loss does not read depends on (an
+            # auxiliary head next to --output-key's): no gradient flowed, nothing was held
+            if grad is not None:
+                log.grad_bytes += _nbytes(grad)
 
         return record
 

@@ -18,6 +18,9 @@ that apply to it, as the property suite checks (``tests/test_properties.py``):
 - a model/criterion pair (``--parallel`` with ``--parallel-loss``): the DataParallel checks
   run with the criterion wrapper too (``Target.parallel_loss``), on models whose loss the
   criterion computes and mean losses (``_pair_scenarios`` says why).
+- ``--loss``: a built-in name is the only loss drawn; the user's ``MODULE:FN`` replaces the
+  drawn loss (``with_user_loss``) on models with a tensor output and MSE's float target
+  shaped like it; ``--ddp-kwargs`` go to DistributedDataParallel in the DDP checks.
 
 Failing examples are kept in a Hypothesis example database under ``.dpverify/examples``
 and replayed first next time. A failure is shrunk, printed as a pasteable spec with the
@@ -75,6 +78,7 @@ __all__ = [
     "fuzz",
     "parse_duration",
     "repro_script",
+    "with_user_loss",
 ]
 
 #: The default session: this many examples or ``DEFAULT_TIME_BUDGET`` seconds, whichever
@@ -183,7 +187,7 @@ def _bucket(name: str) -> str:
     return name
 
 
-def _run_check(name: str, scenario: Scenario | ShardedScenario, target: Target) -> Outcome:
+def _run_check(name: str, scenario: Scenario | ShardedScenario, target: Target, loss: Any = None) -> Outcome:
     """Runs one registry check on a fresh ``Case`` of ``scenario`` (a check may change its
     module, as ``dp-state`` does, and a repro script starts from a fresh one too).
 
@@ -196,7 +200,7 @@ def _run_check(name: str, scenario: Scenario | ShardedScenario, target: Target) 
         _CheckFailed: the check failed, in train mode or on the eval-mode copy.
     """
     spec = CHECKS[name]
-    case = Case.from_scenario(scenario)
+    case = with_user_loss(Case.from_scenario(scenario), loss)
     result = spec.run(case, target)
     if result.verdict is Verdict.FAIL:
         raise _CheckFailed(scenario, result)
@@ -208,6 +212,14 @@ def _run_check(name: str, scenario: Scenario | ShardedScenario, target: Target) 
     if exact.verdict is Verdict.FAIL:
         raise _CheckFailed(scenario, exact, eval_mode=True)
     return Outcome(tuple(sorted({_bucket(group.module_type) for group in result.groups})), exact.worst_ratio, parallel=True)
+
+
+def with_user_loss(case: Case, loss: Any) -> Case:
+    """``case`` with ``fuzz --loss MODULE:FN``'s loss in place of the drawn one (a forward
+    that returns its loss keeps it); ``case`` itself for None."""
+    if loss is None or case.loss_fn is None:
+        return case
+    return dataclasses.replace(case, loss_fn=loss)
 
 
 def _dp_checks(case: Case, *, torch_wrapper: bool) -> list[str]:
@@ -262,6 +274,13 @@ class FuzzConfig:
         parallel_loss: ``MODULE:CALLABLE``, the criterion wrapper of a model/criterion pair
             under test with the DataParallel checks (``Target.parallel_loss``), or None.
         parallel_loss_object: the imported criterion wrapper.
+        ddp_kwargs: keyword arguments for DistributedDataParallel in the DDP checks
+            (``Target.ddp_kwargs``), as sorted pairs; empty for none.
+        loss: ``--loss``: a name from ``LOSSES`` (every scenario draws that loss), or
+            ``MODULE:FN``, the user's ``FN(output, target)`` in place of the drawn loss, on
+            models with a tensor output and a float target shaped like it (``_loss_scenarios``);
+            None for the drawn losses.
+        loss_object: the imported ``FN``.
         state_dir: the example database and repro scripts live here.
     """
 
@@ -275,6 +294,9 @@ class FuzzConfig:
     target_object: Any = None
     parallel_loss: str | None = None
     parallel_loss_object: Any = None
+    ddp_kwargs: tuple[tuple[str, Any], ...] = ()
+    loss: str | None = None
+    loss_object: Any = None
     state_dir: Path = STATE_DIR
 
     def with_defaults(self) -> FuzzConfig:
@@ -298,8 +320,10 @@ class FuzzConfig:
         """Separates the saved examples of different sessions (backend, devices, target and
         criterion wrapper)."""
         key = f"dpverify fuzz {self.backend} {self.devices} {self.target}"
-        # unchanged without a criterion wrapper: the examples saved before it existed still replay
-        return (key + (f" {self.parallel_loss}" if self.parallel_loss else "")).encode()
+        # unchanged without a criterion wrapper or DDP keywords: the examples saved before they existed still replay
+        key += f" {self.parallel_loss}" if self.parallel_loss else ""
+        key += f" {self.ddp_kwargs}" if self.ddp_kwargs else ""
+        return (key + (f" loss {self.loss}" if self.loss else "")).encode()
 
 
 @dataclass(frozen=True)
@@ -461,8 +485,8 @@ def scenario_strategy(config: FuzzConfig) -> SearchStrategy[Scenario] | SearchSt
         # DDP averages gradients over ranks: it matches the full batch for mean losses only
         # (a summed loss gives 1/world_size of the gradient, by design).
         drawn = scenarios(
-            models=model_specs(kinds=DDP_KINDS), devices=ranks, losses=loss_specs(reductions=("mean",)),
-            max_batch=max(12, 2 * config.devices),
+            models=model_specs(kinds=_loss_kinds(config, DDP_KINDS)), devices=ranks,
+            losses=loss_specs(names=_loss_names(config), reductions=("mean",)), max_batch=max(12, 2 * config.devices),
         )
         return drawn.map(lambda s: dataclasses.replace(s, batch_size=max(s.batch_size, config.devices)))
     # Two devices at least where --devices allows: a one-device example runs one replica,
@@ -472,14 +496,38 @@ def scenario_strategy(config: FuzzConfig) -> SearchStrategy[Scenario] | SearchSt
     least = 2 if config.devices >= 2 else 1
     devices = device_lists(min_devices=least, max_devices=config.devices)
     if config.parallel_loss is not None:
-        return _pair_scenarios(devices)
+        return _pair_scenarios(devices, config)
     # One draw in four from the BatchNorm/Dropout kinds, so that a short session meets the
     # expected divergences too; shrinking still ends on the general draw (the first).
-    general = scenarios(devices=devices)
-    return st.one_of(general, general, general, scenarios(models=model_specs(kinds=_DIVERGENT_KINDS), devices=devices))
+    if config.loss is None:
+        general = scenarios(devices=devices)
+        return st.one_of(general, general, general, scenarios(models=model_specs(kinds=_DIVERGENT_KINDS), devices=devices))
+    losses = loss_specs(names=_loss_names(config))
+    general = scenarios(models=model_specs(kinds=_loss_kinds(config, KINDS)), devices=devices, losses=losses)
+    return st.one_of(general, general, general, scenarios(models=model_specs(kinds=_DIVERGENT_KINDS), devices=devices, losses=losses))
 
 
-def _pair_scenarios(devices: SearchStrategy[DeviceList]) -> SearchStrategy[Scenario]:
+#: Model kinds whose forward returns something other than one tensor: ``fuzz --loss
+#: MODULE:FN`` gives the user's loss the whole output, so it draws none of them.
+_STRUCTURED_KINDS = ("tuple-output", "dict-output", "namedtuple-output", "loss-head")
+
+
+def _loss_names(config: FuzzConfig) -> tuple[str, ...] | None:
+    """The losses drawn: ``--loss NAME``; for ``--loss MODULE:FN``, MSE's, a float target
+    shaped like the output (which the user's loss replaces); else every one."""
+    if config.loss is None:
+        return None
+    return (config.loss,) if config.loss_object is None else ("mse",)
+
+
+def _loss_kinds(config: FuzzConfig, kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """``kinds``, less those without one tensor output under ``--loss MODULE:FN``."""
+    if config.loss_object is None:
+        return kinds
+    return tuple(kind for kind in kinds if kind not in _STRUCTURED_KINDS)
+
+
+def _pair_scenarios(devices: SearchStrategy[DeviceList], config: FuzzConfig | None = None) -> SearchStrategy[Scenario]:
     """The scenarios of a model/criterion pair (``--parallel-loss``): models whose loss the
     criterion computes (not one computed in forward: there is no criterion to wrap), with
     mean losses. The criterion wrapper combines the replicas' losses, each computed on its
@@ -487,8 +535,9 @@ def _pair_scenarios(devices: SearchStrategy[DeviceList]) -> SearchStrategy[Scena
     reduction): the exact combination of per-chunk means (weights n_i/B) is wrong for
     per-chunk sums, which add. So, as DDP's average over ranks, it is fuzzed with mean
     losses; a wrapper that averages uneven chunks still fails on them."""
-    losses = loss_specs(reductions=("mean",))
+    losses = loss_specs(names=_loss_names(config) if config is not None else None, reductions=("mean",))
     kinds = tuple(kind for kind in KINDS if kind != "loss-head")
+    kinds = _loss_kinds(config, kinds) if config is not None else kinds
     general = scenarios(models=model_specs(kinds=kinds), devices=devices, losses=losses)
     return st.one_of(general, general, general, scenarios(models=model_specs(kinds=_DIVERGENT_KINDS), devices=devices, losses=losses))
 
@@ -518,8 +567,14 @@ def _example_runner(config: FuzzConfig) -> Callable[[Scenario | ShardedScenario]
     contract holds) the DDP checks on ``--devices`` ranks; raises ``_CheckFailed``."""
     torch_wrapper = config.target is None
     dp = Target(parallel=config.target_object, parallel_loss=config.parallel_loss_object)
-    ddp = Target(step=config.target_object)
+    ddp = Target(step=config.target_object, ddp_kwargs=dict(config.ddp_kwargs) or None)
     sharded = Target(**{TARGET_FIELDS[config.backend]: config.target_object}) if config.backend in SHARDED_BACKENDS else ddp
+
+    def run(name: str, scenario: Scenario, target: Target) -> Outcome:
+        # the user's loss (--loss MODULE:FN) where one was given
+        if config.loss_object is None:
+            return _run_check(name, scenario, target)
+        return _run_check(name, scenario, target, config.loss_object)
 
     def example(scenario: Scenario | ShardedScenario) -> Outcome:
         outcome = Outcome()
@@ -529,11 +584,11 @@ def _example_runner(config: FuzzConfig) -> Callable[[Scenario | ShardedScenario]
             return outcome
         if config.backend in ("dp", "all"):
             for name in _dp_checks(Case.from_scenario(scenario), torch_wrapper=torch_wrapper):
-                outcome |= _run_check(name, scenario, dp)
+                outcome |= run(name, scenario, dp)
         if config.backend == "ddp" or (config.backend == "all" and _ddp_applies(scenario, config.devices)):
             ranks = _on_ranks(scenario, config.devices)
             for name in DDP_CHECKS:
-                outcome |= _run_check(name, ranks, ddp)
+                outcome |= run(name, ranks, ddp)
         return outcome
 
     return example
@@ -637,12 +692,16 @@ def _failure(config: FuzzConfig, tally: Tally, *, replayable: int) -> FuzzFailur
         report = f"On the eval-mode copy (train mode diverges as expected; eval mode must match):\n{report}"
     key = f"{last.check} {last.scenario!r} {last.eval_mode} {config.target} {config.devices}"
     key += f" {config.parallel_loss}" if config.parallel_loss else ""
+    key += f" {config.ddp_kwargs}" if config.ddp_kwargs else ""
+    key += f" loss {config.loss}" if config.loss_object is not None else ""
     path = config.state_dir / f"repro_{hashlib.sha1(key.encode()).hexdigest()[:8]}.py"
     # the criterion wrapper goes with the DataParallel checks only (a DDP check's target is its step)
     pair = config.parallel_loss if CHECKS[last.check].backend == "dp" else None
+    ddp_kwargs = dict(config.ddp_kwargs) if CHECKS[last.check].backend == "ddp" else None
     script = repro_script(
         last.check, last.scenario, target=config.target, eval_mode=last.eval_mode, path=path,
-        expected=_error_line(last.error), parallel_loss=pair,
+        expected=_error_line(last.error), parallel_loss=pair, ddp_kwargs=ddp_kwargs or None,
+        loss=config.loss if config.loss_object is not None else None,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
@@ -660,16 +719,16 @@ def _error_line(error: BaseException) -> str:
     return f"{name}: {text.splitlines()[0]}" if text else name
 
 
-def _target_import(target: str | None, parallel_loss: str | None = None) -> list[str]:
+def _target_import(target: str | None, parallel_loss: str | None = None, loss: str | None = None) -> list[str]:
     lines = [] if target is not None else ["target = None  # torch's own DataParallel / DistributedDataParallel"]
-    if target is None and parallel_loss is None:
+    if target is None and parallel_loss is None and loss is None:
         return lines
     lines += [
-        "# the code under test (--target or --parallel, --parallel-loss), imported from the",
+        "# the code under test (--target or --parallel, --parallel-loss) and --loss, imported from the",
         "# directory that `dpverify fuzz` ran in (this script lives in its .dpverify/ folder)",
         "sys.path.insert(0, str(Path(__file__).resolve().parent.parent))",
     ]
-    for spec, name in ((target, "target"), (parallel_loss, "parallel_loss")):
+    for spec, name in ((target, "target"), (parallel_loss, "parallel_loss"), (loss, "loss")):
         if spec is not None:
             module, _, attribute = spec.partition(":")
             lines.append(f"from {module} import {attribute} as {name}  # noqa: E402")
@@ -685,6 +744,8 @@ def repro_script(
     path: Path | None = None,
     expected: str = "",
     parallel_loss: str | None = None,
+    ddp_kwargs: dict[str, Any] | None = None,
+    loss: str | None = None,
 ) -> str:
     """A standalone script that runs registry check ``check`` on ``scenario`` (with
     ``target``, and ``parallel_loss``) and raises the same error; it needs only torch and
@@ -699,11 +760,17 @@ def repro_script(
         expected: the error it should raise, for its docstring.
         parallel_loss: ``MODULE:CALLABLE``, the criterion wrapper of a model/criterion pair
             (a DataParallel check's ``Target.parallel_loss``), or None.
+        ddp_kwargs: keyword arguments for DistributedDataParallel (a DDP check's
+            ``Target.ddp_kwargs``, ``--ddp-kwargs``), or None.
+        loss: ``MODULE:FN``, the user's loss in place of the scenario's (``--loss``), or None.
     """
     field_name = TARGET_FIELDS[CHECKS[check].backend]
     fields = f"{field_name}=target" + (", parallel_loss=parallel_loss" if parallel_loss else "")
-    imports = target is not None or parallel_loss is not None
-    case = "Case.from_scenario(scenario)" + (".in_eval_mode()" if eval_mode else "")
+    fields += f", ddp_kwargs={ddp_kwargs!r}" if ddp_kwargs else ""
+    imports = target is not None or parallel_loss is not None or loss is not None
+    case = "Case.from_scenario(scenario)"
+    case = f"with_user_loss({case}, loss)" if loss is not None else case
+    case += ".in_eval_mode()" if eval_mode else ""
     run = f"python {path.as_posix()}" if path is not None else "python <this file>"
     raises = _docstring_safe(expected) if expected else "the error the fuzz session reported."
     where = " on the eval-mode copy of" if eval_mode else " on"
@@ -718,10 +785,11 @@ def repro_script(
         "import torch",
         "",
         "from dpverify.checks.registry import CHECKS, Case, Target",
+        *(["from dpverify.cli.fuzz import with_user_loss"] if loss is not None else []),
         "from dpverify.models.specs import DeviceList, LossSpec, ModelSpec, Scenario",
         *(["from dpverify.models.layouts import FSDPLayout, PipelineLayout, ShardedScenario, TPLayout"] if isinstance(scenario, ShardedScenario) else []),
         "",
-        *_target_import(target, parallel_loss),
+        *_target_import(target, parallel_loss, loss),
         "",
         f"scenario = {scenario!r}",
         "",

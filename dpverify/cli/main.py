@@ -6,7 +6,8 @@ and ``explain [MODULE:FACTORY]`` (the questions of ``docs/questions.md`` answere
 
 Exit status (``EXIT_*`` below): 0 when everything checked passed, 1 when a check failed
 (including code under test that raised or called ``sys.exit()`` during a check), 2 for a
-usage error (an argument, or user code that cannot be loaded or run to make a batch), 3 when
+usage error (an argument, user code that cannot be loaded or run to make a batch, or a loss
+that cannot be applied to the model's output on one device: never a failed check), 3 when
 nothing was checked (every check skipped), 130 for an interrupted ``fuzz``. Every
 ``InvalidArgument`` raised while a command runs becomes exit 2 in one place, ``main``.
 """
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dpverify.cli.user_model import load_object, user_model
+from dpverify.cli.user_model import load_object, user_model, with_loss
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.text import plural
@@ -105,6 +106,12 @@ def _load_callable(spec: str | None, option: str, what: str) -> Any:
     return loaded
 
 
+def _verify_model(name: str, args: argparse.Namespace) -> UserModel:
+    """A built-in model for ``verify``, with ``--loss`` instead of its own where given."""
+    model = builtin_model(name, seed=args.seed)
+    return with_loss(model, args.loss) if args.loss else model
+
+
 def _verify(args: argparse.Namespace) -> int:
     """``check`` on the built-in models, one line per check, for a wrapper under test."""
     from dpverify.checks.model import check_model
@@ -115,6 +122,8 @@ def _verify(args: argparse.Namespace) -> int:
     if unknown:
         raise InvalidArgument(f"unknown --models {unknown}; choose from {sorted(VERIFY_MODELS)}")
     target = Target(parallel=_load_parallel(args.parallel))
+    # every model before any output: a loss that does not fit one is a usage error
+    built = {name: _verify_model(name, args) for name in models}
     gpus = cuda_device_count()
     where = plural(gpus, "CUDA device") if gpus else "virtual devices (no CUDA here)"
     wrapper = args.parallel or "DataParallel"
@@ -127,7 +136,7 @@ def _verify(args: argparse.Namespace) -> int:
             print(f"  {result.verdict:<4}  {name:<16} {result.split.label:<10} {result.title:<34} {result.summary}", flush=True)
 
         dim = builtin_case(name, batch=1, seed=args.seed).dim
-        report = check_model(builtin_model(name, seed=args.seed), splits=SPLITS, target=target, on_result=show, dim=dim)
+        report = check_model(built[name], splits=SPLITS, target=target, on_result=show, dim=dim)
         results += [(name, result) for result in report.results]
     failed = [(name, r) for name, r in results if r.verdict is Verdict.FAIL]
     for name, result in failed:
@@ -218,6 +227,70 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+#: DistributedDataParallel's arguments that each rank sets itself (the module, its device,
+#: the process group) or that would move the batch off dim 0, where the ranks shard it.
+_RANK_SET_DDP_KWARGS = ("self", "module", "device_ids", "output_device", "process_group", "device_mesh", "dim")
+
+
+def _ddp_kwargs_text(text: str) -> dict[str, bool | int | float | None]:
+    """``--ddp-kwargs KEY=VALUE[,KEY=VALUE...]``, values ``true``, ``false``, ``none`` or a
+    number (an argparse type: the keys are checked against DDP when the command runs)."""
+    parsed: dict[str, bool | int | float | None] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, equals, value = (part.strip() for part in item.partition("="))
+        if not equals or not key:
+            raise argparse.ArgumentTypeError(
+                f"--ddp-kwargs {text!r}: {item!r} is not KEY=VALUE; write e.g. find_unused_parameters=true,broadcast_buffers=false"
+            )
+        literal: bool | int | float | None
+        if value.lower() in ("true", "false"):
+            literal = value.lower() == "true"
+        elif value.lower() == "none":
+            literal = None
+        else:
+            try:
+                literal = int(value)
+            except ValueError:
+                try:
+                    literal = float(value)
+                except ValueError:
+                    raise argparse.ArgumentTypeError(
+                        f"--ddp-kwargs {text!r}: {key}={value!r} is not true, false, none or a number"
+                    ) from None
+        parsed[key] = literal
+    if not parsed:
+        raise argparse.ArgumentTypeError(f"--ddp-kwargs {text!r} names no keyword; write e.g. find_unused_parameters=true")
+    return parsed
+
+
+def _ddp_kwargs(args: argparse.Namespace, *, backends: tuple[str, ...]) -> dict[str, Any] | None:
+    """``--ddp-kwargs`` checked against ``DistributedDataParallel``'s signature, or None.
+
+    Raises:
+        InvalidArgument: the option is given for a backend without DDP, or names a keyword
+            DDP does not take (or one each rank sets itself).
+    """
+    kwargs: dict[str, Any] | None = args.ddp_kwargs
+    if kwargs is None:
+        return None
+    if args.backend not in backends:
+        raise InvalidArgument(
+            f"--ddp-kwargs goes to DistributedDataParallel, which --backend {args.backend} does not run; "
+            f"pass --backend {' or '.join(backends)}, or leave --ddp-kwargs out"
+        )
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    accepted = [name for name in inspect.signature(DistributedDataParallel.__init__).parameters if name not in _RANK_SET_DDP_KWARGS]
+    for key in kwargs:
+        if key in _RANK_SET_DDP_KWARGS:
+            raise InvalidArgument(f"--ddp-kwargs {key}=...: each rank sets {key!r} itself (its module, device and process group, batch along dim 0); leave it out")
+        if key not in accepted:
+            raise InvalidArgument(f"--ddp-kwargs {key}=...: DistributedDataParallel takes no keyword {key!r}; choose from {', '.join(accepted)}")
+    return kwargs
+
+
 def _require_ddp(backend: str) -> None:
     from dpverify.ddp import checks_if_available
 
@@ -229,9 +302,9 @@ def _load_model(args: argparse.Namespace, *, default: str | None) -> UserModel:
     if args.factory:
         if args.model:
             raise InvalidArgument("give either MODULE:FACTORY or --model NAME, not both")
-        return user_model(args.factory, inputs_spec=args.inputs, loss=args.loss, seed=args.seed)
-    if args.inputs or args.loss:
-        raise InvalidArgument("--inputs and --loss apply to MODULE:FACTORY; the built-in models bring their own")
+        return user_model(args.factory, inputs_spec=args.inputs, loss=args.loss, seed=args.seed, output_key=args.output_key)
+    if args.inputs or args.loss or args.output_key is not None:
+        raise InvalidArgument("--inputs, --loss and --output-key apply to MODULE:FACTORY; the built-in models bring their own")
     name = args.model or default
     if name is None:
         raise InvalidArgument("give MODULE:FACTORY (a function returning your nn.Module), or --model NAME for a built-in model")
@@ -294,6 +367,8 @@ def _fuzz(args: argparse.Namespace) -> int:
             settings.get_profile(args.profile)
         except Exception:
             raise InvalidArgument(f"--profile {args.profile!r} is not a Hypothesis profile; try dpverify-dev, dpverify-ci or dpverify-fuzz") from None
+    ddp_kwargs = _ddp_kwargs(args, backends=("ddp", "all"))
+    loss = _fuzz_loss(args)
     target = load_object(args.target, "--target") if args.target else None
     if target is not None and not callable(target):
         raise InvalidArgument(f"--target {args.target!r} is {type(target).__name__}, not callable")
@@ -302,6 +377,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         backend=args.backend, devices=args.devices, max_examples=args.max_examples,
         time_budget=args.time_budget, seed=args.seed, profile=args.profile, target=args.target,
         target_object=target, parallel_loss=args.parallel_loss, parallel_loss_object=_load_parallel_loss(args.parallel_loss),
+        ddp_kwargs=tuple(sorted((ddp_kwargs or {}).items())), loss=args.loss, loss_object=loss,
     ).with_defaults()
     console = _console(args)
     _fuzz_header(console, config, devices_text(config))
@@ -310,6 +386,46 @@ def _fuzz(args: argparse.Namespace) -> int:
     status = _fuzz_summary(console, config, report)
     _write_figure(lambda: fuzz_figure(report), figure)
     return status
+
+
+def _fuzz_loss(args: argparse.Namespace) -> Any:
+    """``fuzz --loss``: None for a built-in name (the scenarios draw it) or none, else the
+    user's ``FN``, tried on a drawn model's output and target before the session starts.
+
+    Raises:
+        InvalidArgument: a sharded backend (its scenarios bring their losses), a loss that
+            cannot be loaded, or one that cannot be applied to a tensor output and a float
+            target shaped like it.
+    """
+    if args.loss is None:
+        return None
+    if args.backend not in ("dp", "ddp", "all"):
+        raise InvalidArgument(f"--loss applies to --backend dp, ddp or all; the {args.backend} scenarios bring their own losses")
+    from dpverify.cli.user_model import load_loss
+
+    loss = load_loss(args.loss)
+    if loss is None:
+        return None
+    from dpverify.checks.registry import Case
+    from dpverify.cli.fuzz import with_user_loss
+    from dpverify.models.specs import Scenario
+
+    case = with_user_loss(Case.from_scenario(Scenario(batch_size=4)), loss)
+    assert case.loss_fn is not None
+    with torch.no_grad():
+        output = case.module(*case.inputs)
+        try:
+            value = case.loss_fn(output, case.target)
+        except Exception as error:
+            raise InvalidArgument(
+                f"--loss {args.loss} cannot be applied to a drawn model's output, a tensor of shape "
+                f"{tuple(output.shape)}, and its target, a float tensor of the same shape: "
+                f"{describe_exception(error)}. fuzz --loss MODULE:FN takes a loss(output, target) for "
+                "such a pair (the scenarios draw MSE's target, which it replaces)"
+            ) from error
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise InvalidArgument(f"--loss {args.loss} returned {type(value).__name__} of {getattr(value, 'numel', lambda: '?')()} values; loss(output, target) must return one value")
+    return loss
 
 
 def _fuzz_header(console: Console, config: FuzzConfig, where: str) -> None:
@@ -326,6 +442,10 @@ def _fuzz_header(console: Console, config: FuzzConfig, where: str) -> None:
         under_test = f"{config.target} ({kind[config.backend]})"
     if config.parallel_loss:
         under_test += f" with criterion wrapper {config.parallel_loss}"
+    if config.loss:
+        under_test += f" with loss {config.loss}"
+    if config.ddp_kwargs:
+        under_test += f" with DDP keywords {', '.join(f'{k}={v}' for k, v in config.ddp_kwargs)}"
     limits = [plural(config.max_examples, "example")] if config.max_examples is not None else []
     limits += [f"time budget {config.time_budget:g}s"] if config.time_budget is not None else []
     limit = " or ".join(limits) or plural(config.examples, "example")
@@ -413,12 +533,14 @@ def _check(args: argparse.Namespace) -> int:
     figure = _figure_target(args)
     if args.parallel_loss and args.backend not in ("dp", "all"):
         raise InvalidArgument(f"--parallel-loss is a DataParallel criterion wrapper, for --backend dp or all; the {args.backend} checks compute the loss on each rank")
+    ddp_kwargs = _ddp_kwargs(args, backends=("ddp", "all"))
+    checks = list(CHECKS) if "all" in args.checks else list(args.checks)
     model = _load_model(args, default=None)
     # planning makes every batch: a batch that cannot be made is a usage error before any output
-    target = Target(parallel=_load_parallel(args.parallel), parallel_loss=_load_parallel_loss(args.parallel_loss))
+    target = Target(parallel=_load_parallel(args.parallel), parallel_loss=_load_parallel_loss(args.parallel_loss), ddp_kwargs=ddp_kwargs)
     plan = plan_checks(
         model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend,
-        checks=args.checks, target=target, dim=args.dim,
+        checks=checks, target=target, dim=args.dim,
     )
     if not plan:
         every = plan_checks(model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend="all", checks=list(CHECKS), dim=args.dim)
@@ -439,7 +561,7 @@ def _check(args: argparse.Namespace) -> int:
     with CheckProgress(console, len(plan)) as progress:
         report = check_model(
             model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend,
-            checks=args.checks, target=target, on_start=progress.start, on_result=progress.finished, plan=plan,
+            checks=checks, target=target, on_start=progress.start, on_result=progress.finished, plan=plan,
             dim=args.dim,
         )
     render_model_check(console, report)
@@ -495,8 +617,26 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         help="your model: FACTORY() returns the nn.Module (the current directory is importable)",
     )
     parser.add_argument("--inputs", metavar="MODULE:FN", help="FN(batch_size) returns (inputs, target), target None if forward returns the loss; or keyword arguments: a dict, (kwargs, target), (args, kwargs) or (args, kwargs, target) (default: inferred from the first layer)")
-    parser.add_argument("--loss", metavar="NAME", help="mse, l1, smooth_l1, cross_entropy, nll or bce_with_logits (default: cross_entropy for integer targets, else mse)")
+    parser.add_argument(
+        "--loss", metavar="NAME|MODULE:FN",
+        help="mse, l1, smooth_l1, cross_entropy, nll or bce_with_logits, or your own FN(output, target) returning "
+        "the scalar loss (default: cross_entropy for integer targets, else mse)",
+    )
+    parser.add_argument(
+        "--output-key", metavar="KEY",
+        help="the output the loss applies to: a dict's key, a namedtuple's field or a tuple's index (default: "
+        "the whole output for --loss MODULE:FN; for a built-in loss the tensor, a tuple's first element, or "
+        "a dict's 'logits')",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default 0)")
+
+
+def _ddp_kwargs_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ddp-kwargs", type=_ddp_kwargs_text, metavar="KEY=VALUE,...",
+        help="keyword arguments for DistributedDataParallel (--backend ddp or all), values true, false, none or "
+        "a number: e.g. find_unused_parameters=true,broadcast_buffers=false",
+    )
 
 
 def _add_fuzz(commands: Any, common: argparse.ArgumentParser) -> None:
@@ -530,6 +670,12 @@ def _add_fuzz(commands: Any, common: argparse.ArgumentParser) -> None:
         "output_device=...) returns loss(outputs, target) from what the --parallel wrapper returns; the repro script imports it too",
     )
     fuzz.add_argument("--figure", type=Path, metavar="FILE.{png,svg,pdf}", help="also draw the session as a figure: examples over time by outcome, and how close the checks came to their tolerance (needs matplotlib: pip install 'dpverify[plot]')")
+    fuzz.add_argument(
+        "--loss", metavar="NAME|MODULE:FN",
+        help="--backend dp, ddp or all: draw only this built-in loss, or use your own FN(output, target) in place "
+        "of the drawn one, on models with a tensor output and a float target shaped like it",
+    )
+    _ddp_kwargs_argument(fuzz)
     fuzz.set_defaults(run=_fuzz)
 
 
@@ -571,9 +717,10 @@ def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
         "are rows along it, so with D other than 0 pass --inputs returning the batch that way",
     )
     check.add_argument(
-        "--checks", nargs="+", choices=list(CHECKS), default=list(DEFAULT_CHECKS), metavar="NAME",
-        help=f"the checks to run where they apply (default {' '.join(DEFAULT_CHECKS)}; all: {' '.join(CHECKS)})",
+        "--checks", nargs="+", choices=[*CHECKS, "all"], default=list(DEFAULT_CHECKS), metavar="NAME",
+        help=f"the checks to run where they apply, or all of them (default {' '.join(DEFAULT_CHECKS)}; all: {' '.join(CHECKS)})",
     )
+    _ddp_kwargs_argument(check)
     check.add_argument("--figure", type=Path, metavar="FILE.{png,svg,pdf}", help="also draw every check's error/allowed per tensor, worst first, as a figure (needs matplotlib: pip install 'dpverify[plot]')")
     check.set_defaults(run=_check)
 
@@ -627,6 +774,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--models", nargs="+", metavar="NAME", help=f"subset of {', '.join(VERIFY_MODELS)}")
     verify.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default 0)")
+    verify.add_argument(
+        "--loss", metavar="NAME|MODULE:FN",
+        help="the loss of the built-in models that compute it outside the forward: a built-in name or your own "
+        "FN(output, target) (default: their own, mse or cross_entropy); pick the models it fits with --models",
+    )
     verify.add_argument(
         "--parallel",
         metavar="MODULE:CALLABLE",

@@ -5,8 +5,17 @@ with no arguments and returns the ``nn.Module``. The batch comes from ``--inputs
 MODULE:FN`` (``FN(batch_size)`` returns ``(inputs, target)``, ``target`` None when the
 forward computes the loss itself), or is inferred from the first layer that fixes the input
 shape (Linear, Conv, Embedding, batch-first RNN/attention, LayerNorm, BatchNorm). The loss
-is ``--loss NAME`` or inferred: cross-entropy for integer targets, MSE otherwise, and MSE
-against a fixed random target when there is none.
+is ``--loss NAME`` (a built-in loss), ``--loss MODULE:FN`` (the user's ``FN(output, target)``)
+or inferred: cross-entropy for integer targets, MSE otherwise, and MSE against a fixed random
+target when there is none.
+
+What the loss is applied to (``OutputLoss``): with ``--output-key KEY``, that entry of the
+forward's output (a mapping's key, a namedtuple's field, or a tuple's index); without it, a
+built-in loss takes the tensor itself, a tuple's first element or a mapping's ``"logits"``
+(``dpverify.models.specs.primary_output``), and ``--loss MODULE:FN`` the whole output. The
+loss is tried once on a single-device forward before any check runs: a loss that cannot be
+applied there is a usage error naming ``--loss``, ``--output-key`` or ``--inputs``, never a
+failed check.
 
 Everything that cannot be used (a malformed spec, a module that fails to import, a factory
 or batch function that raises) is a ``dpverify.InvalidArgument`` naming the option; when the
@@ -21,7 +30,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar, cast
 
 import torch
@@ -36,9 +45,13 @@ from dpverify.models.specs import LOSSES, LossSpec, primary_output
 from dpverify.models.user import Batch, UserModel
 
 __all__ = [
+    "OutputLoss",
     "first_layer_batch",
+    "load_loss",
     "load_object",
+    "select_output",
     "user_model",
+    "with_loss",
 ]
 
 T = TypeVar("T")
@@ -88,12 +101,66 @@ def load_object(spec: str, option: str) -> Any:
         raise InvalidArgument(f"{option} {spec!r}: {module_name!r} has no attribute {attribute!r}") from None
 
 
+def select_output(output: Any, key: str) -> Any:
+    """The entry ``--output-key KEY`` names: a mapping's key, a namedtuple's field, or the
+    index of a tuple or list.
+
+    Raises:
+        InvalidArgument: the output has no such entry; the message lists what it has.
+    """
+    if isinstance(output, Mapping):
+        if key not in output:
+            raise InvalidArgument(f"--output-key {key!r}: the forward returned a mapping with keys {list(output)}; pass one of them")
+        return output[key]
+    fields = getattr(output, "_fields", None)
+    if isinstance(output, tuple) and fields is not None and key in fields:
+        return getattr(output, key)
+    if isinstance(output, (tuple, list)):
+        try:
+            index = int(key)
+        except ValueError:
+            index = None
+        if index is None or not -len(output) <= index < len(output):
+            named = f" or a field of {list(fields)}" if fields else ""
+            raise InvalidArgument(
+                f"--output-key {key!r}: the forward returned a {type(output).__name__} of {len(output)} "
+                f"outputs; pass an index from 0 to {len(output) - 1}{named}"
+            )
+        return output[index]
+    raise InvalidArgument(
+        f"--output-key {key!r}: the forward returned {type(output).__name__}, which has no entries; "
+        "leave --output-key out (it picks the output a loss applies to from a dict, namedtuple or tuple)"
+    )
+
+
+@dataclass(frozen=True)
+class OutputLoss:
+    """``loss(output, target)`` on the part of the forward's output the loss applies to.
+
+    Attributes:
+        fn: the loss, a ``LossSpec`` or the user's ``FN(output, target)``.
+        name: the loss in words (``cross_entropy``, ``mymod:token_ce``).
+        output_key: ``--output-key``: the entry of the output the loss takes (see
+            ``select_output``); None gives ``fn`` the whole output (a ``LossSpec`` then takes
+            the primary output itself).
+    """
+
+    fn: LossFn
+    name: str
+    output_key: str | None = None
+
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        chosen = output if self.output_key is None else select_output(output, self.output_key)
+        return self.fn(chosen, target)
+
+
 def user_model(
     factory_spec: str,
     *,
     inputs_spec: str | None = None,
     loss: str | None = None,
     seed: int = 0,
+    output_key: str | None = None,
 ) -> UserModel:
     """Loads ``MODULE:FACTORY`` and works out how to make its batches and loss.
 
@@ -104,16 +171,19 @@ def user_model(
             keyword forward arguments, or a dict of keyword arguments alone or with a target,
             ``(kwargs, target)`` (a keyword-only call, ``model(**batch)``; a ``labels``
             entry makes a Hugging Face model compute its own loss, which is then checked).
-        loss: a name from ``dpverify.strategies.LOSSES`` (default: inferred).
+        loss: a name from ``dpverify.strategies.LOSSES``, or ``package.module:fn`` with
+            ``fn(output, target)`` returning the scalar loss (default: inferred).
         seed: seeds the factory, the batch and any made-up target.
+        output_key: the entry of a dict, namedtuple or tuple output the loss applies to
+            (``select_output``); default: the whole output for ``module:fn``, else the
+            tensor itself, a tuple's first element or a mapping's ``"logits"``.
 
     Raises:
         InvalidArgument: the factory, inputs function or loss cannot be used, raises (the
             user's exception is the ``__cause__``), or no batch can be inferred; the
             message says what to pass.
     """
-    if loss is not None and loss not in LOSSES:
-        raise InvalidArgument(f"--loss {loss!r} is not one of {list(LOSSES)}")
+    user_loss = load_loss(loss)
     factory = load_object(factory_spec, "MODULE:FACTORY")
     if not callable(factory):
         raise InvalidArgument(f"MODULE:FACTORY {factory_spec!r} is {type(factory).__name__}, not callable; pass a function or class that returns the model")
@@ -135,8 +205,120 @@ def user_model(
         raw, source = first_layer_batch(module, seed=seed)
     probe = raw(2)
     returns_loss = _returns_loss(module, probe, source)
-    make = _batch_maker(module, raw, loss, returns_loss)
+    if returns_loss and loss is None and output_key is not None:
+        raise InvalidArgument(
+            f"--output-key {output_key!r} picks the output a loss is applied to, but this forward returns its "
+            "own loss (checked as a loss in forward); leave --output-key out, or pass --inputs with a target"
+        )
+    make = _batch_maker(module, raw, loss, returns_loss, user_loss, output_key)
+    _try_loss(module, make(2), source, output_key, inputs_given=inputs_spec is not None)
     return UserModel(factory_spec, module, source, make)
+
+
+def with_loss(model: UserModel, loss: str) -> UserModel:
+    """``model`` (a built-in one, for ``verify --loss``) with ``loss`` instead of its own
+    wherever the loss is computed outside the forward; a forward that returns its loss keeps
+    it.
+
+    Raises:
+        InvalidArgument: ``loss`` cannot be loaded, or cannot be applied to the model's
+            output and target; the message names ``--loss`` and ``--models``.
+    """
+    user_loss = load_loss(loss)
+    fn: LossFn = user_loss if user_loss is not None else LossSpec(loss)
+    replaced = OutputLoss(fn, loss)
+
+    def make(batch_size: int) -> Batch:
+        batch = model.make_batch(batch_size)
+        if batch.loss_fn is None:
+            return batch
+        return replace(batch, loss_fn=replaced, loss_name=loss)
+
+    advice = f"Pass --models with the built-in models whose output and target it takes, leaving out {model.name!r}"
+    _try_loss(model.module, make(2), model.batch_source, None, inputs_given=False, advice=advice, where=f"built-in model {model.name!r}")
+    return replace(model, make_batch=make)
+
+
+def load_loss(loss: str | None) -> LossFn | None:
+    """``--loss MODULE:FN`` imported (None for a built-in name or no ``--loss``).
+
+    Raises:
+        InvalidArgument: neither a built-in name nor an importable callable.
+    """
+    if loss is None or loss in LOSSES:
+        return None
+    if ":" not in loss:
+        raise InvalidArgument(f"--loss {loss!r} is not one of {list(LOSSES)}; or pass MODULE:FN, a function loss(output, target)")
+    fn = load_object(loss, "--loss")
+    if not callable(fn):
+        raise InvalidArgument(f"--loss {loss!r} is {type(fn).__name__}, not callable; pass MODULE:FN, a function loss(output, target)")
+    return cast(LossFn, fn)
+
+
+def _described(value: Any) -> str:
+    """A forward's output or a target, by its shapes: ``tensor 8x7x13``, ``dict(pred=tensor
+    8x3, aux=tensor 8x2)``."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor {'x'.join(map(str, value.shape)) or 'scalar'} ({str(value.dtype).removeprefix('torch.')})"
+    if isinstance(value, Mapping):
+        return f"{type(value).__name__}({', '.join(f'{k}={_described(v)}' for k, v in value.items())})"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}({', '.join(_described(v) for v in value)})"
+    return type(value).__name__
+
+
+def _try_loss(
+    module: nn.Module, batch: Batch, source: str, output_key: str | None, *, inputs_given: bool,
+    advice: str | None = None, where: str = "the model",
+) -> None:
+    """Applies the loss once to a single-device forward on two rows, before any check: a
+    loss that cannot be applied to this output and target is the command line's usage error
+    (it would fail the single-device step and the parallel one alike), never a check's FAIL.
+
+    Raises:
+        InvalidArgument: the loss raises, or does not return a scalar tensor; the message
+            names the option to change.
+    """
+    loss_fn = batch.loss_fn
+    if loss_fn is None:
+        return
+    model = copy.deepcopy(module)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        output = _call_user("the model's forward", lambda: model(*batch.inputs, **batch.kwargs), f"on 2 rows from {source}")
+        try:
+            loss = loss_fn(output, batch.target)
+        except InvalidArgument:
+            raise
+        except (Exception, SystemExit) as error:
+            raise InvalidArgument(
+                f"the loss ({batch.loss_name}) cannot be applied to the output of {where}, "
+                f"{_described(output)}, and the target, {_described(batch.target)}, on one device "
+                f"(nothing parallel ran): {describe_exception(error)}. {advice or _loss_advice(output, output_key, inputs_given)}"
+            ) from error
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        raise InvalidArgument(
+            f"--loss {batch.loss_name}: returned {_described(loss)} for the forward's output {_described(output)}; "
+            "loss(output, target) must return one floating-point value (a mean or a sum)"
+        )
+
+
+def _loss_advice(output: Any, output_key: str | None, inputs_given: bool) -> str:
+    """Which option to change, for an output and target the loss cannot take."""
+    if output_key is None and isinstance(output, Mapping):
+        return (
+            f"The forward returns a mapping with keys {list(output)}: pass --output-key KEY to apply the "
+            "loss to one of them, or --loss MODULE:FN, a function loss(output, target) that reads the mapping"
+        )
+    advice = "Pass --loss MODULE:FN, a function loss(output, target) for this output and target"
+    if isinstance(output, torch.Tensor) and output.dim() > 2:
+        advice += (
+            " (for token logits (B, T, V) and labels (B, T): cross-entropy over the flattened tokens, "
+            "F.cross_entropy(output.flatten(0, 1), target.flatten()))"
+        )
+    if isinstance(output, (tuple, list)) and output_key is None:
+        advice += "; or --output-key INDEX to apply the loss to another element of the tuple (default: the first)"
+    target = "a target of the shape the loss expects" if inputs_given else "the target (without it, a random one shaped like the output is made up)"
+    return f"{advice}; or --inputs MODULE:FN returning {target}"
 
 
 @dataclass(frozen=True)
@@ -302,30 +484,65 @@ def _returns_loss(module: nn.Module, batch: RawBatch, source: str) -> bool:
         return False
 
 
-def _batch_maker(module: nn.Module, raw: RawBatches, loss: str | None, returns_loss: bool) -> Callable[[int], Batch]:
+def _batch_maker(
+    module: nn.Module, raw: RawBatches, loss: str | None, returns_loss: bool, user_loss: LossFn | None = None,
+    output_key: str | None = None,
+) -> Callable[[int], Batch]:
+    def loss_of(name: str) -> LossFn:
+        # a built-in loss without --output-key stays the LossSpec itself (equal by value)
+        if user_loss is not None:
+            return OutputLoss(user_loss, name, output_key)
+        spec = LossSpec(name)
+        return spec if output_key is None else OutputLoss(spec, name, output_key)
+
+    on = "" if output_key is None else f" on output {output_key!r}"
+
     def make(batch_size: int) -> Batch:
         made = raw(batch_size)
         inputs, kwargs, target = made.args, made.kwargs, made.target
         if returns_loss and loss is None:
             return Batch(inputs, None, None, "computed in forward (each replica's chunk mean)", kwargs=kwargs)
         if target is None:
-            target = _made_up_target(module, made, loss)
-            spec = LossSpec(loss or "mse")
-            return Batch(inputs, target, spec, f"{spec.name} against a fixed random target", kwargs=kwargs)
-        spec = LossSpec(loss or ("cross_entropy" if not target.is_floating_point() else "mse"))
-        return Batch(inputs, target, spec, spec.name, kwargs=kwargs)
+            name = loss or "mse"
+            target = _made_up_target(module, made, None if user_loss is not None else loss, output_key)
+            return Batch(inputs, target, loss_of(name), f"{name}{on} against a fixed random target", kwargs=kwargs)
+        name = loss or ("cross_entropy" if not target.is_floating_point() else "mse")
+        return Batch(inputs, target, loss_of(name), name + on, kwargs=kwargs)
 
     return make
 
 
-def _made_up_target(module: nn.Module, made: RawBatch, loss: str | None) -> torch.Tensor:
+def _loss_input(output: Any, output_key: str | None) -> torch.Tensor:
+    """The tensor a built-in loss is applied to: the ``--output-key`` entry, or the primary
+    output (the tensor, a tuple's first element, a mapping's ``"logits"``).
+
+    Raises:
+        InvalidArgument: no such tensor; the message lists the output's keys and names
+            ``--output-key``.
+    """
+    if output_key is not None:
+        chosen = select_output(output, output_key)
+    elif isinstance(output, Mapping) and "logits" not in output:
+        raise InvalidArgument(
+            f"the forward returned a mapping with keys {list(output)} and no 'logits'; pass --output-key KEY "
+            "to name the output the loss applies to"
+        )
+    else:
+        chosen = primary_output(output)
+    if not isinstance(chosen, torch.Tensor):
+        where = f"--output-key {output_key!r}" if output_key is not None else "the forward's first output"
+        raise InvalidArgument(f"{where} is {_described(chosen)}, not a tensor; pass --output-key KEY naming the tensor the loss applies to")
+    return chosen
+
+
+def _made_up_target(module: nn.Module, made: RawBatch, loss: str | None, output_key: str | None = None) -> torch.Tensor:
     model = copy.deepcopy(module).eval()  # only the output's shape matters
     first = first_batched((made.args, made.kwargs))
     batch = f"{int(first.shape[0])} rows" if first is not None else "a batch"
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         # before any check runs: a forward that fails here is the batch's fault, as in _returns_loss
         output = _call_user("the model's forward", lambda: model(*made.args, **made.kwargs), f"on {batch}, to shape a made-up target")
-        logits = primary_output(output)
+        logits = _loss_input(output, output_key)
     rows = int(logits.shape[0])
     g = torch.Generator().manual_seed(12345)
     if loss in ("cross_entropy", "nll"):

@@ -545,7 +545,7 @@ _UNUSED_HINT = (
     "dpverify: 'Expected to have finished reduction in the prior iteration' means some "
     "parameters got no gradient in the previous step: without find_unused_parameters=True, "
     "DDP waits for them and never reduces their bucket. Pass "
-    "ddp_kwargs={'find_unused_parameters': True}, or make every parameter take part in the loss."
+    "ddp_kwargs={'find_unused_parameters': True} (dpverify check: --ddp-kwargs find_unused_parameters=true), or make every parameter take part in the loss."
 )
 
 
@@ -640,7 +640,8 @@ def _unused_failure(unused: Sequence[str]) -> str:
         "find_unused_parameters=True: it waits for their gradients, so the step's all-reduce "
         "never completes (the ranks' gradients are not averaged), and the next forward raises "
         "'Expected to have finished reduction in the prior iteration before starting a new "
-        "one'. Pass ddp_kwargs={'find_unused_parameters': True} (their .grad then stays None "
+        "one'. Pass ddp_kwargs={'find_unused_parameters': True} (dpverify check: --ddp-kwargs "
+        "find_unused_parameters=true; their .grad then stays None "
         "on every rank, as on one device), or make them take part in the loss, or freeze them "
         "with requires_grad_(False)."
     )
@@ -677,8 +678,8 @@ def _unused_training_error(error: ParallelError, unused_by_step: Sequence[Sequen
         "device their .grad stays None). Without find_unused_parameters=True, "
         "DistributedDataParallel waits for their gradients, never completes that step's "
         "all-reduce, and refuses the next forward. Pass "
-        "ddp_kwargs={'find_unused_parameters': True}, or make every parameter take part in the "
-        "loss, or freeze the unused ones with requires_grad_(False)."
+        "ddp_kwargs={'find_unused_parameters': True} (dpverify check: --ddp-kwargs "
+        "find_unused_parameters=true), or make every parameter take part in the loss, or freeze the unused ones with requires_grad_(False)."
     )
     ranks_text = "\n".join(f"  rank {f.rank} {f.summary}" for f in error.failures)
     body = (
