@@ -132,6 +132,7 @@ def test_noise_stats_smoke_records_tensors_and_correct_code_stays_under_the_allo
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.deep
 def test_check_benchmark_quick_smoke_counts_the_steps_of_both_modes(capsys: pytest.CaptureFixture[str]) -> None:
     import bench_check
 
@@ -154,6 +155,7 @@ def test_check_benchmark_quick_smoke_counts_the_steps_of_both_modes(capsys: pyte
     assert "| parameters | floor (bare steps) | dpverify check | ratio |" in out
 
 
+@pytest.mark.deep
 def test_check_benchmark_floor_counts_what_the_check_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     import bench_check
 

@@ -80,6 +80,7 @@ def test_exit_codes_are_the_documented_ones() -> None:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.deep
 def test_verify_prints_a_verdict_and_exits_zero() -> None:
     result = _run("verify")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -95,6 +96,7 @@ def test_verify_prints_a_verdict_and_exits_zero() -> None:
     assert result.stderr == ""
 
 
+@pytest.mark.deep
 def test_verify_subset_and_unknown_model() -> None:
     ok = _run("verify", "--models", "conv")
     assert ok.returncode == 0
@@ -111,6 +113,7 @@ def test_no_command_prints_help_and_exits_two() -> None:
         assert command in result.stdout
 
 
+@pytest.mark.deep
 def test_the_console_script_is_python_m_dpverify() -> None:
     import os
     from pathlib import Path
@@ -126,6 +129,7 @@ def test_the_console_script_is_python_m_dpverify() -> None:
     assert "--time-budget DURATION" in by_module.stdout
 
 
+@pytest.mark.deep
 def test_verify_a_wrong_wrapper_fails_with_the_reason() -> None:
     result = _run("verify", "--models", "mlp", "--parallel", "dpverify.mutants:AveragingDataParallel")
     assert result.returncode == 1
@@ -134,6 +138,7 @@ def test_verify_a_wrong_wrapper_fails_with_the_reason() -> None:
     assert result.stdout.splitlines()[-1].startswith("FAILED: ")
 
 
+@pytest.mark.deep
 def test_verify_bad_parallel_option() -> None:
     result = _run("verify", "--parallel", "no_such_module:X")
     assert result.returncode == 2
@@ -170,6 +175,7 @@ def test_verify_unusable_parallel_is_a_usage_error(user_code: Path, spec: str, m
         ("Raising", "RuntimeError: the wrapper broke"),
     ],
 )
+@pytest.mark.deep
 def test_a_wrapper_that_leaves_or_raises_fails_its_checks(user_code: Path, wrapper: str, message: str) -> None:
     result = _run("verify", "--models", "mlp", "--parallel", f"user_code:{wrapper}", cwd=user_code)
     assert result.returncode == 1, result.stdout + result.stderr
@@ -198,6 +204,7 @@ def test_a_factory_that_raises_is_a_usage_error_with_its_frames(user_code: Path,
         ("user_code:even_inputs", "--inputs 'user_code:even_inputs' raised ValueError: only even batches, not 5 (called with batch_size=5)"),
     ],
 )
+@pytest.mark.deep
 def test_an_inputs_function_that_raises_is_a_usage_error(user_code: Path, inputs: str, message: str) -> None:
     result = _run("check", "user_code:linear", "--inputs", inputs, "--batch-sizes", "4", "5", "--devices", "2", cwd=user_code)
     assert result.returncode == 2, result.stdout + result.stderr
@@ -216,6 +223,7 @@ def test_a_check_that_checked_nothing_exits_three_with_the_reasons(capsys: pytes
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.deep
 def test_ddp_selftest_subcommand_runs_a_local_pool() -> None:
     result = _run("ddp-selftest", "--world-size", "2")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -223,6 +231,7 @@ def test_ddp_selftest_subcommand_runs_a_local_pool() -> None:
     assert "ddp-selftest" in _run("--help").stdout
 
 
+@pytest.mark.deep
 def test_ddp_selftest_bad_world_size() -> None:
     result = _run("ddp-selftest", "--world-size", "0")
     assert result.returncode == 2
@@ -287,6 +296,7 @@ def test_ddp_selftest_with_one_rank_says_rank(monkeypatch: pytest.MonkeyPatch, c
 
 
 @pytest.mark.parametrize("command", [["verify", "--models", "mlp"], ["explain", "--no-color"]])
+@pytest.mark.deep
 def test_a_reader_that_goes_away_ends_the_command_quietly(command: list[str]) -> None:
     # `dpverify ... | head -1`: print (verify) and rich (explain) both meet a closed pipe.
     process = subprocess.Popen(

@@ -331,6 +331,7 @@ def test_fuzz_uses_the_users_loss(tmp_path: object, monkeypatch: pytest.MonkeyPa
     assert cli_loss_code.CALLS  # the checks called it
 
 
+@pytest.mark.deep
 def test_fuzz_with_a_builtin_loss_name_draws_that_loss(capsys: pytest.CaptureFixture[str]) -> None:
     from hypothesis import find
     from hypothesis.errors import NoSuchExample

@@ -95,6 +95,7 @@ def test_check_unusable_pair_or_dim_is_a_usage_error(args: list[str], message: s
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.deep
 def test_fuzz_catches_a_criterion_that_averages_and_its_repro_runs_the_same_pair(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -116,6 +117,7 @@ def test_fuzz_catches_a_criterion_that_averages_and_its_repro_runs_the_same_pair
     assert "The loss-averaging trap" in ran.stderr
 
 
+@pytest.mark.deep
 def test_fuzz_a_correct_pair_passes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     # mean losses only, and no model that computes its loss in forward (no criterion to wrap):
     # the exact n_i/B combination of per-chunk means is what a pair is held to

@@ -87,6 +87,7 @@ def repo_conftest(pytester: pytest.Pytester) -> pytest.Pytester:
     return pytester
 
 
+@pytest.mark.deep
 def test_the_thread_variable_sets_every_xdist_worker(repo_conftest: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DPVERIFY_TEST_THREADS", "5")
     repo_conftest.makepyfile(THREADS_SEEN)
@@ -112,6 +113,7 @@ def test_a_bad_thread_count_is_a_usage_error_that_says_what_to_give(repo_conftes
     result.stderr.fnmatch_lines([f"*DPVERIFY_TEST_THREADS='{value}': give a positive number of torch threads*"])
 
 
+@pytest.mark.deep
 def test_a_test_that_leaves_process_state_changed_fails(repo_conftest: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("DPVERIFY_TEST_THREADS", "HYPOTHESIS_PROFILE"):
         monkeypatch.delenv(name, raising=False)

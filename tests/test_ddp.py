@@ -528,6 +528,7 @@ def _descendants_code() -> str:
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not LINUX, reason="reads /proc to find every descendant process")
+@pytest.mark.deep
 def test_no_process_outlives_a_pytest_session(tmp_path: Path) -> None:
     record = tmp_path / "pids.json"
     (tmp_path / "test_inner.py").write_text(
@@ -561,6 +562,7 @@ def test_no_process_outlives_a_pytest_session(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not LINUX, reason="reads /proc to find every descendant process")
+@pytest.mark.deep
 def test_ranks_exit_when_their_parent_is_killed(tmp_path: Path) -> None:
     script = tmp_path / "killed_parent.py"
     script.write_text(
@@ -1046,6 +1048,7 @@ def test_a_gradient_off_by_one_in_a_million_still_fails_in_float64(ddp_pools: Ca
 
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(), reason="needs torchrun")
+@pytest.mark.deep
 def test_selftest_under_torchrun_prints_one_verdict() -> None:
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     done = subprocess.run(

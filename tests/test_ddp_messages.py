@@ -221,6 +221,7 @@ def parallel_error(stderr: str) -> str:
 
 
 @pytest.mark.timeout(2 * SCRIPT_TIMEOUT_S)
+@pytest.mark.deep
 def test_a_script_with_the_main_guard_passes(tmp_path: Path) -> None:
     (tmp_path / "guarded.py").write_text(SCRIPT_BODY + 'if __name__ == "__main__":\n    check()\n')
     done, _ = run_python(tmp_path, ["guarded.py"])
@@ -229,6 +230,7 @@ def test_a_script_with_the_main_guard_passes(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(2 * SCRIPT_TIMEOUT_S)
+@pytest.mark.deep
 def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path: Path) -> None:
     (tmp_path / "unguarded.py").write_text(SCRIPT_BODY + "check()\n")
     done, elapsed = run_python(tmp_path, ["unguarded.py"])
@@ -246,6 +248,7 @@ def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path: Path) -> No
 
 @pytest.mark.timeout(2 * SCRIPT_TIMEOUT_S)
 @pytest.mark.parametrize("how", ["stdin", "-c"])
+@pytest.mark.deep
 def test_code_without_a_file_is_told_to_use_an_importable_module(tmp_path: Path, how: str) -> None:
     code = SCRIPT_BODY + 'if __name__ == "__main__":\n    check()\n'
     done, elapsed = run_python(tmp_path, ["-"] if how == "stdin" else ["-c", code], stdin=code if how == "stdin" else None)

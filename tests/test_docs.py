@@ -87,3 +87,18 @@ def test_the_readme_shows_one_figure_of_each_kind_kept_in_docs() -> None:
         png = read_png(ROOT / image)
         assert (png.format, png.width) == ("PNG", 1200), image
         assert png.inked > 0.05, f"{image} is nearly blank"
+
+
+def test_ci_runs_the_readme_s_test_command_then_the_deep_tier() -> None:
+    """CI runs exactly the README's test command, then the end-to-end tier it leaves out;
+    tox does the same, and no test is left out of both."""
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"^python -m pip install -c constraints-cpu\.txt '\.\[test\]' && (python -m pytest .*)$", readme, re.M)
+    assert command is not None, "the Quickstart's test command"
+    assert command.group(1) == 'python -m pytest -n 2 -m "not deep"'
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f"'.[test]' && {command.group(1)}\n" in ci
+    assert ci.index(command.group(1)) < ci.index("python -m pytest -n 2 -m deep\n")
+    tox = (ROOT / "tox.ini").read_text()
+    assert 'python -m pytest -n 2 -m "not deep" {posargs}' in tox
+    assert "python -m pytest -n 2 -m deep {posargs}" in tox

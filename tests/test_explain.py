@@ -180,7 +180,7 @@ def test_json_and_svg(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     [
         (["--output-device", "7"], "--output-device 7 is not one of the devices [0, 1, 2, 3]"),
         (["no_such_module_x:make"], "cannot import 'no_such_module_x'"),
-        (["--model", "mlp", "--inputs", "a:b"], "--inputs and --loss apply to MODULE:FACTORY"),
+        (["--model", "mlp", "--inputs", "a:b"], "--inputs, --loss and --output-key apply to MODULE:FACTORY"),
     ],
 )
 def test_usage_errors(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -296,6 +296,7 @@ def test_one_copy_is_spoken_of_in_the_singular() -> None:
     assert "Devices 1 " not in answer
 
 
+@pytest.mark.deep
 def test_the_measurement_does_not_import_the_prose() -> None:
     """explain measures, explain_answers words it, explain_view shows both: importing the
     measurement alone loads neither of the others."""

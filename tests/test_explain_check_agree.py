@@ -28,6 +28,8 @@ from dpverify.cli.user_model import user_model
 from dpverify.models.user import UserModel, builtin_model
 from dpverify.mutants import AveragingDataParallel
 
+pytestmark = pytest.mark.deep
+
 TESTS = Path(__file__).resolve().parent
 
 #: check's gradient checks, whose verdict question 3 answers

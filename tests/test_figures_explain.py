@@ -280,6 +280,7 @@ except ModuleNotFoundError as error:
 """
 
 
+@pytest.mark.deep
 def test_without_matplotlib_everything_else_works_and_a_figure_says_what_to_install(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(WITHOUT_MATPLOTLIB)], cwd=tmp_path, capture_output=True, text=True, timeout=240, check=False,

@@ -73,6 +73,7 @@ def test_bad_durations_name_the_accepted_forms(text: str) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.deep
 def test_a_passing_session_within_a_time_budget(tmp_path: Path) -> None:
     # seeded: the examples, though not their number within the budget, are the same every run
     result = _dpverify("fuzz", "--time-budget", "3s", "--seed", "0", cwd=tmp_path)
@@ -116,6 +117,7 @@ def test_an_example_that_ran_one_replica_is_not_counted_as_passed(tmp_path: Path
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.deep
 def test_planted_wrapper_fails_shrinks_and_its_repro_fails_the_same_way(tmp_path: Path) -> None:
     (tmp_path / "planted.py").write_text(PLANTED)
     # Unseeded, so that the failure goes to the example database (Hypothesis keeps none for a
@@ -173,6 +175,7 @@ def test_ddp_backend_session_passes(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.deep
 def test_ddp_step_target_fails_with_a_repro(tmp_path: Path) -> None:
     (tmp_path / "steps.py").write_text(PLANTED_STEP)
     result = _dpverify("fuzz", "--backend", "ddp", "--devices", "2", "--target", "steps:halved_step", "--max-examples", "10", "--seed", "0", cwd=tmp_path)
@@ -262,6 +265,7 @@ def test_the_session_runs_registry_checks() -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("check", sorted(FAILING))
+@pytest.mark.deep
 def test_every_check_s_repro_script_raises_what_the_session_saw(check: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     scenario, planted = FAILING[check]
     ddp = check in DDP_CHECKS
@@ -301,6 +305,7 @@ def test_every_check_s_repro_script_raises_what_the_session_saw(check: str, tmp_
     assert passed.stdout.strip() == "passed: the failure does not reproduce"
 
 
+@pytest.mark.deep
 def test_an_eval_mode_failure_is_reproduced_on_the_eval_mode_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     wrapper = _planted(tmp_path, monkeypatch, "EvalAveraging")
     scenario = Scenario(ModelSpec(kind="batchnorm"), batch_size=6, devices=DeviceList((0, 1, 2)))

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
     from dpverify.ddp.pool import DDPWorkerPool
 
+pytestmark = pytest.mark.deep
+
 ROOT = Path(__file__).resolve().parent.parent
 #: Seconds a session may take to show its first examples: importing torch, then starting
 #: the fork server and two ranks. About ten on a loaded 2-core machine.

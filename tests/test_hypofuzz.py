@@ -25,6 +25,8 @@ import conftest
 if TYPE_CHECKING:
     import psutil  # type: ignore[import-untyped]
 
+pytestmark = pytest.mark.deep
+
 ROOT = Path(__file__).resolve().parent.parent
 PROPERTIES = ROOT / "tests" / "test_properties.py"
 #: Seconds ``hypothesis fuzz`` may take to collect the suite and report a fuzzed test; it

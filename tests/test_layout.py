@@ -18,6 +18,8 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = ("core", "models", "checks", "ddp")
 FORBIDDEN = ("rich", "hypothesis", "matplotlib", "dpverify.cli", "dpverify.strategies", "dpverify.mutants")
@@ -233,6 +235,7 @@ print("OK")
 """
 
 
+@pytest.mark.deep
 def test_a_check_runs_without_hypothesis_rich_and_matplotlib() -> None:
     run = subprocess.run(
         [sys.executable, "-c", WITHOUT_HYPOTHESIS_AND_RICH],

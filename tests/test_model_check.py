@@ -217,6 +217,7 @@ GATED = textwrap.dedent(
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.deep
 def test_piped_check_prints_a_line_per_check_as_it_finishes(tmp_path: Path) -> None:
     import queue
     import threading

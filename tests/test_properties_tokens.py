@@ -149,11 +149,13 @@ def test_loss_mean_is_biased_exactly_when_the_replicas_hold_different_numbers_of
 
 
 @given(TOKENS)
+@pytest.mark.deep
 def test_the_token_counts_predict_the_bias_of_loss_mean(scenario: TokenScenario) -> None:
     the_token_counts_predict_the_bias(scenario)
 
 
 @given(TOKENS)
+@pytest.mark.deep
 def test_weighting_each_replica_by_its_share_of_the_tokens_is_the_full_batch(scenario: TokenScenario) -> None:
     weighting_by_tokens_is_exact(scenario)
 

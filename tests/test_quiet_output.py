@@ -19,6 +19,8 @@ from torch import nn
 import dpverify
 from dpverify.core.step import SIZE_MISMATCH_WARNING, quiet_size_warnings
 
+pytestmark = pytest.mark.deep
+
 #: A wrapper that drops its last chunk whatever the split (two devices included), and a
 #: model whose mse loss then sees fewer rows than its target.
 WRAPPER = textwrap.dedent(

@@ -138,6 +138,7 @@ def test_the_explain_excerpt_is_what_explain_prints(tmp_path: Path) -> None:
         at = printed.index(line, at) + 1
 
 
+@pytest.mark.deep
 def test_the_fuzz_session_shown_has_the_labels_a_session_prints(tmp_path: Path) -> None:
     block = _text_block("dpverify fuzz:")
     result = _run("dpverify fuzz --max-examples 12 --seed 0 --no-color", tmp_path)

@@ -111,6 +111,7 @@ def test_a_fuzz_session_catches_a_broken_step_or_schedule_and_writes_its_repro(t
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.deep
 def test_a_fuzz_session_catches_a_broken_plan_and_its_repro_raises_the_same(tmp_path: Path) -> None:
     (tmp_path / "planted.py").write_text(PLANTED)
     command = [sys.executable, "-m", "dpverify", "fuzz", "--backend", "tp", "--devices", "2", "--target", "planted:no_allreduce_plan", "--max-examples", "10", "--seed", "0", "--no-color"]
