@@ -192,6 +192,17 @@ class FunctionsDataParallel(DataParallel):
 # --- bugs that only some models show (``dpverify verify`` must catch each) -------------------
 
 
+class WholeBatch(nn.Module):
+    """Calls the module once on the whole batch, whatever the devices: nothing parallel."""
+
+    def __init__(self, module: nn.Module, device_ids: list[int], output_device: int | None = None) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs: Any) -> Any:
+        return self.module(*inputs)
+
+
 class ZeroedReplicaBuffers(DataParallel):
     """Gives every replica but the first zeroed buffers (a replicate that copies parameters
     only and makes fresh buffers): invisible to a model that reads no buffer in forward."""

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_lookalikes import WholeBatch, ZeroedReplicaBuffers
 from torch import nn
 
 import dpverify
@@ -28,17 +29,6 @@ class _ReadsABuffer(nn.Module):
         return out
 
 
-class _ZeroesCopiesBuffers(nn.DataParallel[Any]):
-    """Zeroes the buffers of every replica but the first (replica 0 keeps the module's)."""
-
-    def replicate(self, module: nn.Module, device_ids: Any) -> Any:
-        replicas = super().replicate(module, device_ids)
-        for replica in replicas[1:]:
-            for sub in replica.modules():
-                for name, buffer in sub._buffers.items():
-                    if buffer is not None:
-                        sub._buffers[name] = torch.zeros_like(buffer)
-        return replicas
 
 
 class _DropsAChunk(nn.DataParallel[Any]):
@@ -58,15 +48,6 @@ class _DropsTheFirstChunk(_DropsAChunk):
     skip = 0
 
 
-class _WholeBatch(nn.Module):
-    """Calls the module once on the whole batch."""
-
-    def __init__(self, module: nn.Module, device_ids: list[int], output_device: int | None = None) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *inputs: Any) -> Any:
-        return self.module(*inputs)
 
 
 class _GathersThroughFloat32(nn.DataParallel[Any]):
@@ -106,7 +87,7 @@ def _message(module: nn.Module, rows: int, devices: int, parallel: Any, **option
 def test_a_buffer_lost_on_the_copies_names_their_rows_and_replicas(explicit: bool) -> None:
     torch.manual_seed(0)
     options = {"rtol": 1e-5, "atol": 1e-6} if explicit else {}
-    message = _message(_ReadsABuffer(), 5, 3, _ZeroesCopiesBuffers, **options)
+    message = _message(_ReadsABuffer(), 5, 3, ZeroedReplicaBuffers, **options)
     # chunks [2, 2, 1]: replicas 1 and 2 hold rows 2-4, replica 0 rows 0-1
     assert "output: rows 2-4 of 5 differ: the chunks of replicas 1-2 (rows 2-4), while replica 0's rows 0-1 match" in message
     assert "chunks of [2, 2, 1] rows" in message
@@ -129,7 +110,7 @@ def test_rows_are_named_along_the_split_dimension() -> None:
 
     with pytest.raises(dpverify.ParallelMismatch) as caught:
         dpverify.assert_dp_grads_match(
-            Transposed(), x.t().contiguous(), y.t().contiguous(), loss_fn=F.mse_loss, device_ids=[0, 1], parallel=_ZeroesCopiesBuffers, dim=1,
+            Transposed(), x.t().contiguous(), y.t().contiguous(), loss_fn=F.mse_loss, device_ids=[0, 1], parallel=ZeroedReplicaBuffers, dim=1,
         )
     assert "output: rows 3-5 of 6 differ: the chunk of replica 1 (rows 3-5), while replica 0's rows 0-2 match" in str(caught.value)
 
@@ -174,7 +155,7 @@ def test_a_dropped_chunk_among_several_replicas_is_named() -> None:
 
 def test_a_wrapper_that_runs_the_whole_batch_once_is_named_so() -> None:
     torch.manual_seed(0)
-    message = _message(nn.Linear(4, 3), 2, 2, _WholeBatch)
+    message = _message(nn.Linear(4, 3), 2, 2, WholeBatch)
     assert "A wrapper that calls the module on the whole batch" in message
     assert "never ran" not in message
 
@@ -197,7 +178,7 @@ def test_a_float64_step_with_a_large_error_gets_no_float32_hint() -> None:
 
 def test_a_float32_step_gets_no_float32_hint() -> None:
     torch.manual_seed(0)
-    assert "float32's rounding" not in _message(_ReadsABuffer(), 5, 3, _ZeroesCopiesBuffers)
+    assert "float32's rounding" not in _message(_ReadsABuffer(), 5, 3, ZeroedReplicaBuffers)
 
 
 def test_the_float32_band_is_relative_to_each_tensors_largest_entry() -> None:

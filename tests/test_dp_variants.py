@@ -10,7 +10,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from dp_lookalikes import BalancedDataParallel, DeviceLoopDataParallel, FunctionsDataParallel
+from dp_lookalikes import (
+    BalancedDataParallel,
+    DeviceLoopDataParallel,
+    FunctionsDataParallel,
+    WholeBatch,
+)
 from torch import nn
 
 import dpverify
@@ -67,15 +72,6 @@ def test_a_subclass_with_a_broken_gather_fails() -> None:
     assert any(name.startswith("output") for name in failing), failing  # the halved outputs
 
 
-class _WholeBatch(nn.Module):
-    """Calls the module once on the whole batch, whatever the devices: nothing parallel."""
-
-    def __init__(self, module: nn.Module, device_ids: list[int], output_device: int | None = None) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *inputs: Any) -> Any:
-        return self.module(*inputs)
 
 
 @pytest.mark.parametrize("helper", ["grads", "grad-sum"])
@@ -83,9 +79,9 @@ def test_a_step_that_ran_no_replicas_is_never_a_pass(helper: str) -> None:
     x, y = _batch()
     run = dpverify.assert_dp_grads_match if helper == "grads" else dpverify.assert_grad_sum_equals_mean_loss_grad
     with pytest.raises(dpverify.ParallelMismatch, match=r"ran one forward of the module where the split calls for 3 replicas \(chunks \[2, 2, 1\]\)"):
-        run(nn.Linear(4, 3), x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2], parallel=_WholeBatch)
+        run(nn.Linear(4, 3), x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2], parallel=WholeBatch)
     # on one device there is nothing to run in parallel: the same wrapper is right there
-    run(nn.Linear(4, 3), x, y, loss_fn=F.mse_loss, device_ids=[0], parallel=_WholeBatch)
+    run(nn.Linear(4, 3), x, y, loss_fn=F.mse_loss, device_ids=[0], parallel=WholeBatch)
 
 
 @pytest.mark.parametrize(
