@@ -482,6 +482,20 @@ def own_fully_shard_once_step(ctx: FSDPContext) -> Any:
     return output
 
 
+def float32_output_step(ctx: FSDPContext) -> Any:
+    """Policies per module, as torch allows: the children compute in bfloat16, and the root
+    too but returns float32 outputs (``output_dtype``, for a float32 loss)."""
+    if not isinstance(ctx.module, FSDPModule):
+        mesh = init_device_mesh("cpu", (ctx.world_size,))
+        for name in ctx.shard_modules[:-1]:
+            fully_shard(ctx.module.get_submodule(name), mesh=mesh, mp_policy=MIXED)
+        fully_shard(ctx.module, mesh=mesh, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32, output_dtype=torch.float32))
+    output = ctx.module(*ctx.inputs, **ctx.kwargs)
+    assert output.dtype == torch.float32
+    ctx.loss_fn(output, ctx.target).backward()
+    return output
+
+
 def bfloat16_reduce_step(ctx: FSDPContext) -> Any:
     """No reduce_dtype: torch reduce-scatters the gradients in param_dtype."""
     model = ctx.fsdp(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
@@ -504,7 +518,8 @@ TRAINING_BATCHES = [batch(6, seed=s) for s in range(3)]
 
 @pytest.mark.parametrize("optimizer", [SGD, ADAM], ids=["sgd-momentum", "adam"])
 @pytest.mark.parametrize(
-    "step", [mixed_precision_step, own_fully_shard_once_step, bfloat16_reduce_step], ids=["ctx-fsdp-keywords", "own-fully-shard", "bf16-reduce"],
+    "step", [mixed_precision_step, own_fully_shard_once_step, bfloat16_reduce_step, float32_output_step],
+    ids=["ctx-fsdp-keywords", "own-fully-shard", "bf16-reduce", "fp32-output"],
 )
 def test_a_correct_mixed_precision_training_passes_whoever_sharded(
     ddp_pool: DDPWorkerPool, step: Callable[[FSDPContext], Any], optimizer: Callable[..., Any],
@@ -587,3 +602,17 @@ def test_the_registry_accepts_a_mixed_precision_step_and_fails_a_halved_one(name
     assert passed.verdict is Verdict.PASS, passed.detail
     failed = CHECKS[name].run(case, Target(step=halved_mixed_precision_step, pool=ddp_pool))
     assert failed.verdict is Verdict.FAIL, failed.detail
+
+
+
+def test_a_tiny_gpt2_trains_under_mixed_precision(ddp_pool: DDPWorkerPool) -> None:
+    # tied embeddings held by the root's group, keyword inputs (integer ids: FSDP2 casts
+    # only floating-point inputs), Adam
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    batches = [((), {"input_ids": ids}, ids) for ids in (torch.randint(1, 64, (4, 8)), torch.randint(1, 64, (4, 8)))]
+    result = assert_fsdp_training_matches(model, batches, loss_fn=_gpt2_loss, optimizer=ADAM, world_size=2, step=mixed_precision_step, pool=ddp_pool)
+    assert any(note.startswith("Mixed precision: FSDP2 ran forward and backward in bfloat16") for note in result.notes)
