@@ -482,6 +482,14 @@ def own_fully_shard_once_step(ctx: FSDPContext) -> Any:
     return output
 
 
+def bfloat16_reduction_only_step(ctx: FSDPContext) -> Any:
+    """float32 compute, gradients reduce-scattered in bfloat16."""
+    model = ctx.fsdp(mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
+    output = model(*ctx.inputs, **ctx.kwargs)
+    ctx.loss_fn(output, ctx.target).backward()
+    return output
+
+
 def float32_output_step(ctx: FSDPContext) -> Any:
     """Policies per module, as torch allows: the children compute in bfloat16, and the root
     too but returns float32 outputs (``output_dtype``, for a float32 loss)."""
@@ -518,8 +526,8 @@ TRAINING_BATCHES = [batch(6, seed=s) for s in range(3)]
 
 @pytest.mark.parametrize("optimizer", [SGD, ADAM], ids=["sgd-momentum", "adam"])
 @pytest.mark.parametrize(
-    "step", [mixed_precision_step, own_fully_shard_once_step, bfloat16_reduce_step, float32_output_step],
-    ids=["ctx-fsdp-keywords", "own-fully-shard", "bf16-reduce", "fp32-output"],
+    "step", [mixed_precision_step, own_fully_shard_once_step, bfloat16_reduce_step, float32_output_step, bfloat16_reduction_only_step],
+    ids=["ctx-fsdp-keywords", "own-fully-shard", "bf16-reduce", "fp32-output", "bf16-reduction-only"],
 )
 def test_a_correct_mixed_precision_training_passes_whoever_sharded(
     ddp_pool: DDPWorkerPool, step: Callable[[FSDPContext], Any], optimizer: Callable[..., Any],
@@ -528,7 +536,7 @@ def test_a_correct_mixed_precision_training_passes_whoever_sharded(
     # each step judged twice: the gradients it stepped with, and the parameters after it
     assert len(result.tensors) == 2 * (4 + 4)
     assert {t.name.split(" ")[4] for t in result.tensors} == {"grad", "param"}
-    note = next(n for n in result.notes if n.startswith("Mixed precision: FSDP2 ran forward and backward in bfloat16"))
+    note = next(n for n in result.notes if n.startswith("Mixed precision: FSDP2 ran forward and backward in "))
     # torch's semantics, as the ranks saw them: fp32 sharded parameters, gradients and updates
     assert "the sharded parameters stayed float32 (their gradients float32)" in note
     assert any(note.startswith("Optimizer state sharded") for note in result.notes)
@@ -616,3 +624,11 @@ def test_a_tiny_gpt2_trains_under_mixed_precision(ddp_pool: DDPWorkerPool) -> No
     batches = [((), {"input_ids": ids}, ids) for ids in (torch.randint(1, 64, (4, 8)), torch.randint(1, 64, (4, 8)))]
     result = assert_fsdp_training_matches(model, batches, loss_fn=_gpt2_loss, optimizer=ADAM, world_size=2, step=mixed_precision_step, pool=ddp_pool)
     assert any(note.startswith("Mixed precision: FSDP2 ran forward and backward in bfloat16") for note in result.notes)
+
+
+def test_explicit_tolerances_compare_mixed_precision_training_with_full_precision_and_say_so(ddp_pool: DDPWorkerPool) -> None:
+    result = assert_fsdp_training_matches(
+        mlp(), TRAINING_BATCHES, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, step=mixed_precision_step, pool=ddp_pool, rtol=0.05, atol=0.05,
+    )
+    assert all(" param " in t.name for t in result.tensors)
+    assert any(note.startswith("Mixed precision (MixedPrecisionPolicy): with explicit rtol and atol") for note in result.notes)

@@ -565,6 +565,7 @@ class _MixedReference:
         self.model = copy.deepcopy(module)
         self.loss_fn = loss_fn
         self.dtypes = {name: compute for name, compute, _reduce in precision.params}
+        self.reduce = {name: reduce for name, _compute, reduce in precision.params}
         for qualified, inputs_dtype, output_dtype in precision.modules:
             sub = self.model.get_submodule(qualified)
             if inputs_dtype is not None:
@@ -575,7 +576,8 @@ class _MixedReference:
                 sub.register_forward_hook(lambda _m, _args, output, cast=cast_output: cast(output))
 
     def grads(self, params: Mapping[str, torch.Tensor], batch: tuple[tuple[Any, ...], Mapping[str, Any], Any]) -> dict[str, torch.Tensor | None]:
-        """The gradients, in each parameter's compute dtype, of the full batch at ``params``."""
+        """The gradients of the full batch at ``params``, each in the coarser of its compute
+        dtype and its reduction's (its rounding is what a correct step may carry)."""
         inputs, kwargs, target = batch
         compute = {
             name: p.detach().to(self.dtypes.get(name) or p.dtype).requires_grad_(p.requires_grad) for name, p in params.items()
@@ -587,7 +589,15 @@ class _MixedReference:
                 self.model, compute, convert_tensors(inputs, None, cpu), convert_tensors(dict(kwargs), None, cpu),
             )
             self.loss_fn(output, convert_tensors(target, None, cpu)).backward()
-        return {name: tensor.grad for name, tensor in compute.items()}
+        return {name: _coarser(tensor.grad, self.reduce.get(name)) for name, tensor in compute.items()}
+
+
+def _coarser(grad: torch.Tensor | None, reduce: torch.dtype | None) -> torch.Tensor | None:
+    """``grad`` rounded to ``reduce`` when that dtype is the coarser (a float32 gradient
+    reduce-scattered in bfloat16), else as it is."""
+    if grad is None or reduce is None or torch.finfo(reduce).eps <= torch.finfo(grad.dtype).eps:
+        return grad
+    return grad.to(reduce)
 
 
 def _float64_grads(
@@ -705,7 +715,7 @@ def _mixed_precision_note(precision: Precision, ranks: Sequence[FSDPRankTraining
 
 def assert_fsdp_training_matches(
     module: nn.Module,
-    batches: Sequence[tuple[Any, Any]],
+    batches: Sequence[tuple[Any, ...]],
     *,
     loss_fn: LossFn,
     optimizer: OptimizerFactory,
@@ -799,7 +809,8 @@ def assert_fsdp_training_matches(
             )
         raise
     precision, mixed_failures = _training_precision(ranks)
-    if precision.mixed and not check.tolerance.explicit:
+    stepwise = precision.mixed and not check.tolerance.explicit
+    if stepwise:
         rows, failing_step = _mixed_training_rows(check, pairs, optimizer, precision, ranks)
     else:
         expected, _unused = _train_single_device(module, pairs, loss_fn, optimizer, None)
@@ -812,8 +823,13 @@ def assert_fsdp_training_matches(
     state_failures, state_notes = _state_findings(check.world_size, ranks)
     failures += state_failures + mixed_failures
     notes += evidence + state_notes
-    if precision.mixed:
+    if stepwise:
         notes.append(_mixed_precision_note(precision, ranks))
+    elif precision.mixed:
+        notes.append(
+            "Mixed precision (MixedPrecisionPolicy): with explicit rtol and atol the parameters were compared with "
+            "full-precision training, within those tolerances."
+        )
     if not all(row.ok for row in rows) and check.loss_reduction(counted[0]) == "sum":
         notes.append(_sum_loss_note(check.world_size))
     outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures)
