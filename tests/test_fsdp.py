@@ -536,9 +536,11 @@ def test_a_correct_mixed_precision_training_passes_whoever_sharded(
     # each step judged twice: the gradients it stepped with, and the parameters after it
     assert len(result.tensors) == 2 * (4 + 4)
     assert {t.name.split(" ")[4] for t in result.tensors} == {"grad", "param"}
-    note = next(n for n in result.notes if n.startswith("Mixed precision: FSDP2 ran forward and backward in "))
+    note = next(n for n in result.notes if n.startswith("Mixed precision (MixedPrecisionPolicy): FSDP2 ran forward and backward in "))
     # torch's semantics, as the ranks saw them: fp32 sharded parameters, gradients and updates
     assert "the sharded parameters stayed float32 (their gradients float32)" in note
+    # the gradients are judged at the coarsest rounding the policy applied, the parameters at float32's
+    assert "bfloat16's tolerance), the parameters against the optimizer stepping them in float32" in note
     assert any(note.startswith("Optimizer state sharded") for note in result.notes)
 
 
@@ -623,7 +625,7 @@ def test_a_tiny_gpt2_trains_under_mixed_precision(ddp_pool: DDPWorkerPool) -> No
     model = transformers.GPT2LMHeadModel(config).eval()
     batches = [((), {"input_ids": ids}, ids) for ids in (torch.randint(1, 64, (4, 8)), torch.randint(1, 64, (4, 8)))]
     result = assert_fsdp_training_matches(model, batches, loss_fn=_gpt2_loss, optimizer=ADAM, world_size=2, step=mixed_precision_step, pool=ddp_pool)
-    assert any(note.startswith("Mixed precision: FSDP2 ran forward and backward in bfloat16") for note in result.notes)
+    assert any(note.startswith("Mixed precision (MixedPrecisionPolicy): FSDP2 ran forward and backward in bfloat16") for note in result.notes)
 
 
 def test_explicit_tolerances_compare_mixed_precision_training_with_full_precision_and_say_so(ddp_pool: DDPWorkerPool) -> None:

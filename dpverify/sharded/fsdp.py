@@ -693,22 +693,25 @@ def _training_precision(ranks: Sequence[FSDPRankTraining]) -> tuple[Precision, l
 
 
 def _mixed_precision_note(precision: Precision, ranks: Sequence[FSDPRankTraining]) -> str:
-    def shown(dtypes: Sequence[torch.dtype | None]) -> str:
-        names = sorted({str(d).removeprefix("torch.") for d in dtypes if d is not None})
-        return "/".join(names) if names else "their own dtype"
-
-    compute = shown([p for _n, p, _r in precision.params])
-    reduce = shown([r if r is not None else p for _n, p, r in precision.params])
     kept = "/".join(sorted({d.removeprefix("torch.") for rank in ranks for d in rank.param_dtypes}))
     grads = "/".join(sorted({d.removeprefix("torch.") for rank in ranks for d in rank.grad_dtypes})) or kept
+
+    def shown(dtypes: Sequence[torch.dtype | None]) -> str:
+        return "/".join(sorted({str(d).removeprefix("torch.") for d in dtypes if d is not None})) or kept
+
+    computed = [p for _n, p, _r in precision.params]
+    reduced = [r if r is not None else p for _n, p, r in precision.params]
+    compute, reduce = shown(computed), shown(reduced)
+    coarsest = max((d for d in computed + reduced if d is not None), key=lambda d: torch.finfo(d).eps, default=None)
+    judged = shown([coarsest])
     cast = kept if reduce in (kept, compute) else f"{reduce} then to {kept}"
     return (
-        f"Mixed precision: FSDP2 ran forward and backward in {compute} (MixedPrecisionPolicy param_dtype) and reduced "
-        f"the gradients in {reduce}, while the sharded parameters stayed {kept} (their gradients {grads}) and the "
+        f"Mixed precision (MixedPrecisionPolicy): FSDP2 ran forward and backward in {compute} and reduced the "
+        f"gradients in {reduce}, while the sharded parameters stayed {kept} (their gradients {grads}) and the "
         f"optimizer stepped them in {kept}. The single-device reference trained the same way ({kept} master "
         f"parameters, each step's forward and backward on a {compute} copy, gradients cast to {cast}), and each "
         f"step was judged where its rounding happens: the gradients against that reference at the same parameters "
-        f"(anchored in float64; {compute}'s tolerance), the parameters against the optimizer stepping them in "
+        f"(anchored in float64; {judged}'s tolerance), the parameters against the optimizer stepping them in "
         f"{kept} with those gradients (anchored in float64; {kept}'s tolerance)."
     )
 
