@@ -634,3 +634,10 @@ def test_explicit_tolerances_compare_mixed_precision_training_with_full_precisio
     )
     assert all(" param " in t.name for t in result.tensors)
     assert any(note.startswith("Mixed precision (MixedPrecisionPolicy): with explicit rtol and atol") for note in result.notes)
+
+
+def test_a_float64_module_trains_under_bfloat16_compute_and_keeps_float64_parameters(ddp_pool: DDPWorkerPool) -> None:
+    batches = [batch(6, seed=s, dtype=torch.float64) for s in range(3)]
+    result = assert_fsdp_training_matches(mlp(dtype=torch.float64), batches, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, step=mixed_precision_step, pool=ddp_pool)
+    note = next(n for n in result.notes if n.startswith("Mixed precision (MixedPrecisionPolicy)"))
+    assert "the sharded parameters stayed float64 (their gradients float64)" in note

@@ -642,7 +642,8 @@ def _mixed_training_rows(
     mixed = _MixedReference(check.module, check.loss_fn, precision)
     model64 = copy.deepcopy(check.module).to(torch.float64)
     master = {name: p.detach().clone().requires_grad_(p.requires_grad) for name, p in check.module.named_parameters()}
-    master64 = {name: p.detach().to(torch.float64).requires_grad_(p.requires_grad) for name, p in master.items()}
+    # a copy even of a float64 module's: each optimizer steps its own parameters
+    master64 = {name: p.detach().to(torch.float64, copy=True).requires_grad_(p.requires_grad) for name, p in master.items()}
     opt, opt64 = optimizer(list(master.values())), optimizer(list(master64.values()))
     rows: list[TensorComparison] = []
     for index, batch in enumerate(pairs):
