@@ -321,6 +321,20 @@ def test_optimizer_state_kept_whole_is_a_failure() -> None:
     assert "Rank 1's optimizer state ['0.weight.exp_avg'] is not sharded" in failures[0]
 
 
+def test_optimizer_state_of_one_row_parameters_is_judged_across_ranks() -> None:
+    # Linear(4, 1): rank 0 stores each state tensor's one row whole, rank 1 stores none of
+    # it; the state is sharded all the same (found by a mixed-precision sweep of fsdp-training)
+    stored = FSDPRankTraining((), {}, (), True, (), (Held("weight.momentum_buffer", True, 4, 4, "(Shard(dim=0),)"),))
+    empty = FSDPRankTraining((), {}, (), True, (), (Held("weight.momentum_buffer", True, 0, 4, "(Shard(dim=0),)"),))
+    assert state_findings(2, [stored, empty])[0] == []
+    failures, _notes = state_findings(2, [stored, stored])
+    assert failures == [
+        "Every rank stored its optimizer state whole (no DTensor shard smaller than the tensor): the optimizer "
+        "was not built over FSDP2's sharded parameters."
+    ]
+
+
+
 def test_adam_hides_undivided_gradients_that_the_gradient_check_catches(ddp_pool: DDPWorkerPool) -> None:
     # Adam's update m / sqrt(v) is invariant to a uniform gradient factor (up to eps): twice
     # the gradients train the same parameters, so only the gradient check sees the bug.
@@ -641,3 +655,13 @@ def test_a_float64_module_trains_under_bfloat16_compute_and_keeps_float64_parame
     result = assert_fsdp_training_matches(mlp(dtype=torch.float64), batches, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, step=mixed_precision_step, pool=ddp_pool)
     note = next(n for n in result.notes if n.startswith("Mixed precision (MixedPrecisionPolicy)"))
     assert "the sharded parameters stayed float64 (their gradients float64)" in note
+
+
+@pytest.mark.parametrize("step", [None, mixed_precision_step], ids=["fsdp_step", "mixed-precision"])
+def test_training_a_model_of_one_row_parameters_passes(ddp_pool: DDPWorkerPool, step: Callable[[FSDPContext], Any] | None) -> None:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        tiny = nn.Linear(4, 1)
+    batches = [(torch.randn(4, 4, generator=torch.Generator().manual_seed(s)), torch.randn(4, 1, generator=torch.Generator().manual_seed(s + 9))) for s in range(2)]
+    result = assert_fsdp_training_matches(tiny, batches, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, step=step, pool=ddp_pool)
+    assert any(note.startswith("Optimizer state sharded") for note in result.notes)

@@ -523,20 +523,27 @@ def assert_fsdp_grads_match(
 
 
 def _state_findings(world: int, ranks: Sequence[FSDPRankTraining]) -> tuple[list[str], list[str]]:
-    """(failures, notes) on the optimizer state: with more than one rank, a state tensor
-    kept whole on some rank means the optimizer was not built over the sharded parameters."""
+    """(failures, notes) on the optimizer state: a plain state tensor on some rank, or, with
+    more than one rank, state that every rank stored whole, means the optimizer was not
+    built over the sharded parameters. Judged across ranks, as the parameters are
+    (``_sharding_findings``): the state of a parameter of one row is stored whole by one
+    rank and not at all by the others, so a rank may hold nothing in part."""
     states = ranks[0].state
     if not states:
         return [], ["The optimizer keeps no per-parameter state tensor (nothing to shard)."]
     failures = []
     for r, rank in enumerate(ranks):
         whole = [h.name for h in rank.state if not h.dtensor]
-        if whole or (world > 1 and not any(h.sharded for h in rank.state)):
+        if whole:
             failures.append(
-                f"Rank {r}'s optimizer state {whole or [h.name for h in rank.state]} is not sharded "
-                "(plain tensors, or DTensors stored whole): the optimizer was not built over FSDP2's "
-                "sharded parameters."
+                f"Rank {r}'s optimizer state {whole} is not sharded (plain tensors): the optimizer was not "
+                "built over FSDP2's sharded parameters."
             )
+    if not failures and world > 1 and not any(h.sharded for rank in ranks for h in rank.state):
+        failures.append(
+            "Every rank stored its optimizer state whole (no DTensor shard smaller than the tensor): the optimizer "
+            "was not built over FSDP2's sharded parameters."
+        )
     if failures:
         return failures, []
     local, full = sum(h.local for h in states), sum(h.numel for h in states)
