@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
-from dpverify.ddp.pool import DDPWorkerPool
+from dpverify.ddp.pool import DDPWorkerPool, ParallelError
 from dpverify.sharded.fsdp import (
     FSDPContext,
     assert_fsdp_grads_match,
@@ -28,7 +28,7 @@ from dpverify.sharded.fsdp import (
     weighted_fsdp_step,
 )
 from dpverify.sharded.fsdp import _state_findings as state_findings
-from dpverify.sharded.fsdp_rank import FSDPRankTraining, Held, shard_order
+from dpverify.sharded.fsdp_rank import FSDPRankTraining, Held, Precision, shard_order
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 PLAIN_SGD = functools.partial(torch.optim.SGD, lr=0.1)
@@ -321,6 +321,20 @@ def test_optimizer_state_kept_whole_is_a_failure() -> None:
     assert "Rank 1's optimizer state ['0.weight.exp_avg'] is not sharded" in failures[0]
 
 
+def test_optimizer_state_of_one_row_parameters_is_judged_across_ranks() -> None:
+    # Linear(4, 1): rank 0 stores each state tensor's one row whole, rank 1 stores none of
+    # it; the state is sharded all the same (found by a mixed-precision sweep of fsdp-training)
+    stored = FSDPRankTraining((), {}, (), True, (), (Held("weight.momentum_buffer", True, 4, 4, "(Shard(dim=0),)"),))
+    empty = FSDPRankTraining((), {}, (), True, (), (Held("weight.momentum_buffer", True, 0, 4, "(Shard(dim=0),)"),))
+    assert state_findings(2, [stored, empty])[0] == []
+    failures, _notes = state_findings(2, [stored, stored])
+    assert failures == [
+        "Every rank stored its optimizer state whole (no DTensor shard smaller than the tensor): the optimizer "
+        "was not built over FSDP2's sharded parameters."
+    ]
+
+
+
 def test_adam_hides_undivided_gradients_that_the_gradient_check_catches(ddp_pool: DDPWorkerPool) -> None:
     # Adam's update m / sqrt(v) is invariant to a uniform gradient factor (up to eps): twice
     # the gradients train the same parameters, so only the gradient check sees the bug.
@@ -466,3 +480,188 @@ def test_mixed_precision_still_fails_a_wrong_step(ddp_pool: DDPWorkerPool) -> No
     failing = [t.name for t in caught.value.report.tensors if not t.ok]  # type: ignore[attr-defined]
     # half the gradient is beyond bfloat16's rounding: the reference's precision is no free pass
     assert any(name.startswith("rank 0 grad") for name in failing), failing
+
+
+# --- training under a mixed-precision policy ----------------------------------------------
+
+
+def own_fully_shard_once_step(ctx: FSDPContext) -> Any:
+    """Shards with ``fully_shard`` itself, under mixed precision, in its first call only (it
+    runs once per optimizer step on the same module)."""
+    if not isinstance(ctx.module, FSDPModule):
+        for name in ctx.shard_modules:
+            fully_shard(ctx.module.get_submodule(name), mesh=init_device_mesh("cpu", (ctx.world_size,)), mp_policy=MIXED)
+    output = ctx.module(*ctx.inputs, **ctx.kwargs)
+    ctx.loss_fn(output, ctx.target).backward()
+    return output
+
+
+def bfloat16_reduction_only_step(ctx: FSDPContext) -> Any:
+    """float32 compute, gradients reduce-scattered in bfloat16."""
+    model = ctx.fsdp(mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
+    output = model(*ctx.inputs, **ctx.kwargs)
+    ctx.loss_fn(output, ctx.target).backward()
+    return output
+
+
+def float32_output_step(ctx: FSDPContext) -> Any:
+    """Policies per module, as torch allows: the children compute in bfloat16, and the root
+    too but returns float32 outputs (``output_dtype``, for a float32 loss)."""
+    if not isinstance(ctx.module, FSDPModule):
+        mesh = init_device_mesh("cpu", (ctx.world_size,))
+        for name in ctx.shard_modules[:-1]:
+            fully_shard(ctx.module.get_submodule(name), mesh=mesh, mp_policy=MIXED)
+        fully_shard(ctx.module, mesh=mesh, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32, output_dtype=torch.float32))
+    output = ctx.module(*ctx.inputs, **ctx.kwargs)
+    assert output.dtype == torch.float32
+    ctx.loss_fn(output, ctx.target).backward()
+    return output
+
+
+def bfloat16_reduce_step(ctx: FSDPContext) -> Any:
+    """No reduce_dtype: torch reduce-scatters the gradients in param_dtype."""
+    model = ctx.fsdp(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    output = model(*ctx.inputs, **ctx.kwargs)
+    ctx.loss_fn(output, ctx.target).backward()
+    return output
+
+
+def rank_1_skips_its_update_step(ctx: FSDPContext) -> Any:
+    """DELIBERATELY BROKEN: rank 1 drops its gradients, so its optimizer skips its shard."""
+    output = mixed_precision_step(ctx)
+    if ctx.rank == 1:
+        for param in ctx.module.parameters():
+            param.grad = None
+    return output
+
+
+TRAINING_BATCHES = [batch(6, seed=s) for s in range(3)]
+
+
+@pytest.mark.parametrize("optimizer", [SGD, ADAM], ids=["sgd-momentum", "adam"])
+@pytest.mark.parametrize(
+    "step", [mixed_precision_step, own_fully_shard_once_step, bfloat16_reduce_step, float32_output_step, bfloat16_reduction_only_step],
+    ids=["ctx-fsdp-keywords", "own-fully-shard", "bf16-reduce", "fp32-output", "bf16-reduction-only"],
+)
+def test_a_correct_mixed_precision_training_passes_whoever_sharded(
+    ddp_pool: DDPWorkerPool, step: Callable[[FSDPContext], Any], optimizer: Callable[..., Any],
+) -> None:
+    result = assert_fsdp_training_matches(mlp(), TRAINING_BATCHES, loss_fn=F.mse_loss, optimizer=optimizer, world_size=2, step=step, pool=ddp_pool)
+    # each step judged twice: the gradients it stepped with, and the parameters after it
+    assert len(result.tensors) == 2 * (4 + 4)
+    assert {t.name.split(" ")[4] for t in result.tensors} == {"grad", "param"}
+    note = next(n for n in result.notes if n.startswith("Mixed precision (MixedPrecisionPolicy): FSDP2 ran forward and backward in "))
+    # torch's semantics, as the ranks saw them: fp32 sharded parameters, gradients and updates
+    assert "the sharded parameters stayed float32 (their gradients float32)" in note
+    # the gradients are judged at the coarsest rounding the policy applied, the parameters at float32's
+    assert "bfloat16's tolerance), the parameters against the optimizer stepping them in float32" in note
+    assert any(note.startswith("Optimizer state sharded") for note in result.notes)
+
+
+def test_mixed_precision_training_is_judged_within_the_policys_rounding_of_the_gradients(ddp_pool: DDPWorkerPool) -> None:
+    result = assert_fsdp_training_matches(mlp(), TRAINING_BATCHES, loss_fn=F.mse_loss, optimizer=PLAIN_SGD, world_size=2, step=mixed_precision_step, pool=ddp_pool)
+    grads = [t for t in result.tensors if " grad " in t.name]
+    params = [t for t in result.tensors if " param " in t.name]
+    # the parameters are stepped in float32 from the same gradients: their allowance is
+    # float32 rounding, far below a bfloat16 unit of the parameters' size
+    assert all(t.allowed < 2.0**-12 for t in params), [(t.name, t.allowed) for t in params]
+    assert all(t.allowed > 0 for t in grads)
+
+
+@pytest.mark.parametrize("optimizer", [PLAIN_SGD, ADAM], ids=["sgd", "adam"])
+def test_mixed_precision_training_fails_a_halved_loss(ddp_pool: DDPWorkerPool, optimizer: Callable[..., Any]) -> None:
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_fsdp_training_matches(mlp(), TRAINING_BATCHES, loss_fn=F.mse_loss, optimizer=optimizer, world_size=2, step=halved_mixed_precision_step, pool=ddp_pool)
+    failing = [t.name for t in caught.value.report.tensors if not t.ok]  # type: ignore[attr-defined]
+    # half the gradient is beyond bfloat16's rounding, even where Adam would hide it in the parameters
+    assert any(name.startswith("rank 0 step 1 grad") for name in failing), failing
+
+
+def test_mixed_precision_training_fails_a_rank_that_skips_its_update(ddp_pool: DDPWorkerPool) -> None:
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_fsdp_training_matches(mlp(), TRAINING_BATCHES, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, step=rank_1_skips_its_update_step, pool=ddp_pool)
+    failing = [t.name for t in caught.value.report.tensors if not t.ok]  # type: ignore[attr-defined]
+    assert any(name.startswith("rank 1 step 1") for name in failing), failing
+
+
+def test_full_precision_training_is_no_fair_reference_for_a_mixed_precision_run(ddp_pool: DDPWorkerPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dpverify.sharded import fsdp
+
+    # the wrong policy's reference: judged as if the ranks had trained in float32, the
+    # correct bfloat16 run fails (what the check did before it read the policy)
+    monkeypatch.setattr(fsdp, "_training_precision", lambda ranks: (Precision(), []))
+    with pytest.raises(ParallelMismatch, match="step 1 param"):
+        assert_fsdp_training_matches(mlp(), TRAINING_BATCHES, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, step=mixed_precision_step, pool=ddp_pool)
+
+
+def test_ranks_that_applied_different_policies_are_a_failure() -> None:
+    from dpverify.sharded.fsdp import _training_precision as training_precision
+
+    bf16 = Precision((("0.weight", torch.bfloat16, None),), (("", torch.bfloat16, None),))
+    fp16 = Precision((("0.weight", torch.float16, None),), (("", torch.float16, None),))
+    same = FSDPRankTraining((), {}, (), True, precision=bf16)
+    other = FSDPRankTraining((), {}, (), True, precision=fp16)
+    assert training_precision([same, same]) == (bf16, [])
+    found, failures = training_precision([same, other])
+    assert found == bf16
+    assert len(failures) == 1
+    assert failures[0].startswith("Ranks [1] applied another mixed precision than rank 0")
+
+
+def test_a_step_that_applies_fully_shard_in_every_step_is_told_to_shard_once(ddp_pool: DDPWorkerPool) -> None:
+    # torch refuses fully_shard on a module it already sharded; the step runs once per optimizer step
+    with pytest.raises(ParallelError) as caught:
+        assert_fsdp_training_matches(mlp(), TRAINING_BATCHES, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, step=own_fully_shard_step, pool=ddp_pool)
+    assert "can only be applied to a module once" in str(caught.value)
+    assert any("shard it once" in note for note in caught.value.__notes__)
+
+
+@pytest.mark.parametrize("name", ["fsdp-grads", "fsdp-training"])
+def test_the_registry_accepts_a_mixed_precision_step_and_fails_a_halved_one(name: str, ddp_pool: DDPWorkerPool) -> None:
+    from dpverify.checks.registry import CHECKS, Case, Target, Verdict
+
+    x, y = batch(6)
+    case = Case(mlp(), (x,), y, F.mse_loss, (0, 1))
+    passed = CHECKS[name].run(case, Target(step=mixed_precision_step, pool=ddp_pool))
+    assert passed.verdict is Verdict.PASS, passed.detail
+    failed = CHECKS[name].run(case, Target(step=halved_mixed_precision_step, pool=ddp_pool))
+    assert failed.verdict is Verdict.FAIL, failed.detail
+
+
+
+def test_a_tiny_gpt2_trains_under_mixed_precision(ddp_pool: DDPWorkerPool) -> None:
+    # tied embeddings held by the root's group, keyword inputs (integer ids: FSDP2 casts
+    # only floating-point inputs), Adam
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    batches = [((), {"input_ids": ids}, ids) for ids in (torch.randint(1, 64, (4, 8)), torch.randint(1, 64, (4, 8)))]
+    result = assert_fsdp_training_matches(model, batches, loss_fn=_gpt2_loss, optimizer=ADAM, world_size=2, step=mixed_precision_step, pool=ddp_pool)
+    assert any(note.startswith("Mixed precision (MixedPrecisionPolicy): FSDP2 ran forward and backward in bfloat16") for note in result.notes)
+
+
+def test_explicit_tolerances_compare_mixed_precision_training_with_full_precision_and_say_so(ddp_pool: DDPWorkerPool) -> None:
+    result = assert_fsdp_training_matches(
+        mlp(), TRAINING_BATCHES, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, step=mixed_precision_step, pool=ddp_pool, rtol=0.05, atol=0.05,
+    )
+    assert all(" param " in t.name for t in result.tensors)
+    assert any(note.startswith("Mixed precision (MixedPrecisionPolicy): with explicit rtol and atol") for note in result.notes)
+
+
+def test_a_float64_module_trains_under_bfloat16_compute_and_keeps_float64_parameters(ddp_pool: DDPWorkerPool) -> None:
+    batches = [batch(6, seed=s, dtype=torch.float64) for s in range(3)]
+    result = assert_fsdp_training_matches(mlp(dtype=torch.float64), batches, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, step=mixed_precision_step, pool=ddp_pool)
+    note = next(n for n in result.notes if n.startswith("Mixed precision (MixedPrecisionPolicy)"))
+    assert "the sharded parameters stayed float64 (their gradients float64)" in note
+
+
+@pytest.mark.parametrize("step", [None, mixed_precision_step], ids=["fsdp_step", "mixed-precision"])
+def test_training_a_model_of_one_row_parameters_passes(ddp_pool: DDPWorkerPool, step: Callable[[FSDPContext], Any] | None) -> None:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        tiny = nn.Linear(4, 1)
+    batches = [(torch.randn(4, 4, generator=torch.Generator().manual_seed(s)), torch.randn(4, 1, generator=torch.Generator().manual_seed(s + 9))) for s in range(2)]
+    result = assert_fsdp_training_matches(tiny, batches, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, step=step, pool=ddp_pool)
+    assert any(note.startswith("Optimizer state sharded") for note in result.notes)

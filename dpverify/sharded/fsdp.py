@@ -15,7 +15,8 @@ loss-averaging trap), and a sum loss gives ``1/world_size`` of the single-device
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import copy
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,9 +24,22 @@ import torch
 from torch import nn
 
 from dpverify.checks.dp import raise_unless_ok
-from dpverify.core.comparison import Msg, StepComparison, TensorComparison, Tolerance
+from dpverify.core.comparison import (
+    Msg,
+    StepComparison,
+    TensorComparison,
+    Tolerance,
+    compare_tensors,
+)
 from dpverify.core.errors import InvalidArgument
-from dpverify.core.step import StepResult, batch_size_of, first_parameter_dtype
+from dpverify.core.step import (
+    StepResult,
+    batch_size_of,
+    convert_tensors,
+    default_dtype,
+    first_parameter_dtype,
+)
+from dpverify.core.tree import map_tensors
 from dpverify.core.validation import require_bool, require_int_at_least, require_module_with_grads
 from dpverify.ddp.checks import (
     DDPCheck,
@@ -45,7 +59,7 @@ from dpverify.ddp.checks import (
     validated_call,
 )
 from dpverify.ddp.items import PieceItems, count_piece_items
-from dpverify.ddp.pool import RankRunner, require_picklable
+from dpverify.ddp.pool import ParallelError, RankRunner, require_picklable
 from dpverify.ddp.rank import LossFn, OptimizerFactory, even_shards
 from dpverify.sharded.fsdp_rank import (
     MESH_DIM,
@@ -55,6 +69,7 @@ from dpverify.sharded.fsdp_rank import (
     FSDPStepTask,
     FSDPTrainingTask,
     Held,
+    Precision,
     fsdp_step,
     run_fsdp_step_task,
     run_fsdp_training_task,
@@ -508,20 +523,27 @@ def assert_fsdp_grads_match(
 
 
 def _state_findings(world: int, ranks: Sequence[FSDPRankTraining]) -> tuple[list[str], list[str]]:
-    """(failures, notes) on the optimizer state: with more than one rank, a state tensor
-    kept whole on some rank means the optimizer was not built over the sharded parameters."""
+    """(failures, notes) on the optimizer state: a plain state tensor on some rank, or, with
+    more than one rank, state that every rank stored whole, means the optimizer was not
+    built over the sharded parameters. Judged across ranks, as the parameters are
+    (``_sharding_findings``): the state of a parameter of one row is stored whole by one
+    rank and not at all by the others, so a rank may hold nothing in part."""
     states = ranks[0].state
     if not states:
         return [], ["The optimizer keeps no per-parameter state tensor (nothing to shard)."]
     failures = []
     for r, rank in enumerate(ranks):
         whole = [h.name for h in rank.state if not h.dtensor]
-        if whole or (world > 1 and not any(h.sharded for h in rank.state)):
+        if whole:
             failures.append(
-                f"Rank {r}'s optimizer state {whole or [h.name for h in rank.state]} is not sharded "
-                "(plain tensors, or DTensors stored whole): the optimizer was not built over FSDP2's "
-                "sharded parameters."
+                f"Rank {r}'s optimizer state {whole} is not sharded (plain tensors): the optimizer was not "
+                "built over FSDP2's sharded parameters."
             )
+    if not failures and world > 1 and not any(h.sharded for rank in ranks for h in rank.state):
+        failures.append(
+            "Every rank stored its optimizer state whole (no DTensor shard smaller than the tensor): the optimizer "
+            "was not built over FSDP2's sharded parameters."
+        )
     if failures:
         return failures, []
     local, full = sum(h.local for h in states), sum(h.numel for h in states)
@@ -532,9 +554,179 @@ def _state_findings(world: int, ranks: Sequence[FSDPRankTraining]) -> tuple[list
     ]
 
 
+def _cast_to(dtype: torch.dtype) -> Callable[[Any], Any]:
+    """Casts the floating-point tensors in a nested value to ``dtype``, inside autograd,
+    as FSDP2 casts a module's inputs and outputs (torch's ``_cast_fp_tensor``)."""
+    return lambda value: map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
+
+
+class _MixedReference:
+    """The single-device forward and backward that FSDP2 runs under ``precision``
+    (torch/distributed/fsdp/_fully_shard: ``FSDPParam`` casts each parameter to its
+    ``param_dtype`` for the all-gather; every sharded module casts its floating-point
+    inputs (``cast_forward_inputs``) and outputs (``output_dtype``); the gradient comes out
+    in ``param_dtype``, is reduce-scattered in ``reduce_dtype`` and cast back to the
+    parameter's own dtype, in which the optimizer steps it)."""
+
+    def __init__(self, module: nn.Module, loss_fn: LossFn, precision: Precision) -> None:
+        self.model = copy.deepcopy(module)
+        self.loss_fn = loss_fn
+        self.dtypes = {name: compute for name, compute, _reduce in precision.params}
+        self.reduce = {name: reduce for name, _compute, reduce in precision.params}
+        for qualified, inputs_dtype, output_dtype in precision.modules:
+            sub = self.model.get_submodule(qualified)
+            if inputs_dtype is not None:
+                cast_inputs = _cast_to(inputs_dtype)
+                sub.register_forward_pre_hook(lambda _m, args, kwargs, cast=cast_inputs: cast((args, kwargs)), with_kwargs=True)
+            if output_dtype is not None:
+                cast_output = _cast_to(output_dtype)
+                sub.register_forward_hook(lambda _m, _args, output, cast=cast_output: cast(output))
+
+    def grads(self, params: Mapping[str, torch.Tensor], batch: tuple[tuple[Any, ...], Mapping[str, Any], Any]) -> dict[str, torch.Tensor | None]:
+        """The gradients of the full batch at ``params``, each in the coarser of its compute
+        dtype and its reduction's (its rounding is what a correct step may carry)."""
+        inputs, kwargs, target = batch
+        compute = {
+            name: p.detach().to(self.dtypes.get(name) or p.dtype).requires_grad_(p.requires_grad) for name, p in params.items()
+        }
+        cpu = torch.device("cpu")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            output = torch.func.functional_call(
+                self.model, compute, convert_tensors(inputs, None, cpu), convert_tensors(dict(kwargs), None, cpu),
+            )
+            self.loss_fn(output, convert_tensors(target, None, cpu)).backward()
+        return {name: _coarser(tensor.grad, self.reduce.get(name)) for name, tensor in compute.items()}
+
+
+def _coarser(grad: torch.Tensor | None, reduce: torch.dtype | None) -> torch.Tensor | None:
+    """``grad`` rounded to ``reduce`` when that dtype is the coarser (a float32 gradient
+    reduce-scattered in bfloat16), else as it is."""
+    if grad is None or reduce is None or torch.finfo(reduce).eps <= torch.finfo(grad.dtype).eps:
+        return grad
+    return grad.to(reduce)
+
+
+def _float64_grads(
+    model: nn.Module, loss_fn: LossFn, params: Mapping[str, torch.Tensor], batch: tuple[tuple[Any, ...], Mapping[str, Any], Any],
+) -> dict[str, torch.Tensor | None]:
+    """The float64 gradients of the full batch at ``params`` (``model`` in float64)."""
+    inputs, kwargs, target = batch
+    leaves = {name: p.detach().to(torch.float64).requires_grad_(p.requires_grad) for name, p in params.items()}
+    cpu = torch.device("cpu")
+    with torch.random.fork_rng(devices=[]), default_dtype(torch.float64):
+        torch.manual_seed(0)
+        output = torch.func.functional_call(
+            model, leaves, convert_tensors(inputs, torch.float64, cpu), convert_tensors(dict(kwargs), torch.float64, cpu),
+        )
+        loss_fn(output, convert_tensors(target, torch.float64, cpu)).backward()
+    return {name: tensor.grad for name, tensor in leaves.items()}
+
+
+def _mixed_training_rows(
+    check: FSDPCheck,
+    pairs: Sequence[tuple[tuple[Any, ...], Mapping[str, Any], Any]],
+    optimizer: OptimizerFactory,
+    precision: Precision,
+    ranks: Sequence[FSDPRankTraining],
+) -> tuple[list[TensorComparison], int]:
+    """Rows of the first step at which some rank diverges (else of the last step), for
+    training under a mixed-precision policy, judged step by step so that each rounding is
+    judged where it happens.
+
+    The gradients: each rank's gradients of step k (as its optimizer stepped with them)
+    against the single-device full-batch gradients, computed as FSDP2 computes them
+    (``_MixedReference``, in ``param_dtype``) at the one-device parameters before step k,
+    anchored in float64 at the same parameters: the tolerance is ``param_dtype``'s, as in
+    ``assert_fsdp_grads_match``. The parameters: each rank's parameters after step k
+    against the one-device optimizer stepping the parameters in their own dtype with those
+    gradients (rank 0's), anchored by the same optimizer in float64: the tolerance is the
+    parameters' dtype's. Judging the parameters after several steps against training with
+    no rounding of the gradients would instead blame a correct step for what its optimizer
+    makes of ``param_dtype`` rounding (Adam's first step moves a parameter by the learning
+    rate whichever the sign of a gradient that rounding may flip).
+    """
+    mixed = _MixedReference(check.module, check.loss_fn, precision)
+    model64 = copy.deepcopy(check.module).to(torch.float64)
+    master = {name: p.detach().clone().requires_grad_(p.requires_grad) for name, p in check.module.named_parameters()}
+    # a copy even of a float64 module's: each optimizer steps its own parameters
+    master64 = {name: p.detach().to(torch.float64, copy=True).requires_grad_(p.requires_grad) for name, p in master.items()}
+    opt, opt64 = optimizer(list(master.values())), optimizer(list(master64.values()))
+    rows: list[TensorComparison] = []
+    for index, batch in enumerate(pairs):
+        expected = mixed.grads(master, batch)
+        anchor = _float64_grads(model64, check.loss_fn, master64, batch)
+        rows = [
+            compare_tensors(f"rank {r} step {index + 1} grad {name!r}", rank.step_grads[index].get(name), value, anchor[name], check.tolerance)
+            for r, rank in enumerate(ranks)
+            for name, value in expected.items()
+            if value is not None or rank.step_grads[index].get(name) is not None
+        ]
+        stepped = ranks[0].step_grads[index]
+        for params, dtype in ((master, None), (master64, torch.float64)):
+            for name, p in params.items():
+                grad = stepped.get(name)  # one the rank could not make whole fails its row above
+                p.grad = None if grad is None or grad.shape != p.shape else grad.to(dtype or p.dtype)
+        opt.step()
+        opt64.step()
+        rows += [
+            compare_tensors(
+                f"rank {r} step {index + 1} param {name!r}", rank.params[index].get(name), value.detach(), master64[name].detach(),
+                check.tolerance,
+            )
+            for r, rank in enumerate(ranks)
+            for name, value in master.items()
+        ]
+        if not all(row.ok for row in rows):
+            return rows, index
+    return rows, len(pairs) - 1
+
+
+#: what torch's ``contract`` says when ``fully_shard`` is applied to a module twice
+#: (torch/distributed/_composable/contract.py)
+_SHARDED_TWICE = "can only be applied to a module once"
+
+
+def _training_precision(ranks: Sequence[FSDPRankTraining]) -> tuple[Precision, list[str]]:
+    """The mixed precision the ranks trained under (rank 0's), and a failure when the ranks
+    applied different ones (each rank must shard the same way)."""
+    found = ranks[0].precision
+    differ = [r for r, rank in enumerate(ranks) if rank.precision != found]
+    if not differ:
+        return found, []
+    return found, [
+        f"Ranks {differ} applied another mixed precision than rank 0 (fully_shard's mp_policy): every rank must "
+        "shard the module alike; the single-device reference follows rank 0's."
+    ]
+
+
+def _mixed_precision_note(precision: Precision, ranks: Sequence[FSDPRankTraining]) -> str:
+    kept = "/".join(sorted({d.removeprefix("torch.") for rank in ranks for d in rank.param_dtypes}))
+    grads = "/".join(sorted({d.removeprefix("torch.") for rank in ranks for d in rank.grad_dtypes})) or kept
+
+    def shown(dtypes: Sequence[torch.dtype | None]) -> str:
+        return "/".join(sorted({str(d).removeprefix("torch.") for d in dtypes if d is not None})) or kept
+
+    computed = [p for _n, p, _r in precision.params]
+    reduced = [r if r is not None else p for _n, p, r in precision.params]
+    compute, reduce = shown(computed), shown(reduced)
+    coarsest = max((d for d in computed + reduced if d is not None), key=lambda d: torch.finfo(d).eps, default=None)
+    judged = shown([coarsest])
+    cast = kept if reduce in (kept, compute) else f"{reduce} then to {kept}"
+    return (
+        f"Mixed precision (MixedPrecisionPolicy): FSDP2 ran forward and backward in {compute} and reduced the "
+        f"gradients in {reduce}, while the sharded parameters stayed {kept} (their gradients {grads}) and the "
+        f"optimizer stepped them in {kept}. The single-device reference trained the same way ({kept} master "
+        f"parameters, each step's forward and backward on a {compute} copy, gradients cast to {cast}), and each "
+        f"step was judged where its rounding happens: the gradients against that reference at the same parameters "
+        f"(anchored in float64; {judged}'s tolerance), the parameters against the optimizer stepping them in "
+        f"{kept} with those gradients (anchored in float64; {kept}'s tolerance)."
+    )
+
+
 def assert_fsdp_training_matches(
     module: nn.Module,
-    batches: Sequence[tuple[Any, Any]],
+    batches: Sequence[tuple[Any, ...]],
     *,
     loss_fn: LossFn,
     optimizer: OptimizerFactory,
@@ -550,13 +742,26 @@ def assert_fsdp_training_matches(
 ) -> StepComparison:
     """Asserts ``len(batches)`` optimizer steps of FSDP2 training match one device.
 
-    Every rank shards its copy of ``module`` (as ``assert_fsdp_grads_match``), then builds
-    ``optimizer(params)`` over the sharded DTensor parameters, so that the optimizer state is
-    sharded too; for each ``(inputs, target)`` in ``batches`` it zeroes the gradients, runs
-    ``step`` on its shard, and steps the optimizer. After every step each rank's full
-    parameters (``full_tensor()``) must match single-device training on the full batches
+    For each ``(inputs, target)`` in ``batches`` every rank runs ``step`` on its shard (the
+    first call shards its copy of ``module``, as in ``assert_fsdp_grads_match``:
+    ``ctx.fsdp(**fully_shard_keywords)``, or ``fully_shard`` called by the step itself,
+    once), and steps the optimizer, ``optimizer(params)`` built after the first step over
+    the sharded DTensor parameters so that its state is sharded too (gradients are zeroed
+    before every later step). After every step each rank's full parameters
+    (``full_tensor()``) must match single-device training on the full batches
     (float64-anchored: the float64 run uses the same optimizer). The check fails when the
     parameters or the optimizer state (e.g. Adam's ``exp_avg``) were not sharded.
+
+    Under a ``MixedPrecisionPolicy`` (read off the ranks' FSDP2 modules, whoever sharded
+    them) FSDP2 computes in ``param_dtype`` but keeps and steps the parameters in their own
+    dtype, so each step is judged where its rounding happens: the rank's gradients of the
+    step against the single-device gradients computed as FSDP2 computes them (a
+    ``param_dtype`` copy of the parameters, gradients cast to ``reduce_dtype`` then back) at
+    the same parameters, with ``param_dtype``'s tolerance; and its parameters after the
+    step against the optimizer stepping the parameters in their own dtype with those
+    gradients, with that dtype's tolerance. Training with no rounding of the gradients
+    is no fair reference: Adam, for one, moves a parameter by its learning rate whichever
+    the sign of a gradient that ``param_dtype`` rounding may flip.
 
     Args:
         batches: one ``(inputs, target)`` pair, or ``(inputs, kwargs, target)`` triple, per
@@ -566,13 +771,15 @@ def assert_fsdp_training_matches(
         shards: rows per rank, for every batch (default: even per batch).
         step: per-rank forward/backward (default ``fsdp_step``, ``weighted_fsdp_step`` when in
             some batch the ranks hold different numbers of items); the optimizer step is the
-            harness's, and the module is already sharded when ``step`` runs.
+            harness's. It shards the module in its first call and runs again on the sharded
+            module (``ctx.fsdp()`` returns it).
         Others: as ``assert_fsdp_grads_match``.
 
     Raises:
         ParallelMismatch: a rank's parameters differ after some step (the message shows the
             first such step), or the parameters or optimizer state were not sharded.
-        ParallelError: a rank raised, died or hung.
+        ParallelError: a rank raised, died or hung (a step applying ``fully_shard`` again in a
+            later step is told to shard once).
     """
     __tracebackhide__ = True
     pairs = _describe_batches(batches, {})
@@ -602,17 +809,38 @@ def assert_fsdp_training_matches(
         item_counts=tuple(c.per_rank if c.by_tokens else () for c in counted) if any(c.by_tokens for c in counted) else (),
     )
     title = f"{len(pairs)} steps of FSDP2 training with {_name(optimizer)} must match single-device training"
-    expected, _unused = _train_single_device(module, pairs, loss_fn, optimizer, None)
-    ranks: tuple[FSDPRankTraining, ...] = check.send(run_fsdp_training_task, task, title)
-    anchor = None if check.tolerance.explicit else _train_single_device(module, pairs, loss_fn, optimizer, torch.float64)[0]
-    rows, failing_step = _training_rows(check, ranks, expected, anchor)
+    try:
+        ranks: tuple[FSDPRankTraining, ...] = check.send(run_fsdp_training_task, task, title)
+    except ParallelError as error:
+        if _SHARDED_TWICE in str(error):
+            error.add_note(
+                "dpverify: the step runs once per optimizer step, on the same module: shard it once. "
+                "ctx.fsdp(...) does (later calls return the sharded module); a step calling fully_shard "
+                "itself must skip it when the module is already an FSDPModule."
+            )
+        raise
+    precision, mixed_failures = _training_precision(ranks)
+    stepwise = precision.mixed and not check.tolerance.explicit
+    if stepwise:
+        rows, failing_step = _mixed_training_rows(check, pairs, optimizer, precision, ranks)
+    else:
+        expected, _unused = _train_single_device(module, pairs, loss_fn, optimizer, None)
+        anchor = None if check.tolerance.explicit else _train_single_device(module, pairs, loss_fn, optimizer, torch.float64)[0]
+        rows, failing_step = _training_rows(check, ranks, expected, anchor)
     notes = [f"Parameters compared after each of the {len(pairs)} optimizer steps; the table shows step {failing_step + 1}."]
     if uneven and step is None:
         notes.append("Some batches split unevenly: each rank's loss was weighted by its share of the items, n_r * world_size / B (weighted_fsdp_step).")
     failures, evidence = _sharding_findings(check, [r.held for r in ranks], [r.wrapped for r in ranks], [() for _ in ranks])
     state_failures, state_notes = _state_findings(check.world_size, ranks)
-    failures += state_failures
+    failures += state_failures + mixed_failures
     notes += evidence + state_notes
+    if stepwise:
+        notes.append(_mixed_precision_note(precision, ranks))
+    elif precision.mixed:
+        notes.append(
+            "Mixed precision (MixedPrecisionPolicy): with explicit rtol and atol the parameters were compared with "
+            "full-precision training, within those tolerances."
+        )
     if not all(row.ok for row in rows) and check.loss_reduction(counted[0]) == "sum":
         notes.append(_sum_loss_note(check.world_size))
     outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures)

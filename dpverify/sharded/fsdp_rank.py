@@ -46,8 +46,10 @@ __all__ = [
     "FSDPStepTask",
     "FSDPTrainingTask",
     "Held",
+    "Precision",
     "compute_dtypes",
     "fsdp_step",
+    "precision_of",
     "run_fsdp_step_task",
     "run_fsdp_training_task",
     "shard_order",
@@ -251,6 +253,57 @@ def compute_dtypes(module: nn.Module) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found))
 
 
+@dataclass(frozen=True)
+class Precision:
+    """Mixed precision as FSDP2 applied it on one rank, read from torch's own records
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, ``FSDPParam.init_dtype_attrs``;
+    ``_fsdp_state.py``, ``_cast_forward_inputs`` and ``_cast_output_dtype``).
+
+    Attributes:
+        params: ``(name, param_dtype, reduce_dtype)`` per sharded parameter: the dtype its
+            forward and backward computed in and the dtype its gradient was reduced in,
+            each None where torch casts nothing (a ``param_dtype`` equal to the parameter's
+            own; a ``reduce_dtype`` equal to ``param_dtype``). FSDP2 keeps the sharded
+            parameter, its gradient and the optimizer's step in the parameter's own dtype.
+        modules: ``(qualified name, input dtype, output dtype)`` per sharded module: the
+            dtype its floating-point forward inputs were cast to (``cast_forward_inputs``)
+            and its outputs (``output_dtype``), None where not cast.
+    """
+
+    params: tuple[tuple[str, torch.dtype | None, torch.dtype | None], ...] = ()
+    modules: tuple[tuple[str, torch.dtype | None, torch.dtype | None], ...] = ()
+
+    @property
+    def mixed(self) -> bool:
+        """Whether FSDP2 cast anything: a parameter, a gradient's reduction, an output."""
+        return any(p is not None or r is not None for _n, p, r in self.params) or any(o is not None for _n, _i, o in self.modules)
+
+
+def precision_of(module: nn.Module) -> Precision:
+    """What mixed precision the FSDP2 modules in ``module`` applied, whoever called
+    ``fully_shard`` (read after a forward: torch settles the dtypes at its lazy init).
+    Read defensively: a torch without these records gives an empty ``Precision``."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    params: list[tuple[str, torch.dtype | None, torch.dtype | None]] = []
+    modules: list[tuple[str, torch.dtype | None, torch.dtype | None]] = []
+    for qualified, sub in module.named_modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        state = sub._get_fsdp_state()
+        group = getattr(state, "_fsdp_param_group", None)
+        policy = getattr(state, "_mp_policy", None) or getattr(group, "mp_policy", None)
+        param_dtype = getattr(policy, "param_dtype", None)
+        cast_inputs = param_dtype if getattr(policy, "cast_forward_inputs", False) and isinstance(param_dtype, torch.dtype) else None
+        output = getattr(policy, "output_dtype", None)
+        modules.append((qualified, cast_inputs, output if isinstance(output, torch.dtype) else None))
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            name = names.get(id(getattr(fsdp_param, "sharded_param", None)))
+            if name is not None:
+                compute, reduce = getattr(fsdp_param, "param_dtype", None), getattr(fsdp_param, "reduce_dtype", None)
+                params.append((name, compute if isinstance(compute, torch.dtype) else None, reduce if isinstance(reduce, torch.dtype) else None))
+    return Precision(tuple(params), tuple(modules))
+
+
 def _context(info: RankInfo, model: nn.Module, task: FSDPStepTask | FSDPTrainingTask, shard_sizes: tuple[int, ...]) -> FSDPContext:
     return FSDPContext(
         rank=info.rank,
@@ -305,9 +358,9 @@ def run_fsdp_step_task(info: RankInfo, task: FSDPStepTask) -> tuple[FSDPRankStep
 
 @dataclass(frozen=True)
 class FSDPTrainingTask:
-    """``len(batches)`` optimizer steps of FSDP2 training; the module is sharded before the
-    optimizer is built, so the optimizer holds the DTensor parameters (and its state is
-    sharded like them)."""
+    """``len(batches)`` optimizer steps of FSDP2 training; the first step shards the module
+    and the optimizer is built after it, so the optimizer holds the DTensor parameters (and
+    its state is sharded like them)."""
 
     module: nn.Module
     batches: tuple[tuple[tuple[Any, ...], Mapping[str, Any], Any], ...]
@@ -331,6 +384,12 @@ class FSDPRankTraining(RankTraining):
 
     held: tuple[Held, ...] = ()
     state: tuple[Held, ...] = ()
+    precision: Precision = field(default_factory=Precision)
+    #: each step's full gradients, as the optimizer stepped with them
+    step_grads: tuple[dict[str, torch.Tensor | None], ...] = ()
+    #: the dtypes of the sharded parameters and of their gradients after the last step
+    param_dtypes: tuple[str, ...] = ()
+    grad_dtypes: tuple[str, ...] = ()
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> tuple[Held, ...]:
@@ -343,17 +402,20 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str])
 
 
 def run_fsdp_training_task(info: RankInfo, task: FSDPTrainingTask) -> FSDPRankTraining:
-    """Shards this rank's copy, builds the optimizer over the sharded parameters, and
-    trains for ``len(task.batches)`` steps (a task for ``RankRunner.run``)."""
+    """Trains this rank's copy for ``len(task.batches)`` steps (a task for
+    ``RankRunner.run``). The first step shards the module, as in the gradient check
+    (``ctx.fsdp(**options)``, or ``fully_shard`` called by the step itself, once); the
+    optimizer is built after it, over the parameters FSDP2 then holds, so that it steps
+    the sharded parameters and its state is sharded like them."""
     device = torch.device(info.device)
     model = copy.deepcopy(task.module).to(device)
     ctx = _context(info, model, task, task.shard_sizes[0])
     history: list[dict[str, torch.Tensor]] = []
+    step_grads: list[dict[str, torch.Tensor | None]] = []
+    optimizer: torch.optim.Optimizer | None = None
     fork = [device] if device.type == "cuda" else []
     with quiet(), torch.random.fork_rng(devices=fork), no_tf32():
         torch.manual_seed(task.seed)
-        ctx.fsdp()
-        optimizer = task.optimizer(model.parameters())
         for index, ((inputs, kwargs, target), sizes) in enumerate(zip(task.batches, task.shard_sizes, strict=True)):
             shard_inputs, shard_target, shard_kwargs = _shard_of(inputs, target, sizes, info.rank, kwargs)
             ctx.inputs, ctx.target, ctx.shard_sizes = _on(shard_inputs, device), _on(shard_target, device), sizes
@@ -361,15 +423,24 @@ def run_fsdp_training_task(info: RankInfo, task: FSDPTrainingTask) -> FSDPRankTr
             ctx.item_kind = task.item_kinds[index] if task.item_kinds else "rows"
             ctx.item_counts = task.item_counts[index] if task.item_counts else ()
             ctx.micro_batch_items = (ctx.item_counts[info.rank],) if ctx.item_counts else ()
-            optimizer.zero_grad(set_to_none=True)
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
             try:
                 task.step(ctx)
             except Exception as error:
                 error.add_note(f"dpverify: raised in optimizer step {index + 1} of {len(task.batches)}")
                 raise
+            if optimizer is None:  # over the parameters the first step left: FSDP2's DTensors
+                optimizer = task.optimizer(model.parameters())
+            step_grads.append(_grads_and_plain(model)[0])
             optimizer.step()
             history.append(_full_params(model))
         grads_none = tuple(name for name, p in model.named_parameters() if p.grad is None)
         names = {id(p): name for name, p in model.named_parameters()}
-        state = _optimizer_state(optimizer, names)
-    return FSDPRankTraining(tuple(history), _buffers(model), grads_none, ctx.wrapped, _holding(model), state)
+        state = _optimizer_state(optimizer, names) if optimizer is not None else ()
+        param_dtypes = tuple(dict.fromkeys(str(p.dtype) for p in model.parameters()))
+        grad_dtypes = tuple(dict.fromkeys(str(p.grad.dtype) for p in model.parameters() if p.grad is not None))
+    return FSDPRankTraining(
+        tuple(history), _buffers(model), grads_none, ctx.wrapped, _holding(model), state,
+        precision=precision_of(model), step_grads=tuple(step_grads), param_dtypes=param_dtypes, grad_dtypes=grad_dtypes,
+    )
