@@ -48,6 +48,7 @@ from dpverify.models.layouts import (
     even_split_points,
     linear_pairs,
     microbatch_counts,
+    read_without_forward,
 )
 from dpverify.models.specs import (
     ACTIVATIONS,
@@ -527,15 +528,19 @@ def fsdp_layouts(module: nn.Module) -> SearchStrategy[FSDPLayout]:
     """FSDP2 layouts for ``module``: ``fully_shard`` on the default modules (each child with
     parameters) or on a drawn subset of the modules with parameters in their subtree,
     nested ones included (no ModuleList or ModuleDict, which have no forward for
-    ``fully_shard`` to hook), with ``reshard_after_forward`` True or False.
+    ``fully_shard`` to hook, and no module whose parent reads its parameters without calling
+    it, as MultiheadAttention's ``out_proj``), with ``reshard_after_forward`` True or False.
 
     Shrinks toward the default layout with ``reshard_after_forward=True``.
     """
     require_instance(module, "module", nn.Module)
-    # not a ModuleList or ModuleDict: fully_shard needs a module with a forward of its own
+    # not a ModuleList or ModuleDict: fully_shard needs a module with a forward of its own;
+    # nor MultiheadAttention's out_proj, whose weight it reads without calling its forward
+    bypassed = read_without_forward(module)
     names = [
         name for name, sub in module.named_modules()
         if name and any(True for _ in sub.parameters()) and not isinstance(sub, (nn.ModuleList, nn.ModuleDict))
+        and name not in bypassed
     ]
     subsets = st.lists(st.sampled_from(names), min_size=1, unique=True).map(tuple) if names else st.nothing()
     return st.builds(

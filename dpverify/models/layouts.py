@@ -46,6 +46,21 @@ ELEMENTWISE: tuple[type[nn.Module], ...] = (
 )
 
 
+def read_without_forward(module: nn.Module) -> dict[str, str]:
+    """Submodules whose parent reads their parameters without calling their forward, each
+    with that parent's qualified name: ``nn.MultiheadAttention`` hands ``out_proj.weight``
+    to ``F.multi_head_attention_forward`` (torch/nn/modules/activation.py). ``fully_shard``
+    gathers a group's parameters in its forward hook, so such a submodule cannot be an
+    FSDP2 group of its own: its parameters would reach the parent's computation as shards
+    (torch raises "got mixed torch.Tensor and DTensor")."""
+    found: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.MultiheadAttention):
+            for child, _ in sub.named_children():
+                found[f"{name}.{child}" if name else child] = name
+    return found
+
+
 @dataclass(frozen=True)
 class FSDPLayout:
     """FSDP2's layout: ``fully_shard`` on each of ``shard_modules`` (qualified names; None:

@@ -61,6 +61,7 @@ from dpverify.ddp.checks import (
 from dpverify.ddp.items import PieceItems, count_piece_items
 from dpverify.ddp.pool import ParallelError, RankRunner, require_picklable
 from dpverify.ddp.rank import LossFn, OptimizerFactory, even_shards
+from dpverify.models.layouts import read_without_forward
 from dpverify.sharded.fsdp_rank import (
     MESH_DIM,
     FSDPContext,
@@ -131,6 +132,7 @@ def _shard_modules(module: nn.Module, shard_modules: Sequence[str] | None) -> tu
             f"shard_modules={shard_modules!r}: pass a list of qualified module names, e.g. ['0', '2'] or ['encoder.layers.0']"
         )
     valid = dict(module.named_modules())
+    bypassed = read_without_forward(module)
     for name in shard_modules:
         if not isinstance(name, str):
             raise InvalidArgument(f"shard_modules contains {name!r}; name the modules by their qualified names (strings)")
@@ -145,6 +147,14 @@ def _shard_modules(module: nn.Module, shard_modules: Sequence[str] | None) -> tu
             raise InvalidArgument(
                 f"shard_modules names {name!r}, a {type(valid[name]).__name__}: fully_shard needs a module "
                 f"with a forward of its own; name its elements instead ({elements})"
+            )
+        if name in bypassed:
+            parent = bypassed[name]
+            raise InvalidArgument(
+                f"shard_modules names {name!r}, whose parent {type(valid[parent]).__name__} "
+                f"{parent or '(the root)'!r} reads its parameters without calling its forward: FSDP2 "
+                "gathers a group's parameters in its forward hook, so they would reach the parent as "
+                f"shards (torch raises 'mixed torch.Tensor and DTensor'); name {parent or 'the root'!r} instead"
             )
     return shard_order([*shard_modules, ""])
 
@@ -165,6 +175,8 @@ def _default_units(module: nn.Module, prefix: str = "", outside: frozenset[int] 
     holds the tied parameter once.
     """
     children = [(name, child) for name, child in module.named_children() if any(True for _ in child.parameters())]
+    if isinstance(module, nn.MultiheadAttention):
+        return []  # it reads out_proj's weight without calling it: one group, its own or its parent's
     owned = [frozenset(id(p) for p in child.parameters()) for _name, child in children]
     names: list[str] = []
     for index, (name, child) in enumerate(children):
