@@ -14,6 +14,7 @@ from torch import nn
 import dpverify
 from dpverify import ParallelMismatch, Tolerance
 from dpverify.core.comparison import compare_tensors
+from dpverify.core.step import copy_module
 from dpverify.mutants import TinyErrorDataParallel
 
 
@@ -142,3 +143,28 @@ def test_near_converged_targets_pass() -> None:
         for devices in ([0, 1, 2], list(range(11))):
             assert dpverify.assert_dp_grads_match(model, x, y, loss_fn=loss, device_ids=devices).ok
             assert dpverify.assert_grad_sum_equals_mean_loss_grad(model, x, y, loss_fn=loss, device_ids=devices).ok
+
+
+def test_copies_in_the_modules_own_dtype_share_no_storage_with_it() -> None:
+    # A float64 model's float64 steps (the anchor, the jittered sample) copy it in its own
+    # dtype, where ``Tensor.to`` returns the same storage unless told to copy.
+    model = nn.Sequential(_fixed_linear(3, 4), nn.BatchNorm1d(4)).double()
+    copied = copy_module(model, torch.float64)
+    originals = [t.data_ptr() for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    copies = [t.data_ptr() for t in [*copied.parameters(), *copied.buffers()] if t.is_floating_point()]
+    assert not set(originals) & set(copies)
+
+
+def test_checks_leave_a_float64_module_bit_for_bit_untouched() -> None:
+    # The jittered float64 reference once scaled the module's own parameters by 1 +- 8 eps
+    # on every check, so that a later check of the same module ran its parallel step on
+    # other parameters than the references it shared: ill-conditioned float64 models (a
+    # masked sequence-first attention with gain 61, a LayerNorm over one feature on
+    # inputs of 1e6) failed their second check.
+    model = nn.Sequential(_fixed_linear(3, 4), nn.Tanh(), _fixed_linear(4, 2))
+    before = copy.deepcopy(model.state_dict())
+    x, y = _rows(6, 3, 1e3), _rows(6, 2, 1.0)
+    dpverify.assert_dp_grads_match(model, x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2])
+    dpverify.assert_grad_sum_equals_mean_loss_grad(model, x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2])
+    after = model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)

@@ -425,10 +425,13 @@ def copy_module(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
     with torch.no_grad():
         for param in module.parameters():
             if param.is_floating_point() and id(param) not in memo:
-                memo[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+                # copy=True: in the module's own dtype ``to`` would return the same storage,
+                # and a step on the copy (its jittered parameters, a BatchNorm's running
+                # statistics) would write into the module under test
+                memo[id(param)] = nn.Parameter(param.detach().to(dtype, copy=True), requires_grad=param.requires_grad)
         for buffer in module.buffers():
             if buffer.is_floating_point() and id(buffer) not in memo:
-                memo[id(buffer)] = buffer.detach().to(dtype)
+                memo[id(buffer)] = buffer.detach().to(dtype, copy=True)
     model = copy.deepcopy(module, memo)
     model.to(dtype=dtype)  # anything the memo missed (e.g. tensors held outside parameters)
     return model
