@@ -27,6 +27,7 @@ __all__ = [
     "copy_module",
     "default_dtype",
     "flatten_tensors",
+    "jitter_parameters",
     "no_tf32",
     "run_step",
     "seed_step",
@@ -301,7 +302,7 @@ def run_step(
     model = copy_module(module, dtype)
     model.to(device)
     if jitter:
-        _jitter(model, jitter)
+        jitter_parameters(model, jitter)
     args = convert_tensors(inputs, dtype, device)
     keywords = convert_tensors(dict(kwargs or {}), dtype, device)
     sites = parameter_sites(model)
@@ -403,7 +404,10 @@ def _retain_output_grads(output: Any) -> list[torch.Tensor]:
     return watched
 
 
-def _jitter(model: nn.Module, size: float) -> None:
+def jitter_parameters(model: nn.Module, size: float) -> None:
+    """Multiplies every floating parameter of ``model`` in place by ``1 +- size``, with
+    signs from a fixed generator: a copy so perturbed by a few units of roundoff shows how
+    far rounding alone moves the model's results."""
     generator = torch.Generator().manual_seed(0x5EED)
     with torch.no_grad():
         for param in model.parameters():
