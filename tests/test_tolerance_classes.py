@@ -14,6 +14,7 @@ from torch import nn
 import dpverify
 from dpverify import ParallelMismatch, Tolerance
 from dpverify.core.comparison import compare_tensors
+from dpverify.core.step import copy_module
 from dpverify.mutants import TinyErrorDataParallel
 
 
@@ -142,3 +143,66 @@ def test_near_converged_targets_pass() -> None:
         for devices in ([0, 1, 2], list(range(11))):
             assert dpverify.assert_dp_grads_match(model, x, y, loss_fn=loss, device_ids=devices).ok
             assert dpverify.assert_grad_sum_equals_mean_loss_grad(model, x, y, loss_fn=loss, device_ids=devices).ok
+
+
+def test_copies_in_the_modules_own_dtype_share_no_storage_with_it() -> None:
+    # A float64 model's float64 steps (the anchor, the jittered sample) copy it in its own
+    # dtype, where ``Tensor.to`` returns the same storage unless told to copy.
+    model = nn.Sequential(_fixed_linear(3, 4), nn.BatchNorm1d(4)).double()
+    copied = copy_module(model, torch.float64)
+    originals = [t.data_ptr() for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    copies = [t.data_ptr() for t in [*copied.parameters(), *copied.buffers()] if t.is_floating_point()]
+    assert not set(originals) & set(copies)
+
+
+def test_checks_leave_a_float64_module_bit_for_bit_untouched() -> None:
+    # The jittered float64 reference once scaled the module's own parameters by 1 +- 8 eps
+    # on every check, so that a later check of the same module ran its parallel step on
+    # other parameters than the references it shared: ill-conditioned float64 models (a
+    # masked sequence-first attention with gain 61, a LayerNorm over one feature on
+    # inputs of 1e6) failed their second check.
+    model = nn.Sequential(_fixed_linear(3, 4), nn.Tanh(), _fixed_linear(4, 2))
+    before = copy.deepcopy(model.state_dict())
+    x, y = _rows(6, 3, 1e3), _rows(6, 2, 1.0)
+    dpverify.assert_dp_grads_match(model, x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2])
+    dpverify.assert_grad_sum_equals_mean_loss_grad(model, x, y, loss_fn=F.mse_loss, device_ids=[0, 1, 2])
+    after = model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+class _NearConvergedHead(nn.Module):
+    """``(out, chunk mean L1 loss)``: ``out`` goes through the rows' mean and back, exact in
+    exact arithmetic, and rounding with the rows of the chunk it sees; targets sit 1e-13
+    from ``out``, so the loss is far smaller than the terms it is a difference of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor([0.75, 1.25], dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        centre = x.mean(0)
+        out = ((x - centre) + centre) * self.scale
+        return out, (out - y).abs().mean()
+
+
+def _near_converged(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = _rows(rows, 2, 3.0)
+    residuals = torch.tensor([1.0, -2.0, 3.0, 1.0, -1.0, 2.0, 2.0, -3.0, 4.0, 1.0], dtype=torch.float64)
+    return x, x * torch.tensor([0.75, 1.25], dtype=torch.float64) + 1e-13 * residuals[: 2 * rows].reshape(rows, 2)
+
+
+def test_loss_average_of_a_near_converged_loss_on_equal_chunks_is_not_biased() -> None:
+    # calibrate 17010 (a float32 GRU, L1 loss 3.7e-10 on chunks [1, 1]): the chunks' rounding
+    # of outputs near 1 is far above a roundoff of the loss itself, which the noise was
+    # sized from; the jittered step measures it
+    report = dpverify.check_forward_loss_average(_NearConvergedHead(), _near_converged(4), device_ids=[0, 1])
+    assert report.chunk_sizes == (2, 2)
+    assert report.weighted_is_exact
+    assert not report.is_biased
+
+
+def test_loss_average_of_a_near_converged_loss_on_uneven_chunks_is_still_biased() -> None:
+    report = dpverify.check_forward_loss_average(_NearConvergedHead(), _near_converged(5), device_ids=[0, 1])
+    assert report.chunk_sizes == (3, 2)
+    assert report.is_biased
+    assert report.grad_bias > 0.01

@@ -31,7 +31,7 @@ from dpverify.core.comparison import Msg, StepComparison
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.items import Items, choose_items, count_items, ignore_indices_of, item_candidates
 from dpverify.core.numerics import max_abs
-from dpverify.core.step import convert_tensors, default_dtype, seed_step
+from dpverify.core.step import convert_tensors, default_dtype, jitter_parameters, seed_step
 from dpverify.core.tree import first_batched, tensor_leaves
 from dpverify.core.validation import require_callable
 from dpverify.core.virtual import SCALAR_GATHER_WARNING, replica_device
@@ -52,6 +52,9 @@ Reduce = Callable[..., torch.Tensor]
 # A bias counts only when it exceeds the measured rounding noise this many times: noise is
 # estimated from one sample (the weighted-vs-full difference), so the margin is generous.
 _NOISE_FACTOR = 32.0
+# The jittered full-batch step's parameters are off by this many units of roundoff of the
+# forward's compute dtype (the size of the rounding a step makes in each parameter use).
+_JITTER_ROUNDOFFS = 8.0
 
 
 def extract_loss(output: Any, loss_at: int) -> torch.Tensor:
@@ -290,7 +293,12 @@ class LossAverageReport:
         loss_noise: the loss's rounding noise: ``|weighted_error|``, at least one roundoff
             of ``compute_dtype`` times the largest loss, and at most ``sqrt(eps)`` times it
             (a larger difference is no rounding); just that roundoff when the weighted
-            reduction is not exact, since its difference then measured no rounding.
+            reduction is not exact, since its difference then measured no rounding. Where
+            the weighted reduction looks inexact against that, the full-batch step from
+            parameters 8 roundoffs off measures the rounding again: a loss far smaller than
+            the terms it is a difference of (a near-converged target) rounds with those
+            terms; within 32 times that distance the reduction is exact, and the distance
+            is the noise.
         grad_noise: the same for the gradients (absolute), from the weighted-vs-full
             gradient differences and the model's largest gradient entry.
         compute_dtype: the coarsest floating dtype the forward computed in (for example
@@ -760,6 +768,21 @@ def check_forward_loss_average(
 
     dtype = _coarsest(precision.dtype, losses.dtype, full.dtype)
     eps = _eps(dtype)
+
+    def jittered() -> tuple[float, float]:
+        # How far parameters a few units of roundoff off move the full-batch loss and
+        # gradients: the rounding of this model's step, measured on the single device, so
+        # that no bias can inflate it. Its loss can be a difference of terms far larger than
+        # itself (a near-converged target), whose rounding the loss values cannot show.
+        with default_dtype(torch.float64), torch.random.fork_rng(devices=fork_devices):
+            model = copy.deepcopy(module).to(dtype=torch.float64, device=check.device)
+            jitter_parameters(model, _JITTER_ROUNDOFFS * eps)
+            seed_step(0, check.device)
+            loss = extract_loss(model(*args, **single_kwargs), loss_at).reshape(())
+            grads = _grads(loss, [p for p in model.parameters() if p.requires_grad])
+        gaps = [_largest(g - gf) for g, gf in zip(grads, grads_full, strict=True)]
+        return abs(float(loss.detach()) - full_value), max(gaps, default=0.0)
+
     values = [float(x) for x in losses.detach()]
     full_value = float(full.detach())
     weighted_error = float(weighted.detach()) - full_value
@@ -782,6 +805,16 @@ def check_forward_loss_average(
         abs(weighted_error) <= _NOISE_FACTOR * loss_noise
         and max(gaps_weighted, default=0.0) <= _NOISE_FACTOR * grad_noise
     )
+    if not exact and math.isfinite(weighted_error):
+        # A second measure of the rounding before the exact recipe is called wrong: the
+        # jittered step's distance (only here, so that the common case never pays for it).
+        # The recipe reproduces the loss to its rounding when within that distance, and
+        # then what separates its gradients is rounding too (as above).
+        jitter_loss, jitter_grad = jittered()
+        if abs(weighted_error) <= _NOISE_FACTOR * jitter_loss:
+            loss_noise = max(loss_noise, jitter_loss)
+            grad_noise = max(grad_noise, jitter_grad, max(gaps_weighted, default=0.0))
+            exact = True
     if not exact:
         # The weighted reduction is itself wrong (the replica losses are not per-row means),
         # so its difference measured no rounding: only the roundoff floor is left as noise.

@@ -28,6 +28,7 @@ __all__ = [
     "copy_module",
     "default_dtype",
     "flatten_tensors",
+    "jitter_parameters",
     "no_tf32",
     "quiet_size_warnings",
     "run_step",
@@ -324,7 +325,7 @@ def run_step(
     model = copy_module(module, dtype)
     model.to(device)
     if jitter:
-        _jitter(model, jitter)
+        jitter_parameters(model, jitter)
     args = convert_tensors(inputs, dtype, device)
     keywords = convert_tensors(dict(kwargs or {}), dtype, device)
     sites = parameter_sites(model)
@@ -426,7 +427,10 @@ def _retain_output_grads(output: Any) -> list[torch.Tensor]:
     return watched
 
 
-def _jitter(model: nn.Module, size: float) -> None:
+def jitter_parameters(model: nn.Module, size: float) -> None:
+    """Multiplies every floating parameter of ``model`` in place by ``1 +- size``, with
+    signs from a fixed generator: a copy so perturbed by a few units of roundoff shows how
+    far rounding alone moves the model's results."""
     generator = torch.Generator().manual_seed(0x5EED)
     with torch.no_grad():
         for param in model.parameters():
@@ -448,10 +452,13 @@ def copy_module(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
     with torch.no_grad():
         for param in module.parameters():
             if param.is_floating_point() and id(param) not in memo:
-                memo[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+                # copy=True: in the module's own dtype ``to`` would return the same storage,
+                # and a step on the copy (its jittered parameters, a BatchNorm's running
+                # statistics) would write into the module under test
+                memo[id(param)] = nn.Parameter(param.detach().to(dtype, copy=True), requires_grad=param.requires_grad)
         for buffer in module.buffers():
             if buffer.is_floating_point() and id(buffer) not in memo:
-                memo[id(buffer)] = buffer.detach().to(dtype)
+                memo[id(buffer)] = buffer.detach().to(dtype, copy=True)
     model = copy.deepcopy(module, memo)
     model.to(dtype=dtype)  # anything the memo missed (e.g. tensors held outside parameters)
     return model
