@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,26 @@ def test_max_examples_and_outcome_classes(tmp_path: Path) -> None:
     assert report.examples == 12 == seen[-1]
     assert report.passed + report.serial + sum(n for _, n in report.diverged) == 12
     assert {name for name, _ in report.diverged} <= {"BatchNorm", "Dropout"}
+
+
+def test_a_ctrl_c_whose_keyboard_interrupt_is_lost_still_stops_the_session_at_the_next_example(tmp_path: Path) -> None:
+    """Python drops a KeyboardInterrupt raised inside a finalizer; here one is swallowed on
+    purpose after the third example. The session notes the Ctrl-C and stops at the next."""
+    import os
+    import signal
+
+    def swallow_a_ctrl_c(tally: Tally) -> None:
+        if tally.run == 3:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1.0)  # the handler runs here, in this thread
+            except KeyboardInterrupt:
+                pass  # lost, as in a finalizer
+
+    report = fuzz(FuzzConfig(max_examples=50, seed=0, state_dir=tmp_path), on_example=swallow_a_ctrl_c)
+    assert report.stopped_by == "interrupt"
+    assert report.examples == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
 
 
 def test_an_example_that_ran_one_replica_is_not_counted_as_passed(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

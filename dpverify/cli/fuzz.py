@@ -30,9 +30,12 @@ the same registry check by name. The live display is ``fuzz_view.py``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import re
+import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -624,6 +627,29 @@ def _settings(config: FuzzConfig, database: DirectoryBasedExampleDatabase) -> se
     )
 
 
+@contextlib.contextmanager
+def _ctrl_c_noted(came: list[bool]) -> Iterator[None]:
+    """Notes a Ctrl-C (SIGINT) in ``came`` as well as raising KeyboardInterrupt, so that the
+    next example stops the session even if that KeyboardInterrupt is lost on its way up
+    (Python drops one raised inside a finalizer, ``__del__`` or a weakref callback, and a
+    step frees many tensors, modules and pipes): without the note a session on a terminal
+    ran on for seconds after Ctrl-C, one run in three with DDP ranks. Outside the main
+    thread, where no handler can be set, it notes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        came.append(True)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def fuzz(config: FuzzConfig, *, on_example: Callable[[Tally], None] | None = None) -> FuzzReport:
     """Runs a session; ``on_example`` sees the tally after every example.
 
@@ -637,7 +663,11 @@ def fuzz(config: FuzzConfig, *, on_example: Callable[[Tally], None] | None = Non
     # first: this many of the first examples (if any) came from the database
     saved: list[int] = []
 
+    ctrl_c: list[bool] = []
+
     def check(scenario: Scenario | ShardedScenario) -> None:
+        if ctrl_c:
+            raise KeyboardInterrupt  # a Ctrl-C whose KeyboardInterrupt a finalizer lost
         if not saved:
             saved.append(database.fetched)
         if config.time_budget is not None and tally.first_failure_at is None and tally.elapsed > config.time_budget:
@@ -661,7 +691,8 @@ def fuzz(config: FuzzConfig, *, on_example: Callable[[Tally], None] | None = Non
         session = seed(config.seed)(session)
     stopped_by = "max-examples"
     try:
-        session()
+        with _ctrl_c_noted(ctrl_c):
+            session()
     except _TimeUp:
         stopped_by = "time-budget"
     except KeyboardInterrupt:
