@@ -95,3 +95,46 @@ def test_every_public_name_exists_and_has_a_docstring() -> None:
 def test_readme_first_example_runs() -> None:
     block = README.read_text().split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(block, "README.md", "exec"), {})
+
+
+def test_every_public_name_is_exported_from_its_module_and_typed() -> None:
+    """``__all__``, the lazy ``_EXPORTS`` table and the imports type checkers read name the
+    same things, and each name is the object its module defines."""
+    import ast
+    import importlib
+
+    exports: dict[str, str] = dpverify._EXPORTS  # type: ignore[attr-defined]
+    assert sorted(exports) == dpverify.__all__
+    for name, module in exports.items():
+        assert getattr(dpverify, name) is getattr(importlib.import_module(module), name)
+    tree = ast.parse(Path(dpverify.__file__).read_text())
+    typed = {
+        (node.module, alias.name)
+        for block in tree.body if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+        for node in block.body if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert typed == {(module, name) for name, module in exports.items()}
+    assert set(dpverify.__all__) <= set(dir(dpverify))
+
+
+def test_an_unknown_name_is_an_attribute_error() -> None:
+    import pytest
+
+    with pytest.raises(AttributeError, match="module 'dpverify' has no attribute 'assert_everything'"):
+        dpverify.assert_everything  # noqa: B018
+
+
+def test_importing_dpverify_loads_no_backend() -> None:
+    """``import dpverify`` costs what its own few lines cost: the DDP pool, FSDP2, tensor and
+    pipeline parallelism, Hypothesis and torch itself load with the first name that needs
+    them."""
+    import subprocess
+    import sys
+
+    heavy = ["torch", "hypothesis", "torch.distributed.fsdp", "dpverify.ddp.pool", "dpverify.sharded.fsdp", "dpverify.checks.dp"]
+    code = f"import sys, dpverify; print([m for m in {heavy!r} if m in sys.modules])"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]"
+    code = "import sys, dpverify; dpverify.assert_dp_grads_match; print('dpverify.checks.dp' in sys.modules, 'torch.distributed.fsdp' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split() == ["True", "False"]
