@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
-import pytest_dpverify  # noqa: F401  (registers the dpverify-* profiles)
+import dpverify.profiles  # noqa: F401  (registers the dpverify-* profiles)
 
 # The suite runs under the derandomized CI profile unless a profile is asked for.
 if "HYPOTHESIS_PROFILE" not in os.environ:

@@ -1,9 +1,9 @@
 """pytest plugin for dpverify, registered through the ``pytest11`` entry point.
 
-A top-level module rather than ``dpverify.pytest_plugin``: pytest imports every installed
-plugin in every session, and importing a submodule of dpverify would run
-``dpverify/__init__.py``, which imports torch. This module imports dpverify only inside the
-fixtures that need it.
+A top-level module beside the package: pytest imports every installed plugin in every
+session, so this module imports from dpverify only its Hypothesis profiles
+(``dpverify.profiles``, which with the lazy ``dpverify/__init__.py`` imports no torch), and
+the rest inside the fixtures that need it.
 
 What it adds to a pytest run:
 
@@ -35,8 +35,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis.errors import InvalidArgument
+
+from dpverify.profiles import PROFILES
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -60,42 +62,6 @@ DEFAULT_DEVICES = 2
 #: fixture, uses dpverify, and makes the session import torch at collection.
 FIXTURES = frozenset({"gpu_count", "cuda_device_ids", "dp_devices", "ddp_pool", "ddp_pools"})
 
-_QUIET_CHECKS = (HealthCheck.too_slow, HealthCheck.data_too_large)
-
-# Hypothesis loads its own "ci" profile (derandomized, no database) when it detects CI, and
-# settings() inherits from the profile loaded at the time: build on "default" instead, so
-# that dpverify-dev and dpverify-fuzz stay random and keep their example database in CI.
-_BASE = settings.get_profile("default")
-
-#: The Hypothesis profiles this plugin registers, by name.
-PROFILES: dict[str, settings] = {
-    # Few examples for the edit-run loop; a DataParallel step is slow, so no deadline.
-    "dpverify-dev": settings(_BASE, max_examples=10, deadline=None, derandomize=False),
-    # Same examples on every run, and a reproduction blob with every failure. No database:
-    # a derandomized CI run should depend on the code alone, not on a stale .hypothesis/.
-    "dpverify-ci": settings(
-        _BASE,
-        max_examples=25,
-        derandomize=True,
-        deadline=None,
-        print_blob=True,
-        database=None,
-        suppress_health_check=_QUIET_CHECKS,
-    ),
-    "dpverify-fuzz": settings(
-        _BASE,
-        max_examples=10_000,
-        derandomize=False,
-        deadline=None,
-        print_blob=True,
-        suppress_health_check=_QUIET_CHECKS,
-    ),
-}
-
-# Registered at import, before any pytest_configure, so that Hypothesis' own plugin can load
-# them for --hypothesis-profile, and so that conftest files can load them too.
-for _name, _profile in PROFILES.items():
-    settings.register_profile(_name, _profile)
 
 
 def _real_cuda_count() -> int:

@@ -361,7 +361,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     if args.profile:
         from hypothesis import settings
 
-        import pytest_dpverify  # noqa: F401  (registers the dpverify-* profiles)
+        import dpverify.profiles  # noqa: F401  (registers the dpverify-* profiles)
 
         try:
             settings.get_profile(args.profile)
