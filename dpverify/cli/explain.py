@@ -48,6 +48,7 @@ from dpverify.core.errors import InvalidArgument
 from dpverify.core.scatter import plan_scatter
 from dpverify.core.step import (
     batch_size_of,
+    convert_tensors,
     parameter_sites,
     quiet_size_warnings,
     run_step,
@@ -856,7 +857,7 @@ def _target_in_float64(batch: Batch) -> Batch:
     """``batch`` with its floating targets in float64, for a step run in float64: the
     loss then sees one dtype, as the checks give it (``mse_loss`` of a float64 output and a
     float32 target fails in backward on torch 2.11: "Found dtype Float but expected Double")."""
-    return replace(batch, target=map_tensors(batch.target, lambda t: t.double() if t.is_floating_point() else t))
+    return replace(batch, target=convert_tensors(batch.target, torch.float64, torch.device("cpu")))
 
 
 def _float64_grads(
