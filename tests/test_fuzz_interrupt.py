@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from process_tree import ctrl_c_and_reap
 
 if TYPE_CHECKING:
     import psutil  # type: ignore[import-untyped]
@@ -61,44 +62,12 @@ def _fork_server_processes(seen: dict[int, psutil.Process]) -> int:
     return count
 
 
-def _alive(processes: dict[int, psutil.Process]) -> list[psutil.Process]:
-    """The processes still running (a zombie has ended: only its parent has yet to reap it)."""
-    alive = []
-    for process in processes.values():
-        with suppress(psutil.Error):
-            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                alive.append(process)
-    return alive
-
-
 def _ctrl_c(
     session: subprocess.Popen[bytes], started: dict[int, psutil.Process]
 ) -> tuple[float, list[psutil.Process]]:
-    """Sends SIGINT to the session's process group, as a terminal's Ctrl-C does.
-
-    Returns:
-        Seconds the session took to exit (``inf`` if it did not within the deadline: it is
-        then killed), and its processes that outlived it by the deadline (killed too).
-    """
+    """Ctrl-C to the session's process group, after a last look at what it started."""
     _descendants(session.pid, started)
-    sent = time.monotonic()
-    with suppress(ProcessLookupError):
-        os.killpg(session.pid, signal.SIGINT)
-    try:
-        session.wait(timeout=STOP_DEADLINE_S)
-        took = time.monotonic() - sent
-    except subprocess.TimeoutExpired:
-        session.kill()
-        session.wait()
-        took = float("inf")
-    deadline = time.monotonic() + STOP_DEADLINE_S
-    while _alive(started) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = _alive(started)
-    for process in left:
-        with suppress(psutil.Error):
-            process.kill()
-    return took, left
+    return ctrl_c_and_reap(session, started.values(), STOP_DEADLINE_S)
 
 
 def _read(fd: int, into: bytearray, timeout: float) -> bool:

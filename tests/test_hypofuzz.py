@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from hypothesis import settings
+from process_tree import ctrl_c_and_reap
 
 import conftest
 
@@ -144,18 +144,6 @@ def _fuzzed_tests(database: Path) -> dict[str, int]:
     return fuzzed
 
 
-def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
-    """The processes still running (a zombie has ended: only its parent has yet to reap it)."""
-    import psutil
-
-    alive = []
-    for process in processes:
-        with suppress(psutil.NoSuchProcess):
-            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                alive.append(process)
-    return alive
-
-
 def _stop(fuzz: subprocess.Popen[Any]) -> list[psutil.Process]:
     """Stops ``hypothesis fuzz`` as a user does, with Ctrl-C, and returns the processes it
     started that outlived it (killed, then returned so the test fails on them)."""
@@ -165,21 +153,7 @@ def _stop(fuzz: subprocess.Popen[Any]) -> list[psutil.Process]:
     with suppress(psutil.NoSuchProcess):
         started = psutil.Process(fuzz.pid).children(recursive=True)  # workers, manager
     # They share its process group (start_new_session): Ctrl-C reaches all, as in a terminal.
-    with suppress(ProcessLookupError):
-        os.killpg(fuzz.pid, signal.SIGINT)
-    try:
-        fuzz.wait(timeout=STOP_DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        fuzz.kill()
-        fuzz.wait()
-    deadline = time.monotonic() + STOP_DEADLINE_S
-    while _alive(started) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = _alive(started)
-    for process in left:
-        with suppress(psutil.NoSuchProcess):
-            process.kill()
-    return left
+    return ctrl_c_and_reap(fuzz, started, STOP_DEADLINE_S)[1]
 
 
 def _readme_hypofuzz() -> bool:
