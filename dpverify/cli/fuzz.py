@@ -35,6 +35,7 @@ import dataclasses
 import hashlib
 import re
 import signal
+import sys
 import threading
 import time
 from collections import Counter
@@ -630,11 +631,14 @@ def _settings(config: FuzzConfig, database: DirectoryBasedExampleDatabase) -> se
 @contextlib.contextmanager
 def _ctrl_c_noted(came: list[bool]) -> Iterator[None]:
     """Notes a Ctrl-C (SIGINT) in ``came`` as well as raising KeyboardInterrupt, so that the
-    next example stops the session even if that KeyboardInterrupt is lost on its way up
-    (Python drops one raised inside a finalizer, ``__del__`` or a weakref callback, and a
-    step frees many tensors, modules and pipes): without the note a session on a terminal
-    ran on for seconds after Ctrl-C, one run in three with DDP ranks. Outside the main
-    thread, where no handler can be set, it notes nothing."""
+    next example stops the session even if that KeyboardInterrupt is lost on its way up.
+    Python cannot raise out of a garbage-collector callback (Hypothesis times collections
+    with one, ``gc_callback`` in hypothesis/internal/conjecture/junkdrawer.py) or a
+    finalizer: it hands the exception to ``sys.unraisablehook``, which printed a
+    KeyboardInterrupt traceback, and the session ran on for seconds after Ctrl-C, one run in
+    three on a terminal with DDP ranks. Such a KeyboardInterrupt is noted here and not
+    printed; other unraisable exceptions reach the hook as before. Outside the main thread,
+    where no handler can be set, it notes nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -643,11 +647,17 @@ def _ctrl_c_noted(came: list[bool]) -> Iterator[None]:
         came.append(True)
         raise KeyboardInterrupt
 
+    def hook(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            previous_hook(unraisable)
+
     previous = signal.signal(signal.SIGINT, note)
+    previous_hook, sys.unraisablehook = sys.unraisablehook, hook
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook
 
 
 def fuzz(config: FuzzConfig, *, on_example: Callable[[Tally], None] | None = None) -> FuzzReport:
