@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "StepComparison",
     "TensorComparison",
+    "TensorId",
     "Terms",
     "Tolerance",
     "compare_tensors",
@@ -178,6 +179,29 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
+class TensorId:
+    """Which tensor a comparison is of, as fields that code reads (never parses back).
+
+    ``kind`` is what the tensor is ("grad", "output", "loss", "buffer", ...), ``name`` the
+    parameter's or buffer's name (quoted in messages), ``rank`` the rank or replica that
+    produced it (None for the whole step), ``variant`` which run of the step ("plain
+    ddp_step", "step 2", "microbatch 0") and ``detail`` what follows the name in a
+    message (an output's rows "[0:3]", "after its step"). ``str()`` is the text messages
+    and tables show, e.g. ``rank 1 plain ddp_step grad 'fc.weight'``.
+    """
+
+    kind: str
+    name: str = ""
+    rank: int | None = None
+    variant: str = ""
+    detail: str = ""
+
+    def __str__(self) -> str:
+        parts = [f"rank {self.rank}" if self.rank is not None else "", self.variant, self.kind, repr(self.name) if self.name else "", self.detail]
+        return " ".join(part for part in parts if part)
+
+
+@dataclass(frozen=True)
 class TensorComparison:
     """The comparison of one tensor (an output, the loss, or a parameter's gradient).
 
@@ -194,7 +218,7 @@ class TensorComparison:
     the size of its values.
     """
 
-    name: str
+    id: TensorId | str  # TRANSITIONAL (issue 23): str goes once every producer passes a TensorId
     shape: tuple[int, ...]
     numel: int
     mismatched: int = 0
@@ -216,6 +240,11 @@ class TensorComparison:
     #: other, as DataParallel's reduce-add gives a parameter no replica used): nothing to
     #: compare, and no error to show
     absent: bool = False
+
+    @property
+    def name(self) -> str:
+        """The text messages and tables show for this tensor."""
+        return str(self.id)
 
     @property
     def ok(self) -> bool:
@@ -258,7 +287,7 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_dense() if tensor.is_sparse else tensor
 
 
-def _missing(name: str, actual: torch.Tensor | None, expected: torch.Tensor | None) -> TensorComparison | None:
+def _missing(name: TensorId | str, actual: torch.Tensor | None, expected: torch.Tensor | None) -> TensorComparison | None:
     """Handles None gradients: equal when both are None, or when the other is all zeros
     (DataParallel's reduce-add materialises zeros for parameters a replica did not use)."""
     if actual is not None and expected is not None:
@@ -278,7 +307,7 @@ def _missing(name: str, actual: torch.Tensor | None, expected: torch.Tensor | No
     )
 
 
-def require_finite(name: str, tensor: torch.Tensor | None, step: str) -> None:
+def require_finite(name: TensorId | str, tensor: torch.Tensor | None, step: str) -> None:
     """Raises ``NonFiniteReference`` when a reference result holds NaN or inf.
 
     A reference that is not finite cannot anchor a comparison: every parallel value would
@@ -352,7 +381,7 @@ def shared_references(memo: dict[tuple[int, ...], tuple[object, ...]]) -> Iterat
 
 
 def _prepared(
-    name: str, expected: torch.Tensor, anchor: torch.Tensor, probe: torch.Tensor | None, jitter: torch.Tensor | None,
+    name: TensorId | str, expected: torch.Tensor, anchor: torch.Tensor, probe: torch.Tensor | None, jitter: torch.Tensor | None,
 ) -> _Anchored:
     memo = _SHARED.get()
     if memo is None:
@@ -370,7 +399,7 @@ def _prepared(
 
 
 def _anchored_reference(
-    name: str,
+    name: TensorId | str,
     expected: torch.Tensor,
     anchor: torch.Tensor,
     probe: torch.Tensor | None = None,
@@ -411,7 +440,7 @@ def _anchored_reference(
 
 
 def compare_tensors(
-    name: str,
+    name: TensorId | str,
     actual: torch.Tensor | None,
     expected: torch.Tensor | None,
     anchor: torch.Tensor | None,
@@ -473,7 +502,7 @@ def compare_tensors(
 
 
 def _anchored(
-    name: str, actual: torch.Tensor, prepared: _Anchored, tolerance: Tolerance, terms: float | Terms | None,
+    name: TensorId | str, actual: torch.Tensor, prepared: _Anchored, tolerance: Tolerance, terms: float | Terms | None,
 ) -> TensorComparison:
     """The anchored rule (``Tolerance``) on one tensor, ``actual`` dense and on the
     reference's device."""
@@ -577,7 +606,7 @@ def _float64_rounding(
     return reference_error, reference_norm
 
 
-def _explicit(name: str, actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance) -> TensorComparison:
+def _explicit(name: TensorId | str, actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance) -> TensorComparison:
     """The explicit rule, with torch.isclose's semantics (NaN and inf included)."""
     assert tolerance.rtol is not None
     assert tolerance.atol is not None
@@ -597,7 +626,7 @@ def _explicit(name: str, actual: torch.Tensor, expected: torch.Tensor, tolerance
 
 
 def _detailed(
-    name: str,
+    name: TensorId | str,
     actual: torch.Tensor,
     reference: torch.Tensor,
     allowed_each: torch.Tensor,
@@ -641,7 +670,7 @@ def _detailed(
 
 
 def _detailed_finite(
-    name: str, actual: torch.Tensor, rounded: torch.Tensor, allowed: float, reference_error: float,
+    name: TensorId | str, actual: torch.Tensor, rounded: torch.Tensor, allowed: float, reference_error: float,
 ) -> TensorComparison:
     """``_detailed`` of a finite failing tensor against ``rounded`` (the float64 answer in
     the working dtype) with one allowance: the same float64 figures, a chunk of elements
