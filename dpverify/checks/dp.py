@@ -33,6 +33,7 @@ from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.core.scatter import ScatterPlan, plan_scatter
 from dpverify.core.step import (
+    Key,
     StepResult,
     as_inputs,
     batch_size_of,
@@ -529,11 +530,11 @@ class Check:
                 if path not in actual_outputs:
                     rows.append(TensorComparison(path, tuple(tensor.shape), tensor.numel(), mismatched=tensor.numel(), problem="is missing from the parallel step's output"))
                     continue
-                rows.append(row(path, actual_outputs[path], _output_key(path)))
+                rows.append(row(path, actual_outputs[path], Key.output(path)))
         loss_terms = refs.anchor.loss_terms if refs.anchor is not None else None
-        rows.append(row("loss", actual.loss, _loss_key, Terms(loss_terms, loss_terms) if loss_terms else None))
+        rows.append(row("loss", actual.loss, Key.loss(), Terms(loss_terms, loss_terms) if loss_terms else None))
         for name in expected.grads:
-            rows.append(self.against(f"grad {name!r}", actual.grads.get(name), refs, _grad_key(name), actual.terms(name), reuse=True))
+            rows.append(self.against(f"grad {name!r}", actual.grads.get(name), refs, Key.grad(name), actual.terms(name), reuse=True))
         return rows
 
     def against(
@@ -552,7 +553,7 @@ class Check:
             slot = (id(actual), key, terms, contrast, self.tolerance)
             done = refs.rows.get(slot)
             if done is not None and done[0] is actual:
-                again: TensorComparison = replace(done[1], name=name)
+                again: TensorComparison = replace(done[1], id=name)
                 return again
             result = self.against(name, actual, refs, key, terms, contrast=contrast)
             refs.rows[slot] = (actual, result)
@@ -744,35 +745,6 @@ def _target_on(target: Any, check: Check, dtype: torch.dtype | None) -> Any:
     return target
 
 
-@dataclass(frozen=True)
-class Key:
-    """Which tensor of a step a row compares: an output by path, the loss, or a
-    parameter's gradient divided by ``divisor``. Equal keys pick the same tensor, so the
-    references' tensors of a key are picked once (``References.keyed``) and what the
-    comparisons derive from them is derived once (``shared_references``)."""
-
-    kind: str
-    name: str = ""
-    divisor: int = 1
-
-    def __call__(self, step: StepResult) -> torch.Tensor | None:
-        if self.kind == "output":
-            return dict(step.outputs).get(self.name)
-        if self.kind == "loss":
-            return step.loss
-        grad = step.grads.get(self.name)
-        return grad / self.divisor if grad is not None and self.divisor != 1 else grad
-
-
-def _output_key(path: str) -> Key:
-    return Key("output", path)
-
-
-def _grad_key(name: str, divisor: int = 1) -> Key:
-    return Key("grad", name, divisor)
-
-
-_loss_key = Key("loss")
 
 
 @dataclass(frozen=True)
@@ -1378,7 +1350,7 @@ def _differing_rows(check: Check, actual: StepResult, refs: References, rows: Se
     notes = []
     for path, got in compared_outputs(actual, refs.expected):
         row = failing.get(path)
-        reference = refs.keyed(_output_key(path), "expected" if check.tolerance.explicit else "anchor")
+        reference = refs.keyed(Key.output(path), "expected" if check.tolerance.explicit else "anchor")
         if row is None or reference is None or got.shape != reference.shape or got.dim() == 0:
             continue
         dim = check.dim if -got.dim() <= check.dim < got.dim() else 0
@@ -1519,7 +1491,7 @@ def _loss_averaging_trap(check: Check, actual: StepResult, refs: References, los
     # comparison allows, and the full-batch loss well beyond it.
     loss_terms = refs.anchor.loss_terms if refs.anchor is not None else None
     terms = Terms(loss_terms, loss_terms) if loss_terms else None
-    allowed = check.against("loss", actual.loss, refs, _loss_key, terms).allowed
+    allowed = check.against("loss", actual.loss, refs, Key.loss(), terms).allowed
     rounding = max(allowed, 64 * torch.finfo(actual.loss.dtype).eps * max(abs(full), abs(mean)))
     if abs(full - mean) <= 4 * rounding or abs(parallel - mean) > rounding:
         return []
@@ -1604,10 +1576,10 @@ def assert_grad_sum_equals_mean_loss_grad(
     for name, grad in refs.expected.grads.items():
         total = _as(_sum(contributions, name), grad)
         terms = parallel_step.terms(name)
-        summed = check.against(f"sum of replica grads {name!r}", total, refs, _grad_key(name), terms)
+        summed = check.against(f"sum of replica grads {name!r}", total, refs, Key.grad(name), terms)
         sums_match &= summed.ok
         rows.append(summed)
-        rows.append(check.against(f"accumulated grad {name!r}", parallel_step.grads.get(name), refs, _grad_key(name), terms, reuse=True))
+        rows.append(check.against(f"accumulated grad {name!r}", parallel_step.grads.get(name), refs, Key.grad(name), terms, reuse=True))
         if total is None:
             continue
         average = total / max(replicas, 1)
@@ -1616,10 +1588,10 @@ def assert_grad_sum_equals_mean_loss_grad(
         # the number that ran.
         label = f"average of replica grads {name!r} = full / {replicas}"
         share = Terms(terms.largest / replicas, terms.norm / replicas) if terms is not None else None
-        rows.append(check.against(label, average, refs, _grad_key(name, replicas), share))
+        rows.append(check.against(label, average, refs, Key.grad(name, replicas), share))
         if replicas > 1:
             contrast = check.against(
-                f"average of replica grads {name!r} vs full", average, refs, _grad_key(name), terms, contrast=True
+                f"average of replica grads {name!r} vs full", average, refs, Key.grad(name), terms, contrast=True
             )
             contrasts.append(contrast)
             averages_differ |= contrast.mismatched > 0 or not contrast.ok

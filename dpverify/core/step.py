@@ -20,6 +20,7 @@ from dpverify.core.tree import concatenate, first_batched, map_tensors, tensor_l
 from dpverify.core.virtual import replica_device
 
 __all__ = [
+    "Key",
     "ReplicaGradRecorder",
     "StepResult",
     "as_inputs",
@@ -276,6 +277,42 @@ class StepResult:
         if name not in self.magnitudes:
             return None
         return Terms(self.magnitudes[name], self.norms.get(name, 0.0))
+
+
+@dataclass(frozen=True)
+class Key:
+    """Which tensor of a step a row compares: an output by path (optionally rows
+    ``start:stop`` of it), the loss, or a parameter's gradient divided by ``divisor``.
+    Equal keys pick the same tensor, so a reference's tensor of a key is picked once.
+    Build one with ``Key.output``, ``Key.grad`` or ``Key.loss``."""
+
+    kind: str
+    name: str = ""
+    divisor: int = 1
+    rows: tuple[int, int] | None = None
+
+    @classmethod
+    def output(cls, path: str, rows: tuple[int, int] | None = None) -> Key:
+        return cls("output", path, rows=rows)
+
+    @classmethod
+    def grad(cls, name: str, divisor: int = 1) -> Key:
+        return cls("grad", name, divisor)
+
+    @classmethod
+    def loss(cls) -> Key:
+        return cls("loss")
+
+    def __call__(self, step: StepResult) -> torch.Tensor | None:
+        if self.kind == "output":
+            tensor = dict(step.outputs).get(self.name)
+            if self.rows is not None and tensor is not None and tensor.dim() > 0:
+                return tensor[self.rows[0] : self.rows[1]]
+            return tensor
+        if self.kind == "loss":
+            return step.loss
+        grad = step.grads.get(self.name)
+        return grad / self.divisor if grad is not None and self.divisor != 1 else grad
 
 
 def run_step(

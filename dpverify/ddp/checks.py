@@ -37,6 +37,7 @@ from dpverify.core.errors import InvalidArgument
 from dpverify.core.items import Items
 from dpverify.core.numerics import max_abs
 from dpverify.core.step import (
+    Key,
     StepResult,
     as_inputs,
     batch_size_of,
@@ -378,9 +379,9 @@ class DDPCheck:
         for path, tensor in refs.expected.outputs:
             if path not in mine or tensor.dim() == 0 or tensor.size(0) != self.batch_size:
                 continue
-            found.append(refs.compare(f"{label}{path}[{start}:{stop}]", mine[path], _output_rows(path, start, stop), contrast=contrast))
+            found.append(refs.compare(f"{label}{path}[{start}:{stop}]", mine[path], Key.output(path, (start, stop)), contrast=contrast))
         for name in refs.expected.grads:
-            found.append(refs.compare(f"{label}grad {name!r}", actual.grads.get(name), _grad(name), name, contrast=contrast))
+            found.append(refs.compare(f"{label}grad {name!r}", actual.grads.get(name), Key.grad(name), name, contrast=contrast))
         return found
 
     def outcome(
@@ -401,19 +402,6 @@ class DDPCheck:
         )
 
 
-_Key = Callable[[StepResult], "torch.Tensor | None"]
-
-
-def _grad(name: str) -> _Key:
-    return lambda step: step.grads.get(name)
-
-
-def _output_rows(path: str, start: int, stop: int) -> _Key:
-    def key(step: StepResult) -> torch.Tensor | None:
-        tensor = dict(step.outputs).get(path)
-        return tensor[start:stop] if tensor is not None and tensor.dim() > 0 else tensor
-
-    return key
 
 
 # Relative size of the parameter perturbation of a float64 model's jittered run, as in the
@@ -461,7 +449,7 @@ class DDPReferences:
     _rounding: list[_Rounding] = field(default_factory=list, repr=False)
 
     def compare(
-        self, name: str, actual: torch.Tensor | None, key: _Key, grad: str | None = None, *, contrast: bool = False,
+        self, name: str, actual: torch.Tensor | None, key: Callable[[StepResult], torch.Tensor | None], grad: str | None = None, *, contrast: bool = False,
     ) -> TensorComparison:
         """``actual`` against the tensor ``key`` picks; ``grad``: the parameter whose
         gradient it is (the terms apply to gradients only). A ``contrast`` is expected to
@@ -1639,7 +1627,7 @@ def assert_dp_ddp_agree(
     dp_step = dp.run(lambda output: loss_fn(output, target_now), parallel=True)
     refs = check.references(expected=dp_step)
     rows = [
-        refs.compare(f"rank {r} grad {name!r} vs DataParallel", s.grads.get(name), _grad(name), name)
+        refs.compare(f"rank {r} grad {name!r} vs DataParallel", s.grads.get(name), Key.grad(name), name)
         for r, s in enumerate(ranks)
         for name in dp_step.grads
     ]

@@ -38,6 +38,7 @@ from dpverify.core.comparison import (
 )
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.step import (
+    Key,
     StepResult,
     as_inputs,
     batch_size_of,
@@ -491,23 +492,17 @@ def _grad_rows(check: PipelineCheck, ranks: Sequence[PipelineRankStep], refs: DD
         for local, grad in rank.grads.items():
             name = aliases.get(local, local)
             if name in refs.expected.grads:
-                rows.append(refs.compare(f"stage {r} grad {name!r}", grad, _grad_key(name), name))
+                rows.append(refs.compare(f"stage {r} grad {name!r}", grad, Key.grad(name), name))
     return rows
 
 
-def _grad_key(name: str) -> Any:
-    return lambda step: step.grads.get(name)
-
-
-def _output_key(path: str) -> Any:
-    return lambda step: dict(step.outputs).get(path)
 
 
 def _output_rows(check: PipelineCheck, last: PipelineRankStep, refs: DDPReferences) -> list[TensorComparison]:
     mine = dict(last.outputs)
     stage = len(check.stages) - 1
     return [
-        refs.compare(f"stage {stage} {path}", mine.get(path), _output_key(path))
+        refs.compare(f"stage {stage} {path}", mine.get(path), Key.output(path))
         for path, _tensor in refs.expected.outputs
     ]
 
