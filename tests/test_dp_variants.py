@@ -99,9 +99,10 @@ def test_look_alikes_of_wrappers_in_the_wild_are_verified_as_they_are(wrapper: A
 
 def test_outside_a_check_torch_is_left_as_it_was() -> None:
     x, y = _batch()
+    before = (nn.DataParallel(nn.Linear(4, 3)).device_ids, torch.cuda.is_available(), torch.cuda.device_count())
     dpverify.assert_dp_grads_match(nn.Linear(4, 3), x, y, loss_fn=F.mse_loss, device_ids=[0, 1], parallel=nn.DataParallel)
-    assert nn.DataParallel(nn.Linear(4, 3)).device_ids == []  # no CUDA here: torch's own behaviour
-    assert not torch.cuda.is_available()
+    # torch's own behaviour on this machine: [] without CUDA, the visible GPUs with it
+    assert (nn.DataParallel(nn.Linear(4, 3)).device_ids, torch.cuda.is_available(), torch.cuda.device_count()) == before
 
 
 def test_the_readme_examples_of_verifying_your_own_data_parallel_run() -> None:
@@ -112,9 +113,10 @@ def test_the_readme_examples_of_verifying_your_own_data_parallel_run() -> None:
     section = readme.split("## Verifying your own DataParallel", 1)[1].split("\n## ", 1)[0]
     blocks = [textwrap.dedent(part.split("```", 1)[0]) for part in section.split("```python\n")[1:]]
     assert len(blocks) == 2  # virtual_devices, and a model/criterion pair
+    before = nn.DataParallel(nn.Linear(4, 2)).device_ids
     for code in blocks:
         exec(compile(code, "README.md", "exec"), {})
-    assert nn.DataParallel(nn.Linear(4, 2)).device_ids == []  # restored after the block
+    assert nn.DataParallel(nn.Linear(4, 2)).device_ids == before  # restored after the block
 
 
 class _DropsLastChunk(nn.DataParallel[Any]):

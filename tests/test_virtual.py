@@ -46,6 +46,7 @@ def _by_device(calls: list[dict[str, Any]]) -> dict[Any, dict[str, Any]]:
     return {c["device"]: c for c in calls}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch's DataParallel on a machine without CUDA")
 def test_cpu_data_parallel_tests_nothing() -> None:
     # docs/semantics.md section 1: without CUDA torch's DataParallel keeps device_ids=[] and
     # calls the module.
