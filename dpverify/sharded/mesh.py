@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from dpverify.ddp.rank import RankInfo, _cpu
+from dpverify.ranked.rank import RankInfo, cpu_copy
 
 __all__ = ["device_mesh", "gather_full", "quiet"]
 
@@ -86,7 +86,7 @@ def gather_full(named: Sequence[tuple[str, torch.Tensor | None]]) -> dict[str, t
     rank without one never leaves the others waiting in a collective.
     """
     mine = [
-        _cpu(t.to_local()) if isinstance(t, DTensor) and _dim0_shard(t) else (isinstance(t, DTensor) if t is not None else None)
+        cpu_copy(t.to_local()) if isinstance(t, DTensor) and _dim0_shard(t) else (isinstance(t, DTensor) if t is not None else None)
         for _name, t in named
     ]
     every: list[Any] = [None] * dist.get_world_size()
@@ -99,7 +99,7 @@ def gather_full(named: Sequence[tuple[str, torch.Tensor | None]]) -> dict[str, t
         elif all(isinstance(piece, torch.Tensor) for piece in pieces):
             full[name] = torch.cat(pieces, dim=0)
         elif isinstance(tensor, DTensor) and all(piece is True or isinstance(piece, torch.Tensor) for piece in pieces):
-            full[name] = _cpu(tensor.full_tensor())
+            full[name] = cpu_copy(tensor.full_tensor())
         else:
-            full[name] = _cpu(tensor.to_local() if isinstance(tensor, DTensor) else tensor)
+            full[name] = cpu_copy(tensor.to_local() if isinstance(tensor, DTensor) else tensor)
     return full
