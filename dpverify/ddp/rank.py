@@ -24,11 +24,12 @@ from torch.nn.parallel import DistributedDataParallel
 from dpverify.ranked.rank import (
     LossFn,
     MicroBatch,
-    OptimizerFactory,
     RankContext,
     RankInfo,
     RankStep,
+    RankStepTask,
     RankTraining,
+    RankTrainingTask,
     buffers_of,
     grads_of,
     outputs_of,
@@ -189,26 +190,16 @@ def _module_copy(module: nn.Module, device: torch.device, *, sync_batchnorm: boo
 
 
 @dataclass(frozen=True)
-class StepTask:
-    """One DDP step per function in ``steps``, each on a fresh copy of ``module``.
+class StepTask(RankStepTask):
+    """One DDP step per function in ``steps``, each on a fresh copy of ``module``: a
+    ``RankStepTask`` with DistributedDataParallel's keyword arguments, ``micro_batches``
+    per shard, whether to count gradient synchronisations, and whether to convert the
+    module's batch norms to SyncBatchNorm."""
 
-    ``item_counts``: the items (rows, tokens) of every rank's micro-batches, per rank, as
-    the parent counted them (``()``: rows); ``item_kind`` says what they count."""
-
-    module: nn.Module
-    inputs: tuple[Any, ...]
-    target: Any
-    loss_fn: LossFn
-    shard_sizes: tuple[int, ...]
-    steps: tuple[Step, ...]
     ddp_kwargs: tuple[tuple[str, Any], ...] = ()
     micro_batches: int = 1
     count_syncs: bool = False
     sync_batchnorm: bool = False
-    seed: int = 0
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
-    item_kind: str = "rows"
-    item_counts: tuple[tuple[int, ...], ...] = ()
 
 
 def _context(info: RankInfo, model: nn.Module, loss_fn: LossFn, shard_sizes: tuple[int, ...], **more: Any) -> ShardContext:
@@ -243,23 +234,11 @@ def run_step_task(info: RankInfo, task: StepTask) -> tuple[RankStep, ...]:
 
 
 @dataclass(frozen=True)
-class TrainingTask:
-    """``len(batches)`` optimizer steps of DDP training from the same weights on every rank.
+class TrainingTask(RankTrainingTask):
+    """``len(batches)`` optimizer steps of DDP training from the same weights on every
+    rank: a ``RankTrainingTask`` with DistributedDataParallel's keyword arguments."""
 
-    ``batches``: ``(inputs, kwargs, target)`` per step; ``item_kinds`` and ``item_counts``:
-    what each batch's rank losses average over and every rank's count of it, per batch
-    (``()``: rows)."""
-
-    module: nn.Module
-    batches: tuple[tuple[tuple[Any, ...], Mapping[str, Any], Any], ...]
-    loss_fn: LossFn
-    optimizer: OptimizerFactory
-    shard_sizes: tuple[tuple[int, ...], ...]
-    step: Step
     ddp_kwargs: tuple[tuple[str, Any], ...] = ()
-    seed: int = 0
-    item_kinds: tuple[str, ...] = ()
-    item_counts: tuple[tuple[int, ...], ...] = ()
 
 
 def run_training_task(info: RankInfo, task: TrainingTask) -> RankTraining:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,9 +30,10 @@ __all__ = [
     "RankContext",
     "RankInfo",
     "RankStep",
+    "RankStepTask",
     "RankTraining",
+    "RankTrainingTask",
     "Trained",
-    "TrainingPlan",
     "buffers_of",
     "cpu_copy",
     "even_shards",
@@ -337,6 +338,38 @@ class RankContext:
 
 
 @dataclass(frozen=True)
+class RankStepTask:
+    """One step per function in ``steps`` on every rank, each on a fresh copy of
+    ``module``: what every backend's step task holds (``StepTask``, ``FSDPStepTask`` and
+    ``TPStepTask`` add how the module is wrapped).
+
+    Attributes:
+        module: the module every rank copies.
+        inputs: the whole batch's positional forward arguments.
+        target: the whole batch's target.
+        loss_fn: ``loss_fn(output, target)``.
+        shard_sizes: the rows of every shard.
+        steps: the per-rank steps, ``step(ctx)``.
+        seed: the random state every step starts from.
+        kwargs: the whole batch's keyword forward arguments.
+        item_kind: what ``item_counts`` count.
+        item_counts: per shard, its items per micro-batch, as the parent counted them
+            (``()``: rows).
+    """
+
+    module: nn.Module
+    inputs: tuple[Any, ...]
+    target: Any
+    loss_fn: LossFn
+    shard_sizes: tuple[int, ...]
+    steps: tuple[Callable[[Any], Any], ...]
+    seed: int = field(default=0, kw_only=True)
+    kwargs: Mapping[str, Any] = field(default_factory=dict, kw_only=True)
+    item_kind: str = field(default="rows", kw_only=True)
+    item_counts: tuple[tuple[int, ...], ...] = field(default=(), kw_only=True)
+
+
+@dataclass(frozen=True)
 class RankStep:
     """What one step left on one rank (CPU tensors).
 
@@ -376,33 +409,33 @@ def run_step(ctx: RankContext, step: Callable[[Any], Any], seed: int) -> tuple[A
 # --------------------------------------------------------------------------- training
 
 
-class TrainingPlan(Protocol):
-    """What a training task says about its steps (``TrainingTask``, ``FSDPTrainingTask``).
+@dataclass(frozen=True)
+class RankTrainingTask:
+    """``len(batches)`` optimizer steps of training from the same weights on every rank:
+    what every backend's training task holds (``TrainingTask``, ``FSDPTrainingTask`` add how
+    the module is wrapped).
 
     Attributes:
+        module: the module every rank trains a copy of.
         batches: one ``(inputs, kwargs, target)`` per optimizer step.
+        loss_fn: ``loss_fn(output, target)``.
+        optimizer: ``optimizer(parameters)``, the optimizer of every rank.
         shard_sizes: the rows of every rank's shard, per batch.
+        step: the per-rank step, ``step(ctx)``.
+        seed: the random state the training starts from.
         item_kinds: what each batch's shard losses average over (``()``: rows).
         item_counts: every shard's count of those items, per batch (``()``: rows).
-        step: the per-rank step, ``step(ctx)``.
-        optimizer: ``optimizer(parameters)``, the optimizer of every rank.
-        seed: the random state the training starts from.
     """
 
-    @property
-    def batches(self) -> tuple[Batch, ...]: ...
-    @property
-    def shard_sizes(self) -> tuple[tuple[int, ...], ...]: ...
-    @property
-    def item_kinds(self) -> tuple[str, ...]: ...
-    @property
-    def item_counts(self) -> tuple[tuple[int, ...], ...]: ...
-    @property
-    def step(self) -> Callable[[Any], Any]: ...
-    @property
-    def optimizer(self) -> OptimizerFactory: ...
-    @property
-    def seed(self) -> int: ...
+    module: nn.Module
+    batches: tuple[Batch, ...]
+    loss_fn: LossFn
+    optimizer: OptimizerFactory
+    shard_sizes: tuple[tuple[int, ...], ...]
+    step: Callable[[Any], Any]
+    seed: int = field(default=0, kw_only=True)
+    item_kinds: tuple[str, ...] = field(default=(), kw_only=True)
+    item_counts: tuple[tuple[int, ...], ...] = field(default=(), kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -417,7 +450,7 @@ class Trained:
 
 def train(
     ctx: RankContext,
-    plan: TrainingPlan,
+    plan: RankTrainingTask,
     *,
     optimizer_after_first_step: bool = False,
     read_params: Callable[[nn.Module], dict[str, torch.Tensor]] = params_of,

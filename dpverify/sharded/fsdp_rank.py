@@ -24,13 +24,12 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dpverify.ranked.rank import (
-    Batch,
-    LossFn,
-    OptimizerFactory,
     RankContext,
     RankInfo,
     RankStep,
+    RankStepTask,
     RankTraining,
+    RankTrainingTask,
     buffers_of,
     outputs_of,
     run_step,
@@ -200,21 +199,12 @@ def _holding(module: nn.Module) -> tuple[Held, ...]:
 
 
 @dataclass(frozen=True)
-class FSDPStepTask:
-    """One FSDP2 step per function in ``steps``, each on a fresh copy of ``module``."""
+class FSDPStepTask(RankStepTask):
+    """One FSDP2 step per function in ``steps``, each on a fresh copy of ``module``: a
+    ``RankStepTask`` with the modules to shard and ``reshard_after_forward``."""
 
-    module: nn.Module
-    inputs: tuple[Any, ...]
-    target: Any
-    loss_fn: LossFn
-    shard_sizes: tuple[int, ...]
-    steps: tuple[Any, ...]
     shard_modules: tuple[str, ...]
     reshard_after_forward: bool = True
-    seed: int = 0
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
-    item_kind: str = "rows"
-    item_counts: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -345,22 +335,13 @@ def run_fsdp_step_task(info: RankInfo, task: FSDPStepTask) -> tuple[FSDPRankStep
 
 
 @dataclass(frozen=True)
-class FSDPTrainingTask:
+class FSDPTrainingTask(RankTrainingTask):
     """``len(batches)`` optimizer steps of FSDP2 training; the first step shards the module
     and the optimizer is built after it, so the optimizer holds the DTensor parameters (and
     its state is sharded like them)."""
 
-    module: nn.Module
-    batches: tuple[Batch, ...]
-    loss_fn: LossFn
-    optimizer: OptimizerFactory
-    shard_sizes: tuple[tuple[int, ...], ...]
-    step: Any
     shard_modules: tuple[str, ...]
     reshard_after_forward: bool = True
-    seed: int = 0
-    item_kinds: tuple[str, ...] = ()
-    item_counts: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)

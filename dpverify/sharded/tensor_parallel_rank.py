@@ -33,10 +33,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._pytree import tree_leaves, tree_map
 
 from dpverify.ranked.rank import (
-    LossFn,
     RankContext,
     RankInfo,
     RankStep,
+    RankStepTask,
     buffers_of,
     cpu_copy,
     outputs_of,
@@ -399,23 +399,14 @@ def _placed(name: str, param: torch.Tensor) -> Placed:
 
 
 @dataclass(frozen=True)
-class TPStepTask:
-    """One tensor-parallel step per function in ``steps``, each on a fresh copy of ``module``;
-    ``shard_sizes``: the rows of each data-parallel group."""
+class TPStepTask(RankStepTask):
+    """One tensor-parallel step per function in ``steps``, each on a fresh copy of
+    ``module``: a ``RankStepTask`` whose ``shard_sizes`` are the rows of each data-parallel
+    group, with the plan, the data-parallel groups and the modules FSDP2 shards over them."""
 
-    module: nn.Module
-    inputs: tuple[Any, ...]
-    target: Any
-    loss_fn: LossFn
-    shard_sizes: tuple[int, ...]
-    steps: tuple[Any, ...]
     plan: Mapping[str, Any]
     data_parallel: int = 1
     fsdp_modules: tuple[str, ...] = ()
-    seed: int = 0
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
-    item_kind: str = "rows"
-    item_counts: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
