@@ -35,7 +35,7 @@ from dpverify.ranked.rank import (
     run_step,
     train,
 )
-from dpverify.sharded.mesh import device_mesh, gather_full, quiet
+from dpverify.sharded.mesh import device_mesh, full_grads, full_params, quiet
 
 __all__ = [
     "FSDPContext",
@@ -181,17 +181,10 @@ def weighted_fsdp_step(ctx: FSDPContext) -> Any:
 # --------------------------------------------------------------------------- tasks
 
 
-def _grads_and_plain(module: nn.Module) -> tuple[dict[str, torch.Tensor | None], tuple[str, ...]]:
-    """Each parameter's full gradient (``gather_full``), and the parameters whose gradient
-    is not a DTensor (it did not come out of FSDP2's reduce-scatter)."""
-    named = [(name, param.grad) for name, param in module.named_parameters()]
-    plain = tuple(name for name, grad in named if grad is not None and not isinstance(grad, DTensor))
-    return gather_full(named), plain
-
-
-def _full_params(module: nn.Module) -> dict[str, torch.Tensor]:
-    full = gather_full([(name, p.detach()) for name, p in module.named_parameters()])
-    return {name: tensor for name, tensor in full.items() if tensor is not None}
+def _plain_grads(module: nn.Module) -> tuple[str, ...]:
+    """The parameters whose gradient is not a DTensor (it did not come out of FSDP2's
+    reduce-scatter)."""
+    return tuple(name for name, p in module.named_parameters() if p.grad is not None and not isinstance(p.grad, DTensor))
 
 
 def _holding(module: nn.Module) -> tuple[Held, ...]:
@@ -314,16 +307,15 @@ def _run_one(info: RankInfo, task: FSDPStepTask, step: Any) -> FSDPRankStep:
     ctx = _context(info, model, task, task.shard_sizes)
     ctx.load(task.inputs, task.target, task.kwargs, task.shard_sizes, item_kind=task.item_kind, item_counts=task.item_counts)
     output, loss = run_step(ctx, step, task.seed)
-    grads, plain = _grads_and_plain(model)
     return FSDPRankStep(
-        grads=grads,
+        grads=full_grads(model),
         outputs=outputs_of(output),
         loss=loss,
         buffers=buffers_of(model),
         wrapped=ctx.wrapped,
         syncs=None,
         held=_holding(model),
-        plain_grads=plain,
+        plain_grads=_plain_grads(model),
         compute_dtypes=compute_dtypes(model),
     )
 
@@ -379,9 +371,7 @@ def run_fsdp_training_task(info: RankInfo, task: FSDPTrainingTask) -> FSDPRankTr
     model = copy.deepcopy(task.module).to(torch.device(info.device))
     ctx = _context(info, model, task, task.shard_sizes[0])
     with quiet():
-        trained = train(
-            ctx, task, optimizer_after_first_step=True, read_params=_full_params, read_grads=lambda m: _grads_and_plain(m)[0]
-        )
+        trained = train(ctx, task, optimizer_after_first_step=True, read_params=full_params, read_grads=full_grads)
         grads_none = tuple(name for name, p in model.named_parameters() if p.grad is None)
         names = {id(p): name for name, p in model.named_parameters()}
         state = _optimizer_state(trained.optimizer, names) if trained.optimizer is not None else ()

@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dpverify.ranked.rank import RankInfo, cpu_copy
 
-__all__ = ["device_mesh", "gather_full", "quiet"]
+__all__ = ["device_mesh", "full_grads", "full_params", "gather_full", "quiet"]
 
 _MESHES: dict[tuple[int, str, tuple[int, ...], tuple[str, ...]], DeviceMesh] = {}
 
@@ -103,3 +104,14 @@ def gather_full(named: Sequence[tuple[str, torch.Tensor | None]]) -> dict[str, t
         else:
             full[name] = cpu_copy(tensor.to_local() if isinstance(tensor, DTensor) else tensor)
     return full
+
+
+def full_grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every parameter's whole gradient as a CPU tensor, on every rank (``gather_full``)."""
+    return gather_full([(name, p.grad) for name, p in module.named_parameters()])
+
+
+def full_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every whole parameter as a CPU tensor, on every rank (``gather_full``)."""
+    full = gather_full([(name, p.detach()) for name, p in module.named_parameters()])
+    return {name: tensor for name, tensor in full.items() if tensor is not None}

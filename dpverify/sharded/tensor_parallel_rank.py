@@ -38,11 +38,10 @@ from dpverify.ranked.rank import (
     RankStep,
     RankStepTask,
     buffers_of,
-    cpu_copy,
     outputs_of,
     run_step,
 )
-from dpverify.sharded.mesh import device_mesh, gather_full, quiet
+from dpverify.sharded.mesh import device_mesh, full_grads, quiet
 
 __all__ = [
     "DP_DIM",
@@ -431,19 +430,6 @@ class TPRankStep(RankStep):
     failed_ranks: tuple[int, ...] = ()
 
 
-def _full_grads(model: nn.Module, one_dim: bool) -> dict[str, torch.Tensor | None]:
-    """Every parameter's whole gradient on every rank. On a 1-D mesh over every rank,
-    ``gather_full``'s one ``all_gather_object``; on a 2-D mesh, ``full_tensor()`` per
-    DTensor (its shards live on sub-groups that one world-wide gather would mix)."""
-    named = [(name, p.grad) for name, p in model.named_parameters()]
-    if one_dim:
-        return gather_full(named)
-    return {
-        name: None if grad is None else cpu_copy(grad.full_tensor() if isinstance(grad, DTensor) else grad)
-        for name, grad in named
-    }
-
-
 def _whole(output: Any) -> Any:
     """A step's output as one device would have returned it: every pending collective
     waited for, every DTensor made whole (None stays None)."""
@@ -480,7 +466,7 @@ def _run_one(info: RankInfo, task: TPStepTask, step: Any) -> TPRankStep:
     if failed:
         return TPRankStep({}, (), None, {}, ctx.wrapped, None, dp_rank, tp_rank, held, ctx.seen(), error, failed)
     return TPRankStep(
-        grads=_full_grads(model, d == 1),
+        grads=full_grads(model),
         outputs=outputs_of(output),
         loss=loss,
         buffers=buffers_of(model),
