@@ -17,6 +17,8 @@ from dpverify.ddp.pool import DDPWorkerPool
 from dpverify.ddp.rank import TrainingTask, ddp_step, run_training_task
 from dpverify.ranked.rank import (
     RankContext,
+    RankInfo,
+    RankStepTask,
     buffers_of,
     grads_of,
     items_of,
@@ -111,21 +113,22 @@ def test_ranks_that_share_a_shard_weigh_it_over_the_shards_not_the_ranks() -> No
     assert ctx.loss_weight == pytest.approx(2 * 2 / 6)
 
 
-def test_run_step_starts_from_the_seed_and_gives_back_the_random_state() -> None:
+def test_run_step_loads_the_shard_starts_from_the_seed_and_gives_back_the_random_state() -> None:
     def noisy(ctx: RankContext) -> torch.Tensor:
         return ctx.module(*ctx.inputs) + torch.rand(())
 
-    ctx = context(mlp())
-    (inputs, kwargs, target), = batches(1)
-    ctx.load(inputs, target, kwargs, (6,))
-    first, loss = run_step(ctx, noisy, seed=3)
+    (inputs, _kwargs, target), = batches(1)
+    task = RankStepTask(mlp(), inputs, target, F.mse_loss, (4, 2), (noisy,), seed=3)
+    ctx = RankContext.for_rank(RankInfo(1, 2, "gloo", "cpu"), mlp(), F.mse_loss, (4, 2))
+    first, loss = run_step(ctx, task, noisy)
+    assert torch.equal(ctx.target, target[4:])
     torch.rand(5)
     before = torch.get_rng_state()
-    second, _ = run_step(ctx, noisy, seed=3)
+    second, _ = run_step(ctx, task, noisy)
     assert torch.equal(first, second)
     assert torch.equal(torch.get_rng_state(), before)
-    assert loss == pytest.approx(float(F.mse_loss(first, target).detach()))
-    assert run_step(ctx, lambda _ctx: None, seed=3) == (None, None)
+    assert loss == pytest.approx(float(F.mse_loss(first, target[4:]).detach()))
+    assert run_step(ctx, task, lambda _ctx: None) == (None, None)
 
 
 def manual_training(module: nn.Module, plan: Plan) -> list[dict[str, torch.Tensor]]:

@@ -202,22 +202,14 @@ class StepTask(RankStepTask):
     sync_batchnorm: bool = False
 
 
-def _context(info: RankInfo, model: nn.Module, loss_fn: LossFn, shard_sizes: tuple[int, ...], **more: Any) -> ShardContext:
-    return ShardContext(
-        rank=info.rank, world_size=info.world_size, module=model, inputs=(), target=None, loss_fn=loss_fn,
-        shard_sizes=shard_sizes, device=torch.device(info.device), **more,
-    )
-
-
 def _run_one(info: RankInfo, task: StepTask, step: Step) -> RankStep:
     device = torch.device(info.device)
     model = _module_copy(task.module, device, sync_batchnorm=task.sync_batchnorm)
-    ctx = _context(
+    ctx = ShardContext.for_rank(
         info, model, task.loss_fn, task.shard_sizes, ddp_kwargs=dict(task.ddp_kwargs), micro_batches=task.micro_batches,
         count_syncs=task.count_syncs,
     )
-    ctx.load(task.inputs, task.target, task.kwargs, task.shard_sizes, item_kind=task.item_kind, item_counts=task.item_counts)
-    output, loss = run_step(ctx, step, task.seed)
+    output, loss = run_step(ctx, task, step)
     return RankStep(
         grads=grads_of(model),
         outputs=outputs_of(output),
@@ -244,7 +236,7 @@ class TrainingTask(RankTrainingTask):
 def run_training_task(info: RankInfo, task: TrainingTask) -> RankTraining:
     """Trains this rank's copy for ``len(task.batches)`` steps (a task for ``RankRunner.run``)."""
     model = _module_copy(task.module, torch.device(info.device), sync_batchnorm=False)
-    ctx = _context(info, model, task.loss_fn, task.shard_sizes[0], ddp_kwargs=dict(task.ddp_kwargs))
+    ctx = ShardContext.for_rank(info, model, task.loss_fn, task.shard_sizes[0], ddp_kwargs=dict(task.ddp_kwargs))
     trained = train(ctx, task)
     grads_none = tuple(name for name, grad in grads_of(model).items() if grad is None)
     return RankTraining(trained.params, buffers_of(model), grads_none, ctx.wrapped)

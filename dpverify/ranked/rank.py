@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -54,6 +54,7 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 #: One batch of a training run: ``(inputs, kwargs, target)``.
 Batch = tuple[tuple[Any, ...], Mapping[str, Any], Any]
+C = TypeVar("C", bound="RankContext")
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,15 @@ class RankContext:
     item_counts: tuple[int, ...] = ()
     micro_batch_items: tuple[int, ...] = ()
 
+    @classmethod
+    def for_rank(cls: type[C], info: RankInfo, module: nn.Module, loss_fn: LossFn, shard_sizes: tuple[int, ...], /, **more: Any) -> C:
+        """The context of rank ``info`` over its copy ``module``, before any batch is
+        loaded; ``more``: the backend's own fields."""
+        return cls(
+            rank=info.rank, world_size=info.world_size, module=module, inputs=(), target=None, loss_fn=loss_fn,
+            shard_sizes=shard_sizes, device=torch.device(info.device), **more,
+        )
+
     @property
     def shard_index(self) -> int:
         """Which of ``shard_sizes`` this rank runs: its rank."""
@@ -390,14 +400,16 @@ class RankStep:
     syncs: int | None
 
 
-def run_step(ctx: RankContext, step: Callable[[Any], Any], seed: int) -> tuple[Any, float | None]:
-    """Runs ``step(ctx)`` from the random state ``seed`` (``seeded``).
+def run_step(ctx: RankContext, task: RankStepTask, step: Callable[[Any], Any]) -> tuple[Any, float | None]:
+    """Loads this rank's shard of ``task``'s batch into ``ctx`` and runs ``step(ctx)`` from
+    the random state ``task.seed`` (``seeded``).
 
     Returns:
         What the step returned, and the rank's mean loss on that output (None when the
         step returned nothing, or the shard has no row: a mean over no row is NaN).
     """
-    with seeded(ctx.device, seed):
+    ctx.load(task.inputs, task.target, task.kwargs, task.shard_sizes, item_kind=task.item_kind, item_counts=task.item_counts)
+    with seeded(ctx.device, task.seed):
         output = step(ctx)
         loss = None
         if output is not None and ctx.shard_size > 0:

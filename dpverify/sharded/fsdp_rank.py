@@ -287,26 +287,16 @@ def precision_of(module: nn.Module) -> Precision:
 
 
 def _context(info: RankInfo, model: nn.Module, task: FSDPStepTask | FSDPTrainingTask, shard_sizes: tuple[int, ...]) -> FSDPContext:
-    return FSDPContext(
-        rank=info.rank,
-        world_size=info.world_size,
-        module=model,
-        inputs=(),
-        target=None,
-        loss_fn=task.loss_fn,
-        shard_sizes=shard_sizes,
-        device=torch.device(info.device),
-        shard_modules=task.shard_modules,
-        reshard_after_forward=task.reshard_after_forward,
-        info=info,
+    return FSDPContext.for_rank(
+        info, model, task.loss_fn, shard_sizes, shard_modules=task.shard_modules,
+        reshard_after_forward=task.reshard_after_forward, info=info,
     )
 
 
 def _run_one(info: RankInfo, task: FSDPStepTask, step: Any) -> FSDPRankStep:
     model = copy.deepcopy(task.module).to(torch.device(info.device))
     ctx = _context(info, model, task, task.shard_sizes)
-    ctx.load(task.inputs, task.target, task.kwargs, task.shard_sizes, item_kind=task.item_kind, item_counts=task.item_counts)
-    output, loss = run_step(ctx, step, task.seed)
+    output, loss = run_step(ctx, task, step)
     return FSDPRankStep(
         grads=full_grads(model),
         outputs=outputs_of(output),

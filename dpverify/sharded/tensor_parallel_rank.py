@@ -445,17 +445,15 @@ def _run_one(info: RankInfo, task: TPStepTask, step: Any) -> TPRankStep:
     tp_size = info.world_size // d
     dp_rank, tp_rank = divmod(info.rank, tp_size)
     mesh = device_mesh(info, (d, tp_size), (DP_DIM, TP_DIM)) if d > 1 else device_mesh(info, (info.world_size,), (TP_DIM,))
-    ctx = TPContext(
-        rank=info.rank, world_size=info.world_size, module=model, inputs=(), target=None, loss_fn=task.loss_fn,
-        shard_sizes=task.shard_sizes, device=device, plan=task.plan, data_parallel=d, dp_rank=dp_rank, tp_rank=tp_rank,
+    ctx = TPContext.for_rank(
+        info, model, task.loss_fn, task.shard_sizes, plan=task.plan, data_parallel=d, dp_rank=dp_rank, tp_rank=tp_rank,
         fsdp_modules=task.fsdp_modules, mesh=mesh,
     )
-    ctx.load(task.inputs, task.target, task.kwargs, task.shard_sizes, item_kind=task.item_kind, item_counts=task.item_counts)
     error: str | None = None
     output: Any = None
     loss = None
     try:
-        output, loss = run_step(ctx, lambda c: _whole(step(c)), task.seed)
+        output, loss = run_step(ctx, task, lambda c: _whole(step(c)))
     except Exception as raised:  # reported with the layouts seen; the parent explains it
         error = f"{type(raised).__name__}: {raised}"
     # every rank learns whether any raised, so none waits alone in the gradient gathering
