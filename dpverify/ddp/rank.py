@@ -35,8 +35,6 @@ from dpverify.ranked.rank import (
     outputs_of,
     run_step,
     seeded,
-    shard_of,
-    to_device,
     train,
 )
 
@@ -268,16 +266,15 @@ class RankBuffers:
 def run_buffer_task(info: RankInfo, task: BufferTask) -> RankBuffers:
     """One train step with grad (so DDP syncs buffers before the next forward), then an
     eval forward under no_grad (a task for ``RankRunner.run``)."""
-    device = torch.device(info.device)
-    model = _module_copy(task.module, device, sync_batchnorm=False)
-    inputs, target, kwargs = to_device(shard_of(task.inputs, task.target, task.shard_sizes, info.rank, task.kwargs), device)
-    device_ids = [device.index] if device.type == "cuda" else None
-    wrapper = DistributedDataParallel(model, device_ids=device_ids, **dict(task.ddp_kwargs))
-    with seeded(device, task.seed):
+    model = _module_copy(task.module, torch.device(info.device), sync_batchnorm=False)
+    ctx = ShardContext.for_rank(info, model, task.loss_fn, task.shard_sizes, ddp_kwargs=dict(task.ddp_kwargs))
+    ctx.load(task.inputs, task.target, task.kwargs, task.shard_sizes)
+    wrapper = ctx.ddp()
+    with seeded(ctx.device, task.seed):
         wrapper.train()
-        task.loss_fn(wrapper(*inputs, **kwargs), target).backward()
+        task.loss_fn(wrapper(*ctx.inputs, **ctx.kwargs), ctx.target).backward()
         after_step = buffers_of(model)
         wrapper.eval()
         with torch.no_grad():
-            output = wrapper(*inputs, **kwargs)
+            output = wrapper(*ctx.inputs, **ctx.kwargs)
     return RankBuffers(after_step, buffers_of(model), outputs_of(output))
