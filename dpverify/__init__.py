@@ -32,11 +32,11 @@ _EXPORTS: dict[str, str] = {
     "FSDPContext": "dpverify.sharded.fsdp",
     "InvalidArgument": "dpverify.core.errors",
     "LossAverageReport": "dpverify.checks.loss_average",
-    "MicroBatch": "dpverify.ddp.rank",
+    "MicroBatch": "dpverify.ranked.rank",
     "NonFiniteReference": "dpverify.core.errors",
     "ParallelError": "dpverify.ddp.pool",
     "ParallelMismatch": "dpverify.core.errors",
-    "RankInfo": "dpverify.ddp.rank",
+    "RankInfo": "dpverify.ranked.rank",
     "ScatterPlan": "dpverify.core.scatter",
     "ShardContext": "dpverify.ddp.rank",
     "Split": "dpverify.checks.registry",
@@ -207,12 +207,12 @@ if TYPE_CHECKING:
     from dpverify.ddp.checks import assert_dp_ddp_agree as assert_dp_ddp_agree
     from dpverify.ddp.pool import DDPWorkerPool as DDPWorkerPool
     from dpverify.ddp.pool import ParallelError as ParallelError
-    from dpverify.ddp.rank import MicroBatch as MicroBatch
-    from dpverify.ddp.rank import RankInfo as RankInfo
     from dpverify.ddp.rank import ShardContext as ShardContext
     from dpverify.ddp.rank import ddp_step as ddp_step
     from dpverify.ddp.rank import no_sync_accumulation_step as no_sync_accumulation_step
     from dpverify.ddp.rank import weighted_ddp_step as weighted_ddp_step
+    from dpverify.ranked.rank import MicroBatch as MicroBatch
+    from dpverify.ranked.rank import RankInfo as RankInfo
     from dpverify.sharded.fsdp import FSDPContext as FSDPContext
     from dpverify.sharded.fsdp import assert_fsdp_grads_match as assert_fsdp_grads_match
     from dpverify.sharded.fsdp import assert_fsdp_training_matches as assert_fsdp_training_matches

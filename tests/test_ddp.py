@@ -40,8 +40,9 @@ from dpverify.ddp.checks import (
     assert_dp_ddp_agree,
 )
 from dpverify.ddp.pool import DDPWorkerPool, ParallelError, RankInfo
-from dpverify.ddp.rank import ShardContext, ddp_step, even_shards
+from dpverify.ddp.rank import ShardContext, ddp_step
 from dpverify.models.specs import KINDS, DeviceList, LossSpec, ModelSpec
+from dpverify.ranked.rank import even_shards
 from dpverify.strategies import Scenario, device_lists, loss_specs, model_specs, scenarios
 
 LINUX = sys.platform.startswith("linux")

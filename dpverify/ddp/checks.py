@@ -61,24 +61,26 @@ from dpverify.ddp.items import PieceItems, count_piece_items, require_items
 from dpverify.ddp.pool import ParallelError, RankRunner, require_picklable, shared_pool
 from dpverify.ddp.rank import (
     BufferTask,
-    LossFn,
-    OptimizerFactory,
     RankBuffers,
-    RankStep,
-    RankTraining,
     Step,
     StepTask,
     TrainingTask,
     ddp_step,
-    even_shards,
     micro_mean_accumulation_step,
     no_sync_accumulation_step,
     run_buffer_task,
     run_step_task,
     run_training_task,
+    weighted_ddp_step,
+)
+from dpverify.ranked.rank import (
+    LossFn,
+    OptimizerFactory,
+    RankStep,
+    RankTraining,
+    even_shards,
     shard_bounds,
     take_rows,
-    weighted_ddp_step,
 )
 
 __all__ = [

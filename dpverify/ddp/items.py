@@ -29,7 +29,7 @@ from dpverify.core.items import Items, choose_items, count_items, ignore_indices
 from dpverify.core.step import convert_tensors, copy_module, default_dtype
 from dpverify.core.tree import tensor_leaves
 from dpverify.core.validation import require_callable
-from dpverify.ddp.rank import even_shards, shard_bounds, take_rows
+from dpverify.ranked.rank import even_shards, shard_bounds, take_rows
 
 __all__ = ["PieceItems", "count_piece_items", "require_items"]
 

@@ -50,7 +50,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Protocol, TypeVar
 
 from dpverify.core.errors import InvalidArgument
-from dpverify.ddp.rank import RankInfo
+from dpverify.ranked.rank import RankInfo
 
 __all__ = [
     "DDPWorkerPool",

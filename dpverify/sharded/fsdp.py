@@ -60,8 +60,8 @@ from dpverify.ddp.checks import (
 )
 from dpverify.ddp.items import PieceItems, count_piece_items
 from dpverify.ddp.pool import ParallelError, RankRunner, require_picklable
-from dpverify.ddp.rank import LossFn, OptimizerFactory, even_shards
 from dpverify.models.layouts import read_without_forward
+from dpverify.ranked.rank import LossFn, OptimizerFactory, even_shards
 from dpverify.sharded.fsdp_rank import (
     MESH_DIM,
     FSDPContext,

@@ -2,8 +2,8 @@
 and the tasks that return gradients, parameters and the evidence that sharding ran.
 
 A check sends one frozen task to every rank of a ``RankRunner``. Each rank takes a fresh
-copy of the module, cuts its contiguous shard of the batch (as the DDP checks do,
-``dpverify.ddp.rank``), and runs a step whose ``ctx.fsdp()`` applies torch's
+copy of the module, cuts its contiguous shard of the batch (``dpverify.ranked.rank``, as every ranked check
+does), and runs a step whose ``ctx.fsdp()`` applies torch's
 ``fully_shard`` (FSDP2) over the one-dimensional mesh ``("dp",)`` of every rank. What comes
 back is made of plain CPU tensors: the full gradients and parameters (``DTensor.full_tensor()``,
 an all-gather) and, for each parameter, how it was held (a DTensor or not, its local and
@@ -23,21 +23,19 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from dpverify.core.step import no_tf32
-from dpverify.ddp.rank import (
-    LossFn,
-    OptimizerFactory,
+from dpverify.ranked.rank import (
+    RankContext,
     RankInfo,
     RankStep,
+    RankStepTask,
     RankTraining,
-    ShardContext,
-    _buffers,
-    _items_of,
-    _on,
-    _outputs,
-    _shard_of,
+    RankTrainingTask,
+    buffers_of,
+    outputs_of,
+    run_step,
+    train,
 )
-from dpverify.sharded.mesh import device_mesh, gather_full, quiet
+from dpverify.sharded.mesh import device_mesh, full_grads, full_params, quiet
 
 __all__ = [
     "FSDPContext",
@@ -101,10 +99,10 @@ def _held(name: str, tensor: torch.Tensor) -> Held:
 
 
 @dataclass
-class FSDPContext(ShardContext):
+class FSDPContext(RankContext):
     """What a rank's FSDP2 step sees; the argument of every ``step`` function.
 
-    The attributes of ``ShardContext`` (``rank``, ``world_size``, ``module``, ``inputs``,
+    The attributes of ``RankContext`` (``rank``, ``world_size``, ``module``, ``inputs``,
     ``target``, ``loss_fn``, ``shard_sizes``, ``device``, ``kwargs``, ``loss_weight``,
     ``items``, ...), and:
 
@@ -183,17 +181,10 @@ def weighted_fsdp_step(ctx: FSDPContext) -> Any:
 # --------------------------------------------------------------------------- tasks
 
 
-def _grads_and_plain(module: nn.Module) -> tuple[dict[str, torch.Tensor | None], tuple[str, ...]]:
-    """Each parameter's full gradient (``gather_full``), and the parameters whose gradient
-    is not a DTensor (it did not come out of FSDP2's reduce-scatter)."""
-    named = [(name, param.grad) for name, param in module.named_parameters()]
-    plain = tuple(name for name, grad in named if grad is not None and not isinstance(grad, DTensor))
-    return gather_full(named), plain
-
-
-def _full_params(module: nn.Module) -> dict[str, torch.Tensor]:
-    full = gather_full([(name, p.detach()) for name, p in module.named_parameters()])
-    return {name: tensor for name, tensor in full.items() if tensor is not None}
+def _plain_grads(module: nn.Module) -> tuple[str, ...]:
+    """The parameters whose gradient is not a DTensor (it did not come out of FSDP2's
+    reduce-scatter)."""
+    return tuple(name for name, p in module.named_parameters() if p.grad is not None and not isinstance(p.grad, DTensor))
 
 
 def _holding(module: nn.Module) -> tuple[Held, ...]:
@@ -201,21 +192,12 @@ def _holding(module: nn.Module) -> tuple[Held, ...]:
 
 
 @dataclass(frozen=True)
-class FSDPStepTask:
-    """One FSDP2 step per function in ``steps``, each on a fresh copy of ``module``."""
+class FSDPStepTask(RankStepTask):
+    """One FSDP2 step per function in ``steps``, each on a fresh copy of ``module``: a
+    ``RankStepTask`` with the modules to shard and ``reshard_after_forward``."""
 
-    module: nn.Module
-    inputs: tuple[Any, ...]
-    target: Any
-    loss_fn: LossFn
-    shard_sizes: tuple[int, ...]
-    steps: tuple[Any, ...]
     shard_modules: tuple[str, ...]
     reshard_after_forward: bool = True
-    seed: int = 0
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
-    item_kind: str = "rows"
-    item_counts: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -305,47 +287,25 @@ def precision_of(module: nn.Module) -> Precision:
 
 
 def _context(info: RankInfo, model: nn.Module, task: FSDPStepTask | FSDPTrainingTask, shard_sizes: tuple[int, ...]) -> FSDPContext:
-    return FSDPContext(
-        rank=info.rank,
-        world_size=info.world_size,
-        module=model,
-        inputs=(),
-        target=None,
-        loss_fn=task.loss_fn,
-        shard_sizes=shard_sizes,
-        device=torch.device(info.device),
-        shard_modules=task.shard_modules,
-        reshard_after_forward=task.reshard_after_forward,
-        info=info,
+    return FSDPContext.for_rank(
+        info, model, task.loss_fn, shard_sizes, shard_modules=task.shard_modules,
+        reshard_after_forward=task.reshard_after_forward, info=info,
     )
 
 
 def _run_one(info: RankInfo, task: FSDPStepTask, step: Any) -> FSDPRankStep:
-    device = torch.device(info.device)
-    model = copy.deepcopy(task.module).to(device)
-    inputs, target, kwargs = _shard_of(task.inputs, task.target, task.shard_sizes, info.rank, task.kwargs)
-    per_rank, mine = _items_of(task.item_counts, info.rank)
+    model = copy.deepcopy(task.module).to(torch.device(info.device))
     ctx = _context(info, model, task, task.shard_sizes)
-    ctx.inputs, ctx.target, ctx.kwargs = _on(inputs, device), _on(target, device), _on(kwargs, device)
-    ctx.item_kind, ctx.item_counts, ctx.micro_batch_items = task.item_kind, per_rank, mine
-    fork = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=fork), no_tf32():
-        torch.manual_seed(task.seed)
-        output = step(ctx)
-        loss = None
-        if output is not None and ctx.shard_size > 0:  # a mean over no row is NaN, not a loss
-            with torch.no_grad():
-                loss = float(task.loss_fn(output, ctx.target))
-    grads, plain = _grads_and_plain(model)
+    output, loss = run_step(ctx, task, step)
     return FSDPRankStep(
-        grads=grads,
-        outputs=_outputs(output) if output is not None else (),
+        grads=full_grads(model),
+        outputs=outputs_of(output),
         loss=loss,
-        buffers=_buffers(model),
+        buffers=buffers_of(model),
         wrapped=ctx.wrapped,
         syncs=None,
         held=_holding(model),
-        plain_grads=plain,
+        plain_grads=_plain_grads(model),
         compute_dtypes=compute_dtypes(model),
     )
 
@@ -357,22 +317,13 @@ def run_fsdp_step_task(info: RankInfo, task: FSDPStepTask) -> tuple[FSDPRankStep
 
 
 @dataclass(frozen=True)
-class FSDPTrainingTask:
+class FSDPTrainingTask(RankTrainingTask):
     """``len(batches)`` optimizer steps of FSDP2 training; the first step shards the module
     and the optimizer is built after it, so the optimizer holds the DTensor parameters (and
     its state is sharded like them)."""
 
-    module: nn.Module
-    batches: tuple[tuple[tuple[Any, ...], Mapping[str, Any], Any], ...]
-    loss_fn: LossFn
-    optimizer: OptimizerFactory
-    shard_sizes: tuple[tuple[int, ...], ...]
-    step: Any
     shard_modules: tuple[str, ...]
     reshard_after_forward: bool = True
-    seed: int = 0
-    item_kinds: tuple[str, ...] = ()
-    item_counts: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -407,40 +358,16 @@ def run_fsdp_training_task(info: RankInfo, task: FSDPTrainingTask) -> FSDPRankTr
     (``ctx.fsdp(**options)``, or ``fully_shard`` called by the step itself, once); the
     optimizer is built after it, over the parameters FSDP2 then holds, so that it steps
     the sharded parameters and its state is sharded like them."""
-    device = torch.device(info.device)
-    model = copy.deepcopy(task.module).to(device)
+    model = copy.deepcopy(task.module).to(torch.device(info.device))
     ctx = _context(info, model, task, task.shard_sizes[0])
-    history: list[dict[str, torch.Tensor]] = []
-    step_grads: list[dict[str, torch.Tensor | None]] = []
-    optimizer: torch.optim.Optimizer | None = None
-    fork = [device] if device.type == "cuda" else []
-    with quiet(), torch.random.fork_rng(devices=fork), no_tf32():
-        torch.manual_seed(task.seed)
-        for index, ((inputs, kwargs, target), sizes) in enumerate(zip(task.batches, task.shard_sizes, strict=True)):
-            shard_inputs, shard_target, shard_kwargs = _shard_of(inputs, target, sizes, info.rank, kwargs)
-            ctx.inputs, ctx.target, ctx.shard_sizes = _on(shard_inputs, device), _on(shard_target, device), sizes
-            ctx.kwargs = _on(shard_kwargs, device)
-            ctx.item_kind = task.item_kinds[index] if task.item_kinds else "rows"
-            ctx.item_counts = task.item_counts[index] if task.item_counts else ()
-            ctx.micro_batch_items = (ctx.item_counts[info.rank],) if ctx.item_counts else ()
-            if optimizer is not None:
-                optimizer.zero_grad(set_to_none=True)
-            try:
-                task.step(ctx)
-            except Exception as error:
-                error.add_note(f"dpverify: raised in optimizer step {index + 1} of {len(task.batches)}")
-                raise
-            if optimizer is None:  # over the parameters the first step left: FSDP2's DTensors
-                optimizer = task.optimizer(model.parameters())
-            step_grads.append(_grads_and_plain(model)[0])
-            optimizer.step()
-            history.append(_full_params(model))
+    with quiet():
+        trained = train(ctx, task, optimizer_after_first_step=True, read_params=full_params, read_grads=full_grads)
         grads_none = tuple(name for name, p in model.named_parameters() if p.grad is None)
         names = {id(p): name for name, p in model.named_parameters()}
-        state = _optimizer_state(optimizer, names) if optimizer is not None else ()
+        state = _optimizer_state(trained.optimizer, names) if trained.optimizer is not None else ()
         param_dtypes = tuple(dict.fromkeys(str(p.dtype) for p in model.parameters()))
         grad_dtypes = tuple(dict.fromkeys(str(p.grad.dtype) for p in model.parameters() if p.grad is not None))
     return FSDPRankTraining(
-        tuple(history), _buffers(model), grads_none, ctx.wrapped, _holding(model), state,
-        precision=precision_of(model), step_grads=tuple(step_grads), param_dtypes=param_dtypes, grad_dtypes=grad_dtypes,
+        trained.params, buffers_of(model), grads_none, ctx.wrapped, _holding(model), state,
+        precision=precision_of(model), step_grads=trained.step_grads, param_dtypes=param_dtypes, grad_dtypes=grad_dtypes,
     )

@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from dpverify.ddp.rank import RankInfo, _cpu
+from dpverify.ranked.rank import RankInfo, cpu_copy
 
-__all__ = ["device_mesh", "gather_full", "quiet"]
+__all__ = ["device_mesh", "full_grads", "full_params", "gather_full", "quiet"]
 
 _MESHES: dict[tuple[int, str, tuple[int, ...], tuple[str, ...]], DeviceMesh] = {}
 
@@ -86,7 +87,7 @@ def gather_full(named: Sequence[tuple[str, torch.Tensor | None]]) -> dict[str, t
     rank without one never leaves the others waiting in a collective.
     """
     mine = [
-        _cpu(t.to_local()) if isinstance(t, DTensor) and _dim0_shard(t) else (isinstance(t, DTensor) if t is not None else None)
+        cpu_copy(t.to_local()) if isinstance(t, DTensor) and _dim0_shard(t) else (isinstance(t, DTensor) if t is not None else None)
         for _name, t in named
     ]
     every: list[Any] = [None] * dist.get_world_size()
@@ -99,7 +100,18 @@ def gather_full(named: Sequence[tuple[str, torch.Tensor | None]]) -> dict[str, t
         elif all(isinstance(piece, torch.Tensor) for piece in pieces):
             full[name] = torch.cat(pieces, dim=0)
         elif isinstance(tensor, DTensor) and all(piece is True or isinstance(piece, torch.Tensor) for piece in pieces):
-            full[name] = _cpu(tensor.full_tensor())
+            full[name] = cpu_copy(tensor.full_tensor())
         else:
-            full[name] = _cpu(tensor.to_local() if isinstance(tensor, DTensor) else tensor)
+            full[name] = cpu_copy(tensor.to_local() if isinstance(tensor, DTensor) else tensor)
     return full
+
+
+def full_grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every parameter's whole gradient as a CPU tensor, on every rank (``gather_full``)."""
+    return gather_full([(name, p.grad) for name, p in module.named_parameters()])
+
+
+def full_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every whole parameter as a CPU tensor, on every rank (``gather_full``)."""
+    full = gather_full([(name, p.detach()) for name, p in module.named_parameters()])
+    return {name: tensor for name, tensor in full.items() if tensor is not None}

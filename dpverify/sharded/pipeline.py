@@ -50,7 +50,8 @@ from dpverify.core.step import (
 from dpverify.core.validation import require_bool, require_int_at_least, require_module_with_grads
 from dpverify.ddp.checks import DDPCheck, DDPReferences, _name, _runner
 from dpverify.ddp.pool import RankRunner, require_picklable
-from dpverify.ddp.rank import LossFn, Step, even_shards, shard_bounds, take_rows
+from dpverify.ddp.rank import Step
+from dpverify.ranked.rank import LossFn, even_shards, shard_bounds, take_rows
 from dpverify.sharded.pipeline_rank import PipelineRankStep, PipelineTask, run_pipeline_task
 
 __all__ = [

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from dpverify.core.step import convert_tensors, flatten_tensors, no_tf32, parameter_sites
+from dpverify.core.step import flatten_tensors
 from dpverify.core.tree import first_batched
-from dpverify.ddp.rank import LossFn, RankInfo, _cpu
+from dpverify.ranked.rank import LossFn, RankInfo, cpu_copy, grads_of, outputs_of, seeded, to_device
 from dpverify.sharded.mesh import quiet
 
 __all__ = ["PipelineRankStep", "PipelineTask", "StageModule", "run_pipeline_task"]
@@ -146,18 +146,6 @@ class _Evidence:
         self.output_grads += 1
 
 
-def _stage_grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
-    grads: dict[str, torch.Tensor | None] = {}
-    for name, path, attr in parameter_sites(module):
-        param = module.get_submodule(path)._parameters[attr]
-        grads[name] = None if param is None or param.grad is None else _cpu(param.grad)
-    return grads
-
-
-def _on(obj: Any, device: torch.device) -> Any:
-    return convert_tensors(obj, None, device)
-
-
 def _step(schedule: Any, rank: int, last: bool, inputs: tuple[Any, ...], target: Any, losses: list[Any]) -> Any:
     """One ``schedule.step``: the batch on the first stage, the target on the last."""
     step: Callable[..., Any] = schedule.step
@@ -177,14 +165,12 @@ def run_pipeline_task(info: RankInfo, task: PipelineTask) -> PipelineRankStep:
     children = dict(task.module.named_children())
     module = StageModule([(name, children[name]) for name in names]).to(device)
     last = rank == stages - 1
-    fork = [device] if device.type == "cuda" else []
-    with quiet(), torch.random.fork_rng(devices=fork), no_tf32():
-        torch.manual_seed(task.seed)
+    with quiet(), seeded(device, task.seed):
         stage = PipelineStage(module, rank, stages, device)
         evidence = _Evidence(stage, module)
         schedule = task.schedule(stage, task.n_microbatches, loss_fn=task.loss_fn, scale_grads=task.scale_grads)
         losses: list[Any] = []
-        output = _step(schedule, rank, last, _on(task.inputs, device), _on(task.target, device), losses)
+        output = _step(schedule, rank, last, to_device(task.inputs, device), to_device(task.target, device), losses)
     return PipelineRankStep(
         stage_index=stage.stage_index,
         num_stages=stage.num_stages,
@@ -194,7 +180,7 @@ def run_pipeline_task(info: RankInfo, task: PipelineTask) -> PipelineRankStep:
         forward_rows=tuple(evidence.rows),
         backwards=tuple(evidence.backwards),
         output_grads=evidence.output_grads,
-        grads=_stage_grads(module),
-        losses=tuple(_cpu(loss) for loss in losses if isinstance(loss, torch.Tensor)),
-        outputs=tuple((path, _cpu(t)) for path, t in flatten_tensors(output, "output")) if last and output is not None else (),
+        grads=grads_of(module),
+        losses=tuple(cpu_copy(loss) for loss in losses if isinstance(loss, torch.Tensor)),
+        outputs=outputs_of(output) if last else (),
     )

@@ -53,7 +53,7 @@ from dpverify.ddp.checks import (
 )
 from dpverify.ddp.items import PieceItems
 from dpverify.ddp.pool import RankRunner
-from dpverify.ddp.rank import LossFn, even_shards, shard_bounds, take_rows
+from dpverify.ranked.rank import LossFn, even_shards, shard_bounds, take_rows
 from dpverify.sharded.fsdp import _default_units
 from dpverify.sharded.fsdp_rank import shard_order
 from dpverify.sharded.tensor_parallel_rank import (

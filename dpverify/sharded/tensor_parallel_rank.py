@@ -32,20 +32,16 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._pytree import tree_leaves, tree_map
 
-from dpverify.core.step import no_tf32
-from dpverify.ddp.rank import (
-    LossFn,
+from dpverify.ranked.rank import (
+    RankContext,
     RankInfo,
     RankStep,
-    ShardContext,
-    _buffers,
-    _cpu,
-    _items_of,
-    _on,
-    _outputs,
-    _shard_of,
+    RankStepTask,
+    buffers_of,
+    outputs_of,
+    run_step,
 )
-from dpverify.sharded.mesh import device_mesh, gather_full, quiet
+from dpverify.sharded.mesh import device_mesh, full_grads, quiet
 
 __all__ = [
     "DP_DIM",
@@ -251,10 +247,10 @@ class _Recorder:
 
 
 @dataclass
-class TPContext(ShardContext):
+class TPContext(RankContext):
     """What a rank's tensor-parallel step sees; the argument of every ``step`` function.
 
-    The attributes of ``ShardContext`` (``rank``, ``world_size`` (every rank), ``module``,
+    The attributes of ``RankContext`` (``rank``, ``world_size`` (every rank), ``module``,
     ``inputs``, ``target``, ``loss_fn``, ``device``, ``kwargs``, ...), and:
 
     Attributes:
@@ -289,20 +285,10 @@ class TPContext(ShardContext):
         return self.world_size // self.data_parallel
 
     @property
-    def shard_size(self) -> int:
-        return self.shard_sizes[self.dp_rank]
-
-    @property
-    def items(self) -> int:
-        """The items this rank's group's mean loss averages over (rows, or tokens)."""
-        return self.item_counts[self.dp_rank] if self.item_counts else self.shard_size
-
-    @property
-    def loss_weight(self) -> float:
-        """``t_g * data_parallel / T``: the factor that makes FSDP2's average over the
-        data-parallel groups of their mean losses the full-batch mean loss (1.0 with one
-        group, or equal ones)."""
-        return self.items * self.data_parallel / self.total_items
+    def shard_index(self) -> int:
+        """This rank's data-parallel group, whose shard it runs: ``items``,
+        ``shard_size`` and ``loss_weight`` (``t_g * data_parallel / T``) are the group's."""
+        return self.dp_rank
 
     @property
     def wrapped(self) -> bool:
@@ -412,23 +398,14 @@ def _placed(name: str, param: torch.Tensor) -> Placed:
 
 
 @dataclass(frozen=True)
-class TPStepTask:
-    """One tensor-parallel step per function in ``steps``, each on a fresh copy of ``module``;
-    ``shard_sizes``: the rows of each data-parallel group."""
+class TPStepTask(RankStepTask):
+    """One tensor-parallel step per function in ``steps``, each on a fresh copy of
+    ``module``: a ``RankStepTask`` whose ``shard_sizes`` are the rows of each data-parallel
+    group, with the plan, the data-parallel groups and the modules FSDP2 shards over them."""
 
-    module: nn.Module
-    inputs: tuple[Any, ...]
-    target: Any
-    loss_fn: LossFn
-    shard_sizes: tuple[int, ...]
-    steps: tuple[Any, ...]
     plan: Mapping[str, Any]
     data_parallel: int = 1
     fsdp_modules: tuple[str, ...] = ()
-    seed: int = 0
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
-    item_kind: str = "rows"
-    item_counts: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -453,21 +430,12 @@ class TPRankStep(RankStep):
     failed_ranks: tuple[int, ...] = ()
 
 
-def _full_grads(model: nn.Module, one_dim: bool) -> dict[str, torch.Tensor | None]:
-    """Every parameter's whole gradient on every rank. On a 1-D mesh over every rank,
-    ``gather_full``'s one ``all_gather_object``; on a 2-D mesh, ``full_tensor()`` per
-    DTensor (its shards live on sub-groups that one world-wide gather would mix)."""
-    named = [(name, p.grad) for name, p in model.named_parameters()]
-    if one_dim:
-        return gather_full(named)
-    return {
-        name: None if grad is None else _cpu(grad.full_tensor() if isinstance(grad, DTensor) else grad)
-        for name, grad in named
-    }
-
-
-def _settled(output: Any) -> Any:
-    return tree_map(lambda leaf: leaf.wait() if isinstance(leaf, AsyncCollectiveTensor) else leaf, output)
+def _whole(output: Any) -> Any:
+    """A step's output as one device would have returned it: every pending collective
+    waited for, every DTensor made whole (None stays None)."""
+    if output is None:
+        return None
+    return full_output(tree_map(lambda leaf: leaf.wait() if isinstance(leaf, AsyncCollectiveTensor) else leaf, output))
 
 
 def _run_one(info: RankInfo, task: TPStepTask, step: Any) -> TPRankStep:
@@ -477,28 +445,17 @@ def _run_one(info: RankInfo, task: TPStepTask, step: Any) -> TPRankStep:
     tp_size = info.world_size // d
     dp_rank, tp_rank = divmod(info.rank, tp_size)
     mesh = device_mesh(info, (d, tp_size), (DP_DIM, TP_DIM)) if d > 1 else device_mesh(info, (info.world_size,), (TP_DIM,))
-    inputs, target, kwargs = _shard_of(task.inputs, task.target, task.shard_sizes, dp_rank, task.kwargs)
-    per_group, mine = _items_of(task.item_counts, dp_rank)
-    ctx = TPContext(
-        rank=info.rank, world_size=info.world_size, module=model, inputs=_on(inputs, device),
-        target=_on(target, device), loss_fn=task.loss_fn, shard_sizes=task.shard_sizes, device=device,
-        kwargs=_on(kwargs, device), item_kind=task.item_kind, item_counts=per_group, micro_batch_items=mine,
-        plan=task.plan, data_parallel=d, dp_rank=dp_rank, tp_rank=tp_rank, fsdp_modules=task.fsdp_modules, mesh=mesh,
+    ctx = TPContext.for_rank(
+        info, model, task.loss_fn, task.shard_sizes, plan=task.plan, data_parallel=d, dp_rank=dp_rank, tp_rank=tp_rank,
+        fsdp_modules=task.fsdp_modules, mesh=mesh,
     )
     error: str | None = None
     output: Any = None
     loss = None
-    fork = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=fork), no_tf32():
-        torch.manual_seed(task.seed)
-        try:
-            output = step(ctx)
-            if output is not None:
-                output = _settled(output)
-                with torch.no_grad():
-                    loss = float(task.loss_fn(full_output(output), ctx.target))
-        except Exception as raised:  # reported with the layouts seen; the parent explains it
-            error = f"{type(raised).__name__}: {raised}"
+    try:
+        output, loss = run_step(ctx, task, lambda c: _whole(step(c)))
+    except Exception as raised:  # reported with the layouts seen; the parent explains it
+        error = f"{type(raised).__name__}: {raised}"
     # every rank learns whether any raised, so none waits alone in the gradient gathering
     failures: list[Any] = [None] * info.world_size
     dist.all_gather_object(failures, error is not None)
@@ -507,10 +464,10 @@ def _run_one(info: RankInfo, task: TPStepTask, step: Any) -> TPRankStep:
     if failed:
         return TPRankStep({}, (), None, {}, ctx.wrapped, None, dp_rank, tp_rank, held, ctx.seen(), error, failed)
     return TPRankStep(
-        grads=_full_grads(model, d == 1),
-        outputs=_outputs(full_output(output)) if output is not None else (),
+        grads=full_grads(model),
+        outputs=outputs_of(output),
         loss=loss,
-        buffers=_buffers(model),
+        buffers=buffers_of(model),
         wrapped=ctx.wrapped,
         syncs=None,
         dp_rank=dp_rank,

@@ -1,0 +1,526 @@
+"""What every ranked backend runs on a rank: who the rank is, its shard of the batch, the
+context a step sees, the step runner, the training loop, and CPU snapshots of what a step
+left (gradients, parameters, buffers, outputs).
+
+A check sends one frozen task to every rank of a ``RankRunner``; the DDP, FSDP2,
+tensor-parallel and pipeline tasks (``dpverify.ddp.rank``, ``dpverify.sharded.*_rank``)
+differ in how a step wraps the module and in the evidence they return, and share the rest
+from here. Everything here must be importable by the rank processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from dpverify.core.errors import InvalidArgument
+from dpverify.core.step import convert_tensors, flatten_tensors, no_tf32, parameter_sites
+from dpverify.core.tree import map_tensors
+
+__all__ = [
+    "Batch",
+    "LossFn",
+    "MicroBatch",
+    "OptimizerFactory",
+    "RankContext",
+    "RankInfo",
+    "RankStep",
+    "RankStepTask",
+    "RankTraining",
+    "RankTrainingTask",
+    "Trained",
+    "buffers_of",
+    "cpu_copy",
+    "even_shards",
+    "grads_of",
+    "items_of",
+    "outputs_of",
+    "params_of",
+    "run_step",
+    "seeded",
+    "shard_bounds",
+    "shard_of",
+    "take_rows",
+    "to_device",
+    "train",
+]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+#: One batch of a training run: ``(inputs, kwargs, target)``.
+Batch = tuple[tuple[Any, ...], Mapping[str, Any], Any]
+C = TypeVar("C", bound="RankContext")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Who a task runs as: passed to every task function as its first argument.
+
+    Defined with the per-rank code that reads it, rather than in the pool that makes it, so
+    that what runs on a rank does not depend on how the ranks are managed.
+
+    Attributes:
+        rank: this process's rank in the default process group.
+        world_size: number of ranks.
+        backend: ``"gloo"`` or ``"nccl"``.
+        device: where this rank computes, ``"cpu"`` or ``"cuda:<local rank>"``.
+    """
+
+    rank: int
+    world_size: int
+    backend: str
+    device: str
+
+
+# --------------------------------------------------------------------------- shards
+
+
+def even_shards(batch_size: int, world_size: int) -> tuple[int, ...]:
+    """Contiguous shard sizes as even as possible; the first ``batch_size % world_size``
+    ranks get one row more (``even_shards(5, 2) == (3, 2)``).
+
+    Raises:
+        InvalidArgument: fewer rows than ranks (a rank with no rows has no mean loss).
+    """
+    if batch_size < world_size:
+        raise InvalidArgument(
+            f"a batch of {batch_size} rows cannot give each of {world_size} ranks a row; "
+            f"pass at least world_size={world_size} rows"
+        )
+    base, extra = divmod(batch_size, world_size)
+    return tuple(base + 1 if rank < extra else base for rank in range(world_size))
+
+
+def shard_bounds(shard_sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """``[start, stop)`` rows of every shard, in rank order."""
+    bounds, start = [], 0
+    for size in shard_sizes:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def take_rows(obj: Any, start: int, stop: int, batch_size: int) -> Any:
+    """Rows ``start:stop`` of every tensor with ``batch_size`` rows in a nested structure;
+    other tensors (parameters-like, scalars) and objects are passed whole."""
+
+    def rows(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() > 0 and tensor.size(0) == batch_size:
+            return tensor[start:stop]
+        return tensor
+
+    return map_tensors(obj, rows)
+
+
+def shard_of(
+    inputs: Any, target: Any, shard_sizes: Sequence[int], shard: int, kwargs: Mapping[str, Any] | None = None
+) -> tuple[Any, Any, dict[str, Any]]:
+    """Shard ``shard``'s rows of the positional arguments, the target and the keyword
+    arguments of a batch cut in contiguous ``shard_sizes``."""
+    batch = sum(shard_sizes)
+    start, stop = shard_bounds(shard_sizes)[shard]
+    return (
+        take_rows(inputs, start, stop, batch),
+        take_rows(target, start, stop, batch),
+        take_rows(dict(kwargs or {}), start, stop, batch),
+    )
+
+
+def items_of(counts: Sequence[Sequence[int]], shard: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(every shard's count, shard's counts per micro-batch)`` from per-shard,
+    per-micro-batch counts of items; both empty when none were counted (rows)."""
+    if not counts:
+        return (), ()
+    return tuple(sum(pieces) for pieces in counts), tuple(counts[shard])
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Fresh copies on ``device`` of every tensor in a nested structure."""
+    return convert_tensors(obj, None, device)
+
+
+def cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached CPU copy of ``tensor`` (sendable to the parent)."""
+    return tensor.detach().to("cpu", copy=True)
+
+
+def grads_of(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """CPU copy of the gradient of every distinct parameter, by qualified name (None: no
+    gradient). A tied parameter appears once, under its first name."""
+    grads: dict[str, torch.Tensor | None] = {}
+    for name, module_path, attr in parameter_sites(module):
+        param = module.get_submodule(module_path)._parameters[attr]
+        grads[name] = None if param is None or param.grad is None else cpu_copy(param.grad)
+    return grads
+
+
+def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    """CPU copy of every parameter, by qualified name."""
+    return {name: cpu_copy(p) for name, p in module.named_parameters()}
+
+
+def buffers_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    """CPU copy of every buffer, by qualified name."""
+    return {name: cpu_copy(b) for name, b in module.named_buffers()}
+
+
+def outputs_of(output: Any) -> tuple[tuple[str, torch.Tensor], ...]:
+    """CPU copy of every tensor of a step's output, by path (``output['logits']``); empty
+    for None."""
+    return tuple((path, cpu_copy(t)) for path, t in flatten_tensors(output, "output"))
+
+
+@contextlib.contextmanager
+def seeded(device: torch.device, seed: int) -> Iterator[None]:
+    """Runs the body with the random state seeded with ``seed`` and restored afterwards
+    (the CPU's, and ``device``'s when it is a GPU), and TF32 off: every rank starts a step
+    from the same random state, whatever ran before in the process."""
+    fork = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=fork), no_tf32():
+        torch.manual_seed(seed)
+        yield
+
+
+# --------------------------------------------------------------------------- context
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of a rank's shard.
+
+    Attributes:
+        inputs: its positional forward arguments.
+        target: its rows of the target.
+        rows: its row count.
+        kwargs: its keyword forward arguments (batched tensors cut like ``inputs``).
+        items: the items its mean loss averages over: its rows, or for a token-level loss
+            its tokens that are not ignored (as the check counted them).
+    """
+
+    inputs: tuple[Any, ...]
+    target: Any
+    rows: int
+    kwargs: dict[str, Any]
+    items: int
+
+
+@dataclass
+class RankContext:
+    """What a rank's step sees, whatever the backend: the backends' contexts
+    (``ShardContext``, ``FSDPContext``, ``TPContext``) add how a step wraps the module.
+
+    Attributes:
+        rank: this rank.
+        world_size: number of ranks.
+        module: this rank's copy of the module, on ``device``, weights as on every rank.
+        inputs: this rank's shard of the positional forward arguments (``()`` for a
+            keyword-only forward).
+        target: this rank's shard of the target.
+        loss_fn: ``loss_fn(output, target)``, a mean loss (over rows, or over tokens).
+        shard_sizes: rows of every shard, in order: one per rank, or per data-parallel
+            group when ranks share a shard.
+        device: where this rank computes.
+        micro_batches: micro-batches per shard, for gradient accumulation.
+        kwargs: this rank's shard of the keyword forward arguments: call
+            ``model(*ctx.inputs, **ctx.kwargs)``.
+        item_kind: what each shard's mean loss averages over, as the check found it:
+            ``"rows"``, ``"tokens (target != -100)"``, or ``"items"`` (counted by ``items=``).
+        item_counts: every shard's count of those items, in order (``()``: rows).
+        micro_batch_items: this shard's count per micro-batch of ``micro_batch_split()``
+            (``()``: rows).
+
+    A token-level loss (a mean over the labels that are not -100) is exact when each
+    shard's mean loss is weighted by its share of the tokens, ``ctx.loss_weight``; or,
+    equivalently, when each rank divides its summed token loss by the all-reduced token
+    count (``ctx.total_items``) and multiplies by the number of shards (the backend divides
+    the summed gradients by it).
+    """
+
+    rank: int
+    world_size: int
+    module: nn.Module
+    inputs: tuple[Any, ...]
+    target: Any
+    loss_fn: LossFn
+    shard_sizes: tuple[int, ...]
+    device: torch.device
+    micro_batches: int = 1
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    item_kind: str = "rows"
+    item_counts: tuple[int, ...] = ()
+    micro_batch_items: tuple[int, ...] = ()
+
+    @classmethod
+    def for_rank(cls: type[C], info: RankInfo, module: nn.Module, loss_fn: LossFn, shard_sizes: tuple[int, ...], /, **more: Any) -> C:
+        """The context of rank ``info`` over its copy ``module``, before any batch is
+        loaded; ``more``: the backend's own fields."""
+        return cls(
+            rank=info.rank, world_size=info.world_size, module=module, inputs=(), target=None, loss_fn=loss_fn,
+            shard_sizes=shard_sizes, device=torch.device(info.device), **more,
+        )
+
+    @property
+    def shard_index(self) -> int:
+        """Which of ``shard_sizes`` this rank runs: its rank."""
+        return self.rank
+
+    @property
+    def batch_size(self) -> int:
+        return sum(self.shard_sizes)
+
+    @property
+    def shard_size(self) -> int:
+        return self.shard_sizes[self.shard_index]
+
+    @property
+    def items(self) -> int:
+        """The items this rank's mean loss averages over: ``t_r``, its tokens for a
+        token-level loss, else its rows."""
+        return self.item_counts[self.shard_index] if self.item_counts else self.shard_size
+
+    @property
+    def total_items(self) -> int:
+        """``T``: the items over every shard (what an all-reduce of ``items`` gives), the
+        count the full-batch mean loss divides by; else the batch's rows."""
+        return sum(self.item_counts) if self.item_counts else self.batch_size
+
+    @property
+    def loss_weight(self) -> float:
+        """``t_r * shards / T``: the factor that makes the backend's average of per-shard
+        mean losses the full-batch mean loss, for any shards (1.0 for equal ones): the
+        shard's share of the items, its rows (``n_r * world_size / B`` under DDP) or its
+        tokens."""
+        return self.items * len(self.shard_sizes) / self.total_items
+
+    @property
+    def wrapped(self) -> bool:
+        """Whether the step wrapped the module the backend's way (DDP, FSDP2, a plan)."""
+        return False
+
+    def load(
+        self, inputs: Any, target: Any, kwargs: Mapping[str, Any] | None, shard_sizes: Sequence[int], *,
+        item_kind: str = "rows", item_counts: Sequence[Sequence[int]] = (),
+    ) -> None:
+        """Gives the context this rank's shard (``shard_index``) of a batch, on ``device``.
+
+        Args:
+            inputs: the batch's positional forward arguments.
+            target: the batch's target.
+            kwargs: the batch's keyword forward arguments.
+            shard_sizes: the rows of every shard.
+            item_kind: what ``item_counts`` count.
+            item_counts: per shard, its count of items per micro-batch (``()``: rows).
+        """
+        self.shard_sizes = tuple(shard_sizes)
+        part_inputs, part_target, part_kwargs = shard_of(inputs, target, shard_sizes, self.shard_index, kwargs)
+        self.inputs, self.target = to_device(part_inputs, self.device), to_device(part_target, self.device)
+        self.kwargs = to_device(part_kwargs, self.device)
+        self.item_kind = item_kind
+        self.item_counts, self.micro_batch_items = items_of(item_counts, self.shard_index)
+
+    def micro_batch_split(self) -> list[MicroBatch]:
+        """This shard cut into ``micro_batches`` contiguous micro-batches, as even as
+        possible, each with its count of items (``micro_batch_items``, rows when the check
+        counted none for this cut)."""
+        sizes = even_shards(self.shard_size, self.micro_batches)
+        counts = self.micro_batch_items if len(self.micro_batch_items) == len(sizes) else sizes
+        return [
+            MicroBatch(
+                take_rows(self.inputs, start, stop, self.shard_size),
+                take_rows(self.target, start, stop, self.shard_size),
+                stop - start,
+                take_rows(self.kwargs, start, stop, self.shard_size),
+                count,
+            )
+            for (start, stop), count in zip(shard_bounds(sizes), counts, strict=True)
+        ]
+
+
+# --------------------------------------------------------------------------- steps
+
+
+@dataclass(frozen=True)
+class RankStepTask:
+    """One step per function in ``steps`` on every rank, each on a fresh copy of
+    ``module``: what every backend's step task holds (``StepTask``, ``FSDPStepTask`` and
+    ``TPStepTask`` add how the module is wrapped).
+
+    Attributes:
+        module: the module every rank copies.
+        inputs: the whole batch's positional forward arguments.
+        target: the whole batch's target.
+        loss_fn: ``loss_fn(output, target)``.
+        shard_sizes: the rows of every shard.
+        steps: the per-rank steps, ``step(ctx)``.
+        seed: the random state every step starts from.
+        kwargs: the whole batch's keyword forward arguments.
+        item_kind: what ``item_counts`` count.
+        item_counts: per shard, its items per micro-batch, as the parent counted them
+            (``()``: rows).
+    """
+
+    module: nn.Module
+    inputs: tuple[Any, ...]
+    target: Any
+    loss_fn: LossFn
+    shard_sizes: tuple[int, ...]
+    steps: tuple[Callable[[Any], Any], ...]
+    seed: int = field(default=0, kw_only=True)
+    kwargs: Mapping[str, Any] = field(default_factory=dict, kw_only=True)
+    item_kind: str = field(default="rows", kw_only=True)
+    item_counts: tuple[tuple[int, ...], ...] = field(default=(), kw_only=True)
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """What one step left on one rank (CPU tensors).
+
+    Attributes:
+        grads: gradient of every parameter of the unwrapped module, by qualified name.
+        outputs: the step's returned output, flattened by path (empty if it returned None).
+        loss: the rank's mean loss on its shard (None when the step returned no output).
+        buffers: every buffer after the step.
+        wrapped: whether the step wrapped the module (``ctx.wrapped``).
+        syncs: gradient synchronisations counted (None when not counted).
+    """
+
+    grads: dict[str, torch.Tensor | None]
+    outputs: tuple[tuple[str, torch.Tensor], ...]
+    loss: float | None
+    buffers: dict[str, torch.Tensor]
+    wrapped: bool
+    syncs: int | None
+
+
+def run_step(ctx: RankContext, task: RankStepTask, step: Callable[[Any], Any]) -> tuple[Any, float | None]:
+    """Loads this rank's shard of ``task``'s batch into ``ctx`` and runs ``step(ctx)`` from
+    the random state ``task.seed`` (``seeded``).
+
+    Returns:
+        What the step returned, and the rank's mean loss on that output (None when the
+        step returned nothing, or the shard has no row: a mean over no row is NaN).
+    """
+    ctx.load(task.inputs, task.target, task.kwargs, task.shard_sizes, item_kind=task.item_kind, item_counts=task.item_counts)
+    with seeded(ctx.device, task.seed):
+        output = step(ctx)
+        loss = None
+        if output is not None and ctx.shard_size > 0:
+            with torch.no_grad():
+                loss = float(ctx.loss_fn(output, ctx.target))
+    return output, loss
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass(frozen=True)
+class RankTrainingTask:
+    """``len(batches)`` optimizer steps of training from the same weights on every rank:
+    what every backend's training task holds (``TrainingTask``, ``FSDPTrainingTask`` add how
+    the module is wrapped).
+
+    Attributes:
+        module: the module every rank trains a copy of.
+        batches: one ``(inputs, kwargs, target)`` per optimizer step.
+        loss_fn: ``loss_fn(output, target)``.
+        optimizer: ``optimizer(parameters)``, the optimizer of every rank.
+        shard_sizes: the rows of every rank's shard, per batch.
+        step: the per-rank step, ``step(ctx)``.
+        seed: the random state the training starts from.
+        item_kinds: what each batch's shard losses average over (``()``: rows).
+        item_counts: every shard's count of those items, per batch (``()``: rows).
+    """
+
+    module: nn.Module
+    batches: tuple[Batch, ...]
+    loss_fn: LossFn
+    optimizer: OptimizerFactory
+    shard_sizes: tuple[tuple[int, ...], ...]
+    step: Callable[[Any], Any]
+    seed: int = field(default=0, kw_only=True)
+    item_kinds: tuple[str, ...] = field(default=(), kw_only=True)
+    item_counts: tuple[tuple[int, ...], ...] = field(default=(), kw_only=True)
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What ``train`` saw: the parameters after every optimizer step, the gradients each
+    step stepped with (when read), and the optimizer (None: no step ran)."""
+
+    params: tuple[dict[str, torch.Tensor], ...]
+    step_grads: tuple[dict[str, torch.Tensor | None], ...]
+    optimizer: torch.optim.Optimizer | None
+
+
+def train(
+    ctx: RankContext,
+    plan: RankTrainingTask,
+    *,
+    optimizer_after_first_step: bool = False,
+    read_params: Callable[[nn.Module], dict[str, torch.Tensor]] = params_of,
+    read_grads: Callable[[nn.Module], dict[str, torch.Tensor | None]] | None = None,
+) -> Trained:
+    """Trains ``ctx.module`` on this rank for ``len(plan.batches)`` optimizer steps: load
+    the rank's shard of each batch into ``ctx``, zero the gradients, ``plan.step(ctx)``,
+    step the optimizer, read the parameters.
+
+    Args:
+        ctx: the rank's context, over its copy of the module (reused by every step, so a
+            wrapper the first step makes is kept).
+        plan: the batches, the step and the optimizer.
+        optimizer_after_first_step: build the optimizer after the first step, over the
+            parameters it left (FSDP2's DTensors, so that the optimizer's state is sharded
+            like them), instead of before the first step.
+        read_params: the parameters after a step, as CPU tensors (whole ones, for a
+            sharded module).
+        read_grads: the gradients an optimizer step is about to use, when wanted.
+
+    Raises:
+        Exception: what a step raised, with a note saying in which optimizer step.
+    """
+    module = ctx.module
+    optimizer = None if optimizer_after_first_step else plan.optimizer(module.parameters())
+    params: list[dict[str, torch.Tensor]] = []
+    step_grads: list[dict[str, torch.Tensor | None]] = []
+    with seeded(ctx.device, plan.seed):
+        for index, ((inputs, kwargs, target), sizes) in enumerate(zip(plan.batches, plan.shard_sizes, strict=True)):
+            counts = plan.item_counts[index] if plan.item_counts else ()
+            ctx.load(
+                inputs, target, kwargs, sizes,
+                item_kind=plan.item_kinds[index] if plan.item_kinds else "rows",
+                item_counts=tuple((count,) for count in counts),
+            )
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
+            try:
+                plan.step(ctx)
+            except Exception as error:
+                # The parent retells some of torch's errors (an unfinished reduction) and
+                # needs to know in which step they came.
+                error.add_note(f"dpverify: raised in optimizer step {index + 1} of {len(plan.batches)}")
+                raise
+            if optimizer is None:
+                optimizer = plan.optimizer(module.parameters())
+            if read_grads is not None:
+                step_grads.append(read_grads(module))
+            optimizer.step()
+            params.append(read_params(module))
+    return Trained(tuple(params), tuple(step_grads), optimizer)
+
+
+@dataclass(frozen=True)
+class RankTraining:
+    """Parameters after every optimizer step, and the buffers at the end, on one rank."""
+
+    params: tuple[dict[str, torch.Tensor], ...]
+    buffers: dict[str, torch.Tensor]
+    grads_none: tuple[str, ...]
+    wrapped: bool = True
