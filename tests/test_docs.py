@@ -1,8 +1,10 @@
-"""The repository stands alone: its documentation is docs/, and nothing points outside it.
+"""The repository stands alone: its documentation is the README and docs/, and nothing
+points outside it.
 
-The reference documents dpverify was first written against lived next to the checkout, not
-in it. Everything that cited them now cites docs/semantics.md and docs/questions.md; this
-test keeps it that way, and checks that the README links both pages.
+Every file cites docs/semantics.md and docs/questions.md for the background, never documents
+outside the checkout. The README links every docs/ page; every link of the README and the
+pages reaches a file and, with an anchor, a heading of it; and the pages describe dpverify as
+it is, with no account of how it came to be.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _outside_references() -> list[str]:
     found = []
     for path in _tracked_files():
         relative = path.relative_to(ROOT).as_posix()
-        if relative.startswith("docs/") or not path.is_file():
+        if not path.is_file():
             continue
         try:
             text = path.read_text(encoding="utf-8")
@@ -68,25 +70,103 @@ def test_the_pattern_catches_what_it_must() -> None:
         assert not OUTSIDE.search(line), line
 
 
-def test_the_docs_exist_and_the_readme_links_them() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+PAGES = (README, *sorted(DOCS.glob("*.md")))
+LINK = re.compile(r"\]\((?!https?://)([^)#\s]*)(?:#([^)\s]*))?\)")
+
+
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    anchors = set()
+    in_code = False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+        elif not in_code and (heading := re.match(r"#{1,6} (.+)", line)):
+            slug = _slug(heading.group(1))
+            anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_the_slugs_are_github_s() -> None:
+    assert _slug("What `explain` prints") == "what-explain-prints"
+    assert _slug("FSDP2, tensor and pipeline parallelism") == "fsdp2-tensor-and-pipeline-parallelism"
+    assert _slug("Your loss, your outputs, DDP's options") == "your-loss-your-outputs-ddps-options"
+
+
+def test_the_docs_exist_and_the_readme_links_every_page() -> None:
+    readme = README.read_text(encoding="utf-8")
     for page in ("docs/semantics.md", "docs/questions.md"):
         assert (ROOT / page).is_file(), page
-        assert f"]({page})" in readme, f"README.md does not link {page}"
+    for page in PAGES[1:]:
+        assert f"](docs/{page.name})" in readme, f"README.md does not link docs/{page.name}"
 
 
-def test_the_readme_shows_one_figure_of_each_kind_kept_in_docs() -> None:
+def test_every_link_reaches_a_file_and_its_heading() -> None:
+    broken = []
+    for page in PAGES:
+        for target, anchor in LINK.findall(page.read_text(encoding="utf-8")):
+            path = (page.parent / target).resolve() if target else page
+            if not path.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                broken.append(f"{page.relative_to(ROOT)}: {target}#{anchor}")
+    assert not broken, broken
+
+
+#: Words that tell how dpverify came to be rather than what it is. Built from pieces so that
+#: this file does not match its own patterns.
+NARRATION = re.compile(
+    "|".join((
+        r"\bsession[- ]\d", r"end of (the )?" + "session", r"the " + "session that", r"during the " + "session",
+        r"\bused " + r"to\b(?! (compute|judge|build|run|check|make|draw|pick))", r"\bprevious" + r"ly\b",
+        r"\bno " + r"longer\b", r"\bwas " + r"fixed\b", r"\bnew " + r"in\b", r"before (this|that) (change|" + r"fix)",
+        r"the figures " + "before", r"rows added " + "later",
+    )),
+    re.IGNORECASE,
+)
+
+
+def test_the_docs_tell_no_history() -> None:
+    found = [
+        f"{page.relative_to(ROOT)}:{number}: {line.strip()}"
+        for page in PAGES
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
+        if NARRATION.search(line)
+    ]
+    assert not found, "describe dpverify as it is:\n" + "\n".join(found)
+
+
+def test_the_history_pattern_catches_what_it_must() -> None:
+    for line in ("end of the " + "session that added", "the " + "session-3 table", "it " + "used to sum", "was " + "fixed in"):
+        assert NARRATION.search(line), line
+    for line in ("a fuzz session", "the tolerance used to judge it", "one pool per test session"):
+        assert not NARRATION.search(line), line
+
+
+def test_the_figures_page_shows_one_figure_of_each_kind_kept_in_docs() -> None:
     from figure_files import read_png
 
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    images = re.findall(r"!\[[^\]]*\]\((docs/figures/[\w.]+)\)", readme)
-    assert images == ["docs/figures/explain.png", "docs/figures/check.png", "docs/figures/fuzz.png"]
+    page = (DOCS / "figures.md").read_text(encoding="utf-8")
+    images = re.findall(r"!\[[^\]]*\]\((figures/[\w.]+)\)", page)
+    assert images == ["figures/explain.png", "figures/check.png", "figures/fuzz.png"]
     for image in images:
-        # each made by a command the README shows
-        assert f"--figure {image}" in readme, image
-        png = read_png(ROOT / image)
+        # each made by a command the page shows
+        assert f"--figure docs/{image}" in page, image
+        png = read_png(DOCS / image)
         assert (png.format, png.width) == ("PNG", 1200), image
         assert png.inked > 0.05, f"{image} is nearly blank"
+    shown = re.findall(r"!\[[^\]]*\]\(docs/(figures/[\w.]+)\)", README.read_text(encoding="utf-8"))
+    assert shown
+    assert set(shown) <= set(images), shown
 
 
 def test_ci_runs_the_readme_s_test_command_then_the_deep_tier() -> None:

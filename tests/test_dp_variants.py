@@ -105,17 +105,17 @@ def test_outside_a_check_torch_is_left_as_it_was() -> None:
     assert (nn.DataParallel(nn.Linear(4, 3)).device_ids, torch.cuda.is_available(), torch.cuda.device_count()) == before
 
 
-def test_the_readme_examples_of_verifying_your_own_data_parallel_run() -> None:
+def test_the_documented_examples_of_verifying_your_own_data_parallel_run() -> None:
     import textwrap
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("## Verifying your own DataParallel", 1)[1].split("\n## ", 1)[0]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "dataparallel.md").read_text()
+    section = page.split("## Verifying your own DataParallel", 1)[1].split("\n## ", 1)[0]
     blocks = [textwrap.dedent(part.split("```", 1)[0]) for part in section.split("```python\n")[1:]]
     assert len(blocks) == 2  # virtual_devices, and a model/criterion pair
     before = nn.DataParallel(nn.Linear(4, 2)).device_ids
     for code in blocks:
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(code, "docs/dataparallel.md", "exec"), {})
     assert nn.DataParallel(nn.Linear(4, 2)).device_ids == before  # restored after the block
 
 

@@ -1,6 +1,6 @@
-"""Fuzzing the property suite with HypoFuzz works as the README says (``hypothesis fuzz --
+"""Fuzzing the property suite with HypoFuzz works as docs/fuzzing.md says (``hypothesis fuzz --
 tests/test_properties.py``, no environment variable), while a plain pytest run of the suite
-stays derandomized; and HypoFuzz 25.11.01 itself misbehaves as the README warns (these
+stays derandomized; and HypoFuzz 25.11.01 itself misbehaves as docs/fuzzing.md warns (these
 checks are skipped with any other version)."""
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ REPORT_DEADLINE_S = 60
 #: soon as its start-up ends and it sees its parent gone, which on two loaded cores (the
 #: rest of the suite running beside this test) took more than 20 seconds once.
 STOP_DEADLINE_S = 60
-#: The HypoFuzz release whose own misbehaviour the README describes.
-README_HYPOFUZZ = "25.11.01"
+#: The HypoFuzz release whose own misbehaviour docs/fuzzing.md describes.
+DOCUMENTED_HYPOFUZZ = "25.11.01"
 
 
 def _config(*plugins: object, profile_option: str | None = None) -> pytest.Config:
@@ -157,10 +157,10 @@ def _stop(fuzz: subprocess.Popen[Any]) -> list[psutil.Process]:
 
 
 def _readme_hypofuzz() -> bool:
-    """Whether the installed HypoFuzz is the release the README's warnings are about."""
+    """Whether the installed HypoFuzz is the release docs/fuzzing.md's warnings are about."""
     import hypofuzz
 
-    return bool(hypofuzz.__version__ == README_HYPOFUZZ)
+    return bool(hypofuzz.__version__ == DOCUMENTED_HYPOFUZZ)
 
 
 def _hypothesis_fuzz(*args: str) -> list[str]:
@@ -171,10 +171,10 @@ def _hypothesis_fuzz(*args: str) -> list[str]:
 @pytest.mark.timeout(REPORT_DEADLINE_S + 3 * STOP_DEADLINE_S)
 def test_hypothesis_fuzz_collects_and_fuzzes_the_property_suite(tmp_path: Path) -> None:
     pytest.importorskip("hypofuzz", reason="hypofuzz is a test extra: pip install -e '.[test]'")
-    # The README's command with one worker and no dashboard (no port), stopped once a
+    # docs/fuzzing.md's command with one worker and no dashboard (no port), stopped once a
     # property has been fuzzed: it fuzzes until stopped and has no time limit.
     command = _hypothesis_fuzz("-n", "1", "--no-dashboard", "--", str(PROPERTIES))
-    # As the README has it: no profile asked for (and no pytest options from outside).
+    # As docs/fuzzing.md has it: no profile asked for (and no pytest options from outside).
     env = {k: v for k, v in os.environ.items() if k not in ("HYPOTHESIS_PROFILE", "PYTEST_ADDOPTS")}
     log = tmp_path / "fuzz.log"
     # Hypothesis keeps its example database in .hypothesis/ of the working directory
@@ -209,7 +209,7 @@ def test_hypothesis_fuzz_collects_and_fuzzes_the_property_suite(tmp_path: Path) 
     assert all(nodeid.startswith("tests/test_properties.py::test_") for nodeid in fuzzed), fuzzed
     assert not orphans, f"processes outlived hypothesis fuzz by {STOP_DEADLINE_S}s: {orphans}"
     if _readme_hypofuzz():
-        # The README's account of HypoFuzz itself: nothing shows how fuzzing goes without the
+        # docs/fuzzing.md's account of HypoFuzz itself: nothing shows how fuzzing goes without the
         # dashboard, and its worker dies of the Ctrl-C with a traceback.
         assert "::test_" not in shown[collected.end() :], shown[-3000:]
         assert "KeyboardInterrupt" in output[len(shown) :], output[-3000:]
@@ -241,7 +241,7 @@ def test_hypofuzz_25_11_01_crashes_on_a_failure_instead_of_reporting_it(tmp_path
     from hypothesis.internal.conjecture.data import ConjectureResult
 
     if not _readme_hypofuzz() or "slice_comments" in getattr(ConjectureResult, "__slots__", ()):
-        pytest.skip(f"the README describes HypoFuzz {README_HYPOFUZZ} with a Hypothesis that renamed slice_comments")
+        pytest.skip(f"docs/fuzzing.md describes HypoFuzz {DOCUMENTED_HYPOFUZZ} with a Hypothesis that renamed slice_comments")
     for name, text in FAILING_SUITE.items():
         (tmp_path / name).write_text(text)
     log = tmp_path / "fuzz.log"

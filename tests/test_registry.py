@@ -1,5 +1,5 @@
-"""The check registry: one result type, one verdict, structured diagnoses, and the README's
-table of checks read off it."""
+"""The check registry: one result type, one verdict, structured diagnoses, and the table of
+checks in docs/checks.md read off it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dpverify import CHECKS, Case, Target, Verdict
 from dpverify.models.builtin import builtin_case
 from dpverify.mutants import AveragingDataParallel, DeepCopyDataParallel, mean_of_replica_losses
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+CHECKS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "checks.md"
 
 
 def _mlp_case(rows: int = 5, devices: int = 4) -> Case:
@@ -146,16 +146,16 @@ def test_every_check_has_a_unique_name_title_and_statement() -> None:
     assert all(spec.backend in ("dp", "ddp", "fsdp", "tp", "pp") and spec.statement.endswith(".") for spec in CHECKS.values())
 
 
-def test_the_readme_lists_every_check_as_the_registry_defines_it() -> None:
-    text = README.read_text()
+def test_the_checks_page_lists_every_check_as_the_registry_defines_it() -> None:
+    text = CHECKS_PAGE.read_text()
     rows = re.findall(r"^\| `([a-z0-9-]+)` \| (dp|ddp|fsdp|tp|pp) \| (.+?) \| (.+?) \|$", text, flags=re.MULTILINE)
     assert {name: (backend, title, statement) for name, backend, title, statement in rows} == {
         spec.name: (spec.backend, spec.title, spec.statement) for spec in CHECKS.values()
     }
 
 
-def test_the_readme_registry_example_runs() -> None:
-    text = README.read_text()
-    section = text.split("### Every check, by name", 1)[1]
+def test_the_checks_page_registry_example_runs() -> None:
+    text = CHECKS_PAGE.read_text()
+    section = text.split("## Running a check by name", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, "docs/checks.md", "exec"), {})
