@@ -17,7 +17,7 @@ whose measurement the wrapper cannot take says so (``Explanation.unanswered``) r
 reporting torch's numbers as the wrapper's.
 
 This module only measures: ``explain`` returns an ``Explanation`` (frozen dataclasses of
-facts, JSON-ready). ``dpverify.cli.explain_answers`` turns it into the numbered answers of
+facts, JSON-ready). ``dpverify.explain.answers`` turns it into the numbered answers of
 ``docs/questions.md``, and ``dpverify.cli.explain_view`` draws both with rich
 (``render_explanation``) or writes them as JSON (``explanation_json``).
 """
@@ -226,7 +226,7 @@ class DDPFact:
 @dataclass(frozen=True)
 class Explanation:
     """Everything ``dpverify explain`` measured for one model, batch and device list: the
-    facts, without words (``dpverify.cli.explain_answers.answers`` gives those).
+    facts, without words (``dpverify.explain.answers.answers`` gives those).
 
     ``eval_mode_for_losses``: the model has BatchNorm or Dropout in train mode, so the loss,
     gradient, output-device and DDP measurements (questions 3, 4, 6, 8, 11) ran on an
