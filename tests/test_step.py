@@ -81,7 +81,7 @@ class _Counted(ReplicaRecord):
 class _Counting(ReplicaGradRecorder):
     record_type = _Counted
 
-    def _parameter(self, record: ReplicaRecord, name: str, tensor: torch.Tensor) -> None:
+    def on_parameter(self, record: ReplicaRecord, name: str, tensor: torch.Tensor) -> None:
         assert isinstance(record, _Counted)
         assert self.current() is record
         record.parameters += 1

@@ -207,8 +207,9 @@ class ReplicaGradRecorder:
     it also keeps each contribution.
 
     ``dpverify.explain.measure`` records more of each replica with a ``record_type`` of its
-    own, filled by overriding ``_start`` (as the forward starts) and ``_parameter`` (each of
-    the replica's parameters).
+    own, filled by overriding ``new_record`` (as the forward starts) and ``on_parameter``
+    (each of the replica's parameters); hooks of its own go in ``handles``, which
+    ``detach`` removes.
 
     Args:
         sites: the parameters, as ``parameter_sites`` gives them.
@@ -216,7 +217,7 @@ class ReplicaGradRecorder:
         dim: the dimension the batch is split along (``ReplicaRecord.rows`` counts it).
     """
 
-    #: what ``_start`` makes for each replica forward
+    #: what ``new_record`` makes for each replica forward
     record_type: type[ReplicaRecord] = ReplicaRecord
 
     def __init__(self, sites: list[tuple[str, str, str]], *, keep: bool = True, dim: int = 0) -> None:
@@ -227,7 +228,7 @@ class ReplicaGradRecorder:
         self.replicas: list[ReplicaRecord] = []
         self.magnitudes: dict[str, float] = {}
         self.norms: dict[str, float] = {}
-        self._handles: list[Any] = []
+        self.handles: list[Any] = []
         self._lock = threading.Lock()  # real DataParallel runs replicas in concurrent threads
         self._current = threading.local()
 
@@ -237,12 +238,12 @@ class ReplicaGradRecorder:
         return self
 
     def attach(self, module: nn.Module) -> None:
-        self._handles.append(module.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+        self.handles.append(module.register_forward_pre_hook(self._on_forward, with_kwargs=True))
 
     def detach(self) -> None:
-        for handle in self._handles:
+        for handle in self.handles:
             handle.remove()
-        self._handles.clear()
+        self.handles.clear()
 
     def current(self) -> ReplicaRecord | None:
         """The record of the replica forward the calling thread runs (its last one)."""
@@ -265,7 +266,7 @@ class ReplicaGradRecorder:
 
         return sorted(records, key=rank)
 
-    def _start(self, replica: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ReplicaRecord:
+    def new_record(self, replica: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ReplicaRecord:
         """A new record for a replica forward about to run with ``args`` and ``kwargs``."""
         del replica
         first = first_batched((args, kwargs))
@@ -274,13 +275,13 @@ class ReplicaGradRecorder:
             record.rows, record.first_input = int(first.shape[self.dim]), first.detach()
         return record
 
-    def _parameter(self, record: ReplicaRecord, name: str, tensor: torch.Tensor) -> None:
+    def on_parameter(self, record: ReplicaRecord, name: str, tensor: torch.Tensor) -> None:
         """Sees the replica's ``tensor`` of parameter ``name`` as its forward starts."""
 
     def _on_forward(self, replica: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # Each call of the root module is one replica's forward. (Not keyed by id(replica):
         # a wrapper may free a replica before building the next, and ids get reused.)
-        record = self._start(replica, args, kwargs)
+        record = self.new_record(replica, args, kwargs)
         with self._lock:
             self.replicas.append(record)
         self._current.record = record
@@ -288,10 +289,10 @@ class ReplicaGradRecorder:
             tensor = getattr(replica.get_submodule(module_path), attr, None)
             if not isinstance(tensor, torch.Tensor):
                 continue
-            self._parameter(record, name, tensor)
+            self.on_parameter(record, name, tensor)
             if tensor.requires_grad:
                 record.device = replica_device(tensor)
-                self._handles.append(tensor.register_hook(self._recorder(record, name)))
+                self.handles.append(tensor.register_hook(self._recorder(record, name)))
 
     def _recorder(self, record: ReplicaRecord, name: str) -> Callable[[torch.Tensor], None]:
         def record_grad(grad: torch.Tensor | None) -> None:

@@ -550,9 +550,9 @@ class _StepRecorder(ReplicaGradRecorder):
 
     def attach(self, module: nn.Module) -> None:
         super().attach(module)
-        self._handles.append(module.register_forward_hook(self._on_output))
+        self.handles.append(module.register_forward_hook(self._on_output))
         for sub in module.modules():
-            self._handles.append(sub.register_forward_hook(self._on_activation))
+            self.handles.append(sub.register_forward_hook(self._on_activation))
 
     def logs(self) -> tuple[tuple[_ReplicaLog, ...], bool]:
         """The replicas' logs, one per device, in ``device_ids`` order, and whether their
@@ -577,8 +577,8 @@ class _StepRecorder(ReplicaGradRecorder):
     def _log(self) -> _ReplicaLog | None:
         return cast("_ReplicaLog | None", self.current())
 
-    def _start(self, replica: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _ReplicaLog:
-        log = cast(_ReplicaLog, super()._start(replica, args, kwargs))
+    def new_record(self, replica: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _ReplicaLog:
+        log = cast(_ReplicaLog, super().new_record(replica, args, kwargs))
         log.placed = self.device_ids[0] if log.device is None else log.device
         log.input_tensors = tuple((_storage(t) in self.batch_storages, _nbytes(t)) for t in _tensors((args, kwargs)))
         for name, buffer in replica.named_buffers():
@@ -586,7 +586,7 @@ class _StepRecorder(ReplicaGradRecorder):
                 log.parameter_bytes += _nbytes(buffer)
         return log
 
-    def _parameter(self, record: ReplicaRecord, name: str, tensor: torch.Tensor) -> None:
+    def on_parameter(self, record: ReplicaRecord, name: str, tensor: torch.Tensor) -> None:
         log = cast(_ReplicaLog, record)
         original = self.originals[name]
         shared = tensor.data_ptr() == original.data_ptr()
