@@ -238,6 +238,18 @@ def test_ddp_selftest_bad_world_size() -> None:
     assert "--world-size=0 must be at least 1" in result.stderr
 
 
+def test_the_selftest_module_reports_a_usage_error_as_the_command_line_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m dpverify.cli.selftest`` (torchrun's way in) and ``dpverify ddp-selftest``
+    end through the same ``usage_error``: message on stderr, exit 2."""
+    from dpverify.cli.exits import EXIT_USAGE
+    from dpverify.cli.selftest import selftest_command
+
+    assert selftest_command(["--world-size", "0"]) == EXIT_USAGE
+    assert capsys.readouterr().err == "dpverify ddp-selftest: --world-size=0 must be at least 1\n"
+    assert main(["ddp-selftest", "--world-size", "0"]) == EXIT_USAGE
+    assert capsys.readouterr().err == "dpverify ddp-selftest: --world-size=0 must be at least 1\n"
+
+
 #: Hugging Face-like parameter names: the head says which model part, the tail which layer
 #: and tensor; they differ only in the middle (the layer number) or at the very end.
 HF_NAMES = [

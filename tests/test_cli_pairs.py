@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from dpverify.cli.explain import explain
-from dpverify.cli.explain_answers import answers
 from dpverify.cli.main import main
+from dpverify.explain.answers import answers
+from dpverify.explain.measure import explain
 from dpverify.models.user import builtin_model
 from dpverify.mutants import BalancedOffsetDataParallel
 

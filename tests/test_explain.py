@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from dpverify.cli.explain import Explanation, explain
-from dpverify.cli.explain_answers import QUESTIONS, answers
 from dpverify.cli.main import main
 from dpverify.cli.user_model import user_model
+from dpverify.explain.answers import QUESTIONS, answers
+from dpverify.explain.measure import Explanation, explain
 from dpverify.models.user import Batch, UserModel, builtin_model
 
 QUESTIONS_DOC = Path(__file__).resolve().parents[1] / "docs" / "questions.md"
@@ -241,7 +241,7 @@ def test_real_ddp_with_a_sum_loss_reports_the_measured_factor() -> None:
 
     import torch.nn.functional as F
 
-    from dpverify.cli.explain import _measured_ddp
+    from dpverify.explain.measure import _measured_ddp
     from dpverify.models.user import Batch
 
     model = builtin_model("mlp")
@@ -300,17 +300,20 @@ def test_one_copy_is_spoken_of_in_the_singular() -> None:
 def test_the_measurement_does_not_import_the_prose() -> None:
     """explain measures, explain_answers words it, explain_view shows both: importing the
     measurement alone loads neither of the others."""
-    code = "import sys, dpverify.cli.explain; print(sorted(m for m in sys.modules if m.startswith('dpverify.cli.explain')))"
+    code = (
+        "import sys, dpverify.explain.measure; "
+        "print(sorted(m for m in sys.modules if m.startswith(('dpverify.explain', 'dpverify.cli.explain'))))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert result.stdout.strip() == "['dpverify.cli.explain']"
+    assert result.stdout.strip() == "['dpverify.explain', 'dpverify.explain.measure']"
 
 
-@pytest.mark.parametrize("module", ["explain", "explain_answers", "explain_view"])
+@pytest.mark.parametrize("module", ["explain/__init__", "explain/measure", "explain/answers", "cli/explain_view"])
 def test_the_explain_modules_name_only_what_exists(module: str) -> None:
     """Every ``dpverify.x.y`` the explain modules name is a module, or a name in one."""
     import importlib
 
-    source = (Path(__file__).resolve().parents[1] / "dpverify" / "cli" / f"{module}.py").read_text(encoding="utf-8")
+    source = (Path(__file__).resolve().parents[1] / "dpverify" / f"{module}.py").read_text(encoding="utf-8")
     named = set(re.findall(r"\bdpverify(?:\.\w+)+", source))
     assert named
     for dotted in sorted(named):

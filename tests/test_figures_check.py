@@ -1,4 +1,4 @@
-"""``StepComparison.figure()`` and ``dpverify check --figure``: the drawn bars are the
+"""``comparison_figure(step_comparison)`` and ``dpverify check --figure``: the drawn bars are the
 report's numbers (error / allowed per tensor, worst first), in the report's colours."""
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def _comparison(rows: Sequence[TensorComparison]) -> StepComparison:
 
 def test_a_real_failure_draws_every_ratio_worst_first_in_its_colour() -> None:
     report = _mismatch(AveragingDataParallel)
-    fig = report.figure()
+    fig = comparison_figure(report)
     ax = _axes(fig, "tensors")
     ordered = _worst_first(report.tensors)
     assert all(t.problem is None for t in ordered)
@@ -154,7 +154,7 @@ def test_tensors_without_a_ratio_are_markers_that_say_why() -> None:
 
 def test_an_exact_tensor_sits_at_the_floor_labelled_exact() -> None:
     rows = [_row("output", 0.25), _row("loss", 0.0), _row("grad 'w'", 3e-4)]
-    ax = _axes(_comparison(rows).figure(), "tensors")
+    ax = _axes(comparison_figure(_comparison(rows)), "tensors")
     widths = [bar.get_width() for bar in _bars(ax)]
     assert _ticks(ax) == ["output", "grad 'w'", "loss"]
     # measured ratios are drawn as they are; the exact one below all of them, inside the axes
@@ -166,7 +166,7 @@ def test_an_exact_tensor_sits_at_the_floor_labelled_exact() -> None:
 
 def test_a_parameter_without_a_gradient_is_said_so_not_drawn_as_exact() -> None:
     absent = TensorComparison("grad 'unused.weight'", (4,), 4, absent=True)
-    ax = _axes(_comparison([_row("output", 0.25), absent, _row("loss", 0.0)]).figure(), "tensors")
+    ax = _axes(comparison_figure(_comparison([_row("output", 0.25), absent, _row("loss", 0.0)])), "tensors")
     assert len(_bars(ax)) == 2  # output and the exact loss; nothing for the absent gradient
     texts = [text.get_text() for text in ax.texts]
     assert "no gradient" in texts
@@ -179,7 +179,7 @@ def test_long_names_are_shortened_in_the_middle_and_stay_apart() -> None:
     names = short + long
     # distinct falling ratios: the drawn order is the order given
     rows = [_row(name, 0.9 - 0.01 * k) for k, name in enumerate(names)]
-    ticks = _ticks(_axes(_comparison(rows).figure(), "tensors"))
+    ticks = _ticks(_axes(comparison_figure(_comparison(rows)), "tensors"))
     assert len(ticks) == len(set(ticks)) == len(names)
     for name, tick, index in zip(names, ticks, [*range(12), *range(12)], strict=True):
         assert (ELLIPSIS in tick) == (len(name) > NAME_WIDTH), (name, tick)
@@ -190,7 +190,7 @@ def test_long_names_are_shortened_in_the_middle_and_stay_apart() -> None:
 
 def test_over_thirty_tensors_draws_the_worst_thirty_and_counts_the_rest() -> None:
     rows = [_row(f"grad 'layer.{i}.weight'", 2.0 ** (10 - i)) for i in range(MAX_BARS + 10)]
-    ax = _axes(_comparison(rows).figure(), "tensors")
+    ax = _axes(comparison_figure(_comparison(rows)), "tensors")
     ratios = sorted((r.ratio for r in rows), reverse=True)
     assert [bar.get_width() for bar in _bars(ax)] == ratios[:MAX_BARS]
     assert _ticks(ax) == [f"grad 'layer.{i}.weight'" for i in range(MAX_BARS)]
@@ -199,7 +199,7 @@ def test_over_thirty_tensors_draws_the_worst_thirty_and_counts_the_rest() -> Non
 
 
 def test_a_comparison_without_tensors_says_so() -> None:
-    fig = StepComparison(check="calls must be lost", scenario="chunks [1, 1]", tolerance="exact", tensors=()).figure()
+    fig = comparison_figure(StepComparison(check="calls must be lost", scenario="chunks [1, 1]", tolerance="exact", tensors=()))
     assert "no tensors were compared" in _texts(fig)
     assert not _bars(_axes(fig, "tensors"))
 

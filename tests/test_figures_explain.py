@@ -20,10 +20,16 @@ from matplotlib.patches import FancyBboxPatch
 from torch import nn
 
 import dpverify
-from dpverify.cli.explain import Explanation, GradFact, explain
 from dpverify.cli.main import main
+from dpverify.explain.measure import Explanation, GradFact, explain
 from dpverify.figures import save_figure
-from dpverify.figures.explain import BYTE_KINDS, explain_figure, step_arrows, step_lanes
+from dpverify.figures.explain import (
+    BYTE_KINDS,
+    explain_figure,
+    loss_weights_figure,
+    step_arrows,
+    step_lanes,
+)
 from dpverify.models.user import builtin_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -205,7 +211,7 @@ def test_a_token_loss_weighs_each_token_against_one_over_n() -> None:
     labels[0, 2:] = labels[2, 4:] = -100  # 2, 6, 4 and 6 tokens
     report = dpverify.check_forward_loss_average(_TokenHead(), (), device_ids=[0, 1], forward_kwargs={"input_ids": ids, "labels": labels})
     assert report.item_counts == (8, 10)
-    ax = _axes(report.figure(), "loss weights")
+    ax = _axes(loss_weights_figure(report), "loss weights")
     assert [rect.get_height() for rect in ax.containers[0]] == pytest.approx([1 / (2 * 8), 1 / (2 * 10)])
     exact = [line for line in ax.get_lines() if line.get_label().startswith("exact")]
     assert exact[0].get_label().startswith("exact: 1/N = 1/18")
@@ -218,7 +224,7 @@ def test_the_loss_report_of_a_mismatch_draws_itself() -> None:
     report = dpverify.check_forward_loss_average(_TokenHead(), (), device_ids=[0, 1], forward_kwargs={
         "input_ids": torch.ones(3, 2, dtype=torch.long), "labels": torch.ones(3, 2, dtype=torch.long),
     })
-    losses = _axes(report.figure(), "losses")
+    losses = _axes(loss_weights_figure(report), "losses")
     assert [rect.get_height() for rect in losses.containers[0]] == list(report.replica_losses)
     lines = {line.get_label().split(" = ")[0]: line.get_ydata()[0] for line in losses.get_lines()}
     assert lines == {"loss.mean()": report.mean_of_means, "full-batch loss": report.full_batch_loss}
@@ -273,8 +279,9 @@ class Head(nn.Module):
     def forward(self, x):
         return self.fc(x).pow(2).mean()
 report = dpverify.check_forward_loss_average(Head(), (torch.ones(3, 2),), device_ids=[0, 1])
+from dpverify.figures import loss_weights_figure
 try:
-    report.figure()
+    loss_weights_figure(report)
 except ModuleNotFoundError as error:
     print("RAISED", error)
 """

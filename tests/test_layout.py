@@ -4,9 +4,9 @@ matplotlib, no CLI.
 The assertion helpers and the DDP checks are a library for test suites. What only the
 command line (rich, dpverify.cli), property-based testing (Hypothesis, dpverify.strategies,
 dpverify.mutants) or figures (matplotlib, an optional extra) need must not be imported by
-them, or every ``import dpverify`` pays for, and depends on, all of it. A figure method
-(``StepComparison.figure()``) imports ``dpverify.figures`` inside its body, when called, and
-names matplotlib's ``Figure`` for its annotation under ``if TYPE_CHECKING:`` only.
+them, or every ``import dpverify`` pays for, and depends on, all of it. The figures are a
+front end over the engine's results (``dpverify.figures.comparison_figure(report)``): the
+engine imports no ``dpverify.figures``, not even inside a function.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINE = ("core", "models", "checks", "ddp")
+ENGINE = ("core", "models", "checks", "ddp", "sharded", "explain")
 FORBIDDEN = ("rich", "hypothesis", "matplotlib", "dpverify.cli", "dpverify.strategies", "dpverify.mutants")
 
 #: Allowed inside a function only: drawing loads matplotlib, so only drawing may load it.
@@ -140,6 +140,19 @@ def test_the_engine_imports_no_hypothesis_rich_matplotlib_cli_strategies_or_muta
     assert problems == []
 
 
+def test_the_engine_imports_no_figures_even_when_called() -> None:
+    """The figures draw the engine's results; the engine never reaches up to them."""
+    files = sorted(p for sub in ENGINE for p in (ROOT / "dpverify" / sub).rglob("*.py"))
+    imported = {
+        f"{file.relative_to(ROOT)}:{node.lineno}": name
+        for file in files
+        for node in ast.walk(ast.parse(file.read_text(), str(file)))
+        for name in _imported(node, file.relative_to(ROOT))
+        if _matches(name, LAZY)
+    }
+    assert imported == {}
+
+
 def test_the_import_check_sees_nested_relative_and_dynamic_imports() -> None:
     source = textwrap.dedent(
         """
@@ -225,7 +238,7 @@ assert issubclass(dpverify.InvalidArgument, ValueError)
 # the figure modules import without matplotlib; drawing says what to install
 import dpverify.figures.check
 try:
-    result.figure()
+    dpverify.figures.check.comparison_figure(result)
 except ModuleNotFoundError as error:
     assert "pip install 'dpverify[plot]'" in str(error), error
 else:

@@ -20,7 +20,7 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -35,9 +35,6 @@ from dpverify.core.step import convert_tensors, default_dtype, jitter_parameters
 from dpverify.core.tree import first_batched, tensor_leaves
 from dpverify.core.validation import require_callable
 from dpverify.core.virtual import SCALAR_GATHER_WARNING, replica_device
-
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
 
 __all__ = [
     "LossAverageReport",
@@ -499,23 +496,6 @@ class LossAverageReport:
     @property
     def _noun(self) -> str:
         return "tokens" if self.items.startswith("tokens") else self.items
-
-    def figure(self) -> Figure:
-        """This report as a figure: each replica's loss against ``loss.mean()`` and the
-        full-batch loss, and the weight each row (or token) gets against ``1/B`` (``1/N``).
-
-        Needs matplotlib (``pip install 'dpverify[plot]'``)::
-
-            except ParallelMismatch as error:
-                error.report.figure().savefig("loss.png")
-
-        Raises:
-            ModuleNotFoundError: matplotlib is not installed.
-        """
-        # the figures are a front end: loaded when one is drawn, never with the engine
-        from dpverify.figures.explain import loss_weights_figure
-
-        return loss_weights_figure(self)
 
     @property
     def counted(self) -> str:

@@ -1,5 +1,5 @@
 """``dpverify explain`` drawn with rich: the step diagram and the tables from the facts of
-``dpverify.cli.explain``, the numbered answers from ``dpverify.cli.explain_answers``."""
+``dpverify.explain.measure``, the numbered answers from ``dpverify.explain.answers``."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from dpverify.cli.explain import ChunkFact, Explanation, ReplicaFact, StateFact
-from dpverify.cli.explain_answers import Answer, answers
 from dpverify.core.text import name_list, plural, shape_text, shorten_names
+from dpverify.explain.answers import Answer, answers
+from dpverify.explain.measure import ChunkFact, Explanation, ReplicaFact, StateFact
 
 __all__ = ["explanation_json", "render_explanation"]
 

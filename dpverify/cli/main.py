@@ -4,12 +4,13 @@ Subcommands: ``verify`` (the built-in models, one line per check), ``fuzz`` (the
 suite's checks on random scenarios), ``check MODULE:FACTORY`` (every check on your model)
 and ``explain [MODULE:FACTORY]`` (the questions of ``docs/questions.md`` answered by measurement).
 
-Exit status (``EXIT_*`` below): 0 when everything checked passed, 1 when a check failed
-(including code under test that raised or called ``sys.exit()`` during a check), 2 for a
-usage error (an argument, user code that cannot be loaded or run to make a batch, or a loss
-that cannot be applied to the model's output on one device: never a failed check), 3 when
-nothing was checked (every check skipped), 130 for an interrupted ``fuzz``. Every
-``InvalidArgument`` raised while a command runs becomes exit 2 in one place, ``main``.
+Exit status (``EXIT_*``, from ``dpverify.cli.exits``): 0 when everything checked passed, 1
+when a check failed (including code under test that raised or called ``sys.exit()`` during a
+check), 2 for a usage error (an argument, user code that cannot be loaded or run to make a
+batch, or a loss that cannot be applied to the model's output on one device: never a failed
+check), 3 when nothing was checked (every check skipped), 130 for an interrupted ``fuzz``.
+Every ``InvalidArgument`` raised while a command runs becomes exit 2 in ``main`` (through
+``dpverify.cli.exits.usage_error``, as ``ddp-selftest`` under torchrun does too).
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dpverify.cli.exits import (
+    EXIT_BROKEN_PIPE,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_NOTHING_CHECKED,
+    EXIT_OK,
+    EXIT_USAGE,
+    usage_error,
+)
 from dpverify.cli.user_model import load_object, user_model, with_loss
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
@@ -47,20 +57,6 @@ __all__ = [
     "load_object",
     "main",
 ]
-
-#: Every check that ran passed (or differed for an explained reason).
-EXIT_OK = 0
-#: A check failed; the report says which and why.
-EXIT_FAILED = 1
-#: An argument cannot be used; the message names it (argparse's own errors exit 2 too).
-EXIT_USAGE = 2
-#: Nothing was checked: every check was skipped, and the reasons are printed.
-EXIT_NOTHING_CHECKED = 3
-#: ``fuzz`` was interrupted (Ctrl-C) before a failure or its limit: 128 + SIGINT.
-EXIT_INTERRUPTED = 130
-#: The reader of the output went away (``dpverify check ... | head``): 128 + SIGPIPE, as a
-#: shell tool killed by the closed pipe reports it.
-EXIT_BROKEN_PIPE = 141
 
 #: (batch size, device count): even chunks, uneven chunks, fewer rows than devices.
 SPLITS: tuple[tuple[int, int], ...] = ((8, 2), (5, 4), (2, 4))
@@ -193,16 +189,6 @@ def _console(args: argparse.Namespace, *, record: bool = False) -> Console:
 
     width = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 100
     return Console(no_color=bool(args.no_color) or None, highlight=False, record=record, width=width)
-
-
-def _usage_error(command: str, error: InvalidArgument) -> int:
-    """Prints the message, and the user's frames when the user's code raised it (its
-    ``__cause__``); returns ``EXIT_USAGE``."""
-    print(f"dpverify {command}: {error}", file=sys.stderr)
-    frames = user_traceback(error.__cause__) if error.__cause__ is not None else ""
-    if frames:
-        print(frames, file=sys.stderr)
-    return EXIT_USAGE
 
 
 def _positive(option: str) -> Callable[[str], int]:
@@ -576,9 +562,9 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from dpverify.cli.explain import explain
     from dpverify.cli.explain_view import explanation_json, render_explanation
     from dpverify.ddp import checks_if_available
+    from dpverify.explain.measure import explain
     from dpverify.figures.explain import explain_figure
 
     figure = _figure_target(args)
@@ -811,22 +797,19 @@ def _closed_pipe() -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``dpverify`` and ``python -m dpverify``; returns the exit code.
 
-    The one place that turns errors into exit codes: an ``InvalidArgument`` from any
-    command is a usage error (``EXIT_USAGE``, the message and the user's frames on stderr),
-    and a ``SystemExit`` that the code under test raised outside a check (a model's forward
-    under ``explain``, a ``fuzz`` target) is ``EXIT_FAILED``, never the status it carried.
+    Where errors become exit codes: an ``InvalidArgument`` from any command is a usage
+    error (``EXIT_USAGE``, the message and the user's frames on stderr), and a ``SystemExit``
+    that the code under test raised outside a check (a model's forward under ``explain``, a
+    ``fuzz`` target) is ``EXIT_FAILED``, never the status it carried.
     argparse's own errors exit 2 through ``SystemExit`` as usual.
     """
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["ddp-selftest"]:
         # Dispatched before argparse: a subparser taking the remaining arguments mishandles a
         # leading --option on Python 3.11.
-        from dpverify.cli.selftest import main_selftest
+        from dpverify.cli.selftest import selftest_command
 
-        try:
-            return main_selftest(arguments[1:])
-        except InvalidArgument as error:
-            return _usage_error("ddp-selftest", error)
+        return selftest_command(arguments[1:])
     parser = _parser()
     args = parser.parse_args(arguments)
     if not getattr(args, "run", None):
@@ -835,7 +818,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.run(args)
     except InvalidArgument as error:
-        return _usage_error(args.command, error)
+        return usage_error(args.command, error)
     except BrokenPipeError:
         return _closed_pipe()
     except SystemExit as error:

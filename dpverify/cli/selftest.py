@@ -26,13 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpverify.checks.registry import CHECKS, Case, Target, Verdict
+from dpverify.cli.exits import EXIT_FAILED, EXIT_NOTHING_CHECKED, EXIT_OK, usage_error
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.text import plural
 from dpverify.ddp.pool import DDPWorkerPool, ProcessGroupRunner, RankRunner
 from dpverify.models.builtin import BuiltinCase, builtin_case
 
-__all__ = ["PartlyUsed", "main_selftest"]
+__all__ = ["PartlyUsed", "main_selftest", "selftest_command"]
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -201,15 +202,14 @@ def _run_all(runner: RankRunner, seed: int, show: Callable[[str], None]) -> int:
         f"passed on {plural(runner.world_size, 'rank')} ({runner.backend}) in {elapsed:.1f}s"
         + (f", {skipped} skipped" if skipped else "")
     )
-    # the command line's exit statuses (dpverify.cli.main): failed, nothing checked, ok
-    return 1 if failed else 3 if nothing else 0
+    return EXIT_FAILED if failed else EXIT_NOTHING_CHECKED if nothing else EXIT_OK
 
 
 def main_selftest(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``dpverify ddp-selftest``; returns the exit code (same on every rank).
 
     Raises:
-        InvalidArgument: an unusable option (``dpverify.cli.main`` makes it exit 2).
+        InvalidArgument: an unusable option (``selftest_command`` makes it exit 2).
     """
     args = _parser().parse_args(argv)
     if _under_torchrun():
@@ -234,7 +234,14 @@ def main_selftest(argv: Sequence[str] | None = None) -> int:
         return _run_all(pool, args.seed, lambda line: print(line, flush=True))
 
 
-if __name__ == "__main__":  # torchrun -m dpverify.cli.selftest: the command line's error policy
-    from dpverify.cli.main import main
+def selftest_command(argv: Sequence[str] | None = None) -> int:
+    """``dpverify ddp-selftest`` with the command line's error policy: an unusable option
+    prints its message and gives ``EXIT_USAGE``."""
+    try:
+        return main_selftest(argv)
+    except InvalidArgument as error:
+        return usage_error("ddp-selftest", error)
 
-    raise SystemExit(main(["ddp-selftest", *sys.argv[1:]]))
+
+if __name__ == "__main__":  # torchrun -m dpverify.cli.selftest
+    raise SystemExit(selftest_command(sys.argv[1:]))

@@ -20,7 +20,6 @@ import contextvars
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,10 +28,6 @@ from dpverify.core.divergence import DivergenceSource, divergence_sources
 from dpverify.core.errors import InvalidArgument, NonFiniteReference
 from dpverify.core.numerics import max_abs
 from dpverify.core.text import shape_text
-
-if TYPE_CHECKING:
-    # for the annotation only: the engine never loads matplotlib unless a figure is drawn
-    from matplotlib.figure import Figure
 
 __all__ = [
     "StepComparison",
@@ -834,33 +829,6 @@ class StepComparison:
             lines += ["", "Likely cause, a module whose train-mode result depends on the batch split or on random draws:"]
             lines += [f"  - {d.describe()}" for d in self.divergence]
         return "\n".join(lines).rstrip()
-
-    def figure(self) -> Figure:
-        """Error over allowed error per compared tensor, worst first, as a figure.
-
-        A horizontal bar per tensor on a log scale (red: mismatched, green: within
-        tolerance), the limit at 1 as a dashed line, a marker for a tensor that could not be
-        compared (missing, another shape); titled with the check, the scenario and the
-        verdict. See ``dpverify.figures.check.comparison_figure``.
-
-        Needs matplotlib: ``pip install 'dpverify[plot]'``. For example::
-
-            try:
-                dpverify.assert_dp_grads_match(model, inputs, target, loss_fn=loss_fn, device_ids=[0, 1])
-            except ParallelMismatch as e:
-                e.report.figure().savefig("x.png")
-
-        Returns:
-            A ``matplotlib.figure.Figure``, 1,200 pixels wide, made without pyplot.
-
-        Raises:
-            ModuleNotFoundError: matplotlib is not installed (the message says what to
-                install).
-        """
-        # imported here: the engine works, and imports, without matplotlib
-        from dpverify.figures.check import comparison_figure
-
-        return comparison_figure(self)
 
     def __str__(self) -> str:
         if self.ok:

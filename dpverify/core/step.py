@@ -22,6 +22,7 @@ from dpverify.core.virtual import replica_device
 __all__ = [
     "Key",
     "ReplicaGradRecorder",
+    "ReplicaRecord",
     "StepResult",
     "as_inputs",
     "batch_size_of",
@@ -168,31 +169,68 @@ def parameter_sites(module: nn.Module) -> list[tuple[str, str, str]]:
 
 
 @dataclass
+class ReplicaRecord:
+    """One replica's forward, as ``ReplicaGradRecorder`` saw it.
+
+    Attributes:
+        device: the device it ran on (``replica_device``: its virtual device, else its
+            parameters' CUDA device); None when unknown.
+        rows: entries along the split dimension of the first batched argument it received
+            (None when it received none with that dimension).
+        first_input: that argument, detached.
+        grads: its gradient contribution to each parameter (kept with ``keep=True``).
+        grad_bytes: bytes of its gradient contributions.
+    """
+
+    device: int | None = None
+    rows: int | None = None
+    first_input: torch.Tensor | None = None
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    grad_bytes: int = 0
+
+
 class ReplicaGradRecorder:
-    """Captures each replica's own gradient contribution to every parameter.
+    """Records every replica forward of a module and each replica's own gradient
+    contribution to every parameter.
 
     A forward pre-hook on the root module runs on every replica (replicas share the hook
     dictionaries: ``Module._replicate_for_data_parallel`` copies ``__dict__`` shallowly), and
     registers a gradient hook on the replica's copy of each parameter. This works for
     torch's DataParallel, the virtual one, and any wrapper that calls the module's copies.
+    Each call of the root module is one replica's forward, with a ``ReplicaRecord`` of its
+    own (``current()`` in the thread running it: replicas run in threads of their own, or
+    one after another).
 
     It always adds up, per parameter, ``sum over replicas of max |g_r|``: the scale of the
     terms the parallel reduce-add sums, which bounds its rounding error however much the
     replicas cancel (one max-abs pass per replica gradient, no copies). With ``keep=True``
     it also keeps each contribution.
+
+    ``dpverify.explain.measure`` records more of each replica with a ``record_type`` of its
+    own, filled by overriding ``new_record`` (as the forward starts) and ``on_parameter``
+    (each of the replica's parameters); hooks of its own go in ``handles``, which
+    ``detach`` removes.
+
+    Args:
+        sites: the parameters, as ``parameter_sites`` gives them.
+        keep: keep each replica's gradients (``ReplicaRecord.grads``).
+        dim: the dimension the batch is split along (``ReplicaRecord.rows`` counts it).
     """
 
-    sites: list[tuple[str, str, str]]
-    keep: bool = True
-    contributions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    magnitudes: dict[str, float] = field(default_factory=dict)
-    norms: dict[str, float] = field(default_factory=dict)
-    replica_devices: dict[int, int | None] = field(default_factory=dict)
-    #: rows (along ``dim``) of the first tensor argument each replica forward received
-    replica_rows: dict[int, int] = field(default_factory=dict)
-    dim: int = 0
-    _handles: list[Any] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    #: what ``new_record`` makes for each replica forward
+    record_type: type[ReplicaRecord] = ReplicaRecord
+
+    def __init__(self, sites: list[tuple[str, str, str]], *, keep: bool = True, dim: int = 0) -> None:
+        self.sites = sites
+        self.keep = keep
+        self.dim = dim
+        #: one per replica forward, in the order they started
+        self.replicas: list[ReplicaRecord] = []
+        self.magnitudes: dict[str, float] = {}
+        self.norms: dict[str, float] = {}
+        self.handles: list[Any] = []
+        self._lock = threading.Lock()  # real DataParallel runs replicas in concurrent threads
+        self._current = threading.local()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ReplicaGradRecorder:
         # A wrapper that deep-copies the module per replica copies the hook with it; the
@@ -200,35 +238,68 @@ class ReplicaGradRecorder:
         return self
 
     def attach(self, module: nn.Module) -> None:
-        self._handles.append(module.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+        self.handles.append(module.register_forward_pre_hook(self._on_forward, with_kwargs=True))
 
     def detach(self) -> None:
-        for handle in self._handles:
+        for handle in self.handles:
             handle.remove()
-        self._handles.clear()
+        self.handles.clear()
 
-    def _on_forward(self, replica: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+    def current(self) -> ReplicaRecord | None:
+        """The record of the replica forward the calling thread runs (its last one)."""
+        record: ReplicaRecord | None = getattr(self._current, "record", None)
+        return record
+
+    def ordered(self, device_ids: Sequence[int]) -> list[ReplicaRecord]:
+        """The replica forwards in ``device_ids`` order (by device index for devices not in
+        it) when every one ran on its own known device (threads finish in any order), else
+        in the order they started."""
+        records = list(self.replicas)
+        devices = [record.device for record in records]
+        if not all(device is not None for device in devices) or len(set(devices)) != len(devices):
+            return records
+        position = {device: i for i, device in enumerate(device_ids)}
+
+        def rank(record: ReplicaRecord) -> tuple[int, int]:
+            device = record.device or 0
+            return position.get(device, len(position)), device
+
+        return sorted(records, key=rank)
+
+    def new_record(self, replica: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ReplicaRecord:
+        """A new record for a replica forward about to run with ``args`` and ``kwargs``."""
+        del replica
+        first = first_batched((args, kwargs))
+        record = self.record_type(device=replica_device(first))
+        if first is not None and -first.dim() <= self.dim < first.dim():
+            record.rows, record.first_input = int(first.shape[self.dim]), first.detach()
+        return record
+
+    def on_parameter(self, record: ReplicaRecord, name: str, tensor: torch.Tensor) -> None:
+        """Sees the replica's ``tensor`` of parameter ``name`` as its forward starts."""
+
+    def _on_forward(self, replica: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # Each call of the root module is one replica's forward. (Not keyed by id(replica):
         # a wrapper may free a replica before building the next, and ids get reused.)
-        first = first_batched((args, kwargs))
-        with self._lock:  # real DataParallel runs replicas in concurrent threads
-            key = len(self.contributions)
-            self.contributions[key] = {}
-            self.replica_devices[key] = replica_device(first)
-            if first is not None and -first.dim() <= self.dim < first.dim():
-                self.replica_rows[key] = int(first.shape[self.dim])
+        record = self.new_record(replica, args, kwargs)
+        with self._lock:
+            self.replicas.append(record)
+        self._current.record = record
         for name, module_path, attr in self.sites:
             tensor = getattr(replica.get_submodule(module_path), attr, None)
-            if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
+            if not isinstance(tensor, torch.Tensor):
                 continue
-            self.replica_devices[key] = replica_device(tensor)
-            self._handles.append(tensor.register_hook(self._recorder(key, name)))
+            self.on_parameter(record, name, tensor)
+            if tensor.requires_grad:
+                record.device = replica_device(tensor)
+                self.handles.append(tensor.register_hook(self._recorder(record, name)))
 
-    def _recorder(self, key: int, name: str) -> Callable[[torch.Tensor], None]:
-        def record(grad: torch.Tensor | None) -> None:
+    def _recorder(self, record: ReplicaRecord, name: str) -> Callable[[torch.Tensor], None]:
+        def record_grad(grad: torch.Tensor | None) -> None:
             # A replica whose forward never used the parameter (an unused submodule, a
-            # branch not taken) has no gradient to contribute: autograd calls the hook
-            # with None, and that replica adds nothing to the reduce-add.
+            # branch not taken, an output the loss does not read) has no gradient to
+            # contribute: autograd calls the hook with None, and that replica adds nothing
+            # to the reduce-add.
             if grad is None:
                 return
             grad = grad.detach()
@@ -237,11 +308,12 @@ class ReplicaGradRecorder:
             norm = float(torch.linalg.vector_norm(dense)) if dense.numel() else 0.0
             with self._lock:
                 if self.keep:
-                    self.contributions[key][name] = grad.clone()
+                    record.grads[name] = grad.clone()
+                record.grad_bytes += int(grad.numel() * grad.element_size())
                 self.magnitudes[name] = self.magnitudes.get(name, 0.0) + size
                 self.norms[name] = self.norms.get(name, 0.0) + norm
 
-        return record
+        return record_grad
 
 
 @dataclass(frozen=True)
@@ -393,8 +465,8 @@ def run_step(
     finally:
         if recorder is not None:
             recorder.detach()
-            order = _replica_order(recorder, device_ids)
-            rows = tuple(recorder.replica_rows[key] for key in order if key in recorder.replica_rows)
+            order = recorder.ordered(device_ids)
+            rows = tuple(record.rows for record in order if record.rows is not None)
             if rows_seen is not None:
                 rows_seen[:] = rows
     grads = {name: _grad_of(model, module_path, attr) for name, module_path, attr in sites}
@@ -402,7 +474,7 @@ def run_step(
     gathered = None
     detached = _detached(output)
     if recorder is not None:
-        contributions = tuple((recorder.replica_devices.get(key), recorder.contributions[key]) for key in order)
+        contributions = tuple((record.device, record.grads) for record in order)
         gathered = _gathered(detached, len(order), dim)
     outputs = tuple((path, tensor.detach()) for path, tensor in flatten_tensors(output, "output"))
     magnitudes = recorder.magnitudes if recorder is not None else {}
@@ -425,23 +497,6 @@ def _detached(output: Any) -> Any:
         return map_tensors(output, lambda tensor: tensor.detach())
     except Exception:  # a user's container class: the flat outputs remain
         return None
-
-
-def _replica_order(recorder: ReplicaGradRecorder, device_ids: Sequence[int]) -> list[int]:
-    """The replica forwards in ``device_ids`` order (by device index for devices not in
-    it) when every one ran on its own known device (threads finish in any order), else in
-    the order they ran."""
-    keys = sorted(recorder.contributions)
-    devices = [recorder.replica_devices.get(key) for key in keys]
-    if not all(device is not None for device in devices) or len(set(devices)) != len(devices):
-        return keys
-    position = {device: i for i, device in enumerate(device_ids)}
-
-    def rank(key: int) -> tuple[int, int]:
-        device = recorder.replica_devices[key] or 0
-        return position.get(device, len(position)), device
-
-    return sorted(keys, key=rank)
 
 
 def _gathered(output: Any, replicas: int, dim: int) -> tuple[tuple[str, torch.Tensor], ...] | None:

@@ -1,5 +1,5 @@
 """How close each compared tensor came to its tolerance: ``dpverify check --figure`` and
-``StepComparison.figure()``.
+``comparison_figure(step_comparison)``.
 
 One horizontal bar per tensor, its length the tensor's ``ratio`` (greatest error over the
 allowed error; below 1 passes) on a log scale, worst first, with the limit at 1 drawn as a
@@ -298,6 +298,12 @@ def comparison_figure(comparison: StepComparison) -> Figure:
     another shape) is a red marker at the right edge with the reason, and an exact one
     (ratio 0) a short bar labelled ``exact``. Over ``MAX_BARS`` tensors, the worst are
     drawn and the others counted. The title is the check, the scenario and the verdict.
+    For example::
+
+        try:
+            dpverify.assert_dp_grads_match(model, inputs, target, loss_fn=loss_fn, device_ids=[0, 1])
+        except ParallelMismatch as e:
+            comparison_figure(e.report).savefig("x.png")
 
     Args:
         comparison: what ``assert_dp_grads_match`` and the other helpers return, or a

@@ -10,7 +10,7 @@ source device), the bytes each device held by kind, the weight
 
 ``step_lanes`` and ``step_arrows`` are the diagram as data (what the tests compare with the
 observed chunks); ``explain_figure`` draws them; ``loss_weights_figure`` is the loss panel
-alone, for a ``LossAverageReport`` (``report.figure()``).
+alone, for a ``LossAverageReport``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from dpverify.checks.loss_average import LossAverageReport
-    from dpverify.cli.explain import ChunkFact, Explanation, ReplicaFact
+    from dpverify.explain.measure import ChunkFact, Explanation, ReplicaFact
 
 __all__ = ["Arrow", "Cell", "explain_figure", "loss_weights_figure", "step_arrows", "step_lanes"]
 
@@ -368,7 +368,7 @@ def explain_figure(e: Explanation) -> Figure:
     gradient ratios, each from the measured facts.
 
     Args:
-        e: what ``dpverify.cli.explain.explain`` measured.
+        e: what ``dpverify.explain.measure.explain`` measured.
 
     Returns:
         A matplotlib figure 1,200 px wide; ``dpverify.figures.save_figure`` writes it.
@@ -405,7 +405,17 @@ def explain_figure(e: Explanation) -> Figure:
 
 def loss_weights_figure(r: LossAverageReport) -> Figure:
     """A loss-averaging report as a figure: each replica's loss against ``loss.mean()``,
-    the weighted mean and the full-batch loss, and the weight each row (or token) gets.
+    the weighted mean and the full-batch loss, and the weight each row (or token) gets
+    against ``1/B`` (``1/N``)::
+
+        except ParallelMismatch as error:
+            loss_weights_figure(error.report).savefig("loss.png")
+
+    Args:
+        r: the report of ``check_forward_loss_average`` or of a ``ParallelMismatch``.
+
+    Returns:
+        A figure with a ``"losses"`` and a ``"loss weights"`` axes.
 
     Raises:
         ModuleNotFoundError: matplotlib is not installed (``pip install 'dpverify[plot]'``).

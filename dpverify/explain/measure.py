@@ -17,7 +17,7 @@ whose measurement the wrapper cannot take says so (``Explanation.unanswered``) r
 reporting torch's numbers as the wrapper's.
 
 This module only measures: ``explain`` returns an ``Explanation`` (frozen dataclasses of
-facts, JSON-ready). ``dpverify.cli.explain_answers`` turns it into the numbered answers of
+facts, JSON-ready). ``dpverify.explain.answers`` turns it into the numbered answers of
 ``docs/questions.md``, and ``dpverify.cli.explain_view`` draws both with rich
 (``render_explanation``) or writes them as JSON (``explanation_json``).
 """
@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -47,6 +46,8 @@ from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.scatter import plan_scatter
 from dpverify.core.step import (
+    ReplicaGradRecorder,
+    ReplicaRecord,
     batch_size_of,
     convert_tensors,
     parameter_sites,
@@ -59,7 +60,6 @@ from dpverify.core.tree import first_batched, map_tensors, tensor_leaves
 from dpverify.core.virtual import (
     SCALAR_GATHER_WARNING,
     VirtualDataParallel,
-    current_virtual_device,
     virtual_devices,
 )
 from dpverify.models.user import Batch, UserModel
@@ -226,7 +226,7 @@ class DDPFact:
 @dataclass(frozen=True)
 class Explanation:
     """Everything ``dpverify explain`` measured for one model, batch and device list: the
-    facts, without words (``dpverify.cli.explain_answers.answers`` gives those).
+    facts, without words (``dpverify.explain.answers.answers`` gives those).
 
     ``eval_mode_for_losses``: the model has BatchNorm or Dropout in train mode, so the loss,
     gradient, output-device and DDP measurements (questions 3, 4, 6, 8, 11) ran on an
@@ -512,128 +512,89 @@ def _watch_gather(wrapper: Any, seen: list[int]) -> None:
 
 
 @dataclass
-class _ReplicaLog:
-    device: int
-    seen_device: int | None = None  # current_virtual_device() when its forward started
-    rows: int = 0  # of the first batched argument its forward received, along the split dim
-    first_input: torch.Tensor | None = None  # that argument, to find its rows in the batch
+class _ReplicaLog(ReplicaRecord):
+    placed: int = 0  # the device it is reported on: its own, else the one it stands for
+    input_tensors: tuple[tuple[bool, int], ...] = ()  # (is a view of the batch, bytes)
     shared: int = 0
     copied: int = 0
     equal: bool = True
     leaves: int = 0
     parameter_bytes: int = 0
-    input_tensors: tuple[tuple[bool, int], ...] = ()  # (is a view of the batch, bytes)
     output_shape: tuple[int, ...] = ()
     output_grad_rows: int = 0
     output_grad_bytes: int = 0
     loss_grad: float | None = None  # the gradient its scalar output (a loss) received
     activation_bytes: int = 0
-    grad_bytes: int = 0
 
 
-class _StepRecorder:
-    """Hooks that record what every replica received, held and produced.
-
-    Replicas share the hook dictionaries of the module they were made from
-    (``Module._replicate_for_data_parallel`` copies ``__dict__`` shallowly), so hooks
-    registered on the module run on every replica. Each call of the module is one replica's
-    forward, with a log of its own (the thread's current log while it runs: replicas run
-    in threads of their own, or one after another); ``current_virtual_device()`` says on
-    which device, when the wrapper ran it through ``parallel_apply`` or
-    ``torch.cuda.device``.
+class _StepRecorder(ReplicaGradRecorder):
+    """The replica recorder of the checks, recording also what every replica received,
+    held and produced: its chunk (views or copies of the batch), its parameters (shared
+    with the module or copies), its activations and outputs, and the gradients Gather's
+    backward sent them. ``ReplicaRecord.device`` says on which device, when the wrapper ran
+    it through ``parallel_apply`` or ``torch.cuda.device``.
     """
+
+    record_type = _ReplicaLog
 
     def __init__(
         self, module: nn.Module, batch: Sequence[torch.Tensor], device_ids: Sequence[int], dim: int = 0, loss_in_forward: bool = False,
     ) -> None:
-        self.module = module
+        super().__init__(parameter_sites(module), keep=False, dim=dim)
         self.device_ids = list(device_ids)
-        self.dim = dim
         self.loss_in_forward = loss_in_forward
-        self.sites = parameter_sites(module)
         self.originals = {name: getattr(module.get_submodule(path), attr) for name, path, attr in self.sites}
         self.buffers = dict(module.named_buffers())
         self.batch_storages = {_storage(t) for t in batch}
-        self.calls: list[_ReplicaLog] = []  # one per replica forward, in the order they started
-        self.current = threading.local()
-        self.lock = threading.Lock()
         self.seen: set[tuple[int, int]] = set()
-        self.handles: list[Any] = []
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _StepRecorder:
-        # A wrapper that deep-copies the module per replica copies these hooks with it; the
-        # copies must report here, not to copies of the recorder.
-        return self
-
-    def attach(self) -> None:
-        self.handles.append(self.module.register_forward_pre_hook(self._on_replica, with_kwargs=True))
-        self.handles.append(self.module.register_forward_hook(self._on_output))
-        for sub in self.module.modules():
+    def attach(self, module: nn.Module) -> None:
+        super().attach(module)
+        self.handles.append(module.register_forward_hook(self._on_output))
+        for sub in module.modules():
             self.handles.append(sub.register_forward_hook(self._on_activation))
-
-    def detach(self) -> None:
-        for handle in self.handles:
-            handle.remove()
 
     def logs(self) -> tuple[tuple[_ReplicaLog, ...], bool]:
         """The replicas' logs, one per device, in ``device_ids`` order, and whether their
         devices were known. A replica whose device is unknown (run outside
         ``parallel_apply`` and ``torch.cuda.device``) is placed on ``device_ids`` in the
         order the replicas started; a single one is the module on ``device_ids[0]``."""
-        calls = list(self.calls)
-        devices = [log.seen_device for log in calls]
+        calls = [cast(_ReplicaLog, record) for record in self.replicas]
+        devices = [log.device for log in calls]
         known = all(d in self.device_ids for d in devices) and len(set(devices)) == len(devices)
         if known:
-            calls.sort(key=lambda log: self.device_ids.index(log.device))
+            calls.sort(key=lambda log: self.device_ids.index(log.placed))
         else:
             for log, device in zip(calls, self.device_ids, strict=False):
-                log.device = device
+                log.placed = device
             calls = calls[: len(self.device_ids)]
         return tuple(calls), known or len(calls) <= 1
 
     def sizes(self) -> list[int]:
         """The rows each replica's forward received so far, in ``device_ids`` order."""
-        return [log.rows for log in self.logs()[0]]
+        return [log.rows or 0 for log in self.logs()[0]]
 
     def _log(self) -> _ReplicaLog | None:
-        log: _ReplicaLog | None = getattr(self.current, "log", None)
-        return log
+        return cast("_ReplicaLog | None", self.current())
 
-    def _on_replica(self, replica: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        seen = current_virtual_device()
-        log = _ReplicaLog(self.device_ids[0] if seen is None else seen, seen_device=seen)
-        with self.lock:
-            self.calls.append(log)
-        self.current.log = log
-        first = first_batched((args, kwargs))
-        if first is not None:
-            log.rows, log.first_input = _along(first, self.dim), first.detach()
-        log.input_tensors = tuple(
-            (_storage(t) in self.batch_storages, _nbytes(t)) for t in _tensors((args, kwargs))
-        )
-        for name, path, attr in self.sites:
-            tensor = getattr(replica.get_submodule(path), attr)
-            original = self.originals[name]
-            shared = tensor.data_ptr() == original.data_ptr()
-            log.shared += shared
-            log.copied += not shared
-            log.parameter_bytes += 0 if shared else _nbytes(tensor)
-            log.equal &= bool(torch.equal(tensor.detach(), original.detach()))
-            log.leaves += tensor.is_leaf
-            if tensor.requires_grad:
-                tensor.register_hook(self._grad_recorder(log))
+    def new_record(self, replica: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _ReplicaLog:
+        log = cast(_ReplicaLog, super().new_record(replica, args, kwargs))
+        log.placed = self.device_ids[0] if log.device is None else log.device
+        log.input_tensors = tuple((_storage(t) in self.batch_storages, _nbytes(t)) for t in _tensors((args, kwargs)))
         for name, buffer in replica.named_buffers():
             if name in self.buffers and buffer.data_ptr() != self.buffers[name].data_ptr():
                 log.parameter_bytes += _nbytes(buffer)
+        return log
 
-    def _grad_recorder(self, log: _ReplicaLog) -> Callable[[torch.Tensor], None]:
-        def record(grad: torch.Tensor | None) -> None:
-            # None for a parameter only an output the loss does not read depends on (an
-            # auxiliary head next to --output-key's): no gradient flowed, nothing was held
-            if grad is not None:
-                log.grad_bytes += _nbytes(grad)
-
-        return record
+    def on_parameter(self, record: ReplicaRecord, name: str, tensor: torch.Tensor) -> None:
+        log = cast(_ReplicaLog, record)
+        original = self.originals[name]
+        shared = tensor.data_ptr() == original.data_ptr()
+        log.shared += shared
+        log.copied += not shared
+        log.parameter_bytes += 0 if shared else _nbytes(tensor)
+        log.equal &= bool(torch.equal(tensor.detach(), original.detach()))
+        log.leaves += tensor.is_leaf
 
     def _on_output(self, replica: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         del replica, args
@@ -694,7 +655,7 @@ def _recorded_step(
     batch_tensors = _tensors(batch.inputs)
     recorder = _StepRecorder(model, batch_tensors, device_ids, runner.dim, loss_in_forward=batch.loss_fn is None)
     gathered: list[int] = []
-    recorder.attach()
+    recorder.attach(model)
     try:
         with runner.devices(device_ids), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
@@ -763,7 +724,7 @@ def _chunks(step: _Step, device_ids: Sequence[int], batch: Batch, dim: int = 0) 
     are a view of the batch or a copy."""
     facts: list[ChunkFact] = []
     start = 0
-    logs = {log.device: log for log in step.logs}
+    logs = {log.placed: log for log in step.logs}
     whole = first_batched(batch.inputs)
     for device in device_ids:
         log = logs.get(device)
@@ -802,7 +763,7 @@ def _replicas(step: _Step) -> tuple[ReplicaFact, ...]:
     return tuple(
         ReplicaFact(
             replica=i,
-            device=log.device,
+            device=log.placed,
             shared_parameters=log.shared,
             copied_parameters=log.copied,
             equal_to_module=log.equal,
@@ -819,7 +780,7 @@ def _replicas(step: _Step) -> tuple[ReplicaFact, ...]:
 
 
 def _device_bytes(step: _Step, chunks: Sequence[ChunkFact], device_ids: Sequence[int], output_device: int) -> tuple[DeviceBytes, ...]:
-    logs = {log.device: log for log in step.logs}
+    logs = {log.placed: log for log in step.logs}
     # where the outputs were gathered (a wrapper's gather may not use its output_device)
     output_device = output_device if step.gathered_on is None else step.gathered_on
     first = device_ids[0]
@@ -967,21 +928,14 @@ def _splits(batch_size: int, n_devices: int) -> tuple[SplitFact, ...]:
 
 def _measured_splits(runner: _Runner, model: UserModel, module: nn.Module, batch_size: int, device_ids: list[int]) -> tuple[SplitFact, ...]:
     """How a user's wrapper splits batches of the sizes ``_splits`` shows: one forward of
-    each (no gradient), with a pre-hook recording the rows each replica's forward received,
-    in ``device_ids`` order. A size the wrapper (or the batch function) raises on says so
-    in its note."""
+    each (no gradient), recording the rows each replica's forward received, in
+    ``device_ids`` order. A size the wrapper (or the batch function) raises on says so in
+    its note."""
     facts = []
     for size in _split_sizes(batch_size, len(device_ids)):
         copy_ = copy.deepcopy(module)
-        rows: dict[int, int] = {}
-
-        def record(replica: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows: dict[int, int] = rows) -> None:
-            del replica
-            first = first_batched((args, kwargs))
-            current = current_virtual_device()
-            rows[device_ids[0] if current is None else current] = _along(first, runner.dim) if first is not None else 0
-
-        handle = copy_.register_forward_pre_hook(record, with_kwargs=True)
+        recorder = ReplicaGradRecorder([], dim=runner.dim)
+        recorder.attach(copy_)
         try:
             inputs = model.make_batch(size).inputs
             with runner.devices(device_ids), torch.no_grad(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
@@ -991,7 +945,8 @@ def _measured_splits(runner: _Runner, model: UserModel, module: nn.Module, batch
             facts.append(SplitFact(size, (), len(device_ids), note=f"raised {describe_exception(error)}"))
             continue
         finally:
-            handle.remove()
+            recorder.detach()
+        rows = {device_ids[0] if r.device is None else r.device: r.rows or 0 for r in recorder.replicas}
         chunks = tuple(rows[d] for d in device_ids if rows.get(d))
         facts.append(SplitFact(size, chunks, len(device_ids) - len(chunks)))
     return tuple(facts)

@@ -1,6 +1,6 @@
 """``dpverify explain`` in words: the numbered answers built from an ``Explanation``.
 
-``dpverify.cli.explain`` measures (``explain`` returns an ``Explanation`` of facts); this
+``dpverify.explain.measure`` measures (``explain`` returns an ``Explanation`` of facts); this
 module only reads those facts and writes them as prose, so that the wording can change
 without touching the measurement, and the measurement never depends on the wording.
 ``dpverify.cli.explain_view`` shows both: the tables from the facts, the text from here.
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpverify.checks.loss_average import LossAverageReport
-from dpverify.cli.explain import Explanation, GradFact
 from dpverify.core.text import and_list, plural
+from dpverify.explain.measure import Explanation, GradFact
 
 __all__ = ["QUESTIONS", "Answer", "answers"]
 
