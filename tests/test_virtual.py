@@ -306,7 +306,7 @@ def test_replica_exception_names_the_replica() -> None:
 def test_virtual_primitives_are_per_thread_and_leave_torch_as_it_was() -> None:
     from torch.autograd import Function
 
-    from dpverify.core.virtual import _primitives_active
+    from dpverify.core.patching import _primitives_active
 
     def torch_own() -> bool:
         return "apply" not in scatter_gather.Scatter.__dict__
@@ -314,7 +314,7 @@ def test_virtual_primitives_are_per_thread_and_leave_torch_as_it_was() -> None:
     VirtualDataParallel(nn.Linear(2, 2), [0, 1])(torch.randn(4, 2))
     assert torch_own()  # nothing stays switched after a forward
     devices = torch.cuda.device_count()
-    with dpverify.core.virtual.virtual_primitives():
+    with dpverify.core.patching.virtual_primitives():
         assert not torch_own()
         assert _primitives_active()
         seen: list[bool] = []
