@@ -29,7 +29,8 @@ from dpverify.checks.registry import CHECKS, Case, Target, Verdict
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.text import plural
-from dpverify.ddp.pool import DDPWorkerPool, ProcessGroupRunner, RankRunner
+from dpverify.ddp.pool import DDPWorkerPool, RankRunner
+from dpverify.ddp.torchrun import ProcessGroupRunner
 from dpverify.models.builtin import BuiltinCase, builtin_case
 
 __all__ = ["PartlyUsed", "main_selftest"]
