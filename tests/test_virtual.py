@@ -314,6 +314,7 @@ def test_virtual_primitives_are_per_thread_and_leave_torch_as_it_was() -> None:
     VirtualDataParallel(nn.Linear(2, 2), [0, 1])(torch.randn(4, 2))
     assert torch_own()  # nothing stays switched after a forward
     devices = torch.cuda.device_count()
+    device_count_code = torch.cuda.device_count.__code__
     with dpverify.core.patching.virtual_primitives():
         assert not torch_own()
         assert _primitives_active()
@@ -323,6 +324,7 @@ def test_virtual_primitives_are_per_thread_and_leave_torch_as_it_was() -> None:
         other.join()
         assert seen == [False]  # another thread keeps torch's own
         assert torch.cuda.device_count() == devices  # the devices are virtual_devices' business
+        assert torch.cuda.device_count.__code__ is device_count_code  # not even switched
     assert torch_own()
     assert scatter_gather.Scatter.apply.__func__ is Function.apply.__func__  # type: ignore[attr-defined]
 

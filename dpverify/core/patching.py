@@ -10,9 +10,10 @@ code that calls ``torch.nn.parallel.data_parallel``, ``Scatter``, ``parallel_app
 How to turn it on and off: ``with virtual_devices(n):`` switches everything below for the
 whole process while the block is open, and ``with virtual_primitives():`` switches the
 primitives for the calling thread alone (``VirtualDataParallel``'s ``scatter``,
-``replicate`` and ``gather`` run torch's functions inside one). The switches are installed
-when the first block of either kind opens and removed, restoring torch's objects by
-identity, when the last one closes; nothing is switched at import.
+``replicate`` and ``gather`` run torch's functions inside one). The primitives' switches
+are installed when the first block of either kind opens, the devices' when the first
+``virtual_devices`` block opens, and each set is removed, restoring torch's objects by
+identity, when the last block that needs it closes; nothing is switched at import.
 
 What it changes: the primitives of ``dpverify.core.primitives`` run in place of torch's
 (inside either block), and, inside ``virtual_devices(n)`` only, the devices:
@@ -40,7 +41,8 @@ Everything is switched in place, on the objects torch defines, so code that impo
 (``from torch.nn.parallel._functions import Scatter``, ``from torch.cuda.comm import
 reduce_add``) is covered too: a function gets a trampoline ``__code__`` (12 of them), an
 autograd Function class an ``apply`` attribute, ``torch.cuda.device`` its two methods, and
-``DataParallel`` a ``src_device_obj`` descriptor: 19 switches (``_SWITCHES``).
+``DataParallel`` a ``src_device_obj`` descriptor: 19 switches, 10 for the primitives
+(``_PRIMITIVE_SWITCHES``) and 9 for the devices (``_DEVICE_SWITCHES``).
 ``replicate``, ``scatter``, ``scatter_kwargs``, ``gather`` and
 ``comm.reduce_add_coalesced`` stay torch's own: they reach the devices only through the
 switched primitives, so their imported names run virtually too.
@@ -426,26 +428,19 @@ class _ApplySwitch(_AttributeSwitch):
         super().install()
 
 
-def _install_all() -> None:
+def _install(switches: Sequence[_CodeSwitch | _AttributeSwitch]) -> None:
     done: list[_CodeSwitch | _AttributeSwitch] = []
     try:
-        for switch in _SWITCHES:
+        for switch in switches:
             switch.install()
             done.append(switch)
     except BaseException:
-        for switch in reversed(done):
-            switch.uninstall()
+        _uninstall(done)
         raise
-    # dpverify's own device discovery keeps finding the machine's devices.
-    devices_module._torch_queries = (
-        _switch_of(torch.cuda.is_available).original,
-        _switch_of(torch.cuda.device_count).original,
-    )
 
 
-def _uninstall_all() -> None:
-    devices_module._torch_queries = None
-    for switch in reversed(_SWITCHES):
+def _uninstall(switches: Sequence[_CodeSwitch | _AttributeSwitch]) -> None:
+    for switch in reversed(switches):
         switch.uninstall()
 
 
@@ -454,12 +449,26 @@ def _switch_of(function: Callable[..., Any]) -> _CodeSwitch:
 
 
 def _acquire(block: _OpenBlock | None) -> None:
-    """Counts a block in, installing the switches for the first (a virtual_devices block
-    also makes everything virtual, process-wide)."""
+    """Counts a block in: the primitives' switches are installed for the first block of
+    either kind, the devices' for the first ``virtual_devices`` block (``block``), which
+    also makes everything virtual, process-wide."""
     global _users, _process_depth
     with _switch_lock:
-        if _users == 0:
-            _install_all()
+        first = _users == 0
+        if first:
+            _install(_PRIMITIVE_SWITCHES)
+        if block is not None and _process_depth == 0:
+            try:
+                _install(_DEVICE_SWITCHES)
+            except BaseException:
+                if first:
+                    _uninstall(_PRIMITIVE_SWITCHES)
+                raise
+            # dpverify's own device discovery keeps finding the machine's devices.
+            devices_module._torch_queries = (
+                _switch_of(torch.cuda.is_available).original,
+                _switch_of(torch.cuda.device_count).original,
+            )
         _users += 1
         if block is not None:
             _open_blocks.append(block)
@@ -467,18 +476,22 @@ def _acquire(block: _OpenBlock | None) -> None:
 
 
 def _release(block: _OpenBlock | None) -> None:
-    """Counts a block out, restoring torch's objects after the last."""
+    """Counts a block out, restoring torch's objects after the last that needs them."""
     global _users, _process_depth
     with _switch_lock:
         if block is not None:
             _open_blocks.remove(block)
             _process_depth -= 1
+            if _process_depth == 0:
+                devices_module._torch_queries = None
+                _uninstall(_DEVICE_SWITCHES)
         _users -= 1
         if _users == 0:
-            _uninstall_all()
+            _uninstall(_PRIMITIVE_SWITCHES)
 
 
-
+# The switches, in install order (removed in reverse). _CODE_SWITCHES maps a trampoline's
+# key to its switch.
 _CODE_SWITCHES: dict[str, _CodeSwitch] = {}
 
 
@@ -490,8 +503,8 @@ def _code_switch(
     return switch
 
 
-_SWITCHES: tuple[_CodeSwitch | _AttributeSwitch, ...] = (
-    # The primitives: virtual in virtual_devices and in virtual_primitives.
+#: The primitives: virtual in virtual_devices and in virtual_primitives.
+_PRIMITIVE_SWITCHES: tuple[_CodeSwitch | _AttributeSwitch, ...] = (
     _ApplySwitch(torch_functions.Scatter, VirtualScatter.apply),
     _ApplySwitch(torch_functions.Gather, VirtualGather.apply),
     _ApplySwitch(torch_functions.Broadcast, VirtualBroadcast.apply),
@@ -502,7 +515,10 @@ _SWITCHES: tuple[_CodeSwitch | _AttributeSwitch, ...] = (
     _code_switch(torch_comm.gather, virtual_comm_gather, _primitives_active),
     _code_switch(torch_comm.reduce_add, virtual_reduce_add, _primitives_active),
     _code_switch(_torch_parallel_apply, virtual_parallel_apply, _primitives_active),
-    # The devices: virtual in virtual_devices only.
+)
+
+#: The devices: installed and virtual in virtual_devices only.
+_DEVICE_SWITCHES: tuple[_CodeSwitch | _AttributeSwitch, ...] = (
     _code_switch(torch.cuda.is_available, _virtual_is_available, _devices_active),
     _code_switch(torch.cuda.device_count, _virtual_device_count, _devices_active),
     _code_switch(torch.cuda.current_device, _virtual_current_device, _devices_active),
