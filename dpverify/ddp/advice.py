@@ -8,9 +8,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from dpverify.ddp.runner import ParallelError, RankFailure
+from dpverify.ddp.runner import RankFailure
 
-__all__ = ["RERUN_MARKER", "main_module_advice", "refuse_while_importing_main"]
+__all__ = ["RERUN_MARKER", "importing_main_again", "main_module_advice"]
 
 #: In the error a rank raises when it finds itself re-running the main module.
 RERUN_MARKER = "re-ran the main module"
@@ -100,23 +100,20 @@ def main_module_advice(failures: Sequence[RankFailure], starting: bool) -> str:
     return ""
 
 
-def refuse_while_importing_main() -> None:
-    """Raises in a new process that is still importing the main module: the main module
-    starts DDP ranks at its top level, and this process is one of those ranks (or any other
-    process that multiprocessing started), re-running it.
-
-    Raises:
-        ParallelError: with the cause and the fix; the pool's parent shows it.
-    """
+def importing_main_again() -> str:
+    """In a new process that is still importing the main module, the cause and the fix: the
+    main module starts DDP ranks at its top level, and this process is one of those ranks
+    (or any other process that multiprocessing started), re-running it. Empty elsewhere; the
+    pool raises it as a ``ParallelError``, which its parent shows."""
     process = multiprocessing.current_process()
     # Set while multiprocessing prepares a child; no public API tells (spawn.py reads it too).
     if not getattr(process, "_inheriting", False):
-        return
+        return ""
     # multiprocessing runs the main script as '__mp_main__'; '__main__' is still the fork
     # server's own until that run ends.
     rerun = sys.modules.get("__mp_main__")
     where = getattr(rerun, "__file__", None) or getattr(getattr(rerun, "__spec__", None), "name", None)
-    raise ParallelError(
+    return (
         f"{process.name} {RERUN_MARKER} {where or '__main__'}, which starts DDP ranks at its "
         f"top level (no {_GUARD} guard)\nThe ranks are new processes that import the main "
         f"module again; put the code that calls dpverify under {_GUARD}."

@@ -105,8 +105,6 @@ def _stop_fork_server() -> None:
 
 
 @contextlib.contextmanager
-
-
 def ctrl_c_held() -> Iterator[None]:
     """Holds SIGINT back from this thread while it starts a process, which inherits the
     mask: multiprocessing starts its resource tracker so (resource_tracker.py,

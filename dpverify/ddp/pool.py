@@ -21,7 +21,7 @@ finalizer when the pool is garbage collected or the interpreter exits, and a wat
 in every rank ends it when the parent process dies. A Ctrl-C in the terminal is the parent's
 alone: the fork server and the ranks are out of its reach (``forkserver.ctrl_c_held``).
 
-Around the pool: ``runner`` (the ``RankRunner`` protocol, task pickling, ``ParallelError``),
+Around the pool: ``runner`` (the ``RankRunner`` protocol, task pickling, ``RankFailure``),
 ``forkserver`` (the fork server's start, stop and start-up failures), ``advice`` (the cause
 and fix when the ranks cannot import the main module) and ``torchrun``
 (``ProcessGroupRunner``, the runner under torchrun).
@@ -52,12 +52,11 @@ from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
 
 from dpverify.core.errors import InvalidArgument
-from dpverify.ddp.advice import main_module_advice, refuse_while_importing_main
+from dpverify.ddp.advice import importing_main_again, main_module_advice
 from dpverify.ddp.forkserver import RANK_NAME, ctrl_c_held, start_fork_server
 from dpverify.ddp.rank import RankInfo
 from dpverify.ddp.runner import (
     PICKLE_PROTOCOL,
-    ParallelError,
     RankFailure,
     RankRunner,
     describe_exception,
@@ -104,6 +103,26 @@ DEFAULT_TIMEOUT_S = 60.0
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dpverify.ddp.pool", "dpverify.ddp.rank"]
 
 _STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
+
+
+class ParallelError(RuntimeError):
+    """A task failed on one or more ranks: it raised, a rank died, or a rank hung.
+
+    Attributes:
+        rank: the rank at the root of the failure: one killed by a signal (the others'
+            errors follow from its death), else the first that raised, else the first that
+            did not answer; None only when no rank is to blame.
+        traceback: that rank's traceback, or the Python stack it was stopped in.
+        failures: every failed rank's story, in the order above.
+    """
+
+    def __init__(self, message: str, failures: Sequence[RankFailure] = ()) -> None:
+        super().__init__(message)
+        self.failures: tuple[RankFailure, ...] = tuple(failures)
+        primary = self.failures[0] if self.failures else None
+        self.rank: int | None = primary.rank if primary is not None else None
+        self.traceback: str = primary.traceback if primary is not None else ""
+
 
 # A death comes first: the other ranks' errors ("Connection closed by peer") follow from it.
 _KIND_ORDER = {"signal": 0, "exited": 1, "raised": 2, "hung": 3, "blocked": 4}
@@ -174,8 +193,6 @@ def _start_method(requested: str | None) -> str:
 
 
 @dataclass(frozen=True)
-
-
 class _WorkerSpec:
     rank: int
     world_size: int
@@ -312,8 +329,6 @@ def _last_dump(text: str) -> str:
 
 
 @dataclass
-
-
 class _Generation:
     """One set of running ranks: processes, their task pipes, the parent-alive pipe."""
 
@@ -386,8 +401,6 @@ class _Generation:
 
 
 @dataclass
-
-
 class _Outcome:
     values: dict[int, bytes] = field(default_factory=dict)
     failures: dict[int, RankFailure] = field(default_factory=dict)
@@ -446,7 +459,9 @@ class DDPWorkerPool:
         start_timeout: float = 120.0,
         start_method: str | None = None,
     ) -> None:
-        refuse_while_importing_main()
+        refusal = importing_main_again()
+        if refusal:
+            raise ParallelError(refusal)
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise InvalidArgument(f"world_size={world_size!r} must be an int >= 1")
         for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):

@@ -1,11 +1,11 @@
 """What every rank runner shares: the ``RankRunner`` protocol, tasks pickled for the ranks,
-and the failures the ranks report (``ParallelError``, ``RankFailure``)."""
+and what a rank that failed reports (``RankFailure``)."""
 
 from __future__ import annotations
 
 import pickle
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -13,7 +13,6 @@ from dpverify.core.errors import InvalidArgument
 
 __all__ = [
     "PICKLE_PROTOCOL",
-    "ParallelError",
     "RankFailure",
     "RankRunner",
     "describe_exception",
@@ -28,28 +27,7 @@ T = TypeVar("T")
 PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 
-class ParallelError(RuntimeError):
-    """A task failed on one or more ranks: it raised, a rank died, or a rank hung.
-
-    Attributes:
-        rank: the rank at the root of the failure: one killed by a signal (the others'
-            errors follow from its death), else the first that raised, else the first that
-            did not answer; None only when no rank is to blame.
-        traceback: that rank's traceback, or the Python stack it was stopped in.
-        failures: every failed rank's story, in the order above.
-    """
-
-    def __init__(self, message: str, failures: Sequence[RankFailure] = ()) -> None:
-        super().__init__(message)
-        self.failures: tuple[RankFailure, ...] = tuple(failures)
-        primary = self.failures[0] if self.failures else None
-        self.rank: int | None = primary.rank if primary is not None else None
-        self.traceback: str = primary.traceback if primary is not None else ""
-
-
 @dataclass(frozen=True)
-
-
 class RankFailure:
     """What went wrong on one rank.
 

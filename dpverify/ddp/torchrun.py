@@ -7,10 +7,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from dpverify.core.errors import InvalidArgument
+from dpverify.ddp.pool import ParallelError
 from dpverify.ddp.rank import RankInfo
 from dpverify.ddp.runner import (
     PICKLE_PROTOCOL,
-    ParallelError,
     describe_exception,
     pickle_task,
     raised_failure,
