@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINE = ("core", "models", "checks", "ddp")
+ENGINE = ("core", "models", "checks", "ddp", "sharded")
 FORBIDDEN = ("rich", "hypothesis", "matplotlib", "dpverify.cli", "dpverify.strategies", "dpverify.mutants")
 
 #: Allowed inside a function only: drawing loads matplotlib, so only drawing may load it.
