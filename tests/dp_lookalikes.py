@@ -2,7 +2,7 @@
 
 Each follows a pattern seen in the wild (the code is this suite's own): the names of torch's
 parallel primitives are imported at module level, as those projects do, so that running
-them inside ``dpverify.core.virtual.virtual_devices`` shows the in-place switches reach
+them inside ``dpverify.core.patching.virtual_devices`` shows the in-place switches reach
 names bound before the block opened.
 
 * ``BalancedDataParallel``: device 0 gets a smaller chunk (``gpu0_bsz`` rows) to leave room

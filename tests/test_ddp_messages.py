@@ -21,13 +21,14 @@ import torch.nn.functional as F
 from test_ddp import SUM_MSE, batch, loss_over_world_size, mlp
 
 from dpverify.core.errors import ParallelMismatch
+from dpverify.ddp.advice import main_module_advice
 from dpverify.ddp.checks import (
     _loss_reduction,
     assert_ddp_accumulation_matches,
     assert_ddp_grads_match,
     assert_ddp_training_matches,
 )
-from dpverify.ddp.pool import DDPWorkerPool, RankFailure, _main_module_advice
+from dpverify.ddp.pool import DDPWorkerPool, RankFailure
 from dpverify.ddp.rank import ShardContext
 
 SGD = functools.partial(torch.optim.SGD, lr=0.05)
@@ -273,15 +274,15 @@ def test_advice_for_ranks_that_exit_silently_or_cannot_unpickle(monkeypatch: pyt
     main.__file__ = str(script)
     monkeypatch.setitem(sys.modules, "__main__", main)
     silent = [RankFailure(r, "exited", "exited with code 1 without answering") for r in range(2)]
-    advice = _main_module_advice(silent, starting=True)
+    advice = main_module_advice(silent, starting=True)
     assert "their error is on this process's standard error" in advice
     assert "train.py" in advice
     assert "under `if __name__ == '__main__':`" in advice
-    assert _main_module_advice(silent, starting=False) == ""  # a death during a task is not this
+    assert main_module_advice(silent, starting=False) == ""  # a death during a task is not this
     unpickle = [RankFailure(0, "raised", "raised AttributeError", "AttributeError: Can't get attribute 'Net' on <module '__main__' from 'x'>")]
-    assert "defined under `if __name__ == '__main__':` or inside a function" in _main_module_advice(unpickle, starting=False)
+    assert "defined under `if __name__ == '__main__':` or inside a function" in main_module_advice(unpickle, starting=False)
     monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))  # python -c: no file
-    assert "define models, loss functions and steps in an importable module" in _main_module_advice(unpickle, starting=False)
+    assert "define models, loss functions and steps in an importable module" in main_module_advice(unpickle, starting=False)
 
 
 def count_kept_in_float32(ctx: ShardContext) -> Any:

@@ -17,14 +17,16 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.ddp.pool import DDPWorkerPool, ParallelError
+from dpverify.mutants.sharded import (
+    fsdp_summed_loss_step,
+    fsdp_undivided_step,
+    fsdp_wrong_weight_step,
+)
 from dpverify.sharded.fsdp import (
     FSDPContext,
     assert_fsdp_grads_match,
     assert_fsdp_training_matches,
     fsdp_step,
-    fsdp_summed_loss_step,
-    fsdp_undivided_step,
-    fsdp_wrong_weight_step,
     weighted_fsdp_step,
 )
 from dpverify.sharded.fsdp import _state_findings as state_findings

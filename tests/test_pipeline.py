@@ -13,9 +13,8 @@ from torch import nn
 
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.ddp.pool import DDPWorkerPool
+from dpverify.mutants.sharded import SkipLastMicrobatchGPipe, UnscaledGPipe
 from dpverify.sharded.pipeline import (
-    SkipLastMicrobatchGPipe,
-    UnscaledGPipe,
     assert_pipeline_grads_match,
     pipeline_check,
     stage_children,

@@ -75,7 +75,7 @@ def test_check_runs_each_sharded_backend_on_a_users_model(capsys: pytest.Capture
 #: A module with the code under test for the fuzz sessions (importable by the rank processes).
 PLANTED = textwrap.dedent(
     """
-    from dpverify.sharded.tensor_parallel import NoAllReduceRowwiseParallel
+    from dpverify.mutants.sharded import NoAllReduceRowwiseParallel
 
 
     def no_allreduce_plan(layout, module):
@@ -93,12 +93,11 @@ def test_a_fuzz_session_of_each_sharded_backend_passes_torchs_own_code(backend: 
 
 
 def test_a_fuzz_session_catches_a_broken_step_or_schedule_and_writes_its_repro(tmp_path: Path) -> None:
-    from dpverify.sharded.fsdp import fsdp_undivided_step
-    from dpverify.sharded.pipeline import UnscaledGPipe
+    from dpverify.mutants.sharded import UnscaledGPipe, fsdp_undivided_step
 
     for backend, target, obj, field in (
-        ("fsdp", "dpverify.sharded.fsdp:fsdp_undivided_step", fsdp_undivided_step, "step"),
-        ("pp", "dpverify.sharded.pipeline:UnscaledGPipe", UnscaledGPipe, "schedule"),
+        ("fsdp", "dpverify.mutants.sharded:fsdp_undivided_step", fsdp_undivided_step, "step"),
+        ("pp", "dpverify.mutants.sharded:UnscaledGPipe", UnscaledGPipe, "schedule"),
     ):
         config = FuzzConfig(backend=backend, devices=2, max_examples=10, seed=0, target=target, target_object=obj, state_dir=tmp_path / backend)
         report = fuzz(config)

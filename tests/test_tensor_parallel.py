@@ -23,9 +23,8 @@ from torch.distributed.tensor.parallel import (
 
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.ddp.pool import DDPWorkerPool
+from dpverify.mutants.sharded import LocalOutputColwiseParallel, NoAllReduceRowwiseParallel
 from dpverify.sharded.tensor_parallel import (
-    LocalOutputColwiseParallel,
-    NoAllReduceRowwiseParallel,
     TPContext,
     assert_tensor_parallel_grads_match,
     tp_step,

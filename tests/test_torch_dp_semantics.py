@@ -3,7 +3,7 @@
 PyTorch checks ``torch.nn.DataParallel`` and the functional ``torch.nn.parallel`` API in
 ``test/distributed/test_data_parallel.py``, on real GPUs only. Each test here asserts one
 of those behaviours for ``VirtualDataParallel``, or for torch's functional API running
-under ``virtual_primitives`` (with ``_parallel_apply`` standing in for ``parallel_apply``).
+under ``virtual_primitives`` (with ``virtual_parallel_apply`` standing in for ``parallel_apply``).
 Behaviours that only mean something on CUDA (streams, memory, NCCL, which GPU a tensor
 lives on) are left out; "on device k" becomes "aliases the source" for device_ids[0] and
 "is a copy" for the others, as on GPUs.
@@ -28,7 +28,8 @@ from torch.autograd import gradcheck, gradgradcheck
 from torch.nn import parallel as torch_parallel
 
 from dpverify import VirtualDataParallel, current_virtual_device
-from dpverify.core.virtual import _parallel_apply, virtual_primitives
+from dpverify.core.patching import virtual_primitives
+from dpverify.core.primitives import virtual_parallel_apply
 
 
 def _scatter(x: torch.Tensor, devices: Sequence[int] = (0, 1)) -> tuple[torch.Tensor, ...]:
@@ -55,7 +56,7 @@ def test_parallel_apply_takes_argument_tuples_or_single_arguments(as_tuples: boo
     first, second = nn.Linear(10, 5), nn.Linear(10, 5)
     x0, x1 = torch.randn(2, 10), torch.randn(2, 10)
     inputs: list[Any] = [(x0,), (x1,)] if as_tuples else [x0, x1]
-    outputs = _parallel_apply((first, second), inputs, None)
+    outputs = virtual_parallel_apply((first, second), inputs, None)
     torch.testing.assert_close(outputs[0], first(x0), rtol=0, atol=0)
     torch.testing.assert_close(outputs[1], second(x1), rtol=0, atol=0)
 
@@ -67,7 +68,7 @@ def test_parallel_apply_under_autocast_matches_autocast_in_the_caller() -> None:
     x0, x1 = torch.randn(2, 10), torch.randn(2, 10)
     with torch.autocast("cpu"):
         expected = [first(x0), second(x1)]
-        outputs = _parallel_apply((first, second), [x0, x1], None, [0, 1])
+        outputs = virtual_parallel_apply((first, second), [x0, x1], None, [0, 1])
     for got, want in zip(outputs, expected, strict=True):
         assert got.dtype == want.dtype == torch.get_autocast_dtype("cpu")
         torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -80,17 +81,17 @@ def test_parallel_apply_reraises_a_replica_error_with_its_type_and_place() -> No
 
     module = Lookup()
     with pytest.raises(KeyError, match=r"Caught KeyError in replica \d on device 0\.\nOriginal Traceback[\s\S]+wonderful"):
-        _parallel_apply((module, module), (None, None), devices=[0, 0])
+        virtual_parallel_apply((module, module), (None, None), devices=[0, 0])
 
 
 def test_parallel_apply_checks_lengths_like_torch() -> None:
     module = nn.Identity()
     with pytest.raises(AssertionError, match="The number of modules 2 is not equal to the number of inputs 1"):
-        _parallel_apply((module, module), (torch.ones(1),), None, [0, 1])
+        virtual_parallel_apply((module, module), (torch.ones(1),), None, [0, 1])
     with pytest.raises(AssertionError, match="the number of kwargs_tup 1"):
-        _parallel_apply((module, module), (torch.ones(1), torch.ones(1)), ({},), [0, 1])
+        virtual_parallel_apply((module, module), (torch.ones(1), torch.ones(1)), ({},), [0, 1])
     with pytest.raises(AssertionError, match="the number of devices 3"):
-        _parallel_apply((module, module), (torch.ones(1), torch.ones(1)), None, [0, 1, 2])
+        virtual_parallel_apply((module, module), (torch.ones(1), torch.ones(1)), None, [0, 1, 2])
 
 
 def test_parallel_apply_accepts_device_objects() -> None:
@@ -102,7 +103,7 @@ def test_parallel_apply_accepts_device_objects() -> None:
             return x
 
     module = Where()
-    _parallel_apply((module, module), (torch.ones(1), torch.ones(1)), None, [torch.device("cuda:3"), "cuda:5"])
+    virtual_parallel_apply((module, module), (torch.ones(1), torch.ones(1)), None, [torch.device("cuda:3"), "cuda:5"])
     assert seen == [3, 5]
 
 

@@ -307,7 +307,7 @@ def test_replica_exception_names_the_replica() -> None:
 def test_virtual_primitives_are_per_thread_and_leave_torch_as_it_was() -> None:
     from torch.autograd import Function
 
-    from dpverify.core.virtual import _primitives_active
+    from dpverify.core.patching import _primitives_active
 
     def torch_own() -> bool:
         return "apply" not in scatter_gather.Scatter.__dict__
@@ -315,7 +315,8 @@ def test_virtual_primitives_are_per_thread_and_leave_torch_as_it_was() -> None:
     VirtualDataParallel(nn.Linear(2, 2), [0, 1])(torch.randn(4, 2))
     assert torch_own()  # nothing stays switched after a forward
     devices = torch.cuda.device_count()
-    with dpverify.core.virtual.virtual_primitives():
+    device_count_code = torch.cuda.device_count.__code__
+    with dpverify.core.patching.virtual_primitives():
         assert not torch_own()
         assert _primitives_active()
         seen: list[bool] = []
@@ -324,6 +325,7 @@ def test_virtual_primitives_are_per_thread_and_leave_torch_as_it_was() -> None:
         other.join()
         assert seen == [False]  # another thread keeps torch's own
         assert torch.cuda.device_count() == devices  # the devices are virtual_devices' business
+        assert torch.cuda.device_count.__code__ is device_count_code  # not even switched
     assert torch_own()
     assert scatter_gather.Scatter.apply.__func__ is Function.apply.__func__  # type: ignore[attr-defined]
 

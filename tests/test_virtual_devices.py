@@ -27,9 +27,9 @@ from torch.nn.parallel.data_parallel import data_parallel as torch_data_parallel
 from torch.nn.parallel.parallel_apply import parallel_apply as torch_parallel_apply
 from torch.nn.parallel.replicate import replicate as torch_replicate
 
-import dpverify.core.virtual as virtual
+import dpverify.core.patching as patching
 from dpverify import InvalidArgument, VirtualDataParallel, current_virtual_device
-from dpverify.core.virtual import virtual_devices
+from dpverify.core.patching import virtual_devices
 
 # torch's objects the block switches (and a few it must leave alone), as they are before
 # any block opens.
@@ -74,8 +74,8 @@ def _assert_torch_restored() -> None:
         assert now.keys() == namespace.keys(), cls.__qualname__
         for name, value in namespace.items():
             assert now[name] is value, f"{cls.__qualname__}.{name}"
-    assert virtual._users == 0
-    assert virtual._process_depth == 0
+    assert patching._users == 0
+    assert patching._process_depth == 0
     assert torch.cuda.device_count() == _DEVICES_BEFORE
     if not torch.cuda.is_available():
         assert nn.DataParallel(nn.Linear(2, 2)).device_ids == []

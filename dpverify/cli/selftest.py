@@ -30,7 +30,8 @@ from dpverify.cli.exits import EXIT_FAILED, EXIT_NOTHING_CHECKED, EXIT_OK, usage
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.text import plural
-from dpverify.ddp.pool import DDPWorkerPool, ProcessGroupRunner, RankRunner
+from dpverify.ddp.pool import DDPWorkerPool, RankRunner
+from dpverify.ddp.torchrun import ProcessGroupRunner
 from dpverify.models.builtin import BuiltinCase, builtin_case
 
 __all__ = ["PartlyUsed", "main_selftest", "selftest_command"]

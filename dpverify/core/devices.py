@@ -111,7 +111,7 @@ def normalize_output_device(output_device: Any, device_ids: Sequence[int]) -> in
     return index
 
 
-#: torch's own ``is_available`` and ``device_count`` while ``dpverify.core.virtual`` has
+#: torch's own ``is_available`` and ``device_count`` while ``dpverify.core.patching`` has
 #: switched them for its virtual devices (set and cleared there), else None.
 _torch_queries: tuple[Callable[[], bool], Callable[[], int]] | None = None
 

@@ -1,5 +1,6 @@
-"""DistributedDataParallel on real torch.distributed ranks: the worker pool, the per-rank
-steps, SyncBatchNorm's CPU stand-in, and the DDP checks."""
+"""DistributedDataParallel on real torch.distributed ranks: the worker pool (``pool``, with
+``runner``, ``forkserver``, ``advice`` and ``torchrun`` around it), the per-rank steps,
+SyncBatchNorm's CPU stand-in, and the DDP checks."""
 
 from __future__ import annotations
 

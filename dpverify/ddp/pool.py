@@ -19,12 +19,16 @@ the Python stack where it hung); the ranks are then killed and the pool starts f
 for the next task. No rank outlives the pool: ranks are stopped by ``close()``, by a
 finalizer when the pool is garbage collected or the interpreter exits, and a watchdog thread
 in every rank ends it when the parent process dies. A Ctrl-C in the terminal is the parent's
-alone: the fork server and the ranks are out of its reach (``_ctrl_c_held``).
+alone: the fork server and the ranks are out of its reach (``forkserver.ctrl_c_held``).
+
+Around the pool: ``runner`` (the ``RankRunner`` protocol, task pickling, ``RankFailure``),
+``forkserver`` (the fork server's start, stop and start-up failures), ``advice`` (the cause
+and fix when the ranks cannot import the main module) and ``torchrun``
+(``ProcessGroupRunner``, the runner under torchrun).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import faulthandler
 import itertools
@@ -36,27 +40,36 @@ import pickle
 import shutil
 import signal
 import socket
-import stat
 import sys
 import tempfile
 import threading
 import time
-import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from dpverify.core.errors import InvalidArgument
+from dpverify.ddp.advice import importing_main_again, main_module_advice
+from dpverify.ddp.forkserver import RANK_NAME, ctrl_c_held, start_fork_server
+from dpverify.ddp.runner import (
+    PICKLE_PROTOCOL,
+    RankFailure,
+    RankRunner,
+    describe_exception,
+    pickle_task,
+    raised_failure,
+    require_picklable,
+    summarize,
+)
 from dpverify.ranked.rank import RankInfo
 
 __all__ = [
     "DDPWorkerPool",
     "ParallelError",
     "PoolRegistry",
-    "ProcessGroupRunner",
     "RankFailure",
     "RankInfo",
     "RankRunner",
@@ -89,14 +102,7 @@ DEFAULT_TIMEOUT_S = 60.0
 #: (about 3 s per fresh rank on a 2-core machine otherwise).
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dpverify.ddp.pool", "dpverify.ddp.rank"]
 
-#: Every rank process's name starts so: how a fork server's child knows it is a rank.
-_RANK_NAME = "dpverify-ddp-rank"
-
-#: In the error a rank raises when it finds itself re-running the main module.
-_RERUN_MARKER = "re-ran the main module"
-
 _STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
-_PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 
 class ParallelError(RuntimeError):
@@ -118,75 +124,8 @@ class ParallelError(RuntimeError):
         self.traceback: str = primary.traceback if primary is not None else ""
 
 
-@dataclass(frozen=True)
-class RankFailure:
-    """What went wrong on one rank.
-
-    Attributes:
-        rank: the rank.
-        kind: ``"raised"``, ``"signal"`` (killed by a signal), ``"exited"`` (left with an
-            exit code), ``"hung"`` (no answer within the timeout) or ``"blocked"`` (no
-            answer after another rank had failed).
-        summary: one line, e.g. ``"raised ZeroDivisionError: division by zero"``.
-        traceback: the traceback of the exception, or the rank's Python stack when it was
-            stopped (empty when unavailable).
-    """
-
-    rank: int
-    kind: str
-    summary: str
-    traceback: str = ""
-
-    def describe(self) -> str:
-        text = f"rank {self.rank} {self.summary}"
-        if not self.traceback:
-            return text
-        label = "traceback" if self.kind == "raised" else "stack when stopped"
-        body = "\n".join("    " + line for line in self.traceback.rstrip().splitlines())
-        return f"{text}\n  rank {self.rank} {label}:\n{body}"
-
-
 # A death comes first: the other ranks' errors ("Connection closed by peer") follow from it.
 _KIND_ORDER = {"signal": 0, "exited": 1, "raised": 2, "hung": 3, "blocked": 4}
-
-
-class RankRunner(Protocol):
-    """Runs a task on every rank of a process group: ``DDPWorkerPool`` or, under torchrun,
-    ``ProcessGroupRunner``."""
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def backend(self) -> str: ...
-
-    def run(self, fn: Callable[..., T], /, *args: Any, timeout: float | None = None) -> tuple[T, ...]: ...
-
-
-def require_picklable(value: Any, argument: str) -> None:
-    """Fails early, naming ``argument``, when ``value`` cannot be sent to the ranks.
-
-    Raises:
-        InvalidArgument: pickling ``value`` failed (a lambda, a closure, a local class).
-    """
-    try:
-        pickle.dumps(value, protocol=_PICKLE_PROTOCOL)
-    except Exception as error:
-        raise InvalidArgument(
-            f"{argument}={value!r} cannot be pickled to send it to the DDP ranks "
-            f"({type(error).__name__}: {error}); pass a function or class defined at the top "
-            "level of an importable module (torch.nn.functional.mse_loss, or a "
-            "functools.partial of one), not a lambda, closure or locally defined class"
-        ) from None
-
-
-def _pickle_task(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
-    if not callable(fn):
-        raise InvalidArgument(f"fn={fn!r} is not callable; pass fn(rank_info, *args)")
-    require_picklable(fn, "fn")
-    for index, arg in enumerate(args):
-        require_picklable(arg, f"args[{index}]")
-    return pickle.dumps((fn, args), protocol=_PICKLE_PROTOCOL)
 
 
 def default_backend(world_size: int) -> str:
@@ -250,137 +189,6 @@ def _start_method(requested: str | None) -> str:
     return requested
 
 
-# --------------------------------------------------------------------------- fork server
-
-
-def _in_fork_server() -> bool:
-    """Whether this module is being preloaded by multiprocessing's fork server."""
-    from multiprocessing import forkserver
-
-    frame: Any = sys._getframe()
-    while frame is not None:
-        if frame.f_code is forkserver.main.__code__:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _summary(error: BaseException) -> str:
-    """``Type: first line of the message``, at most 240 characters: a rank's one-line story."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    text = type(error).__name__ + (f": {lines[0]}" if lines else "")
-    return text if len(text) <= 240 else text[:237] + "..."
-
-
-def _send_bootstrap_failure(error: BaseException) -> bool:
-    """From a rank that failed before ``_rank_main`` ran, the failure to the parent.
-
-    That happens while multiprocessing prepares the new process, typically re-importing the
-    main module; the rank's task pipe is then already open (a socket among the descriptors
-    the fork server handed over), and the parent reads the failure as the start-up answer.
-    """
-    from multiprocessing import forkserver
-
-    if not multiprocessing.current_process().name.startswith(_RANK_NAME):
-        return False  # another library's process, started through the same fork server
-    server = getattr(forkserver, "_forkserver", None)
-    for fd in getattr(server, "_inherited_fds", None) or ():
-        # The rank's arguments are (spec, task pipe, parent-alive pipe): the first socket.
-        if stat.S_ISSOCK(os.fstat(fd).st_mode):
-            conn = Connection(os.dup(fd))
-            try:
-                text = _describe_exception(error, skip_caller=False)
-                conn.send_bytes(pickle.dumps((0, False, (_summary(error), text)), protocol=_PICKLE_PROTOCOL))
-            finally:
-                conn.close()
-            return True
-    return False
-
-
-def _report_bootstrap_failure(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-    """``sys.excepthook`` in the fork server, so in every process it starts: the fork server
-    calls it when preparing a child fails. A rank tells its parent, which shows the failure
-    in its ParallelError; anything else prints as usual."""
-    sent = False
-    with contextlib.suppress(BaseException):
-        sent = _send_bootstrap_failure(value)
-    if not sent:
-        _DEFAULT_EXCEPTHOOK(kind, value, tb)
-
-
-_DEFAULT_EXCEPTHOOK = sys.excepthook
-
-if _in_fork_server():
-    # The fork server leaves (SystemExit) when its last client has gone; tearing torch down
-    # would keep it alive for another second after the program that used it.
-    atexit.register(os._exit, 0)
-    # A rank that fails before its entry point (re-importing the main module) would
-    # otherwise only print to the terminal, and the parent would see a silent exit.
-    sys.excepthook = _report_bootstrap_failure
-
-_FORK_SERVER_STOP: multiprocessing.util.Finalize | None = None
-
-
-def _stop_fork_server() -> None:
-    """At interpreter exit, after every pool has closed: stop the fork server at once.
-
-    It would stop by itself when this process is gone. Killing it is safe only when no
-    other process started through it is still running (its exit status comes from there).
-    """
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
-    pid = getattr(server, "_forkserver_pid", None)
-    if server is None or pid is None or not hasattr(server, "_stop"):
-        return
-    for child in multiprocessing.active_children():
-        if not child.name.startswith(_RANK_NAME):
-            return
-    with contextlib.suppress(OSError):
-        os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(Exception):
-        server._stop()
-
-
-@contextlib.contextmanager
-def _ctrl_c_held() -> Iterator[None]:
-    """Holds SIGINT back from this thread while it starts a process, which inherits the
-    mask: multiprocessing starts its resource tracker so (resource_tracker.py,
-    ``ensure_running``). A Ctrl-C in the terminal reaches the whole foreground process
-    group, and a fork server preloading torch, or a spawned rank importing it before it
-    leaves the group (``_leave_terminal_group``), would die of it with a KeyboardInterrupt
-    traceback. A Ctrl-C meanwhile is delivered to this process when the block ends."""
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    from multiprocessing import resource_tracker
-
-    # It unblocks SIGINT after starting itself: started first, it does not start inside.
-    resource_tracker.ensure_running()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def _start_fork_server() -> None:
-    """Starts this process's fork server, if it has none, out of Ctrl-C's reach: it keeps
-    SIGINT blocked while it preloads, then ignores it (forkserver.py, ``main``)."""
-    from multiprocessing import forkserver
-
-    with _ctrl_c_held():
-        forkserver.ensure_running()
-
-
-def _arrange_fork_server_stop() -> None:
-    global _FORK_SERVER_STOP
-    if _FORK_SERVER_STOP is None:
-        # Pools finalize at exitpriority 10: this runs after them, and before
-        # multiprocessing joins the remaining children.
-        _FORK_SERVER_STOP = multiprocessing.util.Finalize(None, _stop_fork_server, exitpriority=1)
-
-
 # --------------------------------------------------------------------------- rank side
 
 
@@ -432,21 +240,6 @@ def _extend_sys_path(paths: Sequence[str]) -> None:
             sys.path.insert(0, path)
 
 
-def _describe_exception(error: BaseException, *, skip_caller: bool = True) -> str:
-    # The first frame is the pool's own call of the task; the user's code starts below it.
-    tb = error.__traceback__
-    if skip_caller and tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(error), error, tb))
-    if isinstance(error, (ModuleNotFoundError, AttributeError)) and "pickle" in text:
-        text += (
-            "\ndpverify: the rank could not unpickle the task; modules, functions and classes "
-            "sent to the ranks must be importable by name from a fresh process (defined in a "
-            "module, not in an interactive session).\n"
-        )
-    return text
-
-
 def _serve(conn: Connection, info: RankInfo) -> None:
     while True:
         try:
@@ -461,16 +254,16 @@ def _serve(conn: Connection, info: RankInfo) -> None:
         reply: tuple[int, bool, bytes | tuple[str, str]]
         try:
             fn, args = pickle.loads(payload)
-            reply = (task_id, True, pickle.dumps(fn(info, *args), protocol=_PICKLE_PROTOCOL))
+            reply = (task_id, True, pickle.dumps(fn(info, *args), protocol=PICKLE_PROTOCOL))
         except BaseException as error:  # a rank reports everything, SystemExit included
-            reply = (task_id, False, (_summary(error), _describe_exception(error)))
-        conn.send_bytes(pickle.dumps(reply, protocol=_PICKLE_PROTOCOL))
+            reply = (task_id, False, (summarize(error), describe_exception(error)))
+        conn.send_bytes(pickle.dumps(reply, protocol=PICKLE_PROTOCOL))
 
 
 def _leave_terminal_group() -> None:
     """Moves this rank into a process group of its own, which the pool kills whole
     (DataLoader workers too) and a Ctrl-C in the parent's terminal does not reach, then
-    takes SIGINT again: the rank started with it blocked (``_ctrl_c_held``), and a Ctrl-C
+    takes SIGINT again: the rank started with it blocked (``ctrl_c_held``), and a Ctrl-C
     that came before it left the parent's group was the parent's and is dropped."""
     if hasattr(os, "setpgrp"):
         os.setpgrp()
@@ -491,10 +284,10 @@ def _rank_main(spec: _WorkerSpec, conn: Connection, alive: Connection) -> None:
     try:
         info = _init_rank(spec)
     except BaseException as error:
-        failure = (_summary(error), _describe_exception(error, skip_caller=False))
-        conn.send_bytes(pickle.dumps((0, False, failure), protocol=_PICKLE_PROTOCOL))
+        failure = (summarize(error), describe_exception(error, skip_caller=False))
+        conn.send_bytes(pickle.dumps((0, False, failure), protocol=PICKLE_PROTOCOL))
         return
-    conn.send_bytes(pickle.dumps((0, True, b""), protocol=_PICKLE_PROTOCOL))
+    conn.send_bytes(pickle.dumps((0, True, b""), protocol=PICKLE_PROTOCOL))
     try:
         _serve(conn, info)
     finally:
@@ -512,122 +305,6 @@ def _signal_name(code: int) -> str:
         return signal.Signals(code).name
     except ValueError:
         return f"signal {code}"
-
-
-def _raised(rank: int, body: tuple[str, str] | str) -> RankFailure:
-    """A rank's exception: its (summary, traceback), or a bare traceback."""
-    if isinstance(body, tuple):
-        summary, text = body
-    else:
-        text = body
-        summary = body.rstrip().splitlines()[-1] if body.strip() else "an exception"
-    return RankFailure(rank, "raised", f"raised {summary}", text)
-
-
-def _main_module() -> tuple[str, str]:
-    """How a new process (forkserver, spawn) finds this process's main module: ``(kind,
-    where)`` with kind ``"module"`` (``python -m``, run again by name), ``"script"`` (run
-    again from its file), ``"nofile"`` (``<stdin>``: multiprocessing tries a file of that
-    name), ``"none"`` (``python -c``, a REPL, a notebook: not imported at all) or
-    ``"package"`` (a package's ``__main__``, which multiprocessing leaves alone)."""
-    main = sys.modules.get("__main__")
-    name = getattr(getattr(main, "__spec__", None), "name", None)
-    if isinstance(name, str):
-        return ("package" if name == "__main__" or name.endswith(".__main__") else "module"), name
-    path = getattr(main, "__file__", None)
-    if not isinstance(path, str):
-        return "none", ""
-    origin = multiprocessing.process.ORIGINAL_DIR or os.getcwd()  # type: ignore[attr-defined]
-    full = path if os.path.isabs(path) else os.path.join(origin, path)
-    return ("script", full) if os.path.isfile(full) else ("nofile", path)
-
-
-_GUARD = "`if __name__ == '__main__':`"
-_IMPORTABLE = (
-    "define models, loss functions and steps in an importable module (a .py file on "
-    "sys.path) and import them"
-)
-
-
-def _main_module_advice(failures: Sequence[RankFailure], starting: bool) -> str:
-    """The likely cause and the fix when the ranks could not import the main module, or what
-    it defines; empty otherwise. Every rank is a new process that imports the main module
-    again (forkserver and spawn start methods), so its top-level code runs in every rank."""
-    text = "\n".join(f.traceback for f in failures)
-    kind, where = _main_module()
-    anew = (
-        "Every DDP rank is a new process that imports the main module again "
-        "(multiprocessing's forkserver and spawn start methods run it as '__mp_main__')"
-    )
-    again = f"{anew}, so its top-level code runs in every rank."
-    if _RERUN_MARKER in text:
-        script = f"the script {where}" if kind == "script" else f"the main module {where or '__main__'}"
-        return (
-            f"dpverify: likely cause: {script} has no {_GUARD} guard. {again} The ranks re-ran "
-            "the code that calls dpverify and tried to start ranks of their own. Fix: put the "
-            f"code that calls dpverify under {_GUARD}, keeping models, loss functions and steps "
-            "defined at the top level, where the ranks import them from."
-        )
-    reimport = "_fixup_main_from_path" in text or "_fixup_main_from_name" in text
-    silent = starting and bool(failures) and all(f.kind == "exited" for f in failures)
-    if kind == "nofile" and (reimport or silent):
-        return (
-            f"dpverify: likely cause: the main module is {where!r}, code fed on standard input "
-            f"(python - < script.py). {anew}, and code read from standard input has no file to "
-            "import it from. Fix: save the "
-            f"code as a script and run it as a file, with the code that calls dpverify under "
-            f"{_GUARD}; for stdin and notebooks, {_IMPORTABLE}."
-        )
-    if reimport:
-        return (
-            f"dpverify: the ranks failed while importing the main module {where} again. {again} "
-            f"Fix: keep only definitions at its top level and put the rest, including the code "
-            f"that calls dpverify, under {_GUARD}."
-        )
-    if "on <module '__main__'" in text or "on <module '__mp_main__'" in text:
-        if kind in ("none", "nofile"):
-            return (
-                "dpverify: likely cause: the main module has no file (python -c, an interactive "
-                "session, a notebook or standard input), so the ranks cannot import the classes "
-                f"and functions defined in it. Fix: {_IMPORTABLE}; or run a script file with "
-                f"the code that calls dpverify under {_GUARD}."
-            )
-        return (
-            f"dpverify: likely cause: a class or function sent to the ranks is defined under "
-            f"{_GUARD} or inside a function of the main module {where}; the ranks import the "
-            "main module without running that block. Fix: define it at the top level of the "
-            f"script, or {_IMPORTABLE}."
-        )
-    if silent and kind in ("script", "module"):
-        return (
-            "dpverify: the ranks exited while starting, before they could report anything; "
-            f"their error is on this process's standard error. {again} If that error shows the "
-            f"main module {where} being imported again, put the code that calls dpverify under "
-            f"{_GUARD}."
-        )
-    return ""
-
-
-def _refuse_while_importing_main() -> None:
-    """Raises in a new process that is still importing the main module: the main module
-    starts DDP ranks at its top level, and this process is one of those ranks (or any other
-    process that multiprocessing started), re-running it.
-
-    Raises:
-        ParallelError: with the cause and the fix; the pool's parent shows it.
-    """
-    process = multiprocessing.current_process()
-    if not getattr(process, "_inheriting", False):  # set by multiprocessing while it prepares a child
-        return
-    # multiprocessing runs the main script as '__mp_main__'; '__main__' is still the fork
-    # server's own until that run ends.
-    rerun = sys.modules.get("__mp_main__")
-    where = getattr(rerun, "__file__", None) or getattr(getattr(rerun, "__spec__", None), "name", None)
-    raise ParallelError(
-        f"{process.name} {_RERUN_MARKER} {where or '__main__'}, which starts DDP ranks at its "
-        f"top level (no {_GUARD} guard)\nThe ranks are new processes that import the main "
-        f"module again; put the code that calls dpverify under {_GUARD}."
-    )
 
 
 def _exit_failure(rank: int, exitcode: int | None) -> RankFailure:
@@ -782,7 +459,9 @@ class DDPWorkerPool:
         start_timeout: float = 120.0,
         start_method: str | None = None,
     ) -> None:
-        _refuse_while_importing_main()
+        refusal = importing_main_again()
+        if refusal:
+            raise ParallelError(refusal)
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise InvalidArgument(f"world_size={world_size!r} must be an int >= 1")
         for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
@@ -871,14 +550,14 @@ class DDPWorkerPool:
                 stopped its ranks and starts new ones for the next task.
             InvalidArgument: ``fn`` or an argument cannot be pickled; the pool is closed.
         """
-        payload = _pickle_task(fn, args)
+        payload = pickle_task(fn, args)
         limit = self._timeout if timeout is None else float(timeout)
         if not limit > 0:
             raise InvalidArgument(f"timeout={timeout!r} must be a positive number of seconds")
         with self._lock:
             generation = self._ensure_started()
             task_id = next(self._task_ids)
-            message = pickle.dumps((task_id, list(sys.path), payload), protocol=_PICKLE_PROTOCOL)
+            message = pickle.dumps((task_id, list(sys.path), payload), protocol=PICKLE_PROTOCOL)
             outcome = _Outcome(pending=set(range(self._world_size)))
             for rank, conn in enumerate(generation.conns):
                 try:
@@ -909,10 +588,7 @@ class DDPWorkerPool:
 
         context = multiprocessing.get_context(self._method)
         if self._method == "forkserver":
-            # Only takes effect if this process has not started its fork server yet.
-            context.set_forkserver_preload(_PRELOAD)
-            _arrange_fork_server_stop()
-            _start_fork_server()
+            start_fork_server(_PRELOAD)
         self._starts += 1
         directory = self._state.directory
         store_path = os.path.join(directory, f"store-{self._starts}")
@@ -939,11 +615,11 @@ class DDPWorkerPool:
             proc = context.Process(  # type: ignore[attr-defined]
                 target=_rank_main,
                 args=(spec, child_end, alive_r),
-                name=f"{_RANK_NAME}{rank}",
+                name=f"{RANK_NAME}{rank}",
                 daemon=False,  # a daemon may not start children (DataLoader workers)
             )
             # a fork server's child inherits its mask; a spawned rank is started from here
-            with _ctrl_c_held() if self._method == "spawn" else contextlib.nullcontext():
+            with ctrl_c_held() if self._method == "spawn" else contextlib.nullcontext():
                 proc.start()
             child_end.close()
             processes.append(proc)
@@ -998,7 +674,7 @@ class DDPWorkerPool:
         if ok:
             outcome.values[rank] = body
         else:
-            outcome.failures[rank] = _raised(rank, body)
+            outcome.failures[rank] = raised_failure(rank, body)
 
     def _fail(self, generation: _Generation, outcome: _Outcome, limit: float, what: str) -> ParallelError:
         """Turns a failed outcome into a ParallelError and stops every rank."""
@@ -1023,7 +699,7 @@ class DDPWorkerPool:
         head = f"DDP task {what} failed on {len(failures)} of {self._world_size} ranks ({self._backend}): "
         head += "; ".join(f"rank {f.rank} {f.summary.splitlines()[0]}" for f in failures) + "."
         lines = [head, ""]
-        advice = _main_module_advice(failures, starting=what == _START)
+        advice = main_module_advice(failures, starting=what == _START)
         if advice:
             lines += [advice, ""]
         lines += [f.describe() + "\n" for f in failures]
@@ -1075,66 +751,3 @@ def shared_pools() -> PoolRegistry:
 def shared_pool(world_size: int) -> DDPWorkerPool:
     """The process-wide pool for ``world_size`` ranks, started on first use."""
     return _SHARED.get(world_size)
-
-
-# --------------------------------------------------------------------------- torchrun
-
-
-class ProcessGroupRunner:
-    """Runs tasks in the current process group (started by torchrun) instead of a pool.
-
-    Every rank calls ``run`` with the same task; each runs it locally, and the results (or
-    tracebacks) are all-gathered so that every rank gets every rank's result and all ranks
-    take the same path afterwards. A hang cannot be detected here: the process group's
-    own timeout applies.
-
-    Raises:
-        InvalidArgument: no process group is initialised.
-    """
-
-    def __init__(self) -> None:
-        import torch
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise InvalidArgument(
-                "ProcessGroupRunner needs an initialised process group; run under torchrun "
-                "and call torch.distributed.init_process_group() first"
-            )
-        self._backend = str(dist.get_backend())
-        device = "cpu"
-        if self._backend == "nccl":
-            device = f"cuda:{torch.cuda.current_device()}"
-        self._info = RankInfo(dist.get_rank(), dist.get_world_size(), self._backend, device)
-
-    @property
-    def world_size(self) -> int:
-        return self._info.world_size
-
-    @property
-    def backend(self) -> str:
-        return self._backend
-
-    @property
-    def rank(self) -> int:
-        return self._info.rank
-
-    def run(self, fn: Callable[..., T], /, *args: Any, timeout: float | None = None) -> tuple[T, ...]:
-        """Runs ``fn(rank_info, *args)`` here and gathers every rank's result."""
-        import torch.distributed as dist
-
-        del timeout  # the process group's timeout governs collectives under torchrun
-        _pickle_task(fn, args)
-        try:
-            reply: tuple[bool, Any] = (True, pickle.dumps(fn(self._info, *args), protocol=_PICKLE_PROTOCOL))
-        except BaseException as error:
-            reply = (False, (_summary(error), _describe_exception(error)))
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, reply)
-        failures = [_raised(rank, body) for rank, (ok, body) in enumerate(gathered) if not ok]
-        if failures:
-            head = "; ".join(f"rank {f.rank} {f.summary}" for f in failures)
-            detail = "\n".join(f.describe() for f in failures)
-            raise ParallelError(f"DDP task failed under torchrun: {head}.\n\n{detail}", failures)
-        return tuple(pickle.loads(body) for _ok, body in gathered)
-

@@ -84,9 +84,6 @@ __all__ = [
     "assert_fsdp_grads_match",
     "assert_fsdp_training_matches",
     "fsdp_step",
-    "fsdp_summed_loss_step",
-    "fsdp_undivided_step",
-    "fsdp_wrong_weight_step",
     "weighted_fsdp_step",
 ]
 
@@ -857,43 +854,3 @@ def assert_fsdp_training_matches(
         notes.append(_sum_loss_note(check.world_size))
     outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures)
     return raise_unless_ok(outcome, msg)
-
-
-# --------------------------------------------------------------------------- mutants
-# Deliberately broken FSDP2 steps, each a mistake seen in real training code. They exist so
-# that the checks can be shown to catch them; never use them to train.
-
-
-def fsdp_undivided_step(ctx: FSDPContext) -> Any:
-    """DELIBERATELY BROKEN: turns off FSDP2's division of the reduce-scattered gradients by
-    the world size (``set_gradient_divide_factor(1.0)`` on every sharded module; on gloo,
-    which has no pre-multiplied sum, with ``set_force_sum_reduction_for_comms(True)``), so
-    every gradient is the sum over ranks: ``world_size`` times the full-batch gradient."""
-    model = ctx.fsdp()
-    for sub in ctx.fsdp_modules():
-        sub.set_gradient_divide_factor(1.0)
-        sub.set_force_sum_reduction_for_comms(True)
-    output = model(*ctx.inputs, **ctx.kwargs)
-    ctx.loss_fn(output, ctx.target).backward()
-    return output
-
-
-def fsdp_summed_loss_step(ctx: FSDPContext) -> Any:
-    """DELIBERATELY BROKEN: backpropagates the sum of the rank's row losses (its mean loss
-    times its rows) while FSDP2 averages over ranks: gradients ``n`` times (rows per rank)
-    the full-batch mean-loss gradient."""
-    model = ctx.fsdp()
-    output = model(*ctx.inputs, **ctx.kwargs)
-    (ctx.loss_fn(output, ctx.target) * ctx.shard_size).backward()
-    return output
-
-
-def fsdp_wrong_weight_step(ctx: FSDPContext) -> Any:
-    """DELIBERATELY BROKEN: weights each rank's mean loss by ``n_r / B``, its share of the
-    rows without the world size; FSDP2 then divides by the world size once more, so the
-    gradients are ``1/world_size`` of the full-batch gradient, on any shards."""
-    model = ctx.fsdp()
-    output = model(*ctx.inputs, **ctx.kwargs)
-    (ctx.loss_fn(output, ctx.target) * (ctx.shard_size / ctx.batch_size)).backward()
-    return output
-

@@ -8,9 +8,6 @@ the single-device full-batch step, through the same float64-anchored comparison 
 look for rounding as the DDP checks (``DDPReferences``). The ranks report what they ran
 (``pipeline_rank.PipelineRankStep``): a stage that skipped a microbatch, or a parameter no
 stage or two stages held, fails the check whatever the gradients say.
-
-The mutants at the end of this module are deliberately broken schedules, kept for the
-self-tests: ``UnscaledGPipe`` and ``SkipLastMicrobatchGPipe``.
 """
 
 from __future__ import annotations
@@ -57,8 +54,6 @@ from dpverify.sharded.pipeline_rank import PipelineRankStep, PipelineTask, run_p
 __all__ = [
     "SCHEDULES",
     "PipelineCheck",
-    "SkipLastMicrobatchGPipe",
-    "UnscaledGPipe",
     "assert_pipeline_grads_match",
     "pipeline_check",
     "stage_children",
@@ -650,47 +645,3 @@ def _explain_factor(check: PipelineCheck, c: float, reduction: str | None) -> st
             "end of _step_microbatches)."
         )
     return text + "."
-
-
-# --------------------------------------------------------------------------- mutants
-
-
-class UnscaledGPipe(ScheduleGPipe):
-    """Deliberately broken (a mutant for the self-tests): GPipe that never divides the
-    accumulated gradients by ``n_microbatches``, whatever ``scale_grads`` says. With a
-    mean loss every gradient is ``n_microbatches`` times too large; the check names the
-    factor and the number of microbatches."""
-
-    def _step_microbatches(self, *args: Any, **kwargs: Any) -> None:
-        scale, self.scale_grads = self.scale_grads, False
-        try:
-            super()._step_microbatches(*args, **kwargs)
-        finally:
-            self.scale_grads = scale
-
-
-class SkipLastMicrobatchGPipe(ScheduleGPipe):
-    """Deliberately broken (a mutant for the self-tests): GPipe whose loop stops one
-    microbatch short (an off-by-one), averaging the gradients of the others. The ranks'
-    evidence catches it: each stage ran ``n_microbatches - 1`` forwards."""
-
-    def _step_microbatches(
-        self,
-        arg_mbs: list[Any] | None = None,
-        kwarg_mbs: list[Any] | None = None,
-        target_mbs: list[Any] | None = None,
-        losses: list[Any] | None = None,
-        return_outputs: bool = True,
-        loss_kwargs: dict[str, Any] | None = None,
-    ) -> None:
-        n = self._n_microbatches
-        kept = max(n - 1, 1)
-
-        def cut(items: list[Any] | None) -> list[Any] | None:
-            return None if items is None else items[:kept]
-
-        self._n_microbatches = kept
-        try:
-            super()._step_microbatches(cut(arg_mbs), cut(kwarg_mbs), cut(target_mbs), losses, return_outputs, loss_kwargs)
-        finally:
-            self._n_microbatches = n

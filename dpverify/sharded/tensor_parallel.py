@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
@@ -73,8 +72,6 @@ from dpverify.sharded.tensor_parallel_rank import (
 )
 
 __all__ = [
-    "LocalOutputColwiseParallel",
-    "NoAllReduceRowwiseParallel",
     "TPCheck",
     "TPContext",
     "assert_tensor_parallel_grads_match",
@@ -735,42 +732,3 @@ def assert_tensor_parallel_grads_match(
     scenario = f"{check.describe(chosen)}; evidence: {evidence}"
     outcome = step_comparison(title, scenario, check.tolerance, check.dtype, check.module, rows, contrasts=contrasts, notes=notes, failures=failures, scale=scale)
     return raise_unless_ok(outcome, msg)
-
-
-# --------------------------------------------------------------------------- mutants
-# Deliberately broken parallel styles, each a mistake seen in hand-written tensor-parallel
-# code. They exist so that the check can be shown to catch them; never use them to train.
-
-
-class NoAllReduceRowwiseParallel(RowwiseParallel):
-    """DELIBERATELY BROKEN: a ``RowwiseParallel`` whose output skips the all-reduce. Its
-    forward produces a ``Partial`` DTensor (each rank's matmul over its input columns, a
-    partial sum); this style hands on each rank's local partial sum as if it were the whole
-    output, so every rank's output is off by the other ranks' partial sums."""
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: Any) -> Any:
-        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
-
-
-class LocalOutputColwiseParallel(ColwiseParallel):
-    """DELIBERATELY BROKEN: a ``ColwiseParallel`` that uses its local shard of the output
-    columns as the whole output: it pads the rank's columns with zeros to the full width
-    (where they sit in the global output) instead of all-gathering the other ranks'."""
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: Any) -> Any:
-        if not isinstance(outputs, DTensor):
-            return outputs
-        local = outputs.to_local()
-        width = outputs.shape[-1]
-        rank, size = device_mesh.get_local_rank(), device_mesh.size()
-        start = sum(_chunk_widths(width, size)[:rank])
-        return torch.nn.functional.pad(local, (start, width - start - local.shape[-1]))
-
-
-def _chunk_widths(width: int, parts: int) -> list[int]:
-    """The width of each rank's ``Shard`` of ``width`` columns (``torch.chunk``'s cut, with
-    empty shards for the ranks it leaves out)."""
-    widths = [piece.numel() for piece in torch.arange(width).chunk(parts)]
-    return widths + [0] * (parts - len(widths))

@@ -1,0 +1,133 @@
+"""What every rank runner shares: the ``RankRunner`` protocol, tasks pickled for the ranks,
+and what a rank that failed reports (``RankFailure``)."""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from dpverify.core.errors import InvalidArgument
+
+__all__ = [
+    "PICKLE_PROTOCOL",
+    "RankFailure",
+    "RankRunner",
+    "describe_exception",
+    "pickle_task",
+    "raised_failure",
+    "require_picklable",
+    "summarize",
+]
+
+T = TypeVar("T")
+
+PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What went wrong on one rank.
+
+    Attributes:
+        rank: the rank.
+        kind: ``"raised"``, ``"signal"`` (killed by a signal), ``"exited"`` (left with an
+            exit code), ``"hung"`` (no answer within the timeout) or ``"blocked"`` (no
+            answer after another rank had failed).
+        summary: one line, e.g. ``"raised ZeroDivisionError: division by zero"``.
+        traceback: the traceback of the exception, or the rank's Python stack when it was
+            stopped (empty when unavailable).
+    """
+
+    rank: int
+    kind: str
+    summary: str
+    traceback: str = ""
+
+    def describe(self) -> str:
+        text = f"rank {self.rank} {self.summary}"
+        if not self.traceback:
+            return text
+        label = "traceback" if self.kind == "raised" else "stack when stopped"
+        body = "\n".join("    " + line for line in self.traceback.rstrip().splitlines())
+        return f"{text}\n  rank {self.rank} {label}:\n{body}"
+
+
+class RankRunner(Protocol):
+    """Runs a task on every rank of a process group: ``DDPWorkerPool`` or, under torchrun,
+    ``ProcessGroupRunner``."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def backend(self) -> str: ...
+
+    def run(self, fn: Callable[..., T], /, *args: Any, timeout: float | None = None) -> tuple[T, ...]: ...
+
+
+def require_picklable(value: Any, argument: str) -> None:
+    """Fails early, naming ``argument``, when ``value`` cannot be sent to the ranks.
+
+    Raises:
+        InvalidArgument: pickling ``value`` failed (a lambda, a closure, a local class).
+    """
+    try:
+        pickle.dumps(value, protocol=PICKLE_PROTOCOL)
+    except Exception as error:
+        raise InvalidArgument(
+            f"{argument}={value!r} cannot be pickled to send it to the DDP ranks "
+            f"({type(error).__name__}: {error}); pass a function or class defined at the top "
+            "level of an importable module (torch.nn.functional.mse_loss, or a "
+            "functools.partial of one), not a lambda, closure or locally defined class"
+        ) from None
+
+
+def pickle_task(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
+    """``(fn, args)`` pickled once for every rank.
+
+    Raises:
+        InvalidArgument: ``fn`` is not callable, or it or an argument cannot be pickled.
+    """
+    if not callable(fn):
+        raise InvalidArgument(f"fn={fn!r} is not callable; pass fn(rank_info, *args)")
+    require_picklable(fn, "fn")
+    for index, arg in enumerate(args):
+        require_picklable(arg, f"args[{index}]")
+    return pickle.dumps((fn, args), protocol=PICKLE_PROTOCOL)
+
+
+def summarize(error: BaseException) -> str:
+    """``Type: first line of the message``, at most 240 characters: a rank's one-line story."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = type(error).__name__ + (f": {lines[0]}" if lines else "")
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+def describe_exception(error: BaseException, *, skip_caller: bool = True) -> str:
+    """A rank's traceback of ``error``, with a hint when the task could not be unpickled;
+    ``skip_caller`` leaves out the first frame, the runner's own call of the task."""
+    tb = error.__traceback__
+    if skip_caller and tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(error), error, tb))
+    if isinstance(error, (ModuleNotFoundError, AttributeError)) and "pickle" in text:
+        text += (
+            "\ndpverify: the rank could not unpickle the task; modules, functions and classes "
+            "sent to the ranks must be importable by name from a fresh process (defined in a "
+            "module, not in an interactive session).\n"
+        )
+    return text
+
+
+def raised_failure(rank: int, body: tuple[str, str] | str) -> RankFailure:
+    """A rank's exception: its (summary, traceback), or a bare traceback."""
+    if isinstance(body, tuple):
+        summary, text = body
+    else:
+        text = body
+        summary = body.rstrip().splitlines()[-1] if body.strip() else "an exception"
+    return RankFailure(rank, "raised", f"raised {summary}", text)
+

@@ -1,0 +1,270 @@
+"""A catalogue of real data-parallel bugs, and correct implementations to compare with.
+
+Each mutant is a small, readable data-parallel implementation with one bug that people
+really make (docs/semantics.md, docs/questions.md). The DataParallel mutants have DataParallel's
+signature, ``Wrapper(module, device_ids=..., output_device=...)``, and can be passed as
+``Target(parallel=...)`` to a registry check, as ``parallel=`` to every assertion helper or
+as ``dpverify verify --parallel``; reduction mutants have ``reduce(replica_losses,
+chunk_sizes)``'s signature (``Target(reduce=...)``); DDP and FSDP2 mutants are per-rank
+steps, ``step(ctx)`` (``Target(step=...)``), tensor-parallel mutants plan builders
+``plan(layout, module)`` (``Target(plan=...)``) and pipeline mutants schedule classes
+(``Target(schedule=...)``). ``MUTANTS`` describes them all: the bug,
+the registry check that catches it (``dpverify.checks.registry.CHECKS``), and a phrase the
+failure message contains; ``PROPERTIES`` gives each of those checks the random scenarios it
+runs on. ``ScratchDataParallel`` (a DataParallel written from scratch) and
+``manual_allreduce_step`` (a DDP step with a hand-written all-reduce) are correct: they must
+pass everything the mutants fail. The implementations live in ``dp`` (DataParallel wrappers
+and reductions), ``ddp`` (DDP steps) and ``sharded`` (FSDP2 steps, tensor-parallel styles
+and plans, pipeline schedules); every name is exported here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hypothesis.strategies import SearchStrategy
+
+from dpverify.checks.registry import CHECKS, MICRO_BATCHES, Case, Target
+from dpverify.models.layouts import ShardedScenario
+from dpverify.models.specs import KINDS
+from dpverify.mutants.ddp import (
+    forward_outside_no_sync_step,
+    manual_allreduce_step,
+    rank_seeded_init_step,
+    summed_allreduce_step,
+    summed_loss_step,
+    undivided_accumulation_step,
+    zero_grad_in_loop_step,
+)
+from dpverify.mutants.dp import (
+    AveragingDataParallel,
+    BalancedDropsChunkDataParallel,
+    BalancedOffsetDataParallel,
+    DeepCopyDataParallel,
+    DetachedReplicasDataParallel,
+    LastReplicaBuffersDataParallel,
+    MeanCriterionParallel,
+    OutputDeviceFirstDataParallel,
+    ReplicaOutputsDataParallel,
+    ReversedGatherDataParallel,
+    ScratchDataParallel,
+    TinyErrorDataParallel,
+    WeightedCriterionParallel,
+    mean_of_replica_losses,
+    weighted_replica_losses,
+)
+from dpverify.mutants.sharded import (
+    LocalOutputColwiseParallel,
+    NoAllReduceRowwiseParallel,
+    SkipLastMicrobatchGPipe,
+    UnscaledGPipe,
+    fsdp_summed_loss_step,
+    fsdp_undivided_step,
+    fsdp_wrong_weight_step,
+    local_output_plan,
+    no_allreduce_plan,
+)
+from dpverify.strategies import (
+    Scenario,
+    device_lists,
+    loss_specs,
+    model_specs,
+    scenarios,
+    sharded_scenarios,
+)
+
+__all__ = [
+    "MUTANTS",
+    "PROPERTIES",
+    "AveragingDataParallel",
+    "BalancedDropsChunkDataParallel",
+    "BalancedOffsetDataParallel",
+    "DeepCopyDataParallel",
+    "DetachedReplicasDataParallel",
+    "LastReplicaBuffersDataParallel",
+    "LocalOutputColwiseParallel",
+    "MeanCriterionParallel",
+    "Mutant",
+    "NoAllReduceRowwiseParallel",
+    "OutputDeviceFirstDataParallel",
+    "Property",
+    "ReplicaOutputsDataParallel",
+    "ReversedGatherDataParallel",
+    "ScratchDataParallel",
+    "SkipLastMicrobatchGPipe",
+    "TinyErrorDataParallel",
+    "UnscaledGPipe",
+    "WeightedCriterionParallel",
+    "forward_outside_no_sync_step",
+    "fsdp_summed_loss_step",
+    "fsdp_undivided_step",
+    "fsdp_wrong_weight_step",
+    "local_output_plan",
+    "manual_allreduce_step",
+    "mean_of_replica_losses",
+    "no_allreduce_plan",
+    "rank_seeded_init_step",
+    "summed_allreduce_step",
+    "summed_loss_step",
+    "undivided_accumulation_step",
+    "weighted_replica_losses",
+    "zero_grad_in_loop_step",
+]
+
+
+# --------------------------------------------------------------------------- properties
+
+
+def _runs(name: str) -> Callable[[Scenario | ShardedScenario], bool]:
+    """Whether registry check ``name`` runs on a scenario: a property draws only those, so a
+    scenario the check does not apply to (an eval-mode buffer counter for the buffer check)
+    or skips (a one-row BatchNorm chunk, fewer rows than ranks) is never a false catch."""
+    spec = CHECKS[name]
+
+    def runs(scenario: Scenario | ShardedScenario) -> bool:
+        case = Case.from_scenario(scenario)
+        return spec.why_not(case) is None
+
+    return runs
+
+
+def _equal_micro_batches(scenario: Scenario) -> bool:
+    # equal shards of equal micro-batches: the common case, where a missing 1/k shows as a
+    # clean factor the message can name
+    return scenario.batch_size % (MICRO_BATCHES * len(scenario.devices.device_ids)) == 0
+
+
+@dataclass(frozen=True)
+class Property:
+    """A registry check over random scenarios: the check's name (a key of ``CHECKS``) and
+    the scenarios it draws. Hypothesis lives here, not in the registry, so that importing
+    the engine never imports it."""
+
+    check: str
+    scenarios: SearchStrategy[Scenario] | SearchStrategy[ShardedScenario]
+
+    def run(self, scenario: Scenario | ShardedScenario, target: Target | None = None) -> None:
+        """``CHECKS[check].check`` on one scenario against ``target`` (default: torch's own);
+        raises what the check raises (``ParallelMismatch`` when the code under test is caught)."""
+        __tracebackhide__ = True
+        CHECKS[self.check].check(Case.from_scenario(scenario), target)
+
+
+def _properties() -> dict[str, Property]:
+    devices = device_lists(min_devices=2)  # a data-parallel bug needs two devices to show
+    exact = scenarios(models=model_specs(exact=True), devices=devices)
+    ddp_models = model_specs(kinds=[k for k in KINDS if k != "kwargs"], exact=True)
+    # the DDP checks take a mean loss (their exact recipe weights it by n_r * W / B); the
+    # device list's length is the world size (2 or 3 ranks, one pool each); float32 and
+    # float64, as the DataParallel properties.
+    ddp = scenarios(
+        models=ddp_models, devices=device_lists(min_devices=2, max_devices=3),
+        losses=loss_specs(reductions=("mean",)), max_batch=12,
+    )
+    drawn: dict[str, SearchStrategy[Any]] = {
+        "dp-grads": exact,
+        "dp-grad-sum": exact,
+        "dp-buffers": scenarios(models=model_specs(kinds=["buffer-counter", "batchnorm"]), devices=devices),
+        "dp-weighted-loss": scenarios(models=model_specs(kinds=["loss-head"]), devices=devices),
+        "ddp-grads": ddp,
+        "ddp-accumulation": ddp.filter(_equal_micro_batches),
+        # the sharded checks on 2 or 3 ranks (tensor parallelism on 2: a 2-D mesh needs 4),
+        # each with layouts drawn for its model (``sharded_scenarios``)
+        "fsdp-grads": sharded_scenarios("fsdp", world_sizes=(2, 3)),
+        "pp-grads": sharded_scenarios("pp", world_sizes=(2, 3)),
+        "tp-grads": sharded_scenarios("tp", world_sizes=(2,)),
+    }
+    return {name: Property(name, strategy.filter(_runs(name))) for name, strategy in drawn.items()}
+
+
+#: The property each registry check runs, by the check's name (``Mutant.caught_by``).
+PROPERTIES: dict[str, Property] = _properties()
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One catalogued bug.
+
+    Attributes:
+        name: short identifier.
+        implementation: the wrapper class, reduction function or DDP step.
+        kind: ``"dp"`` (a DataParallel-like wrapper), ``"criterion"`` (the criterion
+            wrapper of a model/criterion pair, whose model wrapper is ``model``),
+            ``"reduce"`` (a reduction of per-replica losses), ``"ddp-step"`` (a per-rank
+            DDP training step), ``"fsdp-step"`` (a per-rank FSDP2 step), ``"tp-plan"`` (a
+            tensor-parallel plan builder, ``plan(layout, module)``) or ``"pp-schedule"`` (a pipeline
+            schedule class).
+        bug: what is wrong, in one sentence.
+        caught_by: the registry check that catches it (a key of ``CHECKS`` and
+            ``PROPERTIES``).
+        message: a phrase the failure message contains, pointing at the bug.
+        model: a criterion mutant's model wrapper (correct: the bug is the criterion's).
+    """
+
+    name: str
+    implementation: Callable[..., Any]
+    kind: str
+    bug: str
+    caught_by: str
+    message: str
+    model: Callable[..., Any] | None = None
+
+    @property
+    def target(self) -> Target:
+        """The mutant as the code under test: ``Target(parallel=...)``, a pair
+        ``Target(parallel=model, parallel_loss=...)``, ``Target(reduce=...)`` or
+        ``Target(step=...)`` by its kind."""
+        if self.kind == "dp":
+            return Target(parallel=self.implementation)
+        if self.kind == "criterion":
+            return Target(parallel=self.model, parallel_loss=self.implementation)
+        if self.kind == "reduce":
+            return Target(reduce=self.implementation)
+        if self.kind in ("ddp-step", "fsdp-step"):
+            return Target(step=self.implementation)
+        if self.kind == "tp-plan":
+            return Target(plan=self.implementation)
+        if self.kind == "pp-schedule":
+            return Target(schedule=self.implementation)
+        raise ValueError(
+            f"mutant {self.name!r} has kind {self.kind!r}; expected 'dp', 'criterion', 'reduce', 'ddp-step', "
+            "'fsdp-step', 'tp-plan' or 'pp-schedule'"
+        )
+
+    def check(self, scenario: Scenario | ShardedScenario) -> None:
+        """Runs the catching check on one scenario with this mutant (raises when caught)."""
+        __tracebackhide__ = True
+        PROPERTIES[self.caught_by].run(scenario, self.target)
+
+
+MUTANTS: dict[str, Mutant] = {
+    m.name: m
+    for m in (
+        Mutant("averaging", AveragingDataParallel, "dp", "averages replica gradients instead of summing them", "dp-grads", "the replica gradients were averaged"),
+        Mutant("deep-copy", DeepCopyDataParallel, "dp", "runs a deep copy per replica, so no gradient reaches the module", "dp-grads", "No gradient reached the module's parameters"),
+        Mutant("detached-replicas", DetachedReplicasDataParallel, "dp", "detaches every replica but the first", "dp-grad-sum", "accumulated grad"),
+        Mutant("reversed-gather", ReversedGatherDataParallel, "dp", "gathers outputs in reverse replica order", "dp-grads", "gathered out of order"),
+        Mutant("output-device-first", OutputDeviceFirstDataParallel, "dp", "puts the output device's chunk first when gathering", "dp-grads", "gathered out of order"),
+        Mutant("last-replica-buffers", LastReplicaBuffersDataParallel, "dp", "keeps the last replica's buffers instead of the first's", "dp-buffers", "buffer '"),
+        Mutant("balanced-offset", BalancedOffsetDataParallel, "dp", "a balanced-chunk DataParallel whose chunks start at a fixed stride, so they overlap and the last rows are lost", "dp-grads", "tensors are not close"),
+        Mutant("balanced-drops-chunk", BalancedDropsChunkDataParallel, "dp", "a balanced-chunk DataParallel that replicates for one device fewer than it splits for, so the last chunk never runs", "dp-grads", "reached no replica"),
+        Mutant("criterion-mean-of-means", MeanCriterionParallel, "criterion", "a criterion wrapper that averages the replicas' mean losses, weighting uneven chunks alike", "dp-grads", "The loss-averaging trap", model=ReplicaOutputsDataParallel),
+        Mutant("tiny-error", TinyErrorDataParallel, "dp", "scales one parameter's gradient by 1 + 1e-4", "dp-grads", "tensors are not close"),
+        Mutant("mean-of-means", mean_of_replica_losses, "reduce", "averages per-replica losses with loss.mean() on uneven chunks", "dp-weighted-loss", "The chunks are uneven"),
+        Mutant("ddp-summed-loss", summed_loss_step, "ddp-step", "sums each rank's losses and never divides by the batch", "ddp-grads", "the sum over the rank's rows"),
+        Mutant("ddp-summed-allreduce", summed_allreduce_step, "ddp-step", "a hand-written all-reduce that sums gradients without dividing by the world size", "ddp-grads", "the world size"),
+        Mutant("ddp-rank-seeded-init", rank_seeded_init_step, "ddp-step", "initialises each rank with its own seed and never broadcasts rank 0's parameters", "ddp-grads", "tensors are not close"),
+        Mutant("ddp-forward-outside-no-sync", forward_outside_no_sync_step, "ddp-step", "runs the forward outside no_sync(), so every micro-batch synchronises", "ddp-accumulation", "synchronised"),
+        Mutant("ddp-undivided-accumulation", undivided_accumulation_step, "ddp-step", "accumulates micro-batch losses without dividing by their number", "ddp-accumulation", "the number of micro-batches"),
+        Mutant("ddp-zero-grad-in-loop", zero_grad_in_loop_step, "ddp-step", "calls zero_grad() inside the accumulation loop", "ddp-accumulation", "tensors are not close"),
+        Mutant("fsdp-undivided", fsdp_undivided_step, "fsdp-step", "skips the reduce-scatter's average: FSDP2 sums the ranks' gradients", "fsdp-grads", "the world size"),
+        Mutant("fsdp-summed-loss", fsdp_summed_loss_step, "fsdp-step", "sums each rank's losses over its rows instead of averaging them", "fsdp-grads", "tensors are not close"),
+        Mutant("tp-no-allreduce", no_allreduce_plan, "tp-plan", "a RowwiseParallel that skips its all-reduce, so each rank's output is its partial sum", "tp-grads", "no collective ran on it"),
+        Mutant("tp-local-output", local_output_plan, "tp-plan", "a ColwiseParallel whose local shard of the output columns is used as the whole output", "tp-grads", "the local shard of a ColwiseParallel output was used as the whole output"),
+        Mutant("pp-unscaled", UnscaledGPipe, "pp-schedule", "a GPipe schedule that does not scale gradients by 1/n_microbatches", "pp-grads", "microbatches"),
+        Mutant("pp-skip-last-microbatch", SkipLastMicrobatchGPipe, "pp-schedule", "a GPipe schedule that never runs its last microbatch", "pp-grads", "microbatch"),
+        Mutant("fsdp-wrong-weight", fsdp_wrong_weight_step, "fsdp-step", "weights each rank's loss by n_r / B, forgetting the world size FSDP2 divides by", "fsdp-grads", "the world size"),
+    )
+}

@@ -1,0 +1,106 @@
+"""DDP mutants: per-rank training steps (``step(ctx: ShardContext)``), module-level
+functions so that they pickle to the ranks; ``manual_allreduce_step`` is correct."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dpverify.ddp.rank import ShardContext
+
+__all__ = [
+    "forward_outside_no_sync_step",
+    "manual_allreduce_step",
+    "rank_seeded_init_step",
+    "summed_allreduce_step",
+    "summed_loss_step",
+    "undivided_accumulation_step",
+    "zero_grad_in_loop_step",
+]
+
+
+def _all_reduce_mean(module: nn.Module, world_size: int, *, divide: bool = True) -> None:
+    for param in module.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad)
+            if divide:
+                param.grad /= world_size
+
+
+def manual_allreduce_step(ctx: ShardContext) -> Any:
+    """A correct DDP step without DistributedDataParallel: each rank's mean loss weighted by
+    its share of the batch (``n_r * W / B``), backward, then every gradient all-reduced and
+    divided by the world size."""
+    output = ctx.module(*ctx.inputs)
+    (ctx.loss_fn(output, ctx.target) * ctx.loss_weight).backward()
+    _all_reduce_mean(ctx.module, ctx.world_size)
+    return output
+
+
+def summed_loss_step(ctx: ShardContext) -> Any:
+    """Sums the per-row losses of the shard and never divides by the batch: DDP then
+    averages sums, and every gradient is ``B / W`` times too large."""
+    model = ctx.ddp()
+    output = model(*ctx.inputs)
+    (ctx.loss_fn(output, ctx.target) * ctx.shard_size).backward()
+    return output
+
+
+def summed_allreduce_step(ctx: ShardContext) -> Any:
+    """A hand-written all-reduce that sums gradients and forgets to divide by the world
+    size (DDP averages): gradients ``W`` times too large."""
+    output = ctx.module(*ctx.inputs)
+    (ctx.loss_fn(output, ctx.target) * ctx.loss_weight).backward()
+    _all_reduce_mean(ctx.module, ctx.world_size, divide=False)
+    return output
+
+
+def rank_seeded_init_step(ctx: ShardContext) -> Any:
+    """Initialises the model on each rank with a rank-dependent seed and never broadcasts
+    rank 0's parameters (DistributedDataParallel does at construction): ranks train
+    different models."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1000 + ctx.rank)
+        for sub in ctx.module.modules():
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    return manual_allreduce_step(ctx)
+
+
+def forward_outside_no_sync_step(ctx: ShardContext) -> None:
+    """Gradient accumulation with only ``backward`` inside ``no_sync()``: DDP prepares the
+    all-reduce in forward, so every micro-batch synchronises anyway."""
+    model = ctx.ddp()
+    parts = ctx.micro_batch_split()
+    for index, part in enumerate(parts):
+        output = model(*part.inputs)
+        loss = ctx.loss_fn(output, part.target) * part.rows * ctx.world_size / ctx.batch_size
+        with contextlib.nullcontext() if index == len(parts) - 1 else model.no_sync():
+            loss.backward()
+
+
+def undivided_accumulation_step(ctx: ShardContext) -> None:
+    """Gradient accumulation that adds up the micro-batches' mean losses without dividing
+    by their number: gradients ``k`` times too large."""
+    model = ctx.ddp()
+    parts = ctx.micro_batch_split()
+    for index, part in enumerate(parts):
+        with contextlib.nullcontext() if index == len(parts) - 1 else model.no_sync():
+            ctx.loss_fn(model(*part.inputs), part.target).backward()
+
+
+def zero_grad_in_loop_step(ctx: ShardContext) -> None:
+    """Gradient accumulation that calls ``zero_grad()`` inside the loop: only the last
+    micro-batch's gradient survives."""
+    model = ctx.ddp()
+    parts = ctx.micro_batch_split()
+    for index, part in enumerate(parts):
+        model.zero_grad()
+        with contextlib.nullcontext() if index == len(parts) - 1 else model.no_sync():
+            output = model(*part.inputs)
+            (ctx.loss_fn(output, part.target) * part.rows * ctx.world_size / ctx.batch_size).backward()

@@ -1,0 +1,170 @@
+"""Sharded mutants: FSDP2 steps (``step(ctx: FSDPContext)``), tensor-parallel styles and the
+plan builders that use them (``plan(layout, module)``), and pipeline schedule classes.
+
+Each is DELIBERATELY BROKEN, a mistake seen in real training or hand-written parallel
+code, kept so that the sharded checks can be shown to catch it; never use them to train.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import ScheduleGPipe
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from dpverify.models.layouts import TPLayout
+from dpverify.sharded.fsdp_rank import FSDPContext
+
+__all__ = [
+    "LocalOutputColwiseParallel",
+    "NoAllReduceRowwiseParallel",
+    "SkipLastMicrobatchGPipe",
+    "UnscaledGPipe",
+    "fsdp_summed_loss_step",
+    "fsdp_undivided_step",
+    "fsdp_wrong_weight_step",
+    "local_output_plan",
+    "no_allreduce_plan",
+]
+
+
+# --------------------------------------------------------------------------- FSDP2 steps
+
+
+def fsdp_undivided_step(ctx: FSDPContext) -> Any:
+    """DELIBERATELY BROKEN: turns off FSDP2's division of the reduce-scattered gradients by
+    the world size (``set_gradient_divide_factor(1.0)`` on every sharded module; on gloo,
+    which has no pre-multiplied sum, with ``set_force_sum_reduction_for_comms(True)``), so
+    every gradient is the sum over ranks: ``world_size`` times the full-batch gradient."""
+    model = ctx.fsdp()
+    for sub in ctx.fsdp_modules():
+        sub.set_gradient_divide_factor(1.0)
+        sub.set_force_sum_reduction_for_comms(True)
+    output = model(*ctx.inputs, **ctx.kwargs)
+    ctx.loss_fn(output, ctx.target).backward()
+    return output
+
+
+def fsdp_summed_loss_step(ctx: FSDPContext) -> Any:
+    """DELIBERATELY BROKEN: backpropagates the sum of the rank's row losses (its mean loss
+    times its rows) while FSDP2 averages over ranks: gradients ``n`` times (rows per rank)
+    the full-batch mean-loss gradient."""
+    model = ctx.fsdp()
+    output = model(*ctx.inputs, **ctx.kwargs)
+    (ctx.loss_fn(output, ctx.target) * ctx.shard_size).backward()
+    return output
+
+
+def fsdp_wrong_weight_step(ctx: FSDPContext) -> Any:
+    """DELIBERATELY BROKEN: weights each rank's mean loss by ``n_r / B``, its share of the
+    rows without the world size; FSDP2 then divides by the world size once more, so the
+    gradients are ``1/world_size`` of the full-batch gradient, on any shards."""
+    model = ctx.fsdp()
+    output = model(*ctx.inputs, **ctx.kwargs)
+    (ctx.loss_fn(output, ctx.target) * (ctx.shard_size / ctx.batch_size)).backward()
+    return output
+
+
+# --------------------------------------------------------------------------- tensor-parallel styles and plans
+
+
+class NoAllReduceRowwiseParallel(RowwiseParallel):
+    """DELIBERATELY BROKEN: a ``RowwiseParallel`` whose output skips the all-reduce. Its
+    forward produces a ``Partial`` DTensor (each rank's matmul over its input columns, a
+    partial sum); this style hands on each rank's local partial sum as if it were the whole
+    output, so every rank's output is off by the other ranks' partial sums."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: Any) -> Any:
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
+class LocalOutputColwiseParallel(ColwiseParallel):
+    """DELIBERATELY BROKEN: a ``ColwiseParallel`` that uses its local shard of the output
+    columns as the whole output: it pads the rank's columns with zeros to the full width
+    (where they sit in the global output) instead of all-gathering the other ranks'."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: Any) -> Any:
+        if not isinstance(outputs, DTensor):
+            return outputs
+        local = outputs.to_local()
+        width = outputs.shape[-1]
+        rank, size = device_mesh.get_local_rank(), device_mesh.size()
+        start = sum(_chunk_widths(width, size)[:rank])
+        return torch.nn.functional.pad(local, (start, width - start - local.shape[-1]))
+
+
+def _chunk_widths(width: int, parts: int) -> list[int]:
+    """The width of each rank's ``Shard`` of ``width`` columns (``torch.chunk``'s cut, with
+    empty shards for the ranks it leaves out)."""
+    widths = [piece.numel() for piece in torch.arange(width).chunk(parts)]
+    return widths + [0] * (parts - len(widths))
+
+
+def no_allreduce_plan(layout: TPLayout, module: nn.Module) -> dict[str, Any]:
+    """Every rowwise layer of the layout's plan skips its all-reduce
+    (``NoAllReduceRowwiseParallel``): each rank's output is its partial sum."""
+    del module
+    return layout.plan(rowwise=NoAllReduceRowwiseParallel)
+
+
+def local_output_plan(layout: TPLayout, module: nn.Module) -> dict[str, Any]:
+    """The model's last Linear is a colwise layer whose local shard of the output columns
+    is used as the whole output (``LocalOutputColwiseParallel``, its columns zero-padded to
+    the full width); a pair of the layout that holds that Linear is left plain."""
+    plan = layout.plan()
+    last = [path for path, sub in module.named_modules() if isinstance(sub, nn.Linear)][-1]
+    for pair in layout.pairs:
+        if last in pair:
+            for path in pair:
+                del plan[path]
+    plan[last] = LocalOutputColwiseParallel()
+    return plan
+
+
+# --------------------------------------------------------------------------- pipeline schedules
+
+
+class UnscaledGPipe(ScheduleGPipe):
+    """Deliberately broken (a mutant for the self-tests): GPipe that never divides the
+    accumulated gradients by ``n_microbatches``, whatever ``scale_grads`` says. With a
+    mean loss every gradient is ``n_microbatches`` times too large; the check names the
+    factor and the number of microbatches."""
+
+    def _step_microbatches(self, *args: Any, **kwargs: Any) -> None:
+        scale, self.scale_grads = self.scale_grads, False
+        try:
+            super()._step_microbatches(*args, **kwargs)
+        finally:
+            self.scale_grads = scale
+
+
+class SkipLastMicrobatchGPipe(ScheduleGPipe):
+    """Deliberately broken (a mutant for the self-tests): GPipe whose loop stops one
+    microbatch short (an off-by-one), averaging the gradients of the others. The ranks'
+    evidence catches it: each stage ran ``n_microbatches - 1`` forwards."""
+
+    def _step_microbatches(
+        self,
+        arg_mbs: list[Any] | None = None,
+        kwarg_mbs: list[Any] | None = None,
+        target_mbs: list[Any] | None = None,
+        losses: list[Any] | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        n = self._n_microbatches
+        kept = max(n - 1, 1)
+
+        def cut(items: list[Any] | None) -> list[Any] | None:
+            return None if items is None else items[:kept]
+
+        self._n_microbatches = kept
+        try:
+            super()._step_microbatches(cut(arg_mbs), cut(kwarg_mbs), cut(target_mbs), losses, return_outputs, loss_kwargs)
+        finally:
+            self._n_microbatches = n
