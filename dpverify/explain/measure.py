@@ -1024,7 +1024,7 @@ def _ddp_fact(module: nn.Module, batch: Batch, device_ids: list[int], sizes: Seq
     chunks, with a mean loss and with a summed loss; simulated in one process, or measured
     on real ranks with ``real_ddp``."""
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    batch = _target_in_float64(batch)
+    given, batch = batch, _target_in_float64(batch)  # real DDP runs on the batch as given
 
     def rows(obj: Any, start: int, size: int) -> Any:
         # the shard's rows of every batched tensor, wherever scatter would find it
@@ -1053,7 +1053,7 @@ def _ddp_fact(module: nn.Module, batch: Batch, device_ids: list[int], sizes: Seq
         ratio = sum(float(t.norm()) for t in ddp_sum) / norms if norms else None
     fact = DDPFact("simulated", gap(ddp_mean, full), ratio)
     if real_ddp:
-        fact = _measured_ddp(module, batch, k, fact, dim)
+        fact = _measured_ddp(module, given, k, fact, dim)
     return fact
 
 

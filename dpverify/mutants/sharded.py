@@ -154,9 +154,11 @@ class SkipLastMicrobatchGPipe(ScheduleGPipe):
         kwarg_mbs: list[Any] | None = None,
         target_mbs: list[Any] | None = None,
         losses: list[Any] | None = None,
-        return_outputs: bool = True,
-        loss_kwargs: dict[str, Any] | None = None,
+        *args: Any,
+        **kwargs: Any,
     ) -> None:
+        # what follows ``losses`` (return_outputs, loss_kwargs, ...) differs across torch
+        # releases and is passed on as given
         n = self._n_microbatches
         kept = max(n - 1, 1)
 
@@ -165,6 +167,6 @@ class SkipLastMicrobatchGPipe(ScheduleGPipe):
 
         self._n_microbatches = kept
         try:
-            super()._step_microbatches(cut(arg_mbs), cut(kwarg_mbs), cut(target_mbs), losses, return_outputs, loss_kwargs)
+            super()._step_microbatches(cut(arg_mbs), cut(kwarg_mbs), cut(target_mbs), losses, *args, **kwargs)
         finally:
             self._n_microbatches = n
