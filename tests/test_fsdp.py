@@ -464,6 +464,13 @@ def test_a_tiny_gpt2_with_tied_embeddings_is_sharded_around_the_tied_weight(ddp_
 MIXED = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+def mse_in_target_dtype(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The loss of a bfloat16 output in the target's dtype, as mixed-precision training
+    writes it for any torch release (torch 2.11's mse_loss of a bfloat16 output and a
+    float32 target raises in backward; later releases promote)."""
+    return F.mse_loss(output.to(target.dtype), target)
+
+
 def own_fully_shard_step(ctx: FSDPContext) -> Any:
     """Shards with ``fully_shard`` itself, under mixed precision, never calling ``ctx.fsdp()``."""
     for name in ctx.shard_modules:
@@ -490,7 +497,7 @@ def halved_mixed_precision_step(ctx: FSDPContext) -> Any:
 @pytest.mark.parametrize("step", [own_fully_shard_step, mixed_precision_step], ids=["own-fully-shard", "ctx-fsdp-keywords"])
 def test_a_correct_mixed_precision_step_passes_whoever_sharded(ddp_pool: DDPWorkerPool, step: Callable[[FSDPContext], Any]) -> None:
     x, y = batch(6)
-    result = assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=step, pool=ddp_pool)
+    result = assert_fsdp_grads_match(mlp(), x, y, loss_fn=mse_in_target_dtype, world_size=2, step=step, pool=ddp_pool)
     # sharded: judged by the parameters (DTensor shards), not by which helper sharded them
     assert any(note.startswith("Sharding ran: every rank held its 4 parameters as DTensors") for note in result.notes)
     # the reference ran in the policy's param_dtype, anchored in float64
@@ -501,7 +508,7 @@ def test_a_correct_mixed_precision_step_passes_whoever_sharded(ddp_pool: DDPWork
 def test_mixed_precision_still_fails_a_wrong_step(ddp_pool: DDPWorkerPool) -> None:
     x, y = batch(6)
     with pytest.raises(ParallelMismatch) as caught:
-        assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=halved_mixed_precision_step, pool=ddp_pool)
+        assert_fsdp_grads_match(mlp(), x, y, loss_fn=mse_in_target_dtype, world_size=2, step=halved_mixed_precision_step, pool=ddp_pool)
     failing = [t.name for t in caught.value.report.tensors if not t.ok]  # type: ignore[attr-defined]
     # half the gradient is beyond bfloat16's rounding: the reference's precision is no free pass
     assert any(name.startswith("rank 0 grad") for name in failing), failing
@@ -571,7 +578,7 @@ TRAINING_BATCHES = [batch(6, seed=s) for s in range(3)]
 def test_a_correct_mixed_precision_training_passes_whoever_sharded(
     ddp_pool: DDPWorkerPool, step: Callable[[FSDPContext], Any], optimizer: Callable[..., Any],
 ) -> None:
-    result = assert_fsdp_training_matches(mlp(), TRAINING_BATCHES, loss_fn=F.mse_loss, optimizer=optimizer, world_size=2, step=step, pool=ddp_pool)
+    result = assert_fsdp_training_matches(mlp(), TRAINING_BATCHES, loss_fn=mse_in_target_dtype, optimizer=optimizer, world_size=2, step=step, pool=ddp_pool)
     # each step judged twice: the gradients it stepped with, and the parameters after it
     assert len(result.tensors) == 2 * (4 + 4)
     assert {t.name.split(" ")[4] for t in result.tensors} == {"grad", "param"}
@@ -584,7 +591,7 @@ def test_a_correct_mixed_precision_training_passes_whoever_sharded(
 
 
 def test_mixed_precision_training_is_judged_within_the_policys_rounding_of_the_gradients(ddp_pool: DDPWorkerPool) -> None:
-    result = assert_fsdp_training_matches(mlp(), TRAINING_BATCHES, loss_fn=F.mse_loss, optimizer=PLAIN_SGD, world_size=2, step=mixed_precision_step, pool=ddp_pool)
+    result = assert_fsdp_training_matches(mlp(), TRAINING_BATCHES, loss_fn=mse_in_target_dtype, optimizer=PLAIN_SGD, world_size=2, step=mixed_precision_step, pool=ddp_pool)
     grads = [t for t in result.tensors if " grad " in t.name]
     params = [t for t in result.tensors if " param " in t.name]
     # the parameters are stepped in float32 from the same gradients: their allowance is
@@ -596,7 +603,7 @@ def test_mixed_precision_training_is_judged_within_the_policys_rounding_of_the_g
 @pytest.mark.parametrize("optimizer", [PLAIN_SGD, ADAM], ids=["sgd", "adam"])
 def test_mixed_precision_training_fails_a_halved_loss(ddp_pool: DDPWorkerPool, optimizer: Callable[..., Any]) -> None:
     with pytest.raises(ParallelMismatch) as caught:
-        assert_fsdp_training_matches(mlp(), TRAINING_BATCHES, loss_fn=F.mse_loss, optimizer=optimizer, world_size=2, step=halved_mixed_precision_step, pool=ddp_pool)
+        assert_fsdp_training_matches(mlp(), TRAINING_BATCHES, loss_fn=mse_in_target_dtype, optimizer=optimizer, world_size=2, step=halved_mixed_precision_step, pool=ddp_pool)
     failing = [t.name for t in caught.value.report.tensors if not t.ok]  # type: ignore[attr-defined]
     # half the gradient is beyond bfloat16's rounding, even where Adam would hide it in the parameters
     assert any(name.startswith("rank 0 step 1 grad") for name in failing), failing
@@ -604,7 +611,7 @@ def test_mixed_precision_training_fails_a_halved_loss(ddp_pool: DDPWorkerPool, o
 
 def test_mixed_precision_training_fails_a_rank_that_skips_its_update(ddp_pool: DDPWorkerPool) -> None:
     with pytest.raises(ParallelMismatch) as caught:
-        assert_fsdp_training_matches(mlp(), TRAINING_BATCHES, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, step=rank_1_skips_its_update_step, pool=ddp_pool)
+        assert_fsdp_training_matches(mlp(), TRAINING_BATCHES, loss_fn=mse_in_target_dtype, optimizer=SGD, world_size=2, step=rank_1_skips_its_update_step, pool=ddp_pool)
     failing = [t.name for t in caught.value.report.tensors if not t.ok]  # type: ignore[attr-defined]
     assert any(name.startswith("rank 1 step 1") for name in failing), failing
 
@@ -616,7 +623,7 @@ def test_full_precision_training_is_no_fair_reference_for_a_mixed_precision_run(
     # correct bfloat16 run fails (what the check did before it read the policy)
     monkeypatch.setattr(fsdp, "_training_precision", lambda ranks: (Precision(), []))
     with pytest.raises(ParallelMismatch, match="step 1 param"):
-        assert_fsdp_training_matches(mlp(), TRAINING_BATCHES, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, step=mixed_precision_step, pool=ddp_pool)
+        assert_fsdp_training_matches(mlp(), TRAINING_BATCHES, loss_fn=mse_in_target_dtype, optimizer=SGD, world_size=2, step=mixed_precision_step, pool=ddp_pool)
 
 
 def test_ranks_that_applied_different_policies_are_a_failure() -> None:
@@ -636,7 +643,7 @@ def test_ranks_that_applied_different_policies_are_a_failure() -> None:
 def test_a_step_that_applies_fully_shard_in_every_step_is_told_to_shard_once(ddp_pool: DDPWorkerPool) -> None:
     # torch refuses fully_shard on a module it already sharded; the step runs once per optimizer step
     with pytest.raises(ParallelError) as caught:
-        assert_fsdp_training_matches(mlp(), TRAINING_BATCHES, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, step=own_fully_shard_step, pool=ddp_pool)
+        assert_fsdp_training_matches(mlp(), TRAINING_BATCHES, loss_fn=mse_in_target_dtype, optimizer=SGD, world_size=2, step=own_fully_shard_step, pool=ddp_pool)
     assert "can only be applied to a module once" in str(caught.value)
     assert any("shard it once" in note for note in caught.value.__notes__)
 
@@ -646,7 +653,7 @@ def test_the_registry_accepts_a_mixed_precision_step_and_fails_a_halved_one(name
     from dpverify.checks.registry import CHECKS, Case, Target, Verdict
 
     x, y = batch(6)
-    case = Case(mlp(), (x,), y, F.mse_loss, (0, 1))
+    case = Case(mlp(), (x,), y, mse_in_target_dtype, (0, 1))
     passed = CHECKS[name].run(case, Target(step=mixed_precision_step, pool=ddp_pool))
     assert passed.verdict is Verdict.PASS, passed.detail
     failed = CHECKS[name].run(case, Target(step=halved_mixed_precision_step, pool=ddp_pool))
@@ -669,7 +676,7 @@ def test_a_tiny_gpt2_trains_under_mixed_precision(ddp_pool: DDPWorkerPool) -> No
 
 def test_explicit_tolerances_compare_mixed_precision_training_with_full_precision_and_say_so(ddp_pool: DDPWorkerPool) -> None:
     result = assert_fsdp_training_matches(
-        mlp(), TRAINING_BATCHES, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, step=mixed_precision_step, pool=ddp_pool, rtol=0.05, atol=0.05,
+        mlp(), TRAINING_BATCHES, loss_fn=mse_in_target_dtype, optimizer=SGD, world_size=2, step=mixed_precision_step, pool=ddp_pool, rtol=0.05, atol=0.05,
     )
     assert all(" param " in t.name for t in result.tensors)
     assert any(note.startswith("Mixed precision (MixedPrecisionPolicy): with explicit rtol and atol") for note in result.notes)
@@ -677,7 +684,7 @@ def test_explicit_tolerances_compare_mixed_precision_training_with_full_precisio
 
 def test_a_float64_module_trains_under_bfloat16_compute_and_keeps_float64_parameters(ddp_pool: DDPWorkerPool) -> None:
     batches = [batch(6, seed=s, dtype=torch.float64) for s in range(3)]
-    result = assert_fsdp_training_matches(mlp(dtype=torch.float64), batches, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, step=mixed_precision_step, pool=ddp_pool)
+    result = assert_fsdp_training_matches(mlp(dtype=torch.float64), batches, loss_fn=mse_in_target_dtype, optimizer=SGD, world_size=2, step=mixed_precision_step, pool=ddp_pool)
     note = next(n for n in result.notes if n.startswith("Mixed precision (MixedPrecisionPolicy)"))
     assert "the sharded parameters stayed float64 (their gradients float64)" in note
 
@@ -688,5 +695,5 @@ def test_training_a_model_of_one_row_parameters_passes(ddp_pool: DDPWorkerPool, 
         torch.manual_seed(0)
         tiny = nn.Linear(4, 1)
     batches = [(torch.randn(4, 4, generator=torch.Generator().manual_seed(s)), torch.randn(4, 1, generator=torch.Generator().manual_seed(s + 9))) for s in range(2)]
-    result = assert_fsdp_training_matches(tiny, batches, loss_fn=F.mse_loss, optimizer=SGD, world_size=2, step=step, pool=ddp_pool)
+    result = assert_fsdp_training_matches(tiny, batches, loss_fn=mse_in_target_dtype, optimizer=SGD, world_size=2, step=step, pool=ddp_pool)
     assert any(note.startswith("Optimizer state sharded") for note in result.notes)
