@@ -5,7 +5,7 @@ of its own). Every rank shards a fresh copy of the module with ``fully_shard`` o
 mesh ``("dp",)`` of all ranks (``dpverify.sharded.mesh``), runs the step on its contiguous
 shard of the batch, and returns the full gradients (``DTensor.full_tensor()``), its outputs,
 and how it held each parameter. The parent compares them with the single-device full-batch
-step exactly as the DDP checks do (``DDPCheck``, ``DDPReferences``: float64-anchored
+step exactly as every ranked check does (``RankedCheck``, ``References``: float64-anchored
 tolerance, a second look for rounding), and fails a step that did not really shard.
 
 FSDP2 reduce-scatters the gradients and divides them by the world size, as DDP's

@@ -18,9 +18,9 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Unpack
+from typing import Any, ClassVar, Unpack
 
 import torch
 from torch import nn
@@ -32,7 +32,6 @@ from dpverify.core.comparison import (
     StepComparison,
     TensorComparison,
     TensorId,
-    Tolerance,
     compare_tensors,
     uniform_scale,
 )
@@ -43,14 +42,13 @@ from dpverify.core.step import (
     as_inputs,
     batch_size_of,
     convert_tensors,
-    first_parameter_dtype,
     flatten_tensors,
     parameter_sites,
 )
 from dpverify.core.validation import require_bool, require_int_at_least, require_module_with_grads
 from dpverify.ddp.pool import require_picklable
 from dpverify.ddp.rank import LossFn, even_shards, shard_bounds, take_rows
-from dpverify.ranked.check import RankedCheck, References, callable_name, runner
+from dpverify.ranked.check import RankedCheck, References, ShardUnit, callable_name
 from dpverify.ranked.options import RankedKeywords, accepted, documented
 from dpverify.sharded.pipeline_rank import PipelineRankStep, PipelineTask, run_pipeline_task
 
@@ -299,6 +297,13 @@ class PipelineCheck(RankedCheck):
     n_microbatches: int = 1
     scale_grads: bool = True
 
+    NO_GRAD: ClassVar[str] = "there is no gradient for a pipeline stage to compare"
+    UNIT: ClassVar[ShardUnit] = ShardUnit("microbatch", "n_microbatches", why="")
+
+    @classmethod
+    def shard_parts(cls, world_size: int, fields: Mapping[str, Any]) -> int:
+        return int(fields["n_microbatches"])
+
     def describe(self, step: Any = None) -> str:
         stages = "; ".join(f"stage {s} children {list(names)}" for s, names in enumerate(self.stages))
         return (
@@ -339,7 +344,7 @@ def pipeline_check(
         InvalidArgument: an argument cannot be used.
     """
     accepted(pipeline_check, options, PipelineKeywords, without=("msg",))
-    require_module_with_grads(module, why="there is no gradient for a pipeline stage to compare")
+    require_module_with_grads(module, why=PipelineCheck.NO_GRAD)
     if isinstance(world_size, int) and not isinstance(world_size, bool) and world_size == 1:
         raise InvalidArgument(
             "world_size=1: one stage is not a pipeline (nothing is sent between ranks); pass "
@@ -362,16 +367,13 @@ def pipeline_check(
     batch = _tensor_batch(args, target)
     sizes = _microbatches(batch, microbatches)
     stages = stage_children(module, world, options.get("split_points"))
-    require_picklable(module, "module")
-    require_picklable(args, "inputs")
-    require_picklable(target, "target")
     _require_chain(module, args, stages)
-    return PipelineCheck(
-        module=module, args=args, target=target, loss_fn=loss_fn, world_size=world,
-        shard_sizes=sizes, runner=runner(options.get("pool"), world), tolerance=Tolerance(rtol=options.get("rtol"), atol=options.get("atol")),
-        dtype=first_parameter_dtype(module), stages=stages, schedule=chosen,
-        n_microbatches=microbatches, scale_grads=scale,
+    check: PipelineCheck = PipelineCheck.create(
+        module, args, target, loss_fn=loss_fn, world_size=world, shards=sizes, pool=options.get("pool"),
+        rtol=options.get("rtol"), atol=options.get("atol"), stages=stages, schedule=chosen, n_microbatches=microbatches,
+        scale_grads=scale,
     )
+    return check
 
 
 @documented

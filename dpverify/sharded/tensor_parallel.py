@@ -6,7 +6,7 @@ dimension of a device mesh (``dpverify.sharded.mesh``), with FSDP2 over a ``"dp"
 when ``data_parallel`` > 1, runs the step, and returns its output made whole, its loss, the
 full gradients (``DTensor.full_tensor()``), how it held every parameter, and the layouts its
 modules' inputs and outputs had (forward hooks). The parent compares the tensors with the
-single-device full-batch step as the DDP checks do (``DDPCheck``, ``DDPReferences``:
+single-device full-batch step as every ranked check does (``RankedCheck``, ``References``:
 float64-anchored tolerance, a second look for rounding), fails a step that sharded nothing,
 and explains a plan whose layouts do not compose (or whose output stays a local shard) from
 the recorded layouts rather than from torch's traceback.
