@@ -66,9 +66,13 @@ from dpverify.ranked.items import PieceItems, count_piece_items
 
 __all__ = [
     "CPU",
+    "DDP_RANKS",
+    "FSDP_RANKS",
+    "TP_GROUPS",
     "Batch",
     "RankedCheck",
     "References",
+    "ShardUnit",
     "TrainingBatches",
     "callable_name",
     "describe_batches",

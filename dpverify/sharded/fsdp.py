@@ -42,7 +42,9 @@ from dpverify.ddp.pool import ParallelError
 from dpverify.ddp.rank import LossFn, OptimizerFactory
 from dpverify.models.layouts import read_without_forward
 from dpverify.ranked.check import (
+    CPU,
     FSDP_RANKS,
+    Batch,
     RankedCheck,
     ShardUnit,
     callable_name,
@@ -489,21 +491,14 @@ class _MixedReference:
                 cast_output = _cast_to(output_dtype)
                 sub.register_forward_hook(lambda _m, _args, output, cast=cast_output: cast(output))
 
-    def grads(self, params: Mapping[str, torch.Tensor], batch: tuple[tuple[Any, ...], Mapping[str, Any], Any]) -> dict[str, torch.Tensor | None]:
+    def grads(self, params: Mapping[str, torch.Tensor], batch: Batch) -> dict[str, torch.Tensor | None]:
         """The gradients of the full batch at ``params``, each in the coarser of its compute
         dtype and its reduction's (its rounding is what a correct step may carry)."""
-        inputs, kwargs, target = batch
         compute = {
             name: p.detach().to(self.dtypes.get(name) or p.dtype).requires_grad_(p.requires_grad) for name, p in params.items()
         }
-        cpu = torch.device("cpu")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            output = torch.func.functional_call(
-                self.model, compute, convert_tensors(inputs, None, cpu), convert_tensors(dict(kwargs), None, cpu),
-            )
-            self.loss_fn(output, convert_tensors(target, None, cpu)).backward()
-        return {name: _coarser(tensor.grad, self.reduce.get(name)) for name, tensor in compute.items()}
+        grads = _grads_at(self.model, self.loss_fn, compute, batch, None)
+        return {name: _coarser(grad, self.reduce.get(name)) for name, grad in grads.items()}
 
 
 def _coarser(grad: torch.Tensor | None, reduce: torch.dtype | None) -> torch.Tensor | None:
@@ -514,25 +509,22 @@ def _coarser(grad: torch.Tensor | None, reduce: torch.dtype | None) -> torch.Ten
     return grad.to(reduce)
 
 
-def _float64_grads(
-    model: nn.Module, loss_fn: LossFn, params: Mapping[str, torch.Tensor], batch: tuple[tuple[Any, ...], Mapping[str, Any], Any],
+def _grads_at(
+    model: nn.Module, loss_fn: LossFn, leaves: Mapping[str, torch.Tensor], batch: Batch, dtype: torch.dtype | None,
 ) -> dict[str, torch.Tensor | None]:
-    """The float64 gradients of the full batch at ``params`` (``model`` in float64)."""
+    """The gradients of the full batch (its tensors cast to ``dtype``; None: as they are)
+    with ``leaves`` for ``model``'s parameters."""
     inputs, kwargs, target = batch
-    leaves = {name: p.detach().to(torch.float64).requires_grad_(p.requires_grad) for name, p in params.items()}
-    cpu = torch.device("cpu")
-    with torch.random.fork_rng(devices=[]), default_dtype(torch.float64):
+    with torch.random.fork_rng(devices=[]), default_dtype(dtype):
         torch.manual_seed(0)
-        output = torch.func.functional_call(
-            model, leaves, convert_tensors(inputs, torch.float64, cpu), convert_tensors(dict(kwargs), torch.float64, cpu),
-        )
-        loss_fn(output, convert_tensors(target, torch.float64, cpu)).backward()
+        output = torch.func.functional_call(model, dict(leaves), convert_tensors(inputs, dtype, CPU), convert_tensors(dict(kwargs), dtype, CPU))
+        loss_fn(output, convert_tensors(target, dtype, CPU)).backward()
     return {name: tensor.grad for name, tensor in leaves.items()}
 
 
 def _mixed_training_rows(
     check: FSDPCheck,
-    pairs: Sequence[tuple[tuple[Any, ...], Mapping[str, Any], Any]],
+    pairs: Sequence[Batch],
     optimizer: OptimizerFactory,
     precision: Precision,
     ranks: Sequence[FSDPRankTraining],
@@ -562,7 +554,8 @@ def _mixed_training_rows(
     rows: list[TensorComparison] = []
     for index, batch in enumerate(pairs):
         expected = mixed.grads(master, batch)
-        anchor = _float64_grads(model64, check.loss_fn, master64, batch)
+        leaves = {name: p.detach().to(torch.float64).requires_grad_(p.requires_grad) for name, p in master64.items()}
+        anchor = _grads_at(model64, check.loss_fn, leaves, batch, torch.float64)
         rows = [
             compare_tensors(
                 TensorId("grad", name, rank=r, variant=f"step {index + 1}"), rank.step_grads[index].get(name), value, anchor[name], check.tolerance,
