@@ -84,6 +84,8 @@ def test_one_scale_explainer_words_summed_replicas_and_averaged_ranks() -> None:
     assert "loss_fn is a sum-reduction loss" in summed
     assert "FSDP2's reduce-scatter divides" in summed
     assert "(3, the number of micro-batches)" in explain_scale(3.0, 2, averager="DDP", micro_batches=3)
+    groups = explain_scale(2.0, 2, averager="FSDP2 over 'dp'", size="number of data-parallel groups")
+    assert "(2, the number of data-parallel groups): the ranks' gradients were summed but not divided by the number of data-parallel groups. FSDP2 over 'dp' averages" in groups
 
 
 def test_contrasts_are_picked_by_the_kind_of_their_identity() -> None:

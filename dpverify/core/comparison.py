@@ -975,6 +975,7 @@ def explain_scale(
     micro_batches: int = 1,
     shard_size: int | None = None,
     reduction: str | None = None,
+    size: str = "world size",
 ) -> str:
     """A sentence on a uniform gradient factor between the parallel step and one device,
     naming every classic mistake that produces that factor (2 can be the world size and the
@@ -995,7 +996,9 @@ def explain_scale(
     - ``1/(k W)``: a sum loss whose micro-batch losses were weighted by ``1/k``, as the
       mean-loss recipe does.
 
-    A factor within ``10 * rounding`` (relative) of one of these names it.
+    ``size`` names what ``replicas`` counts in the text (the number of data-parallel groups
+    of tensor parallelism). A factor within ``10 * rounding`` (relative) of one of these
+    names it.
     """
 
     def near(value: float) -> bool:
@@ -1006,7 +1009,7 @@ def explain_scale(
         causes = _summed_replica_causes(replicas, near)
     else:
         head = f"Every rank's gradient is {c:.6g} times the single-device full-batch gradient"
-        causes = _averaged_rank_causes(replicas, near, averager, micro_batches, shard_size, reduction)
+        causes = _averaged_rank_causes(replicas, near, averager, micro_batches, shard_size, reduction, size)
     return head + (" " + "; or ".join(causes) if causes else "") + "."
 
 
@@ -1024,7 +1027,7 @@ def _summed_replica_causes(replicas: int, near: Callable[[float], bool]) -> list
 
 
 def _averaged_rank_causes(
-    world_size: int, near: Callable[[float], bool], averager: str, micro_batches: int, shard_size: int | None, reduction: str | None,
+    world_size: int, near: Callable[[float], bool], averager: str, micro_batches: int, shard_size: int | None, reduction: str | None, size: str,
 ) -> list[str]:
     """The causes of a factor under a ranked wrapper that averages its ranks' gradients."""
     summed = reduction == "sum"
@@ -1037,10 +1040,10 @@ def _averaged_rank_causes(
         )
     if world_size > 1 and near(world_size) and not summed:
         causes.append(
-            f"({world_size}, the world size): the ranks' gradients were summed but not divided "
-            f"by the world size. {averager} averages for you; a hand-written all_reduce with "
+            f"({world_size}, the {size}): the ranks' gradients were summed but not divided "
+            f"by the {size}. {averager} averages for you; a hand-written all_reduce with "
             "ReduceOp.SUM must be followed by grad /= world_size, and a loss must not be "
-            f"multiplied by the world size on top of the average {averager} takes"
+            f"multiplied by the {size} on top of the average {averager} takes"
         )
     if shard_size and shard_size > 1 and near(shard_size) and not summed:
         causes.append(
@@ -1053,10 +1056,10 @@ def _averaged_rank_causes(
         if reduction != "mean":
             unweighted = " and the micro-batch losses were added up unweighted" if micro_batches > 1 else ""
             causes.append(
-                f"(1/{world_size}, one over the world size): "
+                f"(1/{world_size}, one over the {size}): "
                 + ("loss_fn is a sum-reduction loss (the full batch's loss is the sum of the shards' losses)" if summed else "a sum-reduction loss (e.g. reduction='sum')")
                 + f"{unweighted}. Each rank's loss sums its own rows, and "
-                f"{averager} divides the sum of the ranks' gradients by the world size, {world_size}, "
+                f"{averager} divides the sum of the ranks' gradients by the {size}, {world_size}, "
                 "so every rank gets 1/world_size of the full-batch sum that one device computes. "
                 "Use a mean loss (reduction='mean'); or keep the sum and multiply each rank's "
                 "loss by world_size (loss * ctx.world_size in a step); DataParallel, which sums "
@@ -1064,16 +1067,16 @@ def _averaged_rank_causes(
             )
         if not summed:
             causes.append(
-                f"(1/{world_size}, one over the world size): the gradients were divided by the "
-                "world size twice, e.g. a mean loss divided by world_size (or a hand-written "
+                f"(1/{world_size}, one over the {size}): the gradients were divided by the "
+                f"{size} twice, e.g. a mean loss divided by world_size (or a hand-written "
                 f"average) on top of {averager}, which already averages over ranks"
             )
     if world_size > 1 and micro_batches > 1 and near(1.0 / (world_size * micro_batches)) and reduction != "mean":
         causes.append(
-            f"(1/{world_size * micro_batches} = 1/(micro-batches * world size)): "
+            f"(1/{world_size * micro_batches} = 1/(micro-batches * {size})): "
             f"a sum-reduction loss with each micro-batch's loss weighted by its share "
             f"(1/{micro_batches}, the recipe for a mean loss): each rank's gradient is "
-            f"1/{micro_batches} of the sum over its rows, and {averager} divides by the world size, "
+            f"1/{micro_batches} of the sum over its rows, and {averager} divides by the {size}, "
             f"{world_size}. Use a mean loss; or keep the sum, add the micro-batch losses up "
             "unweighted and multiply them by world_size"
         )

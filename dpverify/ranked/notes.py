@@ -30,13 +30,14 @@ __all__ = [
 ]
 
 
-def sum_loss_note(world_size: int, averager: str = "DDP") -> str:
-    """Why a sum-reduction loss is wrong under a wrapper that averages the ranks' gradients."""
+def sum_loss_note(world_size: int, averager: str = "DDP", size: str = "world size") -> str:
+    """Why a sum-reduction loss is wrong under a wrapper that averages the ranks' gradients
+    (``averager``, over ``world_size`` of what ``size`` names)."""
     return (
         "loss_fn sums over the rows (the full batch's loss is the sum of the shards' losses, "
         f"not their mean, e.g. reduction='sum'). {averager} averages the ranks' gradients, which is "
         "right for a mean loss; with a sum loss each rank sums only its own rows and the "
-        f"average divides by the world size, {world_size}, so the gradients are not the "
+        f"average divides by the {size}, {world_size}, so the gradients are not the "
         "single-device ones. Use a mean loss; or keep the sum and multiply each rank's loss by "
         "world_size (loss * ctx.world_size in a step, instead of ctx.loss_weight); "
         "DataParallel, which sums its replicas' gradients, gives the single-device gradient "
@@ -61,18 +62,19 @@ def ranks_disagree(steps: Sequence[Any]) -> list[str]:
 
 def scale_note(
     steps: Sequence[Any], expected: StepResult, world_size: int, micro_batches: int = 1,
-    shard_sizes: Sequence[int] = (), reduction: str | None = None, averager: str = "DDP",
+    shard_sizes: Sequence[int] = (), reduction: str | None = None, averager: str = "DDP", size: str = "world size",
 ) -> tuple[list[str], float | None]:
     """The uniform factor between rank 0's gradients and one device's, with its sentence
     (``explain_scale``) and the sum-loss note when the sentence did not name it.
-    ``averager``: what averages the ranks' gradients, in the text."""
+    ``averager``: what averages the ranks' gradients, in the text; ``size``: what
+    ``world_size`` counts."""
     c = uniform_scale(steps[0].grads, expected.grads)
     equal = shard_sizes[0] if shard_sizes and len(set(shard_sizes)) == 1 else None
     notes = [] if c is None else [
-        explain_scale(c, world_size, averager=averager, micro_batches=micro_batches, shard_size=equal, reduction=reduction)
+        explain_scale(c, world_size, averager=averager, micro_batches=micro_batches, shard_size=equal, reduction=reduction, size=size)
     ]
     if reduction == "sum" and not any("sum-reduction loss" in note for note in notes):
-        notes.append(sum_loss_note(world_size, averager))
+        notes.append(sum_loss_note(world_size, averager, size))
     return notes, c
 
 

@@ -633,11 +633,11 @@ def assert_tensor_parallel_grads_match(
         notes += _own_columns_note(check, verified, expected) or _partial_sum_note(check, verified, expected)
         if check.data_parallel > 1:
             reduction = check.loss_reduction(counted)
-            more, scale = scale_note(verified, expected, check.data_parallel, shard_sizes=check.shard_sizes, reduction=reduction)
-            notes += [
-                note.replace("world size", "number of data-parallel groups").replace("DDP", "FSDP2 over 'dp'")
-                for note in more
-            ]
+            more, scale = scale_note(
+                verified, expected, check.data_parallel, shard_sizes=check.shard_sizes, reduction=reduction,
+                averager=f"FSDP2 over {DP_DIM!r}", size="number of data-parallel groups",
+            )
+            notes += more
     scenario = f"{check.describe(chosen)}; evidence: {evidence}"
     outcome = check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, failures=failures, scale=scale, scenario=scenario)
     return raise_unless_ok(outcome, msg)
