@@ -143,11 +143,10 @@ class DDPCheck(RankedCheck):
     @classmethod
     def of(cls, module: nn.Module, inputs: Any, target: Any, loss_fn: LossFn, world_size: int, options: DDPKeywords) -> DDPCheck:
         """The scenario of one call of a DDP helper: its arguments and ``options``."""
-        check: DDPCheck = cls.create(
+        return cls.create(
             module, inputs, target, loss_fn=loss_fn, world_size=world_size, **check_keywords(options),
             ddp_kwargs=_ddp_kwargs(options.get("ddp_kwargs")),
         )
-        return check
 
     @property
     def find_unused(self) -> bool:

@@ -15,7 +15,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 import torch
 from torch import nn
@@ -438,7 +438,7 @@ class RankedCheck:
         atol: float | None = None,
         forward_kwargs: Mapping[str, Any] | None = None,
         **fields: Any,
-    ) -> Any:
+    ) -> Self:
         """Validates every argument, in this process, before anything reaches the ranks;
         ``fields``: the subclass's own, already checked."""
         require_module_with_grads(module, why=cls.NO_GRAD)

@@ -216,12 +216,11 @@ class FSDPCheck(RankedCheck):
     @classmethod
     def of(cls, module: nn.Module, inputs: Any, target: Any, loss_fn: LossFn, world_size: int, options: FSDPKeywords) -> FSDPCheck:
         """The scenario of one call of an FSDP2 helper: its arguments and ``options``."""
-        check: FSDPCheck = cls.create(
+        return cls.create(
             module, inputs, target, loss_fn=loss_fn, world_size=world_size, **check_keywords(options),
             shard_modules=_shard_modules(module, options.get("shard_modules")),
             reshard_after_forward=require_bool(options.get("reshard_after_forward", True), "reshard_after_forward"),
         )
-        return check
 
     def sharding(self) -> str:
         shown = [name if name else "(root)" for name in self.shard_modules]

@@ -368,12 +368,11 @@ def pipeline_check(
     sizes = _microbatches(batch, microbatches)
     stages = stage_children(module, world, options.get("split_points"))
     _require_chain(module, args, stages)
-    check: PipelineCheck = PipelineCheck.create(
+    return PipelineCheck.create(
         module, args, target, loss_fn=loss_fn, world_size=world, shards=sizes, pool=options.get("pool"),
         rtol=options.get("rtol"), atol=options.get("atol"), stages=stages, schedule=chosen, n_microbatches=microbatches,
         scale_grads=scale,
     )
-    return check
 
 
 @documented

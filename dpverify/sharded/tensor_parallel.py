@@ -182,12 +182,11 @@ class TPCheck(RankedCheck):
                 f"world_size={world} is not divisible by data_parallel={dp}; the mesh is (data_parallel, "
                 f"world_size // data_parallel) = ('dp', 'tp'): pass a data_parallel that divides {world}"
             )
-        check: TPCheck = cls.create(
+        return cls.create(
             module, inputs, target, loss_fn=loss_fn, world_size=world, **check_keywords(options),
             plan=_plan(module, plan), data_parallel=dp,
             fsdp_modules=shard_order([*_default_units(module), ""]) if dp > 1 else (),
         )
-        return check
 
     @property
     def tp_size(self) -> int:
