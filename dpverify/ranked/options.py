@@ -64,7 +64,8 @@ def accepted(helper: Callable[..., Any], given: _D, group: type, without: Collec
     Raises:
         TypeError: an unexpected keyword, as Python words it.
     """
-    allowed = set(group.__annotations__) - set(without)
+    allowed = set(getattr(group, "__required_keys__", ())) | set(getattr(group, "__optional_keys__", ()))
+    allowed -= set(without)
     for name in given:
         if name not in allowed:
             raise TypeError(f"{helper.__name__}() got an unexpected keyword argument {name!r}")
