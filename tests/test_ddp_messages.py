@@ -23,13 +23,13 @@ from test_ddp import SUM_MSE, batch, loss_over_world_size, mlp
 from dpverify.core.errors import ParallelMismatch
 from dpverify.ddp.advice import main_module_advice
 from dpverify.ddp.checks import (
-    _loss_reduction,
     assert_ddp_accumulation_matches,
     assert_ddp_grads_match,
     assert_ddp_training_matches,
 )
 from dpverify.ddp.pool import DDPWorkerPool, RankFailure
 from dpverify.ddp.rank import ShardContext
+from dpverify.ranked.check import loss_reduction
 
 SGD = functools.partial(torch.optim.SGD, lr=0.05)
 
@@ -80,11 +80,11 @@ def test_loss_reduction_tells_a_sum_from_a_mean() -> None:
     x, y = batch(6)
     labels = torch.tensor([0, 1, 1, 0, 1, 0])
     weighted_ce = functools.partial(F.cross_entropy, weight=torch.tensor([1.0, 3.0]))
-    assert _loss_reduction(mlp(), (x,), y, SUM_MSE, (3, 3)) == "sum"
-    assert _loss_reduction(mlp(), (x,), y, F.mse_loss, (4, 2)) == "mean"
-    assert _loss_reduction(mlp(), (x,), labels, F.cross_entropy, (3, 3)) == "mean"
-    assert _loss_reduction(mlp(), (x,), labels, weighted_ce, (3, 3)) is None  # a weighted mean is neither
-    assert _loss_reduction(mlp(), (x,), y, F.mse_loss, (6,)) is None  # one shard tells nothing
+    assert loss_reduction(mlp(), (x,), y, SUM_MSE, (3, 3)) == "sum"
+    assert loss_reduction(mlp(), (x,), y, F.mse_loss, (4, 2)) == "mean"
+    assert loss_reduction(mlp(), (x,), labels, F.cross_entropy, (3, 3)) == "mean"
+    assert loss_reduction(mlp(), (x,), labels, weighted_ce, (3, 3)) is None  # a weighted mean is neither
+    assert loss_reduction(mlp(), (x,), y, F.mse_loss, (6,)) is None  # one shard tells nothing
 
 
 # --------------------------------------------------------------------------- factors

@@ -361,7 +361,7 @@ def test_parameters_every_rank_stored_whole_are_a_failure() -> None:
     from dpverify.sharded.fsdp import FSDPCheck
     from dpverify.sharded.fsdp import _sharding_findings as sharding_findings
 
-    check = FSDPCheck.for_fsdp(mlp(), batch(4)[0], batch(4)[1], loss_fn=F.mse_loss, world_size=2)
+    check = FSDPCheck.of(mlp(), batch(4)[0], batch(4)[1], F.mse_loss, 2, {})
     whole = (Held("0.weight", True, 40, 40, "(Replicate(),)"),)
     split = (Held("0.weight", True, 20, 40, "(Shard(dim=0),)"),)
     assert sharding_findings(check, [whole, whole], [True, True], [(), ()])[0] == [

@@ -125,7 +125,7 @@ def test_torch_passes_every_property_the_mutants_fail(name: str) -> None:
 
 
 #: torch's own DDP in float64, where the DDP checks called rounding a mismatch before a
-#: failing tensor got a second look (dpverify.ddp.checks.DDPReferences): l1's sign
+#: failing tensor got a second look (dpverify.ranked.check.References): l1's sign
 #: gradients of the bias cancel to 0 over the batch but not on each rank (one device rounds
 #: their mean to 2.8e-17, the all-reduce of the ranks' thirds to 0: rounding of the size of
 #: the terms it sums), and a GRU's micro-batch accumulation reorders sums (float64 rounding

@@ -934,18 +934,121 @@ def uniform_scale(
     return c
 
 
-def explain_scale(c: float, replicas: int, rounding: float = 1e-4) -> str:
-    """A sentence on a uniform gradient factor, naming the likely reduction bug."""
-    text = f"Every parallel gradient is {c:.6g} times the single-device gradient"
-    if replicas > 1 and abs(c * replicas - 1.0) < 10 * rounding:
-        return text + (
-            f" (1/{replicas}, one over the number of replicas used): the replica gradients "
+def explain_scale(
+    c: float,
+    replicas: int,
+    rounding: float = 1e-4,
+    *,
+    averager: str | None = None,
+    micro_batches: int = 1,
+    shard_size: int | None = None,
+    reduction: str | None = None,
+    size: str = "world size",
+) -> str:
+    """A sentence on a uniform gradient factor between the parallel step and one device,
+    naming every classic mistake that produces that factor (2 can be the world size and the
+    rows per rank).
+
+    ``averager`` None is DataParallel, which sums its ``replicas``' gradients: ``1/k`` means
+    they were averaged, ``k`` summed twice. Otherwise ``averager`` names what averages the
+    ranks' gradients (``"DDP"``, ``"FSDP2's reduce-scatter"``), ``replicas`` is the world
+    size, and ``reduction`` (``"sum"``, ``"mean"`` or None: how ``loss_fn`` reduces) tells a
+    sum loss from a mean one:
+
+    - ``k`` micro-batches: mean losses of the micro-batches added up, not divided by ``k``;
+    - ``W``: the ranks' gradients summed and not averaged, or a mean loss times ``W``;
+    - ``n`` rows per rank (``shard_size``): a step that sums its rows' losses while
+      ``loss_fn`` averages;
+    - ``1/W``: a sum loss (each rank sums its ``n`` rows, the average divides by ``W``: it is
+      ``1/W`` of the full-batch sum), or a mean loss divided by ``W`` on top of the average;
+    - ``1/(k W)``: a sum loss whose micro-batch losses were weighted by ``1/k``, as the
+      mean-loss recipe does.
+
+    ``size`` names what ``replicas`` counts in the text (the number of data-parallel groups
+    of tensor parallelism). A factor within ``10 * rounding`` (relative) of one of these
+    names it.
+    """
+
+    def near(value: float) -> bool:
+        return abs(c - value) < 10 * rounding * value
+
+    if averager is None:
+        head = f"Every parallel gradient is {c:.6g} times the single-device gradient"
+        causes = _summed_replica_causes(replicas, near)
+    else:
+        head = f"Every rank's gradient is {c:.6g} times the single-device full-batch gradient"
+        causes = _averaged_rank_causes(replicas, near, averager, micro_batches, shard_size, reduction, size)
+    return head + (" " + "; or ".join(causes) if causes else "") + "."
+
+
+def _summed_replica_causes(replicas: int, near: Callable[[float], bool]) -> list[str]:
+    """The causes of a factor under DataParallel, which sums its replicas' gradients."""
+    if replicas > 1 and near(1.0 / replicas):
+        return [
+            f"(1/{replicas}, one over the number of replicas used): the replica gradients "
             "were averaged. torch sums them: with a mean loss over the gathered batch, each "
-            "replica already contributes (1/B) times the sum over its own rows."
+            "replica already contributes (1/B) times the sum over its own rows"
+        ]
+    if replicas > 1 and near(replicas):
+        return [f"({replicas}, the number of replicas): the loss or gradients were summed over replicas twice"]
+    return []
+
+
+def _averaged_rank_causes(
+    world_size: int, near: Callable[[float], bool], averager: str, micro_batches: int, shard_size: int | None, reduction: str | None, size: str,
+) -> list[str]:
+    """The causes of a factor under a ranked wrapper that averages its ranks' gradients."""
+    summed = reduction == "sum"
+    causes = []
+    if micro_batches > 1 and near(micro_batches) and not summed:
+        causes.append(
+            f"({micro_batches}, the number of micro-batches): each micro-batch's loss must be "
+            f"divided by {micro_batches} (weighted by its rows * world_size / B), or the "
+            "accumulated gradient is the sum of the micro-batch means"
         )
-    if replicas > 1 and abs(c - replicas) < 10 * rounding * replicas:
-        return text + f" ({replicas}, the number of replicas): the loss or gradients were summed over replicas twice."
-    return text + "."
+    if world_size > 1 and near(world_size) and not summed:
+        causes.append(
+            f"({world_size}, the {size}): the ranks' gradients were summed but not divided "
+            f"by the {size}. {averager} averages for you; a hand-written all_reduce with "
+            "ReduceOp.SUM must be followed by grad /= world_size, and a loss must not be "
+            f"multiplied by the {size} on top of the average {averager} takes"
+        )
+    if shard_size and shard_size > 1 and near(shard_size) and not summed:
+        causes.append(
+            f"({shard_size}, the rows per rank): the step's loss is the sum over the rank's "
+            "rows (or its mean times the rows) while loss_fn, which the single-device step "
+            "uses, averages: divide the step's loss by its rows (ctx.shard_size), or use "
+            f"loss_fn as it is; {averager} then averages the ranks"
+        )
+    if world_size > 1 and near(1.0 / world_size):
+        if reduction != "mean":
+            unweighted = " and the micro-batch losses were added up unweighted" if micro_batches > 1 else ""
+            causes.append(
+                f"(1/{world_size}, one over the {size}): "
+                + ("loss_fn is a sum-reduction loss (the full batch's loss is the sum of the shards' losses)" if summed else "a sum-reduction loss (e.g. reduction='sum')")
+                + f"{unweighted}. Each rank's loss sums its own rows, and "
+                f"{averager} divides the sum of the ranks' gradients by the {size}, {world_size}, "
+                "so every rank gets 1/world_size of the full-batch sum that one device computes. "
+                "Use a mean loss (reduction='mean'); or keep the sum and multiply each rank's "
+                "loss by world_size (loss * ctx.world_size in a step); DataParallel, which sums "
+                "its replicas' gradients, gives the single-device gradient for the same sum loss"
+            )
+        if not summed:
+            causes.append(
+                f"(1/{world_size}, one over the {size}): the gradients were divided by the "
+                f"{size} twice, e.g. a mean loss divided by world_size (or a hand-written "
+                f"average) on top of {averager}, which already averages over ranks"
+            )
+    if world_size > 1 and micro_batches > 1 and near(1.0 / (world_size * micro_batches)) and reduction != "mean":
+        causes.append(
+            f"(1/{world_size * micro_batches} = 1/(micro-batches * {size})): "
+            f"a sum-reduction loss with each micro-batch's loss weighted by its share "
+            f"(1/{micro_batches}, the recipe for a mean loss): each rank's gradient is "
+            f"1/{micro_batches} of the sum over its rows, and {averager} divides by the {size}, "
+            f"{world_size}. Use a mean loss; or keep the sum, add the micro-batch losses up "
+            "unweighted and multiply them by world_size"
+        )
+    return causes
 
 
 Msg = str | Callable[[str], str] | None

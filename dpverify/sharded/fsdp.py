@@ -5,7 +5,7 @@ of its own). Every rank shards a fresh copy of the module with ``fully_shard`` o
 mesh ``("dp",)`` of all ranks (``dpverify.sharded.mesh``), runs the step on its contiguous
 shard of the batch, and returns the full gradients (``DTensor.full_tensor()``), its outputs,
 and how it held each parameter. The parent compares them with the single-device full-batch
-step exactly as the DDP checks do (``DDPCheck``, ``DDPReferences``: float64-anchored
+step exactly as every ranked check does (``RankedCheck``, ``References``: float64-anchored
 tolerance, a second look for rounding), and fails a step that did not really shard.
 
 FSDP2 reduce-scatters the gradients and divides them by the world size, as DDP's
@@ -18,50 +18,55 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar, Unpack
 
 import torch
 from torch import nn
 
 from dpverify.checks.dp import raise_unless_ok
 from dpverify.core.comparison import (
-    Msg,
     StepComparison,
     TensorComparison,
-    Tolerance,
+    TensorId,
     compare_tensors,
 )
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.step import (
     StepResult,
-    batch_size_of,
     convert_tensors,
     default_dtype,
-    first_parameter_dtype,
 )
 from dpverify.core.tree import map_tensors
-from dpverify.core.validation import require_bool, require_int_at_least, require_module_with_grads
-from dpverify.ddp.checks import (
-    DDPCheck,
-    _describe_batches,
-    _items_notes,
-    _name,
-    _ranks_disagree,
-    _relative_gap,
-    _runner,
-    _same_up_to_rounding,
-    _scale_note,
-    _sendable,
-    _sum_loss_note,
-    _token_trap_note,
-    _train_single_device,
-    _training_rows,
-    validated_call,
-)
-from dpverify.ddp.items import PieceItems, count_piece_items
-from dpverify.ddp.pool import ParallelError, RankRunner, require_picklable
+from dpverify.core.validation import require_bool
+from dpverify.ddp.pool import ParallelError
 from dpverify.models.layouts import read_without_forward
-from dpverify.ranked.rank import LossFn, OptimizerFactory, even_shards
+from dpverify.ranked.check import (
+    CPU,
+    FSDP_RANKS,
+    Batch,
+    RankedCheck,
+    ShardUnit,
+    callable_name,
+    describe_batches,
+    grads_only,
+    require_step,
+    same_up_to_rounding,
+    sendable,
+    train_single_device,
+    training_batches,
+    training_rows,
+)
+from dpverify.ranked.items import PieceItems
+from dpverify.ranked.notes import (
+    items_notes,
+    ranks_disagree,
+    scale_note,
+    sum_loss_note,
+    token_trap_note,
+    trap_note,
+)
+from dpverify.ranked.options import ShardedKeywords, accepted, check_keywords, documented
+from dpverify.ranked.rank import LossFn, OptimizerFactory
 from dpverify.sharded.fsdp_rank import (
     MESH_DIM,
     FSDPContext,
@@ -90,31 +95,14 @@ __all__ = [
 FSDPStep = Any  # Callable[[FSDPContext], Any]; Any keeps partials and callables welcome
 
 
+class FSDPKeywords(ShardedKeywords, total=False):
+    """The optional keywords of the FSDP2 helpers (each takes those its docstring lists)."""
+
+    shard_modules: Sequence[str] | None
+    reshard_after_forward: bool
+
+
 # --------------------------------------------------------------------------- validation
-
-
-def _fsdp_shards(shards: Sequence[int] | None, batch_size: int, world_size: int) -> tuple[int, ...]:
-    """Rows per rank. Unlike DDP's check, a rank may get 0 rows: FSDP2 accepts it (the
-    rank still joins every all-gather and reduce-scatter, and contributes a zero gradient),
-    and with the weighted step (weight 0) the result is still the full-batch gradient."""
-    if shards is None:
-        return even_shards(batch_size, world_size)
-    if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence):
-        raise InvalidArgument(f"shards={shards!r}: pass one row count per rank, e.g. [3, 2]")
-    sizes = tuple(shards)
-    if len(sizes) != world_size:
-        raise InvalidArgument(
-            f"shards={list(sizes)} has {len(sizes)} entries for world_size={world_size}; pass one row count per rank"
-        )
-    for size in sizes:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise InvalidArgument(f"shards={list(sizes)} contains {size!r}; every rank needs an int >= 0 rows")
-    if sum(sizes) != batch_size:
-        raise InvalidArgument(
-            f"shards={list(sizes)} sums to {sum(sizes)} but the batch has {batch_size} rows; "
-            "the shards must cover the batch exactly"
-        )
-    return sizes
 
 
 def _shard_modules(module: nn.Module, shard_modules: Sequence[str] | None) -> tuple[str, ...]:
@@ -187,14 +175,12 @@ def _default_units(module: nn.Module, prefix: str = "", outside: frozenset[int] 
     return names
 
 
-def _step(step: FSDPStep | None) -> None:
-    if step is not None:
-        _sendable(step, "step", "a top-level function step(ctx: FSDPContext)")
-
-
 @dataclass(frozen=True)
-class FSDPCheck(DDPCheck):
-    """A validated FSDP2 scenario: ``DDPCheck``'s, and where ``fully_shard`` applies."""
+class FSDPCheck(RankedCheck):
+    """A validated FSDP2 scenario: ``RankedCheck``'s, and where ``fully_shard`` applies.
+    Unlike DDP, a rank may get 0 rows: FSDP2 accepts it (the rank still joins every
+    all-gather and reduce-scatter, and contributes a zero gradient), and with the weighted
+    step (weight 0) the result is still the full-batch gradient."""
 
     shard_modules: tuple[str, ...] = ("",)
     reshard_after_forward: bool = True
@@ -221,66 +207,24 @@ class FSDPCheck(DDPCheck):
             return self
         return replace(self, dtype=coarsest, compute_dtype=coarsest)
 
-    @classmethod
-    def for_fsdp(
-        cls,
-        module: nn.Module,
-        inputs: Any,
-        target: Any,
-        *,
-        loss_fn: LossFn,
-        world_size: int,
-        shards: Sequence[int] | None = None,
-        pool: RankRunner | None = None,
-        rtol: float | None = None,
-        atol: float | None = None,
-        forward_kwargs: Mapping[str, Any] | None = None,
-        shard_modules: Sequence[str] | None = None,
-        reshard_after_forward: bool = True,
-    ) -> FSDPCheck:
-        """Validates every argument, in this process, before anything reaches the ranks."""
-        require_module_with_grads(module, why="fully_shard would have no gradient to reduce-scatter, and there is nothing to compare")
-        world = require_int_at_least(world_size, "world_size", 1)
-        args, kwargs, batch = validated_call(module, inputs, target, loss_fn, forward_kwargs)
-        return cls(
-            module=module,
-            args=args,
-            target=target,
-            loss_fn=loss_fn,
-            world_size=world,
-            shard_sizes=_fsdp_shards(shards, batch, world),
-            runner=_runner(pool, world),
-            tolerance=Tolerance(rtol=rtol, atol=atol),
-            dtype=first_parameter_dtype(module),
-            ddp_kwargs=(),
-            kwargs=kwargs,
-            shard_modules=_shard_modules(module, shard_modules),
-            reshard_after_forward=require_bool(reshard_after_forward, "reshard_after_forward"),
-        )
+    NO_GRAD: ClassVar[str] = "fully_shard would have no gradient to reduce-scatter, and there is nothing to compare"
+    UNIT: ClassVar[ShardUnit] = FSDP_RANKS
 
-    @property
-    def empty_ranks(self) -> bool:
-        return 0 in self.shard_sizes
+    @classmethod
+    def of(cls, module: nn.Module, inputs: Any, target: Any, loss_fn: LossFn, world_size: int, options: FSDPKeywords) -> FSDPCheck:
+        """The scenario of one call of an FSDP2 helper: its arguments and ``options``."""
+        return cls.create(
+            module, inputs, target, loss_fn=loss_fn, world_size=world_size, **check_keywords(options),
+            shard_modules=_shard_modules(module, options.get("shard_modules")),
+            reshard_after_forward=require_bool(options.get("reshard_after_forward", True), "reshard_after_forward"),
+        )
 
     def sharding(self) -> str:
         shown = [name if name else "(root)" for name in self.shard_modules]
         return f"FSDP2 fully_shard on {shown} modules, reshard_after_forward={self.reshard_after_forward}"
 
-    def describe(self, step: FSDPStep | None = None) -> str:
-        keywords = f" (keyword arguments {sorted(self.kwargs)})" if self.kwargs else ""
-        text = (
-            f"batch of {self.batch_size} rows{keywords} in contiguous shards {list(self.shard_sizes)} on "
-            f"{self.world_size} ranks ({self.runner.backend}), mesh ({MESH_DIM!r},); {self.sharding()}"
-        )
-        return text if step is None else f"{text}; step {_name(step)}"
-
-    def counted(self) -> PieceItems:
-        """What each rank's mean loss averages over; rows when some rank has none (the
-        token count of an empty shard tells nothing)."""
-        if self.empty_ranks:
-            rows = tuple((n,) for n in self.shard_sizes)
-            return PieceItems("rows", rows, rows)
-        return self.count_items(1, None)
+    def layout(self) -> str:
+        return f"{self.shards_text()}, mesh ({MESH_DIM!r},); {self.sharding()}"
 
     def fsdp_task(self, steps: Sequence[FSDPStep], items: PieceItems) -> FSDPStepTask:
         return FSDPStepTask(
@@ -353,36 +297,6 @@ def _sharding_findings(check: FSDPCheck, held: Sequence[tuple[Held, ...]], wrapp
     return failures, notes
 
 
-def _fsdp_trap_note(check: FSDPCheck, naive: Sequence[FSDPRankStep], reference: Any) -> str:
-    """The loss-averaging trap under FSDP2 (``_trap_note``'s facts in FSDP2's words): the
-    weights plain ``fsdp_step`` gives, the bias it had, and the exact recipe."""
-    sizes, batch, world = check.shard_sizes, check.batch_size, check.world_size
-    weights = ", ".join(f"1/{world * n}" if n else "0 (no rows)" for n in sizes)
-    factors = ", ".join(f"{n * world / batch:.4g}" for n in sizes)
-    text = (
-        f"Uneven shards {list(sizes)}: FSDP2's reduce-scatter averages the ranks' gradients (it divides "
-        f"their sum by the world size, {world}, as DDP does), so a per-rank mean loss gives each "
-        f"sample of rank r the weight 1/(world_size * n_r) = [{weights}] instead of 1/B = 1/{batch} "
-        "(the loss-averaging trap)."
-    )
-    losses = [step.loss for step in naive]
-    if all(loss is not None for loss in losses):
-        mean_of_means = sum(loss for loss in losses if loss is not None) / world
-        full = float(reference.loss)
-        text += (
-            f" With the plain step (fsdp_step) the ranks' mean losses average to {mean_of_means:.8g} "
-            f"against the full batch's {full:.8g} (bias {mean_of_means - full:+.3g}),"
-        )
-    else:
-        text += " With the plain step (fsdp_step)"
-    gap = _relative_gap(naive[0].grads, reference.grads)
-    return text + (
-        f" its gradients differ from the full-batch gradients by up to {gap:.3g} (relative). "
-        f"Exact for any shards: multiply each rank's mean loss by n_r * world_size / B = [{factors}] "
-        "(ctx.loss_weight; weighted_fsdp_step)."
-    )
-
-
 def _undivided_note(c: float | None, world: int) -> list[str]:
     if c is None or world < 2 or abs(c - world) > 1e-3 * world:
         return []
@@ -396,22 +310,9 @@ def _undivided_note(c: float | None, world: int) -> list[str]:
 # --------------------------------------------------------------------------- gradients
 
 
+@documented
 def assert_fsdp_grads_match(
-    module: nn.Module,
-    inputs: Any,
-    target: Any,
-    *,
-    loss_fn: LossFn,
-    world_size: int,
-    shards: Sequence[int] | None = None,
-    step: FSDPStep | None = None,
-    pool: RankRunner | None = None,
-    shard_modules: Sequence[str] | None = None,
-    reshard_after_forward: bool = True,
-    rtol: float | None = None,
-    atol: float | None = None,
-    msg: Msg = None,
-    forward_kwargs: Mapping[str, Any] | None = None,
+    module: nn.Module, inputs: Any, target: Any, *, loss_fn: LossFn, world_size: int, **options: Unpack[FSDPKeywords],
 ) -> StepComparison:
     """Asserts one FSDP2 (``fully_shard``) step gives every rank the full-batch gradient.
 
@@ -446,15 +347,11 @@ def assert_fsdp_grads_match(
         step: the per-rank step to verify, ``step(ctx: FSDPContext)``, picklable; it must shard
             with ``ctx.fsdp()``. Default ``fsdp_step``, or ``weighted_fsdp_step`` when the ranks
             hold different numbers of items.
-        pool: the ranks to use (default: the shared pool of ``world_size`` ranks).
         shard_modules: qualified names of the submodules to ``fully_shard`` (the root always
             follows). Default: every direct child that holds a parameter.
         reshard_after_forward: passed to ``fully_shard``: free the unsharded parameters after
             forward (all-gather them again in backward), or keep them.
-        rtol: explicit relative tolerance (with ``atol``) instead of the anchored rule.
-        atol: explicit absolute tolerance (with ``rtol``).
-        msg: replaces the failure message, or a callable that rewrites it.
-        forward_kwargs: keyword forward arguments, sharded along dim 0 like ``inputs``.
+        <shared: pool, rtol, atol, msg, forward_kwargs>
 
     Returns:
         The comparison (``str()`` summarises it).
@@ -466,13 +363,11 @@ def assert_fsdp_grads_match(
             submodule, an unpicklable loss or step), or the module has no trainable parameter.
     """
     __tracebackhide__ = True
-    check = FSDPCheck.for_fsdp(
-        module, inputs, target, loss_fn=loss_fn, world_size=world_size, shards=shards, pool=pool,
-        rtol=rtol, atol=atol, forward_kwargs=forward_kwargs, shard_modules=shard_modules,
-        reshard_after_forward=reshard_after_forward,
-    )
-    _step(step)
-    counted = check.counted()
+    accepted(assert_fsdp_grads_match, options, FSDPKeywords)
+    check = FSDPCheck.of(module, inputs, target, loss_fn, world_size, options)
+    step = options.get("step")
+    require_step(step, "FSDPContext")
+    counted = check.count_items()
     trap = counted.unequal_ranks
     chosen: FSDPStep = step or (weighted_fsdp_step if trap else fsdp_step)
     steps = [chosen, fsdp_step] if trap else [chosen]
@@ -482,9 +377,9 @@ def assert_fsdp_grads_match(
     check = check.in_compute_dtype(verified)
     refs = check.references(items=counted if counted.by_tokens else None)
     expected, anchor = refs.expected, refs.anchor
-    rows = [row for r, s in enumerate(verified) for row in check.rows(f"rank {r} ", s, refs, r)]
+    rows = check.rank_rows(verified, refs)
     ok = all(row.ok for row in rows)
-    notes: list[str] = _items_notes(counted, trap)
+    notes: list[str] = items_notes(counted, trap)
     contrasts: list[TensorComparison] = []
     reduction = None if ok else check.loss_reduction(counted)
     if trap:
@@ -495,16 +390,17 @@ def assert_fsdp_grads_match(
                 notes.append(
                     "FSDP2's reduce-scatter averages the ranks' gradients as DDP's all-reduce does, so DDP's "
                     "token trap holds here, with fsdp_step for ddp_step and weighted_fsdp_step for "
-                    "weighted_ddp_step: " + _token_trap_note(check, counted, naive, reference)
+                    "weighted_ddp_step: " + token_trap_note(check, counted, naive, reference)
                 )
             else:
-                notes.append(_fsdp_trap_note(check, naive, reference))
+                averages = (
+                    "FSDP2's reduce-scatter averages the ranks' gradients (it divides their sum by the world size, "
+                    f"{check.world_size}, as DDP does)"
+                )
+                notes.append(trap_note(check, naive, reference, averages=averages, plain="fsdp_step", weighted="weighted_fsdp_step"))
         if step is None:
-            contrasts = [
-                c for r, s in enumerate(naive) for c in check.rows(f"rank {r} plain fsdp_step ", s, refs, r, contrast=True)
-                if c.name.startswith(f"rank {r} plain fsdp_step grad")
-            ]
-        elif not ok and reduction != "sum" and _same_up_to_rounding(verified[0].grads, naive[0].grads):
+            contrasts = grads_only(check.rank_rows(naive, refs, variant="plain fsdp_step", contrast=True))
+        elif not ok and reduction != "sum" and same_up_to_rounding(verified[0].grads, naive[0].grads):
             notes.append(
                 "The step's gradients equal the plain per-rank mean-loss step's (fsdp_step): it falls into "
                 "the loss-averaging trap. Multiply the rank's loss by ctx.loss_weight (weighted_fsdp_step)."
@@ -519,13 +415,13 @@ def assert_fsdp_grads_match(
         )
     scale = None
     if not ok:
-        more, scale = _scale_note(
+        more, scale = scale_note(
             verified, expected, check.world_size, shard_sizes=check.shard_sizes, reduction=reduction,
             averager="FSDP2's reduce-scatter",
         )
-        notes += more + _undivided_note(scale, check.world_size) + _ranks_disagree(verified)
+        notes += more + _undivided_note(scale, check.world_size) + ranks_disagree(verified)
     outcome = check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, failures=failures, scale=scale)
-    return raise_unless_ok(outcome, msg)
+    return raise_unless_ok(outcome, options.get("msg"))
 
 
 # --------------------------------------------------------------------------- training
@@ -591,21 +487,14 @@ class _MixedReference:
                 cast_output = _cast_to(output_dtype)
                 sub.register_forward_hook(lambda _m, _args, output, cast=cast_output: cast(output))
 
-    def grads(self, params: Mapping[str, torch.Tensor], batch: tuple[tuple[Any, ...], Mapping[str, Any], Any]) -> dict[str, torch.Tensor | None]:
+    def grads(self, params: Mapping[str, torch.Tensor], batch: Batch) -> dict[str, torch.Tensor | None]:
         """The gradients of the full batch at ``params``, each in the coarser of its compute
         dtype and its reduction's (its rounding is what a correct step may carry)."""
-        inputs, kwargs, target = batch
         compute = {
             name: p.detach().to(self.dtypes.get(name) or p.dtype).requires_grad_(p.requires_grad) for name, p in params.items()
         }
-        cpu = torch.device("cpu")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            output = torch.func.functional_call(
-                self.model, compute, convert_tensors(inputs, None, cpu), convert_tensors(dict(kwargs), None, cpu),
-            )
-            self.loss_fn(output, convert_tensors(target, None, cpu)).backward()
-        return {name: _coarser(tensor.grad, self.reduce.get(name)) for name, tensor in compute.items()}
+        grads = _grads_at(self.model, self.loss_fn, compute, batch, None)
+        return {name: _coarser(grad, self.reduce.get(name)) for name, grad in grads.items()}
 
 
 def _coarser(grad: torch.Tensor | None, reduce: torch.dtype | None) -> torch.Tensor | None:
@@ -616,25 +505,22 @@ def _coarser(grad: torch.Tensor | None, reduce: torch.dtype | None) -> torch.Ten
     return grad.to(reduce)
 
 
-def _float64_grads(
-    model: nn.Module, loss_fn: LossFn, params: Mapping[str, torch.Tensor], batch: tuple[tuple[Any, ...], Mapping[str, Any], Any],
+def _grads_at(
+    model: nn.Module, loss_fn: LossFn, leaves: Mapping[str, torch.Tensor], batch: Batch, dtype: torch.dtype | None,
 ) -> dict[str, torch.Tensor | None]:
-    """The float64 gradients of the full batch at ``params`` (``model`` in float64)."""
+    """The gradients of the full batch (its tensors cast to ``dtype``; None: as they are)
+    with ``leaves`` for ``model``'s parameters."""
     inputs, kwargs, target = batch
-    leaves = {name: p.detach().to(torch.float64).requires_grad_(p.requires_grad) for name, p in params.items()}
-    cpu = torch.device("cpu")
-    with torch.random.fork_rng(devices=[]), default_dtype(torch.float64):
+    with torch.random.fork_rng(devices=[]), default_dtype(dtype):
         torch.manual_seed(0)
-        output = torch.func.functional_call(
-            model, leaves, convert_tensors(inputs, torch.float64, cpu), convert_tensors(dict(kwargs), torch.float64, cpu),
-        )
-        loss_fn(output, convert_tensors(target, torch.float64, cpu)).backward()
+        output = torch.func.functional_call(model, dict(leaves), convert_tensors(inputs, dtype, CPU), convert_tensors(dict(kwargs), dtype, CPU))
+        loss_fn(output, convert_tensors(target, dtype, CPU)).backward()
     return {name: tensor.grad for name, tensor in leaves.items()}
 
 
 def _mixed_training_rows(
     check: FSDPCheck,
-    pairs: Sequence[tuple[tuple[Any, ...], Mapping[str, Any], Any]],
+    pairs: Sequence[Batch],
     optimizer: OptimizerFactory,
     precision: Precision,
     ranks: Sequence[FSDPRankTraining],
@@ -664,9 +550,12 @@ def _mixed_training_rows(
     rows: list[TensorComparison] = []
     for index, batch in enumerate(pairs):
         expected = mixed.grads(master, batch)
-        anchor = _float64_grads(model64, check.loss_fn, master64, batch)
+        leaves = {name: p.detach().to(torch.float64).requires_grad_(p.requires_grad) for name, p in master64.items()}
+        anchor = _grads_at(model64, check.loss_fn, leaves, batch, torch.float64)
         rows = [
-            compare_tensors(f"rank {r} step {index + 1} grad {name!r}", rank.step_grads[index].get(name), value, anchor[name], check.tolerance)
+            compare_tensors(
+                TensorId("grad", name, rank=r, variant=f"step {index + 1}"), rank.step_grads[index].get(name), value, anchor[name], check.tolerance,
+            )
             for r, rank in enumerate(ranks)
             for name, value in expected.items()
             if value is not None or rank.step_grads[index].get(name) is not None
@@ -680,8 +569,8 @@ def _mixed_training_rows(
         opt64.step()
         rows += [
             compare_tensors(
-                f"rank {r} step {index + 1} param {name!r}", rank.params[index].get(name), value.detach(), master64[name].detach(),
-                check.tolerance,
+                TensorId("param", name, rank=r, variant=f"step {index + 1}"), rank.params[index].get(name), value.detach(),
+                master64[name].detach(), check.tolerance,
             )
             for r, rank in enumerate(ranks)
             for name, value in master.items()
@@ -734,20 +623,8 @@ def _mixed_precision_note(precision: Precision, ranks: Sequence[FSDPRankTraining
 
 
 def assert_fsdp_training_matches(
-    module: nn.Module,
-    batches: Sequence[tuple[Any, ...]],
-    *,
-    loss_fn: LossFn,
-    optimizer: OptimizerFactory,
-    world_size: int,
-    shards: Sequence[int] | None = None,
-    step: FSDPStep | None = None,
-    pool: RankRunner | None = None,
-    shard_modules: Sequence[str] | None = None,
-    reshard_after_forward: bool = True,
-    rtol: float | None = None,
-    atol: float | None = None,
-    msg: Msg = None,
+    module: nn.Module, batches: Sequence[tuple[Any, ...]], *, loss_fn: LossFn, optimizer: OptimizerFactory, world_size: int,
+    **options: Unpack[FSDPKeywords],
 ) -> StepComparison:
     """Asserts ``len(batches)`` optimizer steps of FSDP2 training match one device.
 
@@ -791,33 +668,24 @@ def assert_fsdp_training_matches(
             later step is told to shard once).
     """
     __tracebackhide__ = True
-    pairs = _describe_batches(batches, {})
+    accepted(assert_fsdp_training_matches, options, FSDPKeywords, without=("forward_kwargs",))
+    pairs = describe_batches(batches, {})
     first_inputs, first_kwargs, first_target = pairs[0]
-    check = FSDPCheck.for_fsdp(
-        module, first_inputs, first_target, loss_fn=loss_fn, world_size=world_size, shards=shards, pool=pool,
-        rtol=rtol, atol=atol, forward_kwargs=first_kwargs, shard_modules=shard_modules,
-        reshard_after_forward=reshard_after_forward,
-    )
-    _sendable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
-    _step(step)
-    sizes = tuple(
-        _fsdp_shards(shards, batch_size_of(inputs, argument=f"batches[{i}] inputs", kwargs=kwargs), check.world_size)
-        for i, (inputs, kwargs, _t) in enumerate(pairs)
-    )
-    counted = [
-        count_piece_items(module, inputs, kwargs, target, loss_fn, shard_sizes, 1, None)
-        if 0 not in shard_sizes else PieceItems("rows", tuple((n,) for n in shard_sizes), tuple((n,) for n in shard_sizes))
-        for (inputs, kwargs, target), shard_sizes in zip(pairs, sizes, strict=True)
-    ]
-    uneven = any(c.unequal_ranks for c in counted)
+    first = options.copy()
+    first["forward_kwargs"] = first_kwargs
+    check = FSDPCheck.of(module, first_inputs, first_target, loss_fn, world_size, first)
+    sendable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
+    step = options.get("step")
+    require_step(step, "FSDPContext")
+    training = training_batches(check, pairs, options.get("shards"))
+    counted, uneven = training.counted, training.uneven
     chosen: FSDPStep = step or (weighted_fsdp_step if uneven else fsdp_step)
-    require_picklable(pairs, "batches")
     task = FSDPTrainingTask(
-        check.module, tuple(pairs), check.loss_fn, optimizer, sizes, chosen, check.shard_modules,
+        check.module, training.pairs, check.loss_fn, optimizer, training.sizes, chosen, check.shard_modules,
         check.reshard_after_forward, item_kinds=tuple(c.kind for c in counted),
         item_counts=tuple(c.per_rank if c.by_tokens else () for c in counted) if any(c.by_tokens for c in counted) else (),
     )
-    title = f"{len(pairs)} steps of FSDP2 training with {_name(optimizer)} must match single-device training"
+    title = f"{len(pairs)} steps of FSDP2 training with {callable_name(optimizer)} must match single-device training"
     try:
         ranks: tuple[FSDPRankTraining, ...] = check.send(run_fsdp_training_task, task, title)
     except ParallelError as error:
@@ -833,9 +701,9 @@ def assert_fsdp_training_matches(
     if stepwise:
         rows, failing_step = _mixed_training_rows(check, pairs, optimizer, precision, ranks)
     else:
-        expected, _unused = _train_single_device(module, pairs, loss_fn, optimizer, None)
-        anchor = None if check.tolerance.explicit else _train_single_device(module, pairs, loss_fn, optimizer, torch.float64)[0]
-        rows, failing_step = _training_rows(check, ranks, expected, anchor)
+        expected, _unused = train_single_device(module, pairs, loss_fn, optimizer, None)
+        anchor = None if check.tolerance.explicit else train_single_device(module, pairs, loss_fn, optimizer, torch.float64)[0]
+        rows, failing_step = training_rows(check, ranks, expected, anchor)
     notes = [f"Parameters compared after each of the {len(pairs)} optimizer steps; the table shows step {failing_step + 1}."]
     if uneven and step is None:
         notes.append("Some batches split unevenly: each rank's loss was weighted by its share of the items, n_r * world_size / B (weighted_fsdp_step).")
@@ -851,6 +719,6 @@ def assert_fsdp_training_matches(
             "full-precision training, within those tolerances."
         )
     if not all(row.ok for row in rows) and check.loss_reduction(counted[0]) == "sum":
-        notes.append(_sum_loss_note(check.world_size))
+        notes.append(sum_loss_note(check.world_size))
     outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures)
-    return raise_unless_ok(outcome, msg)
+    return raise_unless_ok(outcome, options.get("msg"))

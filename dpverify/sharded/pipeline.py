@@ -5,7 +5,7 @@ rank, runs one step of a pipeline schedule (``ScheduleGPipe``, ``Schedule1F1B``,
 ``PipelineScheduleSingle`` subclass) on the pooled ranks of ``dpverify.ddp.pool``, and
 compares every stage's gradients, the last stage's output and the schedule's losses with
 the single-device full-batch step, through the same float64-anchored comparison and second
-look for rounding as the DDP checks (``DDPReferences``). The ranks report what they ran
+look for rounding as the DDP checks (``References``). The ranks report what they ran
 (``pipeline_rank.PipelineRankStep``): a stage that skipped a microbatch, or a parameter no
 stage or two stages held, fails the check whatever the gradients say.
 """
@@ -15,9 +15,9 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Unpack
 
 import torch
 from torch import nn
@@ -26,10 +26,9 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from dpverify.checks.dp import raise_unless_ok, require_loss_fn
 from dpverify.core.comparison import (
-    Msg,
     StepComparison,
     TensorComparison,
-    Tolerance,
+    TensorId,
     compare_tensors,
     uniform_scale,
 )
@@ -40,14 +39,13 @@ from dpverify.core.step import (
     as_inputs,
     batch_size_of,
     convert_tensors,
-    first_parameter_dtype,
     flatten_tensors,
     parameter_sites,
 )
 from dpverify.core.validation import require_bool, require_int_at_least, require_module_with_grads
-from dpverify.ddp.checks import DDPCheck, DDPReferences, _name, _runner
-from dpverify.ddp.pool import RankRunner, require_picklable
-from dpverify.ddp.rank import Step
+from dpverify.ddp.pool import require_picklable
+from dpverify.ranked.check import RankedCheck, References, ShardUnit, callable_name
+from dpverify.ranked.options import RankedKeywords, accepted, documented
 from dpverify.ranked.rank import LossFn, even_shards, shard_bounds, take_rows
 from dpverify.sharded.pipeline_rank import PipelineRankStep, PipelineTask, run_pipeline_task
 
@@ -270,14 +268,22 @@ def _aliases(module: nn.Module) -> dict[str, str]:
 # --------------------------------------------------------------------------- the check
 
 
+class PipelineKeywords(RankedKeywords, total=False):
+    """The optional keywords of the pipeline helper (``pipeline_check`` takes them but ``msg``)."""
+
+    split_points: Sequence[int | str] | None
+    schedule: str | type[PipelineScheduleSingle]
+    scale_grads: bool
+
+
 @dataclass(frozen=True)
-class PipelineCheck(DDPCheck):
+class PipelineCheck(RankedCheck):
     """A validated pipeline scenario.
 
-    It is a ``DDPCheck`` whose ``shard_sizes`` are the microbatches' rows: a schedule adds
+    It is a ``RankedCheck`` whose ``shard_sizes`` are the microbatches' rows: a schedule adds
     up its microbatches' gradients (divided by their number, with ``scale_grads``) as DDP
     averages its shards', so ``references()`` and the second look for rounding of
-    ``DDPReferences`` (the terms summed into each gradient, one per microbatch) apply as
+    ``References`` (the terms summed into each gradient, one per microbatch) apply as
     they are, and ``loss_reduction()`` tells a sum loss from a mean one on the microbatches.
     """
 
@@ -286,14 +292,21 @@ class PipelineCheck(DDPCheck):
     n_microbatches: int = 1
     scale_grads: bool = True
 
-    def describe(self, step: Step | None = None) -> str:
+    NO_GRAD: ClassVar[str] = "there is no gradient for a pipeline stage to compare"
+    UNIT: ClassVar[ShardUnit] = ShardUnit("microbatch", "n_microbatches", why="")
+
+    @classmethod
+    def shard_parts(cls, world_size: int, fields: Mapping[str, Any]) -> int:
+        return int(fields["n_microbatches"])
+
+    def describe(self, step: Any = None) -> str:
         stages = "; ".join(f"stage {s} children {list(names)}" for s, names in enumerate(self.stages))
         return (
             f"batch of {self.batch_size} rows in {self.n_microbatches} microbatches of "
             f"{list(self.shard_sizes)} rows; {len(self.stages)} pipeline stages on "
             f"{self.world_size} ranks ({self.runner.backend}): {stages}; "
             f"{self.schedule.__name__}(n_microbatches={self.n_microbatches}, "
-            f"scale_grads={self.scale_grads}), loss_fn {_name(self.loss_fn)}"
+            f"scale_grads={self.scale_grads}), loss_fn {callable_name(self.loss_fn)}"
         )
 
     def task(self) -> PipelineTask:
@@ -315,19 +328,8 @@ class PipelineCheck(DDPCheck):
 
 
 def pipeline_check(
-    module: nn.Module,
-    inputs: Any,
-    target: Any,
-    *,
-    loss_fn: LossFn,
-    world_size: int,
-    n_microbatches: int,
-    split_points: Sequence[int | str] | None = None,
-    schedule: str | type[PipelineScheduleSingle] = "gpipe",
-    scale_grads: bool = True,
-    pool: RankRunner | None = None,
-    rtol: float | None = None,
-    atol: float | None = None,
+    module: nn.Module, inputs: Any, target: Any, *, loss_fn: LossFn, world_size: int, n_microbatches: int,
+    **options: Unpack[PipelineKeywords],
 ) -> PipelineCheck:
     """The validated scenario of ``assert_pipeline_grads_match`` (same arguments): its
     ``task()`` is what the ranks run (``run_pipeline_task``), for a caller that wants the
@@ -336,7 +338,8 @@ def pipeline_check(
     Raises:
         InvalidArgument: an argument cannot be used.
     """
-    require_module_with_grads(module, why="there is no gradient for a pipeline stage to compare")
+    accepted(pipeline_check, options, PipelineKeywords, without=("msg",))
+    require_module_with_grads(module, why=PipelineCheck.NO_GRAD)
     if isinstance(world_size, int) and not isinstance(world_size, bool) and world_size == 1:
         raise InvalidArgument(
             "world_size=1: one stage is not a pipeline (nothing is sent between ranks); pass "
@@ -345,8 +348,8 @@ def pipeline_check(
         )
     world = require_int_at_least(world_size, "world_size", 2)
     microbatches = require_int_at_least(n_microbatches, "n_microbatches", 1)
-    scale = require_bool(scale_grads, "scale_grads")
-    chosen = _schedule(schedule)
+    scale = require_bool(options.get("scale_grads", True), "scale_grads")
+    chosen = _schedule(options.get("schedule", "gpipe"))
     if issubclass(chosen, Schedule1F1B) and microbatches < world:
         raise InvalidArgument(
             f"n_microbatches={microbatches} is fewer than the {world} stages; "
@@ -358,34 +361,19 @@ def pipeline_check(
     args = as_inputs(inputs)
     batch = _tensor_batch(args, target)
     sizes = _microbatches(batch, microbatches)
-    stages = stage_children(module, world, split_points)
-    require_picklable(module, "module")
-    require_picklable(args, "inputs")
-    require_picklable(target, "target")
+    stages = stage_children(module, world, options.get("split_points"))
     _require_chain(module, args, stages)
-    return PipelineCheck(
-        module=module, args=args, target=target, loss_fn=loss_fn, world_size=world,
-        shard_sizes=sizes, runner=_runner(pool, world), tolerance=Tolerance(rtol=rtol, atol=atol),
-        dtype=first_parameter_dtype(module), ddp_kwargs=(), stages=stages, schedule=chosen,
-        n_microbatches=microbatches, scale_grads=scale,
+    return PipelineCheck.create(
+        module, args, target, loss_fn=loss_fn, world_size=world, shards=sizes, pool=options.get("pool"),
+        rtol=options.get("rtol"), atol=options.get("atol"), stages=stages, schedule=chosen, n_microbatches=microbatches,
+        scale_grads=scale,
     )
 
 
+@documented
 def assert_pipeline_grads_match(
-    module: nn.Module,
-    inputs: Any,
-    target: Any,
-    *,
-    loss_fn: LossFn,
-    world_size: int,
-    n_microbatches: int,
-    split_points: Sequence[int | str] | None = None,
-    schedule: str | type[PipelineScheduleSingle] = "gpipe",
-    scale_grads: bool = True,
-    pool: RankRunner | None = None,
-    rtol: float | None = None,
-    atol: float | None = None,
-    msg: Msg = None,
+    module: nn.Module, inputs: Any, target: Any, *, loss_fn: LossFn, world_size: int, n_microbatches: int,
+    **options: Unpack[PipelineKeywords],
 ) -> StepComparison:
     """Asserts one pipeline-parallel step gives every stage the full-batch gradient.
 
@@ -435,10 +423,7 @@ def assert_pipeline_grads_match(
         schedule: ``"gpipe"`` (``ScheduleGPipe``), ``"1f1b"`` (``Schedule1F1B``), or a
             ``PipelineScheduleSingle`` subclass (top-level, picklable).
         scale_grads: passed to the schedule.
-        pool: the ranks to use (default: the shared pool of ``world_size`` ranks).
-        rtol: explicit relative tolerance (with ``atol``) instead of the anchored rule.
-        atol: explicit absolute tolerance (with ``rtol``).
-        msg: replaces the failure message, or a callable that rewrites it.
+        <shared: pool, rtol, atol, msg>
 
     Returns:
         The comparison (``str()`` summarises it; its notes hold what each stage ran).
@@ -450,10 +435,10 @@ def assert_pipeline_grads_match(
         InvalidArgument: an argument cannot be used (see above).
     """
     __tracebackhide__ = True
-    check = pipeline_check(
-        module, inputs, target, loss_fn=loss_fn, world_size=world_size, n_microbatches=n_microbatches,
-        split_points=split_points, schedule=schedule, scale_grads=scale_grads, pool=pool, rtol=rtol, atol=atol,
-    )
+    accepted(assert_pipeline_grads_match, options, PipelineKeywords)
+    scenario = options.copy()
+    msg = scenario.pop("msg", None)
+    check = pipeline_check(module, inputs, target, loss_fn=loss_fn, world_size=world_size, n_microbatches=n_microbatches, **scenario)
     title = "Pipeline-parallel gradients must match the single-device full-batch gradient on every stage"
     ranks: tuple[PipelineRankStep, ...] = check.send(run_pipeline_task, check.task(), title)
     refs = check.references()
@@ -482,23 +467,23 @@ def _grads_by_name(ranks: Sequence[PipelineRankStep], aliases: dict[str, str]) -
     return grads
 
 
-def _grad_rows(check: PipelineCheck, ranks: Sequence[PipelineRankStep], refs: DDPReferences, aliases: dict[str, str]) -> list[TensorComparison]:
+def _grad_rows(check: PipelineCheck, ranks: Sequence[PipelineRankStep], refs: References, aliases: dict[str, str]) -> list[TensorComparison]:
     rows = []
     for r, rank in enumerate(ranks):
         for local, grad in rank.grads.items():
             name = aliases.get(local, local)
             if name in refs.expected.grads:
-                rows.append(refs.compare(f"stage {r} grad {name!r}", grad, Key.grad(name), name))
+                rows.append(refs.compare(TensorId("grad", name, variant=f"stage {r}"), grad, Key.grad(name)))
     return rows
 
 
 
 
-def _output_rows(check: PipelineCheck, last: PipelineRankStep, refs: DDPReferences) -> list[TensorComparison]:
+def _output_rows(check: PipelineCheck, last: PipelineRankStep, refs: References) -> list[TensorComparison]:
     mine = dict(last.outputs)
     stage = len(check.stages) - 1
     return [
-        refs.compare(f"stage {stage} {path}", mine.get(path), Key.output(path))
+        refs.compare(TensorId(path, variant=f"stage {stage}"), mine.get(path), Key.output(path))
         for path, _tensor in refs.expected.outputs
     ]
 
@@ -513,7 +498,7 @@ def _microbatch_losses(check: PipelineCheck, step: StepResult, dtype: torch.dtyp
         ]
 
 
-def _loss_rows(check: PipelineCheck, last: PipelineRankStep, refs: DDPReferences) -> list[TensorComparison]:
+def _loss_rows(check: PipelineCheck, last: PipelineRankStep, refs: References) -> list[TensorComparison]:
     """The schedule's combined loss against the full-batch loss, and each microbatch's."""
     if len(last.losses) != check.n_microbatches:
         return []  # the evidence fails the check, and says why
@@ -521,7 +506,7 @@ def _loss_rows(check: PipelineCheck, last: PipelineRankStep, refs: DDPReferences
     anchor = refs.anchor
     rows = [
         compare_tensors(
-            f"schedule loss ({check.combination} of {n} microbatch losses)",
+            TensorId("loss", variant="schedule", detail=f"({check.combination} of {n} microbatch losses)"),
             check.combined(last.losses), refs.expected.loss.detach(),
             anchor.loss.detach() if anchor is not None else None, check.tolerance,
         )
@@ -529,7 +514,7 @@ def _loss_rows(check: PipelineCheck, last: PipelineRankStep, refs: DDPReferences
     expected = _microbatch_losses(check, refs.expected, None)
     anchors = _microbatch_losses(check, anchor, torch.float64) if anchor is not None else [None] * n
     for index, ((start, stop), loss) in enumerate(zip(shard_bounds(check.shard_sizes), last.losses, strict=True)):
-        rows.append(compare_tensors(f"microbatch {index} loss [{start}:{stop}]", loss, expected[index], anchors[index], check.tolerance))
+        rows.append(compare_tensors(TensorId("loss", variant=f"microbatch {index}", detail=f"[{start}:{stop}]"), loss, expected[index], anchors[index], check.tolerance))
     return rows
 
 

@@ -6,7 +6,7 @@ dimension of a device mesh (``dpverify.sharded.mesh``), with FSDP2 over a ``"dp"
 when ``data_parallel`` > 1, runs the step, and returns its output made whole, its loss, the
 full gradients (``DTensor.full_tensor()``), how it held every parameter, and the layouts its
 modules' inputs and outputs had (forward hooks). The parent compares the tensors with the
-single-device full-batch step as the DDP checks do (``DDPCheck``, ``DDPReferences``:
+single-device full-batch step as every ranked check does (``RankedCheck``, ``References``:
 float64-anchored tolerance, a second look for rounding), fails a step that sharded nothing,
 and explains a plan whose layouts do not compose (or whose output stays a local shard) from
 the recorded layouts rather than from torch's traceback.
@@ -17,8 +17,8 @@ from __future__ import annotations
 import functools
 import pickle
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Unpack
 
 import torch
 from torch import nn
@@ -27,32 +27,27 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from dpverify.checks.dp import raise_unless_ok
 from dpverify.core.comparison import (
-    Msg,
     StepComparison,
     TensorComparison,
-    Tolerance,
-    step_comparison,
+    TensorId,
 )
 from dpverify.core.errors import InvalidArgument
-from dpverify.core.step import StepResult, first_parameter_dtype
+from dpverify.core.step import StepResult
 from dpverify.core.validation import require_int_at_least, require_module_with_grads
-from dpverify.ddp.checks import (
-    DDPCheck,
-    DDPReferences,
-    _items_notes,
-    _name,
-    _optional,
-    _relative_gap,
-    _runner,
-    _same_up_to_rounding,
-    _scale_note,
-    _sendable,
-    _token_trap_note,
-    validated_call,
+from dpverify.ranked.check import (
+    TP_GROUPS,
+    RankedCheck,
+    References,
+    ShardUnit,
+    grads_only,
+    optional,
+    require_step,
+    same_up_to_rounding,
 )
-from dpverify.ddp.items import PieceItems
-from dpverify.ddp.pool import RankRunner
-from dpverify.ranked.rank import LossFn, even_shards, shard_bounds, take_rows
+from dpverify.ranked.items import PieceItems
+from dpverify.ranked.notes import items_notes, scale_note, token_trap_note, trap_note
+from dpverify.ranked.options import ShardedKeywords, accepted, check_keywords, documented
+from dpverify.ranked.rank import LossFn, shard_bounds, take_rows
 from dpverify.sharded.fsdp import _default_units
 from dpverify.sharded.fsdp_rank import shard_order
 from dpverify.sharded.tensor_parallel_rank import (
@@ -81,6 +76,12 @@ __all__ = [
 ]
 
 TPStep = Any  # Callable[[TPContext], Any]; Any keeps partials and callables welcome
+
+
+class TPKeywords(ShardedKeywords, total=False):
+    """The optional keywords of the tensor-parallel helper."""
+
+    data_parallel: int
 
 
 # --------------------------------------------------------------------------- validation
@@ -138,36 +139,6 @@ def _plan(module: nn.Module, plan: Any) -> dict[str, ParallelStyle]:
     return checked
 
 
-def _dp_shards(shards: Sequence[int] | None, batch_size: int, data_parallel: int) -> tuple[int, ...]:
-    """Rows per data-parallel group (one entry with ``data_parallel=1``: the whole batch)."""
-    if shards is None:
-        if batch_size < data_parallel:
-            raise InvalidArgument(
-                f"the batch has {batch_size} rows for data_parallel={data_parallel} groups; every group needs a row "
-                "(a larger batch, or fewer data-parallel groups)"
-            )
-        return even_shards(batch_size, data_parallel)
-    if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence):
-        raise InvalidArgument(f"shards={shards!r}: pass one row count per data-parallel group, e.g. [3, 2]")
-    sizes = tuple(shards)
-    if len(sizes) != data_parallel:
-        raise InvalidArgument(
-            f"shards={list(sizes)} has {len(sizes)} entries for data_parallel={data_parallel}; pass one row count "
-            "per data-parallel group (each group's tensor-parallel ranks share its rows)"
-        )
-    for size in sizes:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise InvalidArgument(
-                f"shards={list(sizes)} contains {size!r}; every data-parallel group needs an int >= 1 rows"
-            )
-    if sum(sizes) != batch_size:
-        raise InvalidArgument(
-            f"shards={list(sizes)} sums to {sum(sizes)} but the batch has {batch_size} rows; the shards must "
-            "cover the batch exactly"
-        )
-    return sizes
-
-
 def _style_text(style: ParallelStyle) -> str:
     """A style as its constructor call, with the layouts that matter."""
     fields = []
@@ -181,56 +152,36 @@ def _style_text(style: ParallelStyle) -> str:
 
 
 @dataclass(frozen=True)
-class TPCheck(DDPCheck):
-    """A validated tensor-parallel scenario: ``DDPCheck``'s, with ``shard_sizes`` the rows of
+class TPCheck(RankedCheck):
+    """A validated tensor-parallel scenario: ``RankedCheck``'s, with ``shard_sizes`` the rows of
     each data-parallel group (one entry without data parallelism), and the plan."""
 
-    plan: Mapping[str, ParallelStyle] = None  # type: ignore[assignment]
+    plan: Mapping[str, ParallelStyle] = field(default_factory=dict)
     data_parallel: int = 1
     fsdp_modules: tuple[str, ...] = ()
 
+    UNIT: ClassVar[ShardUnit] = TP_GROUPS
+
     @classmethod
-    def for_tp(
-        cls,
-        module: nn.Module,
-        inputs: Any,
-        target: Any,
-        *,
-        loss_fn: LossFn,
-        world_size: int,
-        plan: Any,
-        data_parallel: int = 1,
-        shards: Sequence[int] | None = None,
-        pool: RankRunner | None = None,
-        rtol: float | None = None,
-        atol: float | None = None,
-        forward_kwargs: Mapping[str, Any] | None = None,
+    def shard_parts(cls, world_size: int, fields: Mapping[str, Any]) -> int:
+        return int(fields["data_parallel"])
+
+    @classmethod
+    def of(
+        cls, module: nn.Module, inputs: Any, target: Any, loss_fn: LossFn, world_size: int, plan: Any, options: TPKeywords,
     ) -> TPCheck:
-        """Validates every argument, in this process, before anything reaches the ranks."""
-        require_module_with_grads(module, why="there would be no gradient to compare")
+        """The scenario of one call of the tensor-parallel helper: its arguments and ``options``."""
+        require_module_with_grads(module, why=cls.NO_GRAD)
         world = require_int_at_least(world_size, "world_size", 1)
-        dp = require_int_at_least(data_parallel, "data_parallel", 1)
+        dp = require_int_at_least(options.get("data_parallel", 1), "data_parallel", 1)
         if world % dp:
             raise InvalidArgument(
                 f"world_size={world} is not divisible by data_parallel={dp}; the mesh is (data_parallel, "
                 f"world_size // data_parallel) = ('dp', 'tp'): pass a data_parallel that divides {world}"
             )
-        checked_plan = _plan(module, plan)
-        args, kwargs, batch = validated_call(module, inputs, target, loss_fn, forward_kwargs)
-        return cls(
-            module=module,
-            args=args,
-            target=target,
-            loss_fn=loss_fn,
-            world_size=world,
-            shard_sizes=_dp_shards(shards, batch, dp),
-            runner=_runner(pool, world),
-            tolerance=Tolerance(rtol=rtol, atol=atol),
-            dtype=first_parameter_dtype(module),
-            ddp_kwargs=(),
-            kwargs=kwargs,
-            plan=checked_plan,
-            data_parallel=dp,
+        return cls.create(
+            module, inputs, target, loss_fn=loss_fn, world_size=world, **check_keywords(options),
+            plan=_plan(module, plan), data_parallel=dp,
             fsdp_modules=shard_order([*_default_units(module), ""]) if dp > 1 else (),
         )
 
@@ -243,7 +194,7 @@ class TPCheck(DDPCheck):
             return f"a mesh ({self.data_parallel}, {self.tp_size}) named ({DP_DIM!r}, {TP_DIM!r})"
         return f"a mesh ({self.world_size},) named ({TP_DIM!r},)"
 
-    def describe(self, step: TPStep | None = None) -> str:
+    def layout(self) -> str:
         keywords = f" (keyword arguments {sorted(self.kwargs)})" if self.kwargs else ""
         plan = "{" + ", ".join(f"{key!r}: {_style_text(style)}" for key, style in self.plan.items()) + "}"
         if self.data_parallel > 1:
@@ -258,11 +209,7 @@ class TPCheck(DDPCheck):
                 f"batch of {self.batch_size} rows{keywords}, whole on each of {self.world_size} ranks "
                 f"({self.runner.backend}); parallelize_module plan {plan} on {self.mesh_text()}"
             )
-        return split if step is None else f"{split}; step {_name(step)}"
-
-    def counted(self) -> PieceItems:
-        """What each data-parallel group's mean loss averages over (rows, or tokens)."""
-        return self.count_items(1, None)
+        return split
 
     def tp_task(self, steps: Sequence[TPStep], items: PieceItems) -> TPStepTask:
         return TPStepTask(
@@ -280,16 +227,16 @@ class TPCheck(DDPCheck):
             item_counts=items.counts if items.by_tokens else (),
         )
 
-    def tp_rows(self, label: str, actual: TPRankStep, refs: DDPReferences) -> list[TensorComparison]:
-        """This rank's output (its group's rows of the full-batch output), its loss and its
-        gradients against the single-device step."""
-        rows = self.rows(label, actual, refs, actual.dp_rank)
+    def tp_rows(self, rank: int, actual: TPRankStep, refs: References, *, variant: str = "") -> list[TensorComparison]:
+        """Rank ``rank``'s output (its group's rows of the full-batch output), its loss and
+        its gradients against the single-device step."""
+        rows = self.rows(actual, refs, actual.dp_rank, rank=rank, variant=variant)
         if actual.loss is not None:
             start, stop = shard_bounds(self.shard_sizes)[actual.dp_rank]
             key = functools.partial(_group_loss, self, start, stop)
-            where = "" if self.data_parallel == 1 else f" (rows [{start}:{stop}])"
+            where = "" if self.data_parallel == 1 else f"(rows [{start}:{stop}])"
             loss = torch.tensor(actual.loss, dtype=refs.expected.loss.dtype)
-            rows.insert(0, refs.compare(f"{label}loss{where}", loss, key))
+            rows.insert(0, refs.compare(TensorId("loss", rank=rank, variant=variant, detail=where), loss, key))
         return rows
 
 
@@ -568,50 +515,13 @@ def _received_widths(steps: Sequence[TPRankStep], path: str, dp_rank: int) -> se
     return found
 
 
-def _tp_trap_note(check: TPCheck, naive: Sequence[TPRankStep], reference: StepResult) -> str:
-    """The loss-averaging trap over data-parallel groups (FSDP2 averages their gradients)."""
-    sizes, batch, d = check.shard_sizes, check.batch_size, check.data_parallel
-    weights = ", ".join(f"1/{d * n}" for n in sizes)
-    factors = ", ".join(f"{n * d / batch:.4g}" for n in sizes)
-    losses = {s.dp_rank: s.loss for s in naive}
-    text = (
-        f"Uneven data-parallel shards {list(sizes)}: FSDP2's reduce-scatter over {DP_DIM!r} averages the "
-        f"{d} groups' gradients, so a per-group mean loss gives each sample of group g the weight "
-        f"1/(data_parallel * n_g) = [{weights}] instead of 1/B = 1/{batch} (the loss-averaging trap)."
-    )
-    if all(losses.get(g) is not None for g in range(d)):
-        mean_of_means = sum(float(losses[g] or 0.0) for g in range(d)) / d
-        text += (
-            f" With the plain step (tp_step) the groups' mean losses average to {mean_of_means:.8g} against the "
-            f"full batch's {float(reference.loss):.8g} (bias {mean_of_means - float(reference.loss):+.3g}),"
-        )
-    gap = _relative_gap(naive[0].grads, reference.grads)
-    return text + (
-        f" its gradients differ from the full-batch gradients by up to {gap:.3g} (relative). Exact for any "
-        f"shards: multiply each group's mean loss by n_g * data_parallel / B = [{factors}] (ctx.loss_weight; "
-        "weighted_tp_step)."
-    )
-
-
 # --------------------------------------------------------------------------- the check
 
 
+@documented
 def assert_tensor_parallel_grads_match(
-    module: nn.Module,
-    inputs: Any,
-    target: Any,
-    *,
-    loss_fn: LossFn,
-    world_size: int,
-    plan: Mapping[str, ParallelStyle],
-    data_parallel: int = 1,
-    shards: Sequence[int] | None = None,
-    step: TPStep | None = None,
-    pool: RankRunner | None = None,
-    rtol: float | None = None,
-    atol: float | None = None,
-    msg: Msg = None,
-    forward_kwargs: Mapping[str, Any] | None = None,
+    module: nn.Module, inputs: Any, target: Any, *, loss_fn: LossFn, world_size: int, plan: Mapping[str, ParallelStyle],
+    **options: Unpack[TPKeywords],
 ) -> StepComparison:
     """Asserts one tensor-parallel step (``parallelize_module`` with ``plan``) gives every
     rank the single-device output, loss and gradients.
@@ -652,11 +562,7 @@ def assert_tensor_parallel_grads_match(
         step: the per-rank step, ``step(ctx: TPContext)``, picklable; it must apply the plan
             with ``ctx.parallelize()``. Default ``tp_step``, or ``weighted_tp_step`` when the
             data-parallel groups hold different numbers of items.
-        pool: the ranks to use (default: the shared pool of ``world_size`` ranks).
-        rtol: explicit relative tolerance (with ``atol``) instead of the anchored rule.
-        atol: explicit absolute tolerance (with ``rtol``).
-        msg: replaces the failure message, or a callable that rewrites it.
-        forward_kwargs: keyword forward arguments, sharded along dim 0 like ``inputs``.
+        <shared: pool, rtol, atol, msg, forward_kwargs>
 
     Returns:
         The comparison (``str()`` summarises it).
@@ -669,13 +575,11 @@ def assert_tensor_parallel_grads_match(
             value that is not a ParallelStyle, a world size that data_parallel does not divide).
     """
     __tracebackhide__ = True
-    check = TPCheck.for_tp(
-        module, inputs, target, loss_fn=loss_fn, world_size=world_size, plan=plan, data_parallel=data_parallel,
-        shards=shards, pool=pool, rtol=rtol, atol=atol, forward_kwargs=forward_kwargs,
-    )
-    if step is not None:
-        _sendable(step, "step", "a top-level function step(ctx: TPContext)")
-    counted = check.counted()
+    accepted(assert_tensor_parallel_grads_match, options, TPKeywords)
+    check = TPCheck.of(module, inputs, target, loss_fn, world_size, plan, options)
+    step, msg = options.get("step"), options.get("msg")
+    require_step(step, "TPContext")
+    counted = check.count_items()
     trap = counted.unequal_ranks
     chosen: TPStep = step or (weighted_tp_step if trap else tp_step)
     steps = [chosen, tp_step] if trap else [chosen]
@@ -683,18 +587,16 @@ def assert_tensor_parallel_grads_match(
     results: tuple[tuple[TPRankStep, ...], ...] = check.send(run_tp_step_task, check.tp_task(steps, counted), title)
     verified = [rank_steps[0] for rank_steps in results]
     if verified[0].failed_ranks:
-        one_device = _optional(lambda: check.reference(None))
+        one_device = optional(lambda: check.reference(None))
         local = _local_output_findings(check, verified, one_device) if one_device is not None else []
         failures = [*local, f"torch's message (rank {verified[0].failed_ranks[0]}): {verified[verified[0].failed_ranks[0]].error}"] if local else _layout_error(check, verified)
-        outcome = step_comparison(
-            title, check.describe(chosen), check.tolerance, check.dtype, check.module, (), failures=failures, divergence=False,
-        )
+        outcome = check.outcome(title, chosen, (), failures=failures, divergence=False)
         return raise_unless_ok(outcome, msg)
     refs = check.references(items=counted if counted.by_tokens else None)
     expected, anchor = refs.expected, refs.anchor
-    rows = [row for r, s in enumerate(verified) for row in check.tp_rows(f"rank {r} ", s, refs)]
+    rows = [row for r, s in enumerate(verified) for row in check.tp_rows(r, s, refs)]
     ok = all(row.ok for row in rows)
-    notes: list[str] = _items_notes(counted, trap)
+    notes: list[str] = items_notes(counted, trap)
     contrasts: list[TensorComparison] = []
     if trap:
         naive = [rank_steps[1] for rank_steps in results]
@@ -702,16 +604,19 @@ def assert_tensor_parallel_grads_match(
         if counted.by_tokens:
             notes.append(
                 "FSDP2 averages the data-parallel groups' gradients as DDP's all-reduce averages the ranks', so "
-                "DDP's token trap holds here with the groups for ranks: " + _token_trap_note(check, counted, naive, reference)
+                "DDP's token trap holds here with the groups for ranks: " + token_trap_note(check, counted, naive, reference)
             )
         else:
-            notes.append(_tp_trap_note(check, naive, reference))
+            averages = f"FSDP2's reduce-scatter over {DP_DIM!r} averages the {check.data_parallel} groups' gradients"
+            notes.append(
+                trap_note(
+                    check, naive, reference, averages=averages, plain="tp_step", weighted="weighted_tp_step",
+                    parts=check.data_parallel, groups=True,
+                )
+            )
         if step is None:
-            contrasts = [
-                c for r, s in enumerate(naive) for c in check.tp_rows(f"rank {r} plain tp_step ", s, refs)
-                if c.name.startswith(f"rank {r} plain tp_step grad")
-            ]
-        elif not ok and _same_up_to_rounding(verified[0].grads, naive[0].grads):
+            contrasts = grads_only([c for r, s in enumerate(naive) for c in check.tp_rows(r, s, refs, variant="plain tp_step")])
+        elif not ok and same_up_to_rounding(verified[0].grads, naive[0].grads):
             notes.append(
                 "The step's gradients equal the plain per-group mean-loss step's (tp_step): it falls into the "
                 "loss-averaging trap. Multiply the group's loss by ctx.loss_weight (weighted_tp_step)."
@@ -724,11 +629,11 @@ def assert_tensor_parallel_grads_match(
         notes += _own_columns_note(check, verified, expected) or _partial_sum_note(check, verified, expected)
         if check.data_parallel > 1:
             reduction = check.loss_reduction(counted)
-            more, scale = _scale_note(verified, expected, check.data_parallel, shard_sizes=check.shard_sizes, reduction=reduction)
-            notes += [
-                note.replace("world size", "number of data-parallel groups").replace("DDP", "FSDP2 over 'dp'")
-                for note in more
-            ]
+            more, scale = scale_note(
+                verified, expected, check.data_parallel, shard_sizes=check.shard_sizes, reduction=reduction,
+                averager=f"FSDP2 over {DP_DIM!r}", size="number of data-parallel groups",
+            )
+            notes += more
     scenario = f"{check.describe(chosen)}; evidence: {evidence}"
-    outcome = step_comparison(title, scenario, check.tolerance, check.dtype, check.module, rows, contrasts=contrasts, notes=notes, failures=failures, scale=scale)
+    outcome = check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, failures=failures, scale=scale, scenario=scenario)
     return raise_unless_ok(outcome, msg)

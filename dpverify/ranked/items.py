@@ -1,4 +1,4 @@
-"""What each rank's (or micro-batch's) mean loss averages over, for the DDP checks.
+"""What each rank's (or micro-batch's) mean loss averages over, for the ranked checks (DDP, FSDP2, tensor parallel).
 
 A DDP rank's loss is ``loss_fn(output, target)`` on its shard. For a language model that is a
 mean over the labels that are not ignored (-100 marks padding): when ranks or micro-batches

@@ -1,0 +1,744 @@
+"""The parent side of every ranked check (DDP, FSDP2, tensor and pipeline parallel).
+
+A ranked check validates its scenario in this process (``RankedCheck.create``), sends one
+task to the ranks of a ``RankRunner`` (``runner``), runs the same scenario on one device
+(float32, plus the float64 anchor of the tolerance), and compares each rank's tensors with
+the single-device ones (``References``), so that every backend's messages read alike. What
+differs between the backends (how the ranks wrap the module, what evidence they report)
+lives in ``dpverify.ddp`` and ``dpverify.sharded``, on this base.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self, TypeVar
+
+import torch
+from torch import nn
+
+from dpverify.checks.dp import require_loss_fn
+from dpverify.core.comparison import (
+    StepComparison,
+    TensorComparison,
+    TensorId,
+    Terms,
+    Tolerance,
+    compare_tensors,
+    step_comparison,
+)
+from dpverify.core.errors import InvalidArgument
+from dpverify.core.items import Items
+from dpverify.core.numerics import max_abs
+from dpverify.core.step import (
+    Key,
+    StepResult,
+    as_inputs,
+    batch_size_of,
+    convert_tensors,
+    copy_module,
+    default_dtype,
+    first_parameter_dtype,
+    parameter_sites,
+    run_step,
+)
+from dpverify.core.validation import (
+    require_arguments_fit,
+    require_callable,
+    require_int_at_least,
+    require_mapping,
+    require_module_with_grads,
+    require_target_rows,
+)
+from dpverify.ddp.pool import ParallelError, RankRunner, require_picklable, shared_pool
+from dpverify.ranked.items import PieceItems, count_piece_items
+from dpverify.ranked.rank import (
+    LossFn,
+    OptimizerFactory,
+    RankStep,
+    even_shards,
+    shard_bounds,
+    take_rows,
+)
+
+__all__ = [
+    "CPU",
+    "DDP_RANKS",
+    "FSDP_RANKS",
+    "TP_GROUPS",
+    "Batch",
+    "RankedCheck",
+    "References",
+    "ShardUnit",
+    "TrainingBatches",
+    "callable_name",
+    "describe_batches",
+    "forward_keywords",
+    "grads_only",
+    "loss_reduction",
+    "optional",
+    "relative_gap",
+    "require_step",
+    "runner",
+    "same_up_to_rounding",
+    "sendable",
+    "shard_items",
+    "shard_sizes",
+    "train_single_device",
+    "trainable_names",
+    "training_batches",
+    "training_rows",
+    "unused_names",
+    "validated_call",
+]
+
+CPU = torch.device("cpu")
+_T = TypeVar("_T")
+
+#: One optimizer step's batch: positional forward arguments, keyword ones, and the target.
+Batch = tuple[tuple[Any, ...], dict[str, Any], Any]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def runner(pool: RankRunner | None, world_size: int) -> RankRunner:
+    """The ranks a check runs on: ``pool``, checked against ``world_size``, or the shared
+    pool of ``world_size`` ranks when None."""
+    if pool is None:
+        return shared_pool(world_size)
+    if not callable(getattr(pool, "run", None)):
+        raise InvalidArgument(f"pool={pool!r} has no run(); pass a DDPWorkerPool or None")
+    if pool.world_size != world_size:
+        raise InvalidArgument(
+            f"pool has world_size {pool.world_size} but world_size={world_size}; pass a pool "
+            f"of {world_size} ranks, or pool=None to use the shared one"
+        )
+    return pool
+
+
+@dataclass(frozen=True)
+class ShardUnit:
+    """What one entry of ``shards=`` gives rows to, in the words of the errors: a rank of
+    DDP (at least a row: a rank without rows has no mean loss), a rank of FSDP2 (which may
+    get none), or a data-parallel group of tensor parallelism."""
+
+    noun: str = "rank"
+    count: str = "world_size"
+    minimum: int = 1
+    why: str = " (a rank without rows has no mean loss)"
+    share: str = ""
+    #: the error of a batch with fewer rows than units, for ``str.format(batch=, parts=)``
+    too_few: str = "a batch of {batch} rows cannot give each of {parts} ranks a row; pass at least world_size={parts} rows"
+
+
+#: The units of the three backends that shard a batch.
+DDP_RANKS = ShardUnit()
+FSDP_RANKS = ShardUnit(minimum=0, why="")
+TP_GROUPS = ShardUnit(
+    "data-parallel group", "data_parallel", share=" (each group's tensor-parallel ranks share its rows)", why="",
+    too_few=(
+        "the batch has {batch} rows for data_parallel={parts} groups; every group needs a row "
+        "(a larger batch, or fewer data-parallel groups)"
+    ),
+)
+
+
+def shard_sizes(shards: Sequence[int] | None, batch_size: int, parts: int, unit: ShardUnit = DDP_RANKS) -> tuple[int, ...]:
+    """Rows per ``unit`` (``parts`` of them): ``shards`` checked to cover the batch with one
+    count per unit, or as even as possible (the first units one row more) when None."""
+    if shards is None:
+        if batch_size < parts:
+            raise InvalidArgument(unit.too_few.format(batch=batch_size, parts=parts))
+        return even_shards(batch_size, parts)
+    if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence):
+        raise InvalidArgument(f"shards={shards!r}: pass one row count per {unit.noun}, e.g. [3, 2]")
+    sizes = tuple(shards)
+    if len(sizes) != parts:
+        raise InvalidArgument(
+            f"shards={list(sizes)} has {len(sizes)} entries for {unit.count}={parts}; pass one row count "
+            f"per {unit.noun}{unit.share}"
+        )
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < unit.minimum:
+            raise InvalidArgument(
+                f"shards={list(sizes)} contains {size!r}; every {unit.noun} needs an int >= {unit.minimum} rows{unit.why}"
+            )
+    if sum(sizes) != batch_size:
+        raise InvalidArgument(
+            f"shards={list(sizes)} sums to {sum(sizes)} but the batch has {batch_size} rows; "
+            "the shards must cover the batch exactly"
+        )
+    return sizes
+
+
+def sendable(value: Any, name: str, expected: str) -> None:
+    """A callable the ranks can unpickle (by name: a top-level function or a partial of one)."""
+    require_callable(value, name, expected)
+    require_picklable(value, name)
+
+
+def require_step(step: Any, context: str) -> None:
+    """A custom step, when given, is a callable the ranks can unpickle, ``step(ctx: context)``."""
+    if step is not None:
+        sendable(step, "step", f"a top-level function step(ctx: {context})")
+
+
+def forward_keywords(forward_kwargs: Mapping[str, Any] | None, argument: str = "forward_kwargs") -> dict[str, Any]:
+    """The keyword forward arguments, checked: a mapping with string keys that pickles."""
+    if forward_kwargs is None:
+        return {}
+    kwargs = dict(require_mapping(forward_kwargs, argument, "{'input_ids': ids}"))
+    for key in kwargs:
+        if not isinstance(key, str):
+            raise InvalidArgument(f"{argument} has the key {key!r}; keyword arguments are named by strings")
+    require_picklable(kwargs, argument)
+    return kwargs
+
+
+def callable_name(fn: Any) -> str:
+    """A step, loss or optimizer factory as a reader knows it: its qualified name, with a
+    partial's keywords (``SGD(lr=0.1)``)."""
+    if isinstance(fn, functools.partial):
+        kwargs = ", ".join(f"{k}={v!r}" for k, v in fn.keywords.items())
+        return f"{callable_name(fn.func)}({kwargs})"
+    return str(getattr(fn, "__qualname__", None) or type(fn).__name__)
+
+
+def validated_call(
+    module: nn.Module, inputs: Any, target: Any, loss_fn: LossFn, forward_kwargs: Mapping[str, Any] | None,
+) -> tuple[tuple[Any, ...], dict[str, Any], int]:
+    """The positional and keyword forward arguments of a ranked check and the batch's rows,
+    every argument checked the same way for every backend: a list of arguments meant as a
+    tuple, a target of other rows, a loss that is not callable, and anything that cannot be
+    pickled to the ranks."""
+    kwargs = forward_keywords(forward_kwargs)
+    require_arguments_fit(module, inputs)
+    args = as_inputs(inputs, keywords=bool(kwargs))
+    batch = batch_size_of(args, kwargs=kwargs)
+    require_target_rows(target, batch)
+    require_loss_fn(loss_fn)
+    require_picklable(loss_fn, "loss_fn")
+    require_picklable(module, "module")
+    require_picklable(args, "inputs")
+    require_picklable(target, "target")
+    return args, kwargs, batch
+
+
+def describe_batches(batches: Any, forward_kwargs: Mapping[str, Any]) -> list[Batch]:
+    """``(inputs, kwargs, target)`` per step, from ``(inputs, target)`` pairs and
+    ``(inputs, kwargs, target)`` triples; ``forward_kwargs`` go to every batch (a triple's
+    own keyword arguments win)."""
+    if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence) or not batches:
+        raise InvalidArgument(
+            "batches must be a non-empty list of (inputs, target) pairs or (inputs, kwargs, "
+            "target) triples, one per optimizer step"
+        )
+    found = []
+    for index, entry in enumerate(batches):
+        if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 3):
+            raise InvalidArgument(f"batches[{index}] is not an (inputs, target) pair or an (inputs, kwargs, target) triple")
+        own = forward_keywords(entry[1], f"batches[{index}][1]") if len(entry) == 3 else {}
+        kwargs = {**forward_kwargs, **own}
+        found.append((as_inputs(entry[0], keywords=bool(kwargs)), kwargs, entry[-1]))
+    return found
+
+
+def shard_items(
+    module: nn.Module, batch: Batch, loss_fn: LossFn, sizes: Sequence[int], micro_batches: int = 1, items: Items | None = None,
+) -> PieceItems:
+    """What the mean loss of each rank's micro-batches averages over (``count_piece_items``)
+    on one batch cut into shards of ``sizes`` rows; rows when some rank has none (the token
+    count of an empty shard tells nothing)."""
+    if 0 in sizes:
+        rows = tuple((n,) for n in sizes)
+        return PieceItems("rows", rows, rows)
+    args, kwargs, target = batch
+    return count_piece_items(module, args, kwargs, target, loss_fn, sizes, micro_batches, items)
+
+
+@dataclass(frozen=True)
+class TrainingBatches:
+    """The batches of a training check, one per optimizer step: each batch, its shards, and
+    what its ranks' mean losses average over."""
+
+    pairs: tuple[Batch, ...]
+    sizes: tuple[tuple[int, ...], ...]
+    counted: tuple[PieceItems, ...]
+
+    @property
+    def uneven(self) -> bool:
+        """In some batch the ranks hold different numbers of items."""
+        return any(c.unequal_ranks for c in self.counted)
+
+
+def training_batches(check: RankedCheck, pairs: Sequence[Batch], shards: Sequence[int] | None, items: Items | None = None) -> TrainingBatches:
+    """``pairs`` (``describe_batches``), each cut as ``check`` cuts its batch (``shards``, or
+    evenly) and counted, and checked to reach the ranks."""
+    sizes = tuple(
+        shard_sizes(shards, batch_size_of(inputs, argument=f"batches[{i}] inputs", kwargs=kwargs), len(check.shard_sizes), check.UNIT)
+        for i, (inputs, kwargs, _t) in enumerate(pairs)
+    )
+    counted = tuple(shard_items(check.module, batch, check.loss_fn, rows, 1, items) for batch, rows in zip(pairs, sizes, strict=True))
+    require_picklable(list(pairs), "batches")
+    return TrainingBatches(tuple(pairs), sizes, counted)
+
+
+def trainable_names(module: nn.Module) -> frozenset[str]:
+    """Qualified names (as in the gradient dictionaries) of the parameters that require grad."""
+    return frozenset(
+        name for name, path, attr in parameter_sites(module)
+        if getattr(module.get_submodule(path)._parameters[attr], "requires_grad", False)
+    )
+
+
+def unused_names(module: nn.Module, grads: Mapping[str, torch.Tensor | None]) -> list[str]:
+    """Parameters that require grad but got none on one device: they take no part in the
+    loss. A frozen parameter has no gradient either, but the ranked wrappers ignore it."""
+    trainable = trainable_names(module)
+    return [name for name, grad in grads.items() if grad is None and name in trainable]
+
+
+# --------------------------------------------------------------------------- measures
+
+
+def optional(run: Callable[[], _T]) -> _T | None:
+    """``run()``, or None when it raises: a second look that cannot be had (a BatchNorm
+    given a one-row shard, a loss that refuses float32) leaves the first verdict standing."""
+    try:
+        return run()
+    except Exception:
+        return None
+
+
+def relative_gap(actual: Mapping[str, torch.Tensor | None], reference: Mapping[str, torch.Tensor | None]) -> float:
+    """The largest ``max |actual - reference| / max |reference|`` over the gradients both hold."""
+    worst = 0.0
+    for name, ref in reference.items():
+        got = actual.get(name)
+        if ref is None or got is None:
+            continue
+        scale = float(ref.double().abs().max()) if ref.numel() else 0.0
+        if scale > 0:
+            worst = max(worst, float((got.double() - ref.double()).abs().max()) / scale)
+    return worst
+
+
+def same_up_to_rounding(actual: Mapping[str, torch.Tensor | None], expected: Mapping[str, torch.Tensor | None]) -> bool:
+    """Whether two sets of float32 gradients agree to about 1e-4 of their scale: enough to
+    tell a step that reproduces another (a known mistake) from one that does not."""
+    for name, want in expected.items():
+        got = actual.get(name)
+        if got is None or want is None:
+            present = got if got is not None else want
+            if present is not None and bool(present.any()):
+                return False
+            continue
+        scale = float(want.double().abs().max()) if want.numel() else 0.0
+        if want.numel() and float((got.double() - want.double()).abs().max()) > 1e-4 * scale + 1e-30:
+            return False
+    return True
+
+
+def loss_reduction(
+    module: nn.Module, args: tuple[Any, ...], target: Any, loss_fn: LossFn, shard_sizes: Sequence[int],
+    kwargs: Mapping[str, Any] | None = None, weights: Sequence[int] | None = None,
+) -> str | None:
+    """``"sum"`` when ``loss_fn`` adds up its rows' losses, ``"mean"`` when it averages them,
+    None when this batch does not tell (one shard, a zero loss, a loss that is neither).
+
+    Measured on one device, in float64, on slices of one full-batch output: the loss of the
+    whole batch is compared with the sum and with the mean of the shards' losses weighted
+    by ``weights`` (their items, e.g. tokens; default their rows). Slicing one output keeps
+    layers that mix rows (BatchNorm) out of the question.
+    """
+    batch = sum(shard_sizes)
+    if len(shard_sizes) < 2:
+        return None
+    counts = list(weights) if weights is not None else list(shard_sizes)
+    if len(counts) != len(shard_sizes) or sum(counts) <= 0:
+        return None
+    try:
+        model = copy_module(module, torch.float64)
+        inputs = convert_tensors(args, torch.float64, CPU)
+        keywords = convert_tensors(dict(kwargs or {}), torch.float64, CPU)
+        wanted = convert_tensors(target, torch.float64, CPU)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), default_dtype(torch.float64):
+            torch.manual_seed(0)
+            output = model(*inputs, **keywords)
+            full = float(loss_fn(output, wanted))
+            parts = [
+                float(loss_fn(take_rows(output, start, stop, batch), take_rows(wanted, start, stop, batch)))
+                for start, stop in shard_bounds(shard_sizes)
+            ]
+    except Exception:  # a loss that cannot take a slice tells nothing; the check goes on
+        return None
+    summed = math.fsum(parts)
+    mean = math.fsum(n * part for n, part in zip(counts, parts, strict=True)) / sum(counts)
+    scale = max(abs(full), abs(summed), abs(mean))
+    if not math.isfinite(scale) or scale == 0.0:
+        return None
+    is_sum, is_mean = abs(full - summed) <= 1e-9 * scale, abs(full - mean) <= 1e-9 * scale
+    if is_sum and not is_mean:
+        return "sum"
+    if is_mean and not is_sum:
+        return "mean"
+    return None
+
+
+# --------------------------------------------------------------------------- the check
+
+
+@dataclass(frozen=True)
+class RankedCheck:
+    """A validated ranked scenario: module, batch, shards, where it runs and how it compares.
+
+    ``create`` is the one constructor every backend goes through; a backend's subclass adds
+    its own fields (passed to ``create`` as keywords, already checked), says what a missing
+    gradient means for it (``NO_GRAD``) and what an entry of ``shards`` is (``UNIT``), and
+    words its scenario (``layout``).
+    """
+
+    module: nn.Module
+    args: tuple[Any, ...]
+    target: Any
+    loss_fn: LossFn
+    world_size: int
+    shard_sizes: tuple[int, ...]
+    runner: RankRunner
+    tolerance: Tolerance
+    dtype: torch.dtype
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    #: why a module without a parameter that requires grad is refused
+    NO_GRAD: ClassVar[str] = "there would be no gradient to compare"
+    #: what one entry of ``shards`` gives rows to
+    UNIT: ClassVar[ShardUnit] = DDP_RANKS
+
+    @classmethod
+    def shard_parts(cls, world_size: int, fields: Mapping[str, Any]) -> int:
+        """How many entries ``shards`` has: one per rank (a subclass may group ranks)."""
+        return world_size
+
+    @classmethod
+    def create(
+        cls,
+        module: nn.Module,
+        inputs: Any,
+        target: Any,
+        *,
+        loss_fn: LossFn,
+        world_size: int,
+        shards: Sequence[int] | None = None,
+        pool: RankRunner | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
+        forward_kwargs: Mapping[str, Any] | None = None,
+        **fields: Any,
+    ) -> Self:
+        """Validates every argument, in this process, before anything reaches the ranks;
+        ``fields``: the subclass's own, already checked."""
+        require_module_with_grads(module, why=cls.NO_GRAD)
+        world = require_int_at_least(world_size, "world_size", 1)
+        parts = cls.shard_parts(world, fields)
+        args, kwargs, batch = validated_call(module, inputs, target, loss_fn, forward_kwargs)
+        return cls(
+            module=module,
+            args=args,
+            target=target,
+            loss_fn=loss_fn,
+            world_size=world,
+            shard_sizes=shard_sizes(shards, batch, parts, cls.UNIT),
+            runner=runner(pool, world),
+            tolerance=Tolerance(rtol=rtol, atol=atol),
+            dtype=first_parameter_dtype(module),
+            kwargs=kwargs,
+            **fields,
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return sum(self.shard_sizes)
+
+    @property
+    def uneven(self) -> bool:
+        return len(set(self.shard_sizes)) > 1
+
+    def shards_text(self) -> str:
+        """The batch, its shards and the ranks, as the scenario line begins."""
+        keywords = f" (keyword arguments {sorted(self.kwargs)})" if self.kwargs else ""
+        return (
+            f"batch of {self.batch_size} rows{keywords} in contiguous shards {list(self.shard_sizes)} on "
+            f"{self.world_size} ranks ({self.runner.backend})"
+        )
+
+    def layout(self) -> str:
+        """The scenario line without the step: how the batch is cut and the module wrapped."""
+        return self.shards_text()
+
+    def describe(self, step: Any = None) -> str:
+        text = self.layout()
+        return text if step is None else f"{text}; step {callable_name(step)}"
+
+    def loss_reduction(self, items: PieceItems | None = None) -> str | None:
+        """How ``loss_fn`` reduces on this batch and these shards (``loss_reduction``):
+        over the ranks' items when counted (a token-mean loss is a mean), else their rows."""
+        weights = items.per_rank if items is not None else None
+        return loss_reduction(self.module, self.args, self.target, self.loss_fn, self.shard_sizes, self.kwargs, weights)
+
+    def count_items(self, micro_batches: int = 1, items: Items | None = None) -> PieceItems:
+        """What each rank's micro-batches' mean losses average over (``shard_items``)."""
+        return shard_items(self.module, (self.args, self.kwargs, self.target), self.loss_fn, self.shard_sizes, micro_batches, items)
+
+    def target_as(self, dtype: torch.dtype | None) -> Any:
+        return convert_tensors(self.target, dtype, CPU)
+
+    def reference(self, dtype: torch.dtype | None, *, jitter: float = 0.0) -> StepResult:
+        """The single-device full-batch step in ``dtype`` (None: the module's own), from
+        parameters perturbed by ``jitter`` (``run_step``) when given."""
+        target = self.target_as(dtype)
+        loss_fn = self.loss_fn
+        return run_step(self.module, self.args, lambda output: loss_fn(output, target), dtype=dtype, jitter=jitter, kwargs=self.kwargs)
+
+    def anchor(self) -> StepResult | None:
+        return None if self.tolerance.explicit else self.reference(torch.float64)
+
+    def references(self, micro_batches: int = 1, *, expected: StepResult | None = None, items: PieceItems | None = None) -> References:
+        """What the ranks' tensors are compared with: the single-device full-batch step
+        (or ``expected``, e.g. DataParallel's step) and the float64 anchor, with the
+        rounding samples a failing tensor gets (``References``). ``micro_batches``: the
+        pieces each rank's shard is cut into, as the ranks cut it; ``items``: what each
+        piece's loss averages over (default: rows)."""
+        return References(self, self.reference(None) if expected is None else expected, self.anchor(), micro_batches, items)
+
+    def send(self, fn: Callable[..., Any], task: Any, what: str) -> Any:
+        """``fn(info, task)`` on every rank; a rank's failure names the check and scenario."""
+        try:
+            return self.runner.run(fn, task)
+        except ParallelError as error:
+            error.add_note(f"dpverify: raised by the ranks of: {what}. Scenario: {self.describe()}.")
+            raise
+
+    def rows(
+        self, actual: RankStep, refs: References, shard: int, *, rank: int | None = None, variant: str = "", contrast: bool = False,
+    ) -> list[TensorComparison]:
+        """A rank's outputs (the rows of shard ``shard`` of the full-batch output) and
+        gradients, identified by ``rank`` (default: ``shard``) and ``variant`` (which step
+        ran). A ``contrast`` is expected to differ: it gets no second look
+        (``References.compare``)."""
+        who = shard if rank is None else rank
+        found: list[TensorComparison] = []
+        start, stop = shard_bounds(self.shard_sizes)[shard]
+        mine = dict(actual.outputs)
+        for path, tensor in refs.expected.outputs:
+            if path not in mine or tensor.dim() == 0 or tensor.size(0) != self.batch_size:
+                continue
+            tensor_id = TensorId(f"{path}[{start}:{stop}]", rank=who, variant=variant)
+            found.append(refs.compare(tensor_id, mine[path], Key.output(path, (start, stop)), contrast=contrast))
+        for name in refs.expected.grads:
+            found.append(refs.compare(TensorId("grad", name, rank=who, variant=variant), actual.grads.get(name), Key.grad(name), contrast=contrast))
+        return found
+
+    def rank_rows(self, steps: Sequence[RankStep], refs: References, *, variant: str = "", contrast: bool = False) -> list[TensorComparison]:
+        """Every rank's outputs and gradients (``rows``), rank ``r`` holding shard ``r``."""
+        return [row for r, s in enumerate(steps) for row in self.rows(s, refs, r, variant=variant, contrast=contrast)]
+
+    def outcome(
+        self,
+        title: str,
+        step: Any,
+        rows: Sequence[TensorComparison],
+        *,
+        contrasts: Sequence[TensorComparison] = (),
+        notes: Sequence[str] = (),
+        failures: Sequence[str] = (),
+        divergence: bool = True,
+        scale: float | None = None,
+        scenario: str | None = None,
+    ) -> StepComparison:
+        """The comparison of this check; ``scenario`` replaces ``describe(step)``."""
+        return step_comparison(
+            title, self.describe(step) if scenario is None else scenario, self.tolerance, self.dtype, self.module, rows,
+            contrasts=contrasts, notes=notes, failures=failures, scale=scale, divergence=divergence,
+        )
+
+
+def grads_only(rows: Sequence[TensorComparison]) -> list[TensorComparison]:
+    """The gradients among ``rows``: a contrast shows how far a known mistake's gradients are."""
+    return [row for row in rows if isinstance(row.id, TensorId) and row.id.kind == "grad"]
+
+
+# --------------------------------------------------------------------------- references
+
+
+# Relative size of the parameter perturbation of a float64 model's jittered run, as in the
+# DataParallel checks (dpverify/checks/dp.py): a few units of float64 roundoff, the size of
+# the rounding a step makes in each parameter use.
+_JITTER = 8 * torch.finfo(torch.float64).eps
+
+
+@dataclass(frozen=True)
+class _Rounding:
+    """What measures the rounding of a correct ranked step beyond the single-device step's
+    own (see ``References``): the terms of every gradient, and two more single-device runs."""
+
+    terms: dict[str, Terms]
+    probe: StepResult | None
+    jitter: StepResult | None
+
+
+@dataclass
+class References:
+    """The single-device tensors a ranked check compares the ranks' with, and a second look
+    for the tensors that fail against them.
+
+    ``expected`` is the full-batch step in the working dtype (DataParallel's step for
+    ``assert_dp_ddp_agree``) and ``anchor`` its float64 twin (None with explicit
+    tolerances). That alone misjudges two things a correct ranked step does. Its all-reduce
+    sums the ranks' gradients, ``n_r / B`` times each rank's mean-loss gradient (and each
+    rank sums its micro-batches' first): where those terms cancel (an l1 loss's sign
+    gradients summing to an exact 0), the result carries rounding of the size of the
+    terms, not of the near-zero total. And in float64 the anchor is the single-device step
+    itself, so the rounding of the model cannot be measured against it. So a tensor that
+    fails is compared again as the DataParallel checks compare theirs: with ``terms``
+    (``sum over pieces of n / B * max |g_piece|``, and the same in the 2-norm, each piece's
+    gradient from a single-device step on its rows), and with a float32 ``probe`` and a
+    jittered float64 run for float64 models, or a working-dtype run from parameters one
+    unit in the last place off for other dtypes. These steps run once per check, and only
+    when a tensor fails: a passing check never pays for them.
+    """
+
+    check: RankedCheck
+    expected: StepResult
+    anchor: StepResult | None
+    micro_batches: int = 1
+    items: PieceItems | None = None
+    _rounding: list[_Rounding] = field(default_factory=list, repr=False)
+
+    def compare(
+        self, tensor_id: TensorId, actual: torch.Tensor | None, key: Callable[[StepResult], torch.Tensor | None], *, contrast: bool = False,
+    ) -> TensorComparison:
+        """``actual`` against the tensor ``key`` picks, as ``tensor_id`` (the terms of the
+        second look apply to a ``"grad"``, of the parameter it names). A ``contrast`` is
+        expected to differ and gets no second look."""
+        expected = key(self.expected)
+        anchor = key(self.anchor) if self.anchor is not None else None
+        first = compare_tensors(tensor_id, actual, expected, anchor, self.check.tolerance)
+        if first.ok or first.problem is not None or contrast or self.anchor is None:
+            return first
+        second = self.rounding()
+        return compare_tensors(
+            tensor_id, actual, expected, anchor, self.check.tolerance,
+            probe=key(second.probe) if second.probe is not None else None,
+            terms=second.terms.get(tensor_id.name) if tensor_id.kind == "grad" else None,
+            jitter=key(second.jitter) if second.jitter is not None else None,
+        )
+
+    def rounding(self) -> _Rounding:
+        """The second look's steps (``References``), run once, on first need."""
+        if not self._rounding:
+            check = self.check
+            wide = check.dtype == torch.float64
+            probe = optional(lambda: check.reference(torch.float32)) if wide else None
+            if wide:
+                jitter = optional(lambda: check.reference(torch.float64, jitter=_JITTER))
+            else:
+                jitter = optional(lambda: check.reference(None, jitter=torch.finfo(check.dtype).eps))
+            terms = optional(lambda: _all_reduce_terms(check, self.micro_batches, self.items)) or {}
+            self._rounding.append(_Rounding(terms, probe, jitter))
+        return self._rounding[0]
+
+
+def _loss_against(loss_fn: LossFn, target: Any, output: Any) -> torch.Tensor:
+    return loss_fn(output, target)
+
+
+def _all_reduce_terms(check: RankedCheck, micro_batches: int, items: PieceItems | None = None) -> dict[str, Terms]:
+    """The magnitude of what a correct ranked step sums into every gradient: each rank's
+    shard, cut into ``micro_batches`` pieces as the ranks cut it (``micro_batch_split``),
+    contributes ``t / T`` times its piece's mean-loss gradient (each piece's loss weighted
+    by its share of the items, ``t * world_size / T``, rows or tokens, the all-reduce's
+    average dividing by ``world_size``). Measured with a single-device step on each
+    piece's rows, in the working dtype."""
+    largest: dict[str, float] = {}
+    norms: dict[str, float] = {}
+    batch = check.batch_size
+    target = check.target_as(None)
+    loss_fn = check.loss_fn
+    total = items.total if items is not None else batch
+    for rank, (start, stop) in enumerate(shard_bounds(check.shard_sizes)):
+        rows = stop - start
+        shard, shard_target = take_rows(check.args, start, stop, batch), take_rows(target, start, stop, batch)
+        shard_kwargs = take_rows(check.kwargs, start, stop, batch)
+        for piece, (low, high) in enumerate(shard_bounds(even_shards(rows, micro_batches))):
+            loss = functools.partial(_loss_against, loss_fn, take_rows(shard_target, low, high, rows))
+            step = run_step(check.module, take_rows(shard, low, high, rows), loss, kwargs=take_rows(shard_kwargs, low, high, rows))
+            weight = (items.counts[rank][piece] if items is not None else high - low) / total
+            for name, grad in step.grads.items():
+                if grad is None or not grad.numel():
+                    continue
+                dense = grad.to_dense() if grad.is_sparse else grad
+                size, norm = max_abs(dense), float(torch.linalg.vector_norm(dense))
+                if math.isfinite(size) and math.isfinite(norm):
+                    largest[name] = largest.get(name, 0.0) + weight * size
+                    norms[name] = norms.get(name, 0.0) + weight * norm
+    return {name: Terms(largest[name], norms[name]) for name in largest}
+
+
+# --------------------------------------------------------------------------- training
+
+
+def train_single_device(
+    module: nn.Module,
+    batches: Sequence[Batch],
+    loss_fn: LossFn,
+    optimizer: OptimizerFactory,
+    dtype: torch.dtype | None,
+) -> tuple[list[dict[str, torch.Tensor]], list[list[str]]]:
+    """Parameters after every step on one device, and the parameters that required grad
+    but got none in each step (``unused_names``)."""
+    model = copy.deepcopy(module)
+    if dtype is not None:
+        model.to(dtype=dtype)
+    opt = optimizer(model.parameters())
+    history = []
+    unused: list[list[str]] = []
+    with torch.random.fork_rng(devices=[]), default_dtype(dtype):
+        torch.manual_seed(0)
+        for inputs, kwargs, target in batches:
+            opt.zero_grad(set_to_none=True)
+            output = model(*convert_tensors(inputs, dtype, CPU), **convert_tensors(kwargs, dtype, CPU))
+            loss_fn(output, convert_tensors(target, dtype, CPU)).backward()
+            unused.append(unused_names(model, {name: p.grad for name, p in model.named_parameters()}))
+            opt.step()
+            history.append({name: p.detach().clone() for name, p in model.named_parameters()})
+    return history, unused
+
+
+def training_rows(
+    check: RankedCheck,
+    ranks: Sequence[Any],
+    expected: Sequence[dict[str, torch.Tensor]],
+    anchor: Sequence[dict[str, torch.Tensor]] | None,
+) -> tuple[list[TensorComparison], int]:
+    """Each rank's parameters (``ranks[r].params``, one dict per step) against one device's:
+    the rows of the first step at which some rank diverges, else of the last step."""
+    rows: list[TensorComparison] = []
+    for index, reference in enumerate(expected):
+        rows = [
+            compare_tensors(
+                TensorId("param", name, rank=r, variant=f"step {index + 1}"),
+                rank.params[index].get(name),
+                value,
+                anchor[index][name] if anchor else None,
+                check.tolerance,
+            )
+            for r, rank in enumerate(ranks)
+            for name, value in reference.items()
+        ]
+        if not all(row.ok for row in rows):
+            return rows, index
+    return rows, len(expected) - 1

@@ -1,0 +1,186 @@
+"""The notes a ranked check adds to a failure: the factor a gradient is off by and its
+likely causes, a sum-reduction loss under an averaging wrapper, the loss-averaging trap
+(rows or tokens), and ranks that disagree with each other.
+
+Every backend whose wrapper averages the ranks' gradients (DDP's all-reduce, FSDP2's
+reduce-scatter, FSDP2 over the data-parallel groups of tensor parallelism) words the same
+facts; ``averager`` names the wrapper in the text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dpverify.core.comparison import explain_scale, uniform_scale
+from dpverify.core.step import StepResult
+from dpverify.ranked.check import RankedCheck, relative_gap
+from dpverify.ranked.items import PieceItems
+
+__all__ = [
+    "fraction",
+    "items_notes",
+    "ranks_disagree",
+    "scale_note",
+    "sum_loss_note",
+    "token_trap_note",
+    "trap_note",
+]
+
+
+def sum_loss_note(world_size: int, averager: str = "DDP", size: str = "world size") -> str:
+    """Why a sum-reduction loss is wrong under a wrapper that averages the ranks' gradients
+    (``averager``, over ``world_size`` of what ``size`` names)."""
+    return (
+        "loss_fn sums over the rows (the full batch's loss is the sum of the shards' losses, "
+        f"not their mean, e.g. reduction='sum'). {averager} averages the ranks' gradients, which is "
+        "right for a mean loss; with a sum loss each rank sums only its own rows and the "
+        f"average divides by the {size}, {world_size}, so the gradients are not the "
+        "single-device ones. Use a mean loss; or keep the sum and multiply each rank's loss by "
+        "world_size (loss * ctx.world_size in a step, instead of ctx.loss_weight); "
+        "DataParallel, which sums its replicas' gradients, gives the single-device gradient "
+        "for the same sum loss."
+    )
+
+
+def ranks_disagree(steps: Sequence[Any]) -> list[str]:
+    """A note when two ranks hold different gradients after a step (``steps[r].grads``)."""
+    first = steps[0].grads
+    for rank, step in enumerate(steps[1:], start=1):
+        for name, grad in first.items():
+            other = step.grads.get(name)
+            if (grad is None) != (other is None) or (grad is not None and other is not None and not torch.equal(grad, other)):
+                return [
+                    f"Rank 0 and rank {rank} hold different gradients for {name!r} after the "
+                    "step: the gradients were not all-reduced (a step that neither uses "
+                    "ctx.ddp() nor all-reduces by hand, or a bucket DDP never reduced)."
+                ]
+    return []
+
+
+def scale_note(
+    steps: Sequence[Any], expected: StepResult, world_size: int, micro_batches: int = 1,
+    shard_sizes: Sequence[int] = (), reduction: str | None = None, averager: str = "DDP", size: str = "world size",
+) -> tuple[list[str], float | None]:
+    """The uniform factor between rank 0's gradients and one device's, with its sentence
+    (``explain_scale``) and the sum-loss note when the sentence did not name it.
+    ``averager``: what averages the ranks' gradients, in the text; ``size``: what
+    ``world_size`` counts."""
+    c = uniform_scale(steps[0].grads, expected.grads)
+    equal = shard_sizes[0] if shard_sizes and len(set(shard_sizes)) == 1 else None
+    notes = [] if c is None else [
+        explain_scale(c, world_size, averager=averager, micro_batches=micro_batches, shard_size=equal, reduction=reduction, size=size)
+    ]
+    if reduction == "sum" and not any("sum-reduction loss" in note for note in notes):
+        notes.append(sum_loss_note(world_size, averager, size))
+    return notes, c
+
+
+def fraction(value: float) -> str:
+    """``8`` for 8.0, ``8.5`` for 8.5: the denominator of a weight ``1/value``."""
+    return str(round(value)) if abs(value - round(value)) < 1e-9 else f"{value:.4g}"
+
+
+def trap_note(
+    check: RankedCheck,
+    naive: Sequence[Any],
+    reference: StepResult,
+    *,
+    averages: str = "DDP averages the ranks' gradients",
+    plain: str = "ddp_step",
+    weighted: str = "weighted_ddp_step",
+    parts: int | None = None,
+    groups: bool = False,
+) -> str:
+    """The loss-averaging trap on uneven shards, with the bias the plain step really had.
+
+    ``averages`` says what averages the shards' gradients, ``plain`` and ``weighted`` name
+    the plain per-shard mean-loss step and the exact one, ``parts`` is the number of shards
+    the average divides by (default the world size), and ``groups`` words the shards as the
+    data-parallel groups of tensor parallelism (``naive[r].dp_rank`` says whose loss each is).
+    """
+    sizes, batch = check.shard_sizes, check.batch_size
+    world = check.world_size if parts is None else parts
+    weights = ", ".join(f"1/{world * n}" if n else "0 (no rows)" for n in sizes)
+    factors = ", ".join(f"{n * world / batch:.4g}" for n in sizes)
+    who, each, size, count = ("group", "group g", "n_g", "data_parallel") if groups else ("rank", "rank r", "n_r", "world_size")
+    text = (
+        f"Uneven {'data-parallel ' if groups else ''}shards {list(sizes)}: {averages}, so a per-{who} mean "
+        f"loss gives each sample of {each} the weight 1/({count} * {size}) = [{weights}] "
+        f"instead of 1/B = 1/{batch} (the loss-averaging trap)."
+    )
+    losses = list({s.dp_rank: s.loss for s in naive}.values()) if groups else [step.loss for step in naive]
+    if len(losses) == world and all(loss is not None for loss in losses):
+        mean_of_means = sum(float(loss) for loss in losses if loss is not None) / world
+        full = float(reference.loss)
+        text += (
+            f" With the plain step ({plain}) the {who}s' mean losses average to {mean_of_means:.8g} "
+            f"against the full batch's {full:.8g} (bias {mean_of_means - full:+.3g}), and"
+        )
+    else:
+        text += f" With the plain step ({plain})"
+    gap = relative_gap(naive[0].grads, reference.grads)
+    return text + (
+        f" its gradients differ from the full-batch gradients by up to {gap:.3g} (relative). "
+        f"Exact for any shards: multiply each {who}'s mean loss by {size} * {count} / B = [{factors}] "
+        f"(ctx.loss_weight; {weighted})."
+    )
+
+
+def token_trap_note(check: RankedCheck, items: PieceItems, naive: Sequence[Any], reference: StepResult) -> str:
+    """The loss-averaging trap when each rank's loss is a mean over its tokens: the counts,
+    the weights plain ``ddp_step`` gives, the bias it had and the bias the counts predict,
+    and the exact recipe."""
+    world, counts, total = check.world_size, items.per_rank, items.total
+    noun = items.noun
+    equal_rows = ", although the shards have equal rows" if not check.uneven else ""
+    weights = ", ".join(f"1/{fraction(world * t)}" for t in counts)
+    factors = ", ".join(f"{t * world / total:.4g}" for t in counts)
+    text = (
+        f"Each rank's loss is a mean over its {noun}: {list(counts)}{items.detail}, {total} in "
+        f"all, on shards {list(check.shard_sizes)}{equal_rows}. DDP averages the ranks' "
+        f"gradients, so a per-rank mean loss gives each of rank r's {noun} the weight "
+        f"1/(world_size * t_r) = [{weights}] instead of 1/T = 1/{total} (the loss-averaging trap)."
+    )
+    predicted = items.predicted_rank_bias()
+    said = f"; the {items.singular} counts predict {predicted:+.3g}" if predicted is not None else ""
+    losses = [step.loss for step in naive]
+    facts = []
+    if losses and all(loss is not None for loss in losses):
+        mean_of_means = sum(loss for loss in losses if loss is not None) / world
+        full = float(reference.loss)
+        facts.append(
+            f"the ranks' mean losses average to {mean_of_means:.8g} against the full batch's "
+            f"{full:.8g} (bias {mean_of_means - full:+.3g}{said})"
+        )
+    elif predicted is not None:
+        facts.append(f"the {items.singular} counts predict a bias of {predicted:+.3g} in the average of the ranks' mean losses")
+    facts.append(f"its gradients differ from the full-batch gradients by up to {relative_gap(naive[0].grads, reference.grads):.3g} (relative)")
+    text += (
+        " With the plain step (ddp_step) " + ", and ".join(facts) + ". "
+        f"Exact: multiply each rank's mean loss by its share of the {noun}, t_r * world_size / T "
+        f"= [{factors}] (ctx.loss_weight; weighted_ddp_step), or all-reduce the {items.singular} count and "
+        f"divide each rank's summed loss by it (ctx.total_items), times world_size. Weighting by "
+        "rows (n_r * world_size / B) is not exact here."
+    )
+    return text
+
+
+def items_notes(items: PieceItems, trap: bool) -> list[str]:
+    """What the ranks' losses average over, when it is not rows and no trap note says it;
+    and, for counts given by ``items=``, whether the evidence bears them out."""
+    notes = []
+    given = items.given_note()
+    if items.by_tokens and not trap and given is None:
+        micro = len(items.counts[0]) > 1
+        counts = [list(c) for c in items.counts] if micro else list(items.per_rank)
+        notes.append(
+            f"Each {'micro-batch' if micro else 'rank'}'s loss is a mean over its {items.noun}: "
+            f"{counts}{items.detail}{' per rank' if micro else ''}; they hold equal numbers, so "
+            "averaging their mean losses is exact here."
+        )
+    if given is not None:
+        notes.append(given)
+    return notes
