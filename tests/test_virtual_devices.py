@@ -414,3 +414,19 @@ def test_two_threads_enter_and_exit_concurrently() -> None:
         raise errors[0]
     assert counts == {2: [2, 2, 2], 3: [3, 3, 3]}
     _assert_torch_restored()
+
+
+@pytest.mark.parametrize("seed", [torch.manual_seed, torch.cuda.manual_seed_all])
+def test_seeding_in_a_block_seeds_the_machines_cuda_generators_only(monkeypatch: pytest.MonkeyPatch, seed: Any) -> None:
+    # On a GPU machine CUDA is initialized, and torch.manual_seed seeds one CUDA generator
+    # per device_count() (or the current device's): with 3 virtual devices beside fewer
+    # GPUs it indexed generators that do not exist. Here: initialized CUDA with none.
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "default_generators", ())
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
+    if torch.cuda.device_count():
+        pytest.skip("simulates a machine whose CUDA has no generators")
+    with virtual_devices(3):
+        assert torch.cuda.device_count() == 3
+        seed(0)  # IndexError: tuple index out of range, when it saw 3 devices
+        assert torch.cuda.device_count() == 3  # the block's devices again after the call

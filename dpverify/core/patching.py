@@ -35,21 +35,26 @@ torch                                 inside ``virtual_devices(n)``
                                       ``device_ids[0]``, so CPU modules pass ``forward``'s
                                       check and ``__init__``'s one-device ``module.to``
 ``torch.nn.parallel.data_parallel``   torch's function with the host for ``device_ids[0]``
+``torch.cuda`` random functions       torch's, on the machine's devices (``manual_seed``,
+                                      ``manual_seed_all``, ``seed``, ``seed_all``,
+                                      ``initial_seed``, ``get_rng_state(_all)``,
+                                      ``set_rng_state(_all)``): ``torch.manual_seed``
+                                      in a block seeds the GPUs there are
 ====================================  ======================================================
 
 Everything is switched in place, on the objects torch defines, so code that imported a name
 (``from torch.nn.parallel._functions import Scatter``, ``from torch.cuda.comm import
-reduce_add``) is covered too: a function gets a trampoline ``__code__`` (12 of them), an
+reduce_add``) is covered too: a function gets a trampoline ``__code__`` (21 of them), an
 autograd Function class an ``apply`` attribute, ``torch.cuda.device`` its two methods, and
-``DataParallel`` a ``src_device_obj`` descriptor: 19 switches, 10 for the primitives
-(``_PRIMITIVE_SWITCHES``) and 9 for the devices (``_DEVICE_SWITCHES``).
+``DataParallel`` a ``src_device_obj`` descriptor: 28 switches, 10 for the primitives
+(``_PRIMITIVE_SWITCHES``) and 18 for the devices (``_DEVICE_SWITCHES``).
 ``replicate``, ``scatter``, ``scatter_kwargs``, ``gather`` and
 ``comm.reduce_add_coalesced`` stay torch's own: they reach the devices only through the
 switched primitives, so their imported names run virtually too.
 
 Not covered: ``tensor.get_device()`` is -1 and ``tensor.is_cuda`` False for every tensor;
-``.cuda()``, ``.to('cuda:k')``, streams, events, ``synchronize``, the CUDA random
-generators, memory statistics and ``torch.accelerator`` are torch's, and fail as on any
+``.cuda()``, ``.to('cuda:k')``, streams, events, ``synchronize``, drawing from the
+CUDA random generators, memory statistics and ``torch.accelerator`` are torch's, and fail as on any
 CPU-only machine; only replicas that ``parallel_apply`` runs draw from per-device
 generators (code run under ``torch.cuda.device(i)`` draws from the host's); subclasses of
 the four autograd Functions run torch's code; a DataParallel built outside
@@ -278,8 +283,25 @@ def _primitives_active() -> bool:
 
 
 def _devices_active() -> bool:
-    """The devices are virtual: a ``virtual_devices`` block is open, on any thread."""
-    return _process_depth > 0
+    """The devices are virtual: a ``virtual_devices`` block is open, on any thread, and
+    this thread is not inside a call that sees the machine's devices."""
+    return _process_depth > 0 and not thread_state.machine
+
+
+def _on_the_machine(function: Callable[..., Any]) -> Callable[..., Any]:
+    """The stand-in of a ``torch.cuda`` random function: torch's own, run with the machine's
+    devices on this thread. ``torch.manual_seed`` seeds every CUDA generator by
+    ``device_count()``; with ``n`` virtual devices on a machine with fewer GPUs it would
+    index generators that do not exist."""
+
+    def on_the_machine(*args: Any, **kwargs: Any) -> Any:
+        thread_state.machine += 1
+        try:
+            return _switch_of(function).original(*args, **kwargs)
+        finally:
+            thread_state.machine -= 1
+
+    return on_the_machine
 
 
 def _trampoline_template(*args: Any, **kwargs: Any) -> Any:
@@ -517,6 +539,20 @@ _PRIMITIVE_SWITCHES: tuple[_CodeSwitch | _AttributeSwitch, ...] = (
     _code_switch(_torch_parallel_apply, virtual_parallel_apply, _primitives_active),
 )
 
+#: torch.cuda's random functions, which find the generators by device_count() or
+#: current_device(): they keep the machine's devices (torch.manual_seed calls one).
+_CUDA_RANDOM = (
+    torch.cuda.random.manual_seed,
+    torch.cuda.random.manual_seed_all,
+    torch.cuda.random.seed,
+    torch.cuda.random.seed_all,
+    torch.cuda.random.initial_seed,
+    torch.cuda.random.get_rng_state,
+    torch.cuda.random.get_rng_state_all,
+    torch.cuda.random.set_rng_state,
+    torch.cuda.random.set_rng_state_all,
+)
+
 #: The devices: installed and virtual in virtual_devices only.
 _DEVICE_SWITCHES: tuple[_CodeSwitch | _AttributeSwitch, ...] = (
     _code_switch(torch.cuda.is_available, _virtual_is_available, _devices_active),
@@ -528,6 +564,7 @@ _DEVICE_SWITCHES: tuple[_CodeSwitch | _AttributeSwitch, ...] = (
     _MethodSwitch(torch.cuda.device, "__exit__", _virtual_device_exit, _devices_active),
     _AttributeSwitch(nn.DataParallel, "src_device_obj", _HostSourceDevice()),
     _code_switch(_torch_data_parallel, _virtual_data_parallel_function, _devices_active),
+    *(_code_switch(f, _on_the_machine(f), _devices_active) for f in _CUDA_RANDOM),
 )
 
 

@@ -89,6 +89,7 @@ class _ThreadState(threading.local):
     count: int | None = None  # the innermost virtual_devices(n) open on this thread
     replica: bool = False  # the thread runs a replica for virtual_parallel_apply
     gathers: list[int] | None = None  # where this thread's virtual gathers went (observe_gathers)
+    machine: int = 0  # calls on this thread that see the machine's devices (the CUDA generators)
 
 
 thread_state = _ThreadState()
