@@ -32,12 +32,12 @@ from torch import nn
 from torch.nn.parallel.scatter_gather import gather
 
 from dpverify.checks.loss_average import chunk_weighted_loss
-from dpverify.checks.registry import CHECKS, MICRO_BATCHES, Case, Target
 from dpverify.core.tree import concatenate, first_batched, map_tensors
 from dpverify.core.virtual import VirtualDataParallel
 from dpverify.ddp.rank import ShardContext
 from dpverify.models.layouts import ShardedScenario, TPLayout
 from dpverify.models.specs import KINDS
+from dpverify.registry import CHECKS, MICRO_BATCHES, Case, Target
 from dpverify.sharded.fsdp import fsdp_summed_loss_step, fsdp_undivided_step, fsdp_wrong_weight_step
 from dpverify.sharded.pipeline import SkipLastMicrobatchGPipe, UnscaledGPipe
 from dpverify.sharded.tensor_parallel import LocalOutputColwiseParallel, NoAllReduceRowwiseParallel

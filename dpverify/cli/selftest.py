@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpverify.checks.registry import CHECKS, Case, Target, Verdict
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.text import plural
 from dpverify.ddp.pool import DDPWorkerPool, ProcessGroupRunner, RankRunner
 from dpverify.models.builtin import BuiltinCase, builtin_case
+from dpverify.registry import CHECKS, Case, Target, Verdict
 
 __all__ = ["PartlyUsed", "main_selftest"]
 

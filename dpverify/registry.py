@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from dpverify.checks.buffers import assert_dp_buffers_match
-from dpverify.checks.dp import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
+from dpverify.checks.buffers import buffers_match
+from dpverify.checks.dp import Check, SharedSteps, grad_sum_matches, grads_match, raise_unless_ok
 from dpverify.checks.loss_average import (
     LossAverageReport,
     assert_loss_reduction_matches_full_batch,
@@ -132,6 +132,11 @@ class Case:
         layout: how the sharded checks lay the model out (``FSDPLayout``, ``TPLayout``,
             ``PipelineLayout``); a check whose backend has no layout here derives one
             (``dpverify.models.layouts.default_layout``), or skips saying why.
+        steps: the steps the DataParallel gradient checks of this module, batch and loss
+            share (``SharedSteps``: the single-device references, and the parallel step
+            the gradient check leaves for the replica-sum check of the same split), given
+            by whoever groups them (``dpverify.planner.plan_checks``: one per batch, for
+            every device count); None: each check runs its own.
     """
 
     module: nn.Module
@@ -146,6 +151,7 @@ class Case:
     optimizer: Callable[..., torch.optim.Optimizer] | None = None
     dim: int = 0
     layout: Layout | None = None
+    steps: SharedSteps | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_scenario(cls, scenario: Scenario | ShardedScenario) -> Case:
@@ -191,7 +197,7 @@ class Case:
     def in_eval_mode(self) -> Case:
         """This case with an eval-mode copy of its module: what must match exactly when
         train mode is explained."""
-        return replace(self, module=copy.deepcopy(self.module).eval())
+        return replace(self, module=copy.deepcopy(self.module).eval(), steps=None)
 
 
 @dataclass(frozen=True)
@@ -450,29 +456,28 @@ def _loss_verdict(result: Callable[..., CheckResult], report: LossAverageReport,
 # --------------------------------------------------------------------------- bodies
 
 
+def _dp_check(case: Case, target: Target, *, parallel_loss: bool = True) -> Check:
+    """The DataParallel check of ``case`` through ``target``'s wrappers: what the
+    DataParallel helpers build from their arguments."""
+    return Check.create(
+        case.module, case.inputs, device_ids=case.device_ids, output_device=case.output_device,
+        parallel=target.parallel, forward_kwargs=case.forward_kwargs, dim=case.dim,
+        parallel_loss_fn=target.parallel_loss if parallel_loss else None,
+    )
+
+
 def _dp_grads(case: Case, target: Target) -> Report:
     assert case.loss_fn is not None
-    return assert_dp_grads_match(
-        case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=list(case.device_ids),
-        output_device=case.output_device, forward_kwargs=case.forward_kwargs, parallel=target.parallel,
-        dim=case.dim, parallel_loss_fn=target.parallel_loss,
-    )
+    return raise_unless_ok(grads_match(_dp_check(case, target), case.loss_fn, case.target, case.steps), None)
 
 
 def _dp_grad_sum(case: Case, target: Target) -> Report:
     assert case.loss_fn is not None
-    return assert_grad_sum_equals_mean_loss_grad(
-        case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=list(case.device_ids),
-        forward_kwargs=case.forward_kwargs, parallel=target.parallel, dim=case.dim,
-        parallel_loss_fn=target.parallel_loss,
-    )
+    return raise_unless_ok(grad_sum_matches(_dp_check(case, target), case.loss_fn, case.target, case.steps), None)
 
 
 def _dp_buffers(case: Case, target: Target) -> Report:
-    return assert_dp_buffers_match(
-        case.module, case.inputs, device_ids=list(case.device_ids), output_device=case.output_device,
-        forward_kwargs=case.forward_kwargs, parallel=target.parallel, dim=case.dim,
-    )
+    return raise_unless_ok(buffers_match(_dp_check(case, target, parallel_loss=False)), None)
 
 
 def _dp_loss_average(case: Case, target: Target) -> Report:
