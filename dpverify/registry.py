@@ -36,9 +36,9 @@ from dpverify.checks.buffers import buffers_match
 from dpverify.checks.dp import Check, SharedSteps, grad_sum_matches, grads_match, raise_unless_ok
 from dpverify.checks.loss_average import (
     LossAverageReport,
-    assert_loss_reduction_matches_full_batch,
-    check_forward_loss_average,
     chunk_weighted_loss,
+    loss_average_of,
+    reduction_matches,
 )
 from dpverify.core.comparison import StepComparison, TensorComparison
 from dpverify.core.devices import cuda_device_count
@@ -456,11 +456,13 @@ def _loss_verdict(result: Callable[..., CheckResult], report: LossAverageReport,
 # --------------------------------------------------------------------------- bodies
 
 
-def _dp_check(case: Case, target: Target, *, parallel_loss: bool = True) -> Check:
-    """The DataParallel check of ``case`` through ``target``'s wrappers: what the
-    DataParallel helpers build from their arguments."""
+def _dp_check(case: Case, target: Target, *, output_device: bool = True, parallel_loss: bool = True) -> Check:
+    """The DataParallel check of ``case`` through ``target``'s wrappers, as the
+    DataParallel helpers build it from their arguments (those without an
+    ``output_device`` or ``parallel_loss_fn`` gather on ``device_ids[0]`` through the
+    loss alone)."""
     return Check.create(
-        case.module, case.inputs, device_ids=case.device_ids, output_device=case.output_device,
+        case.module, case.inputs, device_ids=case.device_ids, output_device=case.output_device if output_device else None,
         parallel=target.parallel, forward_kwargs=case.forward_kwargs, dim=case.dim,
         parallel_loss_fn=target.parallel_loss if parallel_loss else None,
     )
@@ -473,7 +475,7 @@ def _dp_grads(case: Case, target: Target) -> Report:
 
 def _dp_grad_sum(case: Case, target: Target) -> Report:
     assert case.loss_fn is not None
-    return raise_unless_ok(grad_sum_matches(_dp_check(case, target), case.loss_fn, case.target, case.steps), None)
+    return raise_unless_ok(grad_sum_matches(_dp_check(case, target, output_device=False), case.loss_fn, case.target, case.steps), None)
 
 
 def _dp_buffers(case: Case, target: Target) -> Report:
@@ -481,10 +483,7 @@ def _dp_buffers(case: Case, target: Target) -> Report:
 
 
 def _dp_loss_average(case: Case, target: Target) -> Report:
-    report = check_forward_loss_average(
-        case.module, case.inputs, device_ids=list(case.device_ids), parallel=target.parallel,
-        forward_kwargs=case.forward_kwargs, dim=case.dim,
-    )
+    report = loss_average_of(_dp_check(case, target, output_device=False, parallel_loss=False))
     uneven = report.unequal_items
     if report.is_biased and not uneven and report.weighted_is_exact:
         # equal items, exact means, yet loss.mean() is off: the gathered losses are wrong
@@ -505,10 +504,8 @@ def _item_weighted_loss(losses: torch.Tensor, sizes: list[int], counts: list[int
 
 
 def _dp_weighted_loss(case: Case, target: Target) -> Report:
-    return assert_loss_reduction_matches_full_batch(
-        case.module, case.inputs, device_ids=list(case.device_ids), reduce=target.reduce or _item_weighted_loss,
-        parallel=target.parallel, forward_kwargs=case.forward_kwargs, dim=case.dim,
-    )
+    check = _dp_check(case, target, output_device=False, parallel_loss=False)
+    return raise_unless_ok(reduction_matches(check, target.reduce or _item_weighted_loss), None)
 
 
 def _dp_state(case: Case, target: Target) -> Report:
