@@ -558,13 +558,19 @@ def _ddp_helper(name: str, *, takes_step: bool = True, **options: Any) -> Body:
     return body
 
 
+def _training(case: Case) -> tuple[list[tuple[Any, Any]], Callable[..., torch.optim.Optimizer]]:
+    """The training checks' batches (the case's batch, ``TRAINING_STEPS`` times, unless it
+    has its own) and optimizer factory (SGD with momentum unless it has its own)."""
+    batches = case.batches or ((case.inputs, case.target),) * TRAINING_STEPS
+    return list(batches), case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+
 def _ddp_training(case: Case, target: Target) -> Report:
     assert case.loss_fn is not None
-    batches = case.batches or ((case.inputs, case.target),) * TRAINING_STEPS
-    optimizer = case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    batches, optimizer = _training(case)
     # the case's keyword arguments go to every batch's forward
     result: StepComparison = _ddp().assert_ddp_training_matches(
-        case.module, list(batches), loss_fn=case.loss_fn, optimizer=optimizer, world_size=case.world_size,
+        case.module, batches, loss_fn=case.loss_fn, optimizer=optimizer, world_size=case.world_size,
         step=target.step, pool=target.pool, ddp_kwargs=target.ddp_kwargs, forward_kwargs=case.forward_kwargs,
     )
     return result
@@ -598,10 +604,9 @@ def _fsdp_grads(case: Case, target: Target) -> Report:
 def _fsdp_training(case: Case, target: Target) -> Report:
     assert case.loss_fn is not None
     layout = _fsdp_layout(case)
-    batches = case.batches or ((case.inputs, case.target),) * TRAINING_STEPS
-    optimizer = case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    batches, optimizer = _training(case)
     result: StepComparison = _sharded("fsdp").assert_fsdp_training_matches(
-        case.module, list(batches), loss_fn=case.loss_fn, optimizer=optimizer, world_size=case.world_size,
+        case.module, batches, loss_fn=case.loss_fn, optimizer=optimizer, world_size=case.world_size,
         step=target.step, pool=target.pool, shard_modules=layout.shard_modules,
         reshard_after_forward=layout.reshard_after_forward,
     )
