@@ -948,7 +948,8 @@ def _steps(
     (``take``) instead of running it again.
     """
     shared = SharedSteps() if shared is None else shared.for_check(check)
-    parallel, rows = shared.take(check) if take else (None, {})
+    left, left_rows = shared.take(check)  # a step left serves the next check only
+    parallel, rows = (left, left_rows) if take else (None, {})
     if parallel is None:
         loss_raised: list[BaseException] = []
         try:
