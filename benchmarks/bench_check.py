@@ -30,9 +30,8 @@ and on an eval-mode copy (mismatches fail): the floor counts both modes' steps.
 
 Everything else is the check's own cost, against the floor: the deep copies of the model
 each step runs on (one in float64), recording each replica's gradient (a copy, a max and
-a norm pass per replica), the fingerprint of the model that lets checks share steps, the
-comparisons, and a parallel step that raises, which the second check of its split runs
-again.
+a norm pass per replica), the comparisons, and a parallel step that raises, which the
+second check of its split runs again.
 
 Usage: python benchmarks/bench_check.py [--repeats 3] [--quick] [--profile 20]
 """
@@ -59,7 +58,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dpverify
-from dpverify.checks.model import (
+from dpverify.cli.user_model import user_model
+from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
+from dpverify.core.step import copy_module
+from dpverify.models.user import Batch, UserModel
+from dpverify.planner import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_DEVICE_COUNTS,
     ModelCheckReport,
@@ -67,10 +70,6 @@ from dpverify.checks.model import (
     Verdict,
     check_model,
 )
-from dpverify.cli.user_model import user_model
-from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
-from dpverify.core.step import copy_module
-from dpverify.models.user import Batch, UserModel
 
 CLASSES = 10
 IMAGE = (3, 32, 32)

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpverify.checks.registry import CHECKS, Case, Target
 from dpverify.ddp.pool import DDPWorkerPool
+from dpverify.registry import CHECKS, Case, Target
 
 CHECK = {"fsdp": "fsdp-grads", "tp": "tp-grads", "pp": "pp-grads"}
 

@@ -1,6 +1,6 @@
 """How fast the property suite finds each catalogued bug (``dpverify.mutants``).
 
-For every mutant: the registry check that catches it (``dpverify.checks.registry.CHECKS``,
+For every mutant: the registry check that catches it (``dpverify.registry.CHECKS``,
 run on ``PROPERTIES``' scenarios), the examples and seconds until the first failing scenario
 (random generation, several seeds, medians), then the counterexample Hypothesis shrinks it
 to and that counterexample's size (model kind, rows, devices).

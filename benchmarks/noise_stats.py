@@ -36,7 +36,14 @@ import calibrate
 
 import dpverify
 import dpverify.checks.dp as assertions
-from dpverify.core.comparison import TensorComparison, Terms, Tolerance, compare_tensors
+from dpverify.core.comparison import (
+    Derived,
+    TensorComparison,
+    TensorId,
+    Terms,
+    Tolerance,
+    compare_tensors,
+)
 from dpverify.core.numerics import max_abs
 
 Row = dict[str, Any]
@@ -45,14 +52,16 @@ Row = dict[str, Any]
 def _recorder(rows: list[Row]) -> Any:
     """A stand-in for ``compare_tensors`` that records each anchored comparison's numbers."""
 
-    def record(name: str, actual: torch.Tensor | None, expected: torch.Tensor | None,
+    def record(name: TensorId | str, actual: torch.Tensor | None, expected: torch.Tensor | None,
                anchor: torch.Tensor | None, tolerance: Tolerance, probe: torch.Tensor | None = None,
-               terms: float | Terms | None = None, jitter: torch.Tensor | None = None) -> TensorComparison:
-        result = compare_tensors(name, actual, expected, anchor, tolerance, probe, terms, jitter)
+               terms: float | Terms | None = None, jitter: torch.Tensor | None = None, *,
+               derived: Derived | None = None) -> TensorComparison:
+        result = compare_tensors(name, actual, expected, anchor, tolerance, probe, terms, jitter, derived=derived)
+        contrast = isinstance(name, TensorId) and name.detail == "vs full"  # meant to differ
         usable = (
             anchor is not None and actual is not None and expected is not None and jitter is None
             and actual.shape == expected.shape and actual.numel() > 0 and expected.is_floating_point()
-            and expected.dtype != torch.float64 and not name.endswith("vs full") and not result.noise
+            and expected.dtype != torch.float64 and not contrast and not result.noise
         )
         if usable:
             assert anchor is not None
@@ -63,7 +72,7 @@ def _recorder(rows: list[Row]) -> Any:
             gap, error = dense[0].detach().double() - rounded, dense[1].detach().double() - rounded
             spread = terms if isinstance(terms, Terms) else Terms(terms or 0.0, 0.0)
             rows.append({
-                "name": name, "dtype": str(expected.dtype).removeprefix("torch."), "n": actual.numel(),
+                "name": str(name), "dtype": str(expected.dtype).removeprefix("torch."), "n": actual.numel(),
                 "gap": max_abs(gap), "gap2": float(gap.norm()), "e": max_abs(error), "e2": float(error.norm()),
                 "A": max_abs(rounded), "A2": float(rounded.norm()),
                 "S": max(max_abs(rounded), spread.largest), "S2": max(float(rounded.norm()), spread.norm),

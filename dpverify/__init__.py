@@ -22,10 +22,10 @@ __version__ = "0.1.0"
 
 #: Where each public name lives.
 _EXPORTS: dict[str, str] = {
-    "CHECKS": "dpverify.checks.registry",
-    "Case": "dpverify.checks.registry",
-    "CheckResult": "dpverify.checks.registry",
-    "CheckSpec": "dpverify.checks.registry",
+    "CHECKS": "dpverify.registry",
+    "Case": "dpverify.registry",
+    "CheckResult": "dpverify.registry",
+    "CheckSpec": "dpverify.registry",
     "DDPWorkerPool": "dpverify.ddp.pool",
     "DivergenceSource": "dpverify.core.divergence",
     "DroppedRowsWarning": "dpverify.core.errors",
@@ -39,13 +39,13 @@ _EXPORTS: dict[str, str] = {
     "RankInfo": "dpverify.ranked.rank",
     "ScatterPlan": "dpverify.core.scatter",
     "ShardContext": "dpverify.ddp.rank",
-    "Split": "dpverify.checks.registry",
+    "Split": "dpverify.registry",
     "StepComparison": "dpverify.core.comparison",
     "TPContext": "dpverify.sharded.tensor_parallel",
-    "Target": "dpverify.checks.registry",
+    "Target": "dpverify.registry",
     "TensorComparison": "dpverify.core.comparison",
     "Tolerance": "dpverify.core.comparison",
-    "Verdict": "dpverify.checks.registry",
+    "Verdict": "dpverify.registry",
     "VirtualDataParallel": "dpverify.core.virtual",
     "assert_ddp_accumulation_matches": "dpverify.ddp.checks",
     "assert_ddp_buffers_match": "dpverify.ddp.checks",
@@ -172,13 +172,6 @@ if TYPE_CHECKING:
         check_forward_loss_average as check_forward_loss_average,
     )
     from dpverify.checks.loss_average import chunk_weighted_loss as chunk_weighted_loss
-    from dpverify.checks.registry import CHECKS as CHECKS
-    from dpverify.checks.registry import Case as Case
-    from dpverify.checks.registry import CheckResult as CheckResult
-    from dpverify.checks.registry import CheckSpec as CheckSpec
-    from dpverify.checks.registry import Split as Split
-    from dpverify.checks.registry import Target as Target
-    from dpverify.checks.registry import Verdict as Verdict
     from dpverify.core.comparison import StepComparison as StepComparison
     from dpverify.core.comparison import TensorComparison as TensorComparison
     from dpverify.core.comparison import Tolerance as Tolerance
@@ -213,6 +206,13 @@ if TYPE_CHECKING:
     from dpverify.ddp.rank import weighted_ddp_step as weighted_ddp_step
     from dpverify.ranked.rank import MicroBatch as MicroBatch
     from dpverify.ranked.rank import RankInfo as RankInfo
+    from dpverify.registry import CHECKS as CHECKS
+    from dpverify.registry import Case as Case
+    from dpverify.registry import CheckResult as CheckResult
+    from dpverify.registry import CheckSpec as CheckSpec
+    from dpverify.registry import Split as Split
+    from dpverify.registry import Target as Target
+    from dpverify.registry import Verdict as Verdict
     from dpverify.sharded.fsdp import FSDPContext as FSDPContext
     from dpverify.sharded.fsdp import assert_fsdp_grads_match as assert_fsdp_grads_match
     from dpverify.sharded.fsdp import assert_fsdp_training_matches as assert_fsdp_training_matches

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -11,8 +12,12 @@ from torch import nn
 
 import dpverify
 from dpverify import InvalidArgument, ParallelMismatch
+from dpverify.checks.dp import SharedSteps
 from dpverify.models.builtin import builtin_case
+from dpverify.models.user import builtin_model
 from dpverify.mutants import AveragingDataParallel, DeepCopyDataParallel
+from dpverify.planner import check_model
+from dpverify.registry import CHECKS, Case, Target, Verdict
 
 MODELS = ["mlp", "conv", "embedding"]
 # even chunks, uneven chunks, and a batch smaller than the device count
@@ -379,14 +384,13 @@ def test_ill_conditioned_attention_is_no_false_alarm(seed: int, batch: int, ids:
     assert check(model, tokens, target, loss_fn=F.mse_loss, device_ids=ids).ok
 
 
-# --------------------------------------------------------------------------- shared references
+# --------------------------------------------------------------------------- shared steps
 
 
 def _count_steps(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts the steps the checks run, by kind, from now on (the cache starts empty)."""
+    """Counts the steps the checks run, by kind, from now on."""
     from dpverify.checks import dp as _assertions
 
-    _assertions._REFERENCES.clear()
     counts: dict[str, int] = {}
     from dpverify.core.step import run_step as real
 
@@ -403,32 +407,59 @@ def _count_steps(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     return counts
 
 
-def _both_checks(module: nn.Module, inputs: Any, target: Any, ids: list[int]) -> tuple[Any, Any]:
-    first = dpverify.assert_dp_grads_match(module, inputs, target, loss_fn=F.mse_loss, device_ids=ids)
-    second = dpverify.assert_grad_sum_equals_mean_loss_grad(module, inputs, target, loss_fn=F.mse_loss, device_ids=ids)
-    return first, second
+def _case(module: nn.Module, inputs: Any, target: Any, ids: list[int], shared: SharedSteps | None, **fields: Any) -> Case:
+    return Case(module, inputs if isinstance(inputs, tuple) else (inputs,), target, F.mse_loss, tuple(ids), steps=shared, **fields)
 
 
-def test_checks_of_one_split_run_the_single_device_and_float64_steps_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def _both_checks(module: nn.Module, inputs: Any, target: Any, ids: list[int], shared: SharedSteps | None = None) -> tuple[Any, Any]:
+    """The gradient and replica-sum checks of one split: through the public assertions,
+    or, given ``shared``, grouped on it as the planner groups them."""
+    if shared is None:
+        first = dpverify.assert_dp_grads_match(module, inputs, target, loss_fn=F.mse_loss, device_ids=ids)
+        second = dpverify.assert_grad_sum_equals_mean_loss_grad(module, inputs, target, loss_fn=F.mse_loss, device_ids=ids)
+        return first, second
+    case = _case(module, inputs, target, ids, shared)
+    return CHECKS["dp-grads"].check(case), CHECKS["dp-grad-sum"].check(case)
+
+
+def test_checks_grouped_on_one_batch_run_the_single_device_and_float64_steps_once(monkeypatch: pytest.MonkeyPatch) -> None:
     counts = _count_steps(monkeypatch)
     case = builtin_case("mlp", batch=8)
-    first, second = _both_checks(case.module, case.inputs, case.target, [0, 1])
+    shared = SharedSteps()
+    first, second = _both_checks(case.module, case.inputs, case.target, [0, 1], shared)
     assert first.ok
     assert second.ok
     # the checks of a split run one parallel step and one set of references, and no
     # second rounding sample: every tensor passed (contrasts, meant to differ, ask for none)
     assert counts == {"parallel": 1, "None": 1, "torch.float64": 1}
     # the same batch on another device count needs another parallel step, the same references
-    _both_checks(case.module, case.inputs, case.target, [0, 1, 2, 3])
+    _both_checks(case.module, case.inputs, case.target, [0, 1, 2, 3], shared)
     assert counts == {"parallel": 2, "None": 1, "torch.float64": 1}
 
 
-def test_shared_references_give_the_verdicts_of_fresh_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dpverify.checks import dp as _assertions
+def test_the_planner_shares_a_batchs_steps_across_its_device_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = _count_steps(monkeypatch)
+    report = check_model(builtin_model("mlp", seed=0), batch_sizes=[8, 5], device_counts=[2, 4], checks=["dp-grads", "dp-grad-sum"])
+    assert [r.verdict for r in report.results] == [Verdict.PASS] * 8
+    # one parallel step per split, one set of references per batch
+    assert counts == {"parallel": 4, "None": 2, "torch.float64": 2}
 
+
+def test_a_public_assertion_called_twice_computes_its_steps_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = _count_steps(monkeypatch)
+    case = builtin_case("mlp", batch=8)
+    for _ in range(2):
+        dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=F.mse_loss, device_ids=[0, 1])
+    assert counts == {"parallel": 2, "None": 2, "torch.float64": 2}
+    _both_checks(case.module, case.inputs, case.target, [0, 1])  # public calls share nothing
+    for _ in range(2):
+        dpverify.assert_grad_sum_equals_mean_loss_grad(case.module, case.inputs, case.target, loss_fn=F.mse_loss, device_ids=[0, 1])
+    assert counts == {"parallel": 6, "None": 6, "torch.float64": 6}
+
+
+def test_shared_steps_give_the_verdicts_of_fresh_ones() -> None:
     case = builtin_case("mlp", batch=5)
-    shared = _both_checks(case.module, case.inputs, case.target, [0, 1, 2])
-    _assertions._REFERENCES.clear()
+    shared = _both_checks(case.module, case.inputs, case.target, [0, 1, 2], SharedSteps())
     fresh = dpverify.assert_grad_sum_equals_mean_loss_grad(case.module, case.inputs, case.target, loss_fn=F.mse_loss, device_ids=[0, 1, 2])
     assert [(t.name, t.max_abs, t.allowed) for t in shared[1].tensors] == [(t.name, t.max_abs, t.allowed) for t in fresh.tensors]
 
@@ -439,8 +470,14 @@ def _add_in_place(module: nn.Module) -> None:
 
 
 def _write_through_data(module: nn.Module) -> None:
-    # ``.data`` bypasses the version counter: only the content shows the change
+    # ``.data`` bypasses the version counter
     next(module.parameters()).data.mul_(-1)
+
+
+def _permute_through_data(module: nn.Module) -> None:
+    # the same values (the same sum, and the same bits in another order) in other places
+    weight = next(module.parameters())
+    weight.data.copy_(weight.data.flip(0))
 
 
 class _Scaled(nn.Module):
@@ -462,20 +499,39 @@ def _change_a_hyperparameter(module: _Scaled) -> None:
     module.scale = 3.0
 
 
-@pytest.mark.parametrize("change", [_add_in_place, _write_through_data, _swap_a_parameter, _change_a_hyperparameter, lambda m: m.eval()])
-def test_a_module_changed_between_checks_gets_fresh_references(monkeypatch: pytest.MonkeyPatch, change: Any) -> None:
+_CHANGES = [_add_in_place, _write_through_data, _permute_through_data, _swap_a_parameter, _change_a_hyperparameter, lambda m: m.eval()]
+
+
+@pytest.mark.parametrize("change", _CHANGES)
+def test_a_module_changed_between_public_calls_is_seen(monkeypatch: pytest.MonkeyPatch, change: Any) -> None:
     counts = _count_steps(monkeypatch)
     torch.manual_seed(0)
     module = _Scaled()
     x, y = torch.randn(6, 4), torch.randn(6, 3)
     _both_checks(module, x, y, [0, 1])
-    assert counts["None"] == counts["torch.float64"] == 1
-    change(module)
-    # stale references would not match the changed module's parallel step
-    first, second = _both_checks(module, x, y, [0, 1])
-    assert first.ok
-    assert second.ok
     assert counts["None"] == counts["torch.float64"] == 2
+    change(module)
+    first, second = _both_checks(module, x, y, [0, 1])
+    assert counts["None"] == counts["torch.float64"] == 4
+    # what a module never checked before gives: references of the module before the
+    # change would give other comparisons (test_steps_kept_across_a_change_are_wrong)
+    fresh = _both_checks(copy.deepcopy(module), x, y, [0, 1])
+    assert first.tensors == fresh[0].tensors
+    assert second.tensors == fresh[1].tensors
+
+
+@pytest.mark.parametrize("change", [_write_through_data, _permute_through_data])
+def test_steps_kept_across_a_change_are_wrong(change: Any) -> None:
+    # what the test above rules out: steps shared across the change (a promise broken)
+    torch.manual_seed(0)
+    module = _Scaled()
+    x, y = torch.randn(6, 4), torch.randn(6, 3)
+    shared = SharedSteps()
+    CHECKS["dp-grads"].check(_case(module, x, y, [0, 1], shared))
+    change(module)
+    stale = CHECKS["dp-grads"].run(_case(module, x, y, [0, 1], shared))
+    fresh = CHECKS["dp-grads"].run(_case(copy.deepcopy(module), x, y, [0, 1], None))
+    assert stale.tensors != fresh.tensors
 
 
 def test_another_batch_or_target_gets_fresh_references(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -485,42 +541,15 @@ def test_another_batch_or_target_gets_fresh_references(monkeypatch: pytest.Monke
     other = builtin_case("mlp", batch=5)
     assert other.target is not None
     _both_checks(case.module, other.inputs, other.target, [0, 1])  # another split's batch
-    assert counts["None"] == counts["torch.float64"] == 2
+    assert counts["None"] == counts["torch.float64"] == 4
     target = other.target.clone()
     target[0, 0] += 1e-3  # a new target, one value off
     _both_checks(case.module, other.inputs, target, [0, 1])
-    assert counts["None"] == counts["torch.float64"] == 3
+    assert counts["None"] == counts["torch.float64"] == 6
     with torch.no_grad():
         other.inputs[0].add_(1)  # the batch changed in place
     _both_checks(case.module, other.inputs, target, [0, 1])
-    assert counts["None"] == counts["torch.float64"] == 4
-
-
-def test_an_equal_batch_and_target_in_new_tensors_share_the_references(monkeypatch: pytest.MonkeyPatch) -> None:
-    # dpverify check makes the batch of a batch size afresh for every device count
-    counts = _count_steps(monkeypatch)
-    case = builtin_case("mlp", batch=8)
-    (x,) = case.inputs
-    _both_checks(case.module, x, case.target, [0, 1])
-    _both_checks(case.module, (x.clone(),), case.target.clone(), [0, 1, 2, 3])
-    assert counts == {"parallel": 2, "None": 1, "torch.float64": 1}
-
-
-def test_equal_loss_specs_share_the_references_and_other_ones_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dpverify.models.specs import LossSpec
-
-    counts = _count_steps(monkeypatch)
-    case = builtin_case("mlp", batch=8)
-
-    def check(loss: LossSpec) -> None:
-        dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=loss, device_ids=[0, 1])
-
-    check(LossSpec("mse"))
-    check(LossSpec("mse"))  # a new object, the same loss (dpverify check makes one per batch)
-    assert counts["None"] == 1
-    check(LossSpec("mse", reduction="sum"))
-    check(LossSpec("l1"))
-    assert counts["None"] == 3
+    assert counts["None"] == counts["torch.float64"] == 8
 
 
 def _rows_reversed(x: torch.Tensor) -> torch.Tensor:
@@ -555,27 +584,23 @@ def test_a_batch_of_the_same_values_in_other_places_gets_fresh_references(monkey
 
 
 def test_the_checks_of_a_split_share_the_parallel_step_and_give_the_verdicts_of_fresh_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dpverify.checks import dp as _assertions
-
     counts = _count_steps(monkeypatch)
     case = builtin_case("mlp", batch=5)
-    shared = _both_checks(case.module, case.inputs, case.target, [0, 1, 2])
+    steps = SharedSteps()
+    shared = _both_checks(case.module, case.inputs, case.target, [0, 1, 2], steps)
     assert counts["parallel"] == 1
     # the replica-sum check took the step: it is not kept
-    assert _assertions._REFERENCES._entry is not None
-    assert _assertions._REFERENCES._entry.parallel is None
-    _assertions._REFERENCES.clear()
+    assert steps.left is None
     fresh = dpverify.assert_grad_sum_equals_mean_loss_grad(case.module, case.inputs, case.target, loss_fn=F.mse_loss, device_ids=[0, 1, 2])
     assert counts["parallel"] == 2
     assert str(shared[1]) == str(fresh)
     assert shared[1].tensors == fresh.tensors
     assert shared[1].contrasts == fresh.contrasts
-    _assertions._REFERENCES.clear()
     alone = dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=F.mse_loss, device_ids=[0, 1, 2])
     assert shared[0].tensors == alone.tensors
 
 
-@pytest.mark.parametrize("change", [_add_in_place, _write_through_data, _swap_a_parameter, _change_a_hyperparameter, lambda m: m.eval()])
+@pytest.mark.parametrize("change", _CHANGES)
 def test_a_module_changed_between_checks_gets_a_fresh_parallel_step(monkeypatch: pytest.MonkeyPatch, change: Any) -> None:
     counts = _count_steps(monkeypatch)
     torch.manual_seed(0)
@@ -592,39 +617,27 @@ def test_a_module_changed_between_checks_gets_a_fresh_parallel_step(monkeypatch:
 def test_another_wrapper_split_or_output_device_gets_a_fresh_parallel_step(monkeypatch: pytest.MonkeyPatch) -> None:
     counts = _count_steps(monkeypatch)
     case = builtin_case("mlp", batch=8)
+    shared = SharedSteps()
 
-    def grads(**kwargs: Any) -> Any:
-        return dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=F.mse_loss, **kwargs)
+    def grads(ids: list[int], **fields: Any) -> Any:
+        return CHECKS["dp-grads"].check(_case(case.module, case.inputs, case.target, ids, shared, **fields))
 
-    def summed(**kwargs: Any) -> Any:
-        return dpverify.assert_grad_sum_equals_mean_loss_grad(case.module, case.inputs, case.target, loss_fn=F.mse_loss, **kwargs)
+    def summed(ids: list[int], parallel: Any = None) -> Any:
+        return CHECKS["dp-grad-sum"].check(_case(case.module, case.inputs, case.target, ids, shared), Target(parallel=parallel))
 
-    grads(device_ids=[0, 1])
-    summed(device_ids=[0, 1])  # the same split and wrapper: shared
+    grads([0, 1])
+    summed([0, 1])  # the same split and wrapper: shared
     assert counts["parallel"] == 1
-    grads(device_ids=[0, 1])
-    summed(device_ids=[0, 1, 2])  # another split
-    grads(device_ids=[1, 0], output_device=0)
-    summed(device_ids=[1, 0])  # outputs gathered on device 1, not 0
+    grads([0, 1])
+    summed([0, 1, 2])  # another split
+    grads([1, 0], output_device=0)
+    summed([1, 0])  # outputs gathered on device 1, not 0
     assert counts["parallel"] == 5
     # another wrapper never gets this one's step: the averaging bug must be found
-    grads(device_ids=[1, 0])
+    grads([1, 0])
     with pytest.raises(ParallelMismatch, match=r"sum of replica grads '\S+': tensors are not close"):
-        summed(device_ids=[1, 0], parallel=AveragingDataParallel)
+        summed([1, 0], parallel=AveragingDataParallel)
     assert counts["parallel"] == 7
-
-
-def test_calling_a_check_again_samples_the_wrapper_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    counts = _count_steps(monkeypatch)
-    case = builtin_case("mlp", batch=8)
-    for _ in range(2):
-        dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=F.mse_loss, device_ids=[0, 1])
-    assert counts["parallel"] == 2
-    _both_checks(case.module, case.inputs, case.target, [0, 1])  # the pair shares one
-    for _ in range(2):
-        dpverify.assert_grad_sum_equals_mean_loss_grad(case.module, case.inputs, case.target, loss_fn=F.mse_loss, device_ids=[0, 1])
-    assert counts["parallel"] == 5
-    assert counts["None"] == counts["torch.float64"] == 1  # the references, deterministic, are shared
 
 
 def test_a_wrapper_whose_attributes_changed_gets_a_fresh_parallel_step(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -173,7 +173,6 @@ def test_check_benchmark_floor_counts_what_the_check_runs(monkeypatch: pytest.Mo
 
     from dpverify.checks import dp
 
-    dp._REFERENCES.clear()
     counts: dict[str, int] = {}
     real = dp.run_step
 

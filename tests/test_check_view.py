@@ -12,10 +12,10 @@ from rich.console import Console
 from torch import nn
 
 import dpverify
-from dpverify.checks.model import ModelCheckReport, parameter_errors
-from dpverify.checks.registry import CheckResult, Split, Verdict
 from dpverify.cli.check_view import render_model_check
-from dpverify.core.comparison import TensorComparison
+from dpverify.core.comparison import TensorComparison, TensorId
+from dpverify.planner import ModelCheckReport, parameter_errors
+from dpverify.registry import CheckResult, Split, Verdict
 
 _LONG = "encoder.layers.11.self_attention.query_key_value_projection"
 
@@ -24,7 +24,7 @@ def _tensor(name: str, shape: tuple[int, ...], ratio: float, **more: object) -> 
     numel = 1
     for size in shape:
         numel *= size
-    return TensorComparison(f"grad {name!r}", shape, numel, max_abs=ratio * 1e-6, allowed=1e-6, ratio=ratio, **more)  # type: ignore[arg-type]
+    return TensorComparison(TensorId("grad", name), shape, numel, max_abs=ratio * 1e-6, allowed=1e-6, ratio=ratio, **more)  # type: ignore[arg-type]
 
 
 def _report(*tensors: TensorComparison, eval_copy: bool = False) -> ModelCheckReport:

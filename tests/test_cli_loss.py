@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpverify import InvalidArgument, assert_dp_grads_match
-from dpverify.checks.registry import CHECKS, Case, Verdict
 from dpverify.cli.fuzz import FuzzConfig, repro_script
 from dpverify.cli.main import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from dpverify.cli.user_model import select_output
 from dpverify.models.specs import DeviceList, LossSpec, ModelSpec, Scenario
+from dpverify.registry import CHECKS, Case, Verdict
 
 LM = ["cli_loss_code:token_lm", "--inputs", "cli_loss_code:token_batches"]
 TOKEN_CE = ["--loss", "cli_loss_code:token_ce"]
@@ -187,7 +187,7 @@ def test_a_wrapper_that_raises_only_in_parallel_still_fails(capsys: pytest.Captu
 
     model, ids, labels = _token_case()
     case = Case(model, (ids,), labels, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), (0, 1))
-    from dpverify.checks.registry import Target
+    from dpverify.registry import Target
 
     result = CHECKS["dp-grads"].run(case, Target(parallel=Raising))
     assert result.verdict is Verdict.FAIL
@@ -302,8 +302,8 @@ def test_verify_with_a_loss_a_model_cannot_take_names_loss_and_models(capsys: py
 
 
 def test_fuzz_gives_ddp_kwargs_to_every_ddp_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dpverify.checks.registry import Target
     from dpverify.cli import fuzz
+    from dpverify.registry import Target
 
     seen: list[tuple[str, Target]] = []
 

@@ -395,9 +395,7 @@ def test_the_chunked_report_of_a_finite_tensor_is_the_float64_report(dtype: torc
         assert fast == slow
 
 
-def test_shared_references_give_the_comparisons_of_fresh_ones() -> None:
-    from dpverify.core.comparison import shared_references
-
+def test_derived_references_give_the_comparisons_of_fresh_ones() -> None:
     g = torch.Generator().manual_seed(3)
     anchor = torch.randn(40, 30, generator=g, dtype=torch.float64)
     expected = (anchor * (1 + 1e-7 * torch.randn(40, 30, generator=g, dtype=torch.float64))).float()
@@ -406,11 +404,9 @@ def test_shared_references_give_the_comparisons_of_fresh_ones() -> None:
     for actual in (expected.clone(), expected * (1 + 1e-3), expected + 1e-9):
         for sample in (None, jitter):
             fresh = compare_tensors("g", actual, expected, anchor, Tolerance(), terms=2.0, jitter=sample)
-            with shared_references(memo):
-                shared = compare_tensors("g", actual, expected, anchor, Tolerance(), terms=2.0, jitter=sample)
+            shared = compare_tensors("g", actual, expected, anchor, Tolerance(), terms=2.0, jitter=sample, derived=memo)
             assert shared == fresh
     assert len(memo) == 2  # one per set of reference tensors: with and without the sample
     # other tensors, even of equal values, are other references
-    with shared_references(memo):
-        compare_tensors("g", expected, expected.clone(), anchor, Tolerance())
+    compare_tensors("g", expected, expected.clone(), anchor, Tolerance(), derived=memo)
     assert len(memo) == 3

@@ -15,11 +15,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dpverify.checks.registry import CHECKS, Case, Target, Verdict
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.ddp.checks import assert_ddp_accumulation_matches, assert_ddp_grads_match
 from dpverify.ddp.pool import DDPWorkerPool
 from dpverify.ddp.rank import ShardContext, ddp_step
+from dpverify.registry import CHECKS, Case, Target, Verdict
 
 VOCAB, WIDTH, LENGTH = 11, 6, 6
 

@@ -19,14 +19,14 @@ from typing import Any
 
 import pytest
 
-from dpverify.checks.model import check_model
-from dpverify.checks.registry import Target, Verdict
 from dpverify.cli.main import main
 from dpverify.cli.user_model import user_model
 from dpverify.explain.answers import answers
 from dpverify.explain.measure import Explanation, explain
 from dpverify.models.user import UserModel, builtin_model
 from dpverify.mutants import AveragingDataParallel
+from dpverify.planner import check_model
+from dpverify.registry import Target, Verdict
 
 pytestmark = pytest.mark.deep
 

@@ -19,8 +19,6 @@ from torch import nn
 
 import dpverify
 from dpverify import ParallelMismatch
-from dpverify.checks.model import ModelCheckReport, check_model
-from dpverify.checks.registry import CheckResult, Split, Target, Verdict
 from dpverify.cli.main import main
 from dpverify.core.comparison import StepComparison, TensorComparison
 from dpverify.core.text import ELLIPSIS
@@ -29,6 +27,8 @@ from dpverify.figures.check import MAX_BARS, NAME_WIDTH, check_figure, compariso
 from dpverify.models.builtin import builtin_case
 from dpverify.models.user import Batch, UserModel, builtin_model
 from dpverify.mutants import AveragingDataParallel, DeepCopyDataParallel
+from dpverify.planner import ModelCheckReport, check_model
+from dpverify.registry import CheckResult, Split, Target, Verdict
 
 # --------------------------------------------------------------------------- helpers
 

@@ -650,7 +650,7 @@ def test_a_step_that_applies_fully_shard_in_every_step_is_told_to_shard_once(ddp
 
 @pytest.mark.parametrize("name", ["fsdp-grads", "fsdp-training"])
 def test_the_registry_accepts_a_mixed_precision_step_and_fails_a_halved_one(name: str, ddp_pool: DDPWorkerPool) -> None:
-    from dpverify.checks.registry import CHECKS, Case, Target, Verdict
+    from dpverify.registry import CHECKS, Case, Target, Verdict
 
     x, y = batch(6)
     case = Case(mlp(), (x,), y, mse_in_target_dtype, (0, 1))

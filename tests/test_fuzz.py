@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from dpverify.checks.registry import CHECKS, Case
 from dpverify.cli import fuzz as engine
 from dpverify.cli.fuzz import (
     DDP_CHECKS,
@@ -31,6 +30,7 @@ from dpverify.cli.fuzz import (
     parse_duration,
     repro_script,
 )
+from dpverify.registry import CHECKS, Case
 from dpverify.strategies import DeviceList, LossSpec, ModelSpec, Scenario
 
 #: A DataParallel-like wrapper with a planted bug: it averages replica gradients.

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpverify
-from dpverify.checks.registry import CHECKS, Case
+from dpverify.registry import CHECKS, Case
 
 
 class _KeywordOnly(nn.Module):

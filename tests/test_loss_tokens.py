@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import dpverify
-from dpverify.checks.registry import CHECKS, Case
+from dpverify.registry import CHECKS, Case
 
 VOCAB = 11
 

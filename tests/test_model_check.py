@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from dpverify.checks.model import Verdict, check_model, parameter_errors
 from dpverify.cli.main import main
 from dpverify.cli.user_model import first_layer_batch, user_model
 from dpverify.core.errors import InvalidArgument
 from dpverify.models.user import builtin_model
+from dpverify.planner import Verdict, check_model, parameter_errors
 
 MODELS = textwrap.dedent(
     """

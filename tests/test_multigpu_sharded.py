@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from torch import nn
 
-from dpverify.checks.registry import CHECKS, Case
 from dpverify.ddp.pool import shared_pool
 from dpverify.models.layouts import ShardedScenario
+from dpverify.registry import CHECKS, Case
 from dpverify.strategies import sharded_scenarios
 
 pytestmark = pytest.mark.multigpu(2)

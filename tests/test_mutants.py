@@ -10,7 +10,6 @@ from torch.distributed.pipelining import ScheduleGPipe
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import dpverify
-from dpverify.checks.registry import CHECKS, Target
 from dpverify.mutants import (
     MUTANTS,
     PROPERTIES,
@@ -21,6 +20,7 @@ from dpverify.mutants import (
     manual_allreduce_step,
     weighted_replica_losses,
 )
+from dpverify.registry import CHECKS, Target
 from dpverify.sharded.fsdp import weighted_fsdp_step
 from dpverify.strategies import Scenario
 

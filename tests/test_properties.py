@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 import dpverify
 from dpverify.checks.loss_average import LossAverageReport
-from dpverify.checks.registry import CHECKS, Case, Target, Verdict
 from dpverify.models.specs import DeviceList, LossSpec, ModelSpec
 from dpverify.mutants import MUTANTS, PROPERTIES
+from dpverify.registry import CHECKS, Case, Target, Verdict
 from dpverify.strategies import Scenario, batch_sizes, device_lists, dtypes, model_specs, scenarios
 
 # Every dtype a model trains in, 16-bit ones included: the tolerance follows each dtype's

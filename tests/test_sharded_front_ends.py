@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpverify.checks.registry import CHECKS, Case, Verdict
 from dpverify.cli.fuzz import SHARDED_CHECKS, FuzzConfig, fuzz
 from dpverify.cli.main import main
 from dpverify.models.layouts import PipelineLayout, TPLayout
+from dpverify.registry import CHECKS, Case, Verdict
 
 SHARDED = ("fsdp-grads", "fsdp-training", "tp-grads", "pp-grads")
 

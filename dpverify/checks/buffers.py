@@ -19,13 +19,19 @@ from torch import nn
 from torch.nn.parallel.scatter_gather import scatter_kwargs
 
 from dpverify.checks.dp import Check, Parallel, raise_unless_ok
-from dpverify.core.comparison import Msg, StepComparison, TensorComparison, compare_tensors
+from dpverify.core.comparison import (
+    Msg,
+    StepComparison,
+    TensorComparison,
+    TensorId,
+    compare_tensors,
+)
 from dpverify.core.step import convert_tensors, copy_module, default_dtype, seed_step
 from dpverify.core.text import plural
 from dpverify.core.tree import first_batched
 from dpverify.core.virtual import replica_device, virtual_primitives
 
-__all__ = ["assert_dp_buffers_match"]
+__all__ = ["assert_dp_buffers_match", "buffers_match"]
 
 
 def _first_chunk(check: Check) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -78,7 +84,7 @@ def _buffers_after_forward(
     return {name: buffer.detach() for name, buffer in model.named_buffers()}
 
 
-def _compare_exact(name: str, actual: torch.Tensor, expected: torch.Tensor) -> TensorComparison:
+def _compare_exact(name: TensorId, actual: torch.Tensor, expected: torch.Tensor) -> TensorComparison:
     differs = int((actual.cpu() != expected.cpu()).sum()) if actual.shape == expected.shape else expected.numel()
     problem = None
     if differs:
@@ -115,6 +121,12 @@ def assert_dp_buffers_match(
         module, inputs, device_ids=device_ids, output_device=output_device, parallel=parallel,
         forward_kwargs=forward_kwargs, dim=dim,
     )
+    return raise_unless_ok(buffers_match(check), msg)
+
+
+def buffers_match(check: Check) -> StepComparison:
+    """``assert_dp_buffers_match`` on a built ``check``, returning its comparison whatever
+    it found."""
     replica_zero = _ReplicaZero(check.device_ids[0])
     actual = _buffers_after_forward(check, check.args, check.kwargs, parallel=True, dtype=None, replica_zero=replica_zero)
     # what replica 0 really ran on (the wrapper's split), else torch's first chunk
@@ -126,7 +138,7 @@ def assert_dp_buffers_match(
     anchor = _buffers_after_forward(check, first_args, first_kwargs, parallel=False, dtype=torch.float64)
     rows = []
     for name, buffer in expected.items():
-        label = f"buffer {name!r}"
+        label = TensorId("buffer", name)
         got = actual.get(name)
         if got is None:
             rows.append(TensorComparison(label, tuple(buffer.shape), buffer.numel(), mismatched=1, problem="is missing after the parallel step"))
@@ -142,4 +154,4 @@ def assert_dp_buffers_match(
     ]
     title = "Buffers after the parallel step must be those replica 0 left"
     ran = replica_zero.forwards
-    return raise_unless_ok(check.outcome(title, rows, notes=notes, failures=check.replica_failures(ran), replicas=ran), msg)
+    return check.outcome(title, rows, notes=notes, failures=check.replica_failures(ran), replicas=ran)

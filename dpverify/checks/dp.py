@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import threading
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -15,16 +13,17 @@ import torch
 from torch import nn
 
 from dpverify.core.comparison import (
+    Derived,
     Msg,
     StepComparison,
     TensorComparison,
+    TensorId,
     Terms,
     Tolerance,
     compare_tensors,
     explain_scale,
     render,
     require_finite,
-    shared_references,
     step_comparison,
     uniform_scale,
 )
@@ -53,7 +52,10 @@ from dpverify.core.validation import (
 )
 from dpverify.core.virtual import data_parallel, observe_gathers, virtual_devices
 
-__all__ = ["Check", "LossModule", "assert_dp_grads_match", "assert_grad_sum_equals_mean_loss_grad", "raise_unless_ok", "require_loss_fn"]
+__all__ = [
+    "Check", "LossModule", "References", "SharedSteps", "assert_dp_grads_match", "assert_grad_sum_equals_mean_loss_grad",
+    "grad_sum_matches", "grads_match", "output_id", "raise_unless_ok", "require_loss_fn",
+]
 
 Parallel = Callable[..., Callable[..., Any]]
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -403,18 +405,17 @@ class Check:
 
     def references(
         self, loss_in: Callable[[torch.dtype | None], Callable[[Any], torch.Tensor]], loss_argument: str = "loss_fn",
-        *, loss_key: tuple[Any, ...] | None = None,
+        *, shared: SharedSteps | None = None, rows: dict[Any, Any] | None = None,
     ) -> References:
         """The single-device step, plus what anchors the tolerance unless explicit
         tolerances were given: its float64 twin, and for float64 models a float32 probe and
         a jittered float64 run. ``loss_in(dtype)`` gives the loss for a run in ``dtype``
         (None: the working dtype).
 
-        ``loss_key`` names the objects ``loss_in`` is built from (the loss function and the
-        target). Given, these steps are shared with earlier and later checks of the same
-        module, inputs and loss, unchanged since (``_ReferenceCache``): the checks of one
-        split, and of one batch on several device counts (made anew for each: equal
-        values count), need them once.
+        ``shared``: the steps of the checks this one is grouped with on the same module,
+        batch and loss (``SharedSteps``); the steps it holds are not run again, and the
+        steps run here are added to it. None: this check's own. ``rows``: the comparisons
+        already made of the parallel step's own tensors (``Check.against``'s ``reuse``).
 
         A module with divergence sources (BatchNorm in train mode, Dropout) gets no second
         rounding sample (``References.settle``): its mismatches are reported with those
@@ -425,14 +426,8 @@ class Check:
             NonFiniteReference: the single-device or float64 step is not finite; nothing
                 is compared then.
         """
-        entry = _REFERENCES.entry_for(self, loss_key) if loss_key is not None else _Entry.unshared()
-        return self._references(entry, loss_in, loss_argument)
-
-    def _references(
-        self, entry: _Entry, loss_in: Callable[[torch.dtype | None], Callable[[Any], torch.Tensor]], loss_argument: str,
-        rows: dict[Any, Any] | None = None,
-    ) -> References:
-        steps = entry.steps
+        store = SharedSteps() if shared is None else shared.for_check(self)
+        steps = store.steps
         step_rows = {} if rows is None else rows
 
         def split(dtype: torch.dtype | None) -> Callable[[], StepResult | None]:
@@ -464,8 +459,7 @@ class Check:
                 other = torch.float32 if self.dtype == torch.float64 else torch.float64
                 splits = (split(None), split(other))
             return References(
-                expected, anchor, probe, jitter, settle, prepared=entry.prepared, anchored=entry.anchored, rows=step_rows,
-                splits=splits,
+                expected, anchor, probe, jitter, settle, splits=splits, shared=store, rows=step_rows,
             )
 
         def step(kind: str, run: Callable[[], StepResult]) -> StepResult:
@@ -520,28 +514,28 @@ class Check:
         """Outputs (when asked), the loss, and every parameter's gradient."""
         expected = refs.expected
 
-        def row(name: str, got: torch.Tensor | None, key: Key, terms: Terms | None = None) -> TensorComparison:
-            return self.against(name, got, refs, key, terms)
+        def row(which: TensorId, got: torch.Tensor | None, key: Key, terms: Terms | None = None) -> TensorComparison:
+            return self.against(which, got, refs, key, terms)
 
         rows: list[TensorComparison] = []
         if outputs:
             actual_outputs = dict(compared_outputs(actual, expected))
             for path, tensor in expected.outputs:
                 if path not in actual_outputs:
-                    rows.append(TensorComparison(path, tuple(tensor.shape), tensor.numel(), mismatched=tensor.numel(), problem="is missing from the parallel step's output"))
+                    rows.append(TensorComparison(output_id(path), tuple(tensor.shape), tensor.numel(), mismatched=tensor.numel(), problem="is missing from the parallel step's output"))
                     continue
-                rows.append(row(path, actual_outputs[path], Key.output(path)))
+                rows.append(row(output_id(path), actual_outputs[path], Key.output(path)))
         loss_terms = refs.anchor.loss_terms if refs.anchor is not None else None
-        rows.append(row("loss", actual.loss, Key.loss(), Terms(loss_terms, loss_terms) if loss_terms else None))
+        rows.append(row(TensorId("loss"), actual.loss, Key.loss(), Terms(loss_terms, loss_terms) if loss_terms else None))
         for name in expected.grads:
-            rows.append(self.against(f"grad {name!r}", actual.grads.get(name), refs, Key.grad(name), actual.terms(name), reuse=True))
+            rows.append(self.against(TensorId("grad", name), actual.grads.get(name), refs, Key.grad(name), actual.terms(name), reuse=True))
         return rows
 
     def against(
-        self, name: str, actual: torch.Tensor | None, refs: References, key: Key,
+        self, which: TensorId, actual: torch.Tensor | None, refs: References, key: Key,
         terms: Terms | None = None, *, contrast: bool = False, reuse: bool = False,
     ) -> TensorComparison:
-        """Compares one parallel tensor with the references' tensor that ``key`` picks;
+        """Compares one parallel tensor, ``which``, with the references' tensor that ``key`` picks;
         ``terms`` is the magnitude of what the parallel step summed into it, if known. A
         ``contrast`` is expected to differ: it gets no second rounding sample.
 
@@ -553,26 +547,19 @@ class Check:
             slot = (id(actual), key, terms, contrast, self.tolerance)
             done = refs.rows.get(slot)
             if done is not None and done[0] is actual:
-                again: TensorComparison = replace(done[1], id=name)
+                again: TensorComparison = replace(done[1], id=which)
                 return again
-            result = self.against(name, actual, refs, key, terms, contrast=contrast)
+            result = self.against(which, actual, refs, key, terms, contrast=contrast)
             refs.rows[slot] = (actual, result)
             return result
 
         def compare(settled: bool) -> TensorComparison:
             # The references' tensors of ``key`` are the same objects for every row of
             # every check that shares them: what the rule derives from them is derived once.
-            with shared_references(refs.anchored):
-                return compare_tensors(
-                    name,
-                    actual,
-                    refs.keyed(key),
-                    refs.keyed(key, "anchor"),
-                    self.tolerance,
-                    refs.keyed(key, "probe"),
-                    terms,
-                    refs.keyed(key, "settled" if settled else "jitter"),
-                )
+            return compare_tensors(
+                which, actual, refs.keyed(key), refs.keyed(key, "anchor"), self.tolerance, refs.keyed(key, "probe"),
+                terms, refs.keyed(key, "settled" if settled else "jitter"), derived=refs.shared.derived,
+            )
 
         result = compare(False)
         if result.ok or result.problem is not None or contrast:
@@ -590,11 +577,10 @@ class Check:
         # The last sample: the step run chunk by chunk as the parallel split runs it, where
         # its distance from the full batch is rounding (``References.split_sample``).
         # Batch-size-dependent kernels round each chunk differently from the full batch.
-        with shared_references(refs.anchored):
-            split_result = compare_tensors(
-                name, actual, refs.keyed(key), refs.keyed(key, "anchor"), self.tolerance,
-                refs.keyed(key, "probe"), terms, sample,
-            )
+        split_result = compare_tensors(
+            which, actual, refs.keyed(key), refs.keyed(key, "anchor"), self.tolerance,
+            refs.keyed(key, "probe"), terms, sample, derived=refs.shared.derived,
+        )
         return split_result if split_result.ok else result
 
     def replica_failures(self, ran: int, *, lost: str | None = None) -> list[str]:
@@ -661,6 +647,12 @@ class Check:
             check, self.scenario_of(step), self.tolerance, self.dtype, self.module, rows,
             contrasts=contrasts, notes=notes, failures=failures, scale=scale, replicas=replicas,
         )
+
+
+def output_id(path: str) -> TensorId:
+    """The id of the step's output at ``path`` (``output``, ``output['logits']``): its
+    path is its kind, the text messages show."""
+    return TensorId(path)
 
 
 def compared_outputs(actual: StepResult, expected: StepResult) -> tuple[tuple[str, torch.Tensor], ...]:
@@ -765,14 +757,13 @@ class References:
     #: precision (float64, or float32 for a float64 model), each run on first need; None
     #: where no such sample is taken
     splits: tuple[Callable[[], StepResult | None], Callable[[], StepResult | None]] | None = None
-    _settled: list[StepResult] = field(default_factory=list, repr=False, compare=False)
-    #: the tensors ``keyed`` picked, and what the comparisons derived from them
-    #: (``shared_references``), for every check that shares the steps
-    prepared: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
-    anchored: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    #: the steps, the tensors ``keyed`` picked from them and what the comparisons derived
+    #: from those, for every check that shares the steps
+    shared: SharedSteps = field(default_factory=lambda: SharedSteps(), repr=False, compare=False)
     #: comparisons of the parallel step's own tensors (``Check.against``'s ``reuse``),
     #: shared by the checks that share that step
     rows: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    _settled: list[StepResult] = field(default_factory=list, repr=False, compare=False)
 
     def settled(self) -> StepResult:
         """The jittered single-device step (``settle``), run once, on first need."""
@@ -811,12 +802,12 @@ class References:
         """The tensor ``key`` picks from one of the steps (``expected``, ``anchor``,
         ``probe``, ``jitter``, or ``settled``: the second rounding sample, run on first
         need), picked once: the same object for every comparison."""
+        picked = self.shared.picked
         slot = (key, step)
-        if slot not in self.prepared:
+        if slot not in picked:
             source = self.settled() if step == "settled" else getattr(self, step)
-            self.prepared[slot] = key(source) if source is not None else None
-        tensor: torch.Tensor | None = self.prepared[slot]
-        return tensor
+            picked[slot] = key(source) if source is not None else None
+        return picked[slot]
 
 
 # How much smaller the float64 chunk-by-chunk distance from the full batch must be than the
@@ -866,255 +857,99 @@ _JITTER = 8 * torch.finfo(torch.float64).eps
 
 def _require_finite_step(step: StepResult, stage: str) -> None:
     for path, tensor in step.outputs:
-        require_finite(path, tensor, stage)
-    require_finite("loss", step.loss, stage)
+        require_finite(output_id(path), tensor, stage)
+    require_finite(TensorId("loss"), step.loss, stage)
     for name, grad in step.grads.items():
-        require_finite(f"grad {name!r}", grad, stage)
+        require_finite(TensorId("grad", name), grad, stage)
 
 
-class _Same:
-    """An object compared by identity, and held so that its id cannot be reused."""
+@dataclass(frozen=True)
+class _LeftStep:
+    """A parallel step the gradient check left for the replica-sum check of the same split
+    and wrapper (``SharedSteps.leave``), with the comparisons of its own tensors."""
 
-    __slots__ = ("obj",)
+    split: tuple[Any, ...]
+    parallel: object
+    parallel_loss: object
+    step: StepResult
+    rows: dict[Any, Any]
 
-    def __init__(self, obj: object) -> None:
-        self.obj = obj
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Same) and other.obj is self.obj
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-_SCALARS = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device)
-
-
-def _tensor_state(tensor: torch.Tensor) -> tuple[Any, ...]:
-    # The version counter sees in-place updates (optimizer steps, load_state_dict); the
-    # content (a hash of the bits and the float64 sum: a few milliseconds for 1e7
-    # elements) also sees writes through ``.data``, which bypass the counter.
-    strided = tensor.layout == torch.strided and not tensor.is_meta
-    content: Any = None
-    if strided and tensor.numel():
-        values = tensor.detach()
-        values = torch.view_as_real(values) if values.is_complex() else values
-        total = _float64_sum(values) if values.is_floating_point() else None
-        content = (int(torch.hash_tensor(values).view(torch.int64)), total)
-    return (
-        _Same(tensor), tensor._version, tensor.data_ptr() if strided else None, tuple(tensor.shape),
-        tensor.stride() if strided else None, tensor.dtype, tensor.device, tensor.requires_grad, content,
-    )
+    def fits(self, check: Check) -> bool:
+        return (
+            self.split == _split_of(check) and self.parallel is check.parallel and self.parallel_loss is check.parallel_loss
+        )
 
 
-class _Values:
-    """A tensor of the batch or the target, equal to another that holds the same bits.
-
-    ``dpverify check`` makes the batch of one batch size afresh for each device count: the
-    same values in new tensors, whose steps are the same computation. The same tensor is
-    equal to itself while its version, storage and content are unchanged (as
-    ``_tensor_state`` has it); another tensor is equal when the shapes, strides, dtypes,
-    devices and contents agree and its bits are the same now, and neither changed in place
-    since it was taken.
-    """
-
-    __slots__ = ("data_ptr", "meta", "tensor", "version")
-    tensor: torch.Tensor
-    version: int
-    data_ptr: int | None
-    meta: tuple[Any, ...]
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        state = _tensor_state(tensor)
-        self.tensor = tensor
-        self.version, self.data_ptr, self.meta = state[1], state[2], state[3:]
-
-    def _unchanged(self) -> bool:
-        strided = self.tensor.layout == torch.strided and not self.tensor.is_meta
-        return self.tensor._version == self.version and (self.tensor.data_ptr() if strided else None) == self.data_ptr
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Values) or other.meta != self.meta:
-            return False
-        if other.tensor is self.tensor:
-            return other.version == self.version and other.data_ptr == self.data_ptr
-        return self._unchanged() and other._unchanged() and _same_bits(self.tensor, other.tensor)
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors of one shape, dtype and device hold the same bits (``-0.0`` is
-    not ``0.0``, and a NaN equals the same NaN)."""
-    if a.layout != torch.strided or b.layout != torch.strided or a.is_meta or b.is_meta:
-        return False
-    a, b = a.detach(), b.detach()
-    if a.is_complex():
-        a, b = torch.view_as_real(a), torch.view_as_real(b)
-    if a.is_floating_point():
-        bits = _BITS.get(a.element_size())
-        if bits is None:
-            return False
-        a, b = a.view(bits), b.view(bits)
-    return bool(torch.equal(a, b))
-
-
-def _float64_sum(values: torch.Tensor) -> float:
-    """The float64 sum of ``values``, a chunk at a time: ``sum(dtype=float64)`` of a large
-    float32 tensor first makes a float64 copy of all of it, ten times slower."""
-    flat = values.reshape(-1)
-    return sum(float(chunk.sum(dtype=torch.float64)) for chunk in flat.split(_SUM_CHUNK))
-
-
-_SUM_CHUNK = 1 << 20
-
-
-def _state(obj: Any, depth: int = 0, *, values: bool = False) -> Any:
-    """What a step reads of ``obj``: tensors by identity, version and content, scalars by
-    value, containers item by item (a few levels deep), anything else by identity.
-
-    ``values``: tensors by their bits instead (``_Values``), and frozen dataclasses (a loss
-    spec) by type and attributes: what the batch and the loss are, not which objects."""
-    kind = type(obj)
-    if kind in _SCALAR_TYPES:  # the common case first: a module's attributes are mostly these
-        return (kind, obj)
-    if isinstance(obj, torch.Tensor):
-        return _Values(obj) if values else _tensor_state(obj)
-    if isinstance(obj, _SCALARS):
-        return (kind, obj)
-    if depth < 4 and isinstance(obj, (tuple, list)):
-        return (kind, tuple(_state(item, depth + 1, values=values) for item in obj))
-    if depth < 4 and isinstance(obj, dict):
-        return (kind, tuple((_state(key, depth + 1, values=values), _state(value, depth + 1, values=values)) for key, value in obj.items()))
-    if values and depth < 4 and _frozen_dataclass(obj) and isinstance(getattr(obj, "__dict__", None), dict):
-        return (_Same(kind), _state(vars(obj), depth + 1, values=True))
-    return _Same(obj)
-
-
-_SCALAR_TYPES = frozenset(_SCALARS)
-
-
-def _frozen_dataclass(obj: Any) -> bool:
-    params = getattr(type(obj), "__dataclass_params__", None)
-    return params is not None and bool(params.frozen)
-
-
-def _module_state(module: nn.Module) -> tuple[Any, ...]:
-    """Every submodule's attributes: parameters, buffers, children, hooks, the train flag
-    and the hyperparameters a forward reads (``eps``, ``p``...). A module attribute that is
-    a mutable object changed in place (a list appended to) is not seen. The root is not
-    held (only its attributes): the cache must not keep it alive."""
-    return tuple(
-        (path, None if sub is module else _Same(sub), _state(vars(sub)))
-        for path, sub in module.named_modules(remove_duplicate=False)
-    )
+def _split_of(check: Check) -> tuple[Any, ...]:
+    return (tuple(check.device_ids), check.output_device, check.dim)
 
 
 @dataclass
-class _Entry:
-    """The steps of one module, inputs and loss: the single-device ones by kind, the tensors
-    the comparisons picked from them and what they derived (``References.prepared`` and
-    ``anchored``), and the gradient check's parallel step with the split and wrapper it ran
-    (``parallel_key``) and its compared rows, until the replica-sum check takes them."""
+class SharedSteps:
+    """The steps the checks of one module, batch, target and loss share, held by whoever
+    groups those checks and passes it to each of them: the planner
+    (``dpverify.planner.plan_checks``) makes one per batch, for every check on it on every
+    device count. A check given none makes its own, so each call of a public assertion
+    runs its steps anew.
 
-    module: weakref.ReferenceType[nn.Module] | None
-    key: tuple[Any, ...]
-    steps: dict[str, StepResult] = field(default_factory=dict)
-    prepared: dict[Any, Any] = field(default_factory=dict)
-    anchored: dict[Any, Any] = field(default_factory=dict)
-    parallel_key: tuple[Any, ...] | None = None
-    parallel: StepResult | None = None
-    parallel_rows: dict[Any, Any] = field(default_factory=dict)
+    Whoever passes one to several checks promises they run on the same module, batch,
+    target and loss, unchanged in between (the checks run on copies and change none of
+    them). One device and dtype: a check on another device gets steps of its own
+    (``for_check``).
 
-    @classmethod
-    def unshared(cls) -> _Entry:
-        """An entry for one check alone."""
-        return cls(None, ())
-
-
-class _ReferenceCache:
-    """The steps of the last check, for the next check that needs the same.
-
-    ``dpverify check`` runs two checks per split, and one batch on several device counts;
-    their single-device steps (working dtype, float64 anchor, jittered sample) do not
-    depend on the split, and are the same computation each time. Both checks of a split
-    also run the same parallel step: the same module through the same wrapper on the same
-    devices. A check reuses steps only when the module is the same object, unchanged since
-    (versions, contents, attributes: ``_module_state``), the forward arguments and the
-    target hold the same values (the same objects unchanged, or new tensors with the same
-    bits: ``_Values``), the loss function is the same object (or an equal frozen
-    dataclass, such as a loss spec), on the same device with the same default dtype;
-    anything else starts a new entry. A parallel step is reused once, by the replica-sum
-    check that follows the gradient check with the same device ids, output device and
-    wrapper (the same object, with the same attributes): ``_steps``.
-
-    The key is taken before a check's steps run: a step is assumed not to change what it
-    reads (a loss that writes to its target would make every step differ anyway).
-
-    One entry: consecutive checks are what share. It holds the module only weakly, so it
-    never keeps a model, or its steps' gradients, alive after the caller lets go of it.
+    Attributes:
+        steps: the single-device steps by kind (working dtype, float64 anchor, float32
+            probe, jittered samples, the split run chunk by chunk).
+        picked: the tensors ``References.keyed`` picked from them: the same objects for
+            every comparison.
+        derived: what the comparisons derived from those tensors (``compare_tensors``'s
+            ``derived``).
+        left: the gradient check's parallel step, left for the replica-sum check of the
+            same split through the same wrappers, which takes it (``take``).
     """
 
-    def __init__(self) -> None:
-        self._entry: _Entry | None = None
-        # Reentrant: the weakref callback may run inside entry_for, when a collection frees a module.
-        self._lock = threading.RLock()
+    steps: dict[str, StepResult] = field(default_factory=dict)
+    picked: dict[tuple[Key, str], torch.Tensor | None] = field(default_factory=dict)
+    derived: Derived = field(default_factory=dict)
+    left: _LeftStep | None = None
+    device: torch.device | None = None
+    dtype: torch.dtype | None = None
 
-    def entry_for(self, check: Check, loss_key: tuple[Any, ...]) -> _Entry:
-        """The entry for ``check``'s state (filled in by the caller as its steps run)."""
-        key = (
-            check.device, check.dtype, torch.get_default_dtype(), _module_state(check.module),
-            _state(check.args, values=True), _state(check.kwargs, values=True), _state(loss_key, values=True),
-        )
-        with self._lock:
-            entry = self._entry
-            if entry is not None and entry.module is not None and entry.module() is check.module and entry.key == key:
-                return entry
-            self._entry = _Entry(weakref.ref(check.module, self._forget), key)
-            return self._entry
+    def for_check(self, check: Check) -> SharedSteps:
+        """These steps, or new ones when ``check`` runs on another device or dtype than the
+        checks before it."""
+        if self.device is None:
+            self.device, self.dtype = check.device, check.dtype
+        if (self.device, self.dtype) != (check.device, check.dtype):
+            return SharedSteps()
+        return self
 
-    def clear(self) -> None:
-        with self._lock:
-            self._entry = None
+    def leave(self, check: Check, step: StepResult, rows: dict[Any, Any]) -> None:
+        """Leaves ``check``'s parallel step for the next check that ``take``s it."""
+        self.left = _LeftStep(_split_of(check), check.parallel, check.parallel_loss, step, rows)
 
-    def _forget(self, module: weakref.ReferenceType[nn.Module]) -> None:
-        # The module is gone: its steps can never be asked for again.
-        with self._lock:
-            if self._entry is not None and self._entry.module is module:
-                self._entry = None
-
-
-_REFERENCES = _ReferenceCache()
+    def take(self, check: Check) -> tuple[StepResult | None, dict[Any, Any]]:
+        """The parallel step left by a check of the same split through the same wrappers
+        (and the comparisons made of its tensors), or None; none is left afterwards."""
+        left, self.left = self.left, None
+        if left is None or not left.fits(check):
+            return None, {}
+        return left.step, left.rows
 
 
-def _parallel_key(check: Check) -> tuple[Any, ...]:
-    """What a parallel step depends on beyond the entry's key: the split and the wrapper
-    (the same object, and for a function or an instance the same attributes)."""
-    attributes = getattr(check.parallel, "__dict__", None)
-    return (
-        tuple(check.device_ids), check.output_device, check.dim, _Same(check.parallel),
-        _state(attributes) if isinstance(attributes, dict) else None, _Same(check.parallel_loss),
-    )
-
-
-def _steps(check: Check, loss_fn: LossFn, target: Any, *, take: bool) -> tuple[StepResult, References]:
+def _steps(
+    check: Check, loss_fn: LossFn, target: Any, shared: SharedSteps | None, *, take: bool,
+) -> tuple[StepResult, References]:
     """The parallel step, recording every replica's contribution, and the references.
 
-    The references are shared with any check of the same module, inputs, loss and target
-    (``_ReferenceCache``). The parallel step is shared once: the gradient check runs it
-    and leaves it; the replica-sum check that follows on the same split, through the same
-    wrapper, takes it (``take``) instead of running it again. Any other check runs its own, so
-    that calling a check again samples the code under test again.
+    ``shared``: the steps of the checks grouped with this one on the same batch and loss
+    (None: this check's own). The gradient check leaves its parallel step there; the
+    replica-sum check that follows on the same split, through the same wrappers, takes it
+    (``take``) instead of running it again.
     """
-    loss_key = (loss_fn, target)
-    entry = _REFERENCES.entry_for(check, loss_key)
-    parallel_key = _parallel_key(check)
-    parallel, rows = None, {}
-    if take and entry.parallel is not None and entry.parallel_key == parallel_key:
-        parallel, rows = entry.parallel, entry.parallel_rows
-    entry.parallel_key, entry.parallel, entry.parallel_rows = None, None, {}
+    shared = SharedSteps() if shared is None else shared.for_check(check)
+    left, left_rows = shared.take(check)  # a step left serves the next check only
+    parallel, rows = (left, left_rows) if take else (None, {})
     if parallel is None:
         loss_raised: list[BaseException] = []
         try:
@@ -1134,8 +969,8 @@ def _steps(check: Check, loss_fn: LossFn, target: Any, *, take: bool) -> tuple[S
                 _raise_if_single_device_fails(check, loss_fn, target)
             raise
         if not take:
-            entry.parallel_key, entry.parallel, entry.parallel_rows = parallel_key, parallel, rows
-    refs = check._references(entry, lambda dtype: _loss_of(loss_fn, _target_on(target, check, dtype)), "loss_fn", rows)
+            shared.leave(check, parallel, rows)
+    refs = check.references(lambda dtype: _loss_of(loss_fn, _target_on(target, check, dtype)), shared=shared, rows=rows)
     return parallel, refs
 
 
@@ -1242,8 +1077,14 @@ def assert_dp_grads_match(
         parallel=parallel, rtol=rtol, atol=atol, forward_kwargs=forward_kwargs, dim=dim,
         parallel_loss_fn=parallel_loss_fn,
     )
+    return raise_unless_ok(grads_match(check, loss_fn, target), msg)
+
+
+def grads_match(check: Check, loss_fn: LossFn, target: Any, shared: SharedSteps | None = None) -> StepComparison:
+    """``assert_dp_grads_match`` on a built ``check``, returning its comparison whatever
+    it found; ``shared``: the steps of the checks grouped with it (``SharedSteps``)."""
     check.require_target(target)
-    parallel_step, refs = _steps(check, loss_fn, target, take=False)
+    parallel_step, refs = _steps(check, loss_fn, target, shared, take=False)
     title = "DataParallel outputs and gradients must match the single-device step"
     rows = check.compare(parallel_step, refs)
     failures = check.replica_failures(len(parallel_step.contributions), lost=_lost_chunks(check, parallel_step, refs)) + _gathered_elsewhere(check, parallel_step)
@@ -1251,7 +1092,7 @@ def assert_dp_grads_match(
     notes, scale = _diagnose(check, parallel_step, refs, loss_fn, target) if failed else ([], None)
     lost = _lost_chunks(check, parallel_step, refs) if failed and len(parallel_step.contributions) >= 2 else None
     notes = [*_per_replica_note(parallel_step, refs.expected), *([lost] if lost else []), *_differing_rows(check, parallel_step, refs, rows), *notes]
-    return raise_unless_ok(check.outcome(title, rows, notes=notes, failures=failures, scale=scale, step=parallel_step), msg)
+    return check.outcome(title, rows, notes=notes, failures=failures, scale=scale, step=parallel_step)
 
 
 # Rows of an output the mismatch message locates one by one, and elements of one it
@@ -1346,10 +1187,10 @@ def _differing_rows(check: Check, actual: StepResult, refs: References, rows: Se
     differ and the replicas whose chunks they are, by the rows each replica forward really
     received (a wrapper that breaks some replicas only, such as one that loses their
     buffers, shows here as the rows of those replicas)."""
-    failing = {row.name: row for row in rows if not row.ok and row.problem is None}
+    failing = {row.id: row for row in rows if not row.ok and row.problem is None}
     notes = []
     for path, got in compared_outputs(actual, refs.expected):
-        row = failing.get(path)
+        row = failing.get(output_id(path))
         reference = refs.keyed(Key.output(path), "expected" if check.tolerance.explicit else "anchor")
         if row is None or reference is None or got.shape != reference.shape or got.dim() == 0:
             continue
@@ -1491,7 +1332,7 @@ def _loss_averaging_trap(check: Check, actual: StepResult, refs: References, los
     # comparison allows, and the full-batch loss well beyond it.
     loss_terms = refs.anchor.loss_terms if refs.anchor is not None else None
     terms = Terms(loss_terms, loss_terms) if loss_terms else None
-    allowed = check.against("loss", actual.loss, refs, Key.loss(), terms).allowed
+    allowed = check.against(TensorId("loss"), actual.loss, refs, Key.loss(), terms).allowed
     rounding = max(allowed, 64 * torch.finfo(actual.loss.dtype).eps * max(abs(full), abs(mean)))
     if abs(full - mean) <= 4 * rounding or abs(parallel - mean) > rounding:
         return []
@@ -1563,8 +1404,15 @@ def assert_grad_sum_equals_mean_loss_grad(
         module, inputs, device_ids=device_ids, parallel=parallel, rtol=rtol, atol=atol,
         forward_kwargs=forward_kwargs, dim=dim, parallel_loss_fn=parallel_loss_fn,
     )
+    return raise_unless_ok(grad_sum_matches(check, loss_fn, target), msg)
+
+
+def grad_sum_matches(check: Check, loss_fn: LossFn, target: Any, shared: SharedSteps | None = None) -> StepComparison:
+    """``assert_grad_sum_equals_mean_loss_grad`` on a built ``check``, returning its
+    comparison whatever it found; ``shared``: the steps of the checks grouped with it,
+    whose parallel step it takes when a gradient check of the same split left one."""
     check.require_target(target)
-    parallel_step, refs = _steps(check, loss_fn, target, take=True)
+    parallel_step, refs = _steps(check, loss_fn, target, shared, take=True)
     title = "Replica gradients must sum to the full-batch mean-loss gradient"
     contributions = [grads for _device, grads in parallel_step.contributions]
     replicas = len(contributions)
@@ -1576,22 +1424,22 @@ def assert_grad_sum_equals_mean_loss_grad(
     for name, grad in refs.expected.grads.items():
         total = _as(_sum(contributions, name), grad)
         terms = parallel_step.terms(name)
-        summed = check.against(f"sum of replica grads {name!r}", total, refs, Key.grad(name), terms)
+        summed = check.against(TensorId("grads", name, variant="sum of replica"), total, refs, Key.grad(name), terms)
         sums_match &= summed.ok
         rows.append(summed)
-        rows.append(check.against(f"accumulated grad {name!r}", parallel_step.grads.get(name), refs, Key.grad(name), terms, reuse=True))
+        rows.append(check.against(TensorId("grad", name, variant="accumulated"), parallel_step.grads.get(name), refs, Key.grad(name), terms, reuse=True))
         if total is None:
             continue
         average = total / max(replicas, 1)
         # The wrapper decides how many replicas run (torch's scatter can use fewer than the
         # devices; a balanced wrapper its own split): the average is the full gradient over
         # the number that ran.
-        label = f"average of replica grads {name!r} = full / {replicas}"
+        label = TensorId("grads", name, variant="average of replica", detail=f"= full / {replicas}")
         share = Terms(terms.largest / replicas, terms.norm / replicas) if terms is not None else None
         rows.append(check.against(label, average, refs, Key.grad(name, replicas), share))
         if replicas > 1:
             contrast = check.against(
-                f"average of replica grads {name!r} vs full", average, refs, Key.grad(name), terms, contrast=True
+                TensorId("grads", name, variant="average of replica", detail="vs full"), average, refs, Key.grad(name), terms, contrast=True
             )
             contrasts.append(contrast)
             averages_differ |= contrast.mismatched > 0 or not contrast.ok
@@ -1610,7 +1458,7 @@ def assert_grad_sum_equals_mean_loss_grad(
         )
     if failures or not all(row.ok for row in rows):
         notes += _loss_averaging_trap(check, parallel_step, refs, loss_fn, target)
-    return raise_unless_ok(check.outcome(title, rows, contrasts=contrasts, notes=notes, failures=failures, step=parallel_step), msg)
+    return check.outcome(title, rows, contrasts=contrasts, notes=notes, failures=failures, step=parallel_step)
 
 
 def _as(value: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:

@@ -41,6 +41,8 @@ __all__ = [
     "assert_loss_reduction_matches_full_batch",
     "check_forward_loss_average",
     "extract_loss",
+    "loss_average_of",
+    "reduction_matches",
 ]
 
 #: ``reduce(losses, chunk_sizes)`` or ``reduce(losses, chunk_sizes, item_counts)``
@@ -233,6 +235,11 @@ def _per_call(per_call_kwargs: PerCall | None, devices: int, forward_kwargs: Map
     if clash:
         raise InvalidArgument(f"per_call_kwargs and forward_kwargs both give {clash}; give each keyword once")
     return dict(given)
+
+
+def _require_reduce(reduce: Reduce) -> None:
+    if not callable(reduce):
+        raise InvalidArgument(f"reduce={reduce!r} is not callable; pass reduce(replica_losses, chunk_sizes) -> scalar")
 
 
 def _require_items(items: Items | None) -> None:
@@ -687,6 +694,14 @@ def check_forward_loss_average(
             calls for two or more (one loss of the whole batch measures nothing parallel).
     """
     check = Check.create(module, inputs, device_ids=device_ids, parallel=parallel, forward_kwargs=forward_kwargs, dim=dim)
+    return loss_average_of(check, loss_at=loss_at, items=items, per_call_kwargs=per_call_kwargs)
+
+
+def loss_average_of(
+    check: Check, *, loss_at: int = -1, items: Items | None = None, per_call_kwargs: PerCall | None = None,
+) -> LossAverageReport:
+    """``check_forward_loss_average`` on a built ``check``."""
+    module = check.module
     single_given = _per_call(per_call_kwargs, 1, check.kwargs)
     parallel_given = _per_call(per_call_kwargs, len(check.device_ids), check.kwargs)
     sizes = list(check.plan.chunk_sizes)
@@ -899,14 +914,21 @@ def assert_loss_reduction_matches_full_batch(
             wrapper ran fewer than two replica forwards where the split calls for more.
     """
     __tracebackhide__ = True
-    if not callable(reduce):
-        raise InvalidArgument(
-            f"reduce={reduce!r} is not callable; pass reduce(replica_losses, chunk_sizes) -> scalar"
-        )
+    _require_reduce(reduce)
     check = Check.create(
         module, inputs, device_ids=device_ids, parallel=parallel, rtol=rtol, atol=atol,
         forward_kwargs=forward_kwargs, dim=dim,
     )
+    return raise_unless_ok(reduction_matches(check, reduce, loss_at=loss_at, items=items, per_call_kwargs=per_call_kwargs), msg)
+
+
+def reduction_matches(
+    check: Check, reduce: Reduce, *, loss_at: int = -1, items: Items | None = None, per_call_kwargs: PerCall | None = None,
+) -> StepComparison:
+    """``assert_loss_reduction_matches_full_batch`` on a built ``check``, returning its
+    comparison whatever it found."""
+    _require_reduce(reduce)
+    module = check.module
     _require_items(items)
     sizes = list(check.plan.chunk_sizes)
     counted: list[tuple[str, list[int]]] = []
@@ -970,7 +992,7 @@ def assert_loss_reduction_matches_full_batch(
         )
     title = "The reduced per-replica loss must equal the full-batch loss"
     ran = len(parallel_step.contributions)
-    return raise_unless_ok(check.outcome(title, rows, notes=notes, failures=check.replica_failures(ran), step=parallel_step), msg)
+    return check.outcome(title, rows, notes=notes, failures=check.replica_failures(ran), step=parallel_step)
 
 
 def _takes_three(reduce: Callable[..., Any]) -> bool:

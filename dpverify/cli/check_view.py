@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from dpverify.checks.model import ModelCheckReport, parameter_errors
-from dpverify.checks.registry import CheckResult, Split, Verdict
 from dpverify.core.text import and_list, plural, shape_text, shorten_names
 from dpverify.models.user import UserModel
+from dpverify.planner import ModelCheckReport, parameter_errors
+from dpverify.registry import CheckResult, Split, Verdict
 
 __all__ = ["CheckProgress", "render_model_check", "render_model_check_header", "runs_on"]
 

@@ -1,7 +1,7 @@
 """``dpverify fuzz``: the registry's checks on random scenarios, counted for a live display.
 
 Each example is a ``Scenario`` drawn by Hypothesis, made a ``Case``
-(``Case.from_scenario``) and checked by the checks of ``dpverify.checks.registry.CHECKS``
+(``Case.from_scenario``) and checked by the checks of ``dpverify.registry.CHECKS``
 that apply to it, as the property suite checks (``tests/test_properties.py``):
 
 - DataParallel (``DP_CHECKS``): the gradients, their sum over replicas, buffers updated in
@@ -49,7 +49,6 @@ from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.strategies import SearchStrategy
 
-from dpverify.checks.registry import CHECKS, Case, CheckResult, Target, Verdict
 from dpverify.core.comparison import TensorComparison
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import ParallelMismatch
@@ -57,6 +56,7 @@ from dpverify.core.text import plural
 from dpverify.models.layouts import BACKENDS as SHARDED_BACKENDS
 from dpverify.models.layouts import ShardedScenario
 from dpverify.models.specs import KINDS
+from dpverify.registry import CHECKS, Case, CheckResult, Target, Verdict
 from dpverify.strategies import (
     DeviceList,
     Scenario,
@@ -825,7 +825,7 @@ def repro_script(
         *(["import sys", "from pathlib import Path", ""] if imports else []),
         "import torch",
         "",
-        "from dpverify.checks.registry import CHECKS, Case, Target",
+        "from dpverify.registry import CHECKS, Case, Target",
         *(["from dpverify.cli.fuzz import with_user_loss"] if loss is not None else []),
         "from dpverify.models.specs import DeviceList, LossSpec, ModelSpec, Scenario",
         *(["from dpverify.models.layouts import FSDPLayout, PipelineLayout, ShardedScenario, TPLayout"] if isinstance(scenario, ShardedScenario) else []),

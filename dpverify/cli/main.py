@@ -45,8 +45,8 @@ from dpverify.models.user import UserModel, builtin_model
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from dpverify.checks.registry import CheckResult
     from dpverify.cli.fuzz import FuzzConfig, FuzzReport
+    from dpverify.registry import CheckResult
 
 __all__ = [
     "EXIT_FAILED",
@@ -110,8 +110,8 @@ def _verify_model(name: str, args: argparse.Namespace) -> UserModel:
 
 def _verify(args: argparse.Namespace) -> int:
     """``check`` on the built-in models, one line per check, for a wrapper under test."""
-    from dpverify.checks.model import check_model
-    from dpverify.checks.registry import Target, Verdict
+    from dpverify.planner import check_model
+    from dpverify.registry import Target, Verdict
 
     models = args.models or list(VERIFY_MODELS)
     unknown = sorted(set(models) - set(VERIFY_MODELS))
@@ -158,8 +158,8 @@ def _verify_coverage(results: list[tuple[str, CheckResult]], *, seed: int) -> li
     """What the run exercised, so that its OK means something: each behaviour a built-in
     model covers (``BuiltinCase.covers``) and each split, where a check of it ran (not
     skipped); and what the chosen models left out."""
-    from dpverify.checks.registry import Verdict
     from dpverify.core.scatter import chunk_sizes
+    from dpverify.registry import Verdict
 
     ran = [(name, r) for name, r in results if r.verdict is not Verdict.SKIP]
     models = {name for name, _ in ran}
@@ -392,9 +392,9 @@ def _fuzz_loss(args: argparse.Namespace) -> Any:
     loss = load_loss(args.loss)
     if loss is None:
         return None
-    from dpverify.checks.registry import Case
     from dpverify.cli.fuzz import with_user_loss
     from dpverify.models.specs import Scenario
+    from dpverify.registry import Case
 
     case = with_user_loss(Case.from_scenario(Scenario(batch_size=4)), loss)
     assert case.loss_fn is not None
@@ -509,10 +509,10 @@ def _check_dim(args: argparse.Namespace) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from dpverify.checks.model import check_model, plan_checks
-    from dpverify.checks.registry import CHECKS, Target
     from dpverify.cli.check_view import CheckProgress, render_model_check, render_model_check_header
     from dpverify.figures.check import check_figure
+    from dpverify.planner import check_model, plan_checks
+    from dpverify.registry import CHECKS, Target
 
     _require_ddp(args.backend)
     _check_dim(args)
@@ -666,9 +666,9 @@ def _add_fuzz(commands: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
-    from dpverify.checks.model import BACKENDS as CHECK_BACKENDS
-    from dpverify.checks.model import DEFAULT_BATCH_SIZES, DEFAULT_CHECKS, DEFAULT_DEVICE_COUNTS
-    from dpverify.checks.registry import CHECKS
+    from dpverify.planner import BACKENDS as CHECK_BACKENDS
+    from dpverify.planner import DEFAULT_BATCH_SIZES, DEFAULT_CHECKS, DEFAULT_DEVICE_COUNTS
+    from dpverify.registry import CHECKS
 
     check = commands.add_parser(
         "check", parents=[common],

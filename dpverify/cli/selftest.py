@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpverify.checks.registry import CHECKS, Case, Target, Verdict
 from dpverify.cli.exits import EXIT_FAILED, EXIT_NOTHING_CHECKED, EXIT_OK, usage_error
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
@@ -33,6 +32,7 @@ from dpverify.core.text import plural
 from dpverify.ddp.pool import DDPWorkerPool, RankRunner
 from dpverify.ddp.torchrun import ProcessGroupRunner
 from dpverify.models.builtin import BuiltinCase, builtin_case
+from dpverify.registry import CHECKS, Case, Target, Verdict
 
 __all__ = ["PartlyUsed", "main_selftest", "selftest_command"]
 

@@ -15,10 +15,8 @@ fails correct code.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -30,6 +28,7 @@ from dpverify.core.numerics import max_abs
 from dpverify.core.text import shape_text
 
 __all__ = [
+    "Derived",
     "StepComparison",
     "TensorComparison",
     "TensorId",
@@ -40,7 +39,6 @@ __all__ = [
     "float32_hint",
     "render",
     "require_finite",
-    "shared_references",
     "step_comparison",
     "uniform_scale",
     "worst_first",
@@ -329,7 +327,7 @@ class _Anchored:
     """What the anchored rule derives from the references alone, whatever the parallel
     result: the float64 answer rounded to the working dtype, the single-device step's
     distance from it, and the size of that answer (prepared once per set of reference
-    tensors inside ``shared_references``).
+    tensors given the same ``derived`` memo).
 
     Attributes:
         rounded: the float64 answer in the working dtype, on the single-device result's
@@ -352,33 +350,16 @@ class _Anchored:
     size_norm: float
 
 
-_SHARED: contextvars.ContextVar[dict[tuple[int, ...], tuple[object, ...]] | None] = contextvars.ContextVar(
-    "dpverify_shared_references", default=None,
-)
-
-
-@contextlib.contextmanager
-def shared_references(memo: dict[tuple[int, ...], tuple[object, ...]]) -> Iterator[None]:
-    """Within it, ``compare_tensors`` derives what the anchored rule needs from each set of
-    reference tensors (``expected``, ``anchor``, ``probe``, ``jitter``: the same objects)
-    once, and keeps it in ``memo``, for the next comparison with those references.
-
-    For a caller that compares several parallel tensors with the same references, which
-    nobody changes meanwhile (``dpverify.checks.dp``: a parameter's gradient, its replica
-    sum and their contrast, in the checks of one batch); every figure is the same as
-    without it. ``memo`` holds the reference tensors, so that their ids stay theirs.
-    """
-    token = _SHARED.set(memo)
-    try:
-        yield
-    finally:
-        _SHARED.reset(token)
+#: What ``compare_tensors`` derived from sets of reference tensors, by their ids (the
+#: tensors are held with it, so that their ids stay theirs): see ``compare_tensors``'s
+#: ``derived``.
+Derived = dict[tuple[int, ...], tuple[object, ...]]
 
 
 def _prepared(
     name: TensorId | str, expected: torch.Tensor, anchor: torch.Tensor, probe: torch.Tensor | None, jitter: torch.Tensor | None,
+    memo: Derived | None,
 ) -> _Anchored:
-    memo = _SHARED.get()
     if memo is None:
         return _anchored_reference(name, expected, anchor, probe, jitter)
     tensors = (expected, anchor, probe, jitter)
@@ -443,6 +424,8 @@ def compare_tensors(
     probe: torch.Tensor | None = None,
     terms: float | Terms | None = None,
     jitter: torch.Tensor | None = None,
+    *,
+    derived: Derived | None = None,
 ) -> TensorComparison:
     """Compares ``actual`` (parallel) with ``expected`` (single device) under ``tolerance``.
 
@@ -460,8 +443,11 @@ def compare_tensors(
     single-device step can be exact by luck while the parallel sum carries rounding of the
     size of its terms; the floors then scale with the terms, not with the total.
 
-    Inside ``shared_references``, what the references give the rule is derived once per
-    set of reference tensors.
+    ``derived``: a memo the caller keeps for comparisons with the same reference tensors
+    (``expected``, ``anchor``, ``probe``, ``jitter``: the same objects, unchanged
+    meanwhile), as ``dpverify.checks.dp`` does for a parameter's gradient, its replica sum
+    and their contrast: what the anchored rule needs from each set is derived once. Every
+    figure is the same as without it.
 
     Raises:
         NonFiniteReference: ``expected`` or ``anchor`` holds NaN or inf.
@@ -484,7 +470,7 @@ def compare_tensors(
         )
     if actual.numel() == 0:
         return TensorComparison(name, tuple(actual.shape), 0)
-    given = expected  # the object shared_references knows (a sparse one is densified anew)
+    given = expected  # the object ``derived`` knows (a sparse one is densified anew)
     actual, expected = _dense(actual), _dense(expected)
     device = expected.device
     actual = actual.detach().to(device)
@@ -493,7 +479,7 @@ def compare_tensors(
         return _explicit(name, actual, expected.detach(), tolerance)
     if anchor is None:
         raise ValueError("the anchored tolerance needs the float64 result")
-    return _anchored(name, actual, _prepared(name, given, anchor, probe, jitter), tolerance, terms)
+    return _anchored(name, actual, _prepared(name, given, anchor, probe, jitter, derived), tolerance, terms)
 
 
 def _anchored(

@@ -40,7 +40,6 @@ from dpverify.checks.loss_average import (
     chunk_weighted_loss,
     extract_loss,
 )
-from dpverify.checks.model import require_batch_dim, require_rows_along
 from dpverify.core.devices import device_index
 from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
 from dpverify.core.errors import InvalidArgument
@@ -63,6 +62,7 @@ from dpverify.core.virtual import (
     virtual_devices,
 )
 from dpverify.models.user import Batch, UserModel
+from dpverify.planner import require_batch_dim, require_rows_along
 
 __all__ = [
     "ChunkFact",
@@ -1058,8 +1058,8 @@ def _ddp_fact(module: nn.Module, batch: Batch, device_ids: list[int], sizes: Seq
 
 
 def _measured_ddp(module: nn.Module, batch: Batch, world_size: int, simulated: DDPFact, dim: int = 0) -> DDPFact:
-    from dpverify.checks.registry import CHECKS, Case, Verdict
     from dpverify.ddp import checks_if_available
+    from dpverify.registry import CHECKS, Case, Verdict
 
     if checks_if_available() is None:
         return DDPFact("simulated", simulated.mean_loss_gap, simulated.sum_loss_ratio, "the DDP backend is not available in this build")

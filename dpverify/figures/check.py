@@ -18,18 +18,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dpverify.checks.registry import CHECKS, Verdict
 from dpverify.core.comparison import worst_first
 from dpverify.core.text import ELLIPSIS, and_list, plural, shorten_names
 from dpverify.figures.base import COLOURS, DPI, WIDTH, drawing, message_panel, new_figure
+from dpverify.registry import CHECKS, Verdict
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from dpverify.checks.model import ModelCheckReport
-    from dpverify.checks.registry import CheckResult
     from dpverify.core.comparison import StepComparison, TensorComparison
+    from dpverify.planner import ModelCheckReport
+    from dpverify.registry import CheckResult
 
 __all__ = ["MAX_BARS", "NAME_WIDTH", "check_figure", "comparison_figure"]
 
@@ -406,7 +406,7 @@ def check_figure(report: ModelCheckReport) -> Figure:
     tensors (a check whose code raised) are listed under the panels.
 
     Args:
-        report: what ``dpverify.checks.model.check_model`` returned.
+        report: what ``dpverify.planner.check_model`` returned.
 
     Returns:
         A 1,200-pixel-wide figure, each panel's axes labelled with its check's name

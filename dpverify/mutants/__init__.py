@@ -9,7 +9,7 @@ chunk_sizes)``'s signature (``Target(reduce=...)``); DDP and FSDP2 mutants are p
 steps, ``step(ctx)`` (``Target(step=...)``), tensor-parallel mutants plan builders
 ``plan(layout, module)`` (``Target(plan=...)``) and pipeline mutants schedule classes
 (``Target(schedule=...)``). ``MUTANTS`` describes them all: the bug,
-the registry check that catches it (``dpverify.checks.registry.CHECKS``), and a phrase the
+the registry check that catches it (``dpverify.registry.CHECKS``), and a phrase the
 failure message contains; ``PROPERTIES`` gives each of those checks the random scenarios it
 runs on. ``ScratchDataParallel`` (a DataParallel written from scratch) and
 ``manual_allreduce_step`` (a DDP step with a hand-written all-reduce) are correct: they must
@@ -26,7 +26,6 @@ from typing import Any
 
 from hypothesis.strategies import SearchStrategy
 
-from dpverify.checks.registry import CHECKS, MICRO_BATCHES, Case, Target
 from dpverify.models.layouts import ShardedScenario
 from dpverify.models.specs import KINDS
 from dpverify.mutants.ddp import (
@@ -66,6 +65,7 @@ from dpverify.mutants.sharded import (
     local_output_plan,
     no_allreduce_plan,
 )
+from dpverify.registry import CHECKS, MICRO_BATCHES, Case, Target
 from dpverify.strategies import (
     Scenario,
     device_lists,

@@ -32,13 +32,13 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from dpverify.checks.buffers import assert_dp_buffers_match
-from dpverify.checks.dp import assert_dp_grads_match, assert_grad_sum_equals_mean_loss_grad
+from dpverify.checks.buffers import buffers_match
+from dpverify.checks.dp import Check, SharedSteps, grad_sum_matches, grads_match, raise_unless_ok
 from dpverify.checks.loss_average import (
     LossAverageReport,
-    assert_loss_reduction_matches_full_batch,
-    check_forward_loss_average,
     chunk_weighted_loss,
+    loss_average_of,
+    reduction_matches,
 )
 from dpverify.core.comparison import StepComparison, TensorComparison
 from dpverify.core.devices import cuda_device_count
@@ -132,6 +132,11 @@ class Case:
         layout: how the sharded checks lay the model out (``FSDPLayout``, ``TPLayout``,
             ``PipelineLayout``); a check whose backend has no layout here derives one
             (``dpverify.models.layouts.default_layout``), or skips saying why.
+        steps: the steps the DataParallel gradient checks of this module, batch and loss
+            share (``SharedSteps``: the single-device references, and the parallel step
+            the gradient check leaves for the replica-sum check of the same split), given
+            by whoever groups them (``dpverify.planner.plan_checks``: one per batch, for
+            every device count); None: each check runs its own.
     """
 
     module: nn.Module
@@ -146,6 +151,7 @@ class Case:
     optimizer: Callable[..., torch.optim.Optimizer] | None = None
     dim: int = 0
     layout: Layout | None = None
+    steps: SharedSteps | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_scenario(cls, scenario: Scenario | ShardedScenario) -> Case:
@@ -191,7 +197,7 @@ class Case:
     def in_eval_mode(self) -> Case:
         """This case with an eval-mode copy of its module: what must match exactly when
         train mode is explained."""
-        return replace(self, module=copy.deepcopy(self.module).eval())
+        return replace(self, module=copy.deepcopy(self.module).eval(), steps=None)
 
 
 @dataclass(frozen=True)
@@ -450,36 +456,34 @@ def _loss_verdict(result: Callable[..., CheckResult], report: LossAverageReport,
 # --------------------------------------------------------------------------- bodies
 
 
+def _dp_check(case: Case, target: Target, *, output_device: bool = True, parallel_loss: bool = True) -> Check:
+    """The DataParallel check of ``case`` through ``target``'s wrappers, as the
+    DataParallel helpers build it from their arguments (those without an
+    ``output_device`` or ``parallel_loss_fn`` gather on ``device_ids[0]`` through the
+    loss alone)."""
+    return Check.create(
+        case.module, case.inputs, device_ids=case.device_ids, output_device=case.output_device if output_device else None,
+        parallel=target.parallel, forward_kwargs=case.forward_kwargs, dim=case.dim,
+        parallel_loss_fn=target.parallel_loss if parallel_loss else None,
+    )
+
+
 def _dp_grads(case: Case, target: Target) -> Report:
     assert case.loss_fn is not None
-    return assert_dp_grads_match(
-        case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=list(case.device_ids),
-        output_device=case.output_device, forward_kwargs=case.forward_kwargs, parallel=target.parallel,
-        dim=case.dim, parallel_loss_fn=target.parallel_loss,
-    )
+    return raise_unless_ok(grads_match(_dp_check(case, target), case.loss_fn, case.target, case.steps), None)
 
 
 def _dp_grad_sum(case: Case, target: Target) -> Report:
     assert case.loss_fn is not None
-    return assert_grad_sum_equals_mean_loss_grad(
-        case.module, case.inputs, case.target, loss_fn=case.loss_fn, device_ids=list(case.device_ids),
-        forward_kwargs=case.forward_kwargs, parallel=target.parallel, dim=case.dim,
-        parallel_loss_fn=target.parallel_loss,
-    )
+    return raise_unless_ok(grad_sum_matches(_dp_check(case, target, output_device=False), case.loss_fn, case.target, case.steps), None)
 
 
 def _dp_buffers(case: Case, target: Target) -> Report:
-    return assert_dp_buffers_match(
-        case.module, case.inputs, device_ids=list(case.device_ids), output_device=case.output_device,
-        forward_kwargs=case.forward_kwargs, parallel=target.parallel, dim=case.dim,
-    )
+    return raise_unless_ok(buffers_match(_dp_check(case, target, parallel_loss=False)), None)
 
 
 def _dp_loss_average(case: Case, target: Target) -> Report:
-    report = check_forward_loss_average(
-        case.module, case.inputs, device_ids=list(case.device_ids), parallel=target.parallel,
-        forward_kwargs=case.forward_kwargs, dim=case.dim,
-    )
+    report = loss_average_of(_dp_check(case, target, output_device=False, parallel_loss=False))
     uneven = report.unequal_items
     if report.is_biased and not uneven and report.weighted_is_exact:
         # equal items, exact means, yet loss.mean() is off: the gathered losses are wrong
@@ -500,10 +504,8 @@ def _item_weighted_loss(losses: torch.Tensor, sizes: list[int], counts: list[int
 
 
 def _dp_weighted_loss(case: Case, target: Target) -> Report:
-    return assert_loss_reduction_matches_full_batch(
-        case.module, case.inputs, device_ids=list(case.device_ids), reduce=target.reduce or _item_weighted_loss,
-        parallel=target.parallel, forward_kwargs=case.forward_kwargs, dim=case.dim,
-    )
+    check = _dp_check(case, target, output_device=False, parallel_loss=False)
+    return raise_unless_ok(reduction_matches(check, target.reduce or _item_weighted_loss), None)
 
 
 def _dp_state(case: Case, target: Target) -> Report:
@@ -556,13 +558,19 @@ def _ddp_helper(name: str, *, takes_step: bool = True, **options: Any) -> Body:
     return body
 
 
+def _training(case: Case) -> tuple[list[tuple[Any, Any]], Callable[..., torch.optim.Optimizer]]:
+    """The training checks' batches (the case's batch, ``TRAINING_STEPS`` times, unless it
+    has its own) and optimizer factory (SGD with momentum unless it has its own)."""
+    batches = case.batches or ((case.inputs, case.target),) * TRAINING_STEPS
+    return list(batches), case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+
 def _ddp_training(case: Case, target: Target) -> Report:
     assert case.loss_fn is not None
-    batches = case.batches or ((case.inputs, case.target),) * TRAINING_STEPS
-    optimizer = case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    batches, optimizer = _training(case)
     # the case's keyword arguments go to every batch's forward
     result: StepComparison = _ddp().assert_ddp_training_matches(
-        case.module, list(batches), loss_fn=case.loss_fn, optimizer=optimizer, world_size=case.world_size,
+        case.module, batches, loss_fn=case.loss_fn, optimizer=optimizer, world_size=case.world_size,
         step=target.step, pool=target.pool, ddp_kwargs=target.ddp_kwargs, forward_kwargs=case.forward_kwargs,
     )
     return result
@@ -596,10 +604,9 @@ def _fsdp_grads(case: Case, target: Target) -> Report:
 def _fsdp_training(case: Case, target: Target) -> Report:
     assert case.loss_fn is not None
     layout = _fsdp_layout(case)
-    batches = case.batches or ((case.inputs, case.target),) * TRAINING_STEPS
-    optimizer = case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    batches, optimizer = _training(case)
     result: StepComparison = _sharded("fsdp").assert_fsdp_training_matches(
-        case.module, list(batches), loss_fn=case.loss_fn, optimizer=optimizer, world_size=case.world_size,
+        case.module, batches, loss_fn=case.loss_fn, optimizer=optimizer, world_size=case.world_size,
         step=target.step, pool=target.pool, shard_modules=layout.shard_modules,
         reshard_after_forward=layout.reshard_after_forward,
     )

@@ -1,7 +1,7 @@
-"""``dpverify check``: the registry's checks on a user's model, over several splits.
+"""``dpverify check``'s planner: the registry's checks on a user's model, over several splits.
 
 For each split (a batch size on a number of devices or ranks) it runs every check of
-``dpverify.checks.registry.CHECKS`` that applies to the model and the backend: gradients
+``dpverify.registry.CHECKS`` that applies to the model and the backend: gradients
 against one device and the replica gradient sum, the loss-in-forward checks when the model
 returns its loss, buffer updates in train mode, the DDP checks with ``backend="ddp"``, and FSDP2, tensor and pipeline parallelism with
 ``"fsdp"``, ``"tp"`` and ``"pp"``.
@@ -20,11 +20,11 @@ checked nothing, and says so (``ModelCheckReport.checked_nothing``).
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from dpverify.checks.registry import CHECKS, Case, CheckResult, CheckSpec, Split, Target, Verdict
+from dpverify.checks.dp import SharedSteps
+from dpverify.core.comparison import TensorId
 from dpverify.core.divergence import (
     DivergenceSource,
     SourceGroup,
@@ -36,6 +36,7 @@ from dpverify.core.step import batch_size_of
 from dpverify.core.tree import first_batched
 from dpverify.models.layouts import BACKENDS as SHARDED_BACKENDS
 from dpverify.models.user import Batch, UserModel
+from dpverify.registry import CHECKS, Case, CheckResult, CheckSpec, Split, Target, Verdict
 
 __all__ = [
     "BACKENDS",
@@ -147,7 +148,10 @@ def plan_checks(
     dim: int = 0,
 ) -> list[PlannedCheck]:
     """Every check to run, in order; a model with divergence sources is checked as given
-    (mismatches explained) and then as an eval-mode copy (mismatches fail).
+    (mismatches explained) and then as an eval-mode copy (mismatches fail). The checks of
+    one module and batch share its steps (``Case.steps``, one ``SharedSteps`` per batch
+    and mode): the single-device references, on every device count, and the parallel
+    step of a split, which the gradient check leaves for the replica-sum check.
 
     Args:
         splits: ``(batch size, devices)`` pairs to check instead of every batch size on
@@ -174,11 +178,14 @@ def plan_checks(
     require_batch_dim(model, largest, dim, batches[largest])
     planned: list[PlannedCheck] = []
     for module, eval_copy in modules:
+        # the checks of one module and batch share its steps, on every device count
+        steps = {size: SharedSteps() for size in batches}
         for batch_size, devices in pairs:
             batch = batches[batch_size]
             case = Case(
                 module, batch.inputs, batch.target, batch.loss_fn, tuple(range(devices)),
                 forward_kwargs=dict(batch.kwargs) or None, per_row_mean_loss=batch.per_row_mean_loss, dim=dim,
+                steps=steps[batch_size],
             )
             planned += [PlannedCheck(spec, case, target, eval_copy) for spec in specs if spec.applies(case)]
     return planned
@@ -294,9 +301,6 @@ def check_model(
     return ModelCheckReport(model.name, loss, tuple(results), divergence_sources(model.module), group_sources(model.module))
 
 
-_PARAMETER = re.compile(r"grad '(?P<name>[^']+)'$")
-
-
 @dataclass(frozen=True)
 class ParameterError:
     """The worst gradient error of one parameter over every check and split.
@@ -322,6 +326,16 @@ class ParameterError:
     absent: bool = False
 
 
+def _parameter_of(which: TensorId | str) -> str | None:
+    """The parameter whose gradient, as a step made it, ``which`` is: the single-device
+    comparison's (``grad 'w'``) or a rank's (``rank 1 plain ddp_step grad 'w'``); None for
+    anything else, the accumulated ``.grad``, replica sums and averages included (the same
+    check compares the parameter's gradient itself)."""
+    if not isinstance(which, TensorId) or which.kind != "grad" or not which.name or which.detail:
+        return None
+    return which.name if not which.variant or which.rank is not None else None
+
+
 def parameter_errors(report: ModelCheckReport) -> list[ParameterError]:
     """Per parameter, the worst gradient error among checks that passed or failed
     (explained divergences are left out: they are not errors)."""
@@ -330,10 +344,9 @@ def parameter_errors(report: ModelCheckReport) -> list[ParameterError]:
         if result.verdict not in (Verdict.PASS, Verdict.FAIL):
             continue
         for tensor in result.tensors:
-            match = _PARAMETER.search(tensor.name)
-            if match is None or tensor.problem is not None or not tensor.name.startswith(("grad ", "rank ")):
+            name = _parameter_of(tensor.id)
+            if name is None or tensor.problem is not None:
                 continue
-            name = match.group("name")
             current = worst.get(name)
             # a comparison made beats none (a gradient absent on some splits only)
             if current is None or (current.absent and not tensor.absent) or (tensor.ratio > current.ratio and not tensor.absent):
