@@ -52,12 +52,12 @@ Row = dict[str, Any]
 def _recorder(rows: list[Row]) -> Any:
     """A stand-in for ``compare_tensors`` that records each anchored comparison's numbers."""
 
-    def record(name: TensorId | str, actual: torch.Tensor | None, expected: torch.Tensor | None,
+    def record(name: TensorId, actual: torch.Tensor | None, expected: torch.Tensor | None,
                anchor: torch.Tensor | None, tolerance: Tolerance, probe: torch.Tensor | None = None,
                terms: float | Terms | None = None, jitter: torch.Tensor | None = None, *,
                derived: Derived | None = None) -> TensorComparison:
         result = compare_tensors(name, actual, expected, anchor, tolerance, probe, terms, jitter, derived=derived)
-        contrast = isinstance(name, TensorId) and name.detail == "vs full"  # meant to differ
+        contrast = name.detail == "vs full"  # meant to differ
         usable = (
             anchor is not None and actual is not None and expected is not None and jitter is None
             and actual.shape == expected.shape and actual.numel() > 0 and expected.is_floating_point()
@@ -72,7 +72,7 @@ def _recorder(rows: list[Row]) -> Any:
             gap, error = dense[0].detach().double() - rounded, dense[1].detach().double() - rounded
             spread = terms if isinstance(terms, Terms) else Terms(terms or 0.0, 0.0)
             rows.append({
-                "name": str(name), "dtype": str(expected.dtype).removeprefix("torch."), "n": actual.numel(),
+                "name": str(name), "grad": name.kind == "grad", "dtype": str(expected.dtype).removeprefix("torch."), "n": actual.numel(),
                 "gap": max_abs(gap), "gap2": float(gap.norm()), "e": max_abs(error), "e2": float(error.norm()),
                 "A": max_abs(rounded), "A2": float(rounded.norm()),
                 "S": max(max_abs(rounded), spread.largest), "S2": max(float(rounded.norm()), spread.norm),
@@ -128,7 +128,7 @@ def report(rows: Sequence[Row], tolerance: Tolerance) -> None:
         allowed, norm_allowed = _allowed(row, tolerance)
         ratios[row["dtype"]].append(max(row["gap"] / allowed if allowed else 0.0,
                                         row["gap2"] / norm_allowed if norm_allowed else 0.0))
-        if row["dtype"] == "float32" and "grad" in row["name"] and row["A"] > 0 and row["e"] <= 1e-6 * row["A"]:
+        if row["dtype"] == "float32" and row["grad"] and row["A"] > 0 and row["e"] <= 1e-6 * row["A"]:
             eligible += 1
             for eps in (1e-4, 1e-5, 1e-6):
                 caught[eps] += eps * row["A"] > allowed or eps * row["A2"] > norm_allowed

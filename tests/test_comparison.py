@@ -14,7 +14,7 @@ from torch import nn
 
 import dpverify
 from dpverify import InvalidArgument, ParallelMismatch, Tolerance
-from dpverify.core.comparison import compare_tensors
+from dpverify.core.comparison import TensorId, compare_tensors
 from dpverify.mutants import TinyErrorDataParallel
 
 SCALES = [1e-8, 1e-4, 1.0, 1e4, 1e8]
@@ -92,8 +92,8 @@ def test_anchored_rule_allows_factor_times_reference_error() -> None:
     u = torch.finfo(torch.float32).eps / 2
     assert reference_error / (u * 4.0) < 64  # well conditioned: the plain factor applies
     assert tol.reference_factor(16, reference_error / (u * 4.0)) == 2.0
-    ok = compare_tensors("t", (anchor + 1.9 * reference_error).float(), expected, anchor, tol)
-    bad = compare_tensors("t", (anchor + 2.3 * reference_error).float(), expected, anchor, tol)
+    ok = compare_tensors(TensorId("t"), (anchor + 1.9 * reference_error).float(), expected, anchor, tol)
+    bad = compare_tensors(TensorId("t"), (anchor + 2.3 * reference_error).float(), expected, anchor, tol)
     assert ok.ok
     assert not bad.ok
     assert bad.mismatched == 16
@@ -128,8 +128,8 @@ def test_floor_applies_when_the_reference_is_exact() -> None:
     tol = Tolerance(norm_floor_ulps=1e6)  # the elementwise test alone
     u = torch.finfo(torch.float32).eps / 2
     floor = 8.0 * tol.floors(torch.float32, 2)[0] * u * 4.0
-    assert compare_tensors("t", (anchor + 0.9 * floor).float(), anchor.float(), anchor, tol).ok
-    assert not compare_tensors("t", (anchor + 1.1 * floor).float(), anchor.float(), anchor, tol).ok
+    assert compare_tensors(TensorId("t"), (anchor + 0.9 * floor).float(), anchor.float(), anchor, tol).ok
+    assert not compare_tensors(TensorId("t"), (anchor + 1.1 * floor).float(), anchor.float(), anchor, tol).ok
 
 
 def test_float16_values_near_zero_are_allowed_a_few_subnormal_steps() -> None:
@@ -137,15 +137,15 @@ def test_float16_values_near_zero_are_allowed_a_few_subnormal_steps() -> None:
     anchor = torch.tensor([2.0e-7, -1.0e-7, 3.0e-7], dtype=torch.float64)
     expected = anchor.half()
     step = torch.finfo(torch.float16).smallest_normal * torch.finfo(torch.float16).eps
-    assert compare_tensors("g", expected + step, expected, anchor, Tolerance()).ok
-    assert not compare_tensors("g", expected + 40 * step, expected, anchor, Tolerance()).ok
+    assert compare_tensors(TensorId("g"), expected + step, expected, anchor, Tolerance()).ok
+    assert not compare_tensors(TensorId("g"), expected + 40 * step, expected, anchor, Tolerance()).ok
 
 
 def test_explicit_tolerance_is_assert_close_rule() -> None:
     expected = torch.tensor([1.0, 100.0])
     tol = Tolerance(rtol=0.01, atol=0.1)
-    assert compare_tensors("t", expected + torch.tensor([0.1, 1.0]), expected, None, tol).ok
-    result = compare_tensors("t", expected + torch.tensor([0.12, 1.0]), expected, None, tol)
+    assert compare_tensors(TensorId("t"), expected + torch.tensor([0.1, 1.0]), expected, None, tol).ok
+    result = compare_tensors(TensorId("t"), expected + torch.tensor([0.12, 1.0]), expected, None, tol)
     assert result.mismatched == 1
     assert result.max_abs_index == (1,)
 
@@ -156,7 +156,7 @@ def test_index_and_relative_difference_are_reported() -> None:
     actual = anchor.clone().float()
     actual[1, 2] = 3.0
     actual[0, 1] = 0.5
-    result = compare_tensors("grad 'w'", actual, anchor.float(), anchor, Tolerance())
+    result = compare_tensors(TensorId("grad", "w"), actual, anchor.float(), anchor, Tolerance())
     assert result.max_abs_index == (1, 2)
     assert result.max_rel_index == (0, 1)  # 0.5 over 0: infinite relative difference
     assert result.mismatched == 2
@@ -167,16 +167,16 @@ def test_index_and_relative_difference_are_reported() -> None:
 
 def test_none_gradients() -> None:
     zeros = torch.zeros(3)
-    assert compare_tensors("g", None, None, None, Tolerance()).ok
-    assert compare_tensors("g", zeros, None, None, Tolerance()).ok  # DP materialises zeros
-    result = compare_tensors("g", None, torch.ones(3), torch.ones(3, dtype=torch.float64), Tolerance())
+    assert compare_tensors(TensorId("g"), None, None, None, Tolerance()).ok
+    assert compare_tensors(TensorId("g"), zeros, None, None, Tolerance()).ok  # DP materialises zeros
+    result = compare_tensors(TensorId("g"), None, torch.ones(3), torch.ones(3, dtype=torch.float64), Tolerance())
     assert not result.ok
     assert result.problem == "is None in the parallel step but has nonzero values in the single-device step"
 
 
 def test_nan_in_parallel_only_is_a_mismatch() -> None:
     anchor = torch.ones(2, dtype=torch.float64)
-    result = compare_tensors("g", torch.tensor([1.0, float("nan")]), anchor.float(), anchor, Tolerance())
+    result = compare_tensors(TensorId("g"), torch.tensor([1.0, float("nan")]), anchor.float(), anchor, Tolerance())
     assert result.mismatched == 1
 
 
@@ -237,16 +237,16 @@ def test_a_nan_in_the_batch_is_refused_naming_the_tensor() -> None:
 def test_a_non_finite_reference_is_refused_before_any_comparison() -> None:
     anchor = torch.tensor([1.0, 2.0], dtype=torch.float64)
     with pytest.raises(dpverify.NonFiniteReference, match="grad 'w' is not finite in the single-device step"):
-        compare_tensors("grad 'w'", torch.ones(2), torch.tensor([1.0, math.inf]), anchor, Tolerance())
+        compare_tensors(TensorId("grad", "w"), torch.ones(2), torch.tensor([1.0, math.inf]), anchor, Tolerance())
     with pytest.raises(dpverify.NonFiniteReference):
-        compare_tensors("t", torch.ones(2), torch.tensor([1.0, math.nan]), None, Tolerance(rtol=0.1, atol=0.1))
+        compare_tensors(TensorId("t"), torch.ones(2), torch.tensor([1.0, math.nan]), None, Tolerance(rtol=0.1, atol=0.1))
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_a_non_finite_parallel_value_is_a_mismatch_and_says_so(bad: float) -> None:
     anchor = torch.tensor([1.0, 5.0], dtype=torch.float64)
     for tolerance in (Tolerance(), Tolerance(rtol=1e-3, atol=1e-3)):
-        result = compare_tensors("g", torch.tensor([1.0, bad]), anchor.float(), anchor, tolerance)
+        result = compare_tensors(TensorId("g"), torch.tensor([1.0, bad]), anchor.float(), anchor, tolerance)
         assert not result.ok
         assert result.mismatched == 1
         assert result.nonfinite == 1
@@ -258,7 +258,7 @@ def test_explicit_tolerance_follows_isclose() -> None:
     expected = torch.tensor([1.0, 5.0, 100.0])
     tol = Tolerance(rtol=1e-2, atol=1e-3)
     actual = torch.tensor([1.0, 5.04, 101.5])
-    result = compare_tensors("t", actual, expected, None, tol)
+    result = compare_tensors(TensorId("t"), actual, expected, None, tol)
     assert result.mismatched == int((~torch.isclose(actual, expected, rtol=1e-2, atol=1e-3)).sum()) == 1
     assert result.max_abs_index == (2,)
 
@@ -346,15 +346,15 @@ def test_a_saturated_float32_probe_is_not_trusted_for_a_float64_model() -> None:
     calm = (anchor * (1 + 4 * u32)).float()
     saturated = (anchor * 1.5).float()  # float32 lost every digit: an ill-conditioned model
     jitter = anchor + 1e-9
-    trusted = compare_tensors("g", anchor, expected, anchor, Tolerance(), probe=calm)
+    trusted = compare_tensors(TensorId("g"), anchor, expected, anchor, Tolerance(), probe=calm)
     assert trusted.reference_error == pytest.approx(float((calm.double() - anchor).abs().max()) * u64 / u32, rel=1e-6)
-    distrusted = compare_tensors("g", anchor, expected, anchor, Tolerance(), probe=saturated, jitter=jitter)
+    distrusted = compare_tensors(TensorId("g"), anchor, expected, anchor, Tolerance(), probe=saturated, jitter=jitter)
     assert distrusted.reference_error == pytest.approx(1e-9, rel=1e-3)
     # what the jitter measured is what the parallel step may deviate by
     allowed = distrusted.allowed
     assert allowed == pytest.approx(Tolerance().reference_factor(32, 1e-9 / (u64 / 2 * 2.0)) * 1e-9)
-    assert compare_tensors("g", anchor + 0.9 * allowed, expected, anchor, Tolerance(), probe=saturated, jitter=jitter).ok
-    assert not compare_tensors("g", anchor + 1.1 * allowed, expected, anchor, Tolerance(), probe=saturated, jitter=jitter).ok
+    assert compare_tensors(TensorId("g"), anchor + 0.9 * allowed, expected, anchor, Tolerance(), probe=saturated, jitter=jitter).ok
+    assert not compare_tensors(TensorId("g"), anchor + 1.1 * allowed, expected, anchor, Tolerance(), probe=saturated, jitter=jitter).ok
 
 
 # --------------------------------------------------------------------------- the detailed report of a finite tensor
@@ -403,10 +403,10 @@ def test_derived_references_give_the_comparisons_of_fresh_ones() -> None:
     memo: dict[Any, Any] = {}
     for actual in (expected.clone(), expected * (1 + 1e-3), expected + 1e-9):
         for sample in (None, jitter):
-            fresh = compare_tensors("g", actual, expected, anchor, Tolerance(), terms=2.0, jitter=sample)
-            shared = compare_tensors("g", actual, expected, anchor, Tolerance(), terms=2.0, jitter=sample, derived=memo)
+            fresh = compare_tensors(TensorId("g"), actual, expected, anchor, Tolerance(), terms=2.0, jitter=sample)
+            shared = compare_tensors(TensorId("g"), actual, expected, anchor, Tolerance(), terms=2.0, jitter=sample, derived=memo)
             assert shared == fresh
     assert len(memo) == 2  # one per set of reference tensors: with and without the sample
     # other tensors, even of equal values, are other references
-    compare_tensors("g", expected, expected.clone(), anchor, Tolerance(), derived=memo)
+    compare_tensors(TensorId("g"), expected, expected.clone(), anchor, Tolerance(), derived=memo)
     assert len(memo) == 3

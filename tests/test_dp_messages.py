@@ -13,7 +13,7 @@ from dp_lookalikes import WholeBatch, ZeroedReplicaBuffers
 from torch import nn
 
 import dpverify
-from dpverify.core.comparison import TensorComparison, float32_hint
+from dpverify.core.comparison import TensorComparison, TensorId, float32_hint
 
 
 class _ReadsABuffer(nn.Module):
@@ -183,7 +183,7 @@ def test_a_float32_step_gets_no_float32_hint() -> None:
 
 def test_the_float32_band_is_relative_to_each_tensors_largest_entry() -> None:
     def failing(max_abs: float, size: float, **more: Any) -> TensorComparison:
-        return TensorComparison("grad 'w'", (3,), 3, mismatched=1, max_abs=max_abs, allowed=1e-15, ratio=max_abs / 1e-15, size=size, **more)
+        return TensorComparison(TensorId("grad", "w"), (3,), 3, mismatched=1, max_abs=max_abs, allowed=1e-15, ratio=max_abs / 1e-15, size=size, **more)
 
     assert float32_hint([failing(3e-8, 1.0), failing(3e-4, 1e4)]) is not None
     assert float32_hint([failing(3e-8, 1.0), failing(1e-12, 1.0)]) is not None  # a loss where rounding averaged out
@@ -191,7 +191,7 @@ def test_the_float32_band_is_relative_to_each_tensors_largest_entry() -> None:
     assert float32_hint([failing(1e-12, 1.0)]) is None  # every error far below it
     assert float32_hint([failing(3e-8, 1.0, nonfinite=1)]) is None
     assert float32_hint([failing(3e-8, 0.0)]) is None  # the size was not measured
-    assert float32_hint([TensorComparison("w", (3,), 3)]) is None  # nothing failed
+    assert float32_hint([TensorComparison(TensorId("grad", "w"), (3,), 3)]) is None  # nothing failed
 
 
 def test_an_error_that_fails_only_the_norm_test_names_the_rows_that_carry_it() -> None:
@@ -201,6 +201,6 @@ def test_an_error_that_fails_only_the_norm_test_names_the_rows_that_carry_it() -
     reference = torch.ones(6, 4, dtype=torch.float64)
     got = reference.clone()
     got[4:] += 1e-3  # within the elementwise allowance, beyond the norm's
-    row = TensorComparison("output", (6, 4), 24, allowed=1e-2, norm_allowed=1e-3, norm_gap=float(torch.linalg.vector_norm(got - reference)))
+    row = TensorComparison(TensorId("output", "output"), (6, 4), 24, allowed=1e-2, norm_allowed=1e-3, norm_gap=float(torch.linalg.vector_norm(got - reference)))
     assert _rows_over(got, reference, row, Tolerance(), 0) == [4, 5]
     assert bool((got[4:] - 1 - 1e-3).abs().max() < 1e-12)  # the output itself is left as it was

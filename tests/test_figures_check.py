@@ -20,7 +20,7 @@ from torch import nn
 import dpverify
 from dpverify import ParallelMismatch
 from dpverify.cli.main import main
-from dpverify.core.comparison import StepComparison, TensorComparison
+from dpverify.core.comparison import StepComparison, TensorComparison, TensorId
 from dpverify.core.text import ELLIPSIS
 from dpverify.figures.base import COLOURS, save_figure
 from dpverify.figures.check import MAX_BARS, NAME_WIDTH, check_figure, comparison_figure
@@ -165,7 +165,7 @@ def test_an_exact_tensor_sits_at_the_floor_labelled_exact() -> None:
 
 
 def test_a_parameter_without_a_gradient_is_said_so_not_drawn_as_exact() -> None:
-    absent = TensorComparison("grad 'unused.weight'", (4,), 4, absent=True)
+    absent = TensorComparison(TensorId("grad", "unused.weight"), (4,), 4, absent=True)
     ax = _axes(comparison_figure(_comparison([_row("output", 0.25), absent, _row("loss", 0.0)])), "tensors")
     assert len(_bars(ax)) == 2  # output and the exact loss; nothing for the absent gradient
     texts = [text.get_text() for text in ax.texts]
@@ -349,7 +349,7 @@ def _inside(fig: Figure) -> list[str]:
 @pytest.mark.parametrize("model", ["user_models_with_a_rather_long_module_name:transformer_factory_for_the_trial", "m:f"])
 def test_the_title_fits_the_figure_however_long(model: str) -> None:
     split = Split(5, 2)
-    tensor = TensorComparison("grad 'w'", (3,), 3, ratio=0.1)
+    tensor = TensorComparison(TensorId("grad", "w"), (3,), 3, ratio=0.1)
     results = (
         *(CheckResult("dp-grads", "DP grads match one device", Split(b, d), Verdict.PASS, "ok", tensors=(tensor,)) for b in (8, 5, 2) for d in (2, 4)),
         *(CheckResult("dp-loss-average", "loss.mean() of replica losses", Split(b, d), Verdict.WARN, "biased") for b in (8, 5, 2) for d in (2, 4)),

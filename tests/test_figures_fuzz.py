@@ -15,7 +15,7 @@ import pytest
 from figure_files import read_png
 
 from dpverify.cli.fuzz import FuzzConfig, FuzzExample, FuzzFailure, FuzzReport, fuzz
-from dpverify.core.comparison import TensorComparison
+from dpverify.core.comparison import TensorComparison, TensorId
 from dpverify.figures.base import save_figure
 from dpverify.figures.fuzz import fuzz_figure
 from dpverify.strategies import DeviceList, ModelSpec, Scenario
@@ -284,11 +284,11 @@ def _replayed(tensors: tuple[TensorComparison, ...], report: str = "report") -> 
 def test_a_replayed_failure_draws_its_tensors_worst_first() -> None:
     tensors = (
         *(
-            TensorComparison(f"grad 'layer{i}.weight'", (3, 3), 9, mismatched=9 if ratio > 1 else 0, ratio=ratio)
+            TensorComparison(TensorId("grad", f"layer{i}.weight"), (3, 3), 9, mismatched=9 if ratio > 1 else 0, ratio=ratio)
             for i, ratio in enumerate([0.3, 2e5, 40.0, 0.0])
         ),
-        TensorComparison("output", (2, 3), 6, mismatched=6, problem="has shape (1, 3) in the parallel step"),
-        TensorComparison("grad 'unused.weight'", (3,), 3, absent=True),
+        TensorComparison(TensorId("output", "output"), (2, 3), 6, mismatched=6, problem="has shape (1, 3) in the parallel step"),
+        TensorComparison(TensorId("grad", "unused.weight"), (3,), 3, absent=True),
     )
     figure = fuzz_figure(_replayed(tensors))
     ax = _axes(figure, "failure")
@@ -322,7 +322,7 @@ def test_a_replayed_failure_of_code_that_raised_shows_its_report() -> None:
 def test_a_failure_draws_at_most_its_worst_tensors() -> None:
     from dpverify.figures.fuzz import FAILURE_BARS
 
-    tensors = tuple(TensorComparison(f"grad 'w{i}'", (2,), 2, mismatched=2, ratio=10.0 + i) for i in range(FAILURE_BARS + 5))
+    tensors = tuple(TensorComparison(TensorId("grad", f"w{i}"), (2,), 2, mismatched=2, ratio=10.0 + i) for i in range(FAILURE_BARS + 5))
     ax = _axes(fuzz_figure(_replayed(tensors)), "failure")
     assert len([patch for container in ax.containers for patch in container]) == FAILURE_BARS
     assert "5 more tensors not drawn" in ax.get_xlabel()

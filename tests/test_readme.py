@@ -185,7 +185,14 @@ def test_the_layout_table_names_paths_in_the_package() -> None:
     assert all(path.startswith("dpverify/") or path == "pytest_dpverify.py" for path in paths), paths
 
 
-@pytest.mark.xfail(strict=True, reason="the Layout shows the package as issue 23 restructures it; remove this mark once those paths exist")
+def test_the_layout_names_every_subpackage_and_top_level_module() -> None:
+    paths = set(_layout_paths())
+    package = ROOT / "dpverify"
+    parts = [p for p in package.iterdir() if (p / "__init__.py").exists() or (p.suffix == ".py" and p.stem not in ("__init__", "__main__"))]
+    missing = [p.relative_to(ROOT).as_posix() + ("/" if p.is_dir() else "") for p in parts]
+    assert [path for path in missing if path not in paths] == []
+
+
 def test_the_layout_names_paths_that_exist() -> None:
     missing = [path for path in _layout_paths() if not (ROOT / path).exists()]
     assert not missing, f"README.md's Layout names paths that are not in the repository: {missing}"

@@ -13,7 +13,7 @@ from torch import nn
 
 import dpverify
 from dpverify import ParallelMismatch, Tolerance
-from dpverify.core.comparison import compare_tensors
+from dpverify.core.comparison import TensorId, compare_tensors
 from dpverify.core.step import copy_module
 from dpverify.mutants import TinyErrorDataParallel
 
@@ -44,7 +44,7 @@ def test_a_zero_difference_passes_whatever_the_references_round_to() -> None:
     expected = torch.tensor([3e-320, -7e-321, 0.0, 5e-324], dtype=torch.float64)
     anchor = torch.tensor([2.5e-320, -7e-321, 1e-323, 0.0], dtype=torch.float64)
     for probe in (None, torch.zeros(4), anchor.float()):
-        row = compare_tensors("grad 'w'", expected.clone(), expected, anchor, Tolerance(), probe, 0.0, anchor)
+        row = compare_tensors(TensorId("grad", "w"), expected.clone(), expected, anchor, Tolerance(), probe, 0.0, anchor)
         assert row.ok, row.details()
 
 

@@ -652,7 +652,7 @@ class Check:
 def output_id(path: str) -> TensorId:
     """The id of the step's output at ``path`` (``output``, ``output['logits']``): its
     path is its kind, the text messages show."""
-    return TensorId(path)
+    return TensorId("output", path)
 
 
 def compared_outputs(actual: StepResult, expected: StepResult) -> tuple[tuple[str, torch.Tensor], ...]:

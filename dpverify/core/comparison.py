@@ -176,7 +176,8 @@ class TensorId:
     """Which tensor a comparison is of, as fields that code reads (never parses back).
 
     ``kind`` is what the tensor is ("grad", "output", "loss", "buffer", ...), ``name`` the
-    parameter's or buffer's name (quoted in messages), ``rank`` the rank or replica that
+    parameter's or buffer's name (quoted in messages) or an output's path (``output``,
+    ``output['logits']``, shown as it is), ``rank`` the rank or replica that
     produced it (None for the whole step), ``variant`` which run of the step ("plain
     ddp_step", "step 2", "microbatch 0") and ``detail`` what follows the name in a
     message (an output's rows "[0:3]", "after its step"). ``str()`` is the text messages
@@ -190,7 +191,12 @@ class TensorId:
     detail: str = ""
 
     def __str__(self) -> str:
-        parts = [f"rank {self.rank}" if self.rank is not None else "", self.variant, self.kind, repr(self.name) if self.name else "", self.detail]
+        if self.kind == "output":  # an output is named by its path: output['logits'][0:3]
+            glued = self.detail.startswith("[")
+            core, detail = self.name + (self.detail if glued else ""), "" if glued else self.detail
+        else:
+            core, detail = f"{self.kind} {self.name!r}" if self.name else self.kind, self.detail
+        parts = [f"rank {self.rank}" if self.rank is not None else "", self.variant, core, detail]
         return " ".join(part for part in parts if part)
 
 
@@ -211,7 +217,7 @@ class TensorComparison:
     the size of its values.
     """
 
-    id: TensorId | str  # TRANSITIONAL (issue 23): str goes once every producer passes a TensorId
+    id: TensorId
     shape: tuple[int, ...]
     numel: int
     mismatched: int = 0
@@ -280,7 +286,7 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_dense() if tensor.is_sparse else tensor
 
 
-def _missing(name: TensorId | str, actual: torch.Tensor | None, expected: torch.Tensor | None) -> TensorComparison | None:
+def _missing(name: TensorId, actual: torch.Tensor | None, expected: torch.Tensor | None) -> TensorComparison | None:
     """Handles None gradients: equal when both are None, or when the other is all zeros
     (DataParallel's reduce-add materialises zeros for parameters a replica did not use)."""
     if actual is not None and expected is not None:
@@ -300,7 +306,7 @@ def _missing(name: TensorId | str, actual: torch.Tensor | None, expected: torch.
     )
 
 
-def require_finite(name: TensorId | str, tensor: torch.Tensor | None, step: str) -> None:
+def require_finite(name: TensorId, tensor: torch.Tensor | None, step: str) -> None:
     """Raises ``NonFiniteReference`` when a reference result holds NaN or inf.
 
     A reference that is not finite cannot anchor a comparison: every parallel value would
@@ -357,7 +363,7 @@ Derived = dict[tuple[int, ...], tuple[object, ...]]
 
 
 def _prepared(
-    name: TensorId | str, expected: torch.Tensor, anchor: torch.Tensor, probe: torch.Tensor | None, jitter: torch.Tensor | None,
+    name: TensorId, expected: torch.Tensor, anchor: torch.Tensor, probe: torch.Tensor | None, jitter: torch.Tensor | None,
     memo: Derived | None,
 ) -> _Anchored:
     if memo is None:
@@ -375,7 +381,7 @@ def _prepared(
 
 
 def _anchored_reference(
-    name: TensorId | str,
+    name: TensorId,
     expected: torch.Tensor,
     anchor: torch.Tensor,
     probe: torch.Tensor | None = None,
@@ -416,7 +422,7 @@ def _anchored_reference(
 
 
 def compare_tensors(
-    name: TensorId | str,
+    name: TensorId,
     actual: torch.Tensor | None,
     expected: torch.Tensor | None,
     anchor: torch.Tensor | None,
@@ -483,7 +489,7 @@ def compare_tensors(
 
 
 def _anchored(
-    name: TensorId | str, actual: torch.Tensor, prepared: _Anchored, tolerance: Tolerance, terms: float | Terms | None,
+    name: TensorId, actual: torch.Tensor, prepared: _Anchored, tolerance: Tolerance, terms: float | Terms | None,
 ) -> TensorComparison:
     """The anchored rule (``Tolerance``) on one tensor, ``actual`` dense and on the
     reference's device."""
@@ -587,7 +593,7 @@ def _float64_rounding(
     return reference_error, reference_norm
 
 
-def _explicit(name: TensorId | str, actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance) -> TensorComparison:
+def _explicit(name: TensorId, actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance) -> TensorComparison:
     """The explicit rule, with torch.isclose's semantics (NaN and inf included)."""
     assert tolerance.rtol is not None
     assert tolerance.atol is not None
@@ -607,7 +613,7 @@ def _explicit(name: TensorId | str, actual: torch.Tensor, expected: torch.Tensor
 
 
 def _detailed(
-    name: TensorId | str,
+    name: TensorId,
     actual: torch.Tensor,
     reference: torch.Tensor,
     allowed_each: torch.Tensor,
@@ -651,7 +657,7 @@ def _detailed(
 
 
 def _detailed_finite(
-    name: TensorId | str, actual: torch.Tensor, rounded: torch.Tensor, allowed: float, reference_error: float,
+    name: TensorId, actual: torch.Tensor, rounded: torch.Tensor, allowed: float, reference_error: float,
 ) -> TensorComparison:
     """``_detailed`` of a finite failing tensor against ``rounded`` (the float64 answer in
     the working dtype) with one allowance: the same float64 figures, a chunk of elements

@@ -703,7 +703,7 @@ def _buffer_rows(check: DDPCheck, ranks: Sequence[RankBuffers], shards_in: Seque
         anchors = {} if check.tolerance.explicit else _eval_outputs(copy.deepcopy(after[torch.float64][0]), args, torch.float64, kwargs)
         mine = dict(rank.next_outputs)
         for path, value in expected.items():
-            rows.append(compare_tensors(TensorId(path, rank=r, variant="eval"), mine.get(path), value, anchors.get(path), check.tolerance))
+            rows.append(compare_tensors(TensorId("output", path, rank=r, variant="eval"), mine.get(path), value, anchors.get(path), check.tolerance))
     return rows
 
 

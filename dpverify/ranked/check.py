@@ -536,7 +536,7 @@ class RankedCheck:
         for path, tensor in refs.expected.outputs:
             if path not in mine or tensor.dim() == 0 or tensor.size(0) != self.batch_size:
                 continue
-            tensor_id = TensorId(f"{path}[{start}:{stop}]", rank=who, variant=variant)
+            tensor_id = TensorId("output", path, rank=who, variant=variant, detail=f"[{start}:{stop}]")
             found.append(refs.compare(tensor_id, mine[path], Key.output(path, (start, stop)), contrast=contrast))
         for name in refs.expected.grads:
             found.append(refs.compare(TensorId("grad", name, rank=who, variant=variant), actual.grads.get(name), Key.grad(name), contrast=contrast))

@@ -483,7 +483,7 @@ def _output_rows(check: PipelineCheck, last: PipelineRankStep, refs: References)
     mine = dict(last.outputs)
     stage = len(check.stages) - 1
     return [
-        refs.compare(TensorId(path, variant=f"stage {stage}"), mine.get(path), Key.output(path))
+        refs.compare(TensorId("output", path, variant=f"stage {stage}"), mine.get(path), Key.output(path))
         for path, _tensor in refs.expected.outputs
     ]
 
