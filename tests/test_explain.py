@@ -225,6 +225,27 @@ def test_user_model_with_inputs_function(tmp_path: Path, monkeypatch: pytest.Mon
     assert torch.is_tensor(batch.target)
 
 
+def test_real_ddp_runs_on_the_users_target_not_explains_float64_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    # explain's simulated steps run in float64 with a float64 copy of the target; the real
+    # DDP ranks run the user's float32 step, where torch 2.11's mse_loss of a float32
+    # output and a float64 target raised
+    from types import SimpleNamespace
+
+    from dpverify.registry import CHECKS, Verdict
+
+    seen: list[torch.dtype] = []
+
+    def spy(case: Any) -> Any:
+        seen.append(case.target.dtype)
+        return SimpleNamespace(verdict=Verdict.PASS, scale=None, summary="spied")
+
+    monkeypatch.setitem(CHECKS, "dp-ddp-agree", SimpleNamespace(run=spy))
+    model = builtin_model("mlp")
+    e = explain(model, batch_size=4, device_ids=[0, 1], real_ddp=True)
+    assert seen == [model.make_batch(4).target.dtype] == [torch.float32]
+    assert e.ddp.detail == "real DDP on 2 ranks agrees with DataParallel (spied)"
+
+
 @pytest.mark.timeout(180)
 def test_real_ddp_for_question_eleven() -> None:
     e = explain(builtin_model("mlp"), batch_size=4, device_ids=[0, 1], real_ddp=True)
