@@ -1,14 +1,7 @@
 """What runs on each rank of an FSDP2 check: the context a step sees, the default steps,
-and the tasks that return gradients, parameters and the evidence that sharding ran.
-
-A check sends one frozen task to every rank of a ``RankRunner``. Each rank takes a fresh
-copy of the module, cuts its contiguous shard of the batch (``dpverify.ranked.rank``, as every ranked check
-does), and runs a step whose ``ctx.fsdp()`` applies torch's
-``fully_shard`` (FSDP2) over the one-dimensional mesh ``("dp",)`` of every rank. What comes
-back is made of plain CPU tensors: the full gradients and parameters (``DTensor.full_tensor()``,
-an all-gather) and, for each parameter, how it was held (a DTensor or not, its local and
-full element counts, its placements), so that the parent can tell a step that really
-sharded from one that only looks right.
+and the tasks that return the full gradients and parameters (``DTensor.full_tensor()``)
+with the evidence that sharding ran (how each parameter was held, the mixed precision
+applied); docs/distributed.md says what the check makes of them.
 """
 
 from __future__ import annotations
@@ -45,7 +38,6 @@ __all__ = [
     "FSDPTrainingTask",
     "Held",
     "Precision",
-    "compute_dtypes",
     "fsdp_step",
     "precision_of",
     "run_fsdp_step_task",
@@ -201,41 +193,6 @@ class FSDPStepTask(RankStepTask):
 
 
 @dataclass(frozen=True)
-class FSDPRankStep(RankStep):
-    """What one FSDP2 step left on one rank: ``RankStep``'s gradients (full, from
-    ``full_tensor()``), outputs, loss and buffers, ``wrapped`` (``ctx.fsdp()`` ran), and:
-
-    Attributes:
-        held: how the rank held each parameter at the end of the step.
-        plain_grads: parameters whose gradient was a plain tensor, not a DTensor.
-        compute_dtypes: the mixed-precision ``param_dtype`` the FSDP2 modules computed in
-            (``compute_dtypes``); empty without a ``MixedPrecisionPolicy``.
-    """
-
-    held: tuple[Held, ...] = ()
-    plain_grads: tuple[str, ...] = ()
-    compute_dtypes: tuple[str, ...] = ()
-
-
-def compute_dtypes(module: nn.Module) -> tuple[str, ...]:
-    """The ``param_dtype`` of every ``MixedPrecisionPolicy`` that the FSDP2 modules in
-    ``module`` hold (``"torch.bfloat16"``), whoever called ``fully_shard``: the dtypes
-    their forward and backward computed in. Empty without mixed precision. Read from
-    each module's parameter group (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py,
-    ``FSDPParamGroup.mp_policy``), the policy ``fully_shard`` was given."""
-    found: list[str] = []
-    for sub in module.modules():
-        if not isinstance(sub, FSDPModule):
-            continue
-        group = getattr(sub._get_fsdp_state(), "_fsdp_param_group", None)
-        policy = getattr(group, "mp_policy", None)
-        dtype = getattr(policy, "param_dtype", None)
-        if isinstance(dtype, torch.dtype):
-            found.append(str(dtype))
-    return tuple(dict.fromkeys(found))
-
-
-@dataclass(frozen=True)
 class Precision:
     """Mixed precision as FSDP2 applied it on one rank, read from torch's own records
     (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, ``FSDPParam.init_dtype_attrs``;
@@ -286,6 +243,22 @@ def precision_of(module: nn.Module) -> Precision:
     return Precision(tuple(params), tuple(modules))
 
 
+@dataclass(frozen=True)
+class FSDPRankStep(RankStep):
+    """What one FSDP2 step left on one rank: ``RankStep``'s gradients (full, from
+    ``full_tensor()``), outputs, loss and buffers, ``wrapped`` (``ctx.fsdp()`` ran), and:
+
+    Attributes:
+        held: how the rank held each parameter at the end of the step.
+        plain_grads: parameters whose gradient was a plain tensor, not a DTensor.
+        precision: the mixed precision FSDP2 applied (``precision_of``).
+    """
+
+    held: tuple[Held, ...] = ()
+    plain_grads: tuple[str, ...] = ()
+    precision: Precision = field(default_factory=Precision)
+
+
 def _context(info: RankInfo, model: nn.Module, task: FSDPStepTask | FSDPTrainingTask, shard_sizes: tuple[int, ...]) -> FSDPContext:
     return FSDPContext.for_rank(
         info, model, task.loss_fn, shard_sizes, shard_modules=task.shard_modules,
@@ -306,7 +279,7 @@ def _run_one(info: RankInfo, task: FSDPStepTask, step: Any) -> FSDPRankStep:
         syncs=None,
         held=_holding(model),
         plain_grads=_plain_grads(model),
-        compute_dtypes=compute_dtypes(model),
+        precision=precision_of(model),
     )
 
 

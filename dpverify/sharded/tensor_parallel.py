@@ -1,15 +1,9 @@
 """Public tensor-parallel check: torch's ``parallelize_module`` on real ranks against one device.
 
-The check sends one task to the pooled ranks (``dpverify.ddp.pool``; never a process group of
-its own). Every rank applies the user's plan to a fresh copy of the module over the ``"tp"``
-dimension of a device mesh (``dpverify.sharded.mesh``), with FSDP2 over a ``"dp"`` dimension
-when ``data_parallel`` > 1, runs the step, and returns its output made whole, its loss, the
-full gradients (``DTensor.full_tensor()``), how it held every parameter, and the layouts its
-modules' inputs and outputs had (forward hooks). The parent compares the tensors with the
-single-device full-batch step as every ranked check does (``RankedCheck``, ``References``:
-float64-anchored tolerance, a second look for rounding), fails a step that sharded nothing,
-and explains a plan whose layouts do not compose (or whose output stays a local shard) from
-the recorded layouts rather than from torch's traceback.
+The check sends one task to the pooled ranks (``tensor_parallel_rank``), compares the
+tensors with the single-device step as every ranked check does (``RankedCheck``), fails a
+step that sharded nothing, and explains a plan whose layouts do not compose (or whose
+output stays a local shard) from the layouts the ranks recorded (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -45,9 +39,10 @@ from dpverify.ranked.check import (
     same_up_to_rounding,
 )
 from dpverify.ranked.items import PieceItems
-from dpverify.ranked.notes import items_notes, scale_note, token_trap_note, trap_note
+from dpverify.ranked.notes import items_notes, scale_note
 from dpverify.ranked.options import ShardedKeywords, accepted, check_keywords, documented
 from dpverify.ranked.rank import LossFn, shard_bounds, take_rows
+from dpverify.ranked.sharded import module_paths, step_task, trap_text
 from dpverify.sharded.fsdp import _default_units
 from dpverify.sharded.fsdp_rank import shard_order
 from dpverify.sharded.tensor_parallel_rank import (
@@ -87,11 +82,6 @@ class TPKeywords(ShardedKeywords, total=False):
 # --------------------------------------------------------------------------- validation
 
 
-def _module_paths(module: nn.Module) -> str:
-    listed = ", ".join(repr(path) for path, _ in module.named_modules() if path)
-    return listed or "(none: the module has no submodule)"
-
-
 def _plan(module: nn.Module, plan: Any) -> dict[str, ParallelStyle]:
     """The plan, checked as ``parallelize_module`` would read it, before any rank sees it:
     a dict of module paths (``fnmatch`` patterns per dotted part) to ``ParallelStyle``s, each
@@ -106,7 +96,7 @@ def _plan(module: nn.Module, plan: Any) -> dict[str, ParallelStyle]:
         if not isinstance(key, str) or not key:
             raise InvalidArgument(
                 f"plan has the key {key!r}; name submodules by their qualified paths (non-empty strings such as "
-                f"'0' or 'layers.*.mlp'): {_module_paths(module)}"
+                f"'0' or 'layers.*.mlp'): {module_paths(module)}"
             )
         if not isinstance(style, ParallelStyle):
             raise InvalidArgument(
@@ -117,7 +107,7 @@ def _plan(module: nn.Module, plan: Any) -> dict[str, ParallelStyle]:
         if not matched:
             raise InvalidArgument(
                 f"plan key {key!r} matches no submodule of {type(module).__name__} (parallelize_module would "
-                f"only warn and shard nothing there); the module paths are: {_module_paths(module)}"
+                f"only warn and shard nothing there); the module paths are: {module_paths(module)}"
             )
         if isinstance(style, (ColwiseParallel, RowwiseParallel)):
             for path, _style in matched:
@@ -212,19 +202,8 @@ class TPCheck(RankedCheck):
         return split
 
     def tp_task(self, steps: Sequence[TPStep], items: PieceItems) -> TPStepTask:
-        return TPStepTask(
-            module=self.module,
-            inputs=self.args,
-            target=self.target,
-            loss_fn=self.loss_fn,
-            shard_sizes=self.shard_sizes,
-            steps=tuple(steps),
-            plan=dict(self.plan),
-            data_parallel=self.data_parallel,
-            fsdp_modules=self.fsdp_modules,
-            kwargs=self.kwargs,
-            item_kind=items.kind,
-            item_counts=items.counts if items.by_tokens else (),
+        return step_task(
+            TPStepTask, self, steps, items, plan=dict(self.plan), data_parallel=self.data_parallel, fsdp_modules=self.fsdp_modules,
         )
 
     def tp_rows(self, rank: int, actual: TPRankStep, refs: References, *, variant: str = "") -> list[TensorComparison]:
@@ -600,20 +579,17 @@ def assert_tensor_parallel_grads_match(
     contrasts: list[TensorComparison] = []
     if trap:
         naive = [rank_steps[1] for rank_steps in results]
-        reference = anchor or expected
-        if counted.by_tokens:
-            notes.append(
-                "FSDP2 averages the data-parallel groups' gradients as DDP's all-reduce averages the ranks', so "
-                "DDP's token trap holds here with the groups for ranks: " + token_trap_note(check, counted, naive, reference)
+        token_intro = (
+            "FSDP2 averages the data-parallel groups' gradients as DDP's all-reduce averages the ranks', so "
+            "DDP's token trap holds here with the groups for ranks: "
+        )
+        averages = f"FSDP2's reduce-scatter over {DP_DIM!r} averages the {check.data_parallel} groups' gradients"
+        notes.append(
+            trap_text(
+                check, counted, naive, anchor or expected, token_intro, averages=averages, plain="tp_step",
+                weighted="weighted_tp_step", parts=check.data_parallel, groups=True,
             )
-        else:
-            averages = f"FSDP2's reduce-scatter over {DP_DIM!r} averages the {check.data_parallel} groups' gradients"
-            notes.append(
-                trap_note(
-                    check, naive, reference, averages=averages, plain="tp_step", weighted="weighted_tp_step",
-                    parts=check.data_parallel, groups=True,
-                )
-            )
+        )
         if step is None:
             contrasts = grads_only([c for r, s in enumerate(naive) for c in check.tp_rows(r, s, refs, variant="plain tp_step")])
         elif not ok and same_up_to_rounding(verified[0].grads, naive[0].grads):
