@@ -183,6 +183,10 @@ def _properties() -> dict[str, Property]:
 PROPERTIES: dict[str, Property] = _properties()
 
 
+#: The ``Target`` field a mutant of each kind (but ``"criterion"``) is passed as.
+_TARGET_FIELDS = {"dp": "parallel", "reduce": "reduce", "ddp-step": "step", "fsdp-step": "step", "tp-plan": "plan", "pp-schedule": "schedule"}
+
+
 @dataclass(frozen=True)
 class Mutant:
     """One catalogued bug.
@@ -216,18 +220,11 @@ class Mutant:
         """The mutant as the code under test: ``Target(parallel=...)``, a pair
         ``Target(parallel=model, parallel_loss=...)``, ``Target(reduce=...)`` or
         ``Target(step=...)`` by its kind."""
-        if self.kind == "dp":
-            return Target(parallel=self.implementation)
         if self.kind == "criterion":
             return Target(parallel=self.model, parallel_loss=self.implementation)
-        if self.kind == "reduce":
-            return Target(reduce=self.implementation)
-        if self.kind in ("ddp-step", "fsdp-step"):
-            return Target(step=self.implementation)
-        if self.kind == "tp-plan":
-            return Target(plan=self.implementation)
-        if self.kind == "pp-schedule":
-            return Target(schedule=self.implementation)
+        if self.kind in _TARGET_FIELDS:
+            given: dict[str, Any] = {_TARGET_FIELDS[self.kind]: self.implementation}
+            return Target(**given)
         raise ValueError(
             f"mutant {self.name!r} has kind {self.kind!r}; expected 'dp', 'criterion', 'reduce', 'ddp-step', "
             "'fsdp-step', 'tp-plan' or 'pp-schedule'"

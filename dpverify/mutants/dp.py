@@ -80,13 +80,6 @@ class DetachedReplicasDataParallel(VirtualDataParallel[Any]):
         return replicas
 
 
-def _rows(inputs: tuple[Any, ...], kwargs: dict[str, Any] | None) -> int:
-    for value in (*inputs, *(kwargs or {}).values()):
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    return 1
-
-
 class ReversedGatherDataParallel(VirtualDataParallel[Any]):
     """Gathers the replicas' outputs in reverse order: rows no longer line up with targets."""
 

@@ -295,17 +295,10 @@ def assert_fsdp_grads_match(
     rank's gradients and its rows of the output must equal the single-device full-batch step
     (float64-anchored tolerance, as ``assert_ddp_grads_match``). ``module`` is left untouched.
 
-    The check also asks for evidence that FSDP2 ran: each rank reports how it held every
-    parameter (a DTensor, its local and full element counts, its placements) and whether
-    every gradient was a DTensor. A step that never called ``ctx.fsdp()``, parameters that
-    were never sharded, or plain-tensor gradients fail the check even when the numbers match.
-
-    FSDP2 averages the ranks' gradients like DDP: with uneven shards the plain ``fsdp_step``
-    is biased (the loss-averaging trap). It is then run for contrast, its bias reported, and
-    ``weighted_fsdp_step`` (the rank's loss times ``ctx.loss_weight``, ``n_r * W / B``) is the
-    one verified by default. A sum-reduction loss gives ``1/world_size`` of the single-device
-    gradient, and the failure says so. Parameters that take no part in the loss keep
-    ``.grad`` None under FSDP2, as on one device.
+    A step that never called ``ctx.fsdp()``, parameters that were never sharded, or
+    plain-tensor gradients fail the check even when the numbers match. With uneven shards
+    the plain ``fsdp_step`` (the loss-averaging trap) is run for contrast and
+    ``weighted_fsdp_step`` verified; docs/distributed.md tells the evidence and the trap.
 
     Args:
         module: the model to check.
@@ -598,16 +591,12 @@ def assert_fsdp_training_matches(
     (float64-anchored: the float64 run uses the same optimizer). The check fails when the
     parameters or the optimizer state (e.g. Adam's ``exp_avg``) were not sharded.
 
-    Under a ``MixedPrecisionPolicy`` (read off the ranks' FSDP2 modules, whoever sharded
-    them) FSDP2 computes in ``param_dtype`` but keeps and steps the parameters in their own
-    dtype, so each step is judged where its rounding happens: the rank's gradients of the
-    step against the single-device gradients computed as FSDP2 computes them (a
-    ``param_dtype`` copy of the parameters, gradients cast to ``reduce_dtype`` then back) at
-    the same parameters, with ``param_dtype``'s tolerance; and its parameters after the
-    step against the optimizer stepping the parameters in their own dtype with those
-    gradients, with that dtype's tolerance. Training with no rounding of the gradients
-    is no fair reference: Adam, for one, moves a parameter by its learning rate whichever
-    the sign of a gradient that ``param_dtype`` rounding may flip.
+    Under a ``MixedPrecisionPolicy`` (read off the ranks' FSDP2 modules) each step is judged
+    where it rounds: the step's gradients against the single-device ones computed as FSDP2
+    computes them at the same parameters (``param_dtype``'s tolerance), and the parameters
+    after it against the optimizer stepping them in their own dtype with those gradients.
+    Training with no rounding of the gradients is no fair reference: Adam, for one, moves a
+    parameter by its learning rate whichever the sign of a gradient rounding may flip.
 
     Args:
         batches: one ``(inputs, target)`` pair, or ``(inputs, kwargs, target)`` triple, per

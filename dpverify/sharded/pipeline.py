@@ -1,13 +1,6 @@
-"""Pipeline parallelism (``torch.distributed.pipelining``) checked against one device.
-
-``assert_pipeline_grads_match`` cuts a module's top-level children into one stage per
-rank, runs one step of a pipeline schedule (``ScheduleGPipe``, ``Schedule1F1B``, or a
-``PipelineScheduleSingle`` subclass) on the pooled ranks of ``dpverify.ddp.pool``, and
-compares every stage's gradients, the last stage's output and the schedule's losses with
-the single-device full-batch step, through the same float64-anchored comparison and second
-look for rounding as the DDP checks (``References``). The ranks report what they ran
-(``pipeline_rank.PipelineRankStep``): a stage that skipped a microbatch, or a parameter no
-stage or two stages held, fails the check whatever the gradients say.
+"""Pipeline parallelism (``torch.distributed.pipelining``) checked against one device:
+``assert_pipeline_grads_match`` (its docstring and docs/distributed.md say what is
+compared, and what evidence from the ranks, ``pipeline_rank``, fails the check).
 """
 
 from __future__ import annotations
@@ -398,15 +391,9 @@ def assert_pipeline_grads_match(
     the single-device gradient, and a mean loss with ``scale_grads=False`` gets
     ``n_microbatches`` times it; the failure names the factor and the fix.
 
-    Uneven microbatches are refused before anything runs. When ``n_microbatches`` does not
-    divide the batch, ``torch.tensor_split`` makes the first microbatches one row larger,
-    and torch 2.13's ``PipelineStage`` sizes the buffers it receives activations (and
-    gradients) in from the first microbatch: the later, smaller ones arrive in buffers a row
-    too large. The step does not hang; it fails with a raw shape error, in the loss
-    ("The size of tensor a (3) must match the size of tensor b (2)" for ``mse_loss``) or,
-    with a loss that does not compare shapes, in stage 0's backward ("Failed to run stage
-    backward"). Were it to run, the mean of unequal microbatches' mean losses would be the
-    loss-averaging trap as well.
+    Uneven microbatches are refused before anything runs: torch 2.13's ``PipelineStage``
+    sizes its receive buffers from the first microbatch, so the step would fail with a raw
+    shape error (docs/distributed.md).
 
     Args:
         module: an ``nn.Sequential``, or a module whose forward runs its top-level

@@ -516,16 +516,11 @@ def assert_tensor_parallel_grads_match(
     full-batch step (float64-anchored tolerance, as ``assert_ddp_grads_match``). ``module`` is
     left untouched.
 
-    Evidence: each rank reports which parameters became DTensors sharded over ``"tp"`` (the
-    scenario line lists them), and forward hooks record every module's input and output
-    layouts. A step that never applied the plan, or a plan that sharded no parameter, fails.
-    A plan whose final output is left a local shard, or whose layouts do not compose (torch
-    raises on the ranks), fails with the module paths and the layouts they produced and
-    expected instead of a traceback.
-
-    With uneven data-parallel shards the plain ``tp_step`` is biased (FSDP2 averages the
-    groups' gradients: the loss-averaging trap); it is run for contrast and
-    ``weighted_tp_step`` is the one verified by default.
+    A step that never applied the plan, or a plan that sharded no parameter, fails; a plan
+    whose output is left a local shard, or whose layouts do not compose, fails with the
+    module paths and the layouts the ranks recorded instead of a traceback. With uneven
+    data-parallel shards the plain ``tp_step`` (the loss-averaging trap) is run for contrast
+    and ``weighted_tp_step`` verified (docs/distributed.md).
 
     Args:
         module: the model to check.
