@@ -1,21 +1,14 @@
-"""A catalogue of real data-parallel bugs, and correct implementations to compare with.
+"""A catalogue of real data-parallel bugs, and correct implementations to compare with
+(docs/mutants.md).
 
-Each mutant is a small, readable data-parallel implementation with one bug that people
-really make (docs/semantics.md, docs/questions.md). The DataParallel mutants have DataParallel's
-signature, ``Wrapper(module, device_ids=..., output_device=...)``, and can be passed as
-``Target(parallel=...)`` to a registry check, as ``parallel=`` to every assertion helper or
-as ``dpverify verify --parallel``; reduction mutants have ``reduce(replica_losses,
-chunk_sizes)``'s signature (``Target(reduce=...)``); DDP and FSDP2 mutants are per-rank
-steps, ``step(ctx)`` (``Target(step=...)``), tensor-parallel mutants plan builders
-``plan(layout, module)`` (``Target(plan=...)``) and pipeline mutants schedule classes
-(``Target(schedule=...)``). ``MUTANTS`` describes them all: the bug,
-the registry check that catches it (``dpverify.registry.CHECKS``), and a phrase the
-failure message contains; ``PROPERTIES`` gives each of those checks the random scenarios it
-runs on. ``ScratchDataParallel`` (a DataParallel written from scratch) and
-``manual_allreduce_step`` (a DDP step with a hand-written all-reduce) are correct: they must
-pass everything the mutants fail. The implementations live in ``dp`` (DataParallel wrappers
-and reductions), ``ddp`` (DDP steps) and ``sharded`` (FSDP2 steps, tensor-parallel styles
-and plans, pipeline schedules); every name is exported here.
+Each mutant is a small, readable implementation with one bug that people really make, in
+the shape the code under test takes (``Mutant.kind``): a DataParallel-signature wrapper, a
+criterion wrapper, a reduction of per-replica losses, a per-rank DDP or FSDP2 step, a
+tensor-parallel plan builder or a pipeline schedule class, passed to a registry check as
+``Mutant.target``. ``MUTANTS`` describes them all: the bug, the registry check that catches
+it (``dpverify.registry.CHECKS``), and a phrase the failure message contains; ``PROPERTIES``
+gives each of those checks the random scenarios it runs on. The implementations live in
+``dp``, ``ddp`` and ``sharded``; every name is exported here.
 """
 
 from __future__ import annotations
@@ -217,9 +210,8 @@ class Mutant:
 
     @property
     def target(self) -> Target:
-        """The mutant as the code under test: ``Target(parallel=...)``, a pair
-        ``Target(parallel=model, parallel_loss=...)``, ``Target(reduce=...)`` or
-        ``Target(step=...)`` by its kind."""
+        """The mutant as the code under test: the ``Target`` field of its kind
+        (``_TARGET_FIELDS``), or a criterion's pair ``Target(parallel=model, parallel_loss=...)``."""
         if self.kind == "criterion":
             return Target(parallel=self.model, parallel_loss=self.implementation)
         if self.kind in _TARGET_FIELDS:

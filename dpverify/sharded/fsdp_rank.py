@@ -173,12 +173,6 @@ def weighted_fsdp_step(ctx: FSDPContext) -> Any:
 # --------------------------------------------------------------------------- tasks
 
 
-def _plain_grads(module: nn.Module) -> tuple[str, ...]:
-    """The parameters whose gradient is not a DTensor (it did not come out of FSDP2's
-    reduce-scatter)."""
-    return tuple(name for name, p in module.named_parameters() if p.grad is not None and not isinstance(p.grad, DTensor))
-
-
 def _holding(module: nn.Module) -> tuple[Held, ...]:
     return tuple(_held(name, p) for name, p in module.named_parameters())
 
@@ -278,7 +272,7 @@ def _run_one(info: RankInfo, task: FSDPStepTask, step: Any) -> FSDPRankStep:
         wrapped=ctx.wrapped,
         syncs=None,
         held=_holding(model),
-        plain_grads=_plain_grads(model),
+        plain_grads=tuple(name for name, p in model.named_parameters() if p.grad is not None and not isinstance(p.grad, DTensor)),
         precision=precision_of(model),
     )
 

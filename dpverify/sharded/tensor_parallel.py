@@ -43,13 +43,10 @@ from dpverify.ranked.notes import items_notes, scale_note
 from dpverify.ranked.options import ShardedKeywords, accepted, check_keywords, documented
 from dpverify.ranked.rank import LossFn, shard_bounds, take_rows
 from dpverify.ranked.sharded import module_paths, step_task, trap_text
-from dpverify.sharded.fsdp import _default_units
-from dpverify.sharded.fsdp_rank import shard_order
+from dpverify.sharded.fsdp import _shard_modules
 from dpverify.sharded.tensor_parallel_rank import (
     DP_DIM,
     TP_DIM,
-    Placed,
-    Seen,
     TPContext,
     TPRankStep,
     TPStepTask,
@@ -172,7 +169,7 @@ class TPCheck(RankedCheck):
         return cls.create(
             module, inputs, target, loss_fn=loss_fn, world_size=world, **check_keywords(options),
             plan=_plan(module, plan), data_parallel=dp,
-            fsdp_modules=shard_order([*_default_units(module), ""]) if dp > 1 else (),
+            fsdp_modules=_shard_modules(module, None) if dp > 1 else (),
         )
 
     @property
@@ -235,11 +232,6 @@ def _group_loss(check: TPCheck, start: int, stop: int, step: StepResult) -> torc
 # --------------------------------------------------------------------------- evidence
 
 
-def _placement_text(held: Sequence[Placed]) -> str:
-    shown = [f"{p.name}: {p.placements} local {list(p.local)}" for p in held if p.placements]
-    return "; ".join(shown) if shown else "none"
-
-
 def _sharding_findings(check: TPCheck, steps: Sequence[TPRankStep]) -> tuple[list[str], str]:
     """(failures, the evidence for the scenario line): whether the plan was applied and sharded
     some parameter over ``"tp"`` on every rank."""
@@ -262,10 +254,8 @@ def _sharding_findings(check: TPCheck, steps: Sequence[TPRankStep]) -> tuple[lis
         )
     sharded = [p for p in steps[0].held if p.tp_sharded]
     others = [p.name for p in steps[0].held if p.placements and not p.tp_sharded]
-    evidence = (
-        f"rank 0 held {len(sharded)} of {len(steps[0].held)} parameters sharded over {TP_DIM!r} ("
-        f"{_placement_text(sharded)})"
-    )
+    shown = "; ".join(f"{p.name}: {p.placements} local {list(p.local)}" for p in sharded if p.placements) or "none"
+    evidence = f"rank 0 held {len(sharded)} of {len(steps[0].held)} parameters sharded over {TP_DIM!r} ({shown})"
     if others:
         evidence += f", and {others} as DTensors not sharded over {TP_DIM!r}"
     return failures, evidence
@@ -396,12 +386,6 @@ def _own_columns_note(check: TPCheck, steps: Sequence[TPRankStep], expected: Ste
     ]
 
 
-def _failed_call(seen: Sequence[Seen]) -> Seen | None:
-    """The innermost module call that had not finished when the forward raised."""
-    unfinished = [s for s in seen if s.handed is None]
-    return unfinished[-1] if unfinished else None
-
-
 def _expects(style: ParallelStyle | None) -> str:
     if style is None:
         return ""
@@ -426,7 +410,7 @@ def _layout_error(check: TPCheck, steps: Sequence[TPRankStep]) -> list[str]:
         return [f"The step raised on ranks {list(failed)} before ctx.parallelize() applied the plan: {error}"]
     if not step.seen:
         return [f"parallelize_module raised on ranks {list(failed)} while applying the plan: {error}"]
-    call = _failed_call(step.seen)
+    call = next((s for s in reversed(step.seen) if s.handed is None), None)  # the innermost unfinished call
     if call is None:
         return [
             f"The step raised on ranks {list(failed)} after the forward finished (in the loss or the backward), "
