@@ -49,7 +49,6 @@ from dpverify.ranked.check import (
     training_batches,
     training_rows,
 )
-from dpverify.ranked.items import PieceItems
 from dpverify.ranked.notes import items_notes, ranks_disagree, scale_note, sum_loss_note
 from dpverify.ranked.options import ShardedKeywords, accepted, check_keywords, documented
 from dpverify.ranked.rank import LossFn, OptimizerFactory
@@ -201,16 +200,11 @@ class FSDPCheck(RankedCheck):
             reshard_after_forward=require_bool(options.get("reshard_after_forward", True), "reshard_after_forward"),
         )
 
-    def sharding(self) -> str:
-        shown = [name if name else "(root)" for name in self.shard_modules]
-        return f"FSDP2 fully_shard on {shown} modules, reshard_after_forward={self.reshard_after_forward}"
-
     def layout(self) -> str:
-        return f"{self.shards_text()}, mesh ({MESH_DIM!r},); {self.sharding()}"
-
-    def fsdp_task(self, steps: Sequence[FSDPStep], items: PieceItems) -> FSDPStepTask:
-        return step_task(
-            FSDPStepTask, self, steps, items, shard_modules=self.shard_modules, reshard_after_forward=self.reshard_after_forward,
+        shown = [name if name else "(root)" for name in self.shard_modules]
+        return (
+            f"{self.shards_text()}, mesh ({MESH_DIM!r},); FSDP2 fully_shard on {shown} modules, "
+            f"reshard_after_forward={self.reshard_after_forward}"
         )
 
 
@@ -337,7 +331,8 @@ def assert_fsdp_grads_match(
     chosen: FSDPStep = step or (weighted_fsdp_step if trap else fsdp_step)
     steps = [chosen, fsdp_step] if trap else [chosen]
     title = "FSDP2 (fully_shard) gradients must match the single-device full-batch gradient on every rank"
-    results: tuple[tuple[FSDPRankStep, ...], ...] = check.send(run_fsdp_step_task, check.fsdp_task(steps, counted), title)
+    task = step_task(FSDPStepTask, check, steps, counted, shard_modules=check.shard_modules, reshard_after_forward=check.reshard_after_forward)
+    results: tuple[tuple[FSDPRankStep, ...], ...] = check.send(run_fsdp_step_task, task, title)
     verified = [rank_steps[0] for rank_steps in results]
     check = check.in_compute_dtype(verified)
     refs = check.references(items=counted if counted.by_tokens else None)

@@ -94,22 +94,16 @@ def _held(name: str, tensor: torch.Tensor) -> Held:
 class FSDPContext(RankContext):
     """What a rank's FSDP2 step sees; the argument of every ``step`` function.
 
-    The attributes of ``RankContext`` (``rank``, ``world_size``, ``module``, ``inputs``,
-    ``target``, ``loss_fn``, ``shard_sizes``, ``device``, ``kwargs``, ``loss_weight``,
-    ``items``, ...), and:
+    ``RankContext``'s attributes, and:
 
     Attributes:
         shard_modules: qualified names of the modules ``fsdp()`` applies ``fully_shard``
             to, in the order it does (deepest first; ``""`` is the root).
         reshard_after_forward: passed to every ``fully_shard``.
 
-    A step calls ``ctx.fsdp()`` to shard ``module`` in place (once; later calls return
-    the same module), runs forward and backward on its shard, and may return the output
-    to have it compared row by row. ``ctx.fsdp(mp_policy=MixedPrecisionPolicy(...))``
-    passes ``fully_shard``'s keywords on (a step may also call ``fully_shard`` itself: the
-    check judges sharding by the parameters, whoever sharded them). FSDP2 leaves each parameter's gradient as a DTensor
-    shard, averaged over the ranks by a reduce-scatter: like DDP, a per-rank mean loss is
-    exact only when every rank holds as many items (``ctx.loss_weight`` fixes the rest).
+    A step calls ``ctx.fsdp()`` to shard ``module`` in place, runs forward and backward on
+    its shard, and may return the output to have it compared row by row (a step may also
+    call ``fully_shard`` itself: the check judges sharding by the parameters).
     """
 
     shard_modules: tuple[str, ...] = ()
@@ -320,11 +314,7 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str])
 
 
 def run_fsdp_training_task(info: RankInfo, task: FSDPTrainingTask) -> FSDPRankTraining:
-    """Trains this rank's copy for ``len(task.batches)`` steps (a task for
-    ``RankRunner.run``). The first step shards the module, as in the gradient check
-    (``ctx.fsdp(**options)``, or ``fully_shard`` called by the step itself, once); the
-    optimizer is built after it, over the parameters FSDP2 then holds, so that it steps
-    the sharded parameters and its state is sharded like them."""
+    """Trains this rank's copy as ``FSDPTrainingTask`` says (a task for ``RankRunner.run``)."""
     model = copy.deepcopy(task.module).to(torch.device(info.device))
     ctx = _context(info, model, task, task.shard_sizes[0])
     with quiet():

@@ -315,10 +315,6 @@ class PipelineCheck(RankedCheck):
         stacked = torch.stack([loss.reshape(()) for loss in losses])
         return stacked.mean() if self.scale_grads else stacked.sum()
 
-    @property
-    def combination(self) -> str:
-        return "mean" if self.scale_grads else "sum"
-
 
 def pipeline_check(
     module: nn.Module, inputs: Any, target: Any, *, loss_fn: LossFn, world_size: int, n_microbatches: int,
@@ -379,21 +375,10 @@ def assert_pipeline_grads_match(
     of the microbatch losses with ``scale_grads``, else their sum) must equal the
     single-device full-batch step (float64-anchored tolerance, as the DDP checks).
 
-    The ranks report what they ran, and the check fails, whatever the gradients, when a
-    stage ran forward or backward for other microbatches than each of the
-    ``n_microbatches`` once, when the last stage returned another number of losses, or
-    when a parameter of the module that takes part in the loss is held by no stage (it
-    belongs to the parent module, not to a child) or by two (a weight tied between children
-    of different stages: each stage gets only its part of the gradient).
-
-    With ``scale_grads=True`` torch divides the accumulated gradients by
-    ``n_microbatches``: right for a mean loss. A sum loss then gets ``1/n_microbatches`` of
-    the single-device gradient, and a mean loss with ``scale_grads=False`` gets
-    ``n_microbatches`` times it; the failure names the factor and the fix.
-
-    Uneven microbatches are refused before anything runs: torch 2.13's ``PipelineStage``
-    sizes its receive buffers from the first microbatch, so the step would fail with a raw
-    shape error (docs/distributed.md).
+    The check also fails, whatever the gradients, when the ranks' evidence shows a skipped
+    or repeated microbatch, or a parameter held by no stage or by two. A sum loss with
+    ``scale_grads=True``, or a mean loss without it, is named with its factor and the fix;
+    uneven microbatches are refused before anything runs (docs/distributed.md tells why).
 
     Args:
         module: an ``nn.Sequential``, or a module whose forward runs its top-level
@@ -493,7 +478,7 @@ def _loss_rows(check: PipelineCheck, last: PipelineRankStep, refs: References) -
     anchor = refs.anchor
     rows = [
         compare_tensors(
-            TensorId("loss", variant="schedule", detail=f"({check.combination} of {n} microbatch losses)"),
+            TensorId("loss", variant="schedule", detail=f"({'mean' if check.scale_grads else 'sum'} of {n} microbatch losses)"),
             check.combined(last.losses), refs.expected.loss.detach(),
             anchor.loss.detach() if anchor is not None else None, check.tolerance,
         )

@@ -38,7 +38,6 @@ from dpverify.ranked.check import (
     require_step,
     same_up_to_rounding,
 )
-from dpverify.ranked.items import PieceItems
 from dpverify.ranked.notes import items_notes, scale_note
 from dpverify.ranked.options import ShardedKeywords, accepted, check_keywords, documented
 from dpverify.ranked.rank import LossFn, shard_bounds, take_rows
@@ -176,31 +175,20 @@ class TPCheck(RankedCheck):
     def tp_size(self) -> int:
         return self.world_size // self.data_parallel
 
-    def mesh_text(self) -> str:
-        if self.data_parallel > 1:
-            return f"a mesh ({self.data_parallel}, {self.tp_size}) named ({DP_DIM!r}, {TP_DIM!r})"
-        return f"a mesh ({self.world_size},) named ({TP_DIM!r},)"
-
     def layout(self) -> str:
         keywords = f" (keyword arguments {sorted(self.kwargs)})" if self.kwargs else ""
         plan = "{" + ", ".join(f"{key!r}: {_style_text(style)}" for key, style in self.plan.items()) + "}"
-        if self.data_parallel > 1:
-            shown = [name if name else "(root)" for name in self.fsdp_modules]
-            split = (
-                f"batch of {self.batch_size} rows{keywords} in contiguous shards {list(self.shard_sizes)}, one per "
-                f"data-parallel group, on {self.world_size} ranks ({self.runner.backend}); parallelize_module plan "
-                f"{plan} on {self.mesh_text()}, FSDP2 fully_shard over {DP_DIM!r} on {shown}"
-            )
-        else:
-            split = (
+        if self.data_parallel == 1:
+            return (
                 f"batch of {self.batch_size} rows{keywords}, whole on each of {self.world_size} ranks "
-                f"({self.runner.backend}); parallelize_module plan {plan} on {self.mesh_text()}"
+                f"({self.runner.backend}); parallelize_module plan {plan} on a mesh ({self.world_size},) named ({TP_DIM!r},)"
             )
-        return split
-
-    def tp_task(self, steps: Sequence[TPStep], items: PieceItems) -> TPStepTask:
-        return step_task(
-            TPStepTask, self, steps, items, plan=dict(self.plan), data_parallel=self.data_parallel, fsdp_modules=self.fsdp_modules,
+        shown = [name if name else "(root)" for name in self.fsdp_modules]
+        return (
+            f"batch of {self.batch_size} rows{keywords} in contiguous shards {list(self.shard_sizes)}, one per "
+            f"data-parallel group, on {self.world_size} ranks ({self.runner.backend}); parallelize_module plan "
+            f"{plan} on a mesh ({self.data_parallel}, {self.tp_size}) named ({DP_DIM!r}, {TP_DIM!r}), "
+            f"FSDP2 fully_shard over {DP_DIM!r} on {shown}"
         )
 
     def tp_rows(self, rank: int, actual: TPRankStep, refs: References, *, variant: str = "") -> list[TensorComparison]:
@@ -542,7 +530,8 @@ def assert_tensor_parallel_grads_match(
     chosen: TPStep = step or (weighted_tp_step if trap else tp_step)
     steps = [chosen, tp_step] if trap else [chosen]
     title = "Tensor-parallel (parallelize_module) output, loss and gradients must match the single-device full-batch step on every rank"
-    results: tuple[tuple[TPRankStep, ...], ...] = check.send(run_tp_step_task, check.tp_task(steps, counted), title)
+    task = step_task(TPStepTask, check, steps, counted, plan=dict(check.plan), data_parallel=check.data_parallel, fsdp_modules=check.fsdp_modules)
+    results: tuple[tuple[TPRankStep, ...], ...] = check.send(run_tp_step_task, task, title)
     verified = [rank_steps[0] for rank_steps in results]
     if verified[0].failed_ranks:
         one_device = optional(lambda: check.reference(None))
