@@ -420,8 +420,6 @@ class TPRankStep(RankStep):
 def _whole(output: Any) -> Any:
     """A step's output as one device would have returned it: every pending collective
     waited for, every DTensor made whole (None stays None)."""
-    if output is None:
-        return None
     return full_output(tree_map(lambda leaf: leaf.wait() if isinstance(leaf, AsyncCollectiveTensor) else leaf, output))
 
 
