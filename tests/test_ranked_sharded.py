@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dpverify.ranked.items import PieceItems
-from dpverify.ranked.sharded import module_paths, step_task, trap_text
-from dpverify.sharded.fsdp import FSDPCheck, fsdp_step
+from dpverify.ranked.sharded import module_paths, send_steps, trap_text
+from dpverify.sharded.fsdp import FSDPCheck, fsdp_step, weighted_fsdp_step
 from dpverify.sharded.fsdp_rank import FSDPRankStep, FSDPStepTask
 
 
@@ -23,14 +24,26 @@ def test_module_paths_lists_every_submodule_or_says_there_is_none() -> None:
     assert module_paths(nn.Linear(1, 1)) == "(none: the module has no submodule)"
 
 
-def test_step_task_carries_the_batch_the_steps_and_only_token_counts() -> None:
+def test_send_steps_verifies_the_weighted_step_beside_the_plain_one_on_uneven_shards(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[FSDPStepTask] = []
+
+    def send(self: FSDPCheck, fn: object, task: FSDPStepTask, what: str) -> tuple[tuple[str, ...], ...]:
+        sent.append(task)
+        return tuple(tuple(f"rank {r} {step.__name__}" for step in task.steps) for r in range(2))
+
+    monkeypatch.setattr(FSDPCheck, "send", send)
     check = _check()
-    rows = PieceItems("rows", ((3,), (2,)), ((3,), (2,)))
-    task = step_task(FSDPStepTask, check, [fsdp_step], rows, shard_modules=check.shard_modules)
-    assert task.steps == (fsdp_step,)
-    assert task.shard_sizes == (3, 2)
-    assert task.shard_modules == check.shard_modules
-    assert (task.item_kind, task.item_counts) == ("rows", ())
+    counted, chosen, verified, naive = send_steps(
+        check, None, fsdp_step, weighted_fsdp_step, print, "title", FSDPStepTask, shard_modules=check.shard_modules,
+    )
+    assert (counted.kind, counted.unequal_ranks, chosen) == ("rows", True, weighted_fsdp_step)
+    assert verified == ["rank 0 weighted_fsdp_step", "rank 1 weighted_fsdp_step"]
+    assert naive == ["rank 0 fsdp_step", "rank 1 fsdp_step"]
+    assert sent[0].shard_sizes == (3, 2)
+    assert sent[0].shard_modules == check.shard_modules
+    assert (sent[0].item_kind, sent[0].item_counts) == ("rows", ())
+    _c, chosen, verified, naive = send_steps(check, fsdp_step, fsdp_step, weighted_fsdp_step, print, "title", FSDPStepTask, shard_modules=())
+    assert (chosen, naive, sent[1].steps) == (fsdp_step, ["rank 0 fsdp_step", "rank 1 fsdp_step"], (fsdp_step, fsdp_step))
 
 
 def test_trap_text_words_a_row_mean_trap_with_the_backend_names() -> None:

@@ -1,11 +1,11 @@
-"""What the sharded checks (FSDP2, tensor parallelism) share on the parent side: the step
-task sent to the ranks, and the loss-averaging trap of their data-parallel dimension.
+"""What the sharded checks (FSDP2, tensor parallelism) share on the parent side: the steps
+sent to the ranks, and the loss-averaging trap of their data-parallel dimension.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import nn
 
@@ -15,9 +15,7 @@ from dpverify.ranked.items import PieceItems
 from dpverify.ranked.notes import token_trap_note, trap_note
 from dpverify.ranked.rank import RankStepTask
 
-__all__ = ["module_paths", "step_task", "trap_text"]
-
-_Task = TypeVar("_Task", bound=RankStepTask)
+__all__ = ["module_paths", "send_steps", "trap_text"]
 
 
 def module_paths(module: nn.Module) -> str:
@@ -26,21 +24,29 @@ def module_paths(module: nn.Module) -> str:
     return listed or "(none: the module has no submodule)"
 
 
-def step_task(task: type[_Task], check: RankedCheck, steps: Sequence[Any], items: PieceItems, **fields: Any) -> _Task:
-    """The ranks' task of type ``task``: ``steps`` on ``check``'s batch, with the items
-    ``items`` counted (token counts only; rows otherwise) and the backend's ``fields``."""
-    return task(
-        module=check.module,
-        inputs=check.args,
-        target=check.target,
-        loss_fn=check.loss_fn,
-        shard_sizes=check.shard_sizes,
-        steps=tuple(steps),
-        kwargs=check.kwargs,
-        item_kind=items.kind,
-        item_counts=items.counts if items.by_tokens else (),
-        **fields,
+def send_steps(
+    check: RankedCheck, step: Any, plain: Any, weighted: Any, run: Callable[..., Any], title: str, task: type[RankStepTask],
+    **fields: Any,
+) -> tuple[PieceItems, Any, list[Any], list[Any] | None]:
+    """Sends ``check``'s batch to ``run`` on the ranks as a ``task`` (with the backend's
+    ``fields``) of the step verified: ``step``, else ``weighted`` when the ranks hold
+    different numbers of items (the loss-averaging trap), else ``plain``; on such shards
+    the plain step runs beside it, for contrast.
+
+    Returns:
+        The items counted, the verified step, each rank's result of it, and each rank's
+        result of the plain step (None on even shards).
+    """
+    counted = check.count_items()
+    trap = counted.unequal_ranks
+    chosen = step or (weighted if trap else plain)
+    sent = task(
+        module=check.module, inputs=check.args, target=check.target, loss_fn=check.loss_fn, shard_sizes=check.shard_sizes,
+        steps=(chosen, plain) if trap else (chosen,), kwargs=check.kwargs, item_kind=counted.kind,
+        item_counts=counted.counts if counted.by_tokens else (), **fields,
     )
+    results = check.send(run, sent, title)
+    return counted, chosen, [steps[0] for steps in results], [steps[1] for steps in results] if trap else None
 
 
 def trap_text(

@@ -52,7 +52,7 @@ from dpverify.ranked.check import (
 from dpverify.ranked.notes import items_notes, ranks_disagree, scale_note, sum_loss_note
 from dpverify.ranked.options import ShardedKeywords, accepted, check_keywords, documented
 from dpverify.ranked.rank import LossFn, OptimizerFactory
-from dpverify.ranked.sharded import module_paths, step_task, trap_text
+from dpverify.ranked.sharded import module_paths, send_steps, trap_text
 from dpverify.sharded.fsdp_rank import (
     MESH_DIM,
     FSDPContext,
@@ -326,24 +326,20 @@ def assert_fsdp_grads_match(
     check = FSDPCheck.of(module, inputs, target, loss_fn, world_size, options)
     step = options.get("step")
     require_step(step, "FSDPContext")
-    counted = check.count_items()
-    trap = counted.unequal_ranks
-    chosen: FSDPStep = step or (weighted_fsdp_step if trap else fsdp_step)
-    steps = [chosen, fsdp_step] if trap else [chosen]
     title = "FSDP2 (fully_shard) gradients must match the single-device full-batch gradient on every rank"
-    task = step_task(FSDPStepTask, check, steps, counted, shard_modules=check.shard_modules, reshard_after_forward=check.reshard_after_forward)
-    results: tuple[tuple[FSDPRankStep, ...], ...] = check.send(run_fsdp_step_task, task, title)
-    verified = [rank_steps[0] for rank_steps in results]
+    counted, chosen, verified, naive = send_steps(
+        check, step, fsdp_step, weighted_fsdp_step, run_fsdp_step_task, title, FSDPStepTask,
+        shard_modules=check.shard_modules, reshard_after_forward=check.reshard_after_forward,
+    )
     check = check.in_compute_dtype(verified)
     refs = check.references(items=counted if counted.by_tokens else None)
     expected, anchor = refs.expected, refs.anchor
     rows = check.rank_rows(verified, refs)
     ok = all(row.ok for row in rows)
-    notes: list[str] = items_notes(counted, trap)
+    notes: list[str] = items_notes(counted, naive is not None)
     contrasts: list[TensorComparison] = []
     reduction = None if ok else check.loss_reduction(counted)
-    if trap:
-        naive = [rank_steps[1] for rank_steps in results]
+    if naive is not None:
         if reduction != "sum":
             token_intro = (
                 "FSDP2's reduce-scatter averages the ranks' gradients as DDP's all-reduce does, so DDP's "

@@ -41,7 +41,7 @@ from dpverify.ranked.check import (
 from dpverify.ranked.notes import items_notes, scale_note
 from dpverify.ranked.options import ShardedKeywords, accepted, check_keywords, documented
 from dpverify.ranked.rank import LossFn, shard_bounds, take_rows
-from dpverify.ranked.sharded import module_paths, step_task, trap_text
+from dpverify.ranked.sharded import module_paths, send_steps, trap_text
 from dpverify.sharded.fsdp import _shard_modules
 from dpverify.sharded.tensor_parallel_rank import (
     DP_DIM,
@@ -65,9 +65,6 @@ __all__ = [
     "tp_step",
     "weighted_tp_step",
 ]
-
-TPStep = Any  # Callable[[TPContext], Any]; Any keeps partials and callables welcome
-
 
 class TPKeywords(ShardedKeywords, total=False):
     """The optional keywords of the tensor-parallel helper."""
@@ -525,14 +522,11 @@ def assert_tensor_parallel_grads_match(
     check = TPCheck.of(module, inputs, target, loss_fn, world_size, plan, options)
     step, msg = options.get("step"), options.get("msg")
     require_step(step, "TPContext")
-    counted = check.count_items()
-    trap = counted.unequal_ranks
-    chosen: TPStep = step or (weighted_tp_step if trap else tp_step)
-    steps = [chosen, tp_step] if trap else [chosen]
     title = "Tensor-parallel (parallelize_module) output, loss and gradients must match the single-device full-batch step on every rank"
-    task = step_task(TPStepTask, check, steps, counted, plan=dict(check.plan), data_parallel=check.data_parallel, fsdp_modules=check.fsdp_modules)
-    results: tuple[tuple[TPRankStep, ...], ...] = check.send(run_tp_step_task, task, title)
-    verified = [rank_steps[0] for rank_steps in results]
+    counted, chosen, verified, naive = send_steps(
+        check, step, tp_step, weighted_tp_step, run_tp_step_task, title, TPStepTask,
+        plan=dict(check.plan), data_parallel=check.data_parallel, fsdp_modules=check.fsdp_modules,
+    )
     if verified[0].failed_ranks:
         one_device = optional(lambda: check.reference(None))
         local = _local_output_findings(check, verified, one_device) if one_device is not None else []
@@ -543,10 +537,9 @@ def assert_tensor_parallel_grads_match(
     expected, anchor = refs.expected, refs.anchor
     rows = [row for r, s in enumerate(verified) for row in check.tp_rows(r, s, refs)]
     ok = all(row.ok for row in rows)
-    notes: list[str] = items_notes(counted, trap)
+    notes: list[str] = items_notes(counted, naive is not None)
     contrasts: list[TensorComparison] = []
-    if trap:
-        naive = [rank_steps[1] for rank_steps in results]
+    if naive is not None:
         token_intro = (
             "FSDP2 averages the data-parallel groups' gradients as DDP's all-reduce averages the ranks', so "
             "DDP's token trap holds here with the groups for ranks: "
