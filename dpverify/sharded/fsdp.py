@@ -78,9 +78,6 @@ __all__ = [
     "weighted_fsdp_step",
 ]
 
-FSDPStep = Any  # Callable[[FSDPContext], Any]; Any keeps partials and callables welcome
-
-
 class FSDPKeywords(ShardedKeywords, total=False):
     """The optional keywords of the FSDP2 helpers (each takes those its docstring lists)."""
 
@@ -619,7 +616,7 @@ def assert_fsdp_training_matches(
     require_step(step, "FSDPContext")
     training = training_batches(check, pairs, options.get("shards"))
     counted, uneven = training.counted, training.uneven
-    chosen: FSDPStep = step or (weighted_fsdp_step if uneven else fsdp_step)
+    chosen = step or (weighted_fsdp_step if uneven else fsdp_step)
     task = FSDPTrainingTask(
         check.module, training.pairs, check.loss_fn, optimizer, training.sizes, chosen, check.shard_modules,
         check.reshard_after_forward, item_kinds=tuple(c.kind for c in counted),

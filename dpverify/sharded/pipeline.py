@@ -449,8 +449,6 @@ def _grad_rows(check: PipelineCheck, ranks: Sequence[PipelineRankStep], refs: Re
     return rows
 
 
-
-
 def _output_rows(check: PipelineCheck, last: PipelineRankStep, refs: References) -> list[TensorComparison]:
     mine = dict(last.outputs)
     stage = len(check.stages) - 1
