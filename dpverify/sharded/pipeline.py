@@ -500,17 +500,15 @@ def _evidence_failures(check: PipelineCheck, ranks: Sequence[PipelineRankStep], 
         where = f"Stage {rank.stage_index} (rank {r})"
         if rank.stage_index != r or rank.num_stages != len(check.stages):
             failures.append(f"Rank {r} ran as stage {rank.stage_index} of {rank.num_stages}; it should be stage {r} of {len(check.stages)}.")
-        if sorted(rank.forwards) != every:
-            failures.append(
-                f"{where} ran forward for microbatches {list(rank.forwards)}, not each of the "
-                f"n_microbatches={n} once: the schedule skipped or repeated microbatches, so its "
-                "gradients are not those of the full batch."
-            )
-        if sorted(rank.backwards) != every:
-            failures.append(
-                f"{where} ran backward for microbatches {list(rank.backwards)}, not each of the "
-                f"n_microbatches={n} once: the schedule skipped or repeated microbatches' backward."
-            )
+        for what, ran, skipped in (
+            ("forward", rank.forwards, "microbatches, so its gradients are not those of the full batch"),
+            ("backward", rank.backwards, "microbatches' backward"),
+        ):
+            if sorted(ran) != every:
+                failures.append(
+                    f"{where} ran {what} for microbatches {list(ran)}, not each of the "
+                    f"n_microbatches={n} once: the schedule skipped or repeated {skipped}."
+                )
         if len(rank.forwards) == n and rank.output_grads != n:
             failures.append(f"{where}: a gradient reached its output {rank.output_grads} times for {n} microbatches.")
         if len(rank.forward_rows) == n and list(rank.forward_rows) != list(check.shard_sizes):
