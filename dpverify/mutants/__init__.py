@@ -117,8 +117,7 @@ def _runs(name: str) -> Callable[[Scenario | ShardedScenario], bool]:
     spec = CHECKS[name]
 
     def runs(scenario: Scenario | ShardedScenario) -> bool:
-        case = Case.from_scenario(scenario)
-        return spec.why_not(case) is None
+        return spec.why_not(Case.from_scenario(scenario)) is None
 
     return runs
 

@@ -31,14 +31,13 @@ from dpverify.core.step import (
     StepResult,
     as_inputs,
     batch_size_of,
-    convert_tensors,
     flatten_tensors,
     parameter_sites,
 )
 from dpverify.core.validation import require_bool, require_int_at_least, require_module_with_grads
 from dpverify.ddp.pool import require_picklable
 from dpverify.ranked.check import RankedCheck, References, ShardUnit, callable_name
-from dpverify.ranked.options import RankedKeywords, accepted, documented
+from dpverify.ranked.options import RankedKeywords, accepted, check_keywords, documented
 from dpverify.ranked.rank import LossFn, even_shards, shard_bounds, take_rows
 from dpverify.sharded.pipeline_rank import PipelineRankStep, PipelineTask, run_pipeline_task
 
@@ -52,8 +51,6 @@ __all__ = [
 
 #: The schedules ``schedule=`` takes by name.
 SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-CPU = torch.device("cpu")
 
 
 # --------------------------------------------------------------------------- validation
@@ -353,9 +350,8 @@ def pipeline_check(
     stages = stage_children(module, world, options.get("split_points"))
     _require_chain(module, args, stages)
     return PipelineCheck.create(
-        module, args, target, loss_fn=loss_fn, world_size=world, shards=sizes, pool=options.get("pool"),
-        rtol=options.get("rtol"), atol=options.get("atol"), stages=stages, schedule=chosen, n_microbatches=microbatches,
-        scale_grads=scale,
+        module, args, target, loss_fn=loss_fn, world_size=world, shards=sizes, **check_keywords(options),
+        stages=stages, schedule=chosen, n_microbatches=microbatches, scale_grads=scale,
     )
 
 
@@ -460,7 +456,7 @@ def _output_rows(check: PipelineCheck, last: PipelineRankStep, refs: References)
 
 def _microbatch_losses(check: PipelineCheck, step: StepResult, dtype: torch.dtype | None) -> list[torch.Tensor]:
     """``loss_fn`` on each microbatch's rows of the single-device output."""
-    target = convert_tensors(check.target, dtype, CPU)
+    target = check.target_as(dtype)
     with torch.no_grad():
         return [
             check.loss_fn(take_rows(step.output, start, stop, check.batch_size), take_rows(target, start, stop, check.batch_size)).detach()
