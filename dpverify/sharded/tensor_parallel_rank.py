@@ -265,7 +265,6 @@ class TPContext(RankContext):
     fsdp_modules: tuple[str, ...] = ()
     mesh: DeviceMesh | None = field(default=None, repr=False)
     _recorder: _Recorder | None = field(default=None, repr=False)
-    _parallel: bool = field(default=False, repr=False)
 
     @property
     def tp_size(self) -> int:
@@ -280,7 +279,7 @@ class TPContext(RankContext):
     @property
     def wrapped(self) -> bool:
         """Whether ``parallelize()`` applied the plan."""
-        return self._parallel
+        return self._recorder is not None
 
     def tp_mesh(self) -> DeviceMesh:
         """The mesh dimension the plan shards over."""
@@ -292,14 +291,13 @@ class TPContext(RankContext):
         """``module`` after ``parallelize_module(module, tp_mesh, plan)`` and, with
         data-parallel groups, ``fully_shard`` over ``"dp"`` on each of ``fsdp_modules``
         (applied on the first call; the same module after)."""
-        if not self._parallel:
+        if self._recorder is None:
             parallelize_module(self.module, self.tp_mesh(), dict(self.plan))
             if self.data_parallel > 1:
                 assert self.mesh is not None
                 for name in self.fsdp_modules:
                     fully_shard(self.module.get_submodule(name), mesh=self.mesh[DP_DIM])
             self._recorder = _Recorder(self.module, {path: type(style).__name__ for path, style in _matched(self.module, self.plan)})
-            self._parallel = True
         return self.module
 
     def seen(self) -> tuple[Seen, ...]:
