@@ -186,12 +186,10 @@ class Mutant:
     Attributes:
         name: short identifier.
         implementation: the wrapper class, reduction function or DDP step.
-        kind: ``"dp"`` (a DataParallel-like wrapper), ``"criterion"`` (the criterion
-            wrapper of a model/criterion pair, whose model wrapper is ``model``),
-            ``"reduce"`` (a reduction of per-replica losses), ``"ddp-step"`` (a per-rank
-            DDP training step), ``"fsdp-step"`` (a per-rank FSDP2 step), ``"tp-plan"`` (a
-            tensor-parallel plan builder, ``plan(layout, module)``) or ``"pp-schedule"`` (a pipeline
-            schedule class).
+        kind: what the implementation is (the package docstring says each), and so how
+            ``target`` passes it: ``"dp"``, ``"criterion"`` (whose model wrapper is
+            ``model``), ``"reduce"``, ``"ddp-step"``, ``"fsdp-step"``, ``"tp-plan"`` or
+            ``"pp-schedule"``.
         bug: what is wrong, in one sentence.
         caught_by: the registry check that catches it (a key of ``CHECKS`` and
             ``PROPERTIES``).
