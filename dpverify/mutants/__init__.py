@@ -1,21 +1,14 @@
-"""A catalogue of real data-parallel bugs, and correct implementations to compare with.
+"""A catalogue of real data-parallel bugs, and correct implementations to compare with
+(docs/mutants.md).
 
-Each mutant is a small, readable data-parallel implementation with one bug that people
-really make (docs/semantics.md, docs/questions.md). The DataParallel mutants have DataParallel's
-signature, ``Wrapper(module, device_ids=..., output_device=...)``, and can be passed as
-``Target(parallel=...)`` to a registry check, as ``parallel=`` to every assertion helper or
-as ``dpverify verify --parallel``; reduction mutants have ``reduce(replica_losses,
-chunk_sizes)``'s signature (``Target(reduce=...)``); DDP and FSDP2 mutants are per-rank
-steps, ``step(ctx)`` (``Target(step=...)``), tensor-parallel mutants plan builders
-``plan(layout, module)`` (``Target(plan=...)``) and pipeline mutants schedule classes
-(``Target(schedule=...)``). ``MUTANTS`` describes them all: the bug,
-the registry check that catches it (``dpverify.registry.CHECKS``), and a phrase the
-failure message contains; ``PROPERTIES`` gives each of those checks the random scenarios it
-runs on. ``ScratchDataParallel`` (a DataParallel written from scratch) and
-``manual_allreduce_step`` (a DDP step with a hand-written all-reduce) are correct: they must
-pass everything the mutants fail. The implementations live in ``dp`` (DataParallel wrappers
-and reductions), ``ddp`` (DDP steps) and ``sharded`` (FSDP2 steps, tensor-parallel styles
-and plans, pipeline schedules); every name is exported here.
+Each mutant is a small, readable implementation with one bug that people really make, in
+the shape the code under test takes (``Mutant.kind``): a DataParallel-signature wrapper, a
+criterion wrapper, a reduction of per-replica losses, a per-rank DDP or FSDP2 step, a
+tensor-parallel plan builder or a pipeline schedule class, passed to a registry check as
+``Mutant.target``. ``MUTANTS`` describes them all: the bug, the registry check that catches
+it (``dpverify.registry.CHECKS``), and a phrase the failure message contains; ``PROPERTIES``
+gives each of those checks the random scenarios it runs on. The implementations live in
+``dp``, ``ddp`` and ``sharded``; every name is exported here.
 """
 
 from __future__ import annotations
@@ -124,8 +117,7 @@ def _runs(name: str) -> Callable[[Scenario | ShardedScenario], bool]:
     spec = CHECKS[name]
 
     def runs(scenario: Scenario | ShardedScenario) -> bool:
-        case = Case.from_scenario(scenario)
-        return spec.why_not(case) is None
+        return spec.why_not(Case.from_scenario(scenario)) is None
 
     return runs
 
@@ -183,6 +175,10 @@ def _properties() -> dict[str, Property]:
 PROPERTIES: dict[str, Property] = _properties()
 
 
+#: The ``Target`` field a mutant of each kind (but ``"criterion"``) is passed as.
+_TARGET_FIELDS = {"dp": "parallel", "reduce": "reduce", "ddp-step": "step", "fsdp-step": "step", "tp-plan": "plan", "pp-schedule": "schedule"}
+
+
 @dataclass(frozen=True)
 class Mutant:
     """One catalogued bug.
@@ -190,12 +186,10 @@ class Mutant:
     Attributes:
         name: short identifier.
         implementation: the wrapper class, reduction function or DDP step.
-        kind: ``"dp"`` (a DataParallel-like wrapper), ``"criterion"`` (the criterion
-            wrapper of a model/criterion pair, whose model wrapper is ``model``),
-            ``"reduce"`` (a reduction of per-replica losses), ``"ddp-step"`` (a per-rank
-            DDP training step), ``"fsdp-step"`` (a per-rank FSDP2 step), ``"tp-plan"`` (a
-            tensor-parallel plan builder, ``plan(layout, module)``) or ``"pp-schedule"`` (a pipeline
-            schedule class).
+        kind: what the implementation is (the package docstring says each), and so how
+            ``target`` passes it: ``"dp"``, ``"criterion"`` (whose model wrapper is
+            ``model``), ``"reduce"``, ``"ddp-step"``, ``"fsdp-step"``, ``"tp-plan"`` or
+            ``"pp-schedule"``.
         bug: what is wrong, in one sentence.
         caught_by: the registry check that catches it (a key of ``CHECKS`` and
             ``PROPERTIES``).
@@ -213,21 +207,13 @@ class Mutant:
 
     @property
     def target(self) -> Target:
-        """The mutant as the code under test: ``Target(parallel=...)``, a pair
-        ``Target(parallel=model, parallel_loss=...)``, ``Target(reduce=...)`` or
-        ``Target(step=...)`` by its kind."""
-        if self.kind == "dp":
-            return Target(parallel=self.implementation)
+        """The mutant as the code under test: the ``Target`` field of its kind
+        (``_TARGET_FIELDS``), or a criterion's pair ``Target(parallel=model, parallel_loss=...)``."""
         if self.kind == "criterion":
             return Target(parallel=self.model, parallel_loss=self.implementation)
-        if self.kind == "reduce":
-            return Target(reduce=self.implementation)
-        if self.kind in ("ddp-step", "fsdp-step"):
-            return Target(step=self.implementation)
-        if self.kind == "tp-plan":
-            return Target(plan=self.implementation)
-        if self.kind == "pp-schedule":
-            return Target(schedule=self.implementation)
+        if self.kind in _TARGET_FIELDS:
+            given: dict[str, Any] = {_TARGET_FIELDS[self.kind]: self.implementation}
+            return Target(**given)
         raise ValueError(
             f"mutant {self.name!r} has kind {self.kind!r}; expected 'dp', 'criterion', 'reduce', 'ddp-step', "
             "'fsdp-step', 'tp-plan' or 'pp-schedule'"

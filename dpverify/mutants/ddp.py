@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from dpverify.ddp.rank import ShardContext
 
@@ -23,22 +22,22 @@ __all__ = [
 ]
 
 
-def _all_reduce_mean(module: nn.Module, world_size: int, *, divide: bool = True) -> None:
-    for param in module.parameters():
+def _all_reduce_step(ctx: ShardContext, *, divide: bool) -> Any:
+    output = ctx.module(*ctx.inputs)
+    (ctx.loss_fn(output, ctx.target) * ctx.loss_weight).backward()
+    for param in ctx.module.parameters():
         if param.grad is not None:
             dist.all_reduce(param.grad)
             if divide:
-                param.grad /= world_size
+                param.grad /= ctx.world_size
+    return output
 
 
 def manual_allreduce_step(ctx: ShardContext) -> Any:
     """A correct DDP step without DistributedDataParallel: each rank's mean loss weighted by
     its share of the batch (``n_r * W / B``), backward, then every gradient all-reduced and
     divided by the world size."""
-    output = ctx.module(*ctx.inputs)
-    (ctx.loss_fn(output, ctx.target) * ctx.loss_weight).backward()
-    _all_reduce_mean(ctx.module, ctx.world_size)
-    return output
+    return _all_reduce_step(ctx, divide=True)
 
 
 def summed_loss_step(ctx: ShardContext) -> Any:
@@ -53,10 +52,7 @@ def summed_loss_step(ctx: ShardContext) -> Any:
 def summed_allreduce_step(ctx: ShardContext) -> Any:
     """A hand-written all-reduce that sums gradients and forgets to divide by the world
     size (DDP averages): gradients ``W`` times too large."""
-    output = ctx.module(*ctx.inputs)
-    (ctx.loss_fn(output, ctx.target) * ctx.loss_weight).backward()
-    _all_reduce_mean(ctx.module, ctx.world_size, divide=False)
-    return output
+    return _all_reduce_step(ctx, divide=False)
 
 
 def rank_seeded_init_step(ctx: ShardContext) -> Any:

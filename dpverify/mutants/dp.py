@@ -80,13 +80,6 @@ class DetachedReplicasDataParallel(VirtualDataParallel[Any]):
         return replicas
 
 
-def _rows(inputs: tuple[Any, ...], kwargs: dict[str, Any] | None) -> int:
-    for value in (*inputs, *(kwargs or {}).values()):
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    return 1
-
-
 class ReversedGatherDataParallel(VirtualDataParallel[Any]):
     """Gathers the replicas' outputs in reverse order: rows no longer line up with targets."""
 
@@ -172,11 +165,10 @@ class _BalancedScatter(nn.DataParallel[Any]):
 
 
 class BalancedOffsetDataParallel(_BalancedScatter):
-    """A balanced-chunk DataParallel, as projects write to leave room for the loss on the
-    first GPU: device 0 takes one row fewer than an even share, the others split the rest.
-    The bug: each other device's rows start at a fixed stride from the first chunk, which
-    forgets the extra row given to the devices before it, so chunks overlap and the last rows
-    are never seen, in a batch of the right size.
+    """A balanced-chunk DataParallel (``_BalancedScatter``'s chunks, which leave room for
+    the loss on the first GPU). The bug: each other device's rows start at a fixed stride
+    from the first chunk, which forgets the extra row given to the devices before it, so
+    chunks overlap and the last rows are never seen, in a batch of the right size.
 
     A plain ``torch.nn.DataParallel`` subclass (its own ``scatter`` only): dpverify runs it
     through ``virtual_devices`` where the CUDA devices are missing.
@@ -188,11 +180,10 @@ class BalancedOffsetDataParallel(_BalancedScatter):
 
 
 class BalancedDropsChunkDataParallel(_BalancedScatter):
-    """A balanced-chunk DataParallel that keeps the first device free for the loss: device
-    0 takes one row fewer than an even share and the others split the rest, as
-    ``BalancedOffsetDataParallel`` does with the right offsets. The bug: it replicates the
-    module for one device fewer ("device 0 is busy with the loss") but still splits the
-    batch over all of them, and zips replicas with chunks, so the last chunk never runs.
+    """A balanced-chunk DataParallel (``_BalancedScatter``'s chunks, with the right offsets).
+    The bug: it replicates the module for one device fewer ("device 0 is busy with the
+    loss") but still splits the batch over all of them, and zips replicas with chunks, so
+    the last chunk never runs.
 
     A plain ``torch.nn.DataParallel`` subclass (its own ``scatter`` and ``forward``).
     """

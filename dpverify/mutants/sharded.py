@@ -94,15 +94,8 @@ class LocalOutputColwiseParallel(ColwiseParallel):
         local = outputs.to_local()
         width = outputs.shape[-1]
         rank, size = device_mesh.get_local_rank(), device_mesh.size()
-        start = sum(_chunk_widths(width, size)[:rank])
+        start = sum(piece.numel() for piece in torch.arange(width).chunk(size)[:rank])  # the columns of the ranks before
         return torch.nn.functional.pad(local, (start, width - start - local.shape[-1]))
-
-
-def _chunk_widths(width: int, parts: int) -> list[int]:
-    """The width of each rank's ``Shard`` of ``width`` columns (``torch.chunk``'s cut, with
-    empty shards for the ranks it leaves out)."""
-    widths = [piece.numel() for piece in torch.arange(width).chunk(parts)]
-    return widths + [0] * (parts - len(widths))
 
 
 def no_allreduce_plan(layout: TPLayout, module: nn.Module) -> dict[str, Any]:

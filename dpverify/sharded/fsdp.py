@@ -1,16 +1,9 @@
 """Public FSDP2 checks: torch's ``fully_shard`` on real ranks against one device.
 
-Each check sends one task to the pooled ranks (``dpverify.ddp.pool``; never a process group
-of its own). Every rank shards a fresh copy of the module with ``fully_shard`` over the
-mesh ``("dp",)`` of all ranks (``dpverify.sharded.mesh``), runs the step on its contiguous
-shard of the batch, and returns the full gradients (``DTensor.full_tensor()``), its outputs,
-and how it held each parameter. The parent compares them with the single-device full-batch
-step exactly as every ranked check does (``RankedCheck``, ``References``: float64-anchored
-tolerance, a second look for rounding), and fails a step that did not really shard.
-
-FSDP2 reduce-scatters the gradients and divides them by the world size, as DDP's
-all-reduce does: a per-rank mean loss is exact only on ranks that hold as many items (the
-loss-averaging trap), and a sum loss gives ``1/world_size`` of the single-device gradient.
+Each check sends one task to the pooled ranks (``fsdp_rank``) and compares the full
+gradients, outputs or parameters with the single-device step as every ranked check does
+(``RankedCheck``); what is compared, the evidence asked for and the loss-averaging trap
+are in docs/distributed.md and the helpers' docstrings.
 """
 
 from __future__ import annotations
@@ -56,17 +49,10 @@ from dpverify.ranked.check import (
     training_batches,
     training_rows,
 )
-from dpverify.ranked.items import PieceItems
-from dpverify.ranked.notes import (
-    items_notes,
-    ranks_disagree,
-    scale_note,
-    sum_loss_note,
-    token_trap_note,
-    trap_note,
-)
+from dpverify.ranked.notes import items_notes, ranks_disagree, scale_note, sum_loss_note
 from dpverify.ranked.options import ShardedKeywords, accepted, check_keywords, documented
 from dpverify.ranked.rank import LossFn, OptimizerFactory
+from dpverify.ranked.sharded import module_paths, send_steps, trap_text
 from dpverify.sharded.fsdp_rank import (
     MESH_DIM,
     FSDPContext,
@@ -91,9 +77,6 @@ __all__ = [
     "fsdp_step",
     "weighted_fsdp_step",
 ]
-
-FSDPStep = Any  # Callable[[FSDPContext], Any]; Any keeps partials and callables welcome
-
 
 class FSDPKeywords(ShardedKeywords, total=False):
     """The optional keywords of the FSDP2 helpers (each takes those its docstring lists)."""
@@ -122,10 +105,9 @@ def _shard_modules(module: nn.Module, shard_modules: Sequence[str] | None) -> tu
         if not isinstance(name, str):
             raise InvalidArgument(f"shard_modules contains {name!r}; name the modules by their qualified names (strings)")
         if name not in valid:
-            listed = ", ".join(repr(n) for n in valid if n) or "(none: the module has no submodule)"
             raise InvalidArgument(
                 f"shard_modules names {name!r}, which is not a submodule of {type(module).__name__}; "
-                f"valid names: {listed} ('' is the root)"
+                f"valid names: {module_paths(module)} ('' is the root)"
             )
         if isinstance(valid[name], _CONTAINERS):
             elements = ", ".join(repr(f"{name}.{child}") for child, _ in valid[name].named_children())
@@ -194,14 +176,10 @@ class FSDPCheck(RankedCheck):
         return super().reference(self.compute_dtype if dtype is None else dtype, jitter=jitter)
 
     def in_compute_dtype(self, ranks: Sequence[FSDPRankStep]) -> FSDPCheck:
-        """This check judged at the precision the ranks computed in: under
-        ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` FSDP2 runs forward and backward
-        in bfloat16 (its gradients are reduced in ``reduce_dtype`` and kept in the
-        parameters' dtype), so a fair reference is the single-device step run in bfloat16,
-        anchored in float64 as usual: the tolerance is then bfloat16's. Unchanged without
-        mixed precision, or with a ``param_dtype`` no coarser than the module's."""
-        found = {name for rank in ranks for name in rank.compute_dtypes}
-        dtypes = [getattr(torch, name.removeprefix("torch.")) for name in sorted(found)]
+        """This check judged at the precision the ranks computed in: the single-device step
+        in the coarsest ``param_dtype`` of their ``MixedPrecisionPolicy`` (anchored in float64:
+        the tolerance is that dtype's). Unchanged without one coarser than the module's."""
+        dtypes = {compute for rank in ranks for _name, compute, _reduce in rank.precision.params if compute is not None}
         coarsest = max(dtypes, key=lambda d: torch.finfo(d).eps, default=None)
         if coarsest is None or torch.finfo(coarsest).eps <= torch.finfo(self.dtype).eps:
             return self
@@ -219,26 +197,11 @@ class FSDPCheck(RankedCheck):
             reshard_after_forward=require_bool(options.get("reshard_after_forward", True), "reshard_after_forward"),
         )
 
-    def sharding(self) -> str:
-        shown = [name if name else "(root)" for name in self.shard_modules]
-        return f"FSDP2 fully_shard on {shown} modules, reshard_after_forward={self.reshard_after_forward}"
-
     def layout(self) -> str:
-        return f"{self.shards_text()}, mesh ({MESH_DIM!r},); {self.sharding()}"
-
-    def fsdp_task(self, steps: Sequence[FSDPStep], items: PieceItems) -> FSDPStepTask:
-        return FSDPStepTask(
-            module=self.module,
-            inputs=self.args,
-            target=self.target,
-            loss_fn=self.loss_fn,
-            shard_sizes=self.shard_sizes,
-            steps=tuple(steps),
-            shard_modules=self.shard_modules,
-            reshard_after_forward=self.reshard_after_forward,
-            kwargs=self.kwargs,
-            item_kind=items.kind,
-            item_counts=items.counts if items.by_tokens else (),
+        shown = [name if name else "(root)" for name in self.shard_modules]
+        return (
+            f"{self.shards_text()}, mesh ({MESH_DIM!r},); FSDP2 fully_shard on {shown} modules, "
+            f"reshard_after_forward={self.reshard_after_forward}"
         )
 
 
@@ -323,17 +286,10 @@ def assert_fsdp_grads_match(
     rank's gradients and its rows of the output must equal the single-device full-batch step
     (float64-anchored tolerance, as ``assert_ddp_grads_match``). ``module`` is left untouched.
 
-    The check also asks for evidence that FSDP2 ran: each rank reports how it held every
-    parameter (a DTensor, its local and full element counts, its placements) and whether
-    every gradient was a DTensor. A step that never called ``ctx.fsdp()``, parameters that
-    were never sharded, or plain-tensor gradients fail the check even when the numbers match.
-
-    FSDP2 averages the ranks' gradients like DDP: with uneven shards the plain ``fsdp_step``
-    is biased (the loss-averaging trap). It is then run for contrast, its bias reported, and
-    ``weighted_fsdp_step`` (the rank's loss times ``ctx.loss_weight``, ``n_r * W / B``) is the
-    one verified by default. A sum-reduction loss gives ``1/world_size`` of the single-device
-    gradient, and the failure says so. Parameters that take no part in the loss keep
-    ``.grad`` None under FSDP2, as on one device.
+    A step that never called ``ctx.fsdp()``, parameters that were never sharded, or
+    plain-tensor gradients fail the check even when the numbers match. With uneven shards
+    the plain ``fsdp_step`` (the loss-averaging trap) is run for contrast and
+    ``weighted_fsdp_step`` verified; docs/distributed.md tells the evidence and the trap.
 
     Args:
         module: the model to check.
@@ -367,37 +323,32 @@ def assert_fsdp_grads_match(
     check = FSDPCheck.of(module, inputs, target, loss_fn, world_size, options)
     step = options.get("step")
     require_step(step, "FSDPContext")
-    counted = check.count_items()
-    trap = counted.unequal_ranks
-    chosen: FSDPStep = step or (weighted_fsdp_step if trap else fsdp_step)
-    steps = [chosen, fsdp_step] if trap else [chosen]
     title = "FSDP2 (fully_shard) gradients must match the single-device full-batch gradient on every rank"
-    results: tuple[tuple[FSDPRankStep, ...], ...] = check.send(run_fsdp_step_task, check.fsdp_task(steps, counted), title)
-    verified = [rank_steps[0] for rank_steps in results]
+    counted, chosen, verified, naive = send_steps(
+        check, step, fsdp_step, weighted_fsdp_step, run_fsdp_step_task, title, FSDPStepTask,
+        shard_modules=check.shard_modules, reshard_after_forward=check.reshard_after_forward,
+    )
     check = check.in_compute_dtype(verified)
     refs = check.references(items=counted if counted.by_tokens else None)
     expected, anchor = refs.expected, refs.anchor
     rows = check.rank_rows(verified, refs)
     ok = all(row.ok for row in rows)
-    notes: list[str] = items_notes(counted, trap)
+    notes: list[str] = items_notes(counted, naive is not None)
     contrasts: list[TensorComparison] = []
     reduction = None if ok else check.loss_reduction(counted)
-    if trap:
-        naive = [rank_steps[1] for rank_steps in results]
+    if naive is not None:
         if reduction != "sum":
-            reference = anchor or expected
-            if counted.by_tokens:
-                notes.append(
-                    "FSDP2's reduce-scatter averages the ranks' gradients as DDP's all-reduce does, so DDP's "
-                    "token trap holds here, with fsdp_step for ddp_step and weighted_fsdp_step for "
-                    "weighted_ddp_step: " + token_trap_note(check, counted, naive, reference)
-                )
-            else:
-                averages = (
-                    "FSDP2's reduce-scatter averages the ranks' gradients (it divides their sum by the world size, "
-                    f"{check.world_size}, as DDP does)"
-                )
-                notes.append(trap_note(check, naive, reference, averages=averages, plain="fsdp_step", weighted="weighted_fsdp_step"))
+            token_intro = (
+                "FSDP2's reduce-scatter averages the ranks' gradients as DDP's all-reduce does, so DDP's "
+                "token trap holds here, with fsdp_step for ddp_step and weighted_fsdp_step for weighted_ddp_step: "
+            )
+            averages = (
+                "FSDP2's reduce-scatter averages the ranks' gradients (it divides their sum by the world size, "
+                f"{check.world_size}, as DDP does)"
+            )
+            notes.append(
+                trap_text(check, counted, naive, anchor or expected, token_intro, averages=averages, plain="fsdp_step", weighted="weighted_fsdp_step")
+            )
         if step is None:
             contrasts = grads_only(check.rank_rows(naive, refs, variant="plain fsdp_step", contrast=True))
         elif not ok and reduction != "sum" and same_up_to_rounding(verified[0].grads, naive[0].grads):
@@ -526,20 +477,10 @@ def _mixed_training_rows(
     ranks: Sequence[FSDPRankTraining],
 ) -> tuple[list[TensorComparison], int]:
     """Rows of the first step at which some rank diverges (else of the last step), for
-    training under a mixed-precision policy, judged step by step so that each rounding is
-    judged where it happens.
-
-    The gradients: each rank's gradients of step k (as its optimizer stepped with them)
-    against the single-device full-batch gradients, computed as FSDP2 computes them
-    (``_MixedReference``, in ``param_dtype``) at the one-device parameters before step k,
-    anchored in float64 at the same parameters: the tolerance is ``param_dtype``'s, as in
-    ``assert_fsdp_grads_match``. The parameters: each rank's parameters after step k
-    against the one-device optimizer stepping the parameters in their own dtype with those
-    gradients (rank 0's), anchored by the same optimizer in float64: the tolerance is the
-    parameters' dtype's. Judging the parameters after several steps against training with
-    no rounding of the gradients would instead blame a correct step for what its optimizer
-    makes of ``param_dtype`` rounding (Adam's first step moves a parameter by the learning
-    rate whichever the sign of a gradient that rounding may flip).
+    training under a mixed-precision policy, each step judged where it rounds (as
+    ``assert_fsdp_training_matches`` says): step k's gradients against ``_MixedReference``
+    at the one-device parameters before it, and the parameters after it against the
+    one-device optimizer stepping them with rank 0's gradients, each anchored in float64.
     """
     mixed = _MixedReference(check.module, check.loss_fn, precision)
     model64 = copy.deepcopy(check.module).to(torch.float64)
@@ -638,16 +579,12 @@ def assert_fsdp_training_matches(
     (float64-anchored: the float64 run uses the same optimizer). The check fails when the
     parameters or the optimizer state (e.g. Adam's ``exp_avg``) were not sharded.
 
-    Under a ``MixedPrecisionPolicy`` (read off the ranks' FSDP2 modules, whoever sharded
-    them) FSDP2 computes in ``param_dtype`` but keeps and steps the parameters in their own
-    dtype, so each step is judged where its rounding happens: the rank's gradients of the
-    step against the single-device gradients computed as FSDP2 computes them (a
-    ``param_dtype`` copy of the parameters, gradients cast to ``reduce_dtype`` then back) at
-    the same parameters, with ``param_dtype``'s tolerance; and its parameters after the
-    step against the optimizer stepping the parameters in their own dtype with those
-    gradients, with that dtype's tolerance. Training with no rounding of the gradients
-    is no fair reference: Adam, for one, moves a parameter by its learning rate whichever
-    the sign of a gradient that ``param_dtype`` rounding may flip.
+    Under a ``MixedPrecisionPolicy`` (read off the ranks' FSDP2 modules) each step is judged
+    where it rounds: the step's gradients against the single-device ones computed as FSDP2
+    computes them at the same parameters (``param_dtype``'s tolerance), and the parameters
+    after it against the optimizer stepping them in their own dtype with those gradients.
+    Training with no rounding of the gradients is no fair reference: Adam, for one, moves a
+    parameter by its learning rate whichever the sign of a gradient rounding may flip.
 
     Args:
         batches: one ``(inputs, target)`` pair, or ``(inputs, kwargs, target)`` triple, per
@@ -679,7 +616,7 @@ def assert_fsdp_training_matches(
     require_step(step, "FSDPContext")
     training = training_batches(check, pairs, options.get("shards"))
     counted, uneven = training.counted, training.uneven
-    chosen: FSDPStep = step or (weighted_fsdp_step if uneven else fsdp_step)
+    chosen = step or (weighted_fsdp_step if uneven else fsdp_step)
     task = FSDPTrainingTask(
         check.module, training.pairs, check.loss_fn, optimizer, training.sizes, chosen, check.shard_modules,
         check.reshard_after_forward, item_kinds=tuple(c.kind for c in counted),

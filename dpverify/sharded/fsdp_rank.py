@@ -1,14 +1,7 @@
 """What runs on each rank of an FSDP2 check: the context a step sees, the default steps,
-and the tasks that return gradients, parameters and the evidence that sharding ran.
-
-A check sends one frozen task to every rank of a ``RankRunner``. Each rank takes a fresh
-copy of the module, cuts its contiguous shard of the batch (``dpverify.ranked.rank``, as every ranked check
-does), and runs a step whose ``ctx.fsdp()`` applies torch's
-``fully_shard`` (FSDP2) over the one-dimensional mesh ``("dp",)`` of every rank. What comes
-back is made of plain CPU tensors: the full gradients and parameters (``DTensor.full_tensor()``,
-an all-gather) and, for each parameter, how it was held (a DTensor or not, its local and
-full element counts, its placements), so that the parent can tell a step that really
-sharded from one that only looks right.
+and the tasks that return the full gradients and parameters (``DTensor.full_tensor()``)
+with the evidence that sharding ran (how each parameter was held, the mixed precision
+applied); docs/distributed.md says what the check makes of them.
 """
 
 from __future__ import annotations
@@ -45,7 +38,6 @@ __all__ = [
     "FSDPTrainingTask",
     "Held",
     "Precision",
-    "compute_dtypes",
     "fsdp_step",
     "precision_of",
     "run_fsdp_step_task",
@@ -102,22 +94,16 @@ def _held(name: str, tensor: torch.Tensor) -> Held:
 class FSDPContext(RankContext):
     """What a rank's FSDP2 step sees; the argument of every ``step`` function.
 
-    The attributes of ``RankContext`` (``rank``, ``world_size``, ``module``, ``inputs``,
-    ``target``, ``loss_fn``, ``shard_sizes``, ``device``, ``kwargs``, ``loss_weight``,
-    ``items``, ...), and:
+    ``RankContext``'s attributes, and:
 
     Attributes:
         shard_modules: qualified names of the modules ``fsdp()`` applies ``fully_shard``
             to, in the order it does (deepest first; ``""`` is the root).
         reshard_after_forward: passed to every ``fully_shard``.
 
-    A step calls ``ctx.fsdp()`` to shard ``module`` in place (once; later calls return
-    the same module), runs forward and backward on its shard, and may return the output
-    to have it compared row by row. ``ctx.fsdp(mp_policy=MixedPrecisionPolicy(...))``
-    passes ``fully_shard``'s keywords on (a step may also call ``fully_shard`` itself: the
-    check judges sharding by the parameters, whoever sharded them). FSDP2 leaves each parameter's gradient as a DTensor
-    shard, averaged over the ranks by a reduce-scatter: like DDP, a per-rank mean loss is
-    exact only when every rank holds as many items (``ctx.loss_weight`` fixes the rest).
+    A step calls ``ctx.fsdp()`` to shard ``module`` in place, runs forward and backward on
+    its shard, and may return the output to have it compared row by row (a step may also
+    call ``fully_shard`` itself: the check judges sharding by the parameters).
     """
 
     shard_modules: tuple[str, ...] = ()
@@ -181,12 +167,6 @@ def weighted_fsdp_step(ctx: FSDPContext) -> Any:
 # --------------------------------------------------------------------------- tasks
 
 
-def _plain_grads(module: nn.Module) -> tuple[str, ...]:
-    """The parameters whose gradient is not a DTensor (it did not come out of FSDP2's
-    reduce-scatter)."""
-    return tuple(name for name, p in module.named_parameters() if p.grad is not None and not isinstance(p.grad, DTensor))
-
-
 def _holding(module: nn.Module) -> tuple[Held, ...]:
     return tuple(_held(name, p) for name, p in module.named_parameters())
 
@@ -198,41 +178,6 @@ class FSDPStepTask(RankStepTask):
 
     shard_modules: tuple[str, ...]
     reshard_after_forward: bool = True
-
-
-@dataclass(frozen=True)
-class FSDPRankStep(RankStep):
-    """What one FSDP2 step left on one rank: ``RankStep``'s gradients (full, from
-    ``full_tensor()``), outputs, loss and buffers, ``wrapped`` (``ctx.fsdp()`` ran), and:
-
-    Attributes:
-        held: how the rank held each parameter at the end of the step.
-        plain_grads: parameters whose gradient was a plain tensor, not a DTensor.
-        compute_dtypes: the mixed-precision ``param_dtype`` the FSDP2 modules computed in
-            (``compute_dtypes``); empty without a ``MixedPrecisionPolicy``.
-    """
-
-    held: tuple[Held, ...] = ()
-    plain_grads: tuple[str, ...] = ()
-    compute_dtypes: tuple[str, ...] = ()
-
-
-def compute_dtypes(module: nn.Module) -> tuple[str, ...]:
-    """The ``param_dtype`` of every ``MixedPrecisionPolicy`` that the FSDP2 modules in
-    ``module`` hold (``"torch.bfloat16"``), whoever called ``fully_shard``: the dtypes
-    their forward and backward computed in. Empty without mixed precision. Read from
-    each module's parameter group (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py,
-    ``FSDPParamGroup.mp_policy``), the policy ``fully_shard`` was given."""
-    found: list[str] = []
-    for sub in module.modules():
-        if not isinstance(sub, FSDPModule):
-            continue
-        group = getattr(sub._get_fsdp_state(), "_fsdp_param_group", None)
-        policy = getattr(group, "mp_policy", None)
-        dtype = getattr(policy, "param_dtype", None)
-        if isinstance(dtype, torch.dtype):
-            found.append(str(dtype))
-    return tuple(dict.fromkeys(found))
 
 
 @dataclass(frozen=True)
@@ -286,6 +231,22 @@ def precision_of(module: nn.Module) -> Precision:
     return Precision(tuple(params), tuple(modules))
 
 
+@dataclass(frozen=True)
+class FSDPRankStep(RankStep):
+    """What one FSDP2 step left on one rank: ``RankStep``'s gradients (full, from
+    ``full_tensor()``), outputs, loss and buffers, ``wrapped`` (``ctx.fsdp()`` ran), and:
+
+    Attributes:
+        held: how the rank held each parameter at the end of the step.
+        plain_grads: parameters whose gradient was a plain tensor, not a DTensor.
+        precision: the mixed precision FSDP2 applied (``precision_of``).
+    """
+
+    held: tuple[Held, ...] = ()
+    plain_grads: tuple[str, ...] = ()
+    precision: Precision = field(default_factory=Precision)
+
+
 def _context(info: RankInfo, model: nn.Module, task: FSDPStepTask | FSDPTrainingTask, shard_sizes: tuple[int, ...]) -> FSDPContext:
     return FSDPContext.for_rank(
         info, model, task.loss_fn, shard_sizes, shard_modules=task.shard_modules,
@@ -305,8 +266,8 @@ def _run_one(info: RankInfo, task: FSDPStepTask, step: Any) -> FSDPRankStep:
         wrapped=ctx.wrapped,
         syncs=None,
         held=_holding(model),
-        plain_grads=_plain_grads(model),
-        compute_dtypes=compute_dtypes(model),
+        plain_grads=tuple(name for name, p in model.named_parameters() if p.grad is not None and not isinstance(p.grad, DTensor)),
+        precision=precision_of(model),
     )
 
 
@@ -353,11 +314,7 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str])
 
 
 def run_fsdp_training_task(info: RankInfo, task: FSDPTrainingTask) -> FSDPRankTraining:
-    """Trains this rank's copy for ``len(task.batches)`` steps (a task for
-    ``RankRunner.run``). The first step shards the module, as in the gradient check
-    (``ctx.fsdp(**options)``, or ``fully_shard`` called by the step itself, once); the
-    optimizer is built after it, over the parameters FSDP2 then holds, so that it steps
-    the sharded parameters and its state is sharded like them."""
+    """Trains this rank's copy as ``FSDPTrainingTask`` says (a task for ``RankRunner.run``)."""
     model = copy.deepcopy(task.module).to(torch.device(info.device))
     ctx = _context(info, model, task, task.shard_sizes[0])
     with quiet():

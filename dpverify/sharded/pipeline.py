@@ -1,13 +1,6 @@
-"""Pipeline parallelism (``torch.distributed.pipelining``) checked against one device.
-
-``assert_pipeline_grads_match`` cuts a module's top-level children into one stage per
-rank, runs one step of a pipeline schedule (``ScheduleGPipe``, ``Schedule1F1B``, or a
-``PipelineScheduleSingle`` subclass) on the pooled ranks of ``dpverify.ddp.pool``, and
-compares every stage's gradients, the last stage's output and the schedule's losses with
-the single-device full-batch step, through the same float64-anchored comparison and second
-look for rounding as the DDP checks (``References``). The ranks report what they ran
-(``pipeline_rank.PipelineRankStep``): a stage that skipped a microbatch, or a parameter no
-stage or two stages held, fails the check whatever the gradients say.
+"""Pipeline parallelism (``torch.distributed.pipelining``) checked against one device:
+``assert_pipeline_grads_match`` (its docstring and docs/distributed.md say what is
+compared, and what evidence from the ranks, ``pipeline_rank``, fails the check).
 """
 
 from __future__ import annotations
@@ -38,14 +31,13 @@ from dpverify.core.step import (
     StepResult,
     as_inputs,
     batch_size_of,
-    convert_tensors,
     flatten_tensors,
     parameter_sites,
 )
 from dpverify.core.validation import require_bool, require_int_at_least, require_module_with_grads
 from dpverify.ddp.pool import require_picklable
 from dpverify.ranked.check import RankedCheck, References, ShardUnit, callable_name
-from dpverify.ranked.options import RankedKeywords, accepted, documented
+from dpverify.ranked.options import RankedKeywords, accepted, check_keywords, documented
 from dpverify.ranked.rank import LossFn, even_shards, shard_bounds, take_rows
 from dpverify.sharded.pipeline_rank import PipelineRankStep, PipelineTask, run_pipeline_task
 
@@ -59,8 +51,6 @@ __all__ = [
 
 #: The schedules ``schedule=`` takes by name.
 SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-CPU = torch.device("cpu")
 
 
 # --------------------------------------------------------------------------- validation
@@ -322,10 +312,6 @@ class PipelineCheck(RankedCheck):
         stacked = torch.stack([loss.reshape(()) for loss in losses])
         return stacked.mean() if self.scale_grads else stacked.sum()
 
-    @property
-    def combination(self) -> str:
-        return "mean" if self.scale_grads else "sum"
-
 
 def pipeline_check(
     module: nn.Module, inputs: Any, target: Any, *, loss_fn: LossFn, world_size: int, n_microbatches: int,
@@ -364,9 +350,8 @@ def pipeline_check(
     stages = stage_children(module, world, options.get("split_points"))
     _require_chain(module, args, stages)
     return PipelineCheck.create(
-        module, args, target, loss_fn=loss_fn, world_size=world, shards=sizes, pool=options.get("pool"),
-        rtol=options.get("rtol"), atol=options.get("atol"), stages=stages, schedule=chosen, n_microbatches=microbatches,
-        scale_grads=scale,
+        module, args, target, loss_fn=loss_fn, world_size=world, shards=sizes, **check_keywords(options),
+        stages=stages, schedule=chosen, n_microbatches=microbatches, scale_grads=scale,
     )
 
 
@@ -386,27 +371,10 @@ def assert_pipeline_grads_match(
     of the microbatch losses with ``scale_grads``, else their sum) must equal the
     single-device full-batch step (float64-anchored tolerance, as the DDP checks).
 
-    The ranks report what they ran, and the check fails, whatever the gradients, when a
-    stage ran forward or backward for other microbatches than each of the
-    ``n_microbatches`` once, when the last stage returned another number of losses, or
-    when a parameter of the module that takes part in the loss is held by no stage (it
-    belongs to the parent module, not to a child) or by two (a weight tied between children
-    of different stages: each stage gets only its part of the gradient).
-
-    With ``scale_grads=True`` torch divides the accumulated gradients by
-    ``n_microbatches``: right for a mean loss. A sum loss then gets ``1/n_microbatches`` of
-    the single-device gradient, and a mean loss with ``scale_grads=False`` gets
-    ``n_microbatches`` times it; the failure names the factor and the fix.
-
-    Uneven microbatches are refused before anything runs. When ``n_microbatches`` does not
-    divide the batch, ``torch.tensor_split`` makes the first microbatches one row larger,
-    and torch 2.13's ``PipelineStage`` sizes the buffers it receives activations (and
-    gradients) in from the first microbatch: the later, smaller ones arrive in buffers a row
-    too large. The step does not hang; it fails with a raw shape error, in the loss
-    ("The size of tensor a (3) must match the size of tensor b (2)" for ``mse_loss``) or,
-    with a loss that does not compare shapes, in stage 0's backward ("Failed to run stage
-    backward"). Were it to run, the mean of unequal microbatches' mean losses would be the
-    loss-averaging trap as well.
+    The check also fails, whatever the gradients, when the ranks' evidence shows a skipped
+    or repeated microbatch, or a parameter held by no stage or by two. A sum loss with
+    ``scale_grads=True``, or a mean loss without it, is named with its factor and the fix;
+    uneven microbatches are refused before anything runs (docs/distributed.md tells why).
 
     Args:
         module: an ``nn.Sequential``, or a module whose forward runs its top-level
@@ -477,8 +445,6 @@ def _grad_rows(check: PipelineCheck, ranks: Sequence[PipelineRankStep], refs: Re
     return rows
 
 
-
-
 def _output_rows(check: PipelineCheck, last: PipelineRankStep, refs: References) -> list[TensorComparison]:
     mine = dict(last.outputs)
     stage = len(check.stages) - 1
@@ -490,7 +456,7 @@ def _output_rows(check: PipelineCheck, last: PipelineRankStep, refs: References)
 
 def _microbatch_losses(check: PipelineCheck, step: StepResult, dtype: torch.dtype | None) -> list[torch.Tensor]:
     """``loss_fn`` on each microbatch's rows of the single-device output."""
-    target = convert_tensors(check.target, dtype, CPU)
+    target = check.target_as(dtype)
     with torch.no_grad():
         return [
             check.loss_fn(take_rows(step.output, start, stop, check.batch_size), take_rows(target, start, stop, check.batch_size)).detach()
@@ -506,7 +472,7 @@ def _loss_rows(check: PipelineCheck, last: PipelineRankStep, refs: References) -
     anchor = refs.anchor
     rows = [
         compare_tensors(
-            TensorId("loss", variant="schedule", detail=f"({check.combination} of {n} microbatch losses)"),
+            TensorId("loss", variant="schedule", detail=f"({'mean' if check.scale_grads else 'sum'} of {n} microbatch losses)"),
             check.combined(last.losses), refs.expected.loss.detach(),
             anchor.loss.detach() if anchor is not None else None, check.tolerance,
         )
@@ -530,17 +496,15 @@ def _evidence_failures(check: PipelineCheck, ranks: Sequence[PipelineRankStep], 
         where = f"Stage {rank.stage_index} (rank {r})"
         if rank.stage_index != r or rank.num_stages != len(check.stages):
             failures.append(f"Rank {r} ran as stage {rank.stage_index} of {rank.num_stages}; it should be stage {r} of {len(check.stages)}.")
-        if sorted(rank.forwards) != every:
-            failures.append(
-                f"{where} ran forward for microbatches {list(rank.forwards)}, not each of the "
-                f"n_microbatches={n} once: the schedule skipped or repeated microbatches, so its "
-                "gradients are not those of the full batch."
-            )
-        if sorted(rank.backwards) != every:
-            failures.append(
-                f"{where} ran backward for microbatches {list(rank.backwards)}, not each of the "
-                f"n_microbatches={n} once: the schedule skipped or repeated microbatches' backward."
-            )
+        for what, ran, skipped in (
+            ("forward", rank.forwards, "microbatches, so its gradients are not those of the full batch"),
+            ("backward", rank.backwards, "microbatches' backward"),
+        ):
+            if sorted(ran) != every:
+                failures.append(
+                    f"{where} ran {what} for microbatches {list(ran)}, not each of the "
+                    f"n_microbatches={n} once: the schedule skipped or repeated {skipped}."
+                )
         if len(rank.forwards) == n and rank.output_grads != n:
             failures.append(f"{where}: a gradient reached its output {rank.output_grads} times for {n} microbatches.")
         if len(rank.forward_rows) == n and list(rank.forward_rows) != list(check.shard_sizes):

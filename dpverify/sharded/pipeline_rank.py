@@ -1,13 +1,9 @@
 """The rank side of the pipeline-parallel check: one stage per rank, run by a schedule.
 
-Each rank takes its stage's top-level children from a fresh copy of the module (the copy
-the pool unpickled), keeps them under their names in the whole module (so that a stage's
-``'2.weight'`` is the module's ``'2.weight'``), wraps them in torch's ``PipelineStage``
-over the ranks' default process group, and runs one ``step`` of the schedule: rank 0 feeds
-the batch, the last rank the target. What the rank reports is evidence, measured on the
-stage as it ran: which microbatches ``forward_one_chunk`` and ``backward_one_chunk`` were
-called for, the rows each forward of the stage's module received, how many gradients
-reached the stage's output, and which parameters the stage held.
+Each rank takes its stage's top-level children from a fresh copy of the module, keeps them
+under their names in the whole module (so that a stage's ``'2.weight'`` is the module's
+``'2.weight'``), wraps them in torch's ``PipelineStage`` over the ranks' default process
+group, runs one ``step`` of the schedule, and reports what the stage ran (``_Evidence``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Public tensor-parallel check: torch's ``parallelize_module`` on real ranks against one device.
 
-The check sends one task to the pooled ranks (``dpverify.ddp.pool``; never a process group of
-its own). Every rank applies the user's plan to a fresh copy of the module over the ``"tp"``
-dimension of a device mesh (``dpverify.sharded.mesh``), with FSDP2 over a ``"dp"`` dimension
-when ``data_parallel`` > 1, runs the step, and returns its output made whole, its loss, the
-full gradients (``DTensor.full_tensor()``), how it held every parameter, and the layouts its
-modules' inputs and outputs had (forward hooks). The parent compares the tensors with the
-single-device full-batch step as every ranked check does (``RankedCheck``, ``References``:
-float64-anchored tolerance, a second look for rounding), fails a step that sharded nothing,
-and explains a plan whose layouts do not compose (or whose output stays a local shard) from
-the recorded layouts rather than from torch's traceback.
+The check sends one task to the pooled ranks (``tensor_parallel_rank``), compares the
+tensors with the single-device step as every ranked check does (``RankedCheck``), fails a
+step that sharded nothing, and explains a plan whose layouts do not compose (or whose
+output stays a local shard) from the layouts the ranks recorded (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -44,17 +38,14 @@ from dpverify.ranked.check import (
     require_step,
     same_up_to_rounding,
 )
-from dpverify.ranked.items import PieceItems
-from dpverify.ranked.notes import items_notes, scale_note, token_trap_note, trap_note
+from dpverify.ranked.notes import items_notes, scale_note
 from dpverify.ranked.options import ShardedKeywords, accepted, check_keywords, documented
 from dpverify.ranked.rank import LossFn, shard_bounds, take_rows
-from dpverify.sharded.fsdp import _default_units
-from dpverify.sharded.fsdp_rank import shard_order
+from dpverify.ranked.sharded import module_paths, send_steps, trap_text
+from dpverify.sharded.fsdp import _shard_modules
 from dpverify.sharded.tensor_parallel_rank import (
     DP_DIM,
     TP_DIM,
-    Placed,
-    Seen,
     TPContext,
     TPRankStep,
     TPStepTask,
@@ -75,9 +66,6 @@ __all__ = [
     "weighted_tp_step",
 ]
 
-TPStep = Any  # Callable[[TPContext], Any]; Any keeps partials and callables welcome
-
-
 class TPKeywords(ShardedKeywords, total=False):
     """The optional keywords of the tensor-parallel helper."""
 
@@ -85,11 +73,6 @@ class TPKeywords(ShardedKeywords, total=False):
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def _module_paths(module: nn.Module) -> str:
-    listed = ", ".join(repr(path) for path, _ in module.named_modules() if path)
-    return listed or "(none: the module has no submodule)"
 
 
 def _plan(module: nn.Module, plan: Any) -> dict[str, ParallelStyle]:
@@ -106,7 +89,7 @@ def _plan(module: nn.Module, plan: Any) -> dict[str, ParallelStyle]:
         if not isinstance(key, str) or not key:
             raise InvalidArgument(
                 f"plan has the key {key!r}; name submodules by their qualified paths (non-empty strings such as "
-                f"'0' or 'layers.*.mlp'): {_module_paths(module)}"
+                f"'0' or 'layers.*.mlp'): {module_paths(module)}"
             )
         if not isinstance(style, ParallelStyle):
             raise InvalidArgument(
@@ -117,7 +100,7 @@ def _plan(module: nn.Module, plan: Any) -> dict[str, ParallelStyle]:
         if not matched:
             raise InvalidArgument(
                 f"plan key {key!r} matches no submodule of {type(module).__name__} (parallelize_module would "
-                f"only warn and shard nothing there); the module paths are: {_module_paths(module)}"
+                f"only warn and shard nothing there); the module paths are: {module_paths(module)}"
             )
         if isinstance(style, (ColwiseParallel, RowwiseParallel)):
             for path, _style in matched:
@@ -182,49 +165,27 @@ class TPCheck(RankedCheck):
         return cls.create(
             module, inputs, target, loss_fn=loss_fn, world_size=world, **check_keywords(options),
             plan=_plan(module, plan), data_parallel=dp,
-            fsdp_modules=shard_order([*_default_units(module), ""]) if dp > 1 else (),
+            fsdp_modules=_shard_modules(module, None) if dp > 1 else (),
         )
 
     @property
     def tp_size(self) -> int:
         return self.world_size // self.data_parallel
 
-    def mesh_text(self) -> str:
-        if self.data_parallel > 1:
-            return f"a mesh ({self.data_parallel}, {self.tp_size}) named ({DP_DIM!r}, {TP_DIM!r})"
-        return f"a mesh ({self.world_size},) named ({TP_DIM!r},)"
-
     def layout(self) -> str:
         keywords = f" (keyword arguments {sorted(self.kwargs)})" if self.kwargs else ""
         plan = "{" + ", ".join(f"{key!r}: {_style_text(style)}" for key, style in self.plan.items()) + "}"
-        if self.data_parallel > 1:
-            shown = [name if name else "(root)" for name in self.fsdp_modules]
-            split = (
-                f"batch of {self.batch_size} rows{keywords} in contiguous shards {list(self.shard_sizes)}, one per "
-                f"data-parallel group, on {self.world_size} ranks ({self.runner.backend}); parallelize_module plan "
-                f"{plan} on {self.mesh_text()}, FSDP2 fully_shard over {DP_DIM!r} on {shown}"
-            )
-        else:
-            split = (
+        if self.data_parallel == 1:
+            return (
                 f"batch of {self.batch_size} rows{keywords}, whole on each of {self.world_size} ranks "
-                f"({self.runner.backend}); parallelize_module plan {plan} on {self.mesh_text()}"
+                f"({self.runner.backend}); parallelize_module plan {plan} on a mesh ({self.world_size},) named ({TP_DIM!r},)"
             )
-        return split
-
-    def tp_task(self, steps: Sequence[TPStep], items: PieceItems) -> TPStepTask:
-        return TPStepTask(
-            module=self.module,
-            inputs=self.args,
-            target=self.target,
-            loss_fn=self.loss_fn,
-            shard_sizes=self.shard_sizes,
-            steps=tuple(steps),
-            plan=dict(self.plan),
-            data_parallel=self.data_parallel,
-            fsdp_modules=self.fsdp_modules,
-            kwargs=self.kwargs,
-            item_kind=items.kind,
-            item_counts=items.counts if items.by_tokens else (),
+        shown = [name if name else "(root)" for name in self.fsdp_modules]
+        return (
+            f"batch of {self.batch_size} rows{keywords} in contiguous shards {list(self.shard_sizes)}, one per "
+            f"data-parallel group, on {self.world_size} ranks ({self.runner.backend}); parallelize_module plan "
+            f"{plan} on a mesh ({self.data_parallel}, {self.tp_size}) named ({DP_DIM!r}, {TP_DIM!r}), "
+            f"FSDP2 fully_shard over {DP_DIM!r} on {shown}"
         )
 
     def tp_rows(self, rank: int, actual: TPRankStep, refs: References, *, variant: str = "") -> list[TensorComparison]:
@@ -256,11 +217,6 @@ def _group_loss(check: TPCheck, start: int, stop: int, step: StepResult) -> torc
 # --------------------------------------------------------------------------- evidence
 
 
-def _placement_text(held: Sequence[Placed]) -> str:
-    shown = [f"{p.name}: {p.placements} local {list(p.local)}" for p in held if p.placements]
-    return "; ".join(shown) if shown else "none"
-
-
 def _sharding_findings(check: TPCheck, steps: Sequence[TPRankStep]) -> tuple[list[str], str]:
     """(failures, the evidence for the scenario line): whether the plan was applied and sharded
     some parameter over ``"tp"`` on every rank."""
@@ -283,10 +239,8 @@ def _sharding_findings(check: TPCheck, steps: Sequence[TPRankStep]) -> tuple[lis
         )
     sharded = [p for p in steps[0].held if p.tp_sharded]
     others = [p.name for p in steps[0].held if p.placements and not p.tp_sharded]
-    evidence = (
-        f"rank 0 held {len(sharded)} of {len(steps[0].held)} parameters sharded over {TP_DIM!r} ("
-        f"{_placement_text(sharded)})"
-    )
+    shown = "; ".join(f"{p.name}: {p.placements} local {list(p.local)}" for p in sharded if p.placements) or "none"
+    evidence = f"rank 0 held {len(sharded)} of {len(steps[0].held)} parameters sharded over {TP_DIM!r} ({shown})"
     if others:
         evidence += f", and {others} as DTensors not sharded over {TP_DIM!r}"
     return failures, evidence
@@ -417,12 +371,6 @@ def _own_columns_note(check: TPCheck, steps: Sequence[TPRankStep], expected: Ste
     ]
 
 
-def _failed_call(seen: Sequence[Seen]) -> Seen | None:
-    """The innermost module call that had not finished when the forward raised."""
-    unfinished = [s for s in seen if s.handed is None]
-    return unfinished[-1] if unfinished else None
-
-
 def _expects(style: ParallelStyle | None) -> str:
     if style is None:
         return ""
@@ -447,7 +395,7 @@ def _layout_error(check: TPCheck, steps: Sequence[TPRankStep]) -> list[str]:
         return [f"The step raised on ranks {list(failed)} before ctx.parallelize() applied the plan: {error}"]
     if not step.seen:
         return [f"parallelize_module raised on ranks {list(failed)} while applying the plan: {error}"]
-    call = _failed_call(step.seen)
+    call = next((s for s in reversed(step.seen) if s.handed is None), None)  # the innermost unfinished call
     if call is None:
         return [
             f"The step raised on ranks {list(failed)} after the forward finished (in the loss or the backward), "
@@ -537,16 +485,11 @@ def assert_tensor_parallel_grads_match(
     full-batch step (float64-anchored tolerance, as ``assert_ddp_grads_match``). ``module`` is
     left untouched.
 
-    Evidence: each rank reports which parameters became DTensors sharded over ``"tp"`` (the
-    scenario line lists them), and forward hooks record every module's input and output
-    layouts. A step that never applied the plan, or a plan that sharded no parameter, fails.
-    A plan whose final output is left a local shard, or whose layouts do not compose (torch
-    raises on the ranks), fails with the module paths and the layouts they produced and
-    expected instead of a traceback.
-
-    With uneven data-parallel shards the plain ``tp_step`` is biased (FSDP2 averages the
-    groups' gradients: the loss-averaging trap); it is run for contrast and
-    ``weighted_tp_step`` is the one verified by default.
+    A step that never applied the plan, or a plan that sharded no parameter, fails; a plan
+    whose output is left a local shard, or whose layouts do not compose, fails with the
+    module paths and the layouts the ranks recorded instead of a traceback. With uneven
+    data-parallel shards the plain ``tp_step`` (the loss-averaging trap) is run for contrast
+    and ``weighted_tp_step`` verified (docs/distributed.md).
 
     Args:
         module: the model to check.
@@ -579,13 +522,11 @@ def assert_tensor_parallel_grads_match(
     check = TPCheck.of(module, inputs, target, loss_fn, world_size, plan, options)
     step, msg = options.get("step"), options.get("msg")
     require_step(step, "TPContext")
-    counted = check.count_items()
-    trap = counted.unequal_ranks
-    chosen: TPStep = step or (weighted_tp_step if trap else tp_step)
-    steps = [chosen, tp_step] if trap else [chosen]
     title = "Tensor-parallel (parallelize_module) output, loss and gradients must match the single-device full-batch step on every rank"
-    results: tuple[tuple[TPRankStep, ...], ...] = check.send(run_tp_step_task, check.tp_task(steps, counted), title)
-    verified = [rank_steps[0] for rank_steps in results]
+    counted, chosen, verified, naive = send_steps(
+        check, step, tp_step, weighted_tp_step, run_tp_step_task, title, TPStepTask,
+        plan=dict(check.plan), data_parallel=check.data_parallel, fsdp_modules=check.fsdp_modules,
+    )
     if verified[0].failed_ranks:
         one_device = optional(lambda: check.reference(None))
         local = _local_output_findings(check, verified, one_device) if one_device is not None else []
@@ -596,24 +537,20 @@ def assert_tensor_parallel_grads_match(
     expected, anchor = refs.expected, refs.anchor
     rows = [row for r, s in enumerate(verified) for row in check.tp_rows(r, s, refs)]
     ok = all(row.ok for row in rows)
-    notes: list[str] = items_notes(counted, trap)
+    notes: list[str] = items_notes(counted, naive is not None)
     contrasts: list[TensorComparison] = []
-    if trap:
-        naive = [rank_steps[1] for rank_steps in results]
-        reference = anchor or expected
-        if counted.by_tokens:
-            notes.append(
-                "FSDP2 averages the data-parallel groups' gradients as DDP's all-reduce averages the ranks', so "
-                "DDP's token trap holds here with the groups for ranks: " + token_trap_note(check, counted, naive, reference)
+    if naive is not None:
+        token_intro = (
+            "FSDP2 averages the data-parallel groups' gradients as DDP's all-reduce averages the ranks', so "
+            "DDP's token trap holds here with the groups for ranks: "
+        )
+        averages = f"FSDP2's reduce-scatter over {DP_DIM!r} averages the {check.data_parallel} groups' gradients"
+        notes.append(
+            trap_text(
+                check, counted, naive, anchor or expected, token_intro, averages=averages, plain="tp_step",
+                weighted="weighted_tp_step", parts=check.data_parallel, groups=True,
             )
-        else:
-            averages = f"FSDP2's reduce-scatter over {DP_DIM!r} averages the {check.data_parallel} groups' gradients"
-            notes.append(
-                trap_note(
-                    check, naive, reference, averages=averages, plain="tp_step", weighted="weighted_tp_step",
-                    parts=check.data_parallel, groups=True,
-                )
-            )
+        )
         if step is None:
             contrasts = grads_only([c for r, s in enumerate(naive) for c in check.tp_rows(r, s, refs, variant="plain tp_step")])
         elif not ok and same_up_to_rounding(verified[0].grads, naive[0].grads):

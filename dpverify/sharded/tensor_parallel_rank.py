@@ -1,18 +1,8 @@
 """What runs on each rank of a tensor-parallel check: the context a step sees, the default
 steps, the hooks that record the layouts module inputs and outputs really had, and the task
-that returns gradients, outputs and the evidence that tensor parallelism ran.
-
-A check sends one frozen task to every rank of a ``RankRunner``. Each rank takes a fresh copy
-of the module and runs a step whose ``ctx.parallelize()`` applies torch's
-``parallelize_module`` with the user's plan over the ``"tp"`` dimension of a device mesh
-(``dpverify.sharded.mesh``): the mesh ``("tp",)`` of every rank, or ``("dp", "tp")`` when
-``data_parallel`` > 1, where FSDP2's ``fully_shard`` then shards over ``"dp"`` and each
-data-parallel group takes its contiguous shard of the batch. What comes back is made of
-plain CPU tensors: the full gradients (``DTensor.full_tensor()``), the output made whole,
-how each parameter was held (its placements), and, from forward hooks, the layout of every
-module's input and output at each point torch's styles touch it. A rank that raises inside
-the step reports the error with the layouts seen until then, so that a plan whose layouts do
-not compose is explained from evidence instead of torch's traceback.
+that returns the full gradients and output with that evidence. A rank that raises inside
+the step reports the error with the layouts seen until then, so that a plan whose layouts
+do not compose is explained from evidence instead of torch's traceback.
 """
 
 from __future__ import annotations
@@ -112,9 +102,13 @@ class Layout:
         return f"plain tensor {list(self.shape)}"
 
 
+def _first_tensor(obj: Any) -> torch.Tensor | None:
+    return next((leaf for leaf in tree_leaves(obj) if isinstance(leaf, torch.Tensor)), None)
+
+
 def layout_of(obj: Any) -> Layout | None:
     """The layout of the first tensor in ``obj`` (any nesting), None when it holds none."""
-    tensor = next((leaf for leaf in tree_leaves(obj) if isinstance(leaf, torch.Tensor)), None)
+    tensor = _first_tensor(obj)
     if tensor is None:
         return None
     if isinstance(tensor, DTensor):
@@ -185,12 +179,9 @@ class _Recorder:
             module.register_forward_hook(self._produced, prepend=True)
             module.register_forward_hook(self._handed(path, style))
 
-    def _first(self, obj: Any) -> torch.Tensor | None:
-        return next((leaf for leaf in tree_leaves(obj) if isinstance(leaf, torch.Tensor)), None)
-
     def _arrived(self, path: str, style: str) -> Any:
         def hook(_module: nn.Module, args: Any, kwargs: Any) -> None:
-            first = self._first((args, kwargs))
+            first = _first_tensor((args, kwargs))
             source = self._origin.get(id(first)) if first is not None else None
             self.calls.append({"path": path, "style": style, "received": layout_of((args, kwargs)), "source": source, "first": first})
             self._open.append(len(self.calls) - 1)
@@ -205,7 +196,7 @@ class _Recorder:
         if self._open:
             call = self.calls[self._open[-1]]
             call["produced"] = layout_of(output)
-            first = self._first(output)
+            first = _first_tensor(output)
             if isinstance(first, DTensor):
                 call["local_storage"] = _storage(first.to_local())
 
@@ -215,7 +206,7 @@ class _Recorder:
                 return
             call = self.calls[self._open.pop()]
             call["handed"] = layout_of(output)
-            out = self._first(output)
+            out = _first_tensor(output)
             if out is not None and not isinstance(out, DTensor) and call.get("local_storage") is not None:
                 call["kept_local"] = _storage(out) == call["local_storage"]
             if out is None or id(out) in self._origin:
@@ -250,8 +241,7 @@ class _Recorder:
 class TPContext(RankContext):
     """What a rank's tensor-parallel step sees; the argument of every ``step`` function.
 
-    The attributes of ``RankContext`` (``rank``, ``world_size`` (every rank), ``module``,
-    ``inputs``, ``target``, ``loss_fn``, ``device``, ``kwargs``, ...), and:
+    ``RankContext``'s attributes (``world_size`` counts every rank), and:
 
     Attributes:
         plan: the plan ``parallelize()`` gives ``parallelize_module``.
@@ -263,12 +253,9 @@ class TPContext(RankContext):
             with FSDP2 over the ``"dp"`` dimension (deepest first, ``""`` the root).
         mesh: the whole device mesh (``("tp",)``, or ``("dp", "tp")``).
 
-    A step calls ``ctx.parallelize()`` to apply the plan (once; later calls return the same
-    module), runs forward and backward, and may return the output to have it compared; the
-    default steps make a DTensor output whole first (``full_output``). With data-parallel
-    groups, FSDP2 averages the groups' gradients: a per-group mean loss is exact only when
-    the groups hold as many items, and ``ctx.loss_weight`` (``n_g * data_parallel / B``)
-    fixes the rest.
+    A step calls ``ctx.parallelize()`` to apply the plan, runs forward and backward, and
+    may return the output to have it compared; the default steps make a DTensor output
+    whole first (``full_output``).
     """
 
     plan: Mapping[str, Any] = field(default_factory=dict)
@@ -278,7 +265,6 @@ class TPContext(RankContext):
     fsdp_modules: tuple[str, ...] = ()
     mesh: DeviceMesh | None = field(default=None, repr=False)
     _recorder: _Recorder | None = field(default=None, repr=False)
-    _parallel: bool = field(default=False, repr=False)
 
     @property
     def tp_size(self) -> int:
@@ -293,7 +279,7 @@ class TPContext(RankContext):
     @property
     def wrapped(self) -> bool:
         """Whether ``parallelize()`` applied the plan."""
-        return self._parallel
+        return self._recorder is not None
 
     def tp_mesh(self) -> DeviceMesh:
         """The mesh dimension the plan shards over."""
@@ -305,14 +291,13 @@ class TPContext(RankContext):
         """``module`` after ``parallelize_module(module, tp_mesh, plan)`` and, with
         data-parallel groups, ``fully_shard`` over ``"dp"`` on each of ``fsdp_modules``
         (applied on the first call; the same module after)."""
-        if not self._parallel:
+        if self._recorder is None:
             parallelize_module(self.module, self.tp_mesh(), dict(self.plan))
             if self.data_parallel > 1:
                 assert self.mesh is not None
                 for name in self.fsdp_modules:
                     fully_shard(self.module.get_submodule(name), mesh=self.mesh[DP_DIM])
             self._recorder = _Recorder(self.module, {path: type(style).__name__ for path, style in _matched(self.module, self.plan)})
-            self._parallel = True
         return self.module
 
     def seen(self) -> tuple[Seen, ...]:
@@ -433,8 +418,6 @@ class TPRankStep(RankStep):
 def _whole(output: Any) -> Any:
     """A step's output as one device would have returned it: every pending collective
     waited for, every DTensor made whole (None stays None)."""
-    if output is None:
-        return None
     return full_output(tree_map(lambda leaf: leaf.wait() if isinstance(leaf, AsyncCollectiveTensor) else leaf, output))
 
 
@@ -451,7 +434,7 @@ def _run_one(info: RankInfo, task: TPStepTask, step: Any) -> TPRankStep:
     )
     error: str | None = None
     output: Any = None
-    loss = None
+    loss: float | None = None
     try:
         output, loss = run_step(ctx, task, lambda c: _whole(step(c)))
     except Exception as raised:  # reported with the layouts seen; the parent explains it
@@ -460,20 +443,19 @@ def _run_one(info: RankInfo, task: TPStepTask, step: Any) -> TPRankStep:
     failures: list[Any] = [None] * info.world_size
     dist.all_gather_object(failures, error is not None)
     failed = tuple(r for r, f in enumerate(failures) if f)
-    held = tuple(_placed(name, p) for name, p in model.named_parameters())
-    if failed:
-        return TPRankStep({}, (), None, {}, ctx.wrapped, None, dp_rank, tp_rank, held, ctx.seen(), error, failed)
     return TPRankStep(
-        grads=full_grads(model),
-        outputs=outputs_of(output),
-        loss=loss,
-        buffers=buffers_of(model),
+        grads={} if failed else full_grads(model),
+        outputs=() if failed else outputs_of(output),
+        loss=None if failed else loss,
+        buffers={} if failed else buffers_of(model),
         wrapped=ctx.wrapped,
         syncs=None,
         dp_rank=dp_rank,
         tp_rank=tp_rank,
-        held=held,
+        held=tuple(_placed(name, p) for name, p in model.named_parameters()),
         seen=ctx.seen(),
+        error=error,
+        failed_ranks=failed,
     )
 
 
