@@ -1,16 +1,9 @@
 """Comparison of a parallel step with the single-device step, and the tolerance it uses.
 
-The default tolerance is anchored in float64 (docs/semantics.md, Floating point). The same step
-runs three times from the same weights: through the parallel wrapper, alone in the working
-dtype (float32), and alone in float64. The float64 run is the answer up to about 1e-16;
-the single-device float32 run's distance from it measures how much rounding this model and
-batch produce in float32, whatever the gradient scale and however much cancellation the
-sums involve. The parallel run passes when its distance from float64 is within
-``factor`` times that, per tensor. A floor of ``floor_ulps`` units of roundoff of the
-tensor's largest float64 entry keeps a lucky, nearly exact single-device run from making
-the bound impossibly tight. Every quantity scales with the gradients, so the check means
-the same at gradient scales from 1e-8 to 1e8, where a fixed ``atol`` either hides bugs or
-fails correct code.
+The default tolerance is anchored in float64: docs/tolerance.md explains it and ``Tolerance``
+states its rule. Every quantity scales with the gradients, so the check means the same at
+gradient scales from 1e-8 to 1e8, where a fixed ``atol`` either hides bugs or fails correct
+code.
 """
 
 from __future__ import annotations
@@ -331,20 +324,10 @@ def require_finite(name: TensorId, tensor: torch.Tensor | None, step: str) -> No
 @dataclass(frozen=True)
 class _Anchored:
     """What the anchored rule derives from the references alone, whatever the parallel
-    result: the float64 answer rounded to the working dtype, the single-device step's
-    distance from it, and the size of that answer (prepared once per set of reference
-    tensors given the same ``derived`` memo).
-
-    Attributes:
-        rounded: the float64 answer in the working dtype, on the single-device result's
-            device.
-        dtype: the working dtype.
-        wide: the dtype differences are taken in (float64 for 16-bit dtypes).
-        reference_error: the single-device step's greatest distance from the answer (with
-            the further rounding samples, when given).
-        reference_norm: the same, in the 2-norm.
-        size: the answer's largest entry (``max |rounded|``).
-        size_norm: the answer's 2-norm.
+    result: ``rounded``, the float64 answer in the working ``dtype`` (on the single-device
+    result's device); ``wide``, the dtype differences are taken in; the single-device
+    step's greatest distance from the answer (with the further rounding samples) and its
+    2-norm; and the answer's largest entry and 2-norm.
     """
 
     rounded: torch.Tensor
@@ -366,17 +349,15 @@ def _prepared(
     name: TensorId, expected: torch.Tensor, anchor: torch.Tensor, probe: torch.Tensor | None, jitter: torch.Tensor | None,
     memo: Derived | None,
 ) -> _Anchored:
-    if memo is None:
-        return _anchored_reference(name, expected, anchor, probe, jitter)
     tensors = (expected, anchor, probe, jitter)
     slot = tuple(id(t) for t in tensors)
-    hit = memo.get(slot)
+    hit = memo.get(slot) if memo is not None else None
     if hit is not None and all(a is b for a, b in zip(hit[:4], tensors, strict=True)):
-        prepared = hit[4]
-        assert isinstance(prepared, _Anchored)
-        return prepared
+        assert isinstance(hit[4], _Anchored)
+        return hit[4]
     prepared = _anchored_reference(name, expected, anchor, probe, jitter)
-    memo[slot] = (*tensors, prepared)
+    if memo is not None:
+        memo[slot] = (*tensors, prepared)
     return prepared
 
 
@@ -410,11 +391,15 @@ def _anchored_reference(
         # NaN or inf in a reference shows here first; name which one before comparing.
         require_finite(name, expected, "single-device")
         require_finite(name, anchor, "float64 single-device")
-    if dtype == torch.float64:
-        reference_error, reference_norm = _float64_rounding(
-            reference, reference_error, reference_norm, probe, jitter, device
-        )
-    elif jitter is not None:  # a second sample of the working dtype's rounding
+    if dtype == torch.float64 and probe is not None:
+        # float64's own anchor cannot show its rounding; float32's, scaled by the ratio of
+        # the unit roundoffs, does, unless float32 saturates (see compare_tensors)
+        probe_error = _dense(probe).detach().to(device=device, dtype=torch.float64) - reference
+        largest = max_abs(probe_error)
+        if largest <= _SATURATED * max_abs(reference):
+            reference_error = max(reference_error, largest * _ROUNDOFF_RATIO)
+            reference_norm = max(reference_norm, _norm(probe_error) * _ROUNDOFF_RATIO)
+    if jitter is not None:  # a further sample of the working dtype's rounding
         jittered = _dense(jitter).detach().to(device=device, dtype=wide) - rounded.to(wide)
         reference_error = max(reference_error, max_abs(jittered))
         reference_norm = max(reference_norm, _norm(jittered))
@@ -449,11 +434,9 @@ def compare_tensors(
     single-device step can be exact by luck while the parallel sum carries rounding of the
     size of its terms; the floors then scale with the terms, not with the total.
 
-    ``derived``: a memo the caller keeps for comparisons with the same reference tensors
-    (``expected``, ``anchor``, ``probe``, ``jitter``: the same objects, unchanged
-    meanwhile), as ``dpverify.checks.dp`` does for a parameter's gradient, its replica sum
-    and their contrast: what the anchored rule needs from each set is derived once. Every
-    figure is the same as without it.
+    ``derived``: a memo the caller keeps across comparisons with the same reference tensors
+    (the same objects, unchanged meanwhile), so that what the anchored rule needs from them
+    is derived once; every figure is the same as without it.
 
     Raises:
         NonFiniteReference: ``expected`` or ``anchor`` holds NaN or inf.
@@ -570,29 +553,6 @@ _ROUNDOFF_RATIO = torch.finfo(torch.float64).eps / torch.finfo(torch.float32).ep
 _SATURATED = 2.0**-10
 
 
-def _float64_rounding(
-    reference: torch.Tensor,
-    reference_error: float,
-    reference_norm: float,
-    probe: torch.Tensor | None,
-    jitter: torch.Tensor | None,
-    device: torch.device,
-) -> tuple[float, float]:
-    """The rounding of a float64 model's step, which its own float64 anchor cannot show."""
-    size = max_abs(reference)
-    if probe is not None:
-        probe_error = _dense(probe).detach().to(device=device, dtype=torch.float64) - reference
-        largest = max_abs(probe_error)
-        if largest <= _SATURATED * size:
-            reference_error = max(reference_error, largest * _ROUNDOFF_RATIO)
-            reference_norm = max(reference_norm, _norm(probe_error) * _ROUNDOFF_RATIO)
-    if jitter is not None:
-        jitter_error = _dense(jitter).detach().to(device=device, dtype=torch.float64) - reference
-        reference_error = max(reference_error, max_abs(jitter_error))
-        reference_norm = max(reference_norm, _norm(jitter_error))
-    return reference_error, reference_norm
-
-
 def _explicit(name: TensorId, actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance) -> TensorComparison:
     """The explicit rule, with torch.isclose's semantics (NaN and inf included)."""
     assert tolerance.rtol is not None
@@ -645,9 +605,9 @@ def _detailed(
         actual.numel(),
         mismatched=int(over.sum()),
         max_abs=float(max_abs),
-        max_abs_index=_index(flat_abs, shape),
+        max_abs_index=_unravel(int(flat_abs), shape),
         max_rel=float(max_rel),
-        max_rel_index=_index(flat_rel, shape),
+        max_rel_index=_unravel(int(flat_rel), shape),
         allowed=float(allowed_at),
         ratio=float(ratios.max()),
         reference_error=reference_error,
@@ -694,7 +654,6 @@ def _detailed_finite(
         if value > max_rel:
             max_rel, at_rel = value, start + int(rel.argmax())
     shape = tuple(actual.shape)
-    ratio = 0.0 if largest == 0.0 else (largest / allowed if allowed > 0 else math.inf)
     return TensorComparison(
         name,
         shape,
@@ -705,7 +664,7 @@ def _detailed_finite(
         max_rel=max_rel,
         max_rel_index=_unravel(at_rel, shape),
         allowed=allowed,
-        ratio=ratio,
+        ratio=_ratio(largest, allowed),
         reference_error=reference_error,
         size=size,
     )
@@ -722,10 +681,6 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
         flat, at = divmod(flat, size)
         index.append(at)
     return tuple(reversed(index))
-
-
-def _index(flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
-    return _unravel(int(flat), shape)
 
 
 def _table(rows: Sequence[TensorComparison], title: str) -> list[str]:
@@ -941,24 +896,13 @@ def explain_scale(
     naming every classic mistake that produces that factor (2 can be the world size and the
     rows per rank).
 
-    ``averager`` None is DataParallel, which sums its ``replicas``' gradients: ``1/k`` means
-    they were averaged, ``k`` summed twice. Otherwise ``averager`` names what averages the
-    ranks' gradients (``"DDP"``, ``"FSDP2's reduce-scatter"``), ``replicas`` is the world
-    size, and ``reduction`` (``"sum"``, ``"mean"`` or None: how ``loss_fn`` reduces) tells a
-    sum loss from a mean one:
-
-    - ``k`` micro-batches: mean losses of the micro-batches added up, not divided by ``k``;
-    - ``W``: the ranks' gradients summed and not averaged, or a mean loss times ``W``;
-    - ``n`` rows per rank (``shard_size``): a step that sums its rows' losses while
-      ``loss_fn`` averages;
-    - ``1/W``: a sum loss (each rank sums its ``n`` rows, the average divides by ``W``: it is
-      ``1/W`` of the full-batch sum), or a mean loss divided by ``W`` on top of the average;
-    - ``1/(k W)``: a sum loss whose micro-batch losses were weighted by ``1/k``, as the
-      mean-loss recipe does.
-
-    ``size`` names what ``replicas`` counts in the text (the number of data-parallel groups
-    of tensor parallelism). A factor within ``10 * rounding`` (relative) of one of these
-    names it.
+    ``averager`` None is DataParallel, which sums its ``replicas``' gradients. Otherwise
+    ``averager`` names what averages the ranks' gradients (``"DDP"``, ``"FSDP2's
+    reduce-scatter"``), ``replicas`` is the world size (``size`` names what it counts in the
+    text, e.g. the data-parallel groups of tensor parallelism), and ``reduction``
+    (``"sum"``, ``"mean"`` or None: how ``loss_fn`` reduces) tells a sum loss from a mean
+    one. A factor within ``10 * rounding`` (relative) of a cause's factor (the micro-batch
+    count, the world size, the rows per rank ``shard_size``, their inverses) names it.
     """
 
     def near(value: float) -> bool:

@@ -53,8 +53,7 @@ from torch._utils import ExceptionWrapper, _handle_complex
 from torch._utils import _get_device_index as _torch_device_index
 from torch.autograd import Function
 
-from dpverify.core.devices import HOST, device_index
-from dpverify.core.errors import InvalidArgument
+from dpverify.core.devices import HOST, device_index, output_index
 
 __all__ = [
     "SCALAR_GATHER_WARNING",
@@ -128,13 +127,6 @@ def observe_gathers() -> Iterator[list[int]]:
         thread_state.gathers = saved
 
 
-def _copy_to(chunk: torch.Tensor, device: int, source: int) -> torch.Tensor:
-    # comm.scatter/broadcast hand the source device its own data and copy to the others.
-    if device == source or thread_state.views_only:
-        return chunk
-    return chunk.clone()
-
-
 def _scatter_chunks(
     input: torch.Tensor, targets: Sequence[int], chunk_sizes: Sequence[int] | None, dim: int, source: int
 ) -> tuple[torch.Tensor, ...]:
@@ -148,7 +140,12 @@ def _scatter_chunks(
                 f"len(devices) = {len(targets)} and len(chunk_sizes) = {len(chunk_sizes)}"
             )
         chunks = input.split(list(chunk_sizes), dim)
-    return tuple(_copy_to(chunk, device, source) for chunk, device in zip(chunks, targets, strict=False))
+    # comm.scatter hands the source device its own data and copies to the others
+    copy = not thread_state.views_only
+    return tuple(
+        chunk.clone() if copy and device != source else chunk
+        for chunk, device in zip(chunks, targets, strict=False)
+    )
 
 
 class VirtualScatter(Function):
@@ -184,12 +181,7 @@ def _gather_target(target_device: Any) -> int:
     """
     if isinstance(target_device, str) and target_device == "cpu":
         return HOST
-    index = device_index(target_device, "output_device")
-    if index < HOST:
-        raise InvalidArgument(
-            f"output_device={index} is not a device; pass a device index, or -1 for the host"
-        )
-    return index
+    return output_index(target_device)
 
 
 def _concatenate(inputs: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
@@ -277,13 +269,7 @@ class VirtualReduceAddCoalesced(Function):
         del destination
         ctx.target_gpus = list(target_gpus)
         per_replica = [grads[i : i + num_inputs] for i in range(0, len(grads), num_inputs)]
-        results = []
-        for column in zip(*per_replica, strict=True):
-            total = column[0].clone() if len(column) == 1 else column[0] + column[1]
-            for other in column[2:]:
-                total.add_(other)
-            results.append(total)
-        return tuple(results)
+        return tuple(_sum_in_order(column) for column in zip(*per_replica, strict=True))
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
@@ -404,11 +390,15 @@ def virtual_reduce_add(inputs: Sequence[torch.Tensor], destination: Any = None) 
         return inputs[0]
     devices = _source_devices(len(inputs))
     root = devices.index(destination) if destination in devices else 0
-    nonroot = [t for i, t in enumerate(inputs) if i != root]
-    result = inputs[root] + nonroot[0]
-    for other in nonroot[1:]:
-        result.add_(other)
-    return result
+    return _sum_in_order([inputs[root], *(t for i, t in enumerate(inputs) if i != root)])
+
+
+def _sum_in_order(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A new tensor: the first plus the others, in order, as torch sums without NCCL."""
+    total = tensors[0].clone() if len(tensors) == 1 else tensors[0] + tensors[1]
+    for other in tensors[2:]:
+        total.add_(other)
+    return total
 
 
 
@@ -467,30 +457,17 @@ def virtual_parallel_apply(
     As in torch, ``kwargs_tup=None`` gives every replica no keyword arguments, an input
     that is not a list or tuple is the replica's only argument, each replica runs in its
     own thread (in the calling thread when there is one replica) with the caller's grad
-    mode, and a failure is re-raised as ``Caught <error> in replica {i} on device {device}``.
+    mode and autocast *flag* (not its dtype, which is thread-local: replicas of two or more
+    compute in the default autocast dtype, on GPUs and here alike), and a failure is
+    re-raised as ``Caught <error> in replica {i} on device {device}``. Each replica thread
+    computes with the caller's ``torch.get_num_threads()`` (``_intra_op_threads``).
 
-    Autocast is re-entered the way torch does it: the caller's autocast *flag* for the
-    device type is carried into each thread, its dtype is not. torch captures
-    ``torch.is_autocast_enabled()`` and enters ``torch.amp.autocast(device_type,
-    enabled=...)`` with no dtype, and the autocast dtype is thread-local, so with two or
-    more replicas they compute in the device type's default dtype: float16 on CUDA, and
-    bfloat16 for the host's autocast, which here stands for the device's. A caller in
-    ``torch.autocast(..., dtype=d)`` with a ``d`` other than the default gets replicas that
-    run in the default dtype, on GPUs and here alike; a single replica keeps ``d``.
-
-    Each replica thread also computes with the caller's ``torch.get_num_threads()``
-    (see ``_intra_op_threads``).
-
-    The threads run one after the other rather than at once: the host has one random
-    generator where GPUs have one each. Replicas on ``devices[0]`` continue the caller's
-    generator, as replica 0 continues the generator of ``cuda:device_ids[0]``; replicas on
-    other devices draw from their device's generator, seeded by ``_device_seed`` from the
-    host generator's state when the replicas start. Results are deterministic given the
-    caller's seed, dropout masks differ between devices and between forwards (whenever the
-    host generator moved in between, which a replica 0 that draws anything ensures), and
-    the caller's generator sees replica 0's draws only. Concurrent calls from different
-    threads are serialised; a replica's own nested DataParallel runs within its caller's
-    turn.
+    The threads run one after the other: the host has one random generator where GPUs have
+    one each. Replicas on ``devices[0]`` continue the caller's generator; the others draw
+    from their device's, seeded by ``_device_seed`` as the replicas start, so results are
+    deterministic given the caller's seed and masks differ between devices and forwards
+    (docs/dataparallel.md). Concurrent calls from different threads are serialised; a
+    replica's own nested DataParallel runs within its caller's turn.
 
     Args:
         replicas: the modules to run.
