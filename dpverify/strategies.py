@@ -115,15 +115,17 @@ def _value_or_strategy(value: T | SearchStrategy[T], name: str, expected: type[T
     return st.just(_drawn(value, name, expected))
 
 
-def _subset(name: str, value: Iterable[str], allowed: Sequence[str], hint: str) -> tuple[str, ...]:
-    """``value`` as a tuple, when it is a non-empty collection of names from ``allowed``.
-
-    A bare string is refused rather than read as its characters.
+def _subset(
+    name: str, value: Iterable[T], allowed: Sequence[T] | Callable[[T], bool], hint: str
+) -> tuple[T, ...]:
+    """``value`` as a tuple, when it is a non-empty collection of items from ``allowed`` (or
+    that ``allowed`` accepts). A bare string is refused rather than read as its characters.
     """
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise InvalidArgument(f"{name}={value!r}: {hint}")
     chosen = tuple(value)
-    if not chosen or any(item not in allowed for item in chosen):
+    accepts = allowed if callable(allowed) else allowed.__contains__
+    if not chosen or not all(accepts(item) for item in chosen):
         raise InvalidArgument(f"{name}={list(chosen)!r}: {hint}")
     return chosen
 
@@ -321,16 +323,6 @@ def scenarios(
 IGNORE_INDICES: tuple[int, ...] = (-100, 0, -1)
 
 
-def _ignore_indices(value: object) -> tuple[int, ...]:
-    hint = "pass a non-empty collection of ints, e.g. (-100, 0, -1)"
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise InvalidArgument(f"ignore_indices={value!r}: {hint}")
-    chosen = tuple(value)
-    if not chosen or any(isinstance(i, bool) or not isinstance(i, int) for i in chosen):
-        raise InvalidArgument(f"ignore_indices={list(chosen)!r}: {hint}")
-    return tuple(dict.fromkeys(chosen))
-
-
 def _equal_token_lengths(
     draw: st.DrawFn, sizes: list[int], seq_len: int, side: str, causal: bool, all_padding_rows: bool,
 ) -> list[int] | None:
@@ -413,20 +405,17 @@ def token_batches(
 ) -> SearchStrategy[TokenBatch]:
     """Padded batches of token ids and labels (``TokenBatch``), split over ``n_devices``.
 
-    Draws the rows (``batch_sizes(n_devices)``: one row, fewer rows than devices, equal and
-    uneven chunks), the padded length, each row's padding, the padding side and the ignore
-    index that marks padding in the labels; ``batch.build()`` gives ``input_ids`` and
-    ``labels``. Equal chunks of rows then hold different numbers of tokens, which is what
-    makes ``loss.mean()`` of the replicas' token-mean losses biased; and about half the
-    draws that split into several chunks give every chunk the same number of counted tokens
-    instead, uneven chunks of rows included (where ``loss.mean()`` is then exact).
+    Draws the rows (``batch_sizes(n_devices)``), the padded length, each row's padding, the
+    padding side and the ignore index that marks padding in the labels; ``batch.build()``
+    gives ``input_ids`` and ``labels``. Equal chunks of rows then hold different numbers of
+    tokens, which makes ``loss.mean()`` of the replicas' token-mean losses biased; about half
+    the draws that split into several chunks give every chunk the same number of counted
+    tokens instead (uneven chunks of rows included), where ``loss.mean()`` is exact.
 
-    Every chunk DataParallel makes for ``n_devices`` devices holds at least one token that a
-    mean loss counts (a label that is not the ignore index, after the shift when ``causal``),
-    so every replica's loss is a number: a mean over no token is NaN (0/0), which no
-    weighting repairs. Rows without such a token (all padding; one real token under a causal
-    shift) are drawn, just never a whole chunk of them; where a draw makes one, that chunk's
-    first row is unpadded. ``empty_chunks=True`` draws those chunks too.
+    Every chunk holds at least one token a mean loss counts (a label that is not the ignore
+    index, after the shift when ``causal``): a mean over no token is NaN, which no weighting
+    repairs. Rows without such a token are drawn, never a whole chunk of them (that chunk's
+    first row is then unpadded), unless ``empty_chunks=True``.
 
     Args:
         n_devices: the devices the batch is split over (an int or a strategy of them).
@@ -446,14 +435,18 @@ def token_batches(
     require_int_at_least(max_rows, "max_rows", 1)
     require_int_at_least(max_seq_len, "max_seq_len", 2 if causal else 1)
     sides = _subset("padding_sides", padding_sides, PADDING_SIDES, f"choose a non-empty subset of {PADDING_SIDES}")
-    ignores = _ignore_indices(ignore_indices)
+    ignores = _subset(
+        "ignore_indices", ignore_indices, lambda i: isinstance(i, int) and not isinstance(i, bool),
+        "pass a non-empty collection of ints, e.g. (-100, 0, -1)",
+    )
     require_bool(all_padding_rows, "all_padding_rows")
     require_bool(empty_chunks, "empty_chunks")
     if not isinstance(n_devices, SearchStrategy):
         require_int_at_least(n_devices, "n_devices", 1)
     return _token_batches(
         _value_or_strategy(n_devices, "n_devices", int), causal, max_rows, max_seq_len,
-        tuple(s for s in PADDING_SIDES if s in sides), ignores, all_padding_rows, empty_chunks,
+        tuple(s for s in PADDING_SIDES if s in sides), tuple(dict.fromkeys(ignores)), all_padding_rows,
+        empty_chunks,
     )
 
 
@@ -534,8 +527,6 @@ def fsdp_layouts(module: nn.Module) -> SearchStrategy[FSDPLayout]:
     Shrinks toward the default layout with ``reshard_after_forward=True``.
     """
     require_instance(module, "module", nn.Module)
-    # not a ModuleList or ModuleDict: fully_shard needs a module with a forward of its own;
-    # nor MultiheadAttention's out_proj, whose weight it reads without calling its forward
     bypassed = read_without_forward(module)
     names = [
         name for name, sub in module.named_modules()

@@ -908,26 +908,21 @@ def explain_scale(
     def near(value: float) -> bool:
         return abs(c - value) < 10 * rounding * value
 
-    if averager is None:
+    if averager is None:  # DataParallel sums its replicas' gradients
         head = f"Every parallel gradient is {c:.6g} times the single-device gradient"
-        causes = _summed_replica_causes(replicas, near)
+        causes = []
+        if replicas > 1 and near(1.0 / replicas):
+            causes.append(
+                f"(1/{replicas}, one over the number of replicas used): the replica gradients "
+                "were averaged. torch sums them: with a mean loss over the gathered batch, each "
+                "replica already contributes (1/B) times the sum over its own rows"
+            )
+        elif replicas > 1 and near(replicas):
+            causes.append(f"({replicas}, the number of replicas): the loss or gradients were summed over replicas twice")
     else:
         head = f"Every rank's gradient is {c:.6g} times the single-device full-batch gradient"
         causes = _averaged_rank_causes(replicas, near, averager, micro_batches, shard_size, reduction, size)
     return head + (" " + "; or ".join(causes) if causes else "") + "."
-
-
-def _summed_replica_causes(replicas: int, near: Callable[[float], bool]) -> list[str]:
-    """The causes of a factor under DataParallel, which sums its replicas' gradients."""
-    if replicas > 1 and near(1.0 / replicas):
-        return [
-            f"(1/{replicas}, one over the number of replicas used): the replica gradients "
-            "were averaged. torch sums them: with a mean loss over the gathered batch, each "
-            "replica already contributes (1/B) times the sum over its own rows"
-        ]
-    if replicas > 1 and near(replicas):
-        return [f"({replicas}, the number of replicas): the loss or gradients were summed over replicas twice"]
-    return []
 
 
 def _averaged_rank_causes(

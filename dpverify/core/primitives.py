@@ -4,31 +4,10 @@ they share.
 Nothing here changes torch: these are the functions ``VirtualDataParallel`` and the opt-in
 patching (``dpverify.core.patching``) run in place of torch's.
 
-==================================  ========================================================
-torch primitive                     virtual stand-in
-==================================  ========================================================
-``_functions.Scatter``              ``VirtualScatter``: ``tensor.chunk`` (or ``split`` by
-                                    the chunk sizes); the chunk for the source device is a
-                                    view, the others are copies
-``_functions.Gather``               ``VirtualGather``: concatenation into the first
-                                    output's dtype, scalar warning, backward splits the
-                                    gradient by chunk size
-``_functions.Broadcast``            ``VirtualBroadcast``: replica 0 aliases the parameter,
-                                    the others are copies; backward is a reduce-add (a sum)
-``_functions.ReduceAddCoalesced``   ``VirtualReduceAddCoalesced``: a sum in replica order;
-                                    backward is a broadcast
-``comm.broadcast``                  the first device gets the tensor itself, the others
-                                    copies
-``comm.broadcast_coalesced``        ``virtual_comm_broadcast_coalesced`` (detached
-                                    replicas, buffers)
-``comm.scatter``                    as ``Scatter``, without autograd (``out=`` too)
-``comm.gather``                     as ``Gather``, without autograd (``out=`` too)
-``comm.reduce_add``                 a sum, the destination's input first, then the others in
-                                    order, as torch sums without NCCL
-``parallel_apply``                  ``virtual_parallel_apply``: one thread per replica, as
-                                    torch does, without CUDA streams; one random generator
-                                    per device
-==================================  ========================================================
+Each stand-in says what it does like torch and where it differs: ``VirtualScatter``,
+``VirtualGather``, ``VirtualBroadcast`` and ``VirtualReduceAddCoalesced`` for the autograd
+Functions of ``torch.nn.parallel._functions``, ``virtual_comm_*`` and ``virtual_reduce_add``
+for ``torch.nn.parallel.comm``, ``virtual_parallel_apply`` for ``parallel_apply``.
 
 Device arguments are read as torch reads them: ints, ``torch.device('cuda:k')`` objects
 and ``'cuda:k'`` strings alike. Host tensors stand for tensors on the source device
@@ -149,7 +128,8 @@ def _scatter_chunks(
 
 
 class VirtualScatter(Function):
-    """``torch.nn.parallel._functions.Scatter`` for virtual devices."""
+    """``torch.nn.parallel._functions.Scatter`` for virtual devices: ``tensor.chunk`` (or
+    ``split`` by the chunk sizes); the source device's chunk is a view, the others copies."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -195,7 +175,8 @@ def _concatenate(inputs: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
 
 
 class VirtualGather(Function):
-    """``torch.nn.parallel._functions.Gather`` for virtual devices."""
+    """``torch.nn.parallel._functions.Gather`` for virtual devices: concatenation into the
+    first output's dtype, with torch's scalar warning; backward splits by chunk size."""
 
     @staticmethod
     def forward(ctx: Any, target_device: Any, dim: int, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -234,7 +215,8 @@ def _virtual_broadcast_coalesced(
 
 
 class VirtualBroadcast(Function):
-    """``torch.nn.parallel._functions.Broadcast``: parameters to every replica."""
+    """``torch.nn.parallel._functions.Broadcast``: parameters to every replica, replica 0
+    aliasing them and the others copies; backward is a reduce-add (a sum)."""
 
     @staticmethod
     def forward(ctx: Any, target_gpus: Sequence[Any], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]

@@ -195,21 +195,14 @@ class ReplicaGradRecorder:
 
     A forward pre-hook on the root module runs on every replica (replicas share the hook
     dictionaries: ``Module._replicate_for_data_parallel`` copies ``__dict__`` shallowly), and
-    registers a gradient hook on the replica's copy of each parameter. This works for
-    torch's DataParallel, the virtual one, and any wrapper that calls the module's copies.
-    Each call of the root module is one replica's forward, with a ``ReplicaRecord`` of its
-    own (``current()`` in the thread running it: replicas run in threads of their own, or
-    one after another).
+    registers a gradient hook on the replica's copy of each parameter, for any wrapper that
+    calls the module's copies. Each call of the root module is one replica's forward, with a
+    ``ReplicaRecord`` of its own (``current()`` in the thread running it).
 
-    It always adds up, per parameter, ``sum over replicas of max |g_r|``: the scale of the
-    terms the parallel reduce-add sums, which bounds its rounding error however much the
-    replicas cancel (one max-abs pass per replica gradient, no copies). With ``keep=True``
-    it also keeps each contribution.
-
-    ``dpverify.explain.measure`` records more of each replica with a ``record_type`` of its
-    own, filled by overriding ``new_record`` (as the forward starts) and ``on_parameter``
-    (each of the replica's parameters); hooks of its own go in ``handles``, which
-    ``detach`` removes.
+    It always adds up, per parameter, ``sum over replicas of max |g_r|`` (and of ``||g_r||``):
+    the scale of the terms the reduce-add sums, which bounds its rounding however much the
+    replicas cancel. A subclass records more with its own ``record_type``, ``new_record``
+    and ``on_parameter``; its hooks go in ``handles``, which ``detach`` removes.
 
     Args:
         sites: the parameters, as ``parameter_sites`` gives them.
@@ -442,7 +435,7 @@ def run_step(
     if recorder is not None:
         recorder.attach(model)
     runner: Callable[..., Any] = wrap(model) if wrap is not None else model
-    rows: tuple[int, ...] = ()
+    order: list[ReplicaRecord] = []
     fork_devices = [device] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=fork_devices), default_dtype(dtype), no_tf32():
@@ -466,16 +459,12 @@ def run_step(
         if recorder is not None:
             recorder.detach()
             order = recorder.ordered(device_ids)
-            rows = tuple(record.rows for record in order if record.rows is not None)
-            if rows_seen is not None:
-                rows_seen[:] = rows
+        rows = tuple(record.rows for record in order if record.rows is not None)
+        if rows_seen is not None:
+            rows_seen[:] = rows
     grads = {name: _grad_of(model, module_path, attr) for name, module_path, attr in sites}
-    contributions: tuple[tuple[int | None, dict[str, torch.Tensor]], ...] = ()
-    gathered = None
+    contributions = tuple((record.device, record.grads) for record in order)
     detached = _detached(output)
-    if recorder is not None:
-        contributions = tuple((record.device, record.grads) for record in order)
-        gathered = _gathered(detached, len(order), dim)
     outputs = tuple((path, tensor.detach()) for path, tensor in flatten_tensors(output, "output"))
     magnitudes = recorder.magnitudes if recorder is not None else {}
     norms = recorder.norms if recorder is not None else {}
@@ -486,7 +475,8 @@ def run_step(
         )
         loss_terms = max(abs(float(loss.detach())), propagated)
     return StepResult(
-        outputs, loss.detach().reshape(()), grads, contributions, magnitudes, norms, loss_terms, rows, detached, gathered,
+        outputs, loss.detach().reshape(()), grads, contributions, magnitudes, norms, loss_terms, rows, detached,
+        _gathered(detached, len(order), dim),
     )
 
 

@@ -1,12 +1,7 @@
 """DataParallel on any machine: ``VirtualDataParallel``, torch's own orchestration over
-virtual devices.
-
-``VirtualDataParallel`` subclasses ``torch.nn.DataParallel``, keeps its ``forward`` and
-overrides its four extension points: ``scatter``, ``replicate`` and ``gather`` run torch's
-functions with the CUDA primitives virtual for the calling thread alone
-(``virtual_primitives``), and ``parallel_apply`` is ``virtual_parallel_apply``. The stand-ins
-are in ``dpverify.core.primitives``. A DataParallel that is not a ``VirtualDataParallel``
-needs the opt-in, process-wide ``virtual_devices(n)`` of ``dpverify.core.patching``.
+virtual devices, with its four extension points overridden: ``scatter``, ``replicate`` and
+``gather`` run torch's functions inside ``virtual_primitives``, and ``parallel_apply`` is
+``virtual_parallel_apply``. Any other DataParallel needs ``virtual_devices(n)``.
 """
 
 from __future__ import annotations
