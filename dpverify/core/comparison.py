@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch import nn
@@ -102,11 +102,8 @@ class Tolerance:
                 f"rtol={self.rtol!r}, atol={self.atol!r}: pass both or neither "
                 f"(add {missing}=...), or neither to use the float64-anchored tolerance"
             )
-        for name in (
-            "rtol", "atol", "factor", "floor_ulps", "norm_factor", "norm_floor_ulps",
-            "low_precision_floor_ulps", "subnormal_floor",
-        ):
-            value = getattr(self, name)
+        for item in fields(self):
+            name, value = item.name, getattr(self, item.name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, (int, float))
                 or not math.isfinite(value) or value < 0
@@ -624,13 +621,9 @@ def _detailed_finite(
     at a time, so that the float64 temporaries stay small (a whole large model fails in
     train mode with BatchNorm, every tensor of it tens of megabytes).
 
-    Each figure is the one ``_detailed`` computes: ``|actual - rounded|`` in float64 (the
-    in-place subtraction promotes ``rounded`` exactly, as ``rounded.to(float64)`` does);
-    elements farther than ``allowed`` fail; the relative difference is the difference over
-    ``|rounded|``, and 0 where the difference is 0; the greatest values keep the first
-    index among equals (``argmax`` within a chunk, the earlier chunk between chunks), as
-    ``max`` does over the whole; and the greatest ``difference / allowed`` is the greatest
-    difference over ``allowed``, since rounding is monotone.
+    Each figure equals ``_detailed``'s: the in-place subtraction promotes ``rounded``
+    exactly; the greatest values keep the first index among equals, as ``max`` does; and
+    the greatest ``difference / allowed`` is the greatest difference over ``allowed``.
     """
     flat_actual, flat_rounded = actual.reshape(-1), rounded.reshape(-1)
     mismatched, largest, at_largest, max_rel, at_rel, size = 0, -1.0, 0, -1.0, 0, 0.0
@@ -830,13 +823,10 @@ _FLOAT32_BAND = (_FLOAT32_ROUNDOFF / 16, _FLOAT32_ROUNDOFF * 32)
 
 
 def float32_hint(rows: Sequence[TensorComparison]) -> str | None:
-    """A sentence when the mismatched tensors of a float64 step are off by float32's
-    rounding relative to their largest entries: the worst within ``_FLOAT32_BAND``, far
-    beyond float64's rounding and far below what a wrong reduction or a lost row gives
-    (the others may be closer: rounding averages out in a loss). A float32 intermediate
-    in the step (a count or a mask made in float32, a float32 buffer) does exactly that.
-    None when a tensor fails otherwise (missing, another shape, non-finite, or an error
-    of another size)."""
+    """A sentence when the worst mismatched tensor of a float64 step is off by float32's
+    rounding relative to its largest entry (within ``_FLOAT32_BAND``: far beyond float64's
+    rounding, far below what a wrong reduction or a lost row gives), as a float32
+    intermediate in the step makes it; None when a tensor fails otherwise."""
     bad = [row for row in rows if not row.ok]
     if not bad or any(row.problem is not None or row.nonfinite or row.size <= 0 for row in bad):
         return None

@@ -47,12 +47,9 @@ SIZE_MISMATCH_WARNING = r"Using a target size \(.*\) that is different to the in
 
 
 def quiet_size_warnings(loss_of_output: LossOfOutput) -> LossOfOutput:
-    """``loss_of_output`` without torch's size-mismatch warning, for the loss of a parallel
-    step's output only: a wrapper that loses rows returns fewer rows than the target has,
-    which dpverify reports itself (the outputs' shapes, the rows each replica received), so
-    torch's warning would only repeat it, once per batch size, on stderr. The filter holds
-    for the loss call alone; every other warning, and this one anywhere else (a loss given
-    a wrong target on one device), is left as it is."""
+    """``loss_of_output`` without torch's size-mismatch warning, for a parallel step's loss
+    only: a wrapper that loses rows returns fewer rows than the target has, which dpverify
+    reports itself, so the warning would only repeat it. Every other warning is kept."""
 
     def loss(output: Any) -> torch.Tensor:
         with warnings.catch_warnings():
@@ -101,8 +98,7 @@ def batch_size_of(
 
 
 def flatten_tensors(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor in a nested output with a readable path (``output['logits']``): the
-    paths and tensors of ``tensor_leaves``, without the keys."""
+    """``tensor_leaves`` without the keys: each path (``output['logits']``) and tensor."""
     for name, _keys, tensor in tensor_leaves(obj, path):
         yield name, tensor
 
