@@ -37,9 +37,9 @@ torch                                 inside ``virtual_devices(n)``
 
 Everything is switched in place, on the objects torch defines, so code that imported a name
 (``from torch.nn.parallel._functions import Scatter``, ``from torch.cuda.comm import
-reduce_add``) is covered too: a function gets a trampoline ``__code__`` (21 of them), an
-autograd Function class an ``apply`` attribute, ``torch.cuda.device`` its two methods, and
-``DataParallel`` a ``src_device_obj`` descriptor: 28 switches, 10 for the primitives
+reduce_add``) is covered too: a function (``torch.cuda.device``'s two methods included)
+gets a trampoline ``__code__`` (23 of them), an autograd Function class an ``apply``
+attribute, and ``DataParallel`` a ``src_device_obj`` descriptor: 28 switches, 10 for the primitives
 (``_PRIMITIVE_SWITCHES``) and 18 for the devices (``_DEVICE_SWITCHES``).
 ``replicate``, ``scatter``, ``scatter_kwargs``, ``gather`` and
 ``comm.reduce_add_coalesced`` stay torch's own: they reach the devices only through the
@@ -399,23 +399,6 @@ class _AttributeSwitch:
             setattr(self.owner, self.name, self.saved)
 
 
-class _MethodSwitch(_AttributeSwitch):
-    """Switches a method the class defines: the stand-in while active, torch's otherwise."""
-
-    def __init__(
-        self, owner: type, name: str, virtual: Callable[..., Any], active: Callable[[], bool]
-    ) -> None:
-        if name not in owner.__dict__:
-            raise TypeError(f"{owner.__qualname__} does not define {name}")
-
-        def method(*args: Any, **kwargs: Any) -> Any:
-            return (virtual if active() else self.saved)(*args, **kwargs)
-
-        method.__name__ = name
-        method.__qualname__ = f"{owner.__qualname__}.{name}"
-        super().__init__(owner, name, method)
-
-
 class _ApplySwitch(_AttributeSwitch):
     """Switches an autograd Function's ``apply`` on the class object itself.
 
@@ -541,8 +524,8 @@ _DEVICE_SWITCHES: tuple[_CodeSwitch | _AttributeSwitch, ...] = (
     _CodeSwitch(torch.cuda.current_device, _virtual_current_device, _devices_active),
     _CodeSwitch(torch.cuda.set_device, _virtual_set_device, _devices_active),
     _CodeSwitch(torch.cuda.get_device_properties, _virtual_get_device_properties, _devices_active),
-    _MethodSwitch(torch.cuda.device, "__enter__", _virtual_device_enter, _devices_active),
-    _MethodSwitch(torch.cuda.device, "__exit__", _virtual_device_exit, _devices_active),
+    _CodeSwitch(torch.cuda.device.__enter__, _virtual_device_enter, _devices_active),
+    _CodeSwitch(torch.cuda.device.__exit__, _virtual_device_exit, _devices_active),
     _AttributeSwitch(nn.DataParallel, "src_device_obj", _HostSourceDevice()),
     _CodeSwitch(_torch_data_parallel, _virtual_data_parallel_function, _devices_active),
     *(_CodeSwitch(f, _on_the_machine(f), _devices_active) for f in _CUDA_RANDOM),
