@@ -115,6 +115,11 @@ def _value_or_strategy(value: T | SearchStrategy[T], name: str, expected: type[T
     return st.just(_drawn(value, name, expected))
 
 
+def _n_devices(value: int | SearchStrategy[int]) -> SearchStrategy[int]:
+    """A device-count argument as a strategy (drawn counts are checked where drawn)."""
+    return value if isinstance(value, SearchStrategy) else st.just(require_int_at_least(value, "n_devices", 1))
+
+
 def _subset(
     name: str, value: Iterable[T], allowed: Sequence[T] | Callable[[T], bool], hint: str
 ) -> tuple[T, ...]:
@@ -189,7 +194,6 @@ def _batch_sizes(draw: st.DrawFn, n_devices: SearchStrategy[int], max_size: int)
         options.append(st.integers(1, max_size // n).map(lambda k: k * n))  # equal chunks
     if n > 1 and n + 1 <= max_size:
         options.append(st.integers(n + 1, max_size).filter(lambda b: b % n != 0))  # uneven
-    # more rows than devices, yet fewer chunks than devices (5 rows on 4 devices: [2, 2, 1])
     fewer_chunks = [b for b in range(n + 1, max_size + 1) if -(-b // -(-b // n)) < n]
     if fewer_chunks:
         options.append(st.sampled_from(fewer_chunks))
@@ -206,9 +210,7 @@ def batch_sizes(n_devices: int | SearchStrategy[int] = 2, *, max_size: int = 16)
     Shrinks toward 1.
     """
     require_int_at_least(max_size, "max_size", 1)
-    if not isinstance(n_devices, SearchStrategy):
-        require_int_at_least(n_devices, "n_devices", 1)
-    return _batch_sizes(_value_or_strategy(n_devices, "n_devices", int), max_size)
+    return _batch_sizes(_n_devices(n_devices), max_size)
 
 
 def device_lists(*, min_devices: int = 1, max_devices: int = 4) -> SearchStrategy[DeviceList]:
@@ -441,10 +443,8 @@ def token_batches(
     )
     require_bool(all_padding_rows, "all_padding_rows")
     require_bool(empty_chunks, "empty_chunks")
-    if not isinstance(n_devices, SearchStrategy):
-        require_int_at_least(n_devices, "n_devices", 1)
     return _token_batches(
-        _value_or_strategy(n_devices, "n_devices", int), causal, max_rows, max_seq_len,
+        _n_devices(n_devices), causal, max_rows, max_seq_len,
         tuple(s for s in PADDING_SIDES if s in sides), tuple(dict.fromkeys(ignores)), all_padding_rows,
         empty_chunks,
     )

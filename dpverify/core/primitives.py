@@ -320,14 +320,7 @@ def virtual_comm_scatter(
     if out is None:
         targets = [device_index(d, "devices") for d in devices]
         return _scatter_chunks(tensor, targets, chunk_sizes, dim, targets[0])
-    if devices is not None:
-        raise RuntimeError(
-            f"'devices' must not be specified when 'out' is specified, but got devices={devices}"
-        )
-    if chunk_sizes is not None:
-        raise RuntimeError(
-            f"'chunk_sizes' must not be specified when 'out' is specified, but got chunk_sizes={chunk_sizes}"
-        )
+    _refuse_with_out(devices=devices, chunk_sizes=chunk_sizes)
     for target, chunk in zip(out, tensor.split([o.size(dim) for o in out], dim), strict=True):
         target.copy_(chunk)
     return tuple(out)
@@ -347,11 +340,15 @@ def virtual_comm_gather(
                 stacklevel=2,
             )
         return _concatenate(tensors, dim)
-    if destination is not None:
-        raise RuntimeError(
-            f"'destination' must not be specified when 'out' is specified, but got destination={destination}"
-        )
+    _refuse_with_out(destination=destination)
     return torch.cat(tensors, dim, out=out)
+
+
+def _refuse_with_out(**given: Any) -> None:
+    """torch's error for an argument given together with ``out=``."""
+    for name, value in given.items():
+        if value is not None:
+            raise RuntimeError(f"'{name}' must not be specified when 'out' is specified, but got {name}={value}")
 
 
 def virtual_reduce_add(inputs: Sequence[torch.Tensor], destination: Any = None) -> torch.Tensor:

@@ -52,11 +52,9 @@ class VirtualDataParallel(nn.DataParallel[T]):
 
     Runs torch's own ``DataParallel.forward`` (and through it ``scatter_kwargs``,
     ``replicate`` and ``gather``); only the CUDA primitives are virtual, so chunking,
-    idle devices, replica aliasing, lost replica state, scalar gathering and gradient
-    summation behave as on GPUs. So does autocast: with two or more replicas they run in
-    the default autocast dtype (bfloat16 here, float16 on CUDA), whatever dtype the caller
-    chose, because torch's ``parallel_apply`` carries the autocast flag into its threads
-    but not the dtype (see ``virtual_parallel_apply``).
+    idle devices, replica aliasing, lost replica state, scalar gathering, gradient
+    summation and autocast behave as on GPUs (docs/dataparallel.md lists where the model
+    differs).
 
     Args:
         module: the module to parallelize; its parameters and buffers must be on the CPU,
