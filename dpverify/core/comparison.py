@@ -426,10 +426,9 @@ def compare_tensors(
     nothing; ``jitter``, the float64 step rerun from parameters perturbed by a few units
     of float64 roundoff, measures the model's sensitivity to such rounding directly.
 
-    ``terms`` is the magnitude of what the parallel step summed into the value (a float:
-    ``sum over replicas of max |g_r|``, or a ``Terms``). When terms cancel, the
-    single-device step can be exact by luck while the parallel sum carries rounding of the
-    size of its terms; the floors then scale with the terms, not with the total.
+    ``terms`` is the magnitude of what the parallel step summed into the value (a
+    ``Terms``, or a float: its ``largest``); the floors scale with it where it exceeds the
+    value.
 
     ``derived``: a memo the caller keeps across comparisons with the same reference tensors
     (the same objects, unchanged meanwhile), so that what the anchored rule needs from them

@@ -142,9 +142,7 @@ def cuda_device_count() -> int:
 
     The machine's devices, after ``CUDA_VISIBLE_DEVICES``, at most ``DPVERIFY_GPUS`` of them,
     inside ``virtual_devices`` blocks too (where torch reports the virtual ones): dpverify
-    puts a step on real devices only where they exist. ``DPVERIFY_GPUS=0`` runs everything
-    as on a machine without CUDA (virtual devices, gloo ranks), which is how the CPU tier of
-    dpverify's own test suite runs on a GPU machine.
+    puts a step on real devices only where they exist.
 
     Raises:
         InvalidArgument: ``DPVERIFY_GPUS`` is not a whole number >= 0.

@@ -463,24 +463,14 @@ def virtual_parallel_apply(
             length (torch's check and message).
         InvalidArgument: a device that is not a CUDA device index.
     """
+    kwargs_tup = ({},) * len(replicas) if kwargs_tup is None else kwargs_tup
+    devices = range(len(replicas)) if devices is None else devices
     # Length checks and messages follow torch.nn.parallel.parallel_apply.
-    if len(replicas) != len(inputs):
-        raise AssertionError(
-            f"The number of modules {len(replicas)} is not equal to the number of inputs {len(inputs)}"
-        )
-    if kwargs_tup is None:
-        kwargs_tup = ({},) * len(replicas)
-    elif len(replicas) != len(kwargs_tup):
-        raise AssertionError(
-            f"The number of modules {len(replicas)} is not equal to "
-            f"the number of kwargs_tup {len(kwargs_tup)}"
-        )
-    if devices is None:
-        devices = range(len(replicas))
-    elif len(replicas) != len(devices):
-        raise AssertionError(
-            f"The number of modules {len(replicas)} is not equal to the number of devices {len(devices)}"
-        )
+    for what, given in (("inputs", inputs), ("kwargs_tup", kwargs_tup), ("devices", devices)):
+        if len(given) != len(replicas):
+            raise AssertionError(
+                f"The number of modules {len(replicas)} is not equal to the number of {what} {len(given)}"
+            )
     # torch reads a None entry as the current device; replica i runs on device i here.
     indices = [i if d is None else device_index(d, "devices") for i, d in enumerate(devices)]
     grad_enabled = torch.is_grad_enabled()
