@@ -229,8 +229,6 @@ def device_lists(*, min_devices: int = 1, max_devices: int = 4) -> SearchStrateg
         pool, most = list(range(visible)), min(max_devices, visible)
     else:
         pool, most = list(range(max_devices)), max_devices
-    # Beside some GPUs too few for the list, virtual ids must be 0 .. n - 1 (in any order):
-    # a check refuses [0, 2] there as a likely mistake for real devices.
     dense = 0 < visible < min_devices
 
     @st.composite

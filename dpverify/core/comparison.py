@@ -747,12 +747,8 @@ class StepComparison:
 
     def message(self) -> str:
         bad = [t for t in self.tensors if not t.ok]
-        head = f"{self.check}: "
-        if bad:
-            head += f"{len(bad)} of {len(self.tensors)} compared tensors do not match."
-        else:
-            head += "failed."
-        lines = [head, ""]
+        verdict = f"{len(bad)} of {len(self.tensors)} compared tensors do not match." if bad else "failed."
+        lines = [f"{self.check}: {verdict}", ""]
         for failure in self.failures:
             lines += [failure, ""]
         if bad:
