@@ -418,13 +418,10 @@ def compare_tensors(
     """Compares ``actual`` (parallel) with ``expected`` (single device) under ``tolerance``.
 
     ``anchor`` is the float64 single-device result; it is required by the anchored rule
-    and ignored by the explicit one. When the working dtype is float64 itself, the anchor
-    cannot measure its rounding; ``probe``, the float32 single-device result, does:
-    rounding error scales with the unit roundoff, so the float32 error times
-    ``u(float64) / u(float32)`` estimates the float64 one. Where float32 saturates (its
-    error a sizeable part of the value: an ill-conditioned model), that scaling says
-    nothing; ``jitter``, the float64 step rerun from parameters perturbed by a few units
-    of float64 roundoff, measures the model's sensitivity to such rounding directly.
+    and ignored by the explicit one. ``probe`` (the float32 single-device result: its
+    error, scaled by ``u(float64) / u(float32)``, estimates a float64 step's rounding unless
+    float32 saturates) and ``jitter`` (the step rerun from parameters perturbed by a few
+    units of roundoff) are further samples of the rounding (docs/tolerance.md).
 
     ``terms`` is the magnitude of what the parallel step summed into the value (a
     ``Terms``, or a float: its ``largest``); the floors scale with it where it exceeds the
