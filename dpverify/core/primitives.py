@@ -184,14 +184,11 @@ class VirtualGather(Function):
         ctx.dim = dim
         if thread_state.gathers is not None:
             thread_state.gathers.append(ctx.target_device)
-        devices = thread_state.devices or range(len(inputs))
-        ctx.input_gpus = tuple(devices)[: len(inputs)]
-        if all(t.dim() == 0 for t in inputs) and dim == 0:
+        ctx.input_gpus = tuple(_source_devices(len(inputs)))
+        ctx.unsqueezed_scalar = dim == 0 and all(t.dim() == 0 for t in inputs)
+        if ctx.unsqueezed_scalar:
             inputs = tuple(t.view(1) for t in inputs)
             warnings.warn(SCALAR_GATHER_WARNING, stacklevel=2)
-            ctx.unsqueezed_scalar = True
-        else:
-            ctx.unsqueezed_scalar = False
         ctx.input_sizes = tuple(i.size(ctx.dim) for i in inputs)
         return _concatenate(inputs, ctx.dim)
 
@@ -226,11 +223,9 @@ class VirtualBroadcast(Function):
         ctx.num_inputs = len(inputs)
         ctx.input_device = ctx.target_gpus[0]
         outputs = _virtual_broadcast_coalesced(inputs, ctx.target_gpus)
-        non_differentiables: list[torch.Tensor] = []
-        for idx, input_requires_grad in enumerate(ctx.needs_input_grad[1:]):
-            if not input_requires_grad:
-                non_differentiables.extend(output[idx] for output in outputs)
-        ctx.mark_non_differentiable(*non_differentiables)
+        # the copies of an input that needs no gradient need none either
+        needs = ctx.needs_input_grad[1:]
+        ctx.mark_non_differentiable(*(output[i] for output in outputs for i in range(len(needs)) if not needs[i]))
         return tuple(chain.from_iterable(outputs))
 
     @staticmethod
