@@ -39,8 +39,8 @@ Everything is switched in place, on the objects torch defines, so code that impo
 (``from torch.nn.parallel._functions import Scatter``, ``from torch.cuda.comm import
 reduce_add``) is covered too: a function (``torch.cuda.device``'s two methods included)
 gets a trampoline ``__code__`` (23 of them), an autograd Function class an ``apply``
-attribute, and ``DataParallel`` a ``src_device_obj`` descriptor: 28 switches, 10 for the primitives
-(``_PRIMITIVE_SWITCHES``) and 18 for the devices (``_DEVICE_SWITCHES``).
+attribute, and ``DataParallel`` a ``src_device_obj`` descriptor: 28 switches, 10 for the
+primitives (``_PRIMITIVE_SWITCHES``) and 18 for the devices (``_DEVICE_SWITCHES``).
 ``replicate``, ``scatter``, ``scatter_kwargs``, ``gather`` and
 ``comm.reduce_add_coalesced`` stay torch's own: they reach the devices only through the
 switched primitives, so their imported names run virtually too.
