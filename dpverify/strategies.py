@@ -120,9 +120,7 @@ def _n_devices(value: int | SearchStrategy[int]) -> SearchStrategy[int]:
     return value if isinstance(value, SearchStrategy) else st.just(require_int_at_least(value, "n_devices", 1))
 
 
-def _subset(
-    name: str, value: Iterable[T], allowed: Sequence[T] | Callable[[T], bool], hint: str
-) -> tuple[T, ...]:
+def _subset(name: str, value: Iterable[T], allowed: Sequence[T] | Callable[[T], bool], hint: str) -> tuple[T, ...]:
     """``value`` as a tuple, when it is a non-empty collection of items from ``allowed`` (or
     that ``allowed`` accepts). A bare string is refused rather than read as its characters.
     """

@@ -60,8 +60,7 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 
 def _rebuild(like: Any, pairs: list[tuple[Any, Any]]) -> Any:
-    """A container of ``like``'s type (namedtuples included) holding the ``(key, item)``
-    pairs' items, under their keys for a dict."""
+    """A container of ``like``'s type holding the ``(key, item)`` pairs' items (keyed for a dict)."""
     if isinstance(like, dict):
         return type(like)(pairs)
     items = [item for _key, item in pairs]
