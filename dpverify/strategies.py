@@ -115,15 +115,20 @@ def _value_or_strategy(value: T | SearchStrategy[T], name: str, expected: type[T
     return st.just(_drawn(value, name, expected))
 
 
-def _subset(name: str, value: Iterable[str], allowed: Sequence[str], hint: str) -> tuple[str, ...]:
-    """``value`` as a tuple, when it is a non-empty collection of names from ``allowed``.
+def _n_devices(value: int | SearchStrategy[int]) -> SearchStrategy[int]:
+    """A device-count argument as a strategy (drawn counts are checked where drawn)."""
+    return value if isinstance(value, SearchStrategy) else st.just(require_int_at_least(value, "n_devices", 1))
 
-    A bare string is refused rather than read as its characters.
+
+def _subset(name: str, value: Iterable[T], allowed: Sequence[T] | Callable[[T], bool], hint: str) -> tuple[T, ...]:
+    """``value`` as a tuple, when it is a non-empty collection of items from ``allowed`` (or
+    that ``allowed`` accepts). A bare string is refused rather than read as its characters.
     """
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise InvalidArgument(f"{name}={value!r}: {hint}")
     chosen = tuple(value)
-    if not chosen or any(item not in allowed for item in chosen):
+    accepts = allowed if callable(allowed) else allowed.__contains__
+    if not chosen or not all(accepts(item) for item in chosen):
         raise InvalidArgument(f"{name}={list(chosen)!r}: {hint}")
     return chosen
 
@@ -187,7 +192,6 @@ def _batch_sizes(draw: st.DrawFn, n_devices: SearchStrategy[int], max_size: int)
         options.append(st.integers(1, max_size // n).map(lambda k: k * n))  # equal chunks
     if n > 1 and n + 1 <= max_size:
         options.append(st.integers(n + 1, max_size).filter(lambda b: b % n != 0))  # uneven
-    # more rows than devices, yet fewer chunks than devices (5 rows on 4 devices: [2, 2, 1])
     fewer_chunks = [b for b in range(n + 1, max_size + 1) if -(-b // -(-b // n)) < n]
     if fewer_chunks:
         options.append(st.sampled_from(fewer_chunks))
@@ -204,9 +208,7 @@ def batch_sizes(n_devices: int | SearchStrategy[int] = 2, *, max_size: int = 16)
     Shrinks toward 1.
     """
     require_int_at_least(max_size, "max_size", 1)
-    if not isinstance(n_devices, SearchStrategy):
-        require_int_at_least(n_devices, "n_devices", 1)
-    return _batch_sizes(_value_or_strategy(n_devices, "n_devices", int), max_size)
+    return _batch_sizes(_n_devices(n_devices), max_size)
 
 
 def device_lists(*, min_devices: int = 1, max_devices: int = 4) -> SearchStrategy[DeviceList]:
@@ -225,8 +227,6 @@ def device_lists(*, min_devices: int = 1, max_devices: int = 4) -> SearchStrateg
         pool, most = list(range(visible)), min(max_devices, visible)
     else:
         pool, most = list(range(max_devices)), max_devices
-    # Beside some GPUs too few for the list, virtual ids must be 0 .. n - 1 (in any order):
-    # a check refuses [0, 2] there as a likely mistake for real devices.
     dense = 0 < visible < min_devices
 
     @st.composite
@@ -321,16 +321,6 @@ def scenarios(
 IGNORE_INDICES: tuple[int, ...] = (-100, 0, -1)
 
 
-def _ignore_indices(value: object) -> tuple[int, ...]:
-    hint = "pass a non-empty collection of ints, e.g. (-100, 0, -1)"
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise InvalidArgument(f"ignore_indices={value!r}: {hint}")
-    chosen = tuple(value)
-    if not chosen or any(isinstance(i, bool) or not isinstance(i, int) for i in chosen):
-        raise InvalidArgument(f"ignore_indices={list(chosen)!r}: {hint}")
-    return tuple(dict.fromkeys(chosen))
-
-
 def _equal_token_lengths(
     draw: st.DrawFn, sizes: list[int], seq_len: int, side: str, causal: bool, all_padding_rows: bool,
 ) -> list[int] | None:
@@ -413,20 +403,17 @@ def token_batches(
 ) -> SearchStrategy[TokenBatch]:
     """Padded batches of token ids and labels (``TokenBatch``), split over ``n_devices``.
 
-    Draws the rows (``batch_sizes(n_devices)``: one row, fewer rows than devices, equal and
-    uneven chunks), the padded length, each row's padding, the padding side and the ignore
-    index that marks padding in the labels; ``batch.build()`` gives ``input_ids`` and
-    ``labels``. Equal chunks of rows then hold different numbers of tokens, which is what
-    makes ``loss.mean()`` of the replicas' token-mean losses biased; and about half the
-    draws that split into several chunks give every chunk the same number of counted tokens
-    instead, uneven chunks of rows included (where ``loss.mean()`` is then exact).
+    Draws the rows (``batch_sizes(n_devices)``), the padded length, each row's padding, the
+    padding side and the ignore index that marks padding in the labels; ``batch.build()``
+    gives ``input_ids`` and ``labels``. Equal chunks of rows then hold different numbers of
+    tokens, which makes ``loss.mean()`` of the replicas' token-mean losses biased; about half
+    the draws that split into several chunks give every chunk the same number of counted
+    tokens instead (uneven chunks of rows included), where ``loss.mean()`` is exact.
 
-    Every chunk DataParallel makes for ``n_devices`` devices holds at least one token that a
-    mean loss counts (a label that is not the ignore index, after the shift when ``causal``),
-    so every replica's loss is a number: a mean over no token is NaN (0/0), which no
-    weighting repairs. Rows without such a token (all padding; one real token under a causal
-    shift) are drawn, just never a whole chunk of them; where a draw makes one, that chunk's
-    first row is unpadded. ``empty_chunks=True`` draws those chunks too.
+    Every chunk holds at least one token a mean loss counts (a label that is not the ignore
+    index, after the shift when ``causal``): a mean over no token is NaN, which no weighting
+    repairs. Rows without such a token are drawn, never a whole chunk of them (that chunk's
+    first row is then unpadded), unless ``empty_chunks=True``.
 
     Args:
         n_devices: the devices the batch is split over (an int or a strategy of them).
@@ -446,14 +433,16 @@ def token_batches(
     require_int_at_least(max_rows, "max_rows", 1)
     require_int_at_least(max_seq_len, "max_seq_len", 2 if causal else 1)
     sides = _subset("padding_sides", padding_sides, PADDING_SIDES, f"choose a non-empty subset of {PADDING_SIDES}")
-    ignores = _ignore_indices(ignore_indices)
+    ignores = _subset(
+        "ignore_indices", ignore_indices, lambda i: isinstance(i, int) and not isinstance(i, bool),
+        "pass a non-empty collection of ints, e.g. (-100, 0, -1)",
+    )
     require_bool(all_padding_rows, "all_padding_rows")
     require_bool(empty_chunks, "empty_chunks")
-    if not isinstance(n_devices, SearchStrategy):
-        require_int_at_least(n_devices, "n_devices", 1)
     return _token_batches(
-        _value_or_strategy(n_devices, "n_devices", int), causal, max_rows, max_seq_len,
-        tuple(s for s in PADDING_SIDES if s in sides), ignores, all_padding_rows, empty_chunks,
+        _n_devices(n_devices), causal, max_rows, max_seq_len,
+        tuple(s for s in PADDING_SIDES if s in sides), tuple(dict.fromkeys(ignores)), all_padding_rows,
+        empty_chunks,
     )
 
 
@@ -534,8 +523,6 @@ def fsdp_layouts(module: nn.Module) -> SearchStrategy[FSDPLayout]:
     Shrinks toward the default layout with ``reshard_after_forward=True``.
     """
     require_instance(module, "module", nn.Module)
-    # not a ModuleList or ModuleDict: fully_shard needs a module with a forward of its own;
-    # nor MultiheadAttention's out_proj, whose weight it reads without calling its forward
     bypassed = read_without_forward(module)
     names = [
         name for name, sub in module.named_modules()

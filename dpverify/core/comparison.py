@@ -1,23 +1,16 @@
 """Comparison of a parallel step with the single-device step, and the tolerance it uses.
 
-The default tolerance is anchored in float64 (docs/semantics.md, Floating point). The same step
-runs three times from the same weights: through the parallel wrapper, alone in the working
-dtype (float32), and alone in float64. The float64 run is the answer up to about 1e-16;
-the single-device float32 run's distance from it measures how much rounding this model and
-batch produce in float32, whatever the gradient scale and however much cancellation the
-sums involve. The parallel run passes when its distance from float64 is within
-``factor`` times that, per tensor. A floor of ``floor_ulps`` units of roundoff of the
-tensor's largest float64 entry keeps a lucky, nearly exact single-device run from making
-the bound impossibly tight. Every quantity scales with the gradients, so the check means
-the same at gradient scales from 1e-8 to 1e8, where a fixed ``atol`` either hides bugs or
-fails correct code.
+The default tolerance is anchored in float64: docs/tolerance.md explains it and ``Tolerance``
+states its rule. Every quantity scales with the gradients, so the check means the same at
+gradient scales from 1e-8 to 1e8, where a fixed ``atol`` either hides bugs or fails correct
+code.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch import nn
@@ -109,11 +102,8 @@ class Tolerance:
                 f"rtol={self.rtol!r}, atol={self.atol!r}: pass both or neither "
                 f"(add {missing}=...), or neither to use the float64-anchored tolerance"
             )
-        for name in (
-            "rtol", "atol", "factor", "floor_ulps", "norm_factor", "norm_floor_ulps",
-            "low_precision_floor_ulps", "subnormal_floor",
-        ):
-            value = getattr(self, name)
+        for item in fields(self):
+            name, value = item.name, getattr(self, item.name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, (int, float))
                 or not math.isfinite(value) or value < 0
@@ -331,20 +321,10 @@ def require_finite(name: TensorId, tensor: torch.Tensor | None, step: str) -> No
 @dataclass(frozen=True)
 class _Anchored:
     """What the anchored rule derives from the references alone, whatever the parallel
-    result: the float64 answer rounded to the working dtype, the single-device step's
-    distance from it, and the size of that answer (prepared once per set of reference
-    tensors given the same ``derived`` memo).
-
-    Attributes:
-        rounded: the float64 answer in the working dtype, on the single-device result's
-            device.
-        dtype: the working dtype.
-        wide: the dtype differences are taken in (float64 for 16-bit dtypes).
-        reference_error: the single-device step's greatest distance from the answer (with
-            the further rounding samples, when given).
-        reference_norm: the same, in the 2-norm.
-        size: the answer's largest entry (``max |rounded|``).
-        size_norm: the answer's 2-norm.
+    result: ``rounded``, the float64 answer in the working ``dtype`` (on the single-device
+    result's device); ``wide``, the dtype differences are taken in; the single-device
+    step's greatest distance from the answer (with the further rounding samples) and its
+    2-norm; and the answer's largest entry and 2-norm.
     """
 
     rounded: torch.Tensor
@@ -366,17 +346,15 @@ def _prepared(
     name: TensorId, expected: torch.Tensor, anchor: torch.Tensor, probe: torch.Tensor | None, jitter: torch.Tensor | None,
     memo: Derived | None,
 ) -> _Anchored:
-    if memo is None:
-        return _anchored_reference(name, expected, anchor, probe, jitter)
     tensors = (expected, anchor, probe, jitter)
     slot = tuple(id(t) for t in tensors)
-    hit = memo.get(slot)
+    hit = memo.get(slot) if memo is not None else None
     if hit is not None and all(a is b for a, b in zip(hit[:4], tensors, strict=True)):
-        prepared = hit[4]
-        assert isinstance(prepared, _Anchored)
-        return prepared
+        assert isinstance(hit[4], _Anchored)
+        return hit[4]
     prepared = _anchored_reference(name, expected, anchor, probe, jitter)
-    memo[slot] = (*tensors, prepared)
+    if memo is not None:
+        memo[slot] = (*tensors, prepared)
     return prepared
 
 
@@ -410,11 +388,15 @@ def _anchored_reference(
         # NaN or inf in a reference shows here first; name which one before comparing.
         require_finite(name, expected, "single-device")
         require_finite(name, anchor, "float64 single-device")
-    if dtype == torch.float64:
-        reference_error, reference_norm = _float64_rounding(
-            reference, reference_error, reference_norm, probe, jitter, device
-        )
-    elif jitter is not None:  # a second sample of the working dtype's rounding
+    if dtype == torch.float64 and probe is not None:
+        # float64's own anchor cannot show its rounding; float32's, scaled by the ratio of
+        # the unit roundoffs, does, unless float32 saturates (see compare_tensors)
+        probe_error = _dense(probe).detach().to(device=device, dtype=torch.float64) - reference
+        largest = max_abs(probe_error)
+        if largest <= _SATURATED * max_abs(reference):
+            reference_error = max(reference_error, largest * _ROUNDOFF_RATIO)
+            reference_norm = max(reference_norm, _norm(probe_error) * _ROUNDOFF_RATIO)
+    if jitter is not None:  # a further sample of the working dtype's rounding
         jittered = _dense(jitter).detach().to(device=device, dtype=wide) - rounded.to(wide)
         reference_error = max(reference_error, max_abs(jittered))
         reference_norm = max(reference_norm, _norm(jittered))
@@ -436,24 +418,18 @@ def compare_tensors(
     """Compares ``actual`` (parallel) with ``expected`` (single device) under ``tolerance``.
 
     ``anchor`` is the float64 single-device result; it is required by the anchored rule
-    and ignored by the explicit one. When the working dtype is float64 itself, the anchor
-    cannot measure its rounding; ``probe``, the float32 single-device result, does:
-    rounding error scales with the unit roundoff, so the float32 error times
-    ``u(float64) / u(float32)`` estimates the float64 one. Where float32 saturates (its
-    error a sizeable part of the value: an ill-conditioned model), that scaling says
-    nothing; ``jitter``, the float64 step rerun from parameters perturbed by a few units
-    of float64 roundoff, measures the model's sensitivity to such rounding directly.
+    and ignored by the explicit one. ``probe`` (the float32 single-device result: its
+    error, scaled by ``u(float64) / u(float32)``, estimates a float64 step's rounding unless
+    float32 saturates) and ``jitter`` (the step rerun from parameters perturbed by a few
+    units of roundoff) are further samples of the rounding (docs/tolerance.md).
 
-    ``terms`` is the magnitude of what the parallel step summed into the value (a float:
-    ``sum over replicas of max |g_r|``, or a ``Terms``). When terms cancel, the
-    single-device step can be exact by luck while the parallel sum carries rounding of the
-    size of its terms; the floors then scale with the terms, not with the total.
+    ``terms`` is the magnitude of what the parallel step summed into the value (a
+    ``Terms``, or a float: its ``largest``); the floors scale with it where it exceeds the
+    value.
 
-    ``derived``: a memo the caller keeps for comparisons with the same reference tensors
-    (``expected``, ``anchor``, ``probe``, ``jitter``: the same objects, unchanged
-    meanwhile), as ``dpverify.checks.dp`` does for a parameter's gradient, its replica sum
-    and their contrast: what the anchored rule needs from each set is derived once. Every
-    figure is the same as without it.
+    ``derived``: a memo the caller keeps across comparisons with the same reference tensors
+    (the same objects, unchanged meanwhile), so that what the anchored rule needs from them
+    is derived once; every figure is the same as without it.
 
     Raises:
         NonFiniteReference: ``expected`` or ``anchor`` holds NaN or inf.
@@ -570,29 +546,6 @@ _ROUNDOFF_RATIO = torch.finfo(torch.float64).eps / torch.finfo(torch.float32).ep
 _SATURATED = 2.0**-10
 
 
-def _float64_rounding(
-    reference: torch.Tensor,
-    reference_error: float,
-    reference_norm: float,
-    probe: torch.Tensor | None,
-    jitter: torch.Tensor | None,
-    device: torch.device,
-) -> tuple[float, float]:
-    """The rounding of a float64 model's step, which its own float64 anchor cannot show."""
-    size = max_abs(reference)
-    if probe is not None:
-        probe_error = _dense(probe).detach().to(device=device, dtype=torch.float64) - reference
-        largest = max_abs(probe_error)
-        if largest <= _SATURATED * size:
-            reference_error = max(reference_error, largest * _ROUNDOFF_RATIO)
-            reference_norm = max(reference_norm, _norm(probe_error) * _ROUNDOFF_RATIO)
-    if jitter is not None:
-        jitter_error = _dense(jitter).detach().to(device=device, dtype=torch.float64) - reference
-        reference_error = max(reference_error, max_abs(jitter_error))
-        reference_norm = max(reference_norm, _norm(jitter_error))
-    return reference_error, reference_norm
-
-
 def _explicit(name: TensorId, actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance) -> TensorComparison:
     """The explicit rule, with torch.isclose's semantics (NaN and inf included)."""
     assert tolerance.rtol is not None
@@ -645,9 +598,9 @@ def _detailed(
         actual.numel(),
         mismatched=int(over.sum()),
         max_abs=float(max_abs),
-        max_abs_index=_index(flat_abs, shape),
+        max_abs_index=_unravel(int(flat_abs), shape),
         max_rel=float(max_rel),
-        max_rel_index=_index(flat_rel, shape),
+        max_rel_index=_unravel(int(flat_rel), shape),
         allowed=float(allowed_at),
         ratio=float(ratios.max()),
         reference_error=reference_error,
@@ -664,13 +617,9 @@ def _detailed_finite(
     at a time, so that the float64 temporaries stay small (a whole large model fails in
     train mode with BatchNorm, every tensor of it tens of megabytes).
 
-    Each figure is the one ``_detailed`` computes: ``|actual - rounded|`` in float64 (the
-    in-place subtraction promotes ``rounded`` exactly, as ``rounded.to(float64)`` does);
-    elements farther than ``allowed`` fail; the relative difference is the difference over
-    ``|rounded|``, and 0 where the difference is 0; the greatest values keep the first
-    index among equals (``argmax`` within a chunk, the earlier chunk between chunks), as
-    ``max`` does over the whole; and the greatest ``difference / allowed`` is the greatest
-    difference over ``allowed``, since rounding is monotone.
+    Each figure equals ``_detailed``'s: the in-place subtraction promotes ``rounded``
+    exactly; the greatest values keep the first index among equals, as ``max`` does; and
+    the greatest ``difference / allowed`` is the greatest difference over ``allowed``.
     """
     flat_actual, flat_rounded = actual.reshape(-1), rounded.reshape(-1)
     mismatched, largest, at_largest, max_rel, at_rel, size = 0, -1.0, 0, -1.0, 0, 0.0
@@ -694,7 +643,6 @@ def _detailed_finite(
         if value > max_rel:
             max_rel, at_rel = value, start + int(rel.argmax())
     shape = tuple(actual.shape)
-    ratio = 0.0 if largest == 0.0 else (largest / allowed if allowed > 0 else math.inf)
     return TensorComparison(
         name,
         shape,
@@ -705,7 +653,7 @@ def _detailed_finite(
         max_rel=max_rel,
         max_rel_index=_unravel(at_rel, shape),
         allowed=allowed,
-        ratio=ratio,
+        ratio=_ratio(largest, allowed),
         reference_error=reference_error,
         size=size,
     )
@@ -722,10 +670,6 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
         flat, at = divmod(flat, size)
         index.append(at)
     return tuple(reversed(index))
-
-
-def _index(flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
-    return _unravel(int(flat), shape)
 
 
 def _table(rows: Sequence[TensorComparison], title: str) -> list[str]:
@@ -800,12 +744,8 @@ class StepComparison:
 
     def message(self) -> str:
         bad = [t for t in self.tensors if not t.ok]
-        head = f"{self.check}: "
-        if bad:
-            head += f"{len(bad)} of {len(self.tensors)} compared tensors do not match."
-        else:
-            head += "failed."
-        lines = [head, ""]
+        verdict = f"{len(bad)} of {len(self.tensors)} compared tensors do not match." if bad else "failed."
+        lines = [f"{self.check}: {verdict}", ""]
         for failure in self.failures:
             lines += [failure, ""]
         if bad:
@@ -875,13 +815,10 @@ _FLOAT32_BAND = (_FLOAT32_ROUNDOFF / 16, _FLOAT32_ROUNDOFF * 32)
 
 
 def float32_hint(rows: Sequence[TensorComparison]) -> str | None:
-    """A sentence when the mismatched tensors of a float64 step are off by float32's
-    rounding relative to their largest entries: the worst within ``_FLOAT32_BAND``, far
-    beyond float64's rounding and far below what a wrong reduction or a lost row gives
-    (the others may be closer: rounding averages out in a loss). A float32 intermediate
-    in the step (a count or a mask made in float32, a float32 buffer) does exactly that.
-    None when a tensor fails otherwise (missing, another shape, non-finite, or an error
-    of another size)."""
+    """A sentence when the worst mismatched tensor of a float64 step is off by float32's
+    rounding relative to its largest entry (within ``_FLOAT32_BAND``: far beyond float64's
+    rounding, far below what a wrong reduction or a lost row gives), as a float32
+    intermediate in the step makes it; None when a tensor fails otherwise."""
     bad = [row for row in rows if not row.ok]
     if not bad or any(row.problem is not None or row.nonfinite or row.size <= 0 for row in bad):
         return None
@@ -941,49 +878,33 @@ def explain_scale(
     naming every classic mistake that produces that factor (2 can be the world size and the
     rows per rank).
 
-    ``averager`` None is DataParallel, which sums its ``replicas``' gradients: ``1/k`` means
-    they were averaged, ``k`` summed twice. Otherwise ``averager`` names what averages the
-    ranks' gradients (``"DDP"``, ``"FSDP2's reduce-scatter"``), ``replicas`` is the world
-    size, and ``reduction`` (``"sum"``, ``"mean"`` or None: how ``loss_fn`` reduces) tells a
-    sum loss from a mean one:
-
-    - ``k`` micro-batches: mean losses of the micro-batches added up, not divided by ``k``;
-    - ``W``: the ranks' gradients summed and not averaged, or a mean loss times ``W``;
-    - ``n`` rows per rank (``shard_size``): a step that sums its rows' losses while
-      ``loss_fn`` averages;
-    - ``1/W``: a sum loss (each rank sums its ``n`` rows, the average divides by ``W``: it is
-      ``1/W`` of the full-batch sum), or a mean loss divided by ``W`` on top of the average;
-    - ``1/(k W)``: a sum loss whose micro-batch losses were weighted by ``1/k``, as the
-      mean-loss recipe does.
-
-    ``size`` names what ``replicas`` counts in the text (the number of data-parallel groups
-    of tensor parallelism). A factor within ``10 * rounding`` (relative) of one of these
-    names it.
+    ``averager`` None is DataParallel, which sums its ``replicas``' gradients. Otherwise
+    ``averager`` names what averages the ranks' gradients (``"DDP"``, ``"FSDP2's
+    reduce-scatter"``), ``replicas`` is the world size (``size`` names what it counts in the
+    text, e.g. the data-parallel groups of tensor parallelism), and ``reduction``
+    (``"sum"``, ``"mean"`` or None: how ``loss_fn`` reduces) tells a sum loss from a mean
+    one. A factor within ``10 * rounding`` (relative) of a cause's factor (the micro-batch
+    count, the world size, the rows per rank ``shard_size``, their inverses) names it.
     """
 
     def near(value: float) -> bool:
         return abs(c - value) < 10 * rounding * value
 
-    if averager is None:
+    if averager is None:  # DataParallel sums its replicas' gradients
         head = f"Every parallel gradient is {c:.6g} times the single-device gradient"
-        causes = _summed_replica_causes(replicas, near)
+        causes = []
+        if replicas > 1 and near(1.0 / replicas):
+            causes.append(
+                f"(1/{replicas}, one over the number of replicas used): the replica gradients "
+                "were averaged. torch sums them: with a mean loss over the gathered batch, each "
+                "replica already contributes (1/B) times the sum over its own rows"
+            )
+        elif replicas > 1 and near(replicas):
+            causes.append(f"({replicas}, the number of replicas): the loss or gradients were summed over replicas twice")
     else:
         head = f"Every rank's gradient is {c:.6g} times the single-device full-batch gradient"
         causes = _averaged_rank_causes(replicas, near, averager, micro_batches, shard_size, reduction, size)
     return head + (" " + "; or ".join(causes) if causes else "") + "."
-
-
-def _summed_replica_causes(replicas: int, near: Callable[[float], bool]) -> list[str]:
-    """The causes of a factor under DataParallel, which sums its replicas' gradients."""
-    if replicas > 1 and near(1.0 / replicas):
-        return [
-            f"(1/{replicas}, one over the number of replicas used): the replica gradients "
-            "were averaged. torch sums them: with a mean loss over the gathered batch, each "
-            "replica already contributes (1/B) times the sum over its own rows"
-        ]
-    if replicas > 1 and near(replicas):
-        return [f"({replicas}, the number of replicas): the loss or gradients were summed over replicas twice"]
-    return []
 
 
 def _averaged_rank_causes(

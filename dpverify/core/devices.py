@@ -17,6 +17,7 @@ __all__ = [
     "device_index",
     "normalize_device_ids",
     "normalize_output_device",
+    "output_index",
 ]
 
 #: Index torch uses for "gather on the host" (``output_device=-1``).
@@ -27,7 +28,17 @@ HOST = -1
 GPUS_ENV = "DPVERIFY_GPUS"
 
 
-def _index_of(device: Any, argument: str) -> int:
+def device_index(device: Any, argument: str) -> int:
+    """The index of one device argument, as torch's ``_get_device_index(device, True)`` reads it.
+
+    An int is returned as is, a ``torch.device`` or a string such as ``'cuda:1'`` gives its
+    index. Unlike torch, a device without an index (``'cuda'``, None) is rejected rather than
+    read as the current CUDA device: virtual devices have no current device.
+
+    Raises:
+        InvalidArgument: a bool, a CPU device (torch raises a ValueError too), a device
+            without an index, or anything else that is not a device.
+    """
     if isinstance(device, bool):
         raise InvalidArgument(f"{argument}={device!r} is a bool; pass a device index such as 0")
     if isinstance(device, int):
@@ -57,20 +68,6 @@ def _index_of(device: Any, argument: str) -> int:
     )
 
 
-def device_index(device: Any, argument: str) -> int:
-    """The index of one device argument, as torch's ``_get_device_index(device, True)`` reads it.
-
-    An int is returned as is, a ``torch.device`` or a string such as ``'cuda:1'`` gives its
-    index. Unlike torch, a device without an index (``'cuda'``, None) is rejected rather than
-    read as the current CUDA device: virtual devices have no current device.
-
-    Raises:
-        InvalidArgument: a bool, a CPU device (torch raises a ValueError too), a device
-            without an index, or anything else that is not a device.
-    """
-    return _index_of(device, argument)
-
-
 def normalize_device_ids(device_ids: Sequence[Any] | None, *, argument: str = "device_ids") -> list[int]:
     """Validates DataParallel ``device_ids`` and returns them as distinct non-negative ints.
 
@@ -81,21 +78,19 @@ def normalize_device_ids(device_ids: Sequence[Any] | None, *, argument: str = "d
         raise InvalidArgument(
             f"{argument}={device_ids!r}: pass a list of device indices such as [0, 1]"
         )
-    ids = [_index_of(d, argument) for d in device_ids]
+    ids = [device_index(d, argument) for d in device_ids]
     if not ids:
         raise InvalidArgument(f"{argument}=[] is empty; DataParallel needs at least one device")
-    for d in ids:
-        if d < 0:
-            raise InvalidArgument(
-                f"{argument}={ids} contains {d}; device indices are non-negative"
-            )
-    seen: set[int] = set()
-    for d in ids:
-        if d in seen:
-            raise InvalidArgument(
-                f"{argument}={ids} repeats device {d}; DataParallel needs distinct devices"
-            )
-        seen.add(d)
+    negative = [d for d in ids if d < 0]
+    if negative:
+        raise InvalidArgument(
+            f"{argument}={ids} contains {negative[0]}; device indices are non-negative"
+        )
+    repeated = [d for i, d in enumerate(ids) if d in ids[:i]]
+    if repeated:
+        raise InvalidArgument(
+            f"{argument}={ids} repeats device {repeated[0]}; DataParallel needs distinct devices"
+        )
     return ids
 
 
@@ -103,7 +98,12 @@ def normalize_output_device(output_device: Any, device_ids: Sequence[int]) -> in
     """Returns the gather target: ``device_ids[0]`` by default, ``HOST`` (-1) for the host."""
     if output_device is None:
         return device_ids[0]
-    index = _index_of(output_device, "output_device")
+    return output_index(output_device)
+
+
+def output_index(output_device: Any) -> int:
+    """The gather target ``output_device`` names: a device index, or ``HOST`` (-1)."""
+    index = device_index(output_device, "output_device")
     if index < HOST:
         raise InvalidArgument(
             f"output_device={index} is not a device; pass a device index, or -1 for the host"
@@ -142,9 +142,7 @@ def cuda_device_count() -> int:
 
     The machine's devices, after ``CUDA_VISIBLE_DEVICES``, at most ``DPVERIFY_GPUS`` of them,
     inside ``virtual_devices`` blocks too (where torch reports the virtual ones): dpverify
-    puts a step on real devices only where they exist. ``DPVERIFY_GPUS=0`` runs everything
-    as on a machine without CUDA (virtual devices, gloo ranks), which is how the CPU tier of
-    dpverify's own test suite runs on a GPU machine.
+    puts a step on real devices only where they exist.
 
     Raises:
         InvalidArgument: ``DPVERIFY_GPUS`` is not a whole number >= 0.

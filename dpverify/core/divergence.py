@@ -34,8 +34,7 @@ class DivergenceSource:
     fix: str
 
     def describe(self) -> str:
-        name = repr(self.module) if self.module else "the root module"
-        return f"{name} ({self.kind}): {self.reason} Fix: {self.fix}"
+        return SourceGroup((self.module,), "", self.kind, self.reason, self.fix).describe()
 
 
 def _classify(name: str, module: nn.Module) -> DivergenceSource | None:

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-# Subclassing Hypothesis's InvalidArgument gives one exception for every bad argument: the
-# strategies raise what Hypothesis documents for a strategy's bad arguments (so
-# ``except hypothesis.errors.InvalidArgument`` still works), and ``except
-# dpverify.InvalidArgument`` catches ``scenarios(max_batch=0)`` too. The import is guarded
-# because the engine must run where Hypothesis is not installed (it is needed only by the
-# strategies, the fuzzer and the pytest plugin); the base is then a plain TypeError, as
-# Hypothesis's is. This is the one import of Hypothesis the engine may make
-# (tests/test_layout.py).
+# The engine must run where Hypothesis is not installed (only the strategies, the fuzzer
+# and the pytest plugin need it), so this import, the one the engine may make of Hypothesis
+# (tests/test_layout.py), is guarded.
 try:
     from hypothesis.errors import InvalidArgument as _Base
 except ImportError:
@@ -25,10 +20,10 @@ class InvalidArgument(_Base, ValueError):
     """An argument cannot be used; the message names it and says what to pass instead.
 
     The one exception for bad arguments anywhere in dpverify: the assertion helpers, the
-    strategies (it is also Hypothesis's ``InvalidArgument`` when Hypothesis is installed),
-    and the command line, which prints the message and exits with status 2. It stays a
-    ``ValueError`` for callers that catch that (and is a ``TypeError`` too, as Hypothesis's
-    is).
+    strategies and the command line, which prints the message and exits with status 2. It
+    is Hypothesis's ``InvalidArgument`` when Hypothesis is installed (what Hypothesis
+    documents for a strategy's bad arguments), else a ``TypeError`` as that one is, and a
+    ``ValueError`` for callers that catch that.
     """
 
 

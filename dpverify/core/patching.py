@@ -1,22 +1,15 @@
 """Opt-in, process-wide patching: torch's own DataParallel objects switched in place.
 
-When it is needed: a DataParallel that is not a ``VirtualDataParallel``, such as
-``torch.nn.DataParallel`` itself, a third-party subclass (a balanced-chunk DataParallel) or
-code that calls ``torch.nn.parallel.data_parallel``, ``Scatter``, ``parallel_apply`` or
-``torch.cuda.comm`` by a name it imported, run on a machine without the GPUs it asks for.
-``VirtualDataParallel`` needs none of it for its devices: it overrides DataParallel's
-``scatter``, ``replicate``, ``parallel_apply`` and ``gather`` (``dpverify.core.virtual``).
+For a DataParallel that is not a ``VirtualDataParallel`` (``torch.nn.DataParallel``, a
+third-party subclass, code that calls ``Scatter``, ``parallel_apply`` or ``torch.cuda.comm``
+by a name it imported) on a machine without the GPUs it asks for. ``virtual_devices(n)``
+switches everything below for the whole process while a block is open;
+``virtual_primitives()`` switches the primitives for the calling thread alone. Each set of
+switches is installed when the first block that needs it opens and removed, restoring
+torch's objects by identity, when the last one closes; nothing is switched at import.
 
-How to turn it on and off: ``with virtual_devices(n):`` switches everything below for the
-whole process while the block is open, and ``with virtual_primitives():`` switches the
-primitives for the calling thread alone (``VirtualDataParallel``'s ``scatter``,
-``replicate`` and ``gather`` run torch's functions inside one). The primitives' switches
-are installed when the first block of either kind opens, the devices' when the first
-``virtual_devices`` block opens, and each set is removed, restoring torch's objects by
-identity, when the last block that needs it closes; nothing is switched at import.
-
-What it changes: the primitives of ``dpverify.core.primitives`` run in place of torch's
-(inside either block), and, inside ``virtual_devices(n)`` only, the devices:
+The primitives of ``dpverify.core.primitives`` run in place of torch's (inside either
+block), and, inside ``virtual_devices(n)`` only, the devices:
 
 ====================================  ======================================================
 torch                                 inside ``virtual_devices(n)``
@@ -44,10 +37,10 @@ torch                                 inside ``virtual_devices(n)``
 
 Everything is switched in place, on the objects torch defines, so code that imported a name
 (``from torch.nn.parallel._functions import Scatter``, ``from torch.cuda.comm import
-reduce_add``) is covered too: a function gets a trampoline ``__code__`` (21 of them), an
-autograd Function class an ``apply`` attribute, ``torch.cuda.device`` its two methods, and
-``DataParallel`` a ``src_device_obj`` descriptor: 28 switches, 10 for the primitives
-(``_PRIMITIVE_SWITCHES``) and 18 for the devices (``_DEVICE_SWITCHES``).
+reduce_add``) is covered too: a function (``torch.cuda.device``'s two methods included)
+gets a trampoline ``__code__`` (23 of them), an autograd Function class an ``apply``
+attribute, and ``DataParallel`` a ``src_device_obj`` descriptor: 28 switches, 10 for the
+primitives (``_PRIMITIVE_SWITCHES``) and 18 for the devices (``_DEVICE_SWITCHES``).
 ``replicate``, ``scatter``, ``scatter_kwargs``, ``gather`` and
 ``comm.reduce_add_coalesced`` stay torch's own: they reach the devices only through the
 switched primitives, so their imported names run virtually too.
@@ -143,10 +136,6 @@ def _checked_device(index: int) -> int:
 
 def _virtual_is_available() -> bool:
     return True
-
-
-def _virtual_device_count() -> int:
-    return _device_count()
 
 
 def _virtual_current_device() -> int:
@@ -256,6 +245,10 @@ def _virtual_data_parallel_function(
 
 _MISSING: Any = object()
 
+#: Every ``_CodeSwitch`` by its trampoline's key (the switches below are in install order,
+#: removed in reverse).
+_CODE_SWITCHES: dict[str, _CodeSwitch] = {}
+
 #: Prefix of the string constant that names a switch in its trampoline's code.
 _SWITCH_KEY = "dpverify-switch:"
 
@@ -351,6 +344,7 @@ class _CodeSwitch:
         self.trampoline = trampoline
         self.saved_code = code
         self.original: types.FunctionType = function  # replaced by a copy when installed
+        _CODE_SWITCHES[self.key] = self
 
     def install(self) -> None:
         function = self.function
@@ -403,23 +397,6 @@ class _AttributeSwitch:
             delattr(self.owner, self.name)
         else:
             setattr(self.owner, self.name, self.saved)
-
-
-class _MethodSwitch(_AttributeSwitch):
-    """Switches a method the class defines: the stand-in while active, torch's otherwise."""
-
-    def __init__(
-        self, owner: type, name: str, virtual: Callable[..., Any], active: Callable[[], bool]
-    ) -> None:
-        if name not in owner.__dict__:
-            raise TypeError(f"{owner.__qualname__} does not define {name}")
-
-        def method(*args: Any, **kwargs: Any) -> Any:
-            return (virtual if active() else self.saved)(*args, **kwargs)
-
-        method.__name__ = name
-        method.__qualname__ = f"{owner.__qualname__}.{name}"
-        super().__init__(owner, name, method)
 
 
 class _ApplySwitch(_AttributeSwitch):
@@ -512,31 +489,18 @@ def _release(block: _OpenBlock | None) -> None:
             _uninstall(_PRIMITIVE_SWITCHES)
 
 
-# The switches, in install order (removed in reverse). _CODE_SWITCHES maps a trampoline's
-# key to its switch.
-_CODE_SWITCHES: dict[str, _CodeSwitch] = {}
-
-
-def _code_switch(
-    function: Callable[..., Any], virtual: Callable[..., Any], active: Callable[[], bool]
-) -> _CodeSwitch:
-    switch = _CodeSwitch(function, virtual, active)
-    _CODE_SWITCHES[switch.key] = switch
-    return switch
-
-
 #: The primitives: virtual in virtual_devices and in virtual_primitives.
 _PRIMITIVE_SWITCHES: tuple[_CodeSwitch | _AttributeSwitch, ...] = (
     _ApplySwitch(torch_functions.Scatter, VirtualScatter.apply),
     _ApplySwitch(torch_functions.Gather, VirtualGather.apply),
     _ApplySwitch(torch_functions.Broadcast, VirtualBroadcast.apply),
     _ApplySwitch(torch_functions.ReduceAddCoalesced, reduce_add_coalesced_apply),
-    _code_switch(torch_comm.broadcast, virtual_comm_broadcast, _primitives_active),
-    _code_switch(torch_comm.broadcast_coalesced, virtual_comm_broadcast_coalesced, _primitives_active),
-    _code_switch(torch_comm.scatter, virtual_comm_scatter, _primitives_active),
-    _code_switch(torch_comm.gather, virtual_comm_gather, _primitives_active),
-    _code_switch(torch_comm.reduce_add, virtual_reduce_add, _primitives_active),
-    _code_switch(_torch_parallel_apply, virtual_parallel_apply, _primitives_active),
+    _CodeSwitch(torch_comm.broadcast, virtual_comm_broadcast, _primitives_active),
+    _CodeSwitch(torch_comm.broadcast_coalesced, virtual_comm_broadcast_coalesced, _primitives_active),
+    _CodeSwitch(torch_comm.scatter, virtual_comm_scatter, _primitives_active),
+    _CodeSwitch(torch_comm.gather, virtual_comm_gather, _primitives_active),
+    _CodeSwitch(torch_comm.reduce_add, virtual_reduce_add, _primitives_active),
+    _CodeSwitch(_torch_parallel_apply, virtual_parallel_apply, _primitives_active),
 )
 
 #: torch.cuda's random functions, which find the generators by device_count() or
@@ -555,16 +519,16 @@ _CUDA_RANDOM = (
 
 #: The devices: installed and virtual in virtual_devices only.
 _DEVICE_SWITCHES: tuple[_CodeSwitch | _AttributeSwitch, ...] = (
-    _code_switch(torch.cuda.is_available, _virtual_is_available, _devices_active),
-    _code_switch(torch.cuda.device_count, _virtual_device_count, _devices_active),
-    _code_switch(torch.cuda.current_device, _virtual_current_device, _devices_active),
-    _code_switch(torch.cuda.set_device, _virtual_set_device, _devices_active),
-    _code_switch(torch.cuda.get_device_properties, _virtual_get_device_properties, _devices_active),
-    _MethodSwitch(torch.cuda.device, "__enter__", _virtual_device_enter, _devices_active),
-    _MethodSwitch(torch.cuda.device, "__exit__", _virtual_device_exit, _devices_active),
+    _CodeSwitch(torch.cuda.is_available, _virtual_is_available, _devices_active),
+    _CodeSwitch(torch.cuda.device_count, _device_count, _devices_active),
+    _CodeSwitch(torch.cuda.current_device, _virtual_current_device, _devices_active),
+    _CodeSwitch(torch.cuda.set_device, _virtual_set_device, _devices_active),
+    _CodeSwitch(torch.cuda.get_device_properties, _virtual_get_device_properties, _devices_active),
+    _CodeSwitch(torch.cuda.device.__enter__, _virtual_device_enter, _devices_active),
+    _CodeSwitch(torch.cuda.device.__exit__, _virtual_device_exit, _devices_active),
     _AttributeSwitch(nn.DataParallel, "src_device_obj", _HostSourceDevice()),
-    _code_switch(_torch_data_parallel, _virtual_data_parallel_function, _devices_active),
-    *(_code_switch(f, _on_the_machine(f), _devices_active) for f in _CUDA_RANDOM),
+    _CodeSwitch(_torch_data_parallel, _virtual_data_parallel_function, _devices_active),
+    *(_CodeSwitch(f, _on_the_machine(f), _devices_active) for f in _CUDA_RANDOM),
 )
 
 
@@ -599,29 +563,23 @@ def virtual_devices(n: int) -> Iterator[None]:
 
     ``torch.nn.DataParallel`` and its subclasses built in the block get ``device_ids``
     ``[0, ..., n-1]`` by default and ``output_device`` 0, and run their own code, torch's
-    or overridden (``forward``, ``scatter``, ``replicate``, ``parallel_apply``, ``gather``),
-    on the CPU stand-ins of ``dpverify.core.primitives`` and the module docstring. The module's parameters and the
-    batch stay on the CPU, which stands for ``device_ids[0]``; replicas run in threads with
-    ``current_virtual_device()`` (and ``torch.cuda.current_device()``) set to their device.
-    torch's objects are switched in place, so third-party wrappers that imported
-    ``Scatter``, ``parallel_apply``, ``reduce_add``... by name are covered, and so are
-    ``Broadcast`` and ``reduce_add`` called by a custom Function's backward, provided the
-    backward runs in the block. Graphs built from DataParallel's own primitives can be
-    backpropagated after the block too.
+    or overridden, on the CPU stand-ins of ``dpverify.core.primitives``. The module's
+    parameters and the batch stay on the CPU, which stands for ``device_ids[0]``; replicas
+    run in threads with ``current_virtual_device()`` (and ``torch.cuda.current_device()``)
+    set to their device. Names imported by third-party wrappers are covered, and so are
+    ``Broadcast`` and ``reduce_add`` called by a custom Function's backward, provided that
+    backward runs in the block; graphs of DataParallel's own primitives can be
+    backpropagated after it.
 
-    Blocks nest (the innermost ``n`` applies on its thread, the outer one again after it)
-    and may be opened from several threads at once. While any block is open the switch is
-    process-wide, not per thread, because replicas run in threads of their own: a
-    DataParallel, or any other use of the switched objects, in another thread during the
-    block is virtualized too, and a thread with no block of its own sees the ``n`` of the
-    most recently opened block. On a CPU-only machine that is harmless for DataParallel
-    (torch's primitives cannot run there anyway); on a GPU machine keep real DataParallel
-    out of the block's time. Code that branches on ``torch.cuda.is_available()``, in the
-    block or in another thread meanwhile, takes its CUDA branch (``.cuda()``, CUDA
-    autocast, a gradient scaler), and fails as torch's CUDA calls do here; so open the
-    block around building and running the wrappers (and the backward of custom
-    Functions), not around a whole program. torch's objects are restored, by identity, when
-    the last block closes.
+    Blocks nest (the innermost ``n`` applies on its thread) and may be opened from several
+    threads at once. The switch is process-wide, because replicas run in threads of their
+    own: a thread with no block of its own sees the ``n`` of the most recently opened block,
+    and any DataParallel it runs meanwhile is virtualized too (harmless on a CPU-only
+    machine; on a GPU machine keep real DataParallel out of the block's time). Code that
+    branches on ``torch.cuda.is_available()`` takes its CUDA branch (``.cuda()``, CUDA
+    autocast, a gradient scaler) and fails as torch's CUDA calls do here; so open the block
+    around building and running the wrappers (and the backward of custom Functions), not
+    around a whole program.
 
     Example::
 

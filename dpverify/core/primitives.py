@@ -4,31 +4,10 @@ they share.
 Nothing here changes torch: these are the functions ``VirtualDataParallel`` and the opt-in
 patching (``dpverify.core.patching``) run in place of torch's.
 
-==================================  ========================================================
-torch primitive                     virtual stand-in
-==================================  ========================================================
-``_functions.Scatter``              ``VirtualScatter``: ``tensor.chunk`` (or ``split`` by
-                                    the chunk sizes); the chunk for the source device is a
-                                    view, the others are copies
-``_functions.Gather``               ``VirtualGather``: concatenation into the first
-                                    output's dtype, scalar warning, backward splits the
-                                    gradient by chunk size
-``_functions.Broadcast``            ``VirtualBroadcast``: replica 0 aliases the parameter,
-                                    the others are copies; backward is a reduce-add (a sum)
-``_functions.ReduceAddCoalesced``   ``VirtualReduceAddCoalesced``: a sum in replica order;
-                                    backward is a broadcast
-``comm.broadcast``                  the first device gets the tensor itself, the others
-                                    copies
-``comm.broadcast_coalesced``        ``virtual_comm_broadcast_coalesced`` (detached
-                                    replicas, buffers)
-``comm.scatter``                    as ``Scatter``, without autograd (``out=`` too)
-``comm.gather``                     as ``Gather``, without autograd (``out=`` too)
-``comm.reduce_add``                 a sum, the destination's input first, then the others in
-                                    order, as torch sums without NCCL
-``parallel_apply``                  ``virtual_parallel_apply``: one thread per replica, as
-                                    torch does, without CUDA streams; one random generator
-                                    per device
-==================================  ========================================================
+Each stand-in says what it does like torch and where it differs: ``VirtualScatter``,
+``VirtualGather``, ``VirtualBroadcast`` and ``VirtualReduceAddCoalesced`` for the autograd
+Functions of ``torch.nn.parallel._functions``, ``virtual_comm_*`` and ``virtual_reduce_add``
+for ``torch.nn.parallel.comm``, ``virtual_parallel_apply`` for ``parallel_apply``.
 
 Device arguments are read as torch reads them: ints, ``torch.device('cuda:k')`` objects
 and ``'cuda:k'`` strings alike. Host tensors stand for tensors on the source device
@@ -53,8 +32,7 @@ from torch._utils import ExceptionWrapper, _handle_complex
 from torch._utils import _get_device_index as _torch_device_index
 from torch.autograd import Function
 
-from dpverify.core.devices import HOST, device_index
-from dpverify.core.errors import InvalidArgument
+from dpverify.core.devices import HOST, device_index, output_index
 
 __all__ = [
     "SCALAR_GATHER_WARNING",
@@ -128,13 +106,6 @@ def observe_gathers() -> Iterator[list[int]]:
         thread_state.gathers = saved
 
 
-def _copy_to(chunk: torch.Tensor, device: int, source: int) -> torch.Tensor:
-    # comm.scatter/broadcast hand the source device its own data and copy to the others.
-    if device == source or thread_state.views_only:
-        return chunk
-    return chunk.clone()
-
-
 def _scatter_chunks(
     input: torch.Tensor, targets: Sequence[int], chunk_sizes: Sequence[int] | None, dim: int, source: int
 ) -> tuple[torch.Tensor, ...]:
@@ -148,11 +119,17 @@ def _scatter_chunks(
                 f"len(devices) = {len(targets)} and len(chunk_sizes) = {len(chunk_sizes)}"
             )
         chunks = input.split(list(chunk_sizes), dim)
-    return tuple(_copy_to(chunk, device, source) for chunk, device in zip(chunks, targets, strict=False))
+    # comm.scatter hands the source device its own data and copies to the others
+    copy = not thread_state.views_only
+    return tuple(
+        chunk.clone() if copy and device != source else chunk
+        for chunk, device in zip(chunks, targets, strict=False)
+    )
 
 
 class VirtualScatter(Function):
-    """``torch.nn.parallel._functions.Scatter`` for virtual devices."""
+    """``torch.nn.parallel._functions.Scatter`` for virtual devices: ``tensor.chunk`` (or
+    ``split`` by the chunk sizes); the source device's chunk is a view, the others copies."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -184,12 +161,7 @@ def _gather_target(target_device: Any) -> int:
     """
     if isinstance(target_device, str) and target_device == "cpu":
         return HOST
-    index = device_index(target_device, "output_device")
-    if index < HOST:
-        raise InvalidArgument(
-            f"output_device={index} is not a device; pass a device index, or -1 for the host"
-        )
-    return index
+    return output_index(target_device)
 
 
 def _concatenate(inputs: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
@@ -203,7 +175,8 @@ def _concatenate(inputs: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
 
 
 class VirtualGather(Function):
-    """``torch.nn.parallel._functions.Gather`` for virtual devices."""
+    """``torch.nn.parallel._functions.Gather`` for virtual devices: concatenation into the
+    first output's dtype, with torch's scalar warning; backward splits by chunk size."""
 
     @staticmethod
     def forward(ctx: Any, target_device: Any, dim: int, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -211,14 +184,11 @@ class VirtualGather(Function):
         ctx.dim = dim
         if thread_state.gathers is not None:
             thread_state.gathers.append(ctx.target_device)
-        devices = thread_state.devices or range(len(inputs))
-        ctx.input_gpus = tuple(devices)[: len(inputs)]
-        if all(t.dim() == 0 for t in inputs) and dim == 0:
+        ctx.input_gpus = tuple(_source_devices(len(inputs)))
+        ctx.unsqueezed_scalar = dim == 0 and all(t.dim() == 0 for t in inputs)
+        if ctx.unsqueezed_scalar:
             inputs = tuple(t.view(1) for t in inputs)
             warnings.warn(SCALAR_GATHER_WARNING, stacklevel=2)
-            ctx.unsqueezed_scalar = True
-        else:
-            ctx.unsqueezed_scalar = False
         ctx.input_sizes = tuple(i.size(ctx.dim) for i in inputs)
         return _concatenate(inputs, ctx.dim)
 
@@ -242,7 +212,8 @@ def _virtual_broadcast_coalesced(
 
 
 class VirtualBroadcast(Function):
-    """``torch.nn.parallel._functions.Broadcast``: parameters to every replica."""
+    """``torch.nn.parallel._functions.Broadcast``: parameters to every replica, replica 0
+    aliasing them and the others copies; backward is a reduce-add (a sum)."""
 
     @staticmethod
     def forward(ctx: Any, target_gpus: Sequence[Any], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
@@ -252,11 +223,9 @@ class VirtualBroadcast(Function):
         ctx.num_inputs = len(inputs)
         ctx.input_device = ctx.target_gpus[0]
         outputs = _virtual_broadcast_coalesced(inputs, ctx.target_gpus)
-        non_differentiables: list[torch.Tensor] = []
-        for idx, input_requires_grad in enumerate(ctx.needs_input_grad[1:]):
-            if not input_requires_grad:
-                non_differentiables.extend(output[idx] for output in outputs)
-        ctx.mark_non_differentiable(*non_differentiables)
+        # the copies of an input that needs no gradient need none either
+        needs = ctx.needs_input_grad[1:]
+        ctx.mark_non_differentiable(*(output[i] for output in outputs for i in range(len(needs)) if not needs[i]))
         return tuple(chain.from_iterable(outputs))
 
     @staticmethod
@@ -277,13 +246,7 @@ class VirtualReduceAddCoalesced(Function):
         del destination
         ctx.target_gpus = list(target_gpus)
         per_replica = [grads[i : i + num_inputs] for i in range(0, len(grads), num_inputs)]
-        results = []
-        for column in zip(*per_replica, strict=True):
-            total = column[0].clone() if len(column) == 1 else column[0] + column[1]
-            for other in column[2:]:
-                total.add_(other)
-            results.append(total)
-        return tuple(results)
+        return tuple(_sum_in_order(column) for column in zip(*per_replica, strict=True))
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
@@ -352,14 +315,7 @@ def virtual_comm_scatter(
     if out is None:
         targets = [device_index(d, "devices") for d in devices]
         return _scatter_chunks(tensor, targets, chunk_sizes, dim, targets[0])
-    if devices is not None:
-        raise RuntimeError(
-            f"'devices' must not be specified when 'out' is specified, but got devices={devices}"
-        )
-    if chunk_sizes is not None:
-        raise RuntimeError(
-            f"'chunk_sizes' must not be specified when 'out' is specified, but got chunk_sizes={chunk_sizes}"
-        )
+    _refuse_with_out(devices=devices, chunk_sizes=chunk_sizes)
     for target, chunk in zip(out, tensor.split([o.size(dim) for o in out], dim), strict=True):
         target.copy_(chunk)
     return tuple(out)
@@ -379,11 +335,15 @@ def virtual_comm_gather(
                 stacklevel=2,
             )
         return _concatenate(tensors, dim)
-    if destination is not None:
-        raise RuntimeError(
-            f"'destination' must not be specified when 'out' is specified, but got destination={destination}"
-        )
+    _refuse_with_out(destination=destination)
     return torch.cat(tensors, dim, out=out)
+
+
+def _refuse_with_out(**given: Any) -> None:
+    """torch's error for an argument given together with ``out=``."""
+    for name, value in given.items():
+        if value is not None:
+            raise RuntimeError(f"'{name}' must not be specified when 'out' is specified, but got {name}={value}")
 
 
 def virtual_reduce_add(inputs: Sequence[torch.Tensor], destination: Any = None) -> torch.Tensor:
@@ -404,11 +364,15 @@ def virtual_reduce_add(inputs: Sequence[torch.Tensor], destination: Any = None) 
         return inputs[0]
     devices = _source_devices(len(inputs))
     root = devices.index(destination) if destination in devices else 0
-    nonroot = [t for i, t in enumerate(inputs) if i != root]
-    result = inputs[root] + nonroot[0]
-    for other in nonroot[1:]:
-        result.add_(other)
-    return result
+    return _sum_in_order([inputs[root], *(t for i, t in enumerate(inputs) if i != root)])
+
+
+def _sum_in_order(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A new tensor: the first plus the others, in order, as torch sums without NCCL."""
+    total = tensors[0].clone() if len(tensors) == 1 else tensors[0] + tensors[1]
+    for other in tensors[2:]:
+        total.add_(other)
+    return total
 
 
 
@@ -467,30 +431,17 @@ def virtual_parallel_apply(
     As in torch, ``kwargs_tup=None`` gives every replica no keyword arguments, an input
     that is not a list or tuple is the replica's only argument, each replica runs in its
     own thread (in the calling thread when there is one replica) with the caller's grad
-    mode, and a failure is re-raised as ``Caught <error> in replica {i} on device {device}``.
+    mode and autocast *flag* (not its dtype, which is thread-local: replicas of two or more
+    compute in the default autocast dtype, on GPUs and here alike), and a failure is
+    re-raised as ``Caught <error> in replica {i} on device {device}``. Each replica thread
+    computes with the caller's ``torch.get_num_threads()`` (``_intra_op_threads``).
 
-    Autocast is re-entered the way torch does it: the caller's autocast *flag* for the
-    device type is carried into each thread, its dtype is not. torch captures
-    ``torch.is_autocast_enabled()`` and enters ``torch.amp.autocast(device_type,
-    enabled=...)`` with no dtype, and the autocast dtype is thread-local, so with two or
-    more replicas they compute in the device type's default dtype: float16 on CUDA, and
-    bfloat16 for the host's autocast, which here stands for the device's. A caller in
-    ``torch.autocast(..., dtype=d)`` with a ``d`` other than the default gets replicas that
-    run in the default dtype, on GPUs and here alike; a single replica keeps ``d``.
-
-    Each replica thread also computes with the caller's ``torch.get_num_threads()``
-    (see ``_intra_op_threads``).
-
-    The threads run one after the other rather than at once: the host has one random
-    generator where GPUs have one each. Replicas on ``devices[0]`` continue the caller's
-    generator, as replica 0 continues the generator of ``cuda:device_ids[0]``; replicas on
-    other devices draw from their device's generator, seeded by ``_device_seed`` from the
-    host generator's state when the replicas start. Results are deterministic given the
-    caller's seed, dropout masks differ between devices and between forwards (whenever the
-    host generator moved in between, which a replica 0 that draws anything ensures), and
-    the caller's generator sees replica 0's draws only. Concurrent calls from different
-    threads are serialised; a replica's own nested DataParallel runs within its caller's
-    turn.
+    The threads run one after the other: the host has one random generator where GPUs have
+    one each. Replicas on ``devices[0]`` continue the caller's generator; the others draw
+    from their device's, seeded by ``_device_seed`` as the replicas start, so results are
+    deterministic given the caller's seed and masks differ between devices and forwards
+    (docs/dataparallel.md). Concurrent calls from different threads are serialised; a
+    replica's own nested DataParallel runs within its caller's turn.
 
     Args:
         replicas: the modules to run.
@@ -507,24 +458,14 @@ def virtual_parallel_apply(
             length (torch's check and message).
         InvalidArgument: a device that is not a CUDA device index.
     """
+    kwargs_tup = ({},) * len(replicas) if kwargs_tup is None else kwargs_tup
+    devices = range(len(replicas)) if devices is None else devices
     # Length checks and messages follow torch.nn.parallel.parallel_apply.
-    if len(replicas) != len(inputs):
-        raise AssertionError(
-            f"The number of modules {len(replicas)} is not equal to the number of inputs {len(inputs)}"
-        )
-    if kwargs_tup is None:
-        kwargs_tup = ({},) * len(replicas)
-    elif len(replicas) != len(kwargs_tup):
-        raise AssertionError(
-            f"The number of modules {len(replicas)} is not equal to "
-            f"the number of kwargs_tup {len(kwargs_tup)}"
-        )
-    if devices is None:
-        devices = range(len(replicas))
-    elif len(replicas) != len(devices):
-        raise AssertionError(
-            f"The number of modules {len(replicas)} is not equal to the number of devices {len(devices)}"
-        )
+    for what, given in (("inputs", inputs), ("kwargs_tup", kwargs_tup), ("devices", devices)):
+        if len(given) != len(replicas):
+            raise AssertionError(
+                f"The number of modules {len(replicas)} is not equal to the number of {what} {len(given)}"
+            )
     # torch reads a None entry as the current device; replica i runs on device i here.
     indices = [i if d is None else device_index(d, "devices") for i, d in enumerate(devices)]
     grad_enabled = torch.is_grad_enabled()

@@ -13,6 +13,7 @@ from torch.nn.parallel.scatter_gather import scatter_kwargs
 
 from dpverify.core.devices import normalize_device_ids
 from dpverify.core.errors import DroppedRowsWarning, InvalidArgument
+from dpverify.core.text import plural
 from dpverify.core.tree import tensor_leaves
 from dpverify.core.virtual import virtual_primitives
 
@@ -72,12 +73,11 @@ class ScatterPlan:
         batch = sum(self.chunk_sizes)
         text = (
             f"batch of {batch} rows on device_ids {list(self.device_ids)} -> chunk sizes "
-            f"{list(self.chunk_sizes)} ({self.n_replicas} "
-            f"{'replica' if self.n_replicas == 1 else 'replicas'} used"
+            f"{list(self.chunk_sizes)} ({plural(self.n_replicas, 'replica')} used"
         )
         if self.idle_devices:
-            text += f", {'device' if len(self.idle_devices) == 1 else 'devices'} "
-            text += f"{', '.join(map(str, self.idle_devices))} idle"
+            idle = ", ".join(map(str, self.idle_devices))
+            text += f", {'device' if len(self.idle_devices) == 1 else 'devices'} {idle} idle"
         return text + ")"
 
 

@@ -47,12 +47,9 @@ SIZE_MISMATCH_WARNING = r"Using a target size \(.*\) that is different to the in
 
 
 def quiet_size_warnings(loss_of_output: LossOfOutput) -> LossOfOutput:
-    """``loss_of_output`` without torch's size-mismatch warning, for the loss of a parallel
-    step's output only: a wrapper that loses rows returns fewer rows than the target has,
-    which dpverify reports itself (the outputs' shapes, the rows each replica received), so
-    torch's warning would only repeat it, once per batch size, on stderr. The filter holds
-    for the loss call alone; every other warning, and this one anywhere else (a loss given
-    a wrong target on one device), is left as it is."""
+    """``loss_of_output`` without torch's size-mismatch warning, for a parallel step's loss
+    only: a wrapper that loses rows returns fewer rows than the target has, which dpverify
+    reports itself, so the warning would only repeat it. Every other warning is kept."""
 
     def loss(output: Any) -> torch.Tensor:
         with warnings.catch_warnings():
@@ -101,8 +98,7 @@ def batch_size_of(
 
 
 def flatten_tensors(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor in a nested output with a readable path (``output['logits']``): the
-    paths and tensors of ``tensor_leaves``, without the keys."""
+    """``tensor_leaves`` without the keys: each path (``output['logits']``) and tensor."""
     for name, _keys, tensor in tensor_leaves(obj, path):
         yield name, tensor
 
@@ -195,21 +191,14 @@ class ReplicaGradRecorder:
 
     A forward pre-hook on the root module runs on every replica (replicas share the hook
     dictionaries: ``Module._replicate_for_data_parallel`` copies ``__dict__`` shallowly), and
-    registers a gradient hook on the replica's copy of each parameter. This works for
-    torch's DataParallel, the virtual one, and any wrapper that calls the module's copies.
-    Each call of the root module is one replica's forward, with a ``ReplicaRecord`` of its
-    own (``current()`` in the thread running it: replicas run in threads of their own, or
-    one after another).
+    registers a gradient hook on the replica's copy of each parameter, for any wrapper that
+    calls the module's copies. Each call of the root module is one replica's forward, with a
+    ``ReplicaRecord`` of its own (``current()`` in the thread running it).
 
-    It always adds up, per parameter, ``sum over replicas of max |g_r|``: the scale of the
-    terms the parallel reduce-add sums, which bounds its rounding error however much the
-    replicas cancel (one max-abs pass per replica gradient, no copies). With ``keep=True``
-    it also keeps each contribution.
-
-    ``dpverify.explain.measure`` records more of each replica with a ``record_type`` of its
-    own, filled by overriding ``new_record`` (as the forward starts) and ``on_parameter``
-    (each of the replica's parameters); hooks of its own go in ``handles``, which
-    ``detach`` removes.
+    It always adds up, per parameter, ``sum over replicas of max |g_r|`` (and of ``||g_r||``):
+    the scale of the terms the reduce-add sums, which bounds its rounding however much the
+    replicas cancel. A subclass records more with its own ``record_type``, ``new_record``
+    and ``on_parameter``; its hooks go in ``handles``, which ``detach`` removes.
 
     Args:
         sites: the parameters, as ``parameter_sites`` gives them.
@@ -442,7 +431,7 @@ def run_step(
     if recorder is not None:
         recorder.attach(model)
     runner: Callable[..., Any] = wrap(model) if wrap is not None else model
-    rows: tuple[int, ...] = ()
+    order: list[ReplicaRecord] = []
     fork_devices = [device] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=fork_devices), default_dtype(dtype), no_tf32():
@@ -466,16 +455,12 @@ def run_step(
         if recorder is not None:
             recorder.detach()
             order = recorder.ordered(device_ids)
-            rows = tuple(record.rows for record in order if record.rows is not None)
-            if rows_seen is not None:
-                rows_seen[:] = rows
+        rows = tuple(record.rows for record in order if record.rows is not None)
+        if rows_seen is not None:
+            rows_seen[:] = rows
     grads = {name: _grad_of(model, module_path, attr) for name, module_path, attr in sites}
-    contributions: tuple[tuple[int | None, dict[str, torch.Tensor]], ...] = ()
-    gathered = None
+    contributions = tuple((record.device, record.grads) for record in order)
     detached = _detached(output)
-    if recorder is not None:
-        contributions = tuple((record.device, record.grads) for record in order)
-        gathered = _gathered(detached, len(order), dim)
     outputs = tuple((path, tensor.detach()) for path, tensor in flatten_tensors(output, "output"))
     magnitudes = recorder.magnitudes if recorder is not None else {}
     norms = recorder.norms if recorder is not None else {}
@@ -486,7 +471,8 @@ def run_step(
         )
         loss_terms = max(abs(float(loss.detach())), propagated)
     return StepResult(
-        outputs, loss.detach().reshape(()), grads, contributions, magnitudes, norms, loss_terms, rows, detached, gathered,
+        outputs, loss.detach().reshape(()), grads, contributions, magnitudes, norms, loss_terms, rows, detached,
+        _gathered(detached, len(order), dim),
     )
 
 

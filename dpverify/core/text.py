@@ -111,11 +111,7 @@ def shorten_middle(name: str, width: int) -> str:
     # a component too long for whole ones: the tail's whole components in two thirds of
     # the room (or its last characters), the head's first characters in the rest
     share = room - max(room // 3, 1)
-    taken: list[str] = []
-    for part in reversed(parts[1:]):
-        if len(".".join([part, *taken])) > share:
-            break
-        taken.insert(0, part)
+    taken = _suffix(parts[1:], share)
     tail = ".".join(taken) if taken else name[len(name) - share:]
     return name[: room - len(tail)] + ELLIPSIS + tail
 
@@ -168,7 +164,7 @@ def name_list(names: Sequence[str], width: int, *, most: int = 8) -> str:
     if len(shown) > most:
         keep = most // 2
         shown = [*shown[:keep], f"{ELLIPSIS} {len(shown) - 2 * keep} more {ELLIPSIS}", *shown[-keep:]]
-    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} and {shown[-1]}"
+    return and_list(shown)
 
 
 def and_list(items: Sequence[str]) -> str:

@@ -53,13 +53,20 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     type (namedtuples included) and other objects are kept as they are."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(map_tensors(item, fn) for item in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(map_tensors(item, fn) for item in obj)
-    if isinstance(obj, dict):
-        return type(obj)((key, map_tensors(item, fn)) for key, item in obj.items())
-    return obj
+    children = _children(obj)
+    if children is None:
+        return obj
+    return _rebuild(obj, [(key, map_tensors(item, fn)) for key, _step, item in children])
+
+
+def _rebuild(like: Any, pairs: list[tuple[Any, Any]]) -> Any:
+    """A container of ``like``'s type holding the ``(key, item)`` pairs' items (keyed for a dict)."""
+    if isinstance(like, dict):
+        return type(like)(pairs)
+    items = [item for _key, item in pairs]
+    if isinstance(like, tuple) and hasattr(like, "_fields"):
+        return type(like)(*items)
+    return type(like)(items)
 
 
 def first_batched(obj: Any) -> torch.Tensor | None:
@@ -90,9 +97,4 @@ def concatenate(parts: Sequence[Any], dim: int = 0) -> Any:
     keys = [key for key, _step, _item in children]
     if not all(type(part) is type(first) and len(part) == len(first) for part in parts):
         raise ValueError("the parts have different containers")
-    items = [concatenate([part[key] for part in parts], dim) for key in keys]
-    if isinstance(first, dict):
-        return type(first)(zip(keys, items, strict=True))
-    if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*items)
-    return type(first)(items)
+    return _rebuild(first, [(key, concatenate([part[key] for part in parts], dim)) for key in keys])

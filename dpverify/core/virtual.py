@@ -1,12 +1,7 @@
 """DataParallel on any machine: ``VirtualDataParallel``, torch's own orchestration over
-virtual devices.
-
-``VirtualDataParallel`` subclasses ``torch.nn.DataParallel``, keeps its ``forward`` and
-overrides its four extension points: ``scatter``, ``replicate`` and ``gather`` run torch's
-functions with the CUDA primitives virtual for the calling thread alone
-(``virtual_primitives``), and ``parallel_apply`` is ``virtual_parallel_apply``. The stand-ins
-are in ``dpverify.core.primitives``. A DataParallel that is not a ``VirtualDataParallel``
-needs the opt-in, process-wide ``virtual_devices(n)`` of ``dpverify.core.patching``.
+virtual devices, with its four extension points overridden: ``scatter``, ``replicate`` and
+``gather`` run torch's functions inside ``virtual_primitives``, and ``parallel_apply`` is
+``virtual_parallel_apply``. Any other DataParallel needs ``virtual_devices(n)``.
 """
 
 from __future__ import annotations
@@ -57,11 +52,9 @@ class VirtualDataParallel(nn.DataParallel[T]):
 
     Runs torch's own ``DataParallel.forward`` (and through it ``scatter_kwargs``,
     ``replicate`` and ``gather``); only the CUDA primitives are virtual, so chunking,
-    idle devices, replica aliasing, lost replica state, scalar gathering and gradient
-    summation behave as on GPUs. So does autocast: with two or more replicas they run in
-    the default autocast dtype (bfloat16 here, float16 on CUDA), whatever dtype the caller
-    chose, because torch's ``parallel_apply`` carries the autocast flag into its threads
-    but not the dtype (see ``virtual_parallel_apply``).
+    idle devices, replica aliasing, lost replica state, scalar gathering, gradient
+    summation and autocast behave as on GPUs (docs/dataparallel.md lists where the model
+    differs).
 
     Args:
         module: the module to parallelize; its parameters and buffers must be on the CPU,
