@@ -39,7 +39,6 @@ from dpverify.core.step import (
     as_inputs,
     batch_size_of,
     convert_tensors,
-    copy_module,
     default_dtype,
     first_parameter_dtype,
     parameter_sites,
@@ -54,14 +53,13 @@ from dpverify.core.validation import (
     require_target_rows,
 )
 from dpverify.ddp.pool import ParallelError, RankRunner, require_picklable, shared_pool
-from dpverify.ranked.items import PieceItems, count_piece_items
+from dpverify.ranked.items import PieceItems, count_piece_items, cut_pieces, measure_losses
 from dpverify.ranked.rank import (
     LossFn,
     OptimizerFactory,
     RankStep,
     even_shards,
     shard_bounds,
-    take_rows,
 )
 
 __all__ = [
@@ -92,7 +90,6 @@ __all__ = [
     "training_batches",
     "training_rows",
     "unused_names",
-    "validated_call",
 ]
 
 CPU = torch.device("cpu")
@@ -206,26 +203,6 @@ def callable_name(fn: Any) -> str:
         kwargs = ", ".join(f"{k}={v!r}" for k, v in fn.keywords.items())
         return f"{callable_name(fn.func)}({kwargs})"
     return str(getattr(fn, "__qualname__", None) or type(fn).__name__)
-
-
-def validated_call(
-    module: nn.Module, inputs: Any, target: Any, loss_fn: LossFn, forward_kwargs: Mapping[str, Any] | None,
-) -> tuple[tuple[Any, ...], dict[str, Any], int]:
-    """The positional and keyword forward arguments of a ranked check and the batch's rows,
-    every argument checked the same way for every backend: a list of arguments meant as a
-    tuple, a target of other rows, a loss that is not callable, and anything that cannot be
-    pickled to the ranks."""
-    kwargs = forward_keywords(forward_kwargs)
-    require_arguments_fit(module, inputs)
-    args = as_inputs(inputs, keywords=bool(kwargs))
-    batch = batch_size_of(args, kwargs=kwargs)
-    require_target_rows(target, batch)
-    require_loss_fn(loss_fn)
-    require_picklable(loss_fn, "loss_fn")
-    require_picklable(module, "module")
-    require_picklable(args, "inputs")
-    require_picklable(target, "target")
-    return args, kwargs, batch
 
 
 def describe_batches(batches: Any, forward_kwargs: Mapping[str, Any]) -> list[Batch]:
@@ -350,32 +327,21 @@ def loss_reduction(
     """``"sum"`` when ``loss_fn`` adds up its rows' losses, ``"mean"`` when it averages them,
     None when this batch does not tell (one shard, a zero loss, a loss that is neither).
 
-    Measured on one device, in float64, on slices of one full-batch output: the loss of the
-    whole batch is compared with the sum and with the mean of the shards' losses weighted
-    by ``weights`` (their items, e.g. tokens; default their rows). Slicing one output keeps
-    layers that mix rows (BatchNorm) out of the question.
+    Measured on one device, in float64 (``measure_losses``): the loss of the whole batch is
+    compared with the sum and with the mean of the shards' losses weighted by ``weights``
+    (their items, e.g. tokens; default their rows).
     """
-    batch = sum(shard_sizes)
     if len(shard_sizes) < 2:
         return None
     counts = list(weights) if weights is not None else list(shard_sizes)
     if len(counts) != len(shard_sizes) or sum(counts) <= 0:
         return None
+    keywords = dict(kwargs or {})
     try:
-        model = copy_module(module, torch.float64)
-        inputs = convert_tensors(args, torch.float64, CPU)
-        keywords = convert_tensors(dict(kwargs or {}), torch.float64, CPU)
-        wanted = convert_tensors(target, torch.float64, CPU)
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), default_dtype(torch.float64):
-            torch.manual_seed(0)
-            output = model(*inputs, **keywords)
-            full = float(loss_fn(output, wanted))
-            parts = [
-                float(loss_fn(take_rows(output, start, stop, batch), take_rows(wanted, start, stop, batch)))
-                for start, stop in shard_bounds(shard_sizes)
-            ]
+        losses, full = measure_losses(module, args, keywords, target, loss_fn, cut_pieces(args, keywords, target, shard_sizes, 1), sum(shard_sizes))
     except Exception:  # a loss that cannot take a slice tells nothing; the check goes on
         return None
+    parts = [shard[0] for shard in losses]
     summed = math.fsum(parts)
     mean = math.fsum(n * part for n, part in zip(counts, parts, strict=True)) / sum(counts)
     scale = max(abs(full), abs(summed), abs(mean))
@@ -439,12 +405,21 @@ class RankedCheck:
         forward_kwargs: Mapping[str, Any] | None = None,
         **fields: Any,
     ) -> Self:
-        """Validates every argument, in this process, before anything reaches the ranks;
-        ``fields``: the subclass's own, already checked."""
+        """Validates every argument, in this process, before anything reaches the ranks (a
+        list of arguments meant as a tuple, a target of other rows, a loss that is not
+        callable, anything that cannot be pickled); ``fields``: the subclass's own, already
+        checked."""
         require_module_with_grads(module, why=cls.NO_GRAD)
         world = require_int_at_least(world_size, "world_size", 1)
         parts = cls.shard_parts(world, fields)
-        args, kwargs, batch = validated_call(module, inputs, target, loss_fn, forward_kwargs)
+        kwargs = forward_keywords(forward_kwargs)
+        require_arguments_fit(module, inputs)
+        args = as_inputs(inputs, keywords=bool(kwargs))
+        batch = batch_size_of(args, kwargs=kwargs)
+        require_target_rows(target, batch)
+        require_loss_fn(loss_fn)
+        for value, name in ((loss_fn, "loss_fn"), (module, "module"), (args, "inputs"), (target, "target")):
+            require_picklable(value, name)
         return cls(
             module=module,
             args=args,
@@ -665,18 +640,13 @@ def _all_reduce_terms(check: RankedCheck, micro_batches: int, items: PieceItems 
     piece's rows, in the working dtype."""
     largest: dict[str, float] = {}
     norms: dict[str, float] = {}
-    batch = check.batch_size
-    target = check.target_as(None)
     loss_fn = check.loss_fn
-    total = items.total if items is not None else batch
-    for rank, (start, stop) in enumerate(shard_bounds(check.shard_sizes)):
-        rows = stop - start
-        shard, shard_target = take_rows(check.args, start, stop, batch), take_rows(target, start, stop, batch)
-        shard_kwargs = take_rows(check.kwargs, start, stop, batch)
-        for piece, (low, high) in enumerate(shard_bounds(even_shards(rows, micro_batches))):
-            loss = functools.partial(_loss_against, loss_fn, take_rows(shard_target, low, high, rows))
-            step = run_step(check.module, take_rows(shard, low, high, rows), loss, kwargs=take_rows(shard_kwargs, low, high, rows))
-            weight = (items.counts[rank][piece] if items is not None else high - low) / total
+    total = items.total if items is not None else check.batch_size
+    for rank, shard in enumerate(cut_pieces(check.args, check.kwargs, check.target_as(None), check.shard_sizes, micro_batches)):
+        for piece, part in enumerate(shard):
+            loss = functools.partial(_loss_against, loss_fn, part.target)
+            step = run_step(check.module, part.args, loss, kwargs=part.kwargs)
+            weight = (items.counts[rank][piece] if items is not None else part.rows) / total
             for name, grad in step.grads.items():
                 if grad is None or not grad.numel():
                     continue
