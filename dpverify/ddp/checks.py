@@ -1,12 +1,8 @@
 """Public DistributedDataParallel checks: real DDP on real ranks against one device.
 
-Every check is a ``RankedCheck`` (``dpverify.ranked.check``): it sends one task to the ranks
-of a ``RankRunner`` (a ``DDPWorkerPool``, shared per world size by default, or the current
-process group under torchrun), runs the same scenario on one device in the parent (float32,
-plus the float64 anchor of the tolerance), and compares each rank's tensors with the
-single-device ones through the Core comparison, so that messages read like the DataParallel
-ones; a tensor that fails is compared again with the rounding a correct DDP step makes
-(``References``). See docs/semantics.md, DistributedDataParallel.
+Every check is a ``RankedCheck`` (``dpverify.ranked.check``: how a ranked check runs and
+compares); ``DDPCheck`` adds DistributedDataParallel's keyword arguments and what DDP makes
+of parameters without a gradient. See docs/semantics.md, DistributedDataParallel.
 """
 
 from __future__ import annotations
@@ -35,6 +31,7 @@ from dpverify.core.step import (
     Key,
     StepResult,
     convert_tensors,
+    copy_module,
     default_dtype,
     flatten_tensors,
 )
@@ -45,7 +42,6 @@ from dpverify.core.validation import (
 )
 from dpverify.ddp.pool import ParallelError, require_picklable
 from dpverify.ddp.rank import (
-    BufferTask,
     RankBuffers,
     Step,
     StepTask,
@@ -523,7 +519,6 @@ def _sync_failure(counts: Sequence[int | None], micro_batches: int) -> str:
 # --------------------------------------------------------------------------- training
 
 
-Batch = tuple[tuple[Any, ...], dict[str, Any], Any]
 def assert_ddp_training_matches(
     module: nn.Module, batches: Sequence[tuple[Any, ...]], *, loss_fn: LossFn, optimizer: OptimizerFactory, world_size: int,
     **options: Unpack[DDPKeywords],
@@ -616,9 +611,7 @@ def assert_ddp_training_matches(
 
 
 def _buffers_after_train_forward(module: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None, kwargs: Mapping[str, Any] | None = None) -> nn.Module:
-    model = copy.deepcopy(module)
-    if dtype is not None:
-        model.to(dtype=dtype)
+    model = copy_module(module, dtype)
     model.train()
     with torch.no_grad(), torch.random.fork_rng(devices=[]), default_dtype(dtype):
         torch.manual_seed(0)
@@ -664,8 +657,7 @@ def assert_ddp_buffers_match(
     if not any(True for _ in module.buffers()):
         raise InvalidArgument("module has no buffers; there is nothing for DDP to broadcast")
     title = "DDP buffers must come from rank 0 at the next forward"
-    task = BufferTask(check.module, check.args, check.target, check.loss_fn, check.shard_sizes, check.ddp_kwargs, kwargs=check.kwargs)
-    ranks: tuple[RankBuffers, ...] = check.send(run_buffer_task, task, title)
+    ranks: tuple[RankBuffers, ...] = check.send(run_buffer_task, check.step_task([]), title)
     shards_in = [
         (take_rows(check.args, start, stop, check.batch_size), take_rows(check.kwargs, start, stop, check.batch_size))
         for start, stop in shard_bounds(check.shard_sizes)

@@ -10,7 +10,6 @@ lives in ``dpverify.ddp`` and ``dpverify.sharded``, on this base.
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -39,6 +38,7 @@ from dpverify.core.step import (
     as_inputs,
     batch_size_of,
     convert_tensors,
+    copy_module,
     default_dtype,
     first_parameter_dtype,
     parameter_sites,
@@ -572,18 +572,13 @@ class References:
 
     ``expected`` is the full-batch step in the working dtype (DataParallel's step for
     ``assert_dp_ddp_agree``) and ``anchor`` its float64 twin (None with explicit
-    tolerances). That alone misjudges two things a correct ranked step does. Its all-reduce
-    sums the ranks' gradients, ``n_r / B`` times each rank's mean-loss gradient (and each
-    rank sums its micro-batches' first): where those terms cancel (an l1 loss's sign
-    gradients summing to an exact 0), the result carries rounding of the size of the
-    terms, not of the near-zero total. And in float64 the anchor is the single-device step
-    itself, so the rounding of the model cannot be measured against it. So a tensor that
-    fails is compared again as the DataParallel checks compare theirs: with ``terms``
-    (``sum over pieces of n / B * max |g_piece|``, and the same in the 2-norm, each piece's
-    gradient from a single-device step on its rows), and with a float32 ``probe`` and a
-    jittered float64 run for float64 models, or a working-dtype run from parameters one
-    unit in the last place off for other dtypes. These steps run once per check, and only
-    when a tensor fails: a passing check never pays for them.
+    tolerances). A tensor that fails is compared again with the scale of the terms a
+    correct ranked step sums (``_all_reduce_terms``: the all-reduce adds ``n_r / B`` times
+    each rank's mean-loss gradient, whose cancelling terms round like the terms, not like
+    the near-zero total), and with a float32 ``probe`` and a jittered float64 run for
+    float64 models, or a working-dtype run from parameters one unit in the last place off
+    for other dtypes, as the DataParallel checks do (docs/tolerance.md, "The scale"). These
+    steps run once per check, and only when a tensor fails.
     """
 
     check: RankedCheck
@@ -670,9 +665,7 @@ def train_single_device(
 ) -> tuple[list[dict[str, torch.Tensor]], list[list[str]]]:
     """Parameters after every step on one device, and the parameters that required grad
     but got none in each step (``unused_names``)."""
-    model = copy.deepcopy(module)
-    if dtype is not None:
-        model.to(dtype=dtype)
+    model = copy_module(module, dtype)
     opt = optimizer(model.parameters())
     history = []
     unused: list[list[str]] = []

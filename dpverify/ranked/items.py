@@ -1,16 +1,8 @@
-"""What each rank's (or micro-batch's) mean loss averages over, for the ranked checks (DDP, FSDP2, tensor parallel).
-
-A DDP rank's loss is ``loss_fn(output, target)`` on its shard. For a language model that is a
-mean over the labels that are not ignored (-100 marks padding): when ranks or micro-batches
-hold different numbers of such tokens, DDP's average of their mean losses is biased even on
-shards of equal rows, and the exact recipe weights each by its share of the tokens,
-``t * world_size / T``, not of the rows. Which count a loss uses is read from the evidence,
-as for DataParallel (``dpverify.core.items.choose_items``): each piece's candidate counts
-(rows; the non-ignored entries of the target and of every integer forward argument, whole
-or shifted by one for a causal head) and the piece losses, measured on one device, against
-the full-batch loss. ``items(args, kwargs)`` counts a piece instead: it receives the piece's
-forward arguments with the piece's target appended as the last positional argument
-(``args[-1]``), so that labels passed as the target can be counted.
+"""What each rank's (or micro-batch's) mean loss averages over, for the ranked checks (DDP,
+FSDP2, tensor parallel): rows, or the tokens a language-model loss does not ignore, read
+from the evidence as for DataParallel (``dpverify.core.items.choose_items``) or counted by
+``items=``. Why it matters, and the exact recipe: docs/distributed.md, "Token-level losses";
+what is weighed: ``count_piece_items``.
 """
 
 from __future__ import annotations
