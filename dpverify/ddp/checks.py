@@ -182,20 +182,7 @@ class DDPCheck(RankedCheck):
     def step_task(self, steps: Sequence[Step], items: PieceItems | None = None, **options: Any) -> StepTask:
         """The ranks' task: ``steps`` on this batch, with the items ``items`` counted
         (``ShardContext.item_counts``; rows when None)."""
-        return StepTask(
-            module=self.module,
-            inputs=self.args,
-            target=self.target,
-            loss_fn=self.loss_fn,
-            shard_sizes=self.shard_sizes,
-            steps=tuple(steps),
-            ddp_kwargs=self.ddp_kwargs,
-            kwargs=self.kwargs,
-            item_kind=items.kind if items is not None else "rows",
-            item_counts=items.counts if items is not None else (),
-            **options,
-        )
-
+        return StepTask(**self.step_fields(steps, items), ddp_kwargs=self.ddp_kwargs, **options)
 
 
 _UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"

@@ -489,6 +489,15 @@ class RankedCheck:
         piece's loss averages over (default: rows)."""
         return References(self, self.reference(None) if expected is None else expected, self.anchor(), micro_batches, items)
 
+    def step_fields(self, steps: Sequence[Callable[[Any], Any]], items: PieceItems | None = None) -> dict[str, Any]:
+        """What every backend's ``RankStepTask`` takes from this check: the batch, its
+        shards, the loss, ``steps``, and the items ``items`` counted (rows when None)."""
+        return dict(
+            module=self.module, inputs=self.args, target=self.target, loss_fn=self.loss_fn, shard_sizes=self.shard_sizes,
+            steps=tuple(steps), kwargs=self.kwargs, item_kind=items.kind if items is not None else "rows",
+            item_counts=items.counts if items is not None else (),
+        )
+
     def send(self, fn: Callable[..., Any], task: Any, what: str) -> Any:
         """``fn(info, task)`` on every rank; a rank's failure names the check and scenario."""
         try:
