@@ -71,7 +71,7 @@ from dpverify.ranked.check import (
     training_rows,
     unused_names,
 )
-from dpverify.ranked.items import PieceItems, require_items
+from dpverify.ranked.items import PieceItems, cut_pieces, require_items
 from dpverify.ranked.notes import (
     fraction,
     items_notes,
@@ -87,8 +87,6 @@ from dpverify.ranked.rank import (
     OptimizerFactory,
     RankStep,
     RankTraining,
-    shard_bounds,
-    take_rows,
 )
 
 __all__ = [
@@ -645,11 +643,7 @@ def assert_ddp_buffers_match(
         raise InvalidArgument("module has no buffers; there is nothing for DDP to broadcast")
     title = "DDP buffers must come from rank 0 at the next forward"
     ranks: tuple[RankBuffers, ...] = check.send(run_buffer_task, check.step_task([]), title)
-    shards_in = [
-        (take_rows(check.args, start, stop, check.batch_size), take_rows(check.kwargs, start, stop, check.batch_size))
-        for start, stop in shard_bounds(check.shard_sizes)
-    ]
-    rows = _buffer_rows(check, ranks, shards_in)
+    rows = _buffer_rows(check, ranks)
     notes = [
         "DDP broadcasts rank 0's buffers at the start of a forward that follows a grad-enabled "
         "forward outside no_sync(); each rank's own forward then updates them from its shard."
@@ -659,9 +653,10 @@ def assert_ddp_buffers_match(
     return raise_unless_ok(outcome, options.get("msg"))
 
 
-def _buffer_rows(check: DDPCheck, ranks: Sequence[RankBuffers], shards_in: Sequence[tuple[Any, dict[str, Any]]]) -> list[TensorComparison]:
+def _buffer_rows(check: DDPCheck, ranks: Sequence[RankBuffers]) -> list[TensorComparison]:
+    shards = [piece for (piece,) in cut_pieces(check.args, check.kwargs, check.target, check.shard_sizes, 1)]
     dtypes: list[torch.dtype | None] = [None] if check.tolerance.explicit else [None, torch.float64]
-    after = {dtype: [_buffers_after_train_forward(check.module, args, dtype, kwargs) for args, kwargs in shards_in] for dtype in dtypes}
+    after = {dtype: [_buffers_after_train_forward(check.module, p.args, dtype, p.kwargs) for p in shards] for dtype in dtypes}
 
     def anchor_of(rank: int, name: str) -> torch.Tensor | None:
         if check.tolerance.explicit:
@@ -676,10 +671,9 @@ def _buffer_rows(check: DDPCheck, ranks: Sequence[RankBuffers], shards_in: Seque
             rows.append(compare_tensors(TensorId("buffer", name, rank=r, detail="after its step"), rank.after_step.get(name), value, anchor_of(r, name), check.tolerance))
         for name, value in rank0.items():
             rows.append(compare_tensors(TensorId("buffer", name, rank=r, detail="at the next forward"), rank.after_next_forward.get(name), value, anchor_of(0, name), check.tolerance))
-    for r, rank in enumerate(ranks):
-        args, kwargs = shards_in[r]
-        expected = _eval_outputs(copy.deepcopy(after[None][0]), args, None, kwargs)
-        anchors = {} if check.tolerance.explicit else _eval_outputs(copy.deepcopy(after[torch.float64][0]), args, torch.float64, kwargs)
+    for r, (rank, shard) in enumerate(zip(ranks, shards, strict=True)):
+        expected = _eval_outputs(copy.deepcopy(after[None][0]), shard.args, None, shard.kwargs)
+        anchors = {} if check.tolerance.explicit else _eval_outputs(copy.deepcopy(after[torch.float64][0]), shard.args, torch.float64, shard.kwargs)
         mine = dict(rank.next_outputs)
         for path, value in expected.items():
             rows.append(compare_tensors(TensorId("output", path, rank=r, variant="eval"), mine.get(path), value, anchors.get(path), check.tolerance))

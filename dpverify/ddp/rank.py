@@ -88,9 +88,6 @@ class ShardContext(RankContext):
         count_syncs: whether ``ddp()`` counts gradient synchronisations (through a
             communication hook running torch's default all-reduce).
         syncs: gradient synchronisations seen so far (when counted).
-
-    A token-level loss is exact under DDP with each rank's mean loss times
-    ``ctx.loss_weight`` = ``ctx.items * world_size / ctx.total_items``.
     """
 
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -309,16 +309,9 @@ class RankContext:
         self, inputs: Any, target: Any, kwargs: Mapping[str, Any] | None, shard_sizes: Sequence[int], *,
         item_kind: str = "rows", item_counts: Sequence[Sequence[int]] = (),
     ) -> None:
-        """Gives the context this rank's shard (``shard_index``) of a batch, on ``device``.
-
-        Args:
-            inputs: the batch's positional forward arguments.
-            target: the batch's target.
-            kwargs: the batch's keyword forward arguments.
-            shard_sizes: the rows of every shard.
-            item_kind: what ``item_counts`` count.
-            item_counts: per shard, its count of items per micro-batch (``()``: rows).
-        """
+        """Gives the context this rank's shard (``shard_index``) of a batch cut in
+        ``shard_sizes``, on ``device``; ``item_counts``: per shard, its count of
+        ``item_kind`` per micro-batch (``()``: rows)."""
         self.shard_sizes = tuple(shard_sizes)
         part_inputs, part_target, part_kwargs = shard_of(inputs, target, shard_sizes, self.shard_index, kwargs)
         self.inputs, self.target = to_device(part_inputs, self.device), to_device(part_target, self.device)
@@ -353,18 +346,10 @@ class RankStepTask:
     ``module``: what every backend's step task holds (``StepTask``, ``FSDPStepTask`` and
     ``TPStepTask`` add how the module is wrapped).
 
-    Attributes:
-        module: the module every rank copies.
-        inputs: the whole batch's positional forward arguments.
-        target: the whole batch's target.
-        loss_fn: ``loss_fn(output, target)``.
-        shard_sizes: the rows of every shard.
-        steps: the per-rank steps, ``step(ctx)``.
-        seed: the random state every step starts from.
-        kwargs: the whole batch's keyword forward arguments.
-        item_kind: what ``item_counts`` count.
-        item_counts: per shard, its items per micro-batch, as the parent counted them
-            (``()``: rows).
+    ``inputs``, ``target`` and ``kwargs`` are the whole batch's (each rank cuts its shard,
+    ``RankContext.load``); ``seed`` is the random state every step starts from, and
+    ``item_counts`` the items of every shard's micro-batches as the parent counted them
+    (``()``: rows).
     """
 
     module: nn.Module
@@ -427,16 +412,8 @@ class RankTrainingTask:
     what every backend's training task holds (``TrainingTask``, ``FSDPTrainingTask`` add how
     the module is wrapped).
 
-    Attributes:
-        module: the module every rank trains a copy of.
-        batches: one ``(inputs, kwargs, target)`` per optimizer step.
-        loss_fn: ``loss_fn(output, target)``.
-        optimizer: ``optimizer(parameters)``, the optimizer of every rank.
-        shard_sizes: the rows of every rank's shard, per batch.
-        step: the per-rank step, ``step(ctx)``.
-        seed: the random state the training starts from.
-        item_kinds: what each batch's shard losses average over (``()``: rows).
-        item_counts: every shard's count of those items, per batch (``()``: rows).
+    ``batches`` holds one ``(inputs, kwargs, target)`` per optimizer step; ``shard_sizes``,
+    ``item_kinds`` and ``item_counts`` are per batch (the last two ``()`` for rows).
     """
 
     module: nn.Module
