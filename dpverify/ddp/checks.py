@@ -542,9 +542,7 @@ def assert_ddp_training_matches(
     accepted(assert_ddp_training_matches, options, DDPKeywords)
     pairs = describe_batches(batches, forward_keywords(options.get("forward_kwargs")))
     first_inputs, first_kwargs, first_target = pairs[0]
-    first = options.copy()
-    first["forward_kwargs"] = first_kwargs
-    check = DDPCheck.of(module, first_inputs, first_target, loss_fn, world_size, first)
+    check = DDPCheck.of(module, first_inputs, first_target, loss_fn, world_size, {**options, "forward_kwargs": first_kwargs})
     sendable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
     step = options.get("step")
     require_step(step, "ShardContext")
@@ -802,9 +800,7 @@ def assert_dp_ddp_agree(
             f"chunks for {world_size} devices; pass a batch that gives every device rows "
             f"(at least {world_size} rows, e.g. a multiple of {world_size})"
         )
-    scattered = options.copy()
-    scattered["shards"] = list(dp.plan.chunk_sizes)
-    check = DDPCheck.of(module, inputs, target, loss_fn, world_size, scattered)
+    check = DDPCheck.of(module, inputs, target, loss_fn, world_size, {**options, "shards": list(dp.plan.chunk_sizes)})
     title = "DataParallel and DistributedDataParallel must give the same gradients for the same training code"
     ranks = [s[0] for s in check.send(run_step_task, check.step_task([ddp_step]), title)]
     target_now = check.target_as(None)

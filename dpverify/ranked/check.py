@@ -129,7 +129,8 @@ class ShardUnit:
     why: str = " (a rank without rows has no mean loss)"
     share: str = ""
     #: the error of a batch with fewer rows than units, for ``str.format(batch=, parts=)``
-    too_few: str = "a batch of {batch} rows cannot give each of {parts} ranks a row; pass at least world_size={parts} rows"
+    #: (default: ``even_shards``'s, in ranks)
+    too_few: str = ""
 
 
 #: The units of the three backends that shard a batch.
@@ -148,7 +149,7 @@ def shard_sizes(shards: Sequence[int] | None, batch_size: int, parts: int, unit:
     """Rows per ``unit`` (``parts`` of them): ``shards`` checked to cover the batch with one
     count per unit, or as even as possible (the first units one row more) when None."""
     if shards is None:
-        if batch_size < parts:
+        if unit.too_few and batch_size < parts:
             raise InvalidArgument(unit.too_few.format(batch=batch_size, parts=parts))
         return even_shards(batch_size, parts)
     if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence):
