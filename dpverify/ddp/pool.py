@@ -719,8 +719,7 @@ class PoolRegistry:
     ``ddp_pool`` fixture, so that a test session starts each world size once.
     """
 
-    def __init__(self, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        self._timeout = timeout
+    def __init__(self) -> None:
         self._pools: dict[int, DDPWorkerPool] = {}
         self._lock = threading.Lock()
 
@@ -728,7 +727,7 @@ class PoolRegistry:
         with self._lock:
             pool = self._pools.get(world_size)
             if pool is None or pool.closed:
-                pool = DDPWorkerPool(world_size, timeout=self._timeout)
+                pool = DDPWorkerPool(world_size)
                 self._pools[world_size] = pool
             return pool
 
