@@ -148,10 +148,6 @@ class DDPCheck(RankedCheck):
     def find_unused(self) -> bool:
         return bool(dict(self.ddp_kwargs).get("find_unused_parameters", False))
 
-    @property
-    def static_graph(self) -> bool:
-        return bool(dict(self.ddp_kwargs).get("static_graph", False))
-
     def unused_findings(self, unused: Sequence[str], *, wrapped: bool = True) -> tuple[list[str], list[str]]:
         """(failures, notes) for parameters that get no gradient on one device.
 
@@ -161,9 +157,25 @@ class DDPCheck(RankedCheck):
         """
         if not unused or not wrapped or self.find_unused:
             return [], []
-        if self.static_graph:
-            return [], [_static_graph_note(unused)]
-        return [_unused_failure(unused)], []
+        if dict(self.ddp_kwargs).get("static_graph", False):
+            return [], [
+                f"Parameters {list(unused)} get no gradient on one device. DistributedDataParallel("
+                "static_graph=True) copes with parameters the forward never uses, but (torch 2.13) "
+                "not with a module output that the loss leaves out: from the second step on, the "
+                "gradients are no longer averaged. If a later step fails, pass "
+                "ddp_kwargs={'find_unused_parameters': True} instead."
+            ]
+        return [
+            f"Parameters {list(unused)} get no gradient (they take no part in the loss; on one "
+            "device their .grad stays None), and DistributedDataParallel runs without "
+            "find_unused_parameters=True: it waits for their gradients, so the step's all-reduce "
+            "never completes (the ranks' gradients are not averaged), and the next forward raises "
+            "'Expected to have finished reduction in the prior iteration before starting a new "
+            "one'. Pass ddp_kwargs={'find_unused_parameters': True} (dpverify check: --ddp-kwargs "
+            "find_unused_parameters=true; their .grad then stays None "
+            "on every rank, as on one device), or make them take part in the loss, or freeze them "
+            "with requires_grad_(False)."
+        ], []
 
     def layout(self) -> str:
         kwargs = ", ".join(f"{k}={v!r}" for k, v in self.ddp_kwargs)
@@ -191,30 +203,6 @@ _UNUSED_HINT = (
     "DDP waits for them and never reduces their bucket. Pass "
     "ddp_kwargs={'find_unused_parameters': True} (dpverify check: --ddp-kwargs find_unused_parameters=true), or make every parameter take part in the loss."
 )
-
-
-def _unused_failure(unused: Sequence[str]) -> str:
-    return (
-        f"Parameters {list(unused)} get no gradient (they take no part in the loss; on one "
-        "device their .grad stays None), and DistributedDataParallel runs without "
-        "find_unused_parameters=True: it waits for their gradients, so the step's all-reduce "
-        "never completes (the ranks' gradients are not averaged), and the next forward raises "
-        "'Expected to have finished reduction in the prior iteration before starting a new "
-        "one'. Pass ddp_kwargs={'find_unused_parameters': True} (dpverify check: --ddp-kwargs "
-        "find_unused_parameters=true; their .grad then stays None "
-        "on every rank, as on one device), or make them take part in the loss, or freeze them "
-        "with requires_grad_(False)."
-    )
-
-
-def _static_graph_note(unused: Sequence[str]) -> str:
-    return (
-        f"Parameters {list(unused)} get no gradient on one device. DistributedDataParallel("
-        "static_graph=True) copes with parameters the forward never uses, but (torch 2.13) "
-        "not with a module output that the loss leaves out: from the second step on, the "
-        "gradients are no longer averaged. If a later step fails, pass "
-        "ddp_kwargs={'find_unused_parameters': True} instead."
-    )
 
 
 def _unused_training_error(error: ParallelError, unused_by_step: Sequence[Sequence[str]], check: DDPCheck) -> ParallelError | None:

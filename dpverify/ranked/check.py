@@ -596,7 +596,6 @@ class References:
     anchor: StepResult | None
     micro_batches: int = 1
     items: PieceItems | None = None
-    _rounding: list[_Rounding] = field(default_factory=list, repr=False)
 
     def compare(
         self, tensor_id: TensorId, actual: torch.Tensor | None, key: Callable[[StepResult], torch.Tensor | None], *, contrast: bool = False,
@@ -609,7 +608,7 @@ class References:
         first = compare_tensors(tensor_id, actual, expected, anchor, self.check.tolerance)
         if first.ok or first.problem is not None or contrast or self.anchor is None:
             return first
-        second = self.rounding()
+        second = self.rounding
         return compare_tensors(
             tensor_id, actual, expected, anchor, self.check.tolerance,
             probe=key(second.probe) if second.probe is not None else None,
@@ -617,19 +616,17 @@ class References:
             jitter=key(second.jitter) if second.jitter is not None else None,
         )
 
+    @functools.cached_property
     def rounding(self) -> _Rounding:
         """The second look's steps (``References``), run once, on first need."""
-        if not self._rounding:
-            check = self.check
-            wide = check.dtype == torch.float64
-            probe = optional(lambda: check.reference(torch.float32)) if wide else None
-            if wide:
-                jitter = optional(lambda: check.reference(torch.float64, jitter=_JITTER))
-            else:
-                jitter = optional(lambda: check.reference(None, jitter=torch.finfo(check.dtype).eps))
-            terms = optional(lambda: _all_reduce_terms(check, self.micro_batches, self.items)) or {}
-            self._rounding.append(_Rounding(terms, probe, jitter))
-        return self._rounding[0]
+        check = self.check
+        if check.dtype == torch.float64:
+            probe = optional(lambda: check.reference(torch.float32))
+            jitter = optional(lambda: check.reference(torch.float64, jitter=_JITTER))
+        else:
+            probe, jitter = None, optional(lambda: check.reference(None, jitter=torch.finfo(check.dtype).eps))
+        terms = optional(lambda: _all_reduce_terms(check, self.micro_batches, self.items)) or {}
+        return _Rounding(terms, probe, jitter)
 
 
 def _loss_against(loss_fn: LossFn, target: Any, output: Any) -> torch.Tensor:
