@@ -553,7 +553,7 @@ class RankedCheck:
 
 def grads_only(rows: Sequence[TensorComparison]) -> list[TensorComparison]:
     """The gradients among ``rows``: a contrast shows how far a known mistake's gradients are."""
-    return [row for row in rows if isinstance(row.id, TensorId) and row.id.kind == "grad"]
+    return [row for row in rows if row.id.kind == "grad"]
 
 
 # --------------------------------------------------------------------------- references

@@ -8,6 +8,7 @@ what is weighed: ``count_piece_items``.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -321,8 +322,6 @@ def count_piece_items(
         kind, counts = choose_items({n: list(c) for n, c in candidates.items()}, [x for rank in losses for x in rank], full)
     else:
         kind, counts = "rows", list(flat_rows)
-    shaped, at = [], 0
-    for rank in pieces:
-        shaped.append(tuple(counts[at:at + len(rank)]))
-        at += len(rank)
-    return PieceItems(kind, tuple(shaped), rows, losses, full, candidates)
+    flat_counts = iter(counts)
+    shaped = tuple(tuple(itertools.islice(flat_counts, len(rank))) for rank in pieces)
+    return PieceItems(kind, shaped, rows, losses, full, candidates)
