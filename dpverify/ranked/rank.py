@@ -11,6 +11,7 @@ from here. Everything here must be importable by the rank processes.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -98,11 +99,7 @@ def even_shards(batch_size: int, world_size: int) -> tuple[int, ...]:
 
 def shard_bounds(shard_sizes: Sequence[int]) -> list[tuple[int, int]]:
     """``[start, stop)`` rows of every shard, in rank order."""
-    bounds, start = [], 0
-    for size in shard_sizes:
-        bounds.append((start, start + size))
-        start += size
-    return bounds
+    return list(itertools.pairwise(itertools.accumulate(shard_sizes, initial=0)))
 
 
 def take_rows(obj: Any, start: int, stop: int, batch_size: int) -> Any:
@@ -325,16 +322,11 @@ class RankContext:
         counted none for this cut)."""
         sizes = even_shards(self.shard_size, self.micro_batches)
         counts = self.micro_batch_items if len(self.micro_batch_items) == len(sizes) else sizes
-        return [
-            MicroBatch(
-                take_rows(self.inputs, start, stop, self.shard_size),
-                take_rows(self.target, start, stop, self.shard_size),
-                stop - start,
-                take_rows(self.kwargs, start, stop, self.shard_size),
-                count,
-            )
-            for (start, stop), count in zip(shard_bounds(sizes), counts, strict=True)
-        ]
+        parts = []
+        for piece, (rows, count) in enumerate(zip(sizes, counts, strict=True)):
+            inputs, target, kwargs = shard_of(self.inputs, self.target, sizes, piece, self.kwargs)
+            parts.append(MicroBatch(inputs, target, rows, kwargs, count))
+        return parts
 
 
 # --------------------------------------------------------------------------- steps
