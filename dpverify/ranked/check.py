@@ -55,6 +55,7 @@ from dpverify.core.validation import (
 from dpverify.ddp.pool import ParallelError, RankRunner, require_picklable, shared_pool
 from dpverify.ranked.items import PieceItems, count_piece_items, cut_pieces, measure_losses
 from dpverify.ranked.rank import (
+    Batch,
     LossFn,
     OptimizerFactory,
     RankStep,
@@ -94,9 +95,6 @@ __all__ = [
 
 CPU = torch.device("cpu")
 _T = TypeVar("_T")
-
-#: One optimizer step's batch: positional forward arguments, keyword ones, and the target.
-Batch = tuple[tuple[Any, ...], dict[str, Any], Any]
 
 
 # --------------------------------------------------------------------------- validation
@@ -215,7 +213,7 @@ def describe_batches(batches: Any, forward_kwargs: Mapping[str, Any]) -> list[Ba
             "batches must be a non-empty list of (inputs, target) pairs or (inputs, kwargs, "
             "target) triples, one per optimizer step"
         )
-    found = []
+    found: list[Batch] = []
     for index, entry in enumerate(batches):
         if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 3):
             raise InvalidArgument(f"batches[{index}] is not an (inputs, target) pair or an (inputs, kwargs, target) triple")
