@@ -1,5 +1,6 @@
 """The shared base of the ranked checks (``dpverify.ranked``): the shard validator, the
-keyword groups, the explanation of a uniform factor, and the identities of compared tensors.
+keyword groups, the explanation of a uniform factor, the identities of compared tensors, and
+the pieces a batch is cut into.
 None of these tests starts a rank."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dpverify.ranked.check import (
     same_up_to_rounding,
     shard_sizes,
 )
+from dpverify.ranked.items import cut_pieces, measure_losses
 from dpverify.ranked.options import ARGS, RankedKeywords, accepted, documented
 
 
@@ -104,3 +106,18 @@ def test_gradient_measures() -> None:
     assert same_up_to_rounding({"w": torch.tensor([1.0, 2.0 + 1e-6]), "b": None}, a)
     assert not same_up_to_rounding({"w": torch.tensor([1.0, 2.1]), "b": None}, a)
     assert callable_name(functools.partial(torch.optim.SGD, lr=0.1)) == "SGD(lr=0.1)"
+
+
+def test_pieces_are_cut_as_the_ranks_cut_them_and_measured_in_float64() -> None:
+    x, y = torch.arange(10.0).reshape(5, 2), torch.arange(5.0).reshape(5, 1)
+    pieces = cut_pieces((x,), {"mask": torch.ones(5)}, y, [3, 2, 0], 2)
+    assert [[p.bounds for p in rank] for rank in pieces] == [[(0, 3, 0, 2), (0, 3, 2, 3)], [(3, 5, 0, 1), (3, 5, 1, 2)], [(5, 5, 0, 0)]]
+    assert torch.equal(pieces[0][1].args[0], x[2:3])
+    assert torch.equal(pieces[1][0].target, y[3:4])
+    assert torch.equal(pieces[1][1].kwargs["mask"], torch.ones(1))
+    assert pieces[2][0].rows == 0
+    linear = torch.nn.Linear(2, 1, bias=False)
+    losses, full = measure_losses(linear, (x,), {}, y, F.mse_loss, cut_pieces((x,), {}, y, [3, 2], 1), 5)
+    assert full == pytest.approx(F.mse_loss(linear.double()(x.double()), y.double()).item())
+    per_row = [(linear.double()(x.double()[i]) - y.double()[i]).square().item() for i in range(5)]
+    assert [loss for (loss,) in losses] == pytest.approx([sum(per_row[:3]) / 3, sum(per_row[3:]) / 2])

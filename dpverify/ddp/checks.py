@@ -1,12 +1,8 @@
 """Public DistributedDataParallel checks: real DDP on real ranks against one device.
 
-Every check is a ``RankedCheck`` (``dpverify.ranked.check``): it sends one task to the ranks
-of a ``RankRunner`` (a ``DDPWorkerPool``, shared per world size by default, or the current
-process group under torchrun), runs the same scenario on one device in the parent (float32,
-plus the float64 anchor of the tolerance), and compares each rank's tensors with the
-single-device ones through the Core comparison, so that messages read like the DataParallel
-ones; a tensor that fails is compared again with the rounding a correct DDP step makes
-(``References``). See docs/semantics.md, DistributedDataParallel.
+Every check is a ``RankedCheck`` (``dpverify.ranked.check``: how a ranked check runs and
+compares); ``DDPCheck`` adds DistributedDataParallel's keyword arguments and what DDP makes
+of parameters without a gradient. See docs/semantics.md, DistributedDataParallel.
 """
 
 from __future__ import annotations
@@ -35,6 +31,7 @@ from dpverify.core.step import (
     Key,
     StepResult,
     convert_tensors,
+    copy_module,
     default_dtype,
     flatten_tensors,
 )
@@ -45,7 +42,6 @@ from dpverify.core.validation import (
 )
 from dpverify.ddp.pool import ParallelError, require_picklable
 from dpverify.ddp.rank import (
-    BufferTask,
     RankBuffers,
     Step,
     StepTask,
@@ -75,7 +71,7 @@ from dpverify.ranked.check import (
     training_rows,
     unused_names,
 )
-from dpverify.ranked.items import PieceItems, require_items
+from dpverify.ranked.items import PieceItems, cut_pieces, require_items
 from dpverify.ranked.notes import (
     fraction,
     items_notes,
@@ -91,8 +87,6 @@ from dpverify.ranked.rank import (
     OptimizerFactory,
     RankStep,
     RankTraining,
-    shard_bounds,
-    take_rows,
 )
 
 __all__ = [
@@ -154,10 +148,6 @@ class DDPCheck(RankedCheck):
     def find_unused(self) -> bool:
         return bool(dict(self.ddp_kwargs).get("find_unused_parameters", False))
 
-    @property
-    def static_graph(self) -> bool:
-        return bool(dict(self.ddp_kwargs).get("static_graph", False))
-
     def unused_findings(self, unused: Sequence[str], *, wrapped: bool = True) -> tuple[list[str], list[str]]:
         """(failures, notes) for parameters that get no gradient on one device.
 
@@ -167,9 +157,25 @@ class DDPCheck(RankedCheck):
         """
         if not unused or not wrapped or self.find_unused:
             return [], []
-        if self.static_graph:
-            return [], [_static_graph_note(unused)]
-        return [_unused_failure(unused)], []
+        if dict(self.ddp_kwargs).get("static_graph", False):
+            return [], [
+                f"Parameters {list(unused)} get no gradient on one device. DistributedDataParallel("
+                "static_graph=True) copes with parameters the forward never uses, but (torch 2.13) "
+                "not with a module output that the loss leaves out: from the second step on, the "
+                "gradients are no longer averaged. If a later step fails, pass "
+                "ddp_kwargs={'find_unused_parameters': True} instead."
+            ]
+        return [
+            f"Parameters {list(unused)} get no gradient (they take no part in the loss; on one "
+            "device their .grad stays None), and DistributedDataParallel runs without "
+            "find_unused_parameters=True: it waits for their gradients, so the step's all-reduce "
+            "never completes (the ranks' gradients are not averaged), and the next forward raises "
+            "'Expected to have finished reduction in the prior iteration before starting a new "
+            "one'. Pass ddp_kwargs={'find_unused_parameters': True} (dpverify check: --ddp-kwargs "
+            "find_unused_parameters=true; their .grad then stays None "
+            "on every rank, as on one device), or make them take part in the loss, or freeze them "
+            "with requires_grad_(False)."
+        ], []
 
     def layout(self) -> str:
         kwargs = ", ".join(f"{k}={v!r}" for k, v in self.ddp_kwargs)
@@ -186,20 +192,7 @@ class DDPCheck(RankedCheck):
     def step_task(self, steps: Sequence[Step], items: PieceItems | None = None, **options: Any) -> StepTask:
         """The ranks' task: ``steps`` on this batch, with the items ``items`` counted
         (``ShardContext.item_counts``; rows when None)."""
-        return StepTask(
-            module=self.module,
-            inputs=self.args,
-            target=self.target,
-            loss_fn=self.loss_fn,
-            shard_sizes=self.shard_sizes,
-            steps=tuple(steps),
-            ddp_kwargs=self.ddp_kwargs,
-            kwargs=self.kwargs,
-            item_kind=items.kind if items is not None else "rows",
-            item_counts=items.counts if items is not None else (),
-            **options,
-        )
-
+        return StepTask(**self.step_fields(steps, items), ddp_kwargs=self.ddp_kwargs, **options)
 
 
 _UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
@@ -210,30 +203,6 @@ _UNUSED_HINT = (
     "DDP waits for them and never reduces their bucket. Pass "
     "ddp_kwargs={'find_unused_parameters': True} (dpverify check: --ddp-kwargs find_unused_parameters=true), or make every parameter take part in the loss."
 )
-
-
-def _unused_failure(unused: Sequence[str]) -> str:
-    return (
-        f"Parameters {list(unused)} get no gradient (they take no part in the loss; on one "
-        "device their .grad stays None), and DistributedDataParallel runs without "
-        "find_unused_parameters=True: it waits for their gradients, so the step's all-reduce "
-        "never completes (the ranks' gradients are not averaged), and the next forward raises "
-        "'Expected to have finished reduction in the prior iteration before starting a new "
-        "one'. Pass ddp_kwargs={'find_unused_parameters': True} (dpverify check: --ddp-kwargs "
-        "find_unused_parameters=true; their .grad then stays None "
-        "on every rank, as on one device), or make them take part in the loss, or freeze them "
-        "with requires_grad_(False)."
-    )
-
-
-def _static_graph_note(unused: Sequence[str]) -> str:
-    return (
-        f"Parameters {list(unused)} get no gradient on one device. DistributedDataParallel("
-        "static_graph=True) copes with parameters the forward never uses, but (torch 2.13) "
-        "not with a module output that the loss leaves out: from the second step on, the "
-        "gradients are no longer averaged. If a later step fails, pass "
-        "ddp_kwargs={'find_unused_parameters': True} instead."
-    )
 
 
 def _unused_training_error(error: ParallelError, unused_by_step: Sequence[Sequence[str]], check: DDPCheck) -> ParallelError | None:
@@ -523,7 +492,6 @@ def _sync_failure(counts: Sequence[int | None], micro_batches: int) -> str:
 # --------------------------------------------------------------------------- training
 
 
-Batch = tuple[tuple[Any, ...], dict[str, Any], Any]
 def assert_ddp_training_matches(
     module: nn.Module, batches: Sequence[tuple[Any, ...]], *, loss_fn: LossFn, optimizer: OptimizerFactory, world_size: int,
     **options: Unpack[DDPKeywords],
@@ -562,9 +530,7 @@ def assert_ddp_training_matches(
     accepted(assert_ddp_training_matches, options, DDPKeywords)
     pairs = describe_batches(batches, forward_keywords(options.get("forward_kwargs")))
     first_inputs, first_kwargs, first_target = pairs[0]
-    first = options.copy()
-    first["forward_kwargs"] = first_kwargs
-    check = DDPCheck.of(module, first_inputs, first_target, loss_fn, world_size, first)
+    check = DDPCheck.of(module, first_inputs, first_target, loss_fn, world_size, {**options, "forward_kwargs": first_kwargs})
     sendable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
     step = options.get("step")
     require_step(step, "ShardContext")
@@ -616,9 +582,7 @@ def assert_ddp_training_matches(
 
 
 def _buffers_after_train_forward(module: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None, kwargs: Mapping[str, Any] | None = None) -> nn.Module:
-    model = copy.deepcopy(module)
-    if dtype is not None:
-        model.to(dtype=dtype)
+    model = copy_module(module, dtype)
     model.train()
     with torch.no_grad(), torch.random.fork_rng(devices=[]), default_dtype(dtype):
         torch.manual_seed(0)
@@ -664,13 +628,8 @@ def assert_ddp_buffers_match(
     if not any(True for _ in module.buffers()):
         raise InvalidArgument("module has no buffers; there is nothing for DDP to broadcast")
     title = "DDP buffers must come from rank 0 at the next forward"
-    task = BufferTask(check.module, check.args, check.target, check.loss_fn, check.shard_sizes, check.ddp_kwargs, kwargs=check.kwargs)
-    ranks: tuple[RankBuffers, ...] = check.send(run_buffer_task, task, title)
-    shards_in = [
-        (take_rows(check.args, start, stop, check.batch_size), take_rows(check.kwargs, start, stop, check.batch_size))
-        for start, stop in shard_bounds(check.shard_sizes)
-    ]
-    rows = _buffer_rows(check, ranks, shards_in)
+    ranks: tuple[RankBuffers, ...] = check.send(run_buffer_task, check.step_task([]), title)
+    rows = _buffer_rows(check, ranks)
     notes = [
         "DDP broadcasts rank 0's buffers at the start of a forward that follows a grad-enabled "
         "forward outside no_sync(); each rank's own forward then updates them from its shard."
@@ -680,9 +639,10 @@ def assert_ddp_buffers_match(
     return raise_unless_ok(outcome, options.get("msg"))
 
 
-def _buffer_rows(check: DDPCheck, ranks: Sequence[RankBuffers], shards_in: Sequence[tuple[Any, dict[str, Any]]]) -> list[TensorComparison]:
+def _buffer_rows(check: DDPCheck, ranks: Sequence[RankBuffers]) -> list[TensorComparison]:
+    shards = [piece for (piece,) in cut_pieces(check.args, check.kwargs, check.target, check.shard_sizes, 1)]
     dtypes: list[torch.dtype | None] = [None] if check.tolerance.explicit else [None, torch.float64]
-    after = {dtype: [_buffers_after_train_forward(check.module, args, dtype, kwargs) for args, kwargs in shards_in] for dtype in dtypes}
+    after = {dtype: [_buffers_after_train_forward(check.module, p.args, dtype, p.kwargs) for p in shards] for dtype in dtypes}
 
     def anchor_of(rank: int, name: str) -> torch.Tensor | None:
         if check.tolerance.explicit:
@@ -697,10 +657,9 @@ def _buffer_rows(check: DDPCheck, ranks: Sequence[RankBuffers], shards_in: Seque
             rows.append(compare_tensors(TensorId("buffer", name, rank=r, detail="after its step"), rank.after_step.get(name), value, anchor_of(r, name), check.tolerance))
         for name, value in rank0.items():
             rows.append(compare_tensors(TensorId("buffer", name, rank=r, detail="at the next forward"), rank.after_next_forward.get(name), value, anchor_of(0, name), check.tolerance))
-    for r, rank in enumerate(ranks):
-        args, kwargs = shards_in[r]
-        expected = _eval_outputs(copy.deepcopy(after[None][0]), args, None, kwargs)
-        anchors = {} if check.tolerance.explicit else _eval_outputs(copy.deepcopy(after[torch.float64][0]), args, torch.float64, kwargs)
+    for r, (rank, shard) in enumerate(zip(ranks, shards, strict=True)):
+        expected = _eval_outputs(copy.deepcopy(after[None][0]), shard.args, None, shard.kwargs)
+        anchors = {} if check.tolerance.explicit else _eval_outputs(copy.deepcopy(after[torch.float64][0]), shard.args, torch.float64, shard.kwargs)
         mine = dict(rank.next_outputs)
         for path, value in expected.items():
             rows.append(compare_tensors(TensorId("output", path, rank=r, variant="eval"), mine.get(path), value, anchors.get(path), check.tolerance))
@@ -829,9 +788,7 @@ def assert_dp_ddp_agree(
             f"chunks for {world_size} devices; pass a batch that gives every device rows "
             f"(at least {world_size} rows, e.g. a multiple of {world_size})"
         )
-    scattered = options.copy()
-    scattered["shards"] = list(dp.plan.chunk_sizes)
-    check = DDPCheck.of(module, inputs, target, loss_fn, world_size, scattered)
+    check = DDPCheck.of(module, inputs, target, loss_fn, world_size, {**options, "shards": list(dp.plan.chunk_sizes)})
     title = "DataParallel and DistributedDataParallel must give the same gradients for the same training code"
     ranks = [s[0] for s in check.send(run_step_task, check.step_task([ddp_step]), title)]
     target_now = check.target_as(None)

@@ -52,6 +52,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
 
 from dpverify.core.errors import InvalidArgument
+from dpverify.core.validation import require_int_at_least
 from dpverify.ddp.advice import importing_main_again, main_module_advice
 from dpverify.ddp.forkserver import RANK_NAME, ctrl_c_held, start_fork_server
 from dpverify.ddp.runner import (
@@ -462,12 +463,10 @@ class DDPWorkerPool:
         refusal = importing_main_again()
         if refusal:
             raise ParallelError(refusal)
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise InvalidArgument(f"world_size={world_size!r} must be an int >= 1")
+        self._world_size = require_int_at_least(world_size, "world_size", 1)
         for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise InvalidArgument(f"{name}={value!r} must be a positive number of seconds")
-        self._world_size = world_size
         self._backend = _validate_backend(backend, world_size)
         self._timeout = float(timeout)
         self._start_timeout = float(start_timeout)
@@ -720,8 +719,7 @@ class PoolRegistry:
     ``ddp_pool`` fixture, so that a test session starts each world size once.
     """
 
-    def __init__(self, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        self._timeout = timeout
+    def __init__(self) -> None:
         self._pools: dict[int, DDPWorkerPool] = {}
         self._lock = threading.Lock()
 
@@ -729,7 +727,7 @@ class PoolRegistry:
         with self._lock:
             pool = self._pools.get(world_size)
             if pool is None or pool.closed:
-                pool = DDPWorkerPool(world_size, timeout=self._timeout)
+                pool = DDPWorkerPool(world_size)
                 self._pools[world_size] = pool
             return pool
 

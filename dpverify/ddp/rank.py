@@ -1,18 +1,14 @@
-"""What runs on each DDP rank: the context a step sees, the training steps, and the checks' tasks.
-
-A check sends one frozen task (module, full batch, shard sizes, loss, step functions) to
-every rank through a ``RankRunner``; each rank cuts its contiguous shard out of the batch
-(``dpverify.ranked.rank``), runs the steps on fresh copies of the module wrapped in torch's
-own ``DistributedDataParallel``, and returns what they produced (gradients, outputs,
-buffers, parameters) as CPU tensors. Everything here must be importable by the rank
-processes, and every function a task names must be picklable.
+"""What runs on each DDP rank: the context a step sees, the training steps, and the checks'
+tasks, on the shared rank side of ``dpverify.ranked.rank``: each step wraps a fresh copy of
+the module in torch's own ``DistributedDataParallel``. Everything here must be importable
+by the rank processes, and every function a task names must be picklable.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +18,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dpverify.ranked.rank import (
-    LossFn,
     MicroBatch,
     RankContext,
     RankInfo,
@@ -39,7 +34,6 @@ from dpverify.ranked.rank import (
 )
 
 __all__ = [
-    "BufferTask",
     "RankBuffers",
     "ShardContext",
     "StepTask",
@@ -94,9 +88,6 @@ class ShardContext(RankContext):
         count_syncs: whether ``ddp()`` counts gradient synchronisations (through a
             communication hook running torch's default all-reduce).
         syncs: gradient synchronisations seen so far (when counted).
-
-    A token-level loss is exact under DDP with each rank's mean loss times
-    ``ctx.loss_weight`` = ``ctx.items * world_size / ctx.total_items``.
     """
 
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -175,18 +166,6 @@ def micro_mean_accumulation_step(ctx: ShardContext) -> None:
 # --------------------------------------------------------------------------- tasks
 
 
-def _module_copy(module: nn.Module, device: torch.device, *, sync_batchnorm: bool) -> nn.Module:
-    model = copy.deepcopy(module).to(device)
-    if sync_batchnorm:
-        if device.type == "cuda":
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        else:
-            from dpverify.ddp.syncbn import convert_to_host_sync_batchnorm
-
-            model = convert_to_host_sync_batchnorm(model)
-    return model
-
-
 @dataclass(frozen=True)
 class StepTask(RankStepTask):
     """One DDP step per function in ``steps``, each on a fresh copy of ``module``: a
@@ -200,19 +179,30 @@ class StepTask(RankStepTask):
     sync_batchnorm: bool = False
 
 
-def _run_one(info: RankInfo, task: StepTask, step: Step) -> RankStep:
+def _context(info: RankInfo, task: StepTask | TrainingTask, shard_sizes: tuple[int, ...], sync_batchnorm: bool = False, **more: Any) -> ShardContext:
+    """The context of rank ``info`` over its own copy of ``task.module``, on its device,
+    the batch norms converted to SyncBatchNorm when asked."""
     device = torch.device(info.device)
-    model = _module_copy(task.module, device, sync_batchnorm=task.sync_batchnorm)
-    ctx = ShardContext.for_rank(
-        info, model, task.loss_fn, task.shard_sizes, ddp_kwargs=dict(task.ddp_kwargs), micro_batches=task.micro_batches,
-        count_syncs=task.count_syncs,
+    model = copy.deepcopy(task.module).to(device)
+    if sync_batchnorm and device.type == "cuda":
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    elif sync_batchnorm:
+        from dpverify.ddp.syncbn import convert_to_host_sync_batchnorm
+
+        model = convert_to_host_sync_batchnorm(model)
+    return ShardContext.for_rank(info, model, task.loss_fn, shard_sizes, ddp_kwargs=dict(task.ddp_kwargs), **more)
+
+
+def _run_one(info: RankInfo, task: StepTask, step: Step) -> RankStep:
+    ctx = _context(
+        info, task, task.shard_sizes, task.sync_batchnorm, micro_batches=task.micro_batches, count_syncs=task.count_syncs,
     )
     output, loss = run_step(ctx, task, step)
     return RankStep(
-        grads=grads_of(model),
+        grads=grads_of(ctx.module),
         outputs=outputs_of(output),
         loss=loss,
-        buffers=buffers_of(model),
+        buffers=buffers_of(ctx.module),
         wrapped=ctx.wrapped,
         syncs=ctx.syncs if task.count_syncs and ctx.wrapped else None,
     )
@@ -233,25 +223,10 @@ class TrainingTask(RankTrainingTask):
 
 def run_training_task(info: RankInfo, task: TrainingTask) -> RankTraining:
     """Trains this rank's copy for ``len(task.batches)`` steps (a task for ``RankRunner.run``)."""
-    model = _module_copy(task.module, torch.device(info.device), sync_batchnorm=False)
-    ctx = ShardContext.for_rank(info, model, task.loss_fn, task.shard_sizes[0], ddp_kwargs=dict(task.ddp_kwargs))
+    ctx = _context(info, task, task.shard_sizes[0])
     trained = train(ctx, task)
-    grads_none = tuple(name for name, grad in grads_of(model).items() if grad is None)
-    return RankTraining(trained.params, buffers_of(model), grads_none, ctx.wrapped)
-
-
-@dataclass(frozen=True)
-class BufferTask:
-    """A train-mode DDP step, then an eval-mode forward: where do the buffers come from?"""
-
-    module: nn.Module
-    inputs: tuple[Any, ...]
-    target: Any
-    loss_fn: LossFn
-    shard_sizes: tuple[int, ...]
-    ddp_kwargs: tuple[tuple[str, Any], ...] = ()
-    seed: int = 0
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    grads_none = tuple(name for name, grad in grads_of(ctx.module).items() if grad is None)
+    return RankTraining(trained.params, buffers_of(ctx.module), grads_none, ctx.wrapped)
 
 
 @dataclass(frozen=True)
@@ -263,11 +238,11 @@ class RankBuffers:
     next_outputs: tuple[tuple[str, torch.Tensor], ...]
 
 
-def run_buffer_task(info: RankInfo, task: BufferTask) -> RankBuffers:
+def run_buffer_task(info: RankInfo, task: StepTask) -> RankBuffers:
     """One train step with grad (so DDP syncs buffers before the next forward), then an
-    eval forward under no_grad (a task for ``RankRunner.run``)."""
-    model = _module_copy(task.module, torch.device(info.device), sync_batchnorm=False)
-    ctx = ShardContext.for_rank(info, model, task.loss_fn, task.shard_sizes, ddp_kwargs=dict(task.ddp_kwargs))
+    eval forward under no_grad (a task for ``RankRunner.run``; ``task.steps`` unused)."""
+    ctx = _context(info, task, task.shard_sizes)
+    model = ctx.module
     ctx.load(task.inputs, task.target, task.kwargs, task.shard_sizes)
     wrapper = ctx.ddp()
     with seeded(ctx.device, task.seed):

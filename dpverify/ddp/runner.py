@@ -122,12 +122,8 @@ def describe_exception(error: BaseException, *, skip_caller: bool = True) -> str
     return text
 
 
-def raised_failure(rank: int, body: tuple[str, str] | str) -> RankFailure:
-    """A rank's exception: its (summary, traceback), or a bare traceback."""
-    if isinstance(body, tuple):
-        summary, text = body
-    else:
-        text = body
-        summary = body.rstrip().splitlines()[-1] if body.strip() else "an exception"
+def raised_failure(rank: int, body: tuple[str, str]) -> RankFailure:
+    """A rank's exception, from the (summary, traceback) it reported."""
+    summary, text = body
     return RankFailure(rank, "raised", f"raised {summary}", text)
 

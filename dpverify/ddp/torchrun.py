@@ -43,11 +43,9 @@ class ProcessGroupRunner:
                 "ProcessGroupRunner needs an initialised process group; run under torchrun "
                 "and call torch.distributed.init_process_group() first"
             )
-        self._backend = str(dist.get_backend())
-        device = "cpu"
-        if self._backend == "nccl":
-            device = f"cuda:{torch.cuda.current_device()}"
-        self._info = RankInfo(dist.get_rank(), dist.get_world_size(), self._backend, device)
+        backend = str(dist.get_backend())
+        device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
+        self._info = RankInfo(dist.get_rank(), dist.get_world_size(), backend, device)
 
     @property
     def world_size(self) -> int:
@@ -55,7 +53,7 @@ class ProcessGroupRunner:
 
     @property
     def backend(self) -> str:
-        return self._backend
+        return self._info.backend
 
     @property
     def rank(self) -> int:

@@ -10,7 +10,6 @@ lives in ``dpverify.ddp`` and ``dpverify.sharded``, on this base.
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -54,14 +53,14 @@ from dpverify.core.validation import (
     require_target_rows,
 )
 from dpverify.ddp.pool import ParallelError, RankRunner, require_picklable, shared_pool
-from dpverify.ranked.items import PieceItems, count_piece_items
+from dpverify.ranked.items import PieceItems, count_piece_items, cut_pieces, measure_losses
 from dpverify.ranked.rank import (
+    Batch,
     LossFn,
     OptimizerFactory,
     RankStep,
     even_shards,
     shard_bounds,
-    take_rows,
 )
 
 __all__ = [
@@ -92,14 +91,10 @@ __all__ = [
     "training_batches",
     "training_rows",
     "unused_names",
-    "validated_call",
 ]
 
 CPU = torch.device("cpu")
 _T = TypeVar("_T")
-
-#: One optimizer step's batch: positional forward arguments, keyword ones, and the target.
-Batch = tuple[tuple[Any, ...], dict[str, Any], Any]
 
 
 # --------------------------------------------------------------------------- validation
@@ -132,7 +127,8 @@ class ShardUnit:
     why: str = " (a rank without rows has no mean loss)"
     share: str = ""
     #: the error of a batch with fewer rows than units, for ``str.format(batch=, parts=)``
-    too_few: str = "a batch of {batch} rows cannot give each of {parts} ranks a row; pass at least world_size={parts} rows"
+    #: (default: ``even_shards``'s, in ranks)
+    too_few: str = ""
 
 
 #: The units of the three backends that shard a batch.
@@ -151,7 +147,7 @@ def shard_sizes(shards: Sequence[int] | None, batch_size: int, parts: int, unit:
     """Rows per ``unit`` (``parts`` of them): ``shards`` checked to cover the batch with one
     count per unit, or as even as possible (the first units one row more) when None."""
     if shards is None:
-        if batch_size < parts:
+        if unit.too_few and batch_size < parts:
             raise InvalidArgument(unit.too_few.format(batch=batch_size, parts=parts))
         return even_shards(batch_size, parts)
     if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence):
@@ -208,26 +204,6 @@ def callable_name(fn: Any) -> str:
     return str(getattr(fn, "__qualname__", None) or type(fn).__name__)
 
 
-def validated_call(
-    module: nn.Module, inputs: Any, target: Any, loss_fn: LossFn, forward_kwargs: Mapping[str, Any] | None,
-) -> tuple[tuple[Any, ...], dict[str, Any], int]:
-    """The positional and keyword forward arguments of a ranked check and the batch's rows,
-    every argument checked the same way for every backend: a list of arguments meant as a
-    tuple, a target of other rows, a loss that is not callable, and anything that cannot be
-    pickled to the ranks."""
-    kwargs = forward_keywords(forward_kwargs)
-    require_arguments_fit(module, inputs)
-    args = as_inputs(inputs, keywords=bool(kwargs))
-    batch = batch_size_of(args, kwargs=kwargs)
-    require_target_rows(target, batch)
-    require_loss_fn(loss_fn)
-    require_picklable(loss_fn, "loss_fn")
-    require_picklable(module, "module")
-    require_picklable(args, "inputs")
-    require_picklable(target, "target")
-    return args, kwargs, batch
-
-
 def describe_batches(batches: Any, forward_kwargs: Mapping[str, Any]) -> list[Batch]:
     """``(inputs, kwargs, target)`` per step, from ``(inputs, target)`` pairs and
     ``(inputs, kwargs, target)`` triples; ``forward_kwargs`` go to every batch (a triple's
@@ -237,7 +213,7 @@ def describe_batches(batches: Any, forward_kwargs: Mapping[str, Any]) -> list[Ba
             "batches must be a non-empty list of (inputs, target) pairs or (inputs, kwargs, "
             "target) triples, one per optimizer step"
         )
-    found = []
+    found: list[Batch] = []
     for index, entry in enumerate(batches):
         if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 3):
             raise InvalidArgument(f"batches[{index}] is not an (inputs, target) pair or an (inputs, kwargs, target) triple")
@@ -350,32 +326,21 @@ def loss_reduction(
     """``"sum"`` when ``loss_fn`` adds up its rows' losses, ``"mean"`` when it averages them,
     None when this batch does not tell (one shard, a zero loss, a loss that is neither).
 
-    Measured on one device, in float64, on slices of one full-batch output: the loss of the
-    whole batch is compared with the sum and with the mean of the shards' losses weighted
-    by ``weights`` (their items, e.g. tokens; default their rows). Slicing one output keeps
-    layers that mix rows (BatchNorm) out of the question.
+    Measured on one device, in float64 (``measure_losses``): the loss of the whole batch is
+    compared with the sum and with the mean of the shards' losses weighted by ``weights``
+    (their items, e.g. tokens; default their rows).
     """
-    batch = sum(shard_sizes)
     if len(shard_sizes) < 2:
         return None
     counts = list(weights) if weights is not None else list(shard_sizes)
     if len(counts) != len(shard_sizes) or sum(counts) <= 0:
         return None
+    keywords = dict(kwargs or {})
     try:
-        model = copy_module(module, torch.float64)
-        inputs = convert_tensors(args, torch.float64, CPU)
-        keywords = convert_tensors(dict(kwargs or {}), torch.float64, CPU)
-        wanted = convert_tensors(target, torch.float64, CPU)
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), default_dtype(torch.float64):
-            torch.manual_seed(0)
-            output = model(*inputs, **keywords)
-            full = float(loss_fn(output, wanted))
-            parts = [
-                float(loss_fn(take_rows(output, start, stop, batch), take_rows(wanted, start, stop, batch)))
-                for start, stop in shard_bounds(shard_sizes)
-            ]
+        losses, full = measure_losses(module, args, keywords, target, loss_fn, cut_pieces(args, keywords, target, shard_sizes, 1), sum(shard_sizes))
     except Exception:  # a loss that cannot take a slice tells nothing; the check goes on
         return None
+    parts = [shard[0] for shard in losses]
     summed = math.fsum(parts)
     mean = math.fsum(n * part for n, part in zip(counts, parts, strict=True)) / sum(counts)
     scale = max(abs(full), abs(summed), abs(mean))
@@ -439,12 +404,21 @@ class RankedCheck:
         forward_kwargs: Mapping[str, Any] | None = None,
         **fields: Any,
     ) -> Self:
-        """Validates every argument, in this process, before anything reaches the ranks;
-        ``fields``: the subclass's own, already checked."""
+        """Validates every argument, in this process, before anything reaches the ranks (a
+        list of arguments meant as a tuple, a target of other rows, a loss that is not
+        callable, anything that cannot be pickled); ``fields``: the subclass's own, already
+        checked."""
         require_module_with_grads(module, why=cls.NO_GRAD)
         world = require_int_at_least(world_size, "world_size", 1)
         parts = cls.shard_parts(world, fields)
-        args, kwargs, batch = validated_call(module, inputs, target, loss_fn, forward_kwargs)
+        kwargs = forward_keywords(forward_kwargs)
+        require_arguments_fit(module, inputs)
+        args = as_inputs(inputs, keywords=bool(kwargs))
+        batch = batch_size_of(args, kwargs=kwargs)
+        require_target_rows(target, batch)
+        require_loss_fn(loss_fn)
+        for value, name in ((loss_fn, "loss_fn"), (module, "module"), (args, "inputs"), (target, "target")):
+            require_picklable(value, name)
         return cls(
             module=module,
             args=args,
@@ -514,6 +488,15 @@ class RankedCheck:
         piece's loss averages over (default: rows)."""
         return References(self, self.reference(None) if expected is None else expected, self.anchor(), micro_batches, items)
 
+    def step_fields(self, steps: Sequence[Callable[[Any], Any]], items: PieceItems | None = None) -> dict[str, Any]:
+        """What every backend's ``RankStepTask`` takes from this check: the batch, its
+        shards, the loss, ``steps``, and the items ``items`` counted (rows when None)."""
+        return dict(
+            module=self.module, inputs=self.args, target=self.target, loss_fn=self.loss_fn, shard_sizes=self.shard_sizes,
+            steps=tuple(steps), kwargs=self.kwargs, item_kind=items.kind if items is not None else "rows",
+            item_counts=items.counts if items is not None else (),
+        )
+
     def send(self, fn: Callable[..., Any], task: Any, what: str) -> Any:
         """``fn(info, task)`` on every rank; a rank's failure names the check and scenario."""
         try:
@@ -568,7 +551,7 @@ class RankedCheck:
 
 def grads_only(rows: Sequence[TensorComparison]) -> list[TensorComparison]:
     """The gradients among ``rows``: a contrast shows how far a known mistake's gradients are."""
-    return [row for row in rows if isinstance(row.id, TensorId) and row.id.kind == "grad"]
+    return [row for row in rows if row.id.kind == "grad"]
 
 
 # --------------------------------------------------------------------------- references
@@ -597,18 +580,13 @@ class References:
 
     ``expected`` is the full-batch step in the working dtype (DataParallel's step for
     ``assert_dp_ddp_agree``) and ``anchor`` its float64 twin (None with explicit
-    tolerances). That alone misjudges two things a correct ranked step does. Its all-reduce
-    sums the ranks' gradients, ``n_r / B`` times each rank's mean-loss gradient (and each
-    rank sums its micro-batches' first): where those terms cancel (an l1 loss's sign
-    gradients summing to an exact 0), the result carries rounding of the size of the
-    terms, not of the near-zero total. And in float64 the anchor is the single-device step
-    itself, so the rounding of the model cannot be measured against it. So a tensor that
-    fails is compared again as the DataParallel checks compare theirs: with ``terms``
-    (``sum over pieces of n / B * max |g_piece|``, and the same in the 2-norm, each piece's
-    gradient from a single-device step on its rows), and with a float32 ``probe`` and a
-    jittered float64 run for float64 models, or a working-dtype run from parameters one
-    unit in the last place off for other dtypes. These steps run once per check, and only
-    when a tensor fails: a passing check never pays for them.
+    tolerances). A tensor that fails is compared again with the scale of the terms a
+    correct ranked step sums (``_all_reduce_terms``: the all-reduce adds ``n_r / B`` times
+    each rank's mean-loss gradient, whose cancelling terms round like the terms, not like
+    the near-zero total), and with a float32 ``probe`` and a jittered float64 run for
+    float64 models, or a working-dtype run from parameters one unit in the last place off
+    for other dtypes, as the DataParallel checks do (docs/tolerance.md, "The scale"). These
+    steps run once per check, and only when a tensor fails.
     """
 
     check: RankedCheck
@@ -616,7 +594,6 @@ class References:
     anchor: StepResult | None
     micro_batches: int = 1
     items: PieceItems | None = None
-    _rounding: list[_Rounding] = field(default_factory=list, repr=False)
 
     def compare(
         self, tensor_id: TensorId, actual: torch.Tensor | None, key: Callable[[StepResult], torch.Tensor | None], *, contrast: bool = False,
@@ -629,7 +606,7 @@ class References:
         first = compare_tensors(tensor_id, actual, expected, anchor, self.check.tolerance)
         if first.ok or first.problem is not None or contrast or self.anchor is None:
             return first
-        second = self.rounding()
+        second = self.rounding
         return compare_tensors(
             tensor_id, actual, expected, anchor, self.check.tolerance,
             probe=key(second.probe) if second.probe is not None else None,
@@ -637,19 +614,17 @@ class References:
             jitter=key(second.jitter) if second.jitter is not None else None,
         )
 
+    @functools.cached_property
     def rounding(self) -> _Rounding:
         """The second look's steps (``References``), run once, on first need."""
-        if not self._rounding:
-            check = self.check
-            wide = check.dtype == torch.float64
-            probe = optional(lambda: check.reference(torch.float32)) if wide else None
-            if wide:
-                jitter = optional(lambda: check.reference(torch.float64, jitter=_JITTER))
-            else:
-                jitter = optional(lambda: check.reference(None, jitter=torch.finfo(check.dtype).eps))
-            terms = optional(lambda: _all_reduce_terms(check, self.micro_batches, self.items)) or {}
-            self._rounding.append(_Rounding(terms, probe, jitter))
-        return self._rounding[0]
+        check = self.check
+        if check.dtype == torch.float64:
+            probe = optional(lambda: check.reference(torch.float32))
+            jitter = optional(lambda: check.reference(torch.float64, jitter=_JITTER))
+        else:
+            probe, jitter = None, optional(lambda: check.reference(None, jitter=torch.finfo(check.dtype).eps))
+        terms = optional(lambda: _all_reduce_terms(check, self.micro_batches, self.items)) or {}
+        return _Rounding(terms, probe, jitter)
 
 
 def _loss_against(loss_fn: LossFn, target: Any, output: Any) -> torch.Tensor:
@@ -665,18 +640,13 @@ def _all_reduce_terms(check: RankedCheck, micro_batches: int, items: PieceItems 
     piece's rows, in the working dtype."""
     largest: dict[str, float] = {}
     norms: dict[str, float] = {}
-    batch = check.batch_size
-    target = check.target_as(None)
     loss_fn = check.loss_fn
-    total = items.total if items is not None else batch
-    for rank, (start, stop) in enumerate(shard_bounds(check.shard_sizes)):
-        rows = stop - start
-        shard, shard_target = take_rows(check.args, start, stop, batch), take_rows(target, start, stop, batch)
-        shard_kwargs = take_rows(check.kwargs, start, stop, batch)
-        for piece, (low, high) in enumerate(shard_bounds(even_shards(rows, micro_batches))):
-            loss = functools.partial(_loss_against, loss_fn, take_rows(shard_target, low, high, rows))
-            step = run_step(check.module, take_rows(shard, low, high, rows), loss, kwargs=take_rows(shard_kwargs, low, high, rows))
-            weight = (items.counts[rank][piece] if items is not None else high - low) / total
+    total = items.total if items is not None else check.batch_size
+    for rank, shard in enumerate(cut_pieces(check.args, check.kwargs, check.target_as(None), check.shard_sizes, micro_batches)):
+        for piece, part in enumerate(shard):
+            loss = functools.partial(_loss_against, loss_fn, part.target)
+            step = run_step(check.module, part.args, loss, kwargs=part.kwargs)
+            weight = (items.counts[rank][piece] if items is not None else part.rows) / total
             for name, grad in step.grads.items():
                 if grad is None or not grad.numel():
                     continue
@@ -700,9 +670,7 @@ def train_single_device(
 ) -> tuple[list[dict[str, torch.Tensor]], list[list[str]]]:
     """Parameters after every step on one device, and the parameters that required grad
     but got none in each step (``unused_names``)."""
-    model = copy.deepcopy(module)
-    if dtype is not None:
-        model.to(dtype=dtype)
+    model = copy_module(module, dtype)
     opt = optimizer(model.parameters())
     history = []
     unused: list[list[str]] = []

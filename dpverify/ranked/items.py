@@ -1,21 +1,14 @@
-"""What each rank's (or micro-batch's) mean loss averages over, for the ranked checks (DDP, FSDP2, tensor parallel).
-
-A DDP rank's loss is ``loss_fn(output, target)`` on its shard. For a language model that is a
-mean over the labels that are not ignored (-100 marks padding): when ranks or micro-batches
-hold different numbers of such tokens, DDP's average of their mean losses is biased even on
-shards of equal rows, and the exact recipe weights each by its share of the tokens,
-``t * world_size / T``, not of the rows. Which count a loss uses is read from the evidence,
-as for DataParallel (``dpverify.core.items.choose_items``): each piece's candidate counts
-(rows; the non-ignored entries of the target and of every integer forward argument, whole
-or shifted by one for a causal head) and the piece losses, measured on one device, against
-the full-batch loss. ``items(args, kwargs)`` counts a piece instead: it receives the piece's
-forward arguments with the piece's target appended as the last positional argument
-(``args[-1]``), so that labels passed as the target can be counted.
+"""What each rank's (or micro-batch's) mean loss averages over, for the ranked checks (DDP,
+FSDP2, tensor parallel): rows, or the tokens a language-model loss does not ignore, read
+from the evidence as for DataParallel (``dpverify.core.items.choose_items``) or counted by
+``items=``. Why it matters, and the exact recipe: docs/distributed.md, "Token-level losses";
+what is weighed: ``count_piece_items``.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +24,7 @@ from dpverify.core.tree import tensor_leaves
 from dpverify.core.validation import require_callable
 from dpverify.ranked.rank import even_shards, shard_bounds, take_rows
 
-__all__ = ["PieceItems", "count_piece_items", "require_items"]
+__all__ = ["Piece", "PieceItems", "count_piece_items", "cut_pieces", "measure_losses", "require_items"]
 
 CPU = torch.device("cpu")
 
@@ -207,7 +200,9 @@ def _ignore_indices(loss_fn: Any, module: nn.Module) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class _Piece:
+class Piece:
+    """One piece of a batch: a rank's shard, or one of its micro-batches."""
+
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     target: Any
@@ -215,25 +210,26 @@ class _Piece:
     bounds: tuple[int, int, int, int]  # shard start, shard stop, piece start, piece stop (in the shard)
 
 
-def _pieces(args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any, shard_sizes: Sequence[int], micro_batches: int) -> list[list[_Piece]]:
+def cut_pieces(args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any, shard_sizes: Sequence[int], micro_batches: int) -> list[list[Piece]]:
     """Every rank's micro-batches, cut as the ranks cut them: the shard out of the batch,
-    then the micro-batch out of the shard (``ShardContext.micro_batch_split``)."""
+    then the micro-batch out of the shard (``ShardContext.micro_batch_split``); a shard
+    without rows is one empty piece."""
     batch = sum(shard_sizes)
     found = []
     for start, stop in shard_bounds(shard_sizes):
         rows = stop - start
         shard = (take_rows(args, start, stop, batch), take_rows(dict(kwargs), start, stop, batch), take_rows(target, start, stop, batch))
         found.append([
-            _Piece(
+            Piece(
                 take_rows(shard[0], low, high, rows), take_rows(shard[1], low, high, rows),
                 take_rows(shard[2], low, high, rows), high - low, (start, stop, low, high),
             )
-            for low, high in shard_bounds(even_shards(rows, micro_batches))
+            for low, high in (shard_bounds(even_shards(rows, micro_batches)) if rows else [(0, 0)])
         ])
     return found
 
 
-def _candidates(piece: _Piece, ignore: Sequence[int]) -> dict[str, int]:
+def _candidates(piece: Piece, ignore: Sequence[int]) -> dict[str, int]:
     """Rows, then the target's non-ignored entries, then every integer forward argument's."""
     return {
         "rows": piece.rows,
@@ -246,9 +242,9 @@ def _proportional(counts: Sequence[int], rows: Sequence[int]) -> bool:
     return all(c * sum(rows) == r * sum(counts) for c, r in zip(counts, rows, strict=True))
 
 
-def _measure(
+def measure_losses(
     module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
-    pieces: Sequence[Sequence[_Piece]], batch: int,
+    pieces: Sequence[Sequence[Piece]], batch: int,
 ) -> tuple[tuple[tuple[float, ...], ...], float]:
     """Every piece's mean loss and the full batch's, in float64 on one device. The pieces'
     outputs are the full-batch output's rows when every output tensor has the batch's rows
@@ -299,7 +295,7 @@ def count_piece_items(
         InvalidArgument: ``items`` returned something that is not a count, or counts that
             add up to no item.
     """
-    pieces = _pieces(args, kwargs, target, shard_sizes, micro_batches)
+    pieces = cut_pieces(args, kwargs, target, shard_sizes, micro_batches)
     rows = tuple(tuple(p.rows for p in rank) for rank in pieces)
     flat = [p for rank in pieces for p in rank]
     ignore = _ignore_indices(loss_fn, module)
@@ -317,7 +313,7 @@ def count_piece_items(
     uneven_pieces = micro_batches > 1 and len(set(flat_rows)) > 1
     if given is not None or open_question or uneven_pieces:
         try:
-            losses, full = _measure(module, args, kwargs, target, loss_fn, pieces, sum(shard_sizes))
+            losses, full = measure_losses(module, args, kwargs, target, loss_fn, pieces, sum(shard_sizes))
         except Exception:  # a loss that refuses float64 or a slice: the rows stand, unmeasured
             losses, full = (), None
     if given is not None:
@@ -326,8 +322,6 @@ def count_piece_items(
         kind, counts = choose_items({n: list(c) for n, c in candidates.items()}, [x for rank in losses for x in rank], full)
     else:
         kind, counts = "rows", list(flat_rows)
-    shaped, at = [], 0
-    for rank in pieces:
-        shaped.append(tuple(counts[at:at + len(rank)]))
-        at += len(rank)
-    return PieceItems(kind, tuple(shaped), rows, losses, full, candidates)
+    flat_counts = iter(counts)
+    shaped = tuple(tuple(itertools.islice(flat_counts, len(rank))) for rank in pieces)
+    return PieceItems(kind, shaped, rows, losses, full, candidates)

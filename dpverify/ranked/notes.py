@@ -83,6 +83,19 @@ def fraction(value: float) -> str:
     return str(round(value)) if abs(value - round(value)) < 1e-9 else f"{value:.4g}"
 
 
+def _plain_bias(losses: Sequence[float | None], world: int, reference: StepResult, who: str, said: str = "") -> str | None:
+    """How far the average of the plain step's per-``who`` mean losses is from the full
+    batch's loss; None when some loss is missing."""
+    if not losses or any(loss is None for loss in losses):
+        return None
+    mean_of_means = sum(float(loss) for loss in losses if loss is not None) / world
+    full = float(reference.loss)
+    return (
+        f"the {who}s' mean losses average to {mean_of_means:.8g} against the full batch's "
+        f"{full:.8g} (bias {mean_of_means - full:+.3g}{said})"
+    )
+
+
 def trap_note(
     check: RankedCheck,
     naive: Sequence[Any],
@@ -112,15 +125,8 @@ def trap_note(
         f"instead of 1/B = 1/{batch} (the loss-averaging trap)."
     )
     losses = list({s.dp_rank: s.loss for s in naive}.values()) if groups else [step.loss for step in naive]
-    if len(losses) == world and all(loss is not None for loss in losses):
-        mean_of_means = sum(float(loss) for loss in losses if loss is not None) / world
-        full = float(reference.loss)
-        text += (
-            f" With the plain step ({plain}) the {who}s' mean losses average to {mean_of_means:.8g} "
-            f"against the full batch's {full:.8g} (bias {mean_of_means - full:+.3g}), and"
-        )
-    else:
-        text += f" With the plain step ({plain})"
+    averaged = _plain_bias(losses, world, reference, who) if len(losses) == world else None
+    text += f" With the plain step ({plain})" + (f" {averaged}, and" if averaged else "")
     gap = relative_gap(naive[0].grads, reference.grads)
     return text + (
         f" its gradients differ from the full-batch gradients by up to {gap:.3g} (relative). "
@@ -146,16 +152,9 @@ def token_trap_note(check: RankedCheck, items: PieceItems, naive: Sequence[Any],
     )
     predicted = items.predicted_rank_bias()
     said = f"; the {items.singular} counts predict {predicted:+.3g}" if predicted is not None else ""
-    losses = [step.loss for step in naive]
-    facts = []
-    if losses and all(loss is not None for loss in losses):
-        mean_of_means = sum(loss for loss in losses if loss is not None) / world
-        full = float(reference.loss)
-        facts.append(
-            f"the ranks' mean losses average to {mean_of_means:.8g} against the full batch's "
-            f"{full:.8g} (bias {mean_of_means - full:+.3g}{said})"
-        )
-    elif predicted is not None:
+    averaged = _plain_bias([step.loss for step in naive], world, reference, "rank", said)
+    facts = [averaged] if averaged else []
+    if not averaged and predicted is not None:
         facts.append(f"the {items.singular} counts predict a bias of {predicted:+.3g} in the average of the ranks' mean losses")
     facts.append(f"its gradients differ from the full-batch gradients by up to {relative_gap(naive[0].grads, reference.grads):.3g} (relative)")
     text += (

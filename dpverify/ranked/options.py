@@ -12,6 +12,7 @@ helper's docstring.
 from __future__ import annotations
 
 import re
+import textwrap
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypedDict, TypeVar
 
@@ -87,17 +88,13 @@ def documented(helper: _F) -> _F:
 
     def lines(found: re.Match[str]) -> str:
         indent = found.group("indent")
-        out = []
-        for name in (part.strip() for part in found.group("names").split(",")):
-            words, line = ARGS[name].split(), f"{indent}{name}:"
-            for word in words:
-                if len(line) + 1 + len(word) > 92:
-                    out.append(line)
-                    line = f"{indent}    {word}"
-                else:
-                    line += f" {word}"
-            out.append(line)
-        return "\n".join(out)
+        return "\n".join(
+            textwrap.fill(
+                ARGS[name], 92, initial_indent=f"{indent}{name}: ", subsequent_indent=f"{indent}    ",
+                break_long_words=False, break_on_hyphens=False,
+            )
+            for name in (part.strip() for part in found.group("names").split(","))
+        )
 
     helper.__doc__ = _MARK.sub(lines, doc)
     return helper

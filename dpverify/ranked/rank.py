@@ -11,6 +11,7 @@ from here. Everything here must be importable by the rank processes.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -98,11 +99,7 @@ def even_shards(batch_size: int, world_size: int) -> tuple[int, ...]:
 
 def shard_bounds(shard_sizes: Sequence[int]) -> list[tuple[int, int]]:
     """``[start, stop)`` rows of every shard, in rank order."""
-    bounds, start = [], 0
-    for size in shard_sizes:
-        bounds.append((start, start + size))
-        start += size
-    return bounds
+    return list(itertools.pairwise(itertools.accumulate(shard_sizes, initial=0)))
 
 
 def take_rows(obj: Any, start: int, stop: int, batch_size: int) -> Any:
@@ -309,16 +306,9 @@ class RankContext:
         self, inputs: Any, target: Any, kwargs: Mapping[str, Any] | None, shard_sizes: Sequence[int], *,
         item_kind: str = "rows", item_counts: Sequence[Sequence[int]] = (),
     ) -> None:
-        """Gives the context this rank's shard (``shard_index``) of a batch, on ``device``.
-
-        Args:
-            inputs: the batch's positional forward arguments.
-            target: the batch's target.
-            kwargs: the batch's keyword forward arguments.
-            shard_sizes: the rows of every shard.
-            item_kind: what ``item_counts`` count.
-            item_counts: per shard, its count of items per micro-batch (``()``: rows).
-        """
+        """Gives the context this rank's shard (``shard_index``) of a batch cut in
+        ``shard_sizes``, on ``device``; ``item_counts``: per shard, its count of
+        ``item_kind`` per micro-batch (``()``: rows)."""
         self.shard_sizes = tuple(shard_sizes)
         part_inputs, part_target, part_kwargs = shard_of(inputs, target, shard_sizes, self.shard_index, kwargs)
         self.inputs, self.target = to_device(part_inputs, self.device), to_device(part_target, self.device)
@@ -332,16 +322,11 @@ class RankContext:
         counted none for this cut)."""
         sizes = even_shards(self.shard_size, self.micro_batches)
         counts = self.micro_batch_items if len(self.micro_batch_items) == len(sizes) else sizes
-        return [
-            MicroBatch(
-                take_rows(self.inputs, start, stop, self.shard_size),
-                take_rows(self.target, start, stop, self.shard_size),
-                stop - start,
-                take_rows(self.kwargs, start, stop, self.shard_size),
-                count,
-            )
-            for (start, stop), count in zip(shard_bounds(sizes), counts, strict=True)
-        ]
+        parts = []
+        for piece, (rows, count) in enumerate(zip(sizes, counts, strict=True)):
+            inputs, target, kwargs = shard_of(self.inputs, self.target, sizes, piece, self.kwargs)
+            parts.append(MicroBatch(inputs, target, rows, kwargs, count))
+        return parts
 
 
 # --------------------------------------------------------------------------- steps
@@ -353,18 +338,10 @@ class RankStepTask:
     ``module``: what every backend's step task holds (``StepTask``, ``FSDPStepTask`` and
     ``TPStepTask`` add how the module is wrapped).
 
-    Attributes:
-        module: the module every rank copies.
-        inputs: the whole batch's positional forward arguments.
-        target: the whole batch's target.
-        loss_fn: ``loss_fn(output, target)``.
-        shard_sizes: the rows of every shard.
-        steps: the per-rank steps, ``step(ctx)``.
-        seed: the random state every step starts from.
-        kwargs: the whole batch's keyword forward arguments.
-        item_kind: what ``item_counts`` count.
-        item_counts: per shard, its items per micro-batch, as the parent counted them
-            (``()``: rows).
+    ``inputs``, ``target`` and ``kwargs`` are the whole batch's (each rank cuts its shard,
+    ``RankContext.load``); ``seed`` is the random state every step starts from, and
+    ``item_counts`` the items of every shard's micro-batches as the parent counted them
+    (``()``: rows).
     """
 
     module: nn.Module
@@ -427,16 +404,8 @@ class RankTrainingTask:
     what every backend's training task holds (``TrainingTask``, ``FSDPTrainingTask`` add how
     the module is wrapped).
 
-    Attributes:
-        module: the module every rank trains a copy of.
-        batches: one ``(inputs, kwargs, target)`` per optimizer step.
-        loss_fn: ``loss_fn(output, target)``.
-        optimizer: ``optimizer(parameters)``, the optimizer of every rank.
-        shard_sizes: the rows of every rank's shard, per batch.
-        step: the per-rank step, ``step(ctx)``.
-        seed: the random state the training starts from.
-        item_kinds: what each batch's shard losses average over (``()``: rows).
-        item_counts: every shard's count of those items, per batch (``()``: rows).
+    ``batches`` holds one ``(inputs, kwargs, target)`` per optimizer step; ``shard_sizes``,
+    ``item_kinds`` and ``item_counts`` are per batch (the last two ``()`` for rows).
     """
 
     module: nn.Module
