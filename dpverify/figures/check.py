@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from dpverify.planner import ModelCheckReport
     from dpverify.registry import CheckResult
 
-__all__ = ["MAX_BARS", "NAME_WIDTH", "check_figure", "comparison_figure"]
+__all__ = ["MAX_BARS", "NAME_WIDTH", "check_figure", "comparison_figure", "ratio_panel"]
 
 #: The most bars a panel draws; the rest, all below the last drawn, are counted in a line.
 MAX_BARS = 30
@@ -82,10 +82,10 @@ class _Panel:
         return _PANEL + 0.18 * self.title(width).count("\n") + self.inner
 
 
-def _limit(rows: Sequence[_Row]) -> tuple[tuple[_Row, ...], tuple[_Row, ...]]:
-    """The rows worst first: the ``MAX_BARS`` drawn, and the rest."""
+def _limit(rows: Sequence[_Row], most: int = MAX_BARS) -> tuple[tuple[_Row, ...], tuple[_Row, ...]]:
+    """The rows worst first: the ``most`` drawn, and the rest."""
     ordered = sorted(rows, key=lambda row: worst_first(row.tensor))
-    return tuple(ordered[:MAX_BARS]), tuple(ordered[MAX_BARS:])
+    return tuple(ordered[:most]), tuple(ordered[most:])
 
 
 def _wrap(text: str, width: int) -> str:
@@ -201,6 +201,16 @@ def _title_chars(panels: Sequence[_Panel]) -> int:
     tick label (of any panel: they share it) pushes right."""
     label = max((min(len(row.tensor.name), NAME_WIDTH + 4) for panel in panels for row in panel.rows), default=0)
     return max(int((WIDTH * DPI - 40 - _LABEL_PX * label) / _TITLE_PX), 40)
+
+
+def ratio_panel(ax: Axes, label: str, title: str, tensors: Sequence[TensorComparison], most: int = MAX_BARS) -> None:
+    """One panel of error over allowed error per tensor, worst first, at most ``most``
+    bars, on ``ax`` (labelled ``label``): what ``comparison_figure`` draws, for a figure
+    of its own (``dpverify.figures.fuzz``'s counterexample)."""
+    rows, hidden = _limit([_Row(t) for t in tensors], most)
+    ratios = [row.tensor.ratio for row in rows if row.tensor.problem is None]
+    floor = _floor(ratios)
+    _draw(ax, _Panel(label, (), rows, hidden), title, floor, _xlimits(ratios, floor))
 
 
 def _figure(panels: Sequence[_Panel], notes: Sequence[str], suptitle: str | None) -> Figure:

@@ -1,16 +1,9 @@
 """``dpverify explain --figure``: one measured DataParallel step as a picture.
 
-Four panels, each drawn from the ``Explanation``'s measured facts, never from a fixed
-drawing: the step as a lane per device (the rows scatter sent it, view or copy, its replica,
-its output, the gather, the loss, the output-gradient rows Gather's backward sent back, or
-for a forward that returns its loss the replica loss's weight, and the reduce-add onto the
-source device), the bytes each device held by kind, the weight
-``loss.mean()`` of the replica losses gives one row (or token) against the exact ``1/B``
-(``1/N``), and each parameter's summed and averaged replica gradient against the full batch's.
-
 ``step_lanes`` and ``step_arrows`` are the diagram as data (what the tests compare with the
-observed chunks); ``explain_figure`` draws them; ``loss_weights_figure`` is the loss panel
-alone, for a ``LossAverageReport``.
+observed chunks); ``explain_figure`` draws them with the other panels, each from the
+``Explanation``'s measured facts, never from a fixed drawing; ``loss_weights_figure`` is the
+loss panel alone, for a ``LossAverageReport``.
 """
 
 from __future__ import annotations

@@ -246,43 +246,17 @@ def _failure_title(failure: FuzzFailure) -> str:
 
 
 def _draw_failure(ax: Axes, failure: FuzzFailure) -> None:
-    """The failing example's compared tensors as bars of error / allowed on a log axis,
-    worst first, the limit at 1; a tensor that could not be compared (missing, another
-    shape) named at the right edge; or, when the check's code raised, the report's first
-    lines."""
-    from matplotlib.transforms import blended_transform_factory
+    """The failing example's compared tensors as ``comparison_figure`` draws them (at most
+    ``FAILURE_BARS``); or, when the check's code raised, the report's first lines."""
+    from dpverify.figures.check import ratio_panel
 
-    from dpverify.core.comparison import worst_first
-
-    ax.set_label("failure")
-    ax.set_title(_failure_title(failure), loc="left", fontsize=10)
     if not failure.tensors:
+        ax.set_label("failure")
+        ax.set_title(_failure_title(failure), loc="left", fontsize=10)
         lines = [line for line in failure.report.splitlines() if line.strip()][:5]
         message_panel(ax, "\n".join(line if len(line) <= 170 else line[:169] + "\u2026" for line in lines))
         return
-    ordered = sorted(failure.tensors, key=worst_first)
-    shown, hidden = ordered[:FAILURE_BARS], ordered[FAILURE_BARS:]
-    measured = [t.ratio for t in shown if t.problem is None and _drawable(t.ratio)]
-    low, high = _span(measured)
-    right = high
-    edge = blended_transform_factory(ax.transAxes, ax.transData)
-    for y, tensor in enumerate(shown):
-        if tensor.problem is not None:
-            ax.text(0.99, y, tensor.problem[:90], transform=edge, ha="right", va="center", fontsize=8, color=COLOURS["fail"])
-            continue
-        if tensor.absent:
-            ax.text(low, y, "no gradient", ha="left", va="center", fontsize=8, color=COLOURS["muted"])
-            continue
-        value = tensor.ratio if _drawable(tensor.ratio) else (right if tensor.ratio == math.inf else low)
-        ax.barh(y, value, left=low, height=0.7, color=COLOURS["pass"] if tensor.ok else COLOURS["fail"], edgecolor="none")
-        label = "exact" if tensor.ratio == 0 else ("inf" if tensor.ratio == math.inf else f"{tensor.ratio:.2g}")
-        ax.text(min(value, right) * 1.15, y, label, ha="left", va="center", fontsize=8, color=COLOURS["limit"])
-    ax.set_yticks(range(len(shown)), [t.name if len(t.name) <= 48 else t.name[:47] + "\u2026" for t in shown], fontsize=8)
-    for tick, tensor in zip(ax.get_yticklabels(), shown, strict=True):
-        tick.set_color(COLOURS["limit"] if tensor.ok else COLOURS["fail"])
-    ax.axvline(1.0, color=COLOURS["limit"], linestyle="--", linewidth=1.2, label="allowed (error = tolerance)")
-    ax.set_xscale("log")
-    ax.set_xlim(low, high * 10)  # room for the last value's label
-    ax.set_ylim(len(shown) - 0.5, -0.5)  # the worst on top
-    more = f"; {len(hidden)} more tensors not drawn, all at or below the last" if hidden else ""
+    ratio_panel(ax, "failure", _failure_title(failure), failure.tensors, FAILURE_BARS)
+    hidden = len(failure.tensors) - FAILURE_BARS
+    more = f"; {hidden} more tensors not drawn, all at or below the last" if hidden > 0 else ""
     ax.set_xlabel(f"error / allowed (log scale; below 1 passes){more}")
