@@ -404,9 +404,8 @@ def _row_shape(name: str, layer: nn.Module) -> tuple[tuple[int, ...], int | None
         return (layer.in_features,), None
     if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)):
         return (_SEQUENCE,), layer.num_embeddings
-    conv = _conv_dims(layer)
-    if conv is not None:
-        return (cast(_ConvNd, layer).in_channels, *_SPATIAL[conv]), None
+    if isinstance(layer, _ConvNd) and len(layer.kernel_size) in _SPATIAL:
+        return (layer.in_channels, *_SPATIAL[len(layer.kernel_size)]), None
     if isinstance(layer, (nn.RNNBase, nn.MultiheadAttention)):
         if not layer.batch_first:
             raise InvalidArgument(
@@ -425,16 +424,6 @@ def _row_shape(name: str, layer: nn.Module) -> tuple[tuple[int, ...], int | None
         f"cannot infer a batch from the first layer, {_describe_layer(name, layer)}; pass "
         "--inputs MODULE:FN where FN(batch_size) returns (inputs, target)"
     )
-
-
-def _conv_dims(layer: nn.Module) -> int | None:
-    if isinstance(layer, (nn.Conv1d, nn.ConvTranspose1d)):
-        return 1
-    if isinstance(layer, (nn.Conv2d, nn.ConvTranspose2d)):
-        return 2
-    if isinstance(layer, (nn.Conv3d, nn.ConvTranspose3d)):
-        return 3
-    return None
 
 
 def _random_batches(shape: tuple[int, ...], integer_high: int | None, seed: int) -> RawBatches:

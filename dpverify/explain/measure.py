@@ -17,6 +17,7 @@ import copy
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from typing import Any, TypeVar, cast
 
 import torch
@@ -872,17 +873,13 @@ def _output_device_gap(
     other = others[-1]
     loss = quiet_size_warnings(_loss_of(batch, sizes, counts))
     with runner.devices(device_ids):
-        steps = [run_step(module, batch.inputs, loss, wrap=_gathering_on(runner, device_ids, out)) for out in (output_device, other)]
+        steps = [run_step(module, batch.inputs, loss, wrap=partial(runner.build, device_ids=device_ids, output_device=out)) for out in (output_device, other)]
     gaps = [
         float((a - b).abs().max())
         for name, a in steps[0].grads.items()
         if a is not None and (b := steps[1].grads.get(name)) is not None
     ]
     return other, max(gaps, default=0.0)
-
-
-def _gathering_on(runner: _Runner, device_ids: list[int], output_device: int) -> Callable[[nn.Module], Any]:
-    return lambda module: runner.build(module, device_ids, output_device)
 
 
 def _split_sizes(batch_size: int, n_devices: int) -> list[int]:

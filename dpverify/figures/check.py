@@ -98,12 +98,6 @@ def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1].rstrip() + ELLIPSIS
 
 
-def _problem_label(problem: str) -> str:
-    """The problem of a tensor that has no ratio (a missing gradient, two shapes), cut short:
-    the field itself, never a number read back out of it."""
-    return _clip(problem, 64)
-
-
 # --------------------------------------------------------------------------- scale
 
 
@@ -171,7 +165,8 @@ def _draw_row(ax: Axes, y: int, row: _Row, floor: float, right: float) -> None:
         # no ratio to draw: a marker at the right edge says what went wrong instead
         edge = blended_transform_factory(ax.transAxes, ax.transData)
         ax.plot([0.995], [y], marker="<", markersize=8, color=fail, transform=edge, clip_on=False)
-        text = _problem_label(tensor.problem) + (f"  ({row.where})" if row.where else "")
+        # the field itself, cut short, never a number read back out of it
+        text = _clip(tensor.problem, 64) + (f"  ({row.where})" if row.where else "")
         # on white, above the limit line it may cross
         ax.text(0.98, y, text, transform=edge, ha="right", va="center", color=fail, fontsize=9, zorder=3, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0})
         return

@@ -98,10 +98,6 @@ def _empty(report: FuzzReport) -> Figure:
     return figure
 
 
-def _colour(outcome: str) -> str:
-    return COLOURS.get(outcome, _MIXED)
-
-
 def _classes(history: Sequence[FuzzExample]) -> list[str]:
     """The outcome classes present, in ``OUTCOMES`` order, then any other (a divergence of
     another module family) by name."""
@@ -125,7 +121,7 @@ def _draw_timeline(ax: Axes, report: FuzzReport) -> None:
         # value is the class's count
         xs = [0.0, *times, end]
         ys = [0, *range(1, len(times) + 1), len(times)]
-        ax.step(xs, ys, where="post", color=_colour(outcome), linewidth=1.8, label=f"{outcome} ({len(times)})")
+        ax.step(xs, ys, where="post", color=COLOURS.get(outcome, _MIXED), linewidth=1.8, label=f"{outcome} ({len(times)})")
         if outcome == "failure":
             _mark_failure(ax, times[0], end)
     ax.set_xlim(0.0, end if end > 0 else 1.0)
