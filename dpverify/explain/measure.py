@@ -1217,20 +1217,14 @@ def _dropped(runner: _Runner, planned: Sequence[tuple[str, int]], chunks: Sequen
         assert chunk.start is not None
         for row in range(chunk.start, chunk.start + chunk.size):
             counts[row] += 1
-    facts = []
     missing = [row for row, count in enumerate(counts) if count == 0]
-    if missing:
-        facts.append(StateFact(
-            "dropped rows", "the batch",
-            f"{_row_list(missing)} ({len(missing)} of {batch_size}) reached no replica: the replicas' forwards received {_chunk_rows(ran)}",
-        ))
     repeated = [row for row, count in enumerate(counts) if count > 1]
-    if repeated:
-        facts.append(StateFact(
-            "repeated rows", "the batch",
-            f"{_row_list(repeated)} reached more than one replica: the replicas' forwards received {_chunk_rows(ran)}",
-        ))
-    return facts
+    found = (
+        ("dropped rows", missing, f" ({len(missing)} of {batch_size}) reached no replica"),
+        ("repeated rows", repeated, " reached more than one replica"),
+    )
+    got = f"the replicas' forwards received {_chunk_rows(ran)}"
+    return [StateFact(kind, "the batch", f"{_row_list(rows)}{what}: {got}") for kind, rows, what in found if rows]
 
 
 def _row_list(rows: Sequence[int]) -> str:
