@@ -1,13 +1,8 @@
 """How close each compared tensor came to its tolerance: ``dpverify check --figure`` and
-``comparison_figure(step_comparison)``.
-
-One horizontal bar per tensor, its length the tensor's ``ratio`` (greatest error over the
-allowed error; below 1 passes) on a log scale, worst first, with the limit at 1 drawn as a
-line: a passing check shows how much room it had, a failing one by how many orders of
-magnitude it missed. Drawn from the structured results only (``TensorComparison``,
-``CheckResult``), never from the text report.
-
-matplotlib is imported inside the functions only: importing this module needs none.
+``comparison_figure(step_comparison)``, one bar of error over allowed error per tensor
+(``TensorComparison.ratio``) on a log scale, worst first, the limit at 1 drawn as a line: a
+passing check shows how much room it had, a failing one by how many orders of magnitude it
+missed.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""``dpverify fuzz --figure``: a fuzzing session drawn from its report's history.
-
-Two panels: the examples over time, counted by outcome (pass, each expected divergence,
-the failure), and how close each example's checks came to their tolerance (its worst
-error/allowed, on a log axis, with the limit at 1). The second answers what a count of
-passes cannot: whether correct scenarios pass by orders of magnitude or scrape by.
-
-matplotlib is imported only while drawing (``dpverify.figures.base``).
+"""``dpverify fuzz --figure``: a fuzzing session drawn from its report's history. How close
+each example's checks came to their tolerance answers what a count of passes cannot:
+whether correct scenarios pass by orders of magnitude or scrape by.
 """
 
 from __future__ import annotations
