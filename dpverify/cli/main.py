@@ -806,8 +806,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(error.__context__, BrokenPipeError):
             # rich turns a closed stdout into SystemExit(1): not the code under test exiting.
             return _closed_pipe()
-        # No command raises SystemExit itself: this one is the user's code asking to exit,
-        # and its status (None and 0 read as success) must not become dpverify's.
         print(f"dpverify {args.command}: {describe_exception(error)}; nothing after it ran", file=sys.stderr)
         frames = user_traceback(error)
         if frames:

@@ -208,10 +208,7 @@ def _lane_title(e: Explanation, device: int) -> str:
 def _draw_cell(ax: Axes, cell: Cell, x: float, y: float) -> None:
     from matplotlib.patches import FancyBboxPatch
 
-    face = {
-        "view": COLOURS["view"], "copy": COLOURS["copy"], "module": COLOURS["module"], "replica": COLOURS["replica"],
-        "gather": COLOURS["gather"], "loss": COLOURS["loss"], "backward": COLOURS["backward"],
-    }.get(cell.kind)
+    face = COLOURS[cell.kind] if cell.kind in ("view", "copy", "module", "replica", "gather", "loss", "backward") else None
     box = FancyBboxPatch(
         (x - 0.46, y - 0.36), 0.92, 0.72, boxstyle="round,pad=0.0,rounding_size=0.08",
         facecolor=(face or "white") if cell.kind != "idle" else "white",
