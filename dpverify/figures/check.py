@@ -267,9 +267,8 @@ def _message(text: str, notes: Sequence[str], suptitle: str | None, label: str) 
     """A figure that says why there are no bars, instead of empty axes."""
     fig = new_figure(1.4 + (0.55 if suptitle else 0.0) + 0.19 * len(notes))
     ax = fig.subplots()
-    ax.set_label(label)
     lines = [text, *(f"- {_clip(note, _NOTE_CHARS)}" for note in notes)]
-    message_panel(ax, "\n".join(lines))
+    message_panel(ax, "\n".join(lines), label)
     if suptitle:
         _suptitle(fig, suptitle)
     return fig

@@ -381,14 +381,12 @@ def explain_figure(e: Explanation) -> Figure:
         if e.loss_average is not None:
             _draw_loss_weights(weights, e.loss_average)
         else:
-            message_panel(weights, _unanswered(e, 4, "Loss weights"))
-            weights.set_label("loss weights")
+            message_panel(weights, _unanswered(e, 4, "Loss weights"), "loss weights")
         grads = bottom.add_subplot()
         if e.grads:
             _draw_grads(grads, e)
         else:
-            message_panel(grads, _unanswered(e, 3, "Gradients"))
-            grads.set_label("gradients")
+            message_panel(grads, _unanswered(e, 3, "Gradients"), "gradients")
         figure.suptitle(f"dpverify explain: {e.model}, {e.parameters:,} parameters ({e.dtype}), loss {e.loss}", fontweight="bold", x=0.01, ha="left")
     return figure
 

@@ -88,8 +88,7 @@ def _title(report: FuzzReport) -> str:
 def _empty(report: FuzzReport) -> Figure:
     figure = new_figure(3.0)
     ax = figure.subplots()
-    ax.set_label("timeline")
-    message_panel(ax, f"{_title(report)}.\nNo example ran, so there is nothing to draw.")
+    message_panel(ax, f"{_title(report)}.\nNo example ran, so there is nothing to draw.", "timeline")
     return figure
 
 
@@ -242,10 +241,9 @@ def _draw_failure(ax: Axes, failure: FuzzFailure) -> None:
     from dpverify.figures.check import ratio_panel
 
     if not failure.tensors:
-        ax.set_label("failure")
         ax.set_title(_failure_title(failure), loc="left", fontsize=10)
         lines = [line for line in failure.report.splitlines() if line.strip()][:5]
-        message_panel(ax, "\n".join(line if len(line) <= 170 else line[:169] + "\u2026" for line in lines))
+        message_panel(ax, "\n".join(line if len(line) <= 170 else line[:169] + "\u2026" for line in lines), "failure")
         return
     ratio_panel(ax, "failure", _failure_title(failure), failure.tensors, FAILURE_BARS)
     hidden = len(failure.tensors) - FAILURE_BARS
