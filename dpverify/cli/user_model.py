@@ -452,8 +452,6 @@ def _returns_loss(module: nn.Module, batch: RawBatch, source: str) -> bool:
         ) from error
     if target is not None:
         return False
-    if isinstance(output, torch.Tensor):
-        return output.dim() == 0
     try:
         return extract_loss(output, -1).dim() == 0
     except InvalidArgument:  # no loss in this output
