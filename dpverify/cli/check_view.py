@@ -247,10 +247,8 @@ def _render_parameters(console: Any, report: ModelCheckReport) -> None:
     where_room = max(8, console.width - chrome - max(map(len, names)) - sum(widths[:-1]))
     table = Table(title="Per-parameter gradient error (worst over checks and splits)", title_justify="left")
     table.add_column("parameter", no_wrap=True, min_width=max(map(len, names)))
-    table.add_column("shape", no_wrap=True)
-    table.add_column("error/allowed", justify="right", no_wrap=True)
-    table.add_column("max |Δ|", justify="right", no_wrap=True)
-    table.add_column("allowed", justify="right", no_wrap=True)
+    for header in headers[:-1]:
+        table.add_column(header, justify="left" if header == "shape" else "right", no_wrap=True)
     table.add_column("where", no_wrap=True, overflow="ellipsis", max_width=where_room)
     for name, (shape, ratio, gap, allowed, where) in zip(names, cells, strict=True):
         table.add_row(name, shape, ratio, gap, allowed, where)

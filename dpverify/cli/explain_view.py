@@ -158,10 +158,8 @@ def _grad_table(e: Explanation, width: int) -> Table | None:
     names = shorten_names([g.parameter for g in e.grads], max(24, width * 2 // 5))
     table = Table(title=f"Gradient: sum vs average of the {plural(e.replicas_used, 'replica gradient')} vs full batch (float64)", box=box.SIMPLE_HEAD, title_justify="left")
     table.add_column("parameter", no_wrap=True, min_width=max(map(len, names), default=0))
-    table.add_column("|full|", justify="right")
-    table.add_column("max |sum - full|", justify="right")
-    table.add_column("max |average - full|", justify="right")
-    table.add_column("|average| / |full|", justify="right")
+    for header in ("|full|", "max |sum - full|", "max |average - full|", "|average| / |full|"):
+        table.add_column(header, justify="right")
     for g, name in zip(e.grads, names, strict=True):
         table.add_row(name, f"{g.full_norm:.4g}", Text(f"{g.sum_error:.2g}", style="green"), Text(f"{g.average_error:.3g}", style="red" if g.average_error > 1e-9 else ""), f"{g.average_ratio:.3g}")
     return table
@@ -189,13 +187,9 @@ def _splits_table(e: Explanation) -> Table:
     n = len(e.device_ids)
     title = f"torch.chunk on {n} devices" if e.wrapper is None else f"{e.wrapper} on {n} devices, measured (rows each replica's forward received)"
     table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
-    table.add_column("batch", justify="right")
-    table.add_column("chunk sizes")
-    table.add_column("replicas", justify="right")
-    table.add_column("idle devices", justify="right")
     notes = any(s.note for s in e.splits)
-    if notes:
-        table.add_column("note")
+    for header in ("batch", "chunk sizes", "replicas", "idle devices", *(["note"] if notes else [])):
+        table.add_column(header, justify="right" if header in ("batch", "replicas", "idle devices") else "left")
     for s in e.splits:
         style = "bold" if s.batch_size == e.batch_size else ""
         cells = [str(s.batch_size), str(list(s.chunk_sizes)) if not s.note else "—", str(len(s.chunk_sizes)) if not s.note else "—", str(s.idle_devices) if not s.note else "—"]
@@ -264,15 +258,13 @@ def render_explanation(console: Console, e: Explanation) -> None:
             console.print(f"not measured for this wrapper: question {', '.join(str(n) for n, _ in e.unanswered)} (the answers say why)", markup=False)
     console.print()
     console.print(_diagram(e))
-    tables: dict[int, RenderableType | None] = {
+    # the table under each answer that has one (None: nothing measured to show)
+    extras: dict[int, RenderableType | None] = {
         3: _grad_table(e, console.width),
         4: _loss_table(e),
         7: _bytes_table(e),
         9: _splits_table(e),
+        10: _state_table(e, console.width),
     }
-    extras: dict[int, RenderableType] = {number: table for number, table in tables.items() if table is not None}
-    state = _state_table(e, console.width)
-    if state is not None:
-        extras[10] = state
     for answer in answers(e):
         console.print(_answer(answer, extras.get(answer.number)))

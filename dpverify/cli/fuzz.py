@@ -1,26 +1,11 @@
 """``dpverify fuzz``: the registry's checks on random scenarios, counted for a live display.
 
-Each example is a ``Scenario`` drawn by Hypothesis, made a ``Case``
-(``Case.from_scenario``) and checked by the checks of ``dpverify.registry.CHECKS``
-that apply to it, as the property suite checks (``tests/test_properties.py``):
-
-- DataParallel (``DP_CHECKS``): the gradients, their sum over replicas, buffers updated in
-  forward (the module keeps replica 0's update), torch's state semantics, and for a loss
-  computed in forward the bias of ``loss.mean()`` (exactly when the chunks are uneven) and
-  the exact n_i/B-weighted reduction;
-- ``--backend ddp`` (``DDP_CHECKS``): the gradients on ``--devices`` ranks, for mean losses;
-- ``--backend fsdp``, ``tp`` or ``pp`` (``SHARDED_CHECKS``): FSDP2, tensor-parallel or
-  pipeline gradients on ``--devices`` ranks, each example a ``ShardedScenario`` with a
-  layout drawn for its model (``dpverify.strategies.sharded_scenarios``);
-- BatchNorm or Dropout in train mode: a check that comes back ``EXPLAINED`` counts as an
-  expected divergence of its module classes, not a failure, and the same check on the
-  eval-mode copy must pass.
-- a model/criterion pair (``--parallel`` with ``--parallel-loss``): the DataParallel checks
-  run with the criterion wrapper too (``Target.parallel_loss``), on models whose loss the
-  criterion computes and mean losses (``_pair_scenarios`` says why).
-- ``--loss``: a built-in name is the only loss drawn; the user's ``MODULE:FN`` replaces the
-  drawn loss (``with_user_loss``) on models with a tensor output and MSE's float target
-  shaped like it; ``--ddp-kwargs`` go to DistributedDataParallel in the DDP checks.
+Each example is a ``Scenario`` drawn by Hypothesis (``scenario_strategy``), made a ``Case``
+(``Case.from_scenario``) and checked by the checks of ``dpverify.registry.CHECKS`` that
+apply to it (``DP_CHECKS``, ``DDP_CHECKS``, ``SHARDED_CHECKS``), as the property suite
+checks (``tests/test_properties.py``). A check that comes back ``EXPLAINED`` (BatchNorm or
+Dropout in train mode) counts as an expected divergence, and must pass on the eval-mode
+copy (``_run_check``).
 
 Failing examples are kept in a Hypothesis example database under ``.dpverify/examples``
 and replayed first next time. A failure is shrunk, printed as a pasteable spec with the
@@ -59,6 +44,7 @@ from dpverify.models.specs import KINDS
 from dpverify.registry import CHECKS, Case, CheckResult, Target, Verdict
 from dpverify.strategies import (
     DeviceList,
+    LossSpec,
     Scenario,
     device_lists,
     loss_specs,
@@ -501,13 +487,14 @@ def scenario_strategy(config: FuzzConfig) -> SearchStrategy[Scenario] | SearchSt
     devices = device_lists(min_devices=least, max_devices=config.devices)
     if config.parallel_loss is not None:
         return _pair_scenarios(devices, config)
-    # One draw in four from the BatchNorm/Dropout kinds, so that a short session meets the
-    # expected divergences too; shrinking still ends on the general draw (the first).
-    if config.loss is None:
-        general = scenarios(devices=devices)
-        return st.one_of(general, general, general, scenarios(models=model_specs(kinds=_DIVERGENT_KINDS), devices=devices))
-    losses = loss_specs(names=_loss_names(config))
-    general = scenarios(models=model_specs(kinds=_loss_kinds(config, KINDS)), devices=devices, losses=losses)
+    return _with_divergent(devices, loss_specs(names=_loss_names(config)), _loss_kinds(config, KINDS))
+
+
+def _with_divergent(devices: SearchStrategy[DeviceList], losses: SearchStrategy[LossSpec], kinds: tuple[str, ...]) -> SearchStrategy[Scenario]:
+    """Scenarios of ``kinds``, and one draw in four from the BatchNorm/Dropout kinds, so that
+    a short session meets the expected divergences too; shrinking still ends on the general
+    draw (the first)."""
+    general = scenarios(models=model_specs(kinds=kinds), devices=devices, losses=losses)
     return st.one_of(general, general, general, scenarios(models=model_specs(kinds=_DIVERGENT_KINDS), devices=devices, losses=losses))
 
 
@@ -531,7 +518,7 @@ def _loss_kinds(config: FuzzConfig, kinds: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(kind for kind in kinds if kind not in _STRUCTURED_KINDS)
 
 
-def _pair_scenarios(devices: SearchStrategy[DeviceList], config: FuzzConfig | None = None) -> SearchStrategy[Scenario]:
+def _pair_scenarios(devices: SearchStrategy[DeviceList], config: FuzzConfig) -> SearchStrategy[Scenario]:
     """The scenarios of a model/criterion pair (``--parallel-loss``): models whose loss the
     criterion computes (not one computed in forward: there is no criterion to wrap), with
     mean losses. The criterion wrapper combines the replicas' losses, each computed on its
@@ -539,11 +526,8 @@ def _pair_scenarios(devices: SearchStrategy[DeviceList], config: FuzzConfig | No
     reduction): the exact combination of per-chunk means (weights n_i/B) is wrong for
     per-chunk sums, which add. So, as DDP's average over ranks, it is fuzzed with mean
     losses; a wrapper that averages uneven chunks still fails on them."""
-    losses = loss_specs(names=_loss_names(config) if config is not None else None, reductions=("mean",))
-    kinds = tuple(kind for kind in KINDS if kind != "loss-head")
-    kinds = _loss_kinds(config, kinds) if config is not None else kinds
-    general = scenarios(models=model_specs(kinds=kinds), devices=devices, losses=losses)
-    return st.one_of(general, general, general, scenarios(models=model_specs(kinds=_DIVERGENT_KINDS), devices=devices, losses=losses))
+    kinds = _loss_kinds(config, tuple(kind for kind in KINDS if kind != "loss-head"))
+    return _with_divergent(devices, loss_specs(names=_loss_names(config), reductions=("mean",)), kinds)
 
 
 def devices_text(config: FuzzConfig) -> str:

@@ -4,13 +4,7 @@ Subcommands: ``verify`` (the built-in models, one line per check), ``fuzz`` (the
 suite's checks on random scenarios), ``check MODULE:FACTORY`` (every check on your model)
 and ``explain [MODULE:FACTORY]`` (the questions of ``docs/questions.md`` answered by measurement).
 
-Exit status (``EXIT_*``, from ``dpverify.cli.exits``): 0 when everything checked passed, 1
-when a check failed (including code under test that raised or called ``sys.exit()`` during a
-check), 2 for a usage error (an argument, user code that cannot be loaded or run to make a
-batch, or a loss that cannot be applied to the model's output on one device: never a failed
-check), 3 when nothing was checked (every check skipped), 130 for an interrupted ``fuzz``.
-Every ``InvalidArgument`` raised while a command runs becomes exit 2 in ``main`` (through
-``dpverify.cli.exits.usage_error``, as ``ddp-selftest`` under torchrun does too).
+Exit statuses: ``dpverify.cli.exits``; ``main`` says which errors become which.
 """
 
 from __future__ import annotations
@@ -68,37 +62,26 @@ DEFAULT_EXPLAIN_MODEL = "embedding"
 # --------------------------------------------------------------------------- verify
 
 
-def _load_parallel(spec: str | None) -> Any:
-    """The ``--parallel`` wrapper, or None for torch's DataParallel.
+#: What the options naming a callable take, for the message when theirs is not callable.
+_CALLABLES = {
+    "--parallel": "a DataParallel-like class or function called as CALLABLE(module, device_ids=..., output_device=...)",
+    "--parallel-loss": "a criterion wrapper called as CALLABLE(criterion, device_ids=..., output_device=...) "
+    "that returns loss(outputs, target)",
+}
+
+
+def _load_callable(spec: str | None, option: str) -> Any:
+    """The callable ``spec`` names (``MODULE:CALLABLE``), or None when it is None.
 
     Raises:
         InvalidArgument: it cannot be imported, or is not callable.
     """
-    return _load_callable(
-        spec, "--parallel",
-        "a DataParallel-like class or function called as CALLABLE(module, device_ids=..., output_device=...)",
-    )
-
-
-def _load_parallel_loss(spec: str | None) -> Any:
-    """The ``--parallel-loss`` criterion wrapper, or None for the plain loss on the output.
-
-    Raises:
-        InvalidArgument: it cannot be imported, or is not callable.
-    """
-    return _load_callable(
-        spec, "--parallel-loss",
-        "a criterion wrapper called as CALLABLE(criterion, device_ids=..., output_device=...) "
-        "that returns loss(outputs, target)",
-    )
-
-
-def _load_callable(spec: str | None, option: str, what: str) -> Any:
     if spec is None:
         return None
     loaded = load_object(spec, option)
     if not callable(loaded):
-        raise InvalidArgument(f"{option} {spec!r} is {type(loaded).__name__}, not callable; pass {what}")
+        what = f"; pass {_CALLABLES[option]}" if option in _CALLABLES else ""
+        raise InvalidArgument(f"{option} {spec!r} is {type(loaded).__name__}, not callable{what}")
     return loaded
 
 
@@ -117,7 +100,7 @@ def _verify(args: argparse.Namespace) -> int:
     unknown = sorted(set(models) - set(VERIFY_MODELS))
     if unknown:
         raise InvalidArgument(f"unknown --models {unknown}; choose from {sorted(VERIFY_MODELS)}")
-    target = Target(parallel=_load_parallel(args.parallel))
+    target = Target(parallel=_load_callable(args.parallel, "--parallel"))
     # every model before any output: a loss that does not fit one is a usage error
     built = {name: _verify_model(name, args) for name in models}
     gpus = cuda_device_count()
@@ -355,14 +338,12 @@ def _fuzz(args: argparse.Namespace) -> int:
             raise InvalidArgument(f"--profile {args.profile!r} is not a Hypothesis profile; try dpverify-dev, dpverify-ci or dpverify-fuzz") from None
     ddp_kwargs = _ddp_kwargs(args, backends=("ddp", "all"))
     loss = _fuzz_loss(args)
-    target = load_object(args.target, "--target") if args.target else None
-    if target is not None and not callable(target):
-        raise InvalidArgument(f"--target {args.target!r} is {type(target).__name__}, not callable")
+    target = _load_callable(args.target or None, "--target")
     figure = _figure_target(args)
     config = FuzzConfig(
         backend=args.backend, devices=args.devices, max_examples=args.max_examples,
         time_budget=args.time_budget, seed=args.seed, profile=args.profile, target=args.target,
-        target_object=target, parallel_loss=args.parallel_loss, parallel_loss_object=_load_parallel_loss(args.parallel_loss),
+        target_object=target, parallel_loss=args.parallel_loss, parallel_loss_object=_load_callable(args.parallel_loss, "--parallel-loss"),
         ddp_kwargs=tuple(sorted((ddp_kwargs or {}).items())), loss=args.loss, loss_object=loss,
     ).with_defaults()
     console = _console(args)
@@ -523,7 +504,7 @@ def _check(args: argparse.Namespace) -> int:
     checks = list(CHECKS) if "all" in args.checks else list(args.checks)
     model = _load_model(args, default=None)
     # planning makes every batch: a batch that cannot be made is a usage error before any output
-    target = Target(parallel=_load_parallel(args.parallel), parallel_loss=_load_parallel_loss(args.parallel_loss), ddp_kwargs=ddp_kwargs)
+    target = Target(parallel=_load_callable(args.parallel, "--parallel"), parallel_loss=_load_callable(args.parallel_loss, "--parallel-loss"), ddp_kwargs=ddp_kwargs)
     plan = plan_checks(
         model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend,
         checks=checks, target=target, dim=args.dim,
@@ -577,7 +558,7 @@ def _explain(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"--output-device {args.output_device} is not one of the devices {ids}; pick one of them")
     if args.ddp and checks_if_available() is None:
         raise InvalidArgument("--ddp: the DDP backend is not available in this build; leave --ddp out for the simulated answer")
-    parallel = _load_parallel(args.parallel)
+    parallel = _load_callable(args.parallel, "--parallel")
     explanation = explain(
         model, batch_size=args.batch, device_ids=ids, output_device=args.output_device, real_ddp=args.ddp,
         parallel=parallel, parallel_name=args.parallel, dim=args.dim,
@@ -825,8 +806,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(error.__context__, BrokenPipeError):
             # rich turns a closed stdout into SystemExit(1): not the code under test exiting.
             return _closed_pipe()
-        # No command raises SystemExit itself: this one is the user's code asking to exit,
-        # and its status (None and 0 read as success) must not become dpverify's.
         print(f"dpverify {args.command}: {describe_exception(error)}; nothing after it ran", file=sys.stderr)
         frames = user_traceback(error)
         if frames:

@@ -52,10 +52,6 @@ class PartlyUsed(nn.Module):
         return output
 
 
-def _bn_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2))
-
-
 def _seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -100,7 +96,7 @@ def _checks(world: int, seed: int) -> list[SelfCheck]:
     x_y = _data(even, seed)
     batches = tuple(((x,), y) for x, y in (_data(even, seed + i) for i in range(3)))
     linear = _seeded(lambda: nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)), seed)
-    bn = _seeded(_bn_model, seed)
+    bn = _seeded(lambda: nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2)), seed)
     summed = functools.partial(F.mse_loss, reduction="sum")
 
     def builtin(name: str, rows: int) -> Case:
@@ -136,10 +132,6 @@ def _verdict(check: SelfCheck, runner: RankRunner) -> tuple[bool | None, str, st
     if result.verdict is Verdict.FAIL and result.scale is not None and abs(result.scale / check.expect_scale - 1) < 1e-3:
         return True, f"DDP grads are {result.scale:.3g} x DP's for a sum loss, as diagnosed", ""
     return False, f"expected DDP grads at {check.expect_scale:.3g} x DP's, got {result.verdict}: {result.summary}", result.detail
-
-
-def _under_torchrun() -> bool:
-    return all(name in os.environ for name in TORCHRUN_VARIABLES)
 
 
 def torchrun_backend() -> str:
@@ -213,7 +205,7 @@ def main_selftest(argv: Sequence[str] | None = None) -> int:
         InvalidArgument: an unusable option (``selftest_command`` makes it exit 2).
     """
     args = _parser().parse_args(argv)
-    if _under_torchrun():
+    if all(name in os.environ for name in TORCHRUN_VARIABLES):
         runner = _join_torchrun_group(args.backend)
         rank = runner.rank
 

@@ -1,21 +1,8 @@
 """A user's model as the command line loads it: the factory, a batch for it, and a loss.
 
-``dpverify check`` and ``dpverify explain`` take ``MODULE:FACTORY``; the factory is called
-with no arguments and returns the ``nn.Module``. The batch comes from ``--inputs
-MODULE:FN`` (``FN(batch_size)`` returns ``(inputs, target)``, ``target`` None when the
-forward computes the loss itself), or is inferred from the first layer that fixes the input
-shape (Linear, Conv, Embedding, batch-first RNN/attention, LayerNorm, BatchNorm). The loss
-is ``--loss NAME`` (a built-in loss), ``--loss MODULE:FN`` (the user's ``FN(output, target)``)
-or inferred: cross-entropy for integer targets, MSE otherwise, and MSE against a fixed random
-target when there is none.
-
-What the loss is applied to (``OutputLoss``): with ``--output-key KEY``, that entry of the
-forward's output (a mapping's key, a namedtuple's field, or a tuple's index); without it, a
-built-in loss takes the tensor itself, a tuple's first element or a mapping's ``"logits"``
-(``dpverify.models.specs.primary_output``), and ``--loss MODULE:FN`` the whole output. The
-loss is tried once on a single-device forward before any check runs: a loss that cannot be
-applied there is a usage error naming ``--loss``, ``--output-key`` or ``--inputs``, never a
-failed check.
+``dpverify check`` and ``dpverify explain`` take ``MODULE:FACTORY`` (``user_model`` says
+how the batch and the loss are made, ``OutputLoss`` what the loss is applied to). The loss
+is tried once on a single-device forward before any check runs (``_try_loss``).
 
 Everything that cannot be used (a malformed spec, a module that fails to import, a factory
 or batch function that raises) is a ``dpverify.InvalidArgument`` naming the option; when the
@@ -417,9 +404,8 @@ def _row_shape(name: str, layer: nn.Module) -> tuple[tuple[int, ...], int | None
         return (layer.in_features,), None
     if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)):
         return (_SEQUENCE,), layer.num_embeddings
-    conv = _conv_dims(layer)
-    if conv is not None:
-        return (cast(_ConvNd, layer).in_channels, *_SPATIAL[conv]), None
+    if isinstance(layer, _ConvNd) and len(layer.kernel_size) in _SPATIAL:
+        return (layer.in_channels, *_SPATIAL[len(layer.kernel_size)]), None
     if isinstance(layer, (nn.RNNBase, nn.MultiheadAttention)):
         if not layer.batch_first:
             raise InvalidArgument(
@@ -438,16 +424,6 @@ def _row_shape(name: str, layer: nn.Module) -> tuple[tuple[int, ...], int | None
         f"cannot infer a batch from the first layer, {_describe_layer(name, layer)}; pass "
         "--inputs MODULE:FN where FN(batch_size) returns (inputs, target)"
     )
-
-
-def _conv_dims(layer: nn.Module) -> int | None:
-    if isinstance(layer, (nn.Conv1d, nn.ConvTranspose1d)):
-        return 1
-    if isinstance(layer, (nn.Conv2d, nn.ConvTranspose2d)):
-        return 2
-    if isinstance(layer, (nn.Conv3d, nn.ConvTranspose3d)):
-        return 3
-    return None
 
 
 def _random_batches(shape: tuple[int, ...], integer_high: int | None, seed: int) -> RawBatches:
@@ -476,8 +452,6 @@ def _returns_loss(module: nn.Module, batch: RawBatch, source: str) -> bool:
         ) from error
     if target is not None:
         return False
-    if isinstance(output, torch.Tensor):
-        return output.dim() == 0
     try:
         return extract_loss(output, -1).dim() == 0
     except InvalidArgument:  # no loss in this output

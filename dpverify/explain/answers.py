@@ -161,7 +161,7 @@ def _answer_loss_once_in_forward(e: Explanation) -> str:
     text = (
         f"No: this forward returns its loss, so each replica computed the loss of its own chunk on its own device, "
         f"and the {plural(e.replicas_used, 'replica loss', 'replica losses')} were gathered into one "
-        f"{_shape(e.output_shape)} vector {where}. The step reduces that vector, weighting replica i by {share} "
+        f"{tuple(e.output_shape)} vector {where}. The step reduces that vector, weighting replica i by {share} "
         f"(the exact reduction, question 4): {e.loss_value:.6g}. "
     )
     if all(w is not None for w in weights):
@@ -184,16 +184,16 @@ def _answer_loss_once(e: Explanation) -> str:
         return (
             f"With one device {runs}: there is no gather, the loss "
             f"({e.loss}) was computed once on device {e.gathered_on} on the whole "
-            f"{_shape(e.output_shape)} output ({e.loss_value:.6g}), and its gradient "
+            f"{tuple(e.output_shape)} output ({e.loss_value:.6g}), and its gradient "
             f"({e.replicas[0].output_grad_rows} {_unit(e, e.replicas[0].output_grad_rows)}) flows straight into the module."
         )
     sizes = [r.output_grad_rows for r in e.replicas]
     if e.gathered_on is None:
-        where = f"into one {_shape(e.output_shape)} output without a gather() call dpverify could see (on which device is not measured)"
+        where = f"into one {tuple(e.output_shape)} output without a gather() call dpverify could see (on which device is not measured)"
         there = "on them"
     else:
         passed = "torch's forward passed to gather" if e.wrapper is None else "the wrapper passed to its gather"
-        where = f"into one {_shape(e.output_shape)} tensor on device {e.gathered_on} (the output_device {passed})"
+        where = f"into one {tuple(e.output_shape)} tensor on device {e.gathered_on} (the output_device {passed})"
         there = "there"
     along = "" if e.dim == 0 else f" along dim {e.dim}"
     return (
@@ -352,25 +352,25 @@ def _answer_vector(e: Explanation) -> str:
     if not e.replicated:
         return (
             f"{moved}On one device DataParallel runs the module itself and returns its scalar "
-            f"loss, shape {_shape(e.one_device_loss_shape or ())}. With several devices Gather "
+            f"loss, shape {tuple(e.one_device_loss_shape or ())}. With several devices Gather "
             f"concatenates one scalar per replica used into a vector (try --devices 4)."
         )
     assert e.returned_loss_shape is not None  # measured, or question 6 is unanswered
     if e.wrapper is not None and e.returned_loss_shape != (e.replicas_used,):
         return (
             f"{moved}Each replica's forward returns a scalar; on {len(e.device_ids)} devices with "
-            f"B={e.batch_size} {e.under_test} returned the loss with shape {_shape(e.returned_loss_shape)} "
-            f"({e.replicas_used} replicas ran). On one device: shape {_shape(e.one_device_loss_shape or ())}."
+            f"B={e.batch_size} {e.under_test} returned the loss with shape {tuple(e.returned_loss_shape)} "
+            f"({e.replicas_used} replicas ran). On one device: shape {tuple(e.one_device_loss_shape or ())}."
         )
     text = (
         f"{moved}Each replica's forward returns a scalar and Gather concatenates what the "
         f"replicas return: on {len(e.device_ids)} devices with B={e.batch_size} the loss came back "
-        f"with shape {_shape(e.returned_loss_shape)}, one entry per replica used (not per device"
+        f"with shape {tuple(e.returned_loss_shape)}, one entry per replica used (not per device"
     )
     text += f": device {_list(list(e.idle_devices))} sat idle)" if e.idle_devices else ")"
     if e.scalar_warning:
         text += ", and torch warned 'Was asked to gather along dimension 0, but all input tensors were scalars'"
-    return text + f". On one device there is no gather: shape {_shape(e.one_device_loss_shape or ())}."
+    return text + f". On one device there is no gather: shape {tuple(e.one_device_loss_shape or ())}."
 
 
 def _answer_memory(e: Explanation) -> str:
@@ -514,7 +514,3 @@ def _ddp_why(e: Explanation) -> str:
         "biased although the shards are equal: each rank's loss is not the mean over its share of the batch "
         "(question 4 measures the replica losses)"
     )
-
-
-def _shape(shape: Sequence[int]) -> str:
-    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"

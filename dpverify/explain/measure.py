@@ -1,25 +1,13 @@
 """``dpverify explain``: the questions people ask about DataParallel, answered by measurement.
 
 One DataParallel step of the given model runs over virtual devices (torch's own
-orchestration code, see ``dpverify.core.virtual``) with hooks that record what each replica
-received and held: whether its chunk is a view of the batch or a copy, whether its
-parameters share storage with the module, its activations, the rows of the output gradient
-that Gather's backward sent it, and its gradient contribution. Further runs measure the
-loss-averaging trap, gradient sum versus average versus the full batch, state lost on
-replicas, the effect of ``output_device``, and what DDP's averaging gives for the same
-chunks.
-
-With ``parallel=`` (``dpverify explain --parallel MODULE:CALLABLE``) every run goes through
-the user's DataParallel-like wrapper instead, built and run inside
-``dpverify.virtual_devices(n)``: the chunks are the rows each replica's forward really
-received (a forward pre-hook, as in the checks), not torch's planned split, and a question
-whose measurement the wrapper cannot take says so (``Explanation.unanswered``) rather than
-reporting torch's numbers as the wrapper's.
+orchestration code, see ``dpverify.core.virtual``), or through the user's wrapper inside
+``dpverify.virtual_devices(n)``, with hooks that record what each replica received, held
+and contributed; further runs take the other measurements ``explain`` lists.
 
 This module only measures: ``explain`` returns an ``Explanation`` (frozen dataclasses of
-facts, JSON-ready). ``dpverify.explain.answers`` turns it into the numbered answers of
-``docs/questions.md``, and ``dpverify.cli.explain_view`` draws both with rich
-(``render_explanation``) or writes them as JSON (``explanation_json``).
+facts, JSON-ready). ``dpverify.explain.answers`` words it, and ``dpverify.cli.explain_view``
+draws both with rich or writes them as JSON.
 """
 
 from __future__ import annotations
@@ -28,7 +16,8 @@ import contextlib
 import copy
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from functools import partial
 from typing import Any, TypeVar, cast
 
 import torch
@@ -515,10 +504,10 @@ def _watch_gather(wrapper: Any, seen: list[int]) -> None:
 class _ReplicaLog(ReplicaRecord):
     placed: int = 0  # the device it is reported on: its own, else the one it stands for
     input_tensors: tuple[tuple[bool, int], ...] = ()  # (is a view of the batch, bytes)
-    shared: int = 0
-    copied: int = 0
-    equal: bool = True
-    leaves: int = 0
+    shared_parameters: int = 0
+    copied_parameters: int = 0
+    equal_to_module: bool = True
+    leaf_parameters: int = 0
     parameter_bytes: int = 0
     output_shape: tuple[int, ...] = ()
     output_grad_rows: int = 0
@@ -590,11 +579,11 @@ class _StepRecorder(ReplicaGradRecorder):
         log = cast(_ReplicaLog, record)
         original = self.originals[name]
         shared = tensor.data_ptr() == original.data_ptr()
-        log.shared += shared
-        log.copied += not shared
+        log.shared_parameters += shared
+        log.copied_parameters += not shared
         log.parameter_bytes += 0 if shared else _nbytes(tensor)
-        log.equal &= bool(torch.equal(tensor.detach(), original.detach()))
-        log.leaves += tensor.is_leaf
+        log.equal_to_module &= bool(torch.equal(tensor.detach(), original.detach()))
+        log.leaf_parameters += tensor.is_leaf
 
     def _on_output(self, replica: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         del replica, args
@@ -760,23 +749,9 @@ def _rows_in_batch(whole: torch.Tensor | None, chunk: torch.Tensor | None, *, ex
 
 
 def _replicas(step: _Step) -> tuple[ReplicaFact, ...]:
-    return tuple(
-        ReplicaFact(
-            replica=i,
-            device=log.placed,
-            shared_parameters=log.shared,
-            copied_parameters=log.copied,
-            equal_to_module=log.equal,
-            leaf_parameters=log.leaves,
-            parameter_bytes=log.parameter_bytes,
-            output_shape=log.output_shape,
-            output_grad_rows=log.output_grad_rows,
-            activation_bytes=log.activation_bytes,
-            grad_bytes=log.grad_bytes,
-            loss_grad=log.loss_grad,
-        )
-        for i, log in enumerate(step.logs)
-    )
+    # the log's fields carry ReplicaFact's names, after its replica index and device
+    names = [f.name for f in fields(ReplicaFact)][2:]
+    return tuple(ReplicaFact(i, log.placed, *(getattr(log, name) for name in names)) for i, log in enumerate(step.logs))
 
 
 def _device_bytes(step: _Step, chunks: Sequence[ChunkFact], device_ids: Sequence[int], output_device: int) -> tuple[DeviceBytes, ...]:
@@ -898,17 +873,13 @@ def _output_device_gap(
     other = others[-1]
     loss = quiet_size_warnings(_loss_of(batch, sizes, counts))
     with runner.devices(device_ids):
-        steps = [run_step(module, batch.inputs, loss, wrap=_gathering_on(runner, device_ids, out)) for out in (output_device, other)]
+        steps = [run_step(module, batch.inputs, loss, wrap=partial(runner.build, device_ids=device_ids, output_device=out)) for out in (output_device, other)]
     gaps = [
         float((a - b).abs().max())
         for name, a in steps[0].grads.items()
         if a is not None and (b := steps[1].grads.get(name)) is not None
     ]
     return other, max(gaps, default=0.0)
-
-
-def _gathering_on(runner: _Runner, device_ids: list[int], output_device: int) -> Callable[[nn.Module], Any]:
-    return lambda module: runner.build(module, device_ids, output_device)
 
 
 def _split_sizes(batch_size: int, n_devices: int) -> list[int]:
@@ -1040,20 +1011,21 @@ def _ddp_fact(module: nn.Module, batch: Batch, device_ids: list[int], sizes: Seq
         scale = max((float(t.abs().max()) for t in b if t.numel()), default=0.0) or 1.0
         return max((float((x - y).abs().max()) for x, y in zip(a, b, strict=True)), default=0.0) / scale
 
-    k = len(sizes)
-    full = grads(lambda n: 1.0, 0, sum(sizes))
-    per_shard = [grads(lambda n: 1.0, s, n) for s, n in zip(starts, sizes, strict=True)]
-    ddp_mean = [torch.stack(parts).sum(0) / k for parts in zip(*per_shard, strict=True)]
+    def dp_and_ddp(loss_scale: Callable[[int], float]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        # the full batch's gradients, and the per-shard ones averaged over the ranks
+        full = grads(loss_scale, 0, sum(sizes))
+        shards = [grads(loss_scale, s, n) for s, n in zip(starts, sizes, strict=True)]
+        return full, [torch.stack(parts).sum(0) / len(sizes) for parts in zip(*shards, strict=True)]
+
+    full, ddp_mean = dp_and_ddp(lambda n: 1.0)
     ratio: float | None = None
     if batch.loss_fn is not None:
-        dp_sum = grads(lambda n: float(n), 0, sum(sizes))
-        shard_sums = [grads(lambda n: float(n), s, n) for s, n in zip(starts, sizes, strict=True)]
-        ddp_sum = [torch.stack(parts).sum(0) / k for parts in zip(*shard_sums, strict=True)]
+        dp_sum, ddp_sum = dp_and_ddp(float)
         norms = sum(float(t.norm()) for t in dp_sum)
         ratio = sum(float(t.norm()) for t in ddp_sum) / norms if norms else None
     fact = DDPFact("simulated", gap(ddp_mean, full), ratio)
     if real_ddp:
-        fact = _measured_ddp(module, given, k, fact, dim)
+        fact = _measured_ddp(module, given, len(sizes), fact, dim)
     return fact
 
 
@@ -1062,11 +1034,11 @@ def _measured_ddp(module: nn.Module, batch: Batch, world_size: int, simulated: D
     from dpverify.registry import CHECKS, Case, Verdict
 
     if checks_if_available() is None:
-        return DDPFact("simulated", simulated.mean_loss_gap, simulated.sum_loss_ratio, "the DDP backend is not available in this build")
+        return replace(simulated, detail="the DDP backend is not available in this build")
     if batch.loss_fn is None:
-        return DDPFact("simulated", simulated.mean_loss_gap, simulated.sum_loss_ratio, "real DDP needs loss_fn(output, target); this forward returns its loss")
+        return replace(simulated, detail="real DDP needs loss_fn(output, target); this forward returns its loss")
     if dim != 0:
-        return DDPFact("simulated", simulated.mean_loss_gap, simulated.sum_loss_ratio, f"the DDP checks shard the batch along dim 0, and this one is split along dim {dim}")
+        return replace(simulated, detail=f"the DDP checks shard the batch along dim 0, and this one is split along dim {dim}")
     case = Case(module, batch.inputs, batch.target, batch.loss_fn, tuple(range(world_size)))
     result = CHECKS["dp-ddp-agree"].run(case)
     if result.verdict is Verdict.PASS:
@@ -1075,7 +1047,7 @@ def _measured_ddp(module: nn.Module, batch: Batch, world_size: int, simulated: D
         detail = f"real DDP on {world_size} ranks gives {result.scale:.6g} times DataParallel's gradients"
     else:
         detail = f"real DDP on {world_size} ranks gives other gradients than DataParallel ({result.summary})"
-    return DDPFact("measured", simulated.mean_loss_gap, simulated.sum_loss_ratio, detail)
+    return replace(simulated, mode="measured", detail=detail)
 
 
 # --------------------------------------------------------------------------- entry
@@ -1245,20 +1217,14 @@ def _dropped(runner: _Runner, planned: Sequence[tuple[str, int]], chunks: Sequen
         assert chunk.start is not None
         for row in range(chunk.start, chunk.start + chunk.size):
             counts[row] += 1
-    facts = []
     missing = [row for row, count in enumerate(counts) if count == 0]
-    if missing:
-        facts.append(StateFact(
-            "dropped rows", "the batch",
-            f"{_row_list(missing)} ({len(missing)} of {batch_size}) reached no replica: the replicas' forwards received {_chunk_rows(ran)}",
-        ))
     repeated = [row for row, count in enumerate(counts) if count > 1]
-    if repeated:
-        facts.append(StateFact(
-            "repeated rows", "the batch",
-            f"{_row_list(repeated)} reached more than one replica: the replicas' forwards received {_chunk_rows(ran)}",
-        ))
-    return facts
+    found = (
+        ("dropped rows", missing, f" ({len(missing)} of {batch_size}) reached no replica"),
+        ("repeated rows", repeated, " reached more than one replica"),
+    )
+    got = f"the replicas' forwards received {_chunk_rows(ran)}"
+    return [StateFact(kind, "the batch", f"{_row_list(rows)}{what}: {got}") for kind, rows, what in found if rows]
 
 
 def _row_list(rows: Sequence[int]) -> str:

@@ -148,8 +148,10 @@ def new_figure(height: float) -> Figure:
     return Figure(figsize=(WIDTH, height), dpi=DPI, layout="constrained")
 
 
-def message_panel(ax: Axes, text: str) -> None:
-    """An axes that says why there is nothing to draw in it, instead of an empty frame."""
+def message_panel(ax: Axes, text: str, label: str) -> None:
+    """An axes, labelled ``label``, that says why there is nothing to draw in it, instead of
+    an empty frame."""
+    ax.set_label(label)
     ax.set_axis_off()
     ax.text(0.0, 0.5, text, transform=ax.transAxes, va="center", ha="left", wrap=True, color=COLOURS["limit"])
 

@@ -1,13 +1,8 @@
 """How close each compared tensor came to its tolerance: ``dpverify check --figure`` and
-``comparison_figure(step_comparison)``.
-
-One horizontal bar per tensor, its length the tensor's ``ratio`` (greatest error over the
-allowed error; below 1 passes) on a log scale, worst first, with the limit at 1 drawn as a
-line: a passing check shows how much room it had, a failing one by how many orders of
-magnitude it missed. Drawn from the structured results only (``TensorComparison``,
-``CheckResult``), never from the text report.
-
-matplotlib is imported inside the functions only: importing this module needs none.
+``comparison_figure(step_comparison)``, one bar of error over allowed error per tensor
+(``TensorComparison.ratio``) on a log scale, worst first, the limit at 1 drawn as a line: a
+passing check shows how much room it had, a failing one by how many orders of magnitude it
+missed.
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ if TYPE_CHECKING:
     from dpverify.planner import ModelCheckReport
     from dpverify.registry import CheckResult
 
-__all__ = ["MAX_BARS", "NAME_WIDTH", "check_figure", "comparison_figure"]
+__all__ = ["MAX_BARS", "NAME_WIDTH", "check_figure", "comparison_figure", "ratio_panel"]
 
 #: The most bars a panel draws; the rest, all below the last drawn, are counted in a line.
 MAX_BARS = 30
@@ -82,10 +77,10 @@ class _Panel:
         return _PANEL + 0.18 * self.title(width).count("\n") + self.inner
 
 
-def _limit(rows: Sequence[_Row]) -> tuple[tuple[_Row, ...], tuple[_Row, ...]]:
-    """The rows worst first: the ``MAX_BARS`` drawn, and the rest."""
+def _limit(rows: Sequence[_Row], most: int = MAX_BARS) -> tuple[tuple[_Row, ...], tuple[_Row, ...]]:
+    """The rows worst first: the ``most`` drawn, and the rest."""
     ordered = sorted(rows, key=lambda row: worst_first(row.tensor))
-    return tuple(ordered[:MAX_BARS]), tuple(ordered[MAX_BARS:])
+    return tuple(ordered[:most]), tuple(ordered[most:])
 
 
 def _wrap(text: str, width: int) -> str:
@@ -96,12 +91,6 @@ def _clip(text: str, width: int) -> str:
     """``text`` in at most ``width`` characters, cut at the end (a sentence, not a name)."""
     text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 1].rstrip() + ELLIPSIS
-
-
-def _problem_label(problem: str) -> str:
-    """The problem of a tensor that has no ratio (a missing gradient, two shapes), cut short:
-    the field itself, never a number read back out of it."""
-    return _clip(problem, 64)
 
 
 # --------------------------------------------------------------------------- scale
@@ -171,7 +160,8 @@ def _draw_row(ax: Axes, y: int, row: _Row, floor: float, right: float) -> None:
         # no ratio to draw: a marker at the right edge says what went wrong instead
         edge = blended_transform_factory(ax.transAxes, ax.transData)
         ax.plot([0.995], [y], marker="<", markersize=8, color=fail, transform=edge, clip_on=False)
-        text = _problem_label(tensor.problem) + (f"  ({row.where})" if row.where else "")
+        # the field itself, cut short, never a number read back out of it
+        text = _clip(tensor.problem, 64) + (f"  ({row.where})" if row.where else "")
         # on white, above the limit line it may cross
         ax.text(0.98, y, text, transform=edge, ha="right", va="center", color=fail, fontsize=9, zorder=3, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0})
         return
@@ -201,6 +191,16 @@ def _title_chars(panels: Sequence[_Panel]) -> int:
     tick label (of any panel: they share it) pushes right."""
     label = max((min(len(row.tensor.name), NAME_WIDTH + 4) for panel in panels for row in panel.rows), default=0)
     return max(int((WIDTH * DPI - 40 - _LABEL_PX * label) / _TITLE_PX), 40)
+
+
+def ratio_panel(ax: Axes, label: str, title: str, tensors: Sequence[TensorComparison], most: int = MAX_BARS) -> None:
+    """One panel of error over allowed error per tensor, worst first, at most ``most``
+    bars, on ``ax`` (labelled ``label``): what ``comparison_figure`` draws, for a figure
+    of its own (``dpverify.figures.fuzz``'s counterexample)."""
+    rows, hidden = _limit([_Row(t) for t in tensors], most)
+    ratios = [row.tensor.ratio for row in rows if row.tensor.problem is None]
+    floor = _floor(ratios)
+    _draw(ax, _Panel(label, (), rows, hidden), title, floor, _xlimits(ratios, floor))
 
 
 def _figure(panels: Sequence[_Panel], notes: Sequence[str], suptitle: str | None) -> Figure:
@@ -267,9 +267,8 @@ def _message(text: str, notes: Sequence[str], suptitle: str | None, label: str) 
     """A figure that says why there are no bars, instead of empty axes."""
     fig = new_figure(1.4 + (0.55 if suptitle else 0.0) + 0.19 * len(notes))
     ax = fig.subplots()
-    ax.set_label(label)
     lines = [text, *(f"- {_clip(note, _NOTE_CHARS)}" for note in notes)]
-    message_panel(ax, "\n".join(lines))
+    message_panel(ax, "\n".join(lines), label)
     if suptitle:
         _suptitle(fig, suptitle)
     return fig

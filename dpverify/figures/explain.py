@@ -1,16 +1,9 @@
 """``dpverify explain --figure``: one measured DataParallel step as a picture.
 
-Four panels, each drawn from the ``Explanation``'s measured facts, never from a fixed
-drawing: the step as a lane per device (the rows scatter sent it, view or copy, its replica,
-its output, the gather, the loss, the output-gradient rows Gather's backward sent back, or
-for a forward that returns its loss the replica loss's weight, and the reduce-add onto the
-source device), the bytes each device held by kind, the weight
-``loss.mean()`` of the replica losses gives one row (or token) against the exact ``1/B``
-(``1/N``), and each parameter's summed and averaged replica gradient against the full batch's.
-
 ``step_lanes`` and ``step_arrows`` are the diagram as data (what the tests compare with the
-observed chunks); ``explain_figure`` draws them; ``loss_weights_figure`` is the loss panel
-alone, for a ``LossAverageReport``.
+observed chunks); ``explain_figure`` draws them with the other panels, each from the
+``Explanation``'s measured facts, never from a fixed drawing; ``loss_weights_figure`` is the
+loss panel alone, for a ``LossAverageReport``.
 """
 
 from __future__ import annotations
@@ -215,10 +208,7 @@ def _lane_title(e: Explanation, device: int) -> str:
 def _draw_cell(ax: Axes, cell: Cell, x: float, y: float) -> None:
     from matplotlib.patches import FancyBboxPatch
 
-    face = {
-        "view": COLOURS["view"], "copy": COLOURS["copy"], "module": COLOURS["module"], "replica": COLOURS["replica"],
-        "gather": COLOURS["gather"], "loss": COLOURS["loss"], "backward": COLOURS["backward"],
-    }.get(cell.kind)
+    face = COLOURS[cell.kind] if cell.kind in ("view", "copy", "module", "replica", "gather", "loss", "backward") else None
     box = FancyBboxPatch(
         (x - 0.46, y - 0.36), 0.92, 0.72, boxstyle="round,pad=0.0,rounding_size=0.08",
         facecolor=(face or "white") if cell.kind != "idle" else "white",
@@ -391,14 +381,12 @@ def explain_figure(e: Explanation) -> Figure:
         if e.loss_average is not None:
             _draw_loss_weights(weights, e.loss_average)
         else:
-            message_panel(weights, _unanswered(e, 4, "Loss weights"))
-            weights.set_label("loss weights")
+            message_panel(weights, _unanswered(e, 4, "Loss weights"), "loss weights")
         grads = bottom.add_subplot()
         if e.grads:
             _draw_grads(grads, e)
         else:
-            message_panel(grads, _unanswered(e, 3, "Gradients"))
-            grads.set_label("gradients")
+            message_panel(grads, _unanswered(e, 3, "Gradients"), "gradients")
         figure.suptitle(f"dpverify explain: {e.model}, {e.parameters:,} parameters ({e.dtype}), loss {e.loss}", fontweight="bold", x=0.01, ha="left")
     return figure
 

@@ -1,11 +1,6 @@
-"""``dpverify fuzz --figure``: a fuzzing session drawn from its report's history.
-
-Two panels: the examples over time, counted by outcome (pass, each expected divergence,
-the failure), and how close each example's checks came to their tolerance (its worst
-error/allowed, on a log axis, with the limit at 1). The second answers what a count of
-passes cannot: whether correct scenarios pass by orders of magnitude or scrape by.
-
-matplotlib is imported only while drawing (``dpverify.figures.base``).
+"""``dpverify fuzz --figure``: a fuzzing session drawn from its report's history. How close
+each example's checks came to their tolerance answers what a count of passes cannot:
+whether correct scenarios pass by orders of magnitude or scrape by.
 """
 
 from __future__ import annotations
@@ -93,13 +88,8 @@ def _title(report: FuzzReport) -> str:
 def _empty(report: FuzzReport) -> Figure:
     figure = new_figure(3.0)
     ax = figure.subplots()
-    ax.set_label("timeline")
-    message_panel(ax, f"{_title(report)}.\nNo example ran, so there is nothing to draw.")
+    message_panel(ax, f"{_title(report)}.\nNo example ran, so there is nothing to draw.", "timeline")
     return figure
-
-
-def _colour(outcome: str) -> str:
-    return COLOURS.get(outcome, _MIXED)
 
 
 def _classes(history: Sequence[FuzzExample]) -> list[str]:
@@ -125,7 +115,7 @@ def _draw_timeline(ax: Axes, report: FuzzReport) -> None:
         # value is the class's count
         xs = [0.0, *times, end]
         ys = [0, *range(1, len(times) + 1), len(times)]
-        ax.step(xs, ys, where="post", color=_colour(outcome), linewidth=1.8, label=f"{outcome} ({len(times)})")
+        ax.step(xs, ys, where="post", color=COLOURS.get(outcome, _MIXED), linewidth=1.8, label=f"{outcome} ({len(times)})")
         if outcome == "failure":
             _mark_failure(ax, times[0], end)
     ax.set_xlim(0.0, end if end > 0 else 1.0)
@@ -246,43 +236,16 @@ def _failure_title(failure: FuzzFailure) -> str:
 
 
 def _draw_failure(ax: Axes, failure: FuzzFailure) -> None:
-    """The failing example's compared tensors as bars of error / allowed on a log axis,
-    worst first, the limit at 1; a tensor that could not be compared (missing, another
-    shape) named at the right edge; or, when the check's code raised, the report's first
-    lines."""
-    from matplotlib.transforms import blended_transform_factory
+    """The failing example's compared tensors as ``comparison_figure`` draws them (at most
+    ``FAILURE_BARS``); or, when the check's code raised, the report's first lines."""
+    from dpverify.figures.check import ratio_panel
 
-    from dpverify.core.comparison import worst_first
-
-    ax.set_label("failure")
-    ax.set_title(_failure_title(failure), loc="left", fontsize=10)
     if not failure.tensors:
+        ax.set_title(_failure_title(failure), loc="left", fontsize=10)
         lines = [line for line in failure.report.splitlines() if line.strip()][:5]
-        message_panel(ax, "\n".join(line if len(line) <= 170 else line[:169] + "\u2026" for line in lines))
+        message_panel(ax, "\n".join(line if len(line) <= 170 else line[:169] + "\u2026" for line in lines), "failure")
         return
-    ordered = sorted(failure.tensors, key=worst_first)
-    shown, hidden = ordered[:FAILURE_BARS], ordered[FAILURE_BARS:]
-    measured = [t.ratio for t in shown if t.problem is None and _drawable(t.ratio)]
-    low, high = _span(measured)
-    right = high
-    edge = blended_transform_factory(ax.transAxes, ax.transData)
-    for y, tensor in enumerate(shown):
-        if tensor.problem is not None:
-            ax.text(0.99, y, tensor.problem[:90], transform=edge, ha="right", va="center", fontsize=8, color=COLOURS["fail"])
-            continue
-        if tensor.absent:
-            ax.text(low, y, "no gradient", ha="left", va="center", fontsize=8, color=COLOURS["muted"])
-            continue
-        value = tensor.ratio if _drawable(tensor.ratio) else (right if tensor.ratio == math.inf else low)
-        ax.barh(y, value, left=low, height=0.7, color=COLOURS["pass"] if tensor.ok else COLOURS["fail"], edgecolor="none")
-        label = "exact" if tensor.ratio == 0 else ("inf" if tensor.ratio == math.inf else f"{tensor.ratio:.2g}")
-        ax.text(min(value, right) * 1.15, y, label, ha="left", va="center", fontsize=8, color=COLOURS["limit"])
-    ax.set_yticks(range(len(shown)), [t.name if len(t.name) <= 48 else t.name[:47] + "\u2026" for t in shown], fontsize=8)
-    for tick, tensor in zip(ax.get_yticklabels(), shown, strict=True):
-        tick.set_color(COLOURS["limit"] if tensor.ok else COLOURS["fail"])
-    ax.axvline(1.0, color=COLOURS["limit"], linestyle="--", linewidth=1.2, label="allowed (error = tolerance)")
-    ax.set_xscale("log")
-    ax.set_xlim(low, high * 10)  # room for the last value's label
-    ax.set_ylim(len(shown) - 0.5, -0.5)  # the worst on top
-    more = f"; {len(hidden)} more tensors not drawn, all at or below the last" if hidden else ""
+    ratio_panel(ax, "failure", _failure_title(failure), failure.tensors, FAILURE_BARS)
+    hidden = len(failure.tensors) - FAILURE_BARS
+    more = f"; {hidden} more tensors not drawn, all at or below the last" if hidden > 0 else ""
     ax.set_xlabel(f"error / allowed (log scale; below 1 passes){more}")
