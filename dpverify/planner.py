@@ -154,6 +154,12 @@ def plan_checks(
     step of a split, which the gradient check leaves for the replica-sum check.
 
     Args:
+        model: the model and its batches.
+        batch_sizes: the batch sizes to check.
+        device_counts: the device counts (DataParallel) or world sizes (DDP).
+        backend: one of ``BACKENDS`` (``"dp"``, ``"ddp"``, ``"fsdp"``, ``"tp"``, ``"pp"``) or
+            ``"all"``.
+        checks: names from ``CHECKS`` to run where they apply.
         splits: ``(batch size, devices)`` pairs to check instead of every batch size on
             every device count.
         target: the code under test (default: torch's DataParallel and DDP).
@@ -265,20 +271,12 @@ def check_model(
     runs, and ``on_result`` its result as it comes.
 
     Args:
-        model: the model and its batches.
-        batch_sizes: the batch sizes to check.
-        device_counts: the device counts (DataParallel) or world sizes (DDP).
-        backend: one of ``BACKENDS`` (``"dp"``, ``"ddp"``, ``"fsdp"``, ``"tp"``, ``"pp"``) or
-            ``"all"``.
-        checks: names from ``CHECKS`` to run where they apply.
-        splits: ``(batch size, devices)`` pairs instead of the cross product.
-        target: the code under test (default: torch's own).
+        model, batch_sizes, device_counts, backend, checks, splits, target, dim: what to
+            check, as in ``plan_checks``.
         on_result: called with each result.
         on_start: called before each check.
         plan: the checks ``plan_checks`` returned for these arguments, when the caller has
             them already (planning makes every batch).
-        dim: the dimension the DataParallel checks split the batch along; batch sizes are
-            rows along it (see ``plan_checks``).
 
     Raises:
         InvalidArgument: the model, its batches or the arguments cannot be checked (the

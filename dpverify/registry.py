@@ -584,31 +584,29 @@ def _sharded(module: str) -> Any:
     return importlib.import_module(f"dpverify.sharded.{module}")
 
 
-def _fsdp_layout(case: Case) -> FSDPLayout:
+def _fsdp(case: Case, target: Target) -> dict[str, Any]:
+    """The FSDP2 helpers' common arguments: the case's layout, the target's step and ranks."""
     layout = case.layout_for("fsdp")
     assert isinstance(layout, FSDPLayout)  # the skip said why otherwise
-    return layout
+    return {
+        "loss_fn": case.loss_fn, "world_size": case.world_size, "step": target.step, "pool": target.pool,
+        "shard_modules": layout.shard_modules, "reshard_after_forward": layout.reshard_after_forward,
+    }
 
 
 def _fsdp_grads(case: Case, target: Target) -> Report:
     assert case.loss_fn is not None
-    layout = _fsdp_layout(case)
     result: StepComparison = _sharded("fsdp").assert_fsdp_grads_match(
-        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
-        step=target.step, pool=target.pool, shard_modules=layout.shard_modules,
-        reshard_after_forward=layout.reshard_after_forward, forward_kwargs=case.forward_kwargs,
+        case.module, case.inputs, case.target, forward_kwargs=case.forward_kwargs, **_fsdp(case, target),
     )
     return result
 
 
 def _fsdp_training(case: Case, target: Target) -> Report:
     assert case.loss_fn is not None
-    layout = _fsdp_layout(case)
     batches, optimizer = _training(case)
     result: StepComparison = _sharded("fsdp").assert_fsdp_training_matches(
-        case.module, batches, loss_fn=case.loss_fn, optimizer=optimizer, world_size=case.world_size,
-        step=target.step, pool=target.pool, shard_modules=layout.shard_modules,
-        reshard_after_forward=layout.reshard_after_forward,
+        case.module, batches, optimizer=optimizer, **_fsdp(case, target),
     )
     return result
 
@@ -641,14 +639,10 @@ def _sharded_skip(backend: str, case: Case) -> str | None:
     """Why a sharded check cannot run on ``case``: no loss function, another dimension,
     too few rows for the ranks that split the batch, or no layout of ``backend`` for the
     model (``Case.layout_for`` says why)."""
-    if (one := _one_rank(case)) is not None:
-        return one
-    if case.loss_fn is None:
-        return "needs loss_fn(output, target); this forward returns its loss"
-    if case.dim != 0:
-        return f"the sharded checks cut the batch along dim 0 (this case splits along dim {case.dim})"
-    if backend == "fsdp":
-        return _ddp_skip(case)
+    # FSDP2 shards the batch over every rank, as DDP does
+    reason = _ddp_skip(case, rows_per_rank=int(backend == "fsdp"), checks="the sharded checks cut")
+    if reason is not None or backend == "fsdp":
+        return reason
     if backend == "pp" and case.forward_kwargs:
         return "the pipeline checks feed the first stage positional inputs; this forward takes keyword arguments"
     layout = case.layout_for(backend)
@@ -690,19 +684,13 @@ def _one_row_chunk_batchnorm(case: Case, sizes: Sequence[int]) -> str | None:
     return None
 
 
-def _one_rank(case: Case) -> str | None:
+def _ddp_skip(case: Case, *, rows_per_rank: int = 1, checks: str = "the DDP checks shard") -> str | None:
     if case.world_size < 2:
         return "nothing runs in parallel on one rank; pass at least 2 devices"
-    return None
-
-
-def _ddp_skip(case: Case, *, rows_per_rank: int = 1) -> str | None:
-    if (one := _one_rank(case)) is not None:
-        return one
     if case.loss_fn is None:
         return "needs loss_fn(output, target); this forward returns its loss"
     if case.dim != 0:
-        return f"the DDP checks shard the batch along dim 0 (this case splits along dim {case.dim})"
+        return f"{checks} the batch along dim 0 (this case splits along dim {case.dim})"
     if case.batch_size < rows_per_rank * case.world_size:
         need = "rows than ranks" if rows_per_rank == 1 else f"rows than {rows_per_rank} per rank"
         return f"fewer {need} ({case.batch_size} < {rows_per_rank * case.world_size})"

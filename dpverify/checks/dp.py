@@ -430,20 +430,25 @@ class Check:
         steps = store.steps
         step_rows = {} if rows is None else rows
 
+        def step(kind: str, dtype: torch.dtype | None, stage: str | None = None, **options: Any) -> StepResult:
+            # Stored only once it ran and proved finite (``stage``: what a non-finite one
+            # is called): a failing step fails every check.
+            if kind not in steps:
+                result = self.run(loss_in(dtype), parallel=False, dtype=dtype, loss_argument=loss_argument, **options)
+                if stage is not None:
+                    _require_finite_step(result, stage)
+                steps[kind] = result
+            return steps[kind]
+
         def split(dtype: torch.dtype | None) -> Callable[[], StepResult | None]:
             # keyed by the split too: the checks of one batch on several device counts share steps
             kind = f"split {dtype} {tuple(self.plan.chunk_sizes)} dim {self.dim}"
 
             def run() -> StepResult | None:
-                if kind not in steps:
-                    try:
-                        result = self.run(loss_in(dtype), parallel=False, dtype=dtype, loss_argument=loss_argument, split=True)
-                    except Exception:  # a module that cannot run chunk by chunk alone: no such sample
-                        return None
-                    if not all(bool(t.isfinite().all()) for t in _step_tensors(result)):
-                        return None
-                    steps[kind] = result
-                return steps[kind]
+                try:
+                    return step(kind, dtype, "chunk-by-chunk single-device", split=True)
+                except Exception:  # a module that cannot run chunk by chunk alone, or not finite: no such sample
+                    return None
 
             return run
 
@@ -462,53 +467,22 @@ class Check:
                 expected, anchor, probe, jitter, settle, splits=splits, shared=store, rows=step_rows,
             )
 
-        def step(kind: str, run: Callable[[], StepResult]) -> StepResult:
-            # Stored only once it ran and proved finite: a failing step fails every check.
-            if kind not in steps:
-                steps[kind] = run()
-            return steps[kind]
-
-        def expected_step() -> StepResult:
-            result = self.run(loss_in(None), parallel=False, loss_argument=loss_argument)
-            _require_finite_step(result, "single-device")
-            return result
-
-        expected = step("expected", expected_step)
+        expected = step("expected", None, "single-device")
         if self.tolerance.explicit:
             return made(expected)
-
-        def anchor_step() -> StepResult:
-            result = self.run(
-                loss_in(torch.float64), parallel=False, dtype=torch.float64, loss_argument=loss_argument,
-                measure_terms=True,
-            )
-            _require_finite_step(result, "float64 single-device")
-            return result
-
-        anchor = step("anchor", anchor_step)
+        anchor = step("anchor", torch.float64, "float64 single-device", measure_terms=True)
         if self.dtype == torch.float64:
-            probe = step("probe", lambda: self.run(loss_in(torch.float32), parallel=False, dtype=torch.float32, loss_argument=loss_argument))
-            jitter = step("jitter", lambda: self.run(
-                loss_in(torch.float64), parallel=False, dtype=torch.float64, loss_argument=loss_argument,
-                jitter=_JITTER,
-            ))
+            probe = step("probe", torch.float32)
+            jitter = step("jitter", torch.float64, jitter=_JITTER)
             return made(expected, anchor, probe, jitter)
-
-        def settle_step() -> StepResult:
-            # Parameters one unit in the last place off: how far rounding alone moves this step.
-            result = self.run(
-                loss_in(None), parallel=False, loss_argument=loss_argument,
-                jitter=torch.finfo(self.dtype).eps,
-            )
-            _require_finite_step(result, "jittered single-device")
-            return result
-
         if divergence_sources(self.module):
             # A mismatch of this module lists those sources as its likely cause, and
             # ``dpverify check`` explains it: a second sample of the rounding would not
             # change what the check reports.
             return made(expected, anchor)
-        return made(expected, anchor, settle=lambda: step("settle", settle_step))
+        # Parameters one unit in the last place off: how far rounding alone moves this step.
+        eps = torch.finfo(self.dtype).eps
+        return made(expected, anchor, settle=lambda: step("settle", None, "jittered single-device", jitter=eps))
 
     def compare(self, actual: StepResult, refs: References, *, outputs: bool = True) -> list[TensorComparison]:
         """Outputs (when asked), the loss, and every parameter's gradient."""
@@ -553,22 +527,22 @@ class Check:
             refs.rows[slot] = (actual, result)
             return result
 
-        def compare(settled: bool) -> TensorComparison:
+        def compare(sample: torch.Tensor | None) -> TensorComparison:
             # The references' tensors of ``key`` are the same objects for every row of
             # every check that shares them: what the rule derives from them is derived once.
             return compare_tensors(
                 which, actual, refs.keyed(key), refs.keyed(key, "anchor"), self.tolerance, refs.keyed(key, "probe"),
-                terms, refs.keyed(key, "settled" if settled else "jitter"), derived=refs.shared.derived,
+                terms, sample, derived=refs.shared.derived,
             )
 
-        result = compare(False)
+        result = compare(refs.keyed(key, "jitter"))
         if result.ok or result.problem is not None or contrast:
             return result
         if refs.settle is not None:
             # A tensor that fails against one sample of the single-device rounding gets a
             # second sample before it is called a mismatch: ill-conditioned computations
             # round with heavy tails. Passing checks never pay for this step.
-            result = compare(True)
+            result = compare(refs.keyed(key, "settled"))
             if result.ok:
                 return result
         sample = refs.split_sample(key, self.dtype)
@@ -577,10 +551,7 @@ class Check:
         # The last sample: the step run chunk by chunk as the parallel split runs it, where
         # its distance from the full batch is rounding (``References.split_sample``).
         # Batch-size-dependent kernels round each chunk differently from the full batch.
-        split_result = compare_tensors(
-            which, actual, refs.keyed(key), refs.keyed(key, "anchor"), self.tolerance,
-            refs.keyed(key, "probe"), terms, sample, derived=refs.shared.derived,
-        )
+        split_result = compare(sample)
         return split_result if split_result.ok else result
 
     def replica_failures(self, ran: int, *, lost: str | None = None) -> list[str]:
@@ -820,12 +791,6 @@ def _largest(tensor: torch.Tensor) -> float:
     return float(values.abs().max()) if values.numel() else 0.0
 
 
-def _step_tensors(step: StepResult) -> list[torch.Tensor]:
-    return [t for _, t in step.outputs if t.is_floating_point()] + [step.loss] + [
-        g for g in step.grads.values() if g is not None
-    ]
-
-
 class _Split:
     """The ``wrap`` of a step that runs the module alone, one chunk of the parallel split at
     a time: every batched tensor argument split along ``dim`` into ``sizes``, the outputs
@@ -863,25 +828,9 @@ def _require_finite_step(step: StepResult, stage: str) -> None:
         require_finite(TensorId("grad", name), grad, stage)
 
 
-@dataclass(frozen=True)
-class _LeftStep:
-    """A parallel step the gradient check left for the replica-sum check of the same split
-    and wrapper (``SharedSteps.leave``), with the comparisons of its own tensors."""
-
-    split: tuple[Any, ...]
-    parallel: object
-    parallel_loss: object
-    step: StepResult
-    rows: dict[Any, Any]
-
-    def fits(self, check: Check) -> bool:
-        return (
-            self.split == _split_of(check) and self.parallel is check.parallel and self.parallel_loss is check.parallel_loss
-        )
-
-
 def _split_of(check: Check) -> tuple[Any, ...]:
-    return (tuple(check.device_ids), check.output_device, check.dim)
+    """What a parallel step ran: the split, and the wrappers."""
+    return (tuple(check.device_ids), check.output_device, check.dim, check.parallel, check.parallel_loss)
 
 
 @dataclass
@@ -911,7 +860,7 @@ class SharedSteps:
     steps: dict[str, StepResult] = field(default_factory=dict)
     picked: dict[tuple[Key, str], torch.Tensor | None] = field(default_factory=dict)
     derived: Derived = field(default_factory=dict)
-    left: _LeftStep | None = None
+    left: tuple[tuple[Any, ...], StepResult, dict[Any, Any]] | None = None
     device: torch.device | None = None
     dtype: torch.dtype | None = None
 
@@ -926,15 +875,15 @@ class SharedSteps:
 
     def leave(self, check: Check, step: StepResult, rows: dict[Any, Any]) -> None:
         """Leaves ``check``'s parallel step for the next check that ``take``s it."""
-        self.left = _LeftStep(_split_of(check), check.parallel, check.parallel_loss, step, rows)
+        self.left = (_split_of(check), step, rows)
 
     def take(self, check: Check) -> tuple[StepResult | None, dict[Any, Any]]:
         """The parallel step left by a check of the same split through the same wrappers
         (and the comparisons made of its tensors), or None; none is left afterwards."""
         left, self.left = self.left, None
-        if left is None or not left.fits(check):
+        if left is None or left[0] != _split_of(check):
             return None, {}
-        return left.step, left.rows
+        return left[1], left[2]
 
 
 def _steps(
@@ -1087,11 +1036,13 @@ def grads_match(check: Check, loss_fn: LossFn, target: Any, shared: SharedSteps 
     parallel_step, refs = _steps(check, loss_fn, target, shared, take=False)
     title = "DataParallel outputs and gradients must match the single-device step"
     rows = check.compare(parallel_step, refs)
-    failures = check.replica_failures(len(parallel_step.contributions), lost=_lost_chunks(check, parallel_step, refs)) + _gathered_elsewhere(check, parallel_step)
+    ran = len(parallel_step.contributions)
+    lost = _lost_chunks(check, parallel_step, refs)
+    failures = check.replica_failures(ran, lost=lost) + _gathered_elsewhere(check, parallel_step)
     failed = bool(failures) or not all(row.ok for row in rows)
     notes, scale = _diagnose(check, parallel_step, refs, loss_fn, target) if failed else ([], None)
-    lost = _lost_chunks(check, parallel_step, refs) if failed and len(parallel_step.contributions) >= 2 else None
-    notes = [*_per_replica_note(parallel_step, refs.expected), *([lost] if lost else []), *_differing_rows(check, parallel_step, refs, rows), *notes]
+    lost_note = [lost] if lost and failed and ran >= 2 else []
+    notes = [*_per_replica_note(parallel_step, refs.expected), *lost_note, *_differing_rows(check, parallel_step, refs, rows), *notes]
     return check.outcome(title, rows, notes=notes, failures=failures, scale=scale, step=parallel_step)
 
 
@@ -1101,7 +1052,7 @@ _MOST_ROWS = 4096
 _MOST_ELEMENTS = 1 << 24
 
 
-def _lost_chunks(check: Check, step: StepResult, refs: References | None) -> str | None:
+def _lost_chunks(check: Check, step: StepResult, refs: References) -> str | None:
     """A sentence when the replica forwards received fewer rows than the batch holds (None
     otherwise): which of torch's chunks never ran, named by the rows of the single-device
     output that the parallel output holds, or else by the rows the forwards received."""
@@ -1111,7 +1062,7 @@ def _lost_chunks(check: Check, step: StepResult, refs: References | None) -> str
     if not received or sum(received) >= batch:
         return None
     forwards = f"The replica forward{'s' if len(received) != 1 else ''} received {received} rows, {sum(received)} of {batch}"
-    found = _rows_held(check, step, refs, sum(received)) if refs is not None else None
+    found = _rows_held(check, step, refs, sum(received))
     if found is None:
         return (
             f"{forwards}: {batch - sum(received)} rows never reached a replica (torch's scatter makes chunks "
@@ -1143,16 +1094,22 @@ def _rows_held(check: Check, step: StepResult, refs: References, count: int) -> 
             continue
         if got.size(check.dim) != count or reference.size(check.dim) != batch or reference.numel() > _MOST_ELEMENTS:
             continue
-        a = got.detach().movedim(check.dim, 0).reshape(count, -1).double().cpu()
-        e = reference.detach().movedim(check.dim, 0).reshape(batch, -1).double().cpu()
-        if a.shape[1] != e.shape[1]:
-            continue
-        nearest = torch.cdist(a, e).min(dim=1)
-        rows = nearest.indices.tolist()
-        scale = float(e.abs().max()) or 1.0
-        if len(set(rows)) == len(rows) and float(nearest.values.max()) <= 1e-3 * scale:
-            return list(rows)
+        nearest = _nearest_rows(got, reference, check.dim)
+        if nearest is not None and len(set(nearest[0])) == count and nearest[1] <= 1e-3:
+            return nearest[0]
     return None
+
+
+def _nearest_rows(actual: torch.Tensor, expected: torch.Tensor, dim: int) -> tuple[list[int], float] | None:
+    """For each row of ``actual`` along ``dim``, the nearest row of ``expected``, and the
+    greatest of those distances relative to ``expected``'s largest entry; None when the
+    rows have different sizes."""
+    a, e = (t.detach().movedim(dim, 0).double().cpu() for t in (actual, expected))
+    a, e = a.reshape(a.shape[0], -1), e.reshape(e.shape[0], -1)
+    if a.shape[1] != e.shape[1]:
+        return None
+    nearest = torch.cdist(a, e).min(dim=1)
+    return nearest.indices.tolist(), float(nearest.values.max()) / (float(e.abs().max()) or 1.0)
 
 
 def _diagnose(
@@ -1281,15 +1238,10 @@ def _reordered(path: str, actual: torch.Tensor, expected: torch.Tensor | None, d
     order (a gather that concatenates the replicas' outputs out of order)."""
     if expected is None or actual.shape != expected.shape or not -actual.dim() <= dim < actual.dim():
         return None
-    actual, expected = actual.movedim(dim, 0), expected.movedim(dim, 0)
-    if not 1 < actual.shape[0] <= 4096:
+    if not 1 < actual.shape[dim] <= 4096:
         return None
-    a = actual.detach().reshape(actual.shape[0], -1).double().cpu()
-    e = expected.detach().reshape(expected.shape[0], -1).double().cpu()
-    nearest = torch.cdist(a, e).min(dim=1)
-    scale = float(e.abs().max()) or 1.0
-    order = nearest.indices.tolist()
-    if sorted(order) != list(range(len(order))) or order == sorted(order) or float(nearest.values.max()) > 1e-4 * scale:
+    order, distance = _nearest_rows(actual, expected, dim) or ([], 0.0)
+    if sorted(order) != list(range(len(order))) or order == sorted(order) or distance > 1e-4:
         return None
     return (
         f"The rows of {path} are the single-device rows in another order ({order}): the "

@@ -237,11 +237,6 @@ def _per_call(per_call_kwargs: PerCall | None, devices: int, forward_kwargs: Map
     return dict(given)
 
 
-def _require_reduce(reduce: Reduce) -> None:
-    if not callable(reduce):
-        raise InvalidArgument(f"reduce={reduce!r} is not callable; pass reduce(replica_losses, chunk_sizes) -> scalar")
-
-
 def _require_items(items: Items | None) -> None:
     if items is not None:
         require_callable(items, "items", "items(args, kwargs) -> the number of items (rows, tokens) one chunk's loss averages over")
@@ -402,26 +397,17 @@ class LossAverageReport:
             f"chunk sizes {list(self.chunk_sizes)}, {k} replica{'s' if k != 1 else ''} used.",
         ]
         if self.normalizer:
-            lines += [
+            lines.append(
                 f"Each replica divided its summed loss by the {self.normalizer} it was given: "
-                f"{self._given_text}; the single-device call divides by {self._full_text}.",
-                f"Each replica returned: [{losses}].",
-                f"loss.mean() of those      = {self.mean_of_means:.8g}",
-            ]
+                f"{self._given_text}; the single-device call divides by {self._full_text}."
+            )
         elif self.by_tokens:
-            lines += [
-                f"Each replica's loss is a mean over its {self._noun}: {self.counted}, "
-                f"{sum(self.counts)} in all.",
-                f"Each replica returned its own chunk's mean loss: [{losses}].",
-                f"loss.mean() of those      = {self.mean_of_means:.8g}",
-                f"item-weighted sum(t_i/T)  = {self.weighted_mean:.8g}",
-            ]
-        else:
-            lines += [
-                f"Each replica returned its own chunk's mean loss: [{losses}].",
-                f"loss.mean() of those      = {self.mean_of_means:.8g}",
-                f"chunk-weighted sum(n_i/B) = {self.weighted_mean:.8g}",
-            ]
+            lines.append(f"Each replica's loss is a mean over its {self._noun}: {self.counted}, {sum(self.counts)} in all.")
+        returned = "Each replica returned" if self.normalizer else "Each replica returned its own chunk's mean loss"
+        lines += [f"{returned}: [{losses}].", f"loss.mean() of those      = {self.mean_of_means:.8g}"]
+        if not self.normalizer:
+            weighted = "item-weighted sum(t_i/T) " if self.by_tokens else "chunk-weighted sum(n_i/B)"
+            lines.append(f"{weighted} = {self.weighted_mean:.8g}")
         lines.append(f"full-batch loss           = {self.full_batch_loss:.8g}")
         if self.empty_replicas:
             return "\n".join(lines + self._empty_lines(list(self.empty_replicas)))
@@ -527,10 +513,13 @@ class LossAverageReport:
             "between replicas, or a forward that depends on the whole batch (BatchNorm) or "
             "on randomness (dropout) does this."
         )
+        uneven_why = (
+            f"Why: the chunks are uneven, so loss.mean() gives each sample of replica i the "
+            f"weight 1/(k*n_i) = [{weights}] instead of 1/B = 1/{self.batch_size}"
+        )
         if uneven and self.weighted_is_exact:
             return [
-                f"Why: the chunks are uneven, so loss.mean() gives each sample of replica i the "
-                f"weight 1/(k*n_i) = [{weights}] instead of 1/B = 1/{self.batch_size}.",
+                f"{uneven_why}.",
                 "Fix: weight each replica's loss by n_i/B (sum(loss_i * n_i) / B), or return "
                 "per-sample (or summed) losses from forward and reduce after the gather.",
             ]
@@ -540,12 +529,7 @@ class LossAverageReport:
             "replica losses cannot make them exact."
         )
         if uneven:
-            return [
-                f"Why: the chunks are uneven, so loss.mean() gives each sample of replica i the "
-                f"weight 1/(k*n_i) = [{weights}] instead of 1/B = 1/{self.batch_size}; and "
-                f"{not_means}",
-                fix,
-            ]
+            return [f"{uneven_why}; and {not_means}", fix]
         if not self.weighted_is_exact:
             return [
                 f"Why: the chunks {list(self.chunk_sizes)} are equal, so loss.mean() weights "
@@ -914,7 +898,7 @@ def assert_loss_reduction_matches_full_batch(
             wrapper ran fewer than two replica forwards where the split calls for more.
     """
     __tracebackhide__ = True
-    _require_reduce(reduce)
+    require_callable(reduce, "reduce", "reduce(replica_losses, chunk_sizes) -> scalar")
     check = Check.create(
         module, inputs, device_ids=device_ids, parallel=parallel, rtol=rtol, atol=atol,
         forward_kwargs=forward_kwargs, dim=dim,
@@ -927,7 +911,7 @@ def reduction_matches(
 ) -> StepComparison:
     """``assert_loss_reduction_matches_full_batch`` on a built ``check``, returning its
     comparison whatever it found."""
-    _require_reduce(reduce)
+    require_callable(reduce, "reduce", "reduce(replica_losses, chunk_sizes) -> scalar")
     module = check.module
     _require_items(items)
     sizes = list(check.plan.chunk_sizes)

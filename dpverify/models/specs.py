@@ -15,6 +15,7 @@ batch of them as data, and a ``TokenScenario`` puts one on devices with such a h
 from __future__ import annotations
 
 from collections import namedtuple
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from torch import nn
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.items import IGNORE_INDEX
+from dpverify.core.scatter import chunk_sizes
 
 __all__ = [
     "ACTIVATIONS",
@@ -486,6 +488,10 @@ def primary_output(output: Any) -> torch.Tensor:
 #: Loss functions, simplest first.
 LOSSES: tuple[str, ...] = ("mse", "l1", "smooth_l1", "cross_entropy", "nll", "bce_with_logits")
 CLASSIFICATION_LOSSES = ("cross_entropy", "nll")
+_LOSS_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss, "cross_entropy": F.cross_entropy,
+    "bce_with_logits": F.binary_cross_entropy_with_logits,
+}
 
 
 @dataclass(frozen=True)
@@ -507,18 +513,9 @@ class LossSpec:
 
     def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         logits = primary_output(output)
-        r = self.reduction
-        if self.name == "mse":
-            return F.mse_loss(logits, target, reduction=r)
-        if self.name == "l1":
-            return F.l1_loss(logits, target, reduction=r)
-        if self.name == "smooth_l1":
-            return F.smooth_l1_loss(logits, target, reduction=r)
-        if self.name == "cross_entropy":
-            return F.cross_entropy(logits, target, reduction=r)
         if self.name == "nll":
-            return F.nll_loss(F.log_softmax(logits, dim=-1), target, reduction=r)
-        return F.binary_cross_entropy_with_logits(logits, target, reduction=r)
+            return F.nll_loss(F.log_softmax(logits, dim=-1), target, reduction=self.reduction)
+        return _LOSS_FUNCTIONS[self.name](logits, target, reduction=self.reduction)
 
     def target(self, batch: int, outputs: int, seed: int = 0) -> torch.Tensor:
         """A target batch for ``(batch, outputs)`` logits, drawn from ``seed``."""
@@ -569,8 +566,6 @@ class Scenario:
 
     @property
     def chunk_sizes(self) -> list[int]:
-        from dpverify.core.scatter import chunk_sizes
-
         return chunk_sizes(self.batch_size, len(self.devices.device_ids))
 
     def build(self) -> BuiltScenario:
@@ -660,8 +655,6 @@ class TokenBatch:
     def chunk_counts(self, n_devices: int, causal: bool = False) -> list[int]:
         """The tokens a mean loss counts in each chunk DataParallel gives ``n_devices``
         devices (torch.chunk's rule; can be fewer chunks than devices)."""
-        from dpverify.core.scatter import chunk_sizes
-
         per_row, counts, start = self.counted(causal), [], 0
         for size in chunk_sizes(self.rows, n_devices):
             counts.append(sum(per_row[start:start + size]))
@@ -721,8 +714,6 @@ class TokenScenario:
 
     @property
     def chunk_sizes(self) -> list[int]:
-        from dpverify.core.scatter import chunk_sizes
-
         return chunk_sizes(self.batch.rows, len(self.devices.device_ids))
 
     @property
