@@ -132,11 +132,9 @@ class Case:
         layout: how the sharded checks lay the model out (``FSDPLayout``, ``TPLayout``,
             ``PipelineLayout``); a check whose backend has no layout here derives one
             (``dpverify.models.layouts.default_layout``), or skips saying why.
-        steps: the steps the DataParallel gradient checks of this module, batch and loss
-            share (``SharedSteps``: the single-device references, and the parallel step
-            the gradient check leaves for the replica-sum check of the same split), given
-            by whoever groups them (``dpverify.planner.plan_checks``: one per batch, for
-            every device count); None: each check runs its own.
+        steps: the ``SharedSteps`` of the DataParallel gradient checks of this module,
+            batch and loss (``dpverify.planner.plan_checks`` gives one per batch); None:
+            each check runs its own.
     """
 
     module: nn.Module
@@ -541,39 +539,34 @@ def _ddp() -> Any:
     return checks
 
 
-def _ddp_helper(name: str, *, takes_step: bool = True, **options: Any) -> Body:
-    """A body calling ``dpverify.ddp.checks.<name>`` on the case's batch (its positional
-    and keyword forward arguments, sharded alike), over its world size, with the target's
-    ranks and DDP options (and its per-rank step, where the helper takes one)."""
+def _on_ranks(
+    helper: Callable[..., StepComparison], case: Case, target: Target, *, training: bool = False, **options: Any,
+) -> Report:
+    """``helper``, a DDP or sharded assertion, on the case's model over its world size and
+    the target's ranks: on the case's batch and target, or, ``training``, on the training
+    checks' batches (the case's batch ``TRAINING_STEPS`` times unless it has its own) with
+    its optimizer factory (SGD with momentum unless it has its own)."""
+    assert case.loss_fn is not None
+    data: tuple[Any, ...] = (case.inputs, case.target)
+    if training:
+        data = (list(case.batches or ((case.inputs, case.target),) * TRAINING_STEPS),)
+        options["optimizer"] = case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    return helper(case.module, *data, loss_fn=case.loss_fn, world_size=case.world_size, pool=target.pool, **options)
+
+
+def _ddp_helper(name: str, *, takes_step: bool = True, training: bool = False, **options: Any) -> Body:
+    """A body calling ``dpverify.ddp.checks.<name>`` (``_on_ranks``) with the target's DDP
+    options, the case's keyword forward arguments (sharded with the batch; in training, given
+    to every batch's forward) and the target's per-rank step, where the helper takes one."""
 
     def body(case: Case, target: Target) -> Report:
-        assert case.loss_fn is not None
         step = {"step": target.step} if takes_step else {}
-        result: StepComparison = getattr(_ddp(), name)(
-            case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
-            pool=target.pool, ddp_kwargs=target.ddp_kwargs, forward_kwargs=case.forward_kwargs, **step, **options,
+        return _on_ranks(
+            getattr(_ddp(), name), case, target, training=training, ddp_kwargs=target.ddp_kwargs,
+            forward_kwargs=case.forward_kwargs, **step, **options,
         )
-        return result
 
     return body
-
-
-def _training(case: Case) -> tuple[list[tuple[Any, Any]], Callable[..., torch.optim.Optimizer]]:
-    """The training checks' batches (the case's batch, ``TRAINING_STEPS`` times, unless it
-    has its own) and optimizer factory (SGD with momentum unless it has its own)."""
-    batches = case.batches or ((case.inputs, case.target),) * TRAINING_STEPS
-    return list(batches), case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
-
-
-def _ddp_training(case: Case, target: Target) -> Report:
-    assert case.loss_fn is not None
-    batches, optimizer = _training(case)
-    # the case's keyword arguments go to every batch's forward
-    result: StepComparison = _ddp().assert_ddp_training_matches(
-        case.module, batches, loss_fn=case.loss_fn, optimizer=optimizer, world_size=case.world_size,
-        step=target.step, pool=target.pool, ddp_kwargs=target.ddp_kwargs, forward_kwargs=case.forward_kwargs,
-    )
-    return result
 
 
 def _sharded(module: str) -> Any:
@@ -584,55 +577,40 @@ def _sharded(module: str) -> Any:
     return importlib.import_module(f"dpverify.sharded.{module}")
 
 
-def _fsdp(case: Case, target: Target) -> dict[str, Any]:
-    """The FSDP2 helpers' common arguments: the case's layout, the target's step and ranks."""
+def _fsdp_options(case: Case, target: Target) -> dict[str, Any]:
+    """The FSDP2 helpers' layout of the case, and the target's per-rank step."""
     layout = case.layout_for("fsdp")
     assert isinstance(layout, FSDPLayout)  # the skip said why otherwise
-    return {
-        "loss_fn": case.loss_fn, "world_size": case.world_size, "step": target.step, "pool": target.pool,
-        "shard_modules": layout.shard_modules, "reshard_after_forward": layout.reshard_after_forward,
-    }
+    return {"step": target.step, "shard_modules": layout.shard_modules, "reshard_after_forward": layout.reshard_after_forward}
 
 
 def _fsdp_grads(case: Case, target: Target) -> Report:
-    assert case.loss_fn is not None
-    result: StepComparison = _sharded("fsdp").assert_fsdp_grads_match(
-        case.module, case.inputs, case.target, forward_kwargs=case.forward_kwargs, **_fsdp(case, target),
-    )
-    return result
+    options = _fsdp_options(case, target)
+    return _on_ranks(_sharded("fsdp").assert_fsdp_grads_match, case, target, forward_kwargs=case.forward_kwargs, **options)
 
 
 def _fsdp_training(case: Case, target: Target) -> Report:
-    assert case.loss_fn is not None
-    batches, optimizer = _training(case)
-    result: StepComparison = _sharded("fsdp").assert_fsdp_training_matches(
-        case.module, batches, optimizer=optimizer, **_fsdp(case, target),
-    )
-    return result
+    options = _fsdp_options(case, target)
+    return _on_ranks(_sharded("fsdp").assert_fsdp_training_matches, case, target, training=True, **options)
 
 
 def _tp_grads(case: Case, target: Target) -> Report:
-    assert case.loss_fn is not None
     layout = case.layout_for("tp")
     assert isinstance(layout, TPLayout)
     plan = target.plan(layout, case.module) if target.plan is not None else layout.plan()
-    result: StepComparison = _sharded("tensor_parallel").assert_tensor_parallel_grads_match(
-        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
-        plan=plan, data_parallel=layout.data_parallel, pool=target.pool, forward_kwargs=case.forward_kwargs,
+    return _on_ranks(
+        _sharded("tensor_parallel").assert_tensor_parallel_grads_match, case, target,
+        plan=plan, data_parallel=layout.data_parallel, forward_kwargs=case.forward_kwargs,
     )
-    return result
 
 
 def _pp_grads(case: Case, target: Target) -> Report:
-    assert case.loss_fn is not None
     layout = case.layout_for("pp")
     assert isinstance(layout, PipelineLayout)
-    result: StepComparison = _sharded("pipeline").assert_pipeline_grads_match(
-        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
-        n_microbatches=layout.n_microbatches, split_points=layout.split_points,
-        schedule=target.schedule or layout.schedule, pool=target.pool,
+    return _on_ranks(
+        _sharded("pipeline").assert_pipeline_grads_match, case, target,
+        n_microbatches=layout.n_microbatches, split_points=layout.split_points, schedule=target.schedule or layout.schedule,
     )
-    return result
 
 
 def _sharded_skip(backend: str, case: Case) -> str | None:
@@ -756,7 +734,7 @@ _SPECS = (
     CheckSpec(
         "ddp-training", f"training, {TRAINING_STEPS} optimizer steps", "ddp",
         "Parameters after several DDP optimizer steps equal single-device training's.",
-        _ddp_training, skip=_ddp_skip,
+        _ddp_helper("assert_ddp_training_matches", training=True), skip=_ddp_skip,
     ),
     CheckSpec(
         "ddp-buffers", "DDP buffers come from rank 0", "ddp",

@@ -78,8 +78,6 @@ class LossModule(nn.Module):
         return getattr(self.loss_fn, "__qualname__", type(self.loss_fn).__name__)
 
 
-
-
 def _require_ids_on_this_machine(ids: Sequence[int]) -> None:
     """On a machine with CUDA devices, ids beyond them run on virtual devices only as the
     first ``n`` ids (more devices than the machine has, as ``dpverify check --devices 4``
@@ -169,6 +167,8 @@ def _ungatherable_output(check: Check) -> str | None:
         "those (a dataclass as dataclasses.astuple(out) or a dict, a Hugging Face ModelOutput is a dict), "
         "or check a wrapper that handles it with parallel="
     )
+
+
 @dataclass(frozen=True)
 class Check:
     """A validated check: the module, its arguments, the split and where the steps run.
@@ -273,11 +273,10 @@ class Check:
         )
 
     def _scenario(self, split: str) -> str:
-        where = "the host" if self.output_device == -1 else f"device {self.output_device}"
         text = split
         if self.dim != 0:
             text += f" along dim {self.dim}"
-        text += f"; outputs gathered on {where}; wrapper {_name(self.parallel)}"
+        text += f"; outputs gathered on {_where(self.output_device)}; wrapper {_name(self.parallel)}"
         if self.parallel_loss is not None:
             text += f"; criterion wrapper {_name(self.parallel_loss)}"
         if self.device.type == "cpu" and max(self.device_ids) + 1 > max(len(self.device_ids), cuda_device_count()):
@@ -417,11 +416,6 @@ class Check:
         steps run here are added to it. None: this check's own. ``rows``: the comparisons
         already made of the parallel step's own tensors (``Check.against``'s ``reuse``).
 
-        A module with divergence sources (BatchNorm in train mode, Dropout) gets no second
-        rounding sample (``References.settle``): its mismatches are reported with those
-        modules as their likely cause whatever the rounding, and ``dpverify check``
-        explains them.
-
         Raises:
             NonFiniteReference: the single-device or float64 step is not finite; nothing
                 is compared then.
@@ -487,10 +481,6 @@ class Check:
     def compare(self, actual: StepResult, refs: References, *, outputs: bool = True) -> list[TensorComparison]:
         """Outputs (when asked), the loss, and every parameter's gradient."""
         expected = refs.expected
-
-        def row(which: TensorId, got: torch.Tensor | None, key: Key, terms: Terms | None = None) -> TensorComparison:
-            return self.against(which, got, refs, key, terms)
-
         rows: list[TensorComparison] = []
         if outputs:
             actual_outputs = dict(compared_outputs(actual, expected))
@@ -498,9 +488,9 @@ class Check:
                 if path not in actual_outputs:
                     rows.append(TensorComparison(output_id(path), tuple(tensor.shape), tensor.numel(), mismatched=tensor.numel(), problem="is missing from the parallel step's output"))
                     continue
-                rows.append(row(output_id(path), actual_outputs[path], Key.output(path)))
+                rows.append(self.against(output_id(path), actual_outputs[path], refs, Key.output(path)))
         loss_terms = refs.anchor.loss_terms if refs.anchor is not None else None
-        rows.append(row(TensorId("loss"), actual.loss, Key.loss(), Terms(loss_terms, loss_terms) if loss_terms else None))
+        rows.append(self.against(TensorId("loss"), actual.loss, refs, Key.loss(), Terms(loss_terms, loss_terms) if loss_terms else None))
         for name in expected.grads:
             rows.append(self.against(TensorId("grad", name), actual.grads.get(name), refs, Key.grad(name), actual.terms(name), reuse=True))
         return rows
@@ -681,15 +671,15 @@ def _gathered_elsewhere(check: Check, step: StepResult) -> list[str]:
     ``output_device`` (its last gather in forward: the outputs it returned)."""
     if not step.gathered_on or step.gathered_on[-1] == check.output_device:
         return []
-
-    def where(device: int) -> str:
-        return "the host" if device == -1 else f"device {device}"
-
     return [
-        f"The wrapper gathered its outputs on {where(step.gathered_on[-1])}; output_device="
-        f"{check.output_device} asks for {where(check.output_device)}, where the loss is meant "
+        f"The wrapper gathered its outputs on {_where(step.gathered_on[-1])}; output_device="
+        f"{check.output_device} asks for {_where(check.output_device)}, where the loss is meant "
         "to run (on GPUs the outputs would sit on another device than requested)."
     ]
+
+
+def _where(device: int) -> str:
+    return "the host" if device == -1 else f"device {device}"
 
 
 def _name(obj: object) -> str:
@@ -706,8 +696,6 @@ def _target_on(target: Any, check: Check, dtype: torch.dtype | None) -> Any:
         cast = dtype if dtype is not None and target.is_floating_point() else None
         return target.detach().to(device=check.device, dtype=cast)
     return target
-
-
 
 
 @dataclass(frozen=True)
@@ -734,14 +722,6 @@ class References:
     #: comparisons of the parallel step's own tensors (``Check.against``'s ``reuse``),
     #: shared by the checks that share that step
     rows: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
-    _settled: list[StepResult] = field(default_factory=list, repr=False, compare=False)
-
-    def settled(self) -> StepResult:
-        """The jittered single-device step (``settle``), run once, on first need."""
-        assert self.settle is not None
-        if not self._settled:
-            self._settled.append(self.settle())
-        return self._settled[0]
 
     def split_sample(self, key: Key, dtype: torch.dtype) -> torch.Tensor | None:
         """The chunk-by-chunk step's tensor of ``key``, when its distance from the full-batch
@@ -756,10 +736,8 @@ class References:
             return None
         sample, twin = key(working), key(other)
         # the full-batch steps in the same two precisions
-        if dtype == torch.float64:
-            full, full_twin = key(self.expected), key(self.probe) if self.probe is not None else None
-        else:
-            full, full_twin = key(self.expected), key(self.anchor)
+        other_full = self.probe if dtype == torch.float64 else self.anchor
+        full, full_twin = key(self.expected), key(other_full) if other_full is not None else None
         if sample is None or twin is None or full is None or full_twin is None:
             return None
         if sample.shape != full.shape or twin.shape != full_twin.shape:
@@ -776,7 +754,11 @@ class References:
         picked = self.shared.picked
         slot = (key, step)
         if slot not in picked:
-            source = self.settled() if step == "settled" else getattr(self, step)
+            if step == "settled":  # run once: ``settle`` keeps its step among the shared ones
+                assert self.settle is not None
+                source = self.settle()
+            else:
+                source = getattr(self, step)
             picked[slot] = key(source) if source is not None else None
         return picked[slot]
 
@@ -889,13 +871,9 @@ class SharedSteps:
 def _steps(
     check: Check, loss_fn: LossFn, target: Any, shared: SharedSteps | None, *, take: bool,
 ) -> tuple[StepResult, References]:
-    """The parallel step, recording every replica's contribution, and the references.
-
-    ``shared``: the steps of the checks grouped with this one on the same batch and loss
-    (None: this check's own). The gradient check leaves its parallel step there; the
-    replica-sum check that follows on the same split, through the same wrappers, takes it
-    (``take``) instead of running it again.
-    """
+    """The parallel step, recording every replica's contribution, and the references;
+    ``shared`` as in ``grads_match``. The gradient check leaves its parallel step there for
+    the replica-sum check, which takes it (``take``: ``SharedSteps.take``)."""
     shared = SharedSteps() if shared is None else shared.for_check(check)
     left, left_rows = shared.take(check)  # a step left serves the next check only
     parallel, rows = (left, left_rows) if take else (None, {})
@@ -903,7 +881,7 @@ def _steps(
         loss_raised: list[BaseException] = []
         try:
             parallel = check.run(
-                _watched(check.parallel_loss_of(loss_fn, _target_on(target, check, None)), loss_raised if check.parallel_loss is None else None),
+                _watched(check.parallel_loss_of(loss_fn, _target_on(target, check, None)), loss_raised),
                 parallel=True, record_replicas=True,
                 loss_argument="parallel_loss_fn" if check.parallel_loss is not None else "loss_fn",
             )
@@ -913,7 +891,7 @@ def _steps(
             problem = _ungatherable_output(check) if check.parallel_loss is None and isinstance(error, (TypeError, AttributeError, ValueError)) else None
             if problem is not None:
                 raise InvalidArgument(problem) from error
-            if loss_raised:
+            if loss_raised and check.parallel_loss is None:
                 # raised applying loss_fn to the gathered output: the same on one device is no mismatch
                 _raise_if_single_device_fails(check, loss_fn, target)
             raise
@@ -923,10 +901,8 @@ def _steps(
     return parallel, refs
 
 
-def _watched(loss: Callable[[Any], torch.Tensor], raised: list[BaseException] | None) -> Callable[[Any], torch.Tensor]:
-    """``loss``, recording in ``raised`` what it raises (None: ``loss`` as it is)."""
-    if raised is None:
-        return loss
+def _watched(loss: Callable[[Any], torch.Tensor], raised: list[BaseException]) -> Callable[[Any], torch.Tensor]:
+    """``loss``, recording in ``raised`` what it raises."""
 
     def watched(output: Any) -> torch.Tensor:
         try:

@@ -501,10 +501,7 @@ class LossAverageReport:
         replica losses that are not per-row means, or both."""
         if self.by_tokens:
             return self._why_items(uneven)
-        weights = ", ".join(
-            f"1/{round(1 / w)}" if abs(1 / w - round(1 / w)) < 1e-9 else f"{w:.4g}"
-            for w in self.sample_weights
-        )
+        weights = ", ".join(f"1/{self._fraction(w)}" for w in self.sample_weights)
         not_means = (
             f"the replica losses are not the per-row means of their chunks: even the exact "
             f"chunk weighting sum(n_i/B * loss_i) is off the full-batch loss by "
@@ -543,7 +540,6 @@ class LossAverageReport:
             f"the chunk-weighted sum {self.weighted_mean:.8g}, yet it does not: the gathered "
             "replica losses, or the wrapper, differ from what the chunks give.",
         ]
-
 
     def _why_items(self, uneven: bool) -> list[str]:
         """The Why and Fix when the replica losses are means over tokens, not rows."""
@@ -608,10 +604,6 @@ def _eps(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
 
 
-def _coarsest(*dtypes: torch.dtype) -> torch.dtype:
-    return max(dtypes, key=_eps)
-
-
 def _noise(measured: float, eps: float, scale: float) -> float:
     """Rounding noise of a quantity whose terms reach ``scale``, computed with roundoff
     ``eps``: the measured exact-vs-computed difference, at least one roundoff of the terms.
@@ -621,7 +613,9 @@ def _noise(measured: float, eps: float, scale: float) -> float:
     return max(eps * scale, min(measured, math.sqrt(eps) * scale))
 
 
-def _grads(loss: torch.Tensor, params: Sequence[torch.Tensor], *, retain: bool = False) -> list[torch.Tensor]:
+def _grads(loss: torch.Tensor, model: nn.Module, *, retain: bool = False) -> list[torch.Tensor]:
+    # Frozen parameters have no gradient to compare (autograd.grad refuses them).
+    params = [p for p in model.parameters() if p.requires_grad]
     grads = torch.autograd.grad(loss, params, retain_graph=retain, allow_unused=True)
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
 
@@ -699,8 +693,6 @@ def loss_average_of(
     with default_dtype(torch.float64), torch.random.fork_rng(devices=fork_devices), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
         parallel_model = copy.deepcopy(module).to(dtype=torch.float64, device=check.device)
-        # Frozen parameters have no gradient to compare (autograd.grad refuses them).
-        params = [p for p in parallel_model.parameters() if p.requires_grad]
         seed_step(0, check.device)
         _require_items(items)
         observed = _ObservedRows(parallel_model, check.device_ids, check.dim, items, ignore_indices_of(module), list(parallel_given))
@@ -732,7 +724,7 @@ def loss_average_of(
                 f"the forward's loss has shape {tuple(full.shape)} on the whole batch; it must "
                 "be a scalar (the batch's mean loss)"
             )
-        grads_full = _grads(full.reshape(()), [p for p in single.parameters() if p.requires_grad])
+        grads_full = _grads(full.reshape(()), single)
 
         candidates = observed.item_counts(losses.numel()) or {"rows": list(sizes)}
         item_kind, counts = choose_items(candidates, [float(x) for x in losses.detach()], float(full.detach()))
@@ -742,10 +734,10 @@ def loss_average_of(
             )
         mean_of_means = losses.mean()
         weighted = chunk_weighted_loss(losses, counts)
-        grads_mean = _grads(mean_of_means, params, retain=True)
-        grads_weighted = _grads(weighted, params)
+        grads_mean = _grads(mean_of_means, parallel_model, retain=True)
+        grads_weighted = _grads(weighted, parallel_model)
 
-    dtype = _coarsest(precision.dtype, losses.dtype, full.dtype)
+    dtype = max((precision.dtype, losses.dtype, full.dtype), key=_eps)  # the coarsest
     eps = _eps(dtype)
 
     def jittered() -> tuple[float, float]:
@@ -758,7 +750,7 @@ def loss_average_of(
             jitter_parameters(model, _JITTER_ROUNDOFFS * eps)
             seed_step(0, check.device)
             loss = extract_loss(model(*args, **single_kwargs), loss_at).reshape(())
-            grads = _grads(loss, [p for p in model.parameters() if p.requires_grad])
+            grads = _grads(loss, model)
         gaps = [_largest(g - gf) for g, gf in zip(grads, grads_full, strict=True)]
         return abs(float(loss.detach()) - full_value), max(gaps, default=0.0)
 

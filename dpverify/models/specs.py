@@ -160,7 +160,6 @@ class Conv(nn.Module):
         self.conv = conv(channels, hidden, kernel_size=3, padding=1)
         self.act = _activation(activation)
         self.head = nn.Linear(hidden, outputs)
-        self.dims = dims
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.conv(x)).flatten(2).mean(dim=2)
@@ -334,16 +333,14 @@ class ModelSpec:
     """A small architecture, as data.
 
     Attributes:
-        kind: one of ``KINDS`` (or ``TOKEN_KINDS``, ``SHARDED_KINDS``).
+        kind: one of ``KINDS`` (or ``TOKEN_KINDS``: a ``LanguageModelHead`` of width
+            ``hidden`` and ``activation``, the other fields unused; or ``SHARDED_KINDS``).
         features: input features (channels for convolutions).
         hidden: hidden width.
         outputs: output width (``tied-embedding`` outputs the vocabulary instead).
         depth: hidden layers, residual blocks or recurrent layers.
         activation: one of ``ACTIVATIONS``.
         pooling: token pooling of ``embedding``: mean, sum or max.
-
-    ``kind`` may also be one of ``TOKEN_KINDS``, a ``LanguageModelHead`` of width ``hidden``
-    and ``activation`` (the other fields are unused).
         train: train mode (``batchnorm`` and ``dropout`` depend on it).
         p: dropout probability of ``dropout``.
     """
