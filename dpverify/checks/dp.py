@@ -30,6 +30,7 @@ from dpverify.core.comparison import (
 from dpverify.core.devices import cuda_device_count, normalize_device_ids, normalize_output_device
 from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
+from dpverify.core.numerics import max_abs
 from dpverify.core.scatter import ScatterPlan, plan_scatter
 from dpverify.core.step import (
     Key,
@@ -54,7 +55,7 @@ from dpverify.core.virtual import data_parallel, observe_gathers, virtual_device
 
 __all__ = [
     "Check", "LossModule", "References", "SharedSteps", "assert_dp_grads_match", "assert_grad_sum_equals_mean_loss_grad",
-    "grad_sum_matches", "grads_match", "output_id", "raise_unless_ok", "require_loss_fn",
+    "grad_sum_matches", "grads_match", "largest_abs", "output_id", "raise_unless_ok", "require_loss_fn",
 ]
 
 Parallel = Callable[..., Callable[..., Any]]
@@ -742,8 +743,8 @@ class References:
             return None
         if sample.shape != full.shape or twin.shape != full_twin.shape:
             return None
-        distance = _largest(sample.double() - full.double())
-        twin_distance = _largest(twin.double() - full_twin.double())
+        distance = largest_abs(sample.double() - full.double())
+        twin_distance = largest_abs(twin.double() - full_twin.double())
         near, far = (distance, twin_distance) if dtype == torch.float64 else (twin_distance, distance)
         return sample if near <= far * _SPLIT_SCALING else None
 
@@ -768,9 +769,10 @@ class References:
 _SPLIT_SCALING = 2.0**-10
 
 
-def _largest(tensor: torch.Tensor) -> float:
-    values = tensor.to_dense() if tensor.is_sparse else tensor
-    return float(values.abs().max()) if values.numel() else 0.0
+def largest_abs(tensor: torch.Tensor) -> float:
+    """The largest absolute entry of ``tensor``, sparse or dense (0 when it is empty)."""
+    values = tensor.detach().to_dense() if tensor.is_sparse else tensor.detach()
+    return max_abs(values) if values.numel() else 0.0
 
 
 class _Split:

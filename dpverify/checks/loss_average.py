@@ -14,6 +14,7 @@ really computes in, which can be float32 inside a float64 module.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 import threading
@@ -26,11 +27,10 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dpverify.checks.dp import Check, Parallel, raise_unless_ok
+from dpverify.checks.dp import Check, Parallel, largest_abs, raise_unless_ok
 from dpverify.core.comparison import Msg, StepComparison
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.items import Items, choose_items, count_items, ignore_indices_of, item_candidates
-from dpverify.core.numerics import max_abs
 from dpverify.core.step import convert_tensors, default_dtype, jitter_parameters, seed_step
 from dpverify.core.tree import first_batched, tensor_leaves
 from dpverify.core.validation import require_callable
@@ -620,10 +620,6 @@ def _grads(loss: torch.Tensor, model: nn.Module, *, retain: bool = False) -> lis
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
 
 
-def _largest(tensor: torch.Tensor) -> float:
-    return max_abs(tensor.detach()) if tensor.numel() else 0.0
-
-
 def check_forward_loss_average(
     module: nn.Module,
     inputs: Any,
@@ -751,7 +747,7 @@ def loss_average_of(
             seed_step(0, check.device)
             loss = extract_loss(model(*args, **single_kwargs), loss_at).reshape(())
             grads = _grads(loss, model)
-        gaps = [_largest(g - gf) for g, gf in zip(grads, grads_full, strict=True)]
+        gaps = [largest_abs(g - gf) for g, gf in zip(grads, grads_full, strict=True)]
         return abs(float(loss.detach()) - full_value), max(gaps, default=0.0)
 
     values = [float(x) for x in losses.detach()]
@@ -761,9 +757,9 @@ def loss_average_of(
     loss_terms = max([abs(full_value), *map(abs, values)])
     loss_noise = _noise(abs(weighted_error), eps, loss_terms)
 
-    scales = [_largest(g) for g in grads_full]
-    gaps_mean = [_largest(gm - gf) for gm, gf in zip(grads_mean, grads_full, strict=True)]
-    gaps_weighted = [_largest(gw - gf) for gw, gf in zip(grads_weighted, grads_full, strict=True)]
+    scales = [largest_abs(g) for g in grads_full]
+    gaps_mean = [largest_abs(gm - gf) for gm, gf in zip(grads_mean, grads_full, strict=True)]
+    gaps_weighted = [largest_abs(gw - gf) for gw, gf in zip(grads_weighted, grads_full, strict=True)]
     grad_scale = max(scales, default=0.0)
     grad_noise = _noise(max(gaps_weighted, default=0.0), eps, grad_scale)
     if abs(weighted_error) <= _NOISE_FACTOR * eps * loss_terms:
@@ -904,22 +900,18 @@ def reduction_matches(
     """``assert_loss_reduction_matches_full_batch`` on a built ``check``, returning its
     comparison whatever it found."""
     require_callable(reduce, "reduce", "reduce(replica_losses, chunk_sizes) -> scalar")
-    module = check.module
     _require_items(items)
     sizes = list(check.plan.chunk_sizes)
     counted: list[tuple[str, list[int]]] = []
     seen: list[torch.Tensor] = []
-
-    def whole(output: Any) -> torch.Tensor:
-        return extract_loss(output, loss_at)
-
+    whole = functools.partial(extract_loss, loss_at=loss_at)
     single_given = _per_call(per_call_kwargs, 1, check.kwargs)
     parallel_given = _per_call(per_call_kwargs, len(check.device_ids), check.kwargs)
     # the references first: the full-batch loss tells which item counts the replica
     # losses are means over
     refs = replace(check, kwargs={**check.kwargs, **single_given}).references(lambda _dtype: whole, loss_argument="the forward's loss")
     expected = refs.expected
-    observed = _ObservedRows(check.module, check.device_ids, check.dim, items, ignore_indices_of(module), list(parallel_given))
+    observed = _ObservedRows(check.module, check.device_ids, check.dim, items, ignore_indices_of(check.module), list(parallel_given))
     with_counts = _takes_three(reduce)
 
     def reduced(output: Any) -> torch.Tensor:
