@@ -155,8 +155,7 @@ class Case:
     def from_scenario(cls, scenario: Scenario | ShardedScenario) -> Case:
         """A generated scenario, built (its models' losses are per-row means); a sharded
         scenario brings its layout."""
-        layout = scenario.layout if isinstance(scenario, ShardedScenario) else None
-        plain = scenario.scenario if isinstance(scenario, ShardedScenario) else scenario
+        plain, layout = (scenario.scenario, scenario.layout) if isinstance(scenario, ShardedScenario) else (scenario, None)
         s = plain.build()
         return cls(
             s.module, s.inputs, s.target, None if plain.model.returns_loss else s.loss_fn,

@@ -1286,8 +1286,9 @@ def _loss_averaging_trap(check: Check, actual: StepResult, refs: References, los
     return [text]
 
 
-def _sum(contributions: Sequence[dict[str, torch.Tensor]], name: str) -> torch.Tensor | None:
-    """The float64 sum of the replicas' gradients of ``name``, in replica order."""
+def _sum(contributions: Sequence[dict[str, torch.Tensor]], name: str, like: torch.Tensor | None) -> torch.Tensor | None:
+    """The sum of the replicas' gradients of ``name``, in replica order, made in float64
+    and given the dtype and device of ``like`` (the expected gradient) when there is one."""
     grads = [c[name] for c in contributions if name in c]
     if not grads:
         return None
@@ -1296,7 +1297,7 @@ def _sum(contributions: Sequence[dict[str, torch.Tensor]], name: str) -> torch.T
         # In place, a float32 term is promoted element by element: the sum of the float64
         # copies, without making them.
         total += g.to(total.device) if g.layout == total.layout == torch.strided else g.to(total.device, torch.float64)
-    return total
+    return total if like is None else total.to(dtype=like.dtype, device=like.device)
 
 
 def assert_grad_sum_equals_mean_loss_grad(
@@ -1352,7 +1353,7 @@ def grad_sum_matches(check: Check, loss_fn: LossFn, target: Any, shared: SharedS
     averages_differ = False
     sums_match = True
     for name, grad in refs.expected.grads.items():
-        total = _as(_sum(contributions, name), grad)
+        total = _sum(contributions, name, grad)
         terms = parallel_step.terms(name)
         summed = check.against(TensorId("grads", name, variant="sum of replica"), total, refs, Key.grad(name), terms)
         sums_match &= summed.ok
@@ -1389,9 +1390,3 @@ def grad_sum_matches(check: Check, loss_fn: LossFn, target: Any, shared: SharedS
     if failures or not all(row.ok for row in rows):
         notes += _loss_averaging_trap(check, parallel_step, refs, loss_fn, target)
     return check.outcome(title, rows, contrasts=contrasts, notes=notes, failures=failures, step=parallel_step)
-
-
-def _as(value: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
-    if value is None or like is None:
-        return value
-    return value.to(dtype=like.dtype, device=like.device)

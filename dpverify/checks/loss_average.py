@@ -499,9 +499,9 @@ class LossAverageReport:
     def _why(self, uneven: bool) -> list[str]:
         """Why the mean of means is biased, and the fix: the chunk weights (uneven chunks),
         replica losses that are not per-row means, or both."""
-        if self.by_tokens:
-            return self._why_items(uneven)
         weights = ", ".join(f"1/{self._fraction(w)}" for w in self.sample_weights)
+        if self.by_tokens:
+            return self._why_items(uneven, weights)
         not_means = (
             f"the replica losses are not the per-row means of their chunks: even the exact "
             f"chunk weighting sum(n_i/B * loss_i) is off the full-batch loss by "
@@ -541,10 +541,9 @@ class LossAverageReport:
             "replica losses, or the wrapper, differ from what the chunks give.",
         ]
 
-    def _why_items(self, uneven: bool) -> list[str]:
+    def _why_items(self, uneven: bool, weights: str) -> list[str]:
         """The Why and Fix when the replica losses are means over tokens, not rows."""
         noun, total = self._noun, sum(self.counts)
-        weights = ", ".join(f"1/{self._fraction(w)}" for w in self.sample_weights)
         if uneven and self.weighted_is_exact:
             return [
                 f"Why: the replicas hold different numbers of {noun}, {self.counted}"
