@@ -17,11 +17,10 @@ import copy
 import functools
 import inspect
 import math
-import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -31,10 +30,17 @@ from dpverify.checks.dp import Check, Parallel, largest_abs, raise_unless_ok
 from dpverify.core.comparison import Msg, StepComparison
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.items import Items, choose_items, count_items, ignore_indices_of, item_candidates
-from dpverify.core.step import convert_tensors, default_dtype, jitter_parameters, seed_step
-from dpverify.core.tree import first_batched, tensor_leaves
+from dpverify.core.step import (
+    ReplicaGradRecorder,
+    ReplicaRecord,
+    convert_tensors,
+    default_dtype,
+    jitter_parameters,
+    seed_step,
+)
+from dpverify.core.tree import tensor_leaves
 from dpverify.core.validation import require_callable
-from dpverify.core.virtual import SCALAR_GATHER_WARNING, replica_device
+from dpverify.core.virtual import SCALAR_GATHER_WARNING
 
 __all__ = [
     "LossAverageReport",
@@ -135,83 +141,73 @@ def _per_replica_losses(output: Any, loss_at: int, replicas: int) -> torch.Tenso
     return torch.cat([value.to(values[0].device) for value in values])
 
 
-class _ObservedRows:
+@dataclass
+class _Seen(ReplicaRecord):
+    """One replica forward (``ReplicaRecord``), with the item counts its chunk offers and
+    the per-call count it received (None when none)."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    given: float | None = None
+
+
+class _ObservedRows(ReplicaGradRecorder):
     """The rows each replica forward received, in device order: the split the wrapper really
-    made (a balanced first chunk), which is what its replica losses are means over."""
+    made (a balanced first chunk), which is what its replica losses are means over. Every
+    replica forward, with rows or not, is in ``replicas``: the evidence that the step ran in
+    parallel."""
+
+    record_type = _Seen
 
     def __init__(
         self, model: nn.Module, device_ids: Sequence[int], dim: int = 0, items: Items | None = None,
         ignore_indices: Sequence[int] = (), given: Sequence[str] = (),
     ) -> None:
-        # replica i runs on device_ids[i] and its loss is the i-th gathered value
-        self.dim = dim
+        super().__init__([], keep=False, dim=dim)
         self.given_names = tuple(given)
         self.items = items
         self.ignore_indices = tuple(ignore_indices)
+        # replica i runs on device_ids[i] and its loss is the i-th gathered value
         self.order = {device: position for position, device in enumerate(device_ids)}
-        self.seen: list[_Seen] = []
-        #: every replica forward, with rows or not: the evidence that the step ran in parallel
-        self.forwards = 0
-        self._lock = threading.Lock()
-        self._handle = model.register_forward_pre_hook(self._see, with_kwargs=True)
+        self.attach(model)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _ObservedRows:
-        # the step runs on a deep copy of the module, hooks included: the copy reports here
-        return self
+    def new_record(self, replica: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Seen:
+        seen = cast(_Seen, super().new_record(replica, args, kwargs))
+        if seen.rows is not None:
+            if self.items is None:
+                seen.counts = {"rows": seen.rows, **item_candidates(args, kwargs, self.ignore_indices)}
+            else:
+                seen.counts = {"items": count_items(self.items, args, kwargs)}
+            seen.given = _count_value(kwargs.get(self.given_names[0])) if self.given_names else None
+        return seen
 
-    def _see(self, replica: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        with self._lock:
-            self.forwards += 1
-        first = first_batched((args, kwargs))
-        if first is None:
-            return
-        device = replica_device(first)
-        # a forward outside any replica: one device, the module itself on device_ids[0]
-        key = self.order.get(device, len(self.order)) if device is not None else 0
-        rows = int(first.shape[self.dim])
-        if self.items is None:
-            counts = {"rows": rows, **item_candidates(args, kwargs, self.ignore_indices)}
-        else:
-            counts = {"items": count_items(self.items, args, kwargs)}
-        value = _count_value(kwargs.get(self.given_names[0])) if self.given_names else None
-        with self._lock:  # replicas run in concurrent threads
-            self.seen.append(_Seen(key, rows, counts, value))
-
-    def detach(self) -> None:
-        self._handle.remove()
+    @property
+    def forwards(self) -> int:
+        return len(self.replicas)
 
     def in_order(self) -> list[_Seen]:
-        """The replica forwards seen, in device order."""
-        return sorted(self.seen, key=lambda seen: seen.key)
+        """The replica forwards seen with rows, in device order (a forward outside any
+        replica, on one device, is the module itself on device_ids[0])."""
+        seen = [cast(_Seen, record) for record in self.replicas if record.rows is not None]
+        return sorted(seen, key=lambda record: 0 if record.device is None else self.order.get(record.device, len(self.order)))
 
     def sizes(self, replicas: int, batch: int) -> list[int] | None:
         """The observed chunk sizes when they account for every replica loss and the whole
         batch, else None (the planned split stands)."""
-        sizes = [seen.rows for seen in self.in_order()]
+        sizes = [seen.rows for seen in self.in_order() if seen.rows is not None]
         return sizes if len(sizes) == replicas and sum(sizes) == batch else None
 
     def item_counts(self, replicas: int) -> dict[str, list[int]]:
         """Every candidate count of items (``item_candidates``) that every replica has, as
         per-replica lists in device order; empty unless each replica's forward was seen."""
-        if len(self.seen) != replicas:
-            return {}
         per_replica = [seen.counts for seen in self.in_order()]
+        if len(per_replica) != replicas:
+            return {}
         shared = [name for name in per_replica[0] if all(name in counts for counts in per_replica)]
         return {name: [counts[name] for counts in per_replica] for name in shared}
 
     def given(self) -> list[float | None]:
         """The per-call count (``per_call_kwargs``' first keyword) each replica received."""
         return [seen.given for seen in self.in_order()]
-
-
-class _Seen(NamedTuple):
-    """One replica forward: its place in ``device_ids``, its rows along ``dim``, the item
-    counts its chunk offers, and the per-call count it received (None when none)."""
-
-    key: int
-    rows: int
-    counts: dict[str, int]
-    given: float | None
 
 
 #: ``per_call_kwargs(devices)``: the keyword arguments of a call that spans ``devices``
@@ -700,7 +696,7 @@ def loss_average_of(
                 title = "loss.mean() of replica losses needs a loss from each replica"
                 raise_unless_ok(check.outcome(title, [], failures=failures, replicas=observed.forwards), None)
             # the replicas that ran (a balanced wrapper can run more than torch's scatter would)
-            losses = _replica_losses(output, loss_at, len(observed.seen) or check.plan.n_replicas)
+            losses = _replica_losses(output, loss_at, len(observed.in_order()) or check.plan.n_replicas)
         except IndexError as error:
             check.explain_gather_error(error)
             raise
@@ -915,7 +911,7 @@ def reduction_matches(
 
     def reduced(output: Any) -> torch.Tensor:
         nonlocal sizes
-        losses = _replica_losses(output, loss_at, len(observed.seen) or check.plan.n_replicas)
+        losses = _replica_losses(output, loss_at, len(observed.in_order()) or check.plan.n_replicas)
         seen.append(losses.detach())
         # the split the wrapper made, which its replica losses are means over
         sizes = observed.sizes(losses.numel(), sum(sizes)) or sizes
