@@ -654,10 +654,10 @@ def _train_buffers(case: Case) -> bool:
     return case.module.training and _buffers(case)
 
 
-def _one_row_chunk_batchnorm(case: Case, sizes: Sequence[int]) -> str | None:
+def _one_row_chunk_batchnorm(case: Case) -> str | None:
     training_bn = any(isinstance(m, _BatchNorm) and m.training for m in case.module.modules())
-    if training_bn and min(sizes, default=0) < 2:
-        return f"BatchNorm in train mode cannot normalise a one-row chunk (chunks {list(sizes)})"
+    if training_bn and min(case.chunk_sizes, default=0) < 2:
+        return f"BatchNorm in train mode cannot normalise a one-row chunk (chunks {case.chunk_sizes})"
     return None
 
 
@@ -711,7 +711,7 @@ _SPECS = (
         "dp-buffers", "buffers keep replica 0's update", "dp",
         "Buffers updated in forward (BatchNorm's running statistics) keep replica 0's update.",
         _dp_buffers, wanted=_buffers,
-        skip=lambda case: _one_row_chunk_batchnorm(case, case.chunk_sizes), explains_divergence=False,
+        skip=_one_row_chunk_batchnorm, explains_divergence=False,
     ),
     CheckSpec(
         "dp-state", "torch's state semantics", "dp",

@@ -158,16 +158,13 @@ class _ObservedRows(ReplicaGradRecorder):
 
     record_type = _Seen
 
-    def __init__(
-        self, model: nn.Module, device_ids: Sequence[int], dim: int = 0, items: Items | None = None,
-        ignore_indices: Sequence[int] = (), given: Sequence[str] = (),
-    ) -> None:
-        super().__init__([], keep=False, dim=dim)
+    def __init__(self, model: nn.Module, check: Check, items: Items | None, given: Mapping[str, Any]) -> None:
+        super().__init__([], keep=False, dim=check.dim)
         self.given_names = tuple(given)
         self.items = items
-        self.ignore_indices = tuple(ignore_indices)
+        self.ignore_indices = ignore_indices_of(model)
         # replica i runs on device_ids[i] and its loss is the i-th gathered value
-        self.order = {device: position for position, device in enumerate(device_ids)}
+        self.order = {device: position for position, device in enumerate(check.device_ids)}
         self.attach(model)
 
     def new_record(self, replica: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Seen:
@@ -686,7 +683,7 @@ def loss_average_of(
         parallel_model = copy.deepcopy(module).to(dtype=torch.float64, device=check.device)
         seed_step(0, check.device)
         _require_items(items)
-        observed = _ObservedRows(parallel_model, check.device_ids, check.dim, items, ignore_indices_of(module), list(parallel_given))
+        observed = _ObservedRows(parallel_model, check, items, parallel_given)
         try:
             with check.devices():
                 output = check.wrap(parallel_model)(*args, **parallel_kwargs)
@@ -906,7 +903,7 @@ def reduction_matches(
     # losses are means over
     refs = replace(check, kwargs={**check.kwargs, **single_given}).references(lambda _dtype: whole, loss_argument="the forward's loss")
     expected = refs.expected
-    observed = _ObservedRows(check.module, check.device_ids, check.dim, items, ignore_indices_of(check.module), list(parallel_given))
+    observed = _ObservedRows(check.module, check, items, parallel_given)
     with_counts = _takes_three(reduce)
 
     def reduced(output: Any) -> torch.Tensor:

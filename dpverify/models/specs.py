@@ -27,6 +27,7 @@ from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.items import IGNORE_INDEX
 from dpverify.core.scatter import chunk_sizes
+from dpverify.core.tree import map_tensors
 
 __all__ = [
     "ACTIVATIONS",
@@ -578,16 +579,15 @@ class Scenario:
             target = kwargs["labels"]
         module = self.model.build(self.seed).to(self.dtype)
 
-        def cast(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and value.is_floating_point():
-                return value.to(self.dtype)
-            return value
+        def cast(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
 
+        inputs, kwargs, target = map_tensors((tuple(args), kwargs, target), cast)
         return BuiltScenario(
             module=module,
-            inputs=tuple(cast(a) for a in args),
-            kwargs={k: cast(v) for k, v in kwargs.items()},
-            target=cast(target),
+            inputs=inputs,
+            kwargs=kwargs,
+            target=target,
             loss_fn=self.loss,
             device_ids=list(self.devices.device_ids),
             output_device=self.devices.output_device,
