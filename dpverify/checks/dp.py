@@ -876,6 +876,7 @@ def _steps(
     """The parallel step, recording every replica's contribution, and the references;
     ``shared`` as in ``grads_match``. The gradient check leaves its parallel step there for
     the replica-sum check, which takes it (``take``: ``SharedSteps.take``)."""
+    check.require_target(target)
     shared = SharedSteps() if shared is None else shared.for_check(check)
     left, left_rows = shared.take(check)  # a step left serves the next check only
     parallel, rows = (left, left_rows) if take else (None, {})
@@ -1010,7 +1011,6 @@ def assert_dp_grads_match(
 def grads_match(check: Check, loss_fn: LossFn, target: Any, shared: SharedSteps | None = None) -> StepComparison:
     """``assert_dp_grads_match`` on a built ``check``, returning its comparison whatever
     it found; ``shared``: the steps of the checks grouped with it (``SharedSteps``)."""
-    check.require_target(target)
     parallel_step, refs = _steps(check, loss_fn, target, shared, take=False)
     title = "DataParallel outputs and gradients must match the single-device step"
     rows = check.compare(parallel_step, refs)
@@ -1342,7 +1342,6 @@ def grad_sum_matches(check: Check, loss_fn: LossFn, target: Any, shared: SharedS
     """``assert_grad_sum_equals_mean_loss_grad`` on a built ``check``, returning its
     comparison whatever it found; ``shared``: the steps of the checks grouped with it,
     whose parallel step it takes when a gradient check of the same split left one."""
-    check.require_target(target)
     parallel_step, refs = _steps(check, loss_fn, target, shared, take=True)
     title = "Replica gradients must sum to the full-batch mean-loss gradient"
     contributions = [grads for _device, grads in parallel_step.contributions]
