@@ -3,18 +3,15 @@
 For each split (a batch size on a number of devices or ranks) it runs every check of
 ``dpverify.registry.CHECKS`` that applies to the model and the backend: gradients
 against one device and the replica gradient sum, the loss-in-forward checks when the model
-returns its loss, buffer updates in train mode, the DDP checks with ``backend="ddp"``, and FSDP2, tensor and pipeline parallelism with
-``"fsdp"``, ``"tp"`` and ``"pp"``.
+returns its loss, buffer updates in train mode, the DDP checks with ``backend="ddp"``, and
+FSDP2, tensor and pipeline parallelism with ``"fsdp"``, ``"tp"`` and ``"pp"``.
 A model with BatchNorm in train mode or Dropout cannot match exactly: its mismatches are
 explained (the modules and the fix) rather than failed, and the same checks then run on an
 eval-mode copy, which must match.
 
-Whatever a check's code raises (the model's forward, a loss, a ``sys.exit()`` in either) is
-that check's failure, with the user's frames of the traceback; only an ``InvalidArgument``
-stops the run, as the command line's usage error. A loss that raises on the single-device
-step as it did on the parallel one is such an error: it cannot be applied to this output
-and target, which is no parallel mismatch. A run whose every check was skipped
-checked nothing, and says so (``ModelCheckReport.checked_nothing``).
+Each verdict is ``CheckSpec.run``'s: only an ``InvalidArgument`` stops the run, as the
+command line's usage error. A run whose every check was skipped checked nothing, and says
+so (``ModelCheckReport.checked_nothing``).
 """
 
 from __future__ import annotations
@@ -106,14 +103,6 @@ class PlannedCheck:
     target: Target | None = None
     eval_copy: bool = False
 
-    @property
-    def title(self) -> str:
-        return self.spec.title_for(self.eval_copy)
-
-    @property
-    def split(self) -> Split:
-        return self.case.split
-
     def run(self) -> CheckResult:
         return self.spec.run(self.case, self.target, eval_copy=self.eval_copy)
 
@@ -122,17 +111,13 @@ class PlannedCheck:
 BACKENDS: tuple[str, ...] = ("dp", "ddp", *SHARDED_BACKENDS)
 
 
-def _backends(backend: str) -> tuple[str, ...]:
-    if backend not in (*BACKENDS, "all"):
-        raise InvalidArgument(f"backend={backend!r} must be one of {', '.join(map(repr, BACKENDS))} or 'all'")
-    return BACKENDS if backend == "all" else (backend,)
-
-
 def _specs(checks: Sequence[str], backend: str) -> list[CheckSpec]:
     unknown = sorted(set(checks) - set(CHECKS))
     if unknown:
         raise InvalidArgument(f"checks={unknown} are not checks; choose from {sorted(CHECKS)}")
-    backends = _backends(backend)
+    if backend not in (*BACKENDS, "all"):
+        raise InvalidArgument(f"backend={backend!r} must be one of {', '.join(map(repr, BACKENDS))} or 'all'")
+    backends = BACKENDS if backend == "all" else (backend,)
     return [CHECKS[name] for name in checks if CHECKS[name].backend in backends]
 
 
@@ -154,6 +139,12 @@ def plan_checks(
     step of a split, which the gradient check leaves for the replica-sum check.
 
     Args:
+        model: the model and its batches.
+        batch_sizes: the batch sizes to check.
+        device_counts: the device counts (DataParallel) or world sizes (DDP).
+        backend: one of ``BACKENDS`` (``"dp"``, ``"ddp"``, ``"fsdp"``, ``"tp"``, ``"pp"``) or
+            ``"all"``.
+        checks: names from ``CHECKS`` to run where they apply.
         splits: ``(batch size, devices)`` pairs to check instead of every batch size on
             every device count.
         target: the code under test (default: torch's DataParallel and DDP).
@@ -265,20 +256,12 @@ def check_model(
     runs, and ``on_result`` its result as it comes.
 
     Args:
-        model: the model and its batches.
-        batch_sizes: the batch sizes to check.
-        device_counts: the device counts (DataParallel) or world sizes (DDP).
-        backend: one of ``BACKENDS`` (``"dp"``, ``"ddp"``, ``"fsdp"``, ``"tp"``, ``"pp"``) or
-            ``"all"``.
-        checks: names from ``CHECKS`` to run where they apply.
-        splits: ``(batch size, devices)`` pairs instead of the cross product.
-        target: the code under test (default: torch's own).
+        model, batch_sizes, device_counts, backend, checks, splits, target, dim: what to
+            check, as in ``plan_checks``.
         on_result: called with each result.
         on_start: called before each check.
         plan: the checks ``plan_checks`` returned for these arguments, when the caller has
             them already (planning makes every batch).
-        dim: the dimension the DataParallel checks split the batch along; batch sizes are
-            rows along it (see ``plan_checks``).
 
     Raises:
         InvalidArgument: the model, its batches or the arguments cannot be checked (the
@@ -292,7 +275,7 @@ def check_model(
     results: list[CheckResult] = []
     for planned in plan:
         if on_start is not None:
-            on_start(planned.title, planned.split)
+            on_start(planned.spec.title_for(planned.eval_copy), planned.case.split)
         result = planned.run()
         results.append(result)
         if on_result is not None:

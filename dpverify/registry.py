@@ -132,11 +132,9 @@ class Case:
         layout: how the sharded checks lay the model out (``FSDPLayout``, ``TPLayout``,
             ``PipelineLayout``); a check whose backend has no layout here derives one
             (``dpverify.models.layouts.default_layout``), or skips saying why.
-        steps: the steps the DataParallel gradient checks of this module, batch and loss
-            share (``SharedSteps``: the single-device references, and the parallel step
-            the gradient check leaves for the replica-sum check of the same split), given
-            by whoever groups them (``dpverify.planner.plan_checks``: one per batch, for
-            every device count); None: each check runs its own.
+        steps: the ``SharedSteps`` of the DataParallel gradient checks of this module,
+            batch and loss (``dpverify.planner.plan_checks`` gives one per batch); None:
+            each check runs its own.
     """
 
     module: nn.Module
@@ -157,8 +155,7 @@ class Case:
     def from_scenario(cls, scenario: Scenario | ShardedScenario) -> Case:
         """A generated scenario, built (its models' losses are per-row means); a sharded
         scenario brings its layout."""
-        layout = scenario.layout if isinstance(scenario, ShardedScenario) else None
-        plain = scenario.scenario if isinstance(scenario, ShardedScenario) else scenario
+        plain, layout = (scenario.scenario, scenario.layout) if isinstance(scenario, ShardedScenario) else (scenario, None)
         s = plain.build()
         return cls(
             s.module, s.inputs, s.target, None if plain.model.returns_loss else s.loss_fn,
@@ -541,39 +538,34 @@ def _ddp() -> Any:
     return checks
 
 
-def _ddp_helper(name: str, *, takes_step: bool = True, **options: Any) -> Body:
-    """A body calling ``dpverify.ddp.checks.<name>`` on the case's batch (its positional
-    and keyword forward arguments, sharded alike), over its world size, with the target's
-    ranks and DDP options (and its per-rank step, where the helper takes one)."""
+def _on_ranks(
+    helper: Callable[..., StepComparison], case: Case, target: Target, *, training: bool = False, **options: Any,
+) -> Report:
+    """``helper``, a DDP or sharded assertion, on the case's model over its world size and
+    the target's ranks: on the case's batch and target, or, ``training``, on the training
+    checks' batches (the case's batch ``TRAINING_STEPS`` times unless it has its own) with
+    its optimizer factory (SGD with momentum unless it has its own)."""
+    assert case.loss_fn is not None
+    data: tuple[Any, ...] = (case.inputs, case.target)
+    if training:
+        data = (list(case.batches or ((case.inputs, case.target),) * TRAINING_STEPS),)
+        options["optimizer"] = case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    return helper(case.module, *data, loss_fn=case.loss_fn, world_size=case.world_size, pool=target.pool, **options)
+
+
+def _ddp_helper(name: str, *, takes_step: bool = True, training: bool = False, **options: Any) -> Body:
+    """A body calling ``dpverify.ddp.checks.<name>`` (``_on_ranks``) with the target's DDP
+    options, the case's keyword forward arguments (sharded with the batch; in training, given
+    to every batch's forward) and the target's per-rank step, where the helper takes one."""
 
     def body(case: Case, target: Target) -> Report:
-        assert case.loss_fn is not None
         step = {"step": target.step} if takes_step else {}
-        result: StepComparison = getattr(_ddp(), name)(
-            case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
-            pool=target.pool, ddp_kwargs=target.ddp_kwargs, forward_kwargs=case.forward_kwargs, **step, **options,
+        return _on_ranks(
+            getattr(_ddp(), name), case, target, training=training, ddp_kwargs=target.ddp_kwargs,
+            forward_kwargs=case.forward_kwargs, **step, **options,
         )
-        return result
 
     return body
-
-
-def _training(case: Case) -> tuple[list[tuple[Any, Any]], Callable[..., torch.optim.Optimizer]]:
-    """The training checks' batches (the case's batch, ``TRAINING_STEPS`` times, unless it
-    has its own) and optimizer factory (SGD with momentum unless it has its own)."""
-    batches = case.batches or ((case.inputs, case.target),) * TRAINING_STEPS
-    return list(batches), case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
-
-
-def _ddp_training(case: Case, target: Target) -> Report:
-    assert case.loss_fn is not None
-    batches, optimizer = _training(case)
-    # the case's keyword arguments go to every batch's forward
-    result: StepComparison = _ddp().assert_ddp_training_matches(
-        case.module, batches, loss_fn=case.loss_fn, optimizer=optimizer, world_size=case.world_size,
-        step=target.step, pool=target.pool, ddp_kwargs=target.ddp_kwargs, forward_kwargs=case.forward_kwargs,
-    )
-    return result
 
 
 def _sharded(module: str) -> Any:
@@ -584,71 +576,50 @@ def _sharded(module: str) -> Any:
     return importlib.import_module(f"dpverify.sharded.{module}")
 
 
-def _fsdp_layout(case: Case) -> FSDPLayout:
+def _fsdp_options(case: Case, target: Target) -> dict[str, Any]:
+    """The FSDP2 helpers' layout of the case, and the target's per-rank step."""
     layout = case.layout_for("fsdp")
     assert isinstance(layout, FSDPLayout)  # the skip said why otherwise
-    return layout
+    return {"step": target.step, "shard_modules": layout.shard_modules, "reshard_after_forward": layout.reshard_after_forward}
 
 
 def _fsdp_grads(case: Case, target: Target) -> Report:
-    assert case.loss_fn is not None
-    layout = _fsdp_layout(case)
-    result: StepComparison = _sharded("fsdp").assert_fsdp_grads_match(
-        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
-        step=target.step, pool=target.pool, shard_modules=layout.shard_modules,
-        reshard_after_forward=layout.reshard_after_forward, forward_kwargs=case.forward_kwargs,
-    )
-    return result
+    options = _fsdp_options(case, target)
+    return _on_ranks(_sharded("fsdp").assert_fsdp_grads_match, case, target, forward_kwargs=case.forward_kwargs, **options)
 
 
 def _fsdp_training(case: Case, target: Target) -> Report:
-    assert case.loss_fn is not None
-    layout = _fsdp_layout(case)
-    batches, optimizer = _training(case)
-    result: StepComparison = _sharded("fsdp").assert_fsdp_training_matches(
-        case.module, batches, loss_fn=case.loss_fn, optimizer=optimizer, world_size=case.world_size,
-        step=target.step, pool=target.pool, shard_modules=layout.shard_modules,
-        reshard_after_forward=layout.reshard_after_forward,
-    )
-    return result
+    options = _fsdp_options(case, target)
+    return _on_ranks(_sharded("fsdp").assert_fsdp_training_matches, case, target, training=True, **options)
 
 
 def _tp_grads(case: Case, target: Target) -> Report:
-    assert case.loss_fn is not None
     layout = case.layout_for("tp")
     assert isinstance(layout, TPLayout)
     plan = target.plan(layout, case.module) if target.plan is not None else layout.plan()
-    result: StepComparison = _sharded("tensor_parallel").assert_tensor_parallel_grads_match(
-        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
-        plan=plan, data_parallel=layout.data_parallel, pool=target.pool, forward_kwargs=case.forward_kwargs,
+    return _on_ranks(
+        _sharded("tensor_parallel").assert_tensor_parallel_grads_match, case, target,
+        plan=plan, data_parallel=layout.data_parallel, forward_kwargs=case.forward_kwargs,
     )
-    return result
 
 
 def _pp_grads(case: Case, target: Target) -> Report:
-    assert case.loss_fn is not None
     layout = case.layout_for("pp")
     assert isinstance(layout, PipelineLayout)
-    result: StepComparison = _sharded("pipeline").assert_pipeline_grads_match(
-        case.module, case.inputs, case.target, loss_fn=case.loss_fn, world_size=case.world_size,
-        n_microbatches=layout.n_microbatches, split_points=layout.split_points,
-        schedule=target.schedule or layout.schedule, pool=target.pool,
+    return _on_ranks(
+        _sharded("pipeline").assert_pipeline_grads_match, case, target,
+        n_microbatches=layout.n_microbatches, split_points=layout.split_points, schedule=target.schedule or layout.schedule,
     )
-    return result
 
 
 def _sharded_skip(backend: str, case: Case) -> str | None:
     """Why a sharded check cannot run on ``case``: no loss function, another dimension,
     too few rows for the ranks that split the batch, or no layout of ``backend`` for the
     model (``Case.layout_for`` says why)."""
-    if (one := _one_rank(case)) is not None:
-        return one
-    if case.loss_fn is None:
-        return "needs loss_fn(output, target); this forward returns its loss"
-    if case.dim != 0:
-        return f"the sharded checks cut the batch along dim 0 (this case splits along dim {case.dim})"
-    if backend == "fsdp":
-        return _ddp_skip(case)
+    # FSDP2 shards the batch over every rank, as DDP does
+    reason = _ddp_skip(case, rows_per_rank=int(backend == "fsdp"), checks="the sharded checks cut")
+    if reason is not None or backend == "fsdp":
+        return reason
     if backend == "pp" and case.forward_kwargs:
         return "the pipeline checks feed the first stage positional inputs; this forward takes keyword arguments"
     layout = case.layout_for(backend)
@@ -683,26 +654,20 @@ def _train_buffers(case: Case) -> bool:
     return case.module.training and _buffers(case)
 
 
-def _one_row_chunk_batchnorm(case: Case, sizes: Sequence[int]) -> str | None:
+def _one_row_chunk_batchnorm(case: Case) -> str | None:
     training_bn = any(isinstance(m, _BatchNorm) and m.training for m in case.module.modules())
-    if training_bn and min(sizes, default=0) < 2:
-        return f"BatchNorm in train mode cannot normalise a one-row chunk (chunks {list(sizes)})"
+    if training_bn and min(case.chunk_sizes, default=0) < 2:
+        return f"BatchNorm in train mode cannot normalise a one-row chunk (chunks {case.chunk_sizes})"
     return None
 
 
-def _one_rank(case: Case) -> str | None:
+def _ddp_skip(case: Case, *, rows_per_rank: int = 1, checks: str = "the DDP checks shard") -> str | None:
     if case.world_size < 2:
         return "nothing runs in parallel on one rank; pass at least 2 devices"
-    return None
-
-
-def _ddp_skip(case: Case, *, rows_per_rank: int = 1) -> str | None:
-    if (one := _one_rank(case)) is not None:
-        return one
     if case.loss_fn is None:
         return "needs loss_fn(output, target); this forward returns its loss"
     if case.dim != 0:
-        return f"the DDP checks shard the batch along dim 0 (this case splits along dim {case.dim})"
+        return f"{checks} the batch along dim 0 (this case splits along dim {case.dim})"
     if case.batch_size < rows_per_rank * case.world_size:
         need = "rows than ranks" if rows_per_rank == 1 else f"rows than {rows_per_rank} per rank"
         return f"fewer {need} ({case.batch_size} < {rows_per_rank * case.world_size})"
@@ -746,7 +711,7 @@ _SPECS = (
         "dp-buffers", "buffers keep replica 0's update", "dp",
         "Buffers updated in forward (BatchNorm's running statistics) keep replica 0's update.",
         _dp_buffers, wanted=_buffers,
-        skip=lambda case: _one_row_chunk_batchnorm(case, case.chunk_sizes), explains_divergence=False,
+        skip=_one_row_chunk_batchnorm, explains_divergence=False,
     ),
     CheckSpec(
         "dp-state", "torch's state semantics", "dp",
@@ -768,7 +733,7 @@ _SPECS = (
     CheckSpec(
         "ddp-training", f"training, {TRAINING_STEPS} optimizer steps", "ddp",
         "Parameters after several DDP optimizer steps equal single-device training's.",
-        _ddp_training, skip=_ddp_skip,
+        _ddp_helper("assert_ddp_training_matches", training=True), skip=_ddp_skip,
     ),
     CheckSpec(
         "ddp-buffers", "DDP buffers come from rank 0", "ddp",

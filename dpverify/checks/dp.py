@@ -30,6 +30,7 @@ from dpverify.core.comparison import (
 from dpverify.core.devices import cuda_device_count, normalize_device_ids, normalize_output_device
 from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
+from dpverify.core.numerics import max_abs
 from dpverify.core.scatter import ScatterPlan, plan_scatter
 from dpverify.core.step import (
     Key,
@@ -54,7 +55,7 @@ from dpverify.core.virtual import data_parallel, observe_gathers, virtual_device
 
 __all__ = [
     "Check", "LossModule", "References", "SharedSteps", "assert_dp_grads_match", "assert_grad_sum_equals_mean_loss_grad",
-    "grad_sum_matches", "grads_match", "output_id", "raise_unless_ok", "require_loss_fn",
+    "grad_sum_matches", "grads_match", "largest_abs", "output_id", "raise_unless_ok", "require_loss_fn",
 ]
 
 Parallel = Callable[..., Callable[..., Any]]
@@ -76,8 +77,6 @@ class LossModule(nn.Module):
 
     def extra_repr(self) -> str:
         return getattr(self.loss_fn, "__qualname__", type(self.loss_fn).__name__)
-
-
 
 
 def _require_ids_on_this_machine(ids: Sequence[int]) -> None:
@@ -169,6 +168,8 @@ def _ungatherable_output(check: Check) -> str | None:
         "those (a dataclass as dataclasses.astuple(out) or a dict, a Hugging Face ModelOutput is a dict), "
         "or check a wrapper that handles it with parallel="
     )
+
+
 @dataclass(frozen=True)
 class Check:
     """A validated check: the module, its arguments, the split and where the steps run.
@@ -273,11 +274,10 @@ class Check:
         )
 
     def _scenario(self, split: str) -> str:
-        where = "the host" if self.output_device == -1 else f"device {self.output_device}"
         text = split
         if self.dim != 0:
             text += f" along dim {self.dim}"
-        text += f"; outputs gathered on {where}; wrapper {_name(self.parallel)}"
+        text += f"; outputs gathered on {_where(self.output_device)}; wrapper {_name(self.parallel)}"
         if self.parallel_loss is not None:
             text += f"; criterion wrapper {_name(self.parallel_loss)}"
         if self.device.type == "cpu" and max(self.device_ids) + 1 > max(len(self.device_ids), cuda_device_count()):
@@ -417,11 +417,6 @@ class Check:
         steps run here are added to it. None: this check's own. ``rows``: the comparisons
         already made of the parallel step's own tensors (``Check.against``'s ``reuse``).
 
-        A module with divergence sources (BatchNorm in train mode, Dropout) gets no second
-        rounding sample (``References.settle``): its mismatches are reported with those
-        modules as their likely cause whatever the rounding, and ``dpverify check``
-        explains them.
-
         Raises:
             NonFiniteReference: the single-device or float64 step is not finite; nothing
                 is compared then.
@@ -430,20 +425,25 @@ class Check:
         steps = store.steps
         step_rows = {} if rows is None else rows
 
+        def step(kind: str, dtype: torch.dtype | None, stage: str | None = None, **options: Any) -> StepResult:
+            # Stored only once it ran and proved finite (``stage``: what a non-finite one
+            # is called): a failing step fails every check.
+            if kind not in steps:
+                result = self.run(loss_in(dtype), parallel=False, dtype=dtype, loss_argument=loss_argument, **options)
+                if stage is not None:
+                    _require_finite_step(result, stage)
+                steps[kind] = result
+            return steps[kind]
+
         def split(dtype: torch.dtype | None) -> Callable[[], StepResult | None]:
             # keyed by the split too: the checks of one batch on several device counts share steps
             kind = f"split {dtype} {tuple(self.plan.chunk_sizes)} dim {self.dim}"
 
             def run() -> StepResult | None:
-                if kind not in steps:
-                    try:
-                        result = self.run(loss_in(dtype), parallel=False, dtype=dtype, loss_argument=loss_argument, split=True)
-                    except Exception:  # a module that cannot run chunk by chunk alone: no such sample
-                        return None
-                    if not all(bool(t.isfinite().all()) for t in _step_tensors(result)):
-                        return None
-                    steps[kind] = result
-                return steps[kind]
+                try:
+                    return step(kind, dtype, "chunk-by-chunk single-device", split=True)
+                except Exception:  # a module that cannot run chunk by chunk alone, or not finite: no such sample
+                    return None
 
             return run
 
@@ -462,61 +462,26 @@ class Check:
                 expected, anchor, probe, jitter, settle, splits=splits, shared=store, rows=step_rows,
             )
 
-        def step(kind: str, run: Callable[[], StepResult]) -> StepResult:
-            # Stored only once it ran and proved finite: a failing step fails every check.
-            if kind not in steps:
-                steps[kind] = run()
-            return steps[kind]
-
-        def expected_step() -> StepResult:
-            result = self.run(loss_in(None), parallel=False, loss_argument=loss_argument)
-            _require_finite_step(result, "single-device")
-            return result
-
-        expected = step("expected", expected_step)
+        expected = step("expected", None, "single-device")
         if self.tolerance.explicit:
             return made(expected)
-
-        def anchor_step() -> StepResult:
-            result = self.run(
-                loss_in(torch.float64), parallel=False, dtype=torch.float64, loss_argument=loss_argument,
-                measure_terms=True,
-            )
-            _require_finite_step(result, "float64 single-device")
-            return result
-
-        anchor = step("anchor", anchor_step)
+        anchor = step("anchor", torch.float64, "float64 single-device", measure_terms=True)
         if self.dtype == torch.float64:
-            probe = step("probe", lambda: self.run(loss_in(torch.float32), parallel=False, dtype=torch.float32, loss_argument=loss_argument))
-            jitter = step("jitter", lambda: self.run(
-                loss_in(torch.float64), parallel=False, dtype=torch.float64, loss_argument=loss_argument,
-                jitter=_JITTER,
-            ))
+            probe = step("probe", torch.float32)
+            jitter = step("jitter", torch.float64, jitter=_JITTER)
             return made(expected, anchor, probe, jitter)
-
-        def settle_step() -> StepResult:
-            # Parameters one unit in the last place off: how far rounding alone moves this step.
-            result = self.run(
-                loss_in(None), parallel=False, loss_argument=loss_argument,
-                jitter=torch.finfo(self.dtype).eps,
-            )
-            _require_finite_step(result, "jittered single-device")
-            return result
-
         if divergence_sources(self.module):
             # A mismatch of this module lists those sources as its likely cause, and
             # ``dpverify check`` explains it: a second sample of the rounding would not
             # change what the check reports.
             return made(expected, anchor)
-        return made(expected, anchor, settle=lambda: step("settle", settle_step))
+        # Parameters one unit in the last place off: how far rounding alone moves this step.
+        eps = torch.finfo(self.dtype).eps
+        return made(expected, anchor, settle=lambda: step("settle", None, "jittered single-device", jitter=eps))
 
     def compare(self, actual: StepResult, refs: References, *, outputs: bool = True) -> list[TensorComparison]:
         """Outputs (when asked), the loss, and every parameter's gradient."""
         expected = refs.expected
-
-        def row(which: TensorId, got: torch.Tensor | None, key: Key, terms: Terms | None = None) -> TensorComparison:
-            return self.against(which, got, refs, key, terms)
-
         rows: list[TensorComparison] = []
         if outputs:
             actual_outputs = dict(compared_outputs(actual, expected))
@@ -524,9 +489,9 @@ class Check:
                 if path not in actual_outputs:
                     rows.append(TensorComparison(output_id(path), tuple(tensor.shape), tensor.numel(), mismatched=tensor.numel(), problem="is missing from the parallel step's output"))
                     continue
-                rows.append(row(output_id(path), actual_outputs[path], Key.output(path)))
+                rows.append(self.against(output_id(path), actual_outputs[path], refs, Key.output(path)))
         loss_terms = refs.anchor.loss_terms if refs.anchor is not None else None
-        rows.append(row(TensorId("loss"), actual.loss, Key.loss(), Terms(loss_terms, loss_terms) if loss_terms else None))
+        rows.append(self.against(TensorId("loss"), actual.loss, refs, Key.loss(), Terms(loss_terms, loss_terms) if loss_terms else None))
         for name in expected.grads:
             rows.append(self.against(TensorId("grad", name), actual.grads.get(name), refs, Key.grad(name), actual.terms(name), reuse=True))
         return rows
@@ -553,22 +518,22 @@ class Check:
             refs.rows[slot] = (actual, result)
             return result
 
-        def compare(settled: bool) -> TensorComparison:
+        def compare(sample: torch.Tensor | None) -> TensorComparison:
             # The references' tensors of ``key`` are the same objects for every row of
             # every check that shares them: what the rule derives from them is derived once.
             return compare_tensors(
                 which, actual, refs.keyed(key), refs.keyed(key, "anchor"), self.tolerance, refs.keyed(key, "probe"),
-                terms, refs.keyed(key, "settled" if settled else "jitter"), derived=refs.shared.derived,
+                terms, sample, derived=refs.shared.derived,
             )
 
-        result = compare(False)
+        result = compare(refs.keyed(key, "jitter"))
         if result.ok or result.problem is not None or contrast:
             return result
         if refs.settle is not None:
             # A tensor that fails against one sample of the single-device rounding gets a
             # second sample before it is called a mismatch: ill-conditioned computations
             # round with heavy tails. Passing checks never pay for this step.
-            result = compare(True)
+            result = compare(refs.keyed(key, "settled"))
             if result.ok:
                 return result
         sample = refs.split_sample(key, self.dtype)
@@ -577,10 +542,7 @@ class Check:
         # The last sample: the step run chunk by chunk as the parallel split runs it, where
         # its distance from the full batch is rounding (``References.split_sample``).
         # Batch-size-dependent kernels round each chunk differently from the full batch.
-        split_result = compare_tensors(
-            which, actual, refs.keyed(key), refs.keyed(key, "anchor"), self.tolerance,
-            refs.keyed(key, "probe"), terms, sample, derived=refs.shared.derived,
-        )
+        split_result = compare(sample)
         return split_result if split_result.ok else result
 
     def replica_failures(self, ran: int, *, lost: str | None = None) -> list[str]:
@@ -710,15 +672,15 @@ def _gathered_elsewhere(check: Check, step: StepResult) -> list[str]:
     ``output_device`` (its last gather in forward: the outputs it returned)."""
     if not step.gathered_on or step.gathered_on[-1] == check.output_device:
         return []
-
-    def where(device: int) -> str:
-        return "the host" if device == -1 else f"device {device}"
-
     return [
-        f"The wrapper gathered its outputs on {where(step.gathered_on[-1])}; output_device="
-        f"{check.output_device} asks for {where(check.output_device)}, where the loss is meant "
+        f"The wrapper gathered its outputs on {_where(step.gathered_on[-1])}; output_device="
+        f"{check.output_device} asks for {_where(check.output_device)}, where the loss is meant "
         "to run (on GPUs the outputs would sit on another device than requested)."
     ]
+
+
+def _where(device: int) -> str:
+    return "the host" if device == -1 else f"device {device}"
 
 
 def _name(obj: object) -> str:
@@ -735,8 +697,6 @@ def _target_on(target: Any, check: Check, dtype: torch.dtype | None) -> Any:
         cast = dtype if dtype is not None and target.is_floating_point() else None
         return target.detach().to(device=check.device, dtype=cast)
     return target
-
-
 
 
 @dataclass(frozen=True)
@@ -763,14 +723,6 @@ class References:
     #: comparisons of the parallel step's own tensors (``Check.against``'s ``reuse``),
     #: shared by the checks that share that step
     rows: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
-    _settled: list[StepResult] = field(default_factory=list, repr=False, compare=False)
-
-    def settled(self) -> StepResult:
-        """The jittered single-device step (``settle``), run once, on first need."""
-        assert self.settle is not None
-        if not self._settled:
-            self._settled.append(self.settle())
-        return self._settled[0]
 
     def split_sample(self, key: Key, dtype: torch.dtype) -> torch.Tensor | None:
         """The chunk-by-chunk step's tensor of ``key``, when its distance from the full-batch
@@ -785,16 +737,14 @@ class References:
             return None
         sample, twin = key(working), key(other)
         # the full-batch steps in the same two precisions
-        if dtype == torch.float64:
-            full, full_twin = key(self.expected), key(self.probe) if self.probe is not None else None
-        else:
-            full, full_twin = key(self.expected), key(self.anchor)
+        other_full = self.probe if dtype == torch.float64 else self.anchor
+        full, full_twin = key(self.expected), key(other_full) if other_full is not None else None
         if sample is None or twin is None or full is None or full_twin is None:
             return None
         if sample.shape != full.shape or twin.shape != full_twin.shape:
             return None
-        distance = _largest(sample.double() - full.double())
-        twin_distance = _largest(twin.double() - full_twin.double())
+        distance = largest_abs(sample.double() - full.double())
+        twin_distance = largest_abs(twin.double() - full_twin.double())
         near, far = (distance, twin_distance) if dtype == torch.float64 else (twin_distance, distance)
         return sample if near <= far * _SPLIT_SCALING else None
 
@@ -805,7 +755,11 @@ class References:
         picked = self.shared.picked
         slot = (key, step)
         if slot not in picked:
-            source = self.settled() if step == "settled" else getattr(self, step)
+            if step == "settled":  # run once: ``settle`` keeps its step among the shared ones
+                assert self.settle is not None
+                source = self.settle()
+            else:
+                source = getattr(self, step)
             picked[slot] = key(source) if source is not None else None
         return picked[slot]
 
@@ -815,15 +769,10 @@ class References:
 _SPLIT_SCALING = 2.0**-10
 
 
-def _largest(tensor: torch.Tensor) -> float:
-    values = tensor.to_dense() if tensor.is_sparse else tensor
-    return float(values.abs().max()) if values.numel() else 0.0
-
-
-def _step_tensors(step: StepResult) -> list[torch.Tensor]:
-    return [t for _, t in step.outputs if t.is_floating_point()] + [step.loss] + [
-        g for g in step.grads.values() if g is not None
-    ]
+def largest_abs(tensor: torch.Tensor) -> float:
+    """The largest absolute entry of ``tensor``, sparse or dense (0 when it is empty)."""
+    values = tensor.detach().to_dense() if tensor.is_sparse else tensor.detach()
+    return max_abs(values) if values.numel() else 0.0
 
 
 class _Split:
@@ -863,25 +812,9 @@ def _require_finite_step(step: StepResult, stage: str) -> None:
         require_finite(TensorId("grad", name), grad, stage)
 
 
-@dataclass(frozen=True)
-class _LeftStep:
-    """A parallel step the gradient check left for the replica-sum check of the same split
-    and wrapper (``SharedSteps.leave``), with the comparisons of its own tensors."""
-
-    split: tuple[Any, ...]
-    parallel: object
-    parallel_loss: object
-    step: StepResult
-    rows: dict[Any, Any]
-
-    def fits(self, check: Check) -> bool:
-        return (
-            self.split == _split_of(check) and self.parallel is check.parallel and self.parallel_loss is check.parallel_loss
-        )
-
-
 def _split_of(check: Check) -> tuple[Any, ...]:
-    return (tuple(check.device_ids), check.output_device, check.dim)
+    """What a parallel step ran: the split, and the wrappers."""
+    return (tuple(check.device_ids), check.output_device, check.dim, check.parallel, check.parallel_loss)
 
 
 @dataclass
@@ -911,7 +844,7 @@ class SharedSteps:
     steps: dict[str, StepResult] = field(default_factory=dict)
     picked: dict[tuple[Key, str], torch.Tensor | None] = field(default_factory=dict)
     derived: Derived = field(default_factory=dict)
-    left: _LeftStep | None = None
+    left: tuple[tuple[Any, ...], StepResult, dict[Any, Any]] | None = None
     device: torch.device | None = None
     dtype: torch.dtype | None = None
 
@@ -926,27 +859,24 @@ class SharedSteps:
 
     def leave(self, check: Check, step: StepResult, rows: dict[Any, Any]) -> None:
         """Leaves ``check``'s parallel step for the next check that ``take``s it."""
-        self.left = _LeftStep(_split_of(check), check.parallel, check.parallel_loss, step, rows)
+        self.left = (_split_of(check), step, rows)
 
     def take(self, check: Check) -> tuple[StepResult | None, dict[Any, Any]]:
         """The parallel step left by a check of the same split through the same wrappers
         (and the comparisons made of its tensors), or None; none is left afterwards."""
         left, self.left = self.left, None
-        if left is None or not left.fits(check):
+        if left is None or left[0] != _split_of(check):
             return None, {}
-        return left.step, left.rows
+        return left[1], left[2]
 
 
 def _steps(
     check: Check, loss_fn: LossFn, target: Any, shared: SharedSteps | None, *, take: bool,
 ) -> tuple[StepResult, References]:
-    """The parallel step, recording every replica's contribution, and the references.
-
-    ``shared``: the steps of the checks grouped with this one on the same batch and loss
-    (None: this check's own). The gradient check leaves its parallel step there; the
-    replica-sum check that follows on the same split, through the same wrappers, takes it
-    (``take``) instead of running it again.
-    """
+    """The parallel step, recording every replica's contribution, and the references;
+    ``shared`` as in ``grads_match``. The gradient check leaves its parallel step there for
+    the replica-sum check, which takes it (``take``: ``SharedSteps.take``)."""
+    check.require_target(target)
     shared = SharedSteps() if shared is None else shared.for_check(check)
     left, left_rows = shared.take(check)  # a step left serves the next check only
     parallel, rows = (left, left_rows) if take else (None, {})
@@ -954,7 +884,7 @@ def _steps(
         loss_raised: list[BaseException] = []
         try:
             parallel = check.run(
-                _watched(check.parallel_loss_of(loss_fn, _target_on(target, check, None)), loss_raised if check.parallel_loss is None else None),
+                _watched(check.parallel_loss_of(loss_fn, _target_on(target, check, None)), loss_raised),
                 parallel=True, record_replicas=True,
                 loss_argument="parallel_loss_fn" if check.parallel_loss is not None else "loss_fn",
             )
@@ -964,7 +894,7 @@ def _steps(
             problem = _ungatherable_output(check) if check.parallel_loss is None and isinstance(error, (TypeError, AttributeError, ValueError)) else None
             if problem is not None:
                 raise InvalidArgument(problem) from error
-            if loss_raised:
+            if loss_raised and check.parallel_loss is None:
                 # raised applying loss_fn to the gathered output: the same on one device is no mismatch
                 _raise_if_single_device_fails(check, loss_fn, target)
             raise
@@ -974,10 +904,8 @@ def _steps(
     return parallel, refs
 
 
-def _watched(loss: Callable[[Any], torch.Tensor], raised: list[BaseException] | None) -> Callable[[Any], torch.Tensor]:
-    """``loss``, recording in ``raised`` what it raises (None: ``loss`` as it is)."""
-    if raised is None:
-        return loss
+def _watched(loss: Callable[[Any], torch.Tensor], raised: list[BaseException]) -> Callable[[Any], torch.Tensor]:
+    """``loss``, recording in ``raised`` what it raises."""
 
     def watched(output: Any) -> torch.Tensor:
         try:
@@ -1083,15 +1011,16 @@ def assert_dp_grads_match(
 def grads_match(check: Check, loss_fn: LossFn, target: Any, shared: SharedSteps | None = None) -> StepComparison:
     """``assert_dp_grads_match`` on a built ``check``, returning its comparison whatever
     it found; ``shared``: the steps of the checks grouped with it (``SharedSteps``)."""
-    check.require_target(target)
     parallel_step, refs = _steps(check, loss_fn, target, shared, take=False)
     title = "DataParallel outputs and gradients must match the single-device step"
     rows = check.compare(parallel_step, refs)
-    failures = check.replica_failures(len(parallel_step.contributions), lost=_lost_chunks(check, parallel_step, refs)) + _gathered_elsewhere(check, parallel_step)
+    ran = len(parallel_step.contributions)
+    lost = _lost_chunks(check, parallel_step, refs)
+    failures = check.replica_failures(ran, lost=lost) + _gathered_elsewhere(check, parallel_step)
     failed = bool(failures) or not all(row.ok for row in rows)
     notes, scale = _diagnose(check, parallel_step, refs, loss_fn, target) if failed else ([], None)
-    lost = _lost_chunks(check, parallel_step, refs) if failed and len(parallel_step.contributions) >= 2 else None
-    notes = [*_per_replica_note(parallel_step, refs.expected), *([lost] if lost else []), *_differing_rows(check, parallel_step, refs, rows), *notes]
+    lost_note = [lost] if lost and failed and ran >= 2 else []
+    notes = [*_per_replica_note(parallel_step, refs.expected), *lost_note, *_differing_rows(check, parallel_step, refs, rows), *notes]
     return check.outcome(title, rows, notes=notes, failures=failures, scale=scale, step=parallel_step)
 
 
@@ -1101,7 +1030,7 @@ _MOST_ROWS = 4096
 _MOST_ELEMENTS = 1 << 24
 
 
-def _lost_chunks(check: Check, step: StepResult, refs: References | None) -> str | None:
+def _lost_chunks(check: Check, step: StepResult, refs: References) -> str | None:
     """A sentence when the replica forwards received fewer rows than the batch holds (None
     otherwise): which of torch's chunks never ran, named by the rows of the single-device
     output that the parallel output holds, or else by the rows the forwards received."""
@@ -1111,7 +1040,7 @@ def _lost_chunks(check: Check, step: StepResult, refs: References | None) -> str
     if not received or sum(received) >= batch:
         return None
     forwards = f"The replica forward{'s' if len(received) != 1 else ''} received {received} rows, {sum(received)} of {batch}"
-    found = _rows_held(check, step, refs, sum(received)) if refs is not None else None
+    found = _rows_held(check, step, refs, sum(received))
     if found is None:
         return (
             f"{forwards}: {batch - sum(received)} rows never reached a replica (torch's scatter makes chunks "
@@ -1143,16 +1072,22 @@ def _rows_held(check: Check, step: StepResult, refs: References, count: int) -> 
             continue
         if got.size(check.dim) != count or reference.size(check.dim) != batch or reference.numel() > _MOST_ELEMENTS:
             continue
-        a = got.detach().movedim(check.dim, 0).reshape(count, -1).double().cpu()
-        e = reference.detach().movedim(check.dim, 0).reshape(batch, -1).double().cpu()
-        if a.shape[1] != e.shape[1]:
-            continue
-        nearest = torch.cdist(a, e).min(dim=1)
-        rows = nearest.indices.tolist()
-        scale = float(e.abs().max()) or 1.0
-        if len(set(rows)) == len(rows) and float(nearest.values.max()) <= 1e-3 * scale:
-            return list(rows)
+        nearest = _nearest_rows(got, reference, check.dim)
+        if nearest is not None and len(set(nearest[0])) == count and nearest[1] <= 1e-3:
+            return nearest[0]
     return None
+
+
+def _nearest_rows(actual: torch.Tensor, expected: torch.Tensor, dim: int) -> tuple[list[int], float] | None:
+    """For each row of ``actual`` along ``dim``, the nearest row of ``expected``, and the
+    greatest of those distances relative to ``expected``'s largest entry; None when the
+    rows have different sizes."""
+    a, e = (t.detach().movedim(dim, 0).double().cpu() for t in (actual, expected))
+    a, e = a.reshape(a.shape[0], -1), e.reshape(e.shape[0], -1)
+    if a.shape[1] != e.shape[1]:
+        return None
+    nearest = torch.cdist(a, e).min(dim=1)
+    return nearest.indices.tolist(), float(nearest.values.max()) / (float(e.abs().max()) or 1.0)
 
 
 def _diagnose(
@@ -1281,15 +1216,10 @@ def _reordered(path: str, actual: torch.Tensor, expected: torch.Tensor | None, d
     order (a gather that concatenates the replicas' outputs out of order)."""
     if expected is None or actual.shape != expected.shape or not -actual.dim() <= dim < actual.dim():
         return None
-    actual, expected = actual.movedim(dim, 0), expected.movedim(dim, 0)
-    if not 1 < actual.shape[0] <= 4096:
+    if not 1 < actual.shape[dim] <= 4096:
         return None
-    a = actual.detach().reshape(actual.shape[0], -1).double().cpu()
-    e = expected.detach().reshape(expected.shape[0], -1).double().cpu()
-    nearest = torch.cdist(a, e).min(dim=1)
-    scale = float(e.abs().max()) or 1.0
-    order = nearest.indices.tolist()
-    if sorted(order) != list(range(len(order))) or order == sorted(order) or float(nearest.values.max()) > 1e-4 * scale:
+    order, distance = _nearest_rows(actual, expected, dim) or ([], 0.0)
+    if sorted(order) != list(range(len(order))) or order == sorted(order) or distance > 1e-4:
         return None
     return (
         f"The rows of {path} are the single-device rows in another order ({order}): the "
@@ -1356,8 +1286,9 @@ def _loss_averaging_trap(check: Check, actual: StepResult, refs: References, los
     return [text]
 
 
-def _sum(contributions: Sequence[dict[str, torch.Tensor]], name: str) -> torch.Tensor | None:
-    """The float64 sum of the replicas' gradients of ``name``, in replica order."""
+def _sum(contributions: Sequence[dict[str, torch.Tensor]], name: str, like: torch.Tensor | None) -> torch.Tensor | None:
+    """The sum of the replicas' gradients of ``name``, in replica order, made in float64
+    and given the dtype and device of ``like`` (the expected gradient) when there is one."""
     grads = [c[name] for c in contributions if name in c]
     if not grads:
         return None
@@ -1366,7 +1297,7 @@ def _sum(contributions: Sequence[dict[str, torch.Tensor]], name: str) -> torch.T
         # In place, a float32 term is promoted element by element: the sum of the float64
         # copies, without making them.
         total += g.to(total.device) if g.layout == total.layout == torch.strided else g.to(total.device, torch.float64)
-    return total
+    return total if like is None else total.to(dtype=like.dtype, device=like.device)
 
 
 def assert_grad_sum_equals_mean_loss_grad(
@@ -1411,7 +1342,6 @@ def grad_sum_matches(check: Check, loss_fn: LossFn, target: Any, shared: SharedS
     """``assert_grad_sum_equals_mean_loss_grad`` on a built ``check``, returning its
     comparison whatever it found; ``shared``: the steps of the checks grouped with it,
     whose parallel step it takes when a gradient check of the same split left one."""
-    check.require_target(target)
     parallel_step, refs = _steps(check, loss_fn, target, shared, take=True)
     title = "Replica gradients must sum to the full-batch mean-loss gradient"
     contributions = [grads for _device, grads in parallel_step.contributions]
@@ -1422,7 +1352,7 @@ def grad_sum_matches(check: Check, loss_fn: LossFn, target: Any, shared: SharedS
     averages_differ = False
     sums_match = True
     for name, grad in refs.expected.grads.items():
-        total = _as(_sum(contributions, name), grad)
+        total = _sum(contributions, name, grad)
         terms = parallel_step.terms(name)
         summed = check.against(TensorId("grads", name, variant="sum of replica"), total, refs, Key.grad(name), terms)
         sums_match &= summed.ok
@@ -1459,9 +1389,3 @@ def grad_sum_matches(check: Check, loss_fn: LossFn, target: Any, shared: SharedS
     if failures or not all(row.ok for row in rows):
         notes += _loss_averaging_trap(check, parallel_step, refs, loss_fn, target)
     return check.outcome(title, rows, contrasts=contrasts, notes=notes, failures=failures, step=parallel_step)
-
-
-def _as(value: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
-    if value is None or like is None:
-        return value
-    return value.to(dtype=like.dtype, device=like.device)

@@ -14,27 +14,33 @@ really computes in, which can be float32 inside a float64 module.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
-import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dpverify.checks.dp import Check, Parallel, raise_unless_ok
+from dpverify.checks.dp import Check, Parallel, largest_abs, raise_unless_ok
 from dpverify.core.comparison import Msg, StepComparison
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.items import Items, choose_items, count_items, ignore_indices_of, item_candidates
-from dpverify.core.numerics import max_abs
-from dpverify.core.step import convert_tensors, default_dtype, jitter_parameters, seed_step
-from dpverify.core.tree import first_batched, tensor_leaves
+from dpverify.core.step import (
+    ReplicaGradRecorder,
+    ReplicaRecord,
+    convert_tensors,
+    default_dtype,
+    jitter_parameters,
+    seed_step,
+)
+from dpverify.core.tree import tensor_leaves
 from dpverify.core.validation import require_callable
-from dpverify.core.virtual import SCALAR_GATHER_WARNING, replica_device
+from dpverify.core.virtual import SCALAR_GATHER_WARNING
 
 __all__ = [
     "LossAverageReport",
@@ -135,83 +141,70 @@ def _per_replica_losses(output: Any, loss_at: int, replicas: int) -> torch.Tenso
     return torch.cat([value.to(values[0].device) for value in values])
 
 
-class _ObservedRows:
-    """The rows each replica forward received, in device order: the split the wrapper really
-    made (a balanced first chunk), which is what its replica losses are means over."""
+@dataclass
+class _Seen(ReplicaRecord):
+    """One replica forward (``ReplicaRecord``), with the item counts its chunk offers and
+    the per-call count it received (None when none)."""
 
-    def __init__(
-        self, model: nn.Module, device_ids: Sequence[int], dim: int = 0, items: Items | None = None,
-        ignore_indices: Sequence[int] = (), given: Sequence[str] = (),
-    ) -> None:
-        # replica i runs on device_ids[i] and its loss is the i-th gathered value
-        self.dim = dim
+    counts: dict[str, int] = field(default_factory=dict)
+    given: float | None = None
+
+
+class _ObservedRows(ReplicaGradRecorder):
+    """The rows each replica forward received, in device order: the split the wrapper really
+    made (a balanced first chunk), which is what its replica losses are means over. Every
+    replica forward, with rows or not, is in ``replicas``: the evidence that the step ran in
+    parallel."""
+
+    record_type = _Seen
+
+    def __init__(self, model: nn.Module, check: Check, items: Items | None, given: Mapping[str, Any]) -> None:
+        super().__init__([], keep=False, dim=check.dim)
         self.given_names = tuple(given)
         self.items = items
-        self.ignore_indices = tuple(ignore_indices)
-        self.order = {device: position for position, device in enumerate(device_ids)}
-        self.seen: list[_Seen] = []
-        #: every replica forward, with rows or not: the evidence that the step ran in parallel
-        self.forwards = 0
-        self._lock = threading.Lock()
-        self._handle = model.register_forward_pre_hook(self._see, with_kwargs=True)
+        self.ignore_indices = ignore_indices_of(model)
+        # replica i runs on device_ids[i] and its loss is the i-th gathered value
+        self.order = {device: position for position, device in enumerate(check.device_ids)}
+        self.attach(model)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _ObservedRows:
-        # the step runs on a deep copy of the module, hooks included: the copy reports here
-        return self
+    def new_record(self, replica: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Seen:
+        seen = cast(_Seen, super().new_record(replica, args, kwargs))
+        if seen.rows is not None:
+            if self.items is None:
+                seen.counts = {"rows": seen.rows, **item_candidates(args, kwargs, self.ignore_indices)}
+            else:
+                seen.counts = {"items": count_items(self.items, args, kwargs)}
+            seen.given = _count_value(kwargs.get(self.given_names[0])) if self.given_names else None
+        return seen
 
-    def _see(self, replica: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        with self._lock:
-            self.forwards += 1
-        first = first_batched((args, kwargs))
-        if first is None:
-            return
-        device = replica_device(first)
-        # a forward outside any replica: one device, the module itself on device_ids[0]
-        key = self.order.get(device, len(self.order)) if device is not None else 0
-        rows = int(first.shape[self.dim])
-        if self.items is None:
-            counts = {"rows": rows, **item_candidates(args, kwargs, self.ignore_indices)}
-        else:
-            counts = {"items": count_items(self.items, args, kwargs)}
-        value = _count_value(kwargs.get(self.given_names[0])) if self.given_names else None
-        with self._lock:  # replicas run in concurrent threads
-            self.seen.append(_Seen(key, rows, counts, value))
-
-    def detach(self) -> None:
-        self._handle.remove()
+    @property
+    def forwards(self) -> int:
+        return len(self.replicas)
 
     def in_order(self) -> list[_Seen]:
-        """The replica forwards seen, in device order."""
-        return sorted(self.seen, key=lambda seen: seen.key)
+        """The replica forwards seen with rows, in device order (a forward outside any
+        replica, on one device, is the module itself on device_ids[0])."""
+        seen = [cast(_Seen, record) for record in self.replicas if record.rows is not None]
+        return sorted(seen, key=lambda record: 0 if record.device is None else self.order.get(record.device, len(self.order)))
 
     def sizes(self, replicas: int, batch: int) -> list[int] | None:
         """The observed chunk sizes when they account for every replica loss and the whole
         batch, else None (the planned split stands)."""
-        sizes = [seen.rows for seen in self.in_order()]
+        sizes = [seen.rows for seen in self.in_order() if seen.rows is not None]
         return sizes if len(sizes) == replicas and sum(sizes) == batch else None
 
     def item_counts(self, replicas: int) -> dict[str, list[int]]:
         """Every candidate count of items (``item_candidates``) that every replica has, as
         per-replica lists in device order; empty unless each replica's forward was seen."""
-        if len(self.seen) != replicas:
-            return {}
         per_replica = [seen.counts for seen in self.in_order()]
+        if len(per_replica) != replicas:
+            return {}
         shared = [name for name in per_replica[0] if all(name in counts for counts in per_replica)]
         return {name: [counts[name] for counts in per_replica] for name in shared}
 
     def given(self) -> list[float | None]:
         """The per-call count (``per_call_kwargs``' first keyword) each replica received."""
         return [seen.given for seen in self.in_order()]
-
-
-class _Seen(NamedTuple):
-    """One replica forward: its place in ``device_ids``, its rows along ``dim``, the item
-    counts its chunk offers, and the per-call count it received (None when none)."""
-
-    key: int
-    rows: int
-    counts: dict[str, int]
-    given: float | None
 
 
 #: ``per_call_kwargs(devices)``: the keyword arguments of a call that spans ``devices``
@@ -235,11 +228,6 @@ def _per_call(per_call_kwargs: PerCall | None, devices: int, forward_kwargs: Map
     if clash:
         raise InvalidArgument(f"per_call_kwargs and forward_kwargs both give {clash}; give each keyword once")
     return dict(given)
-
-
-def _require_reduce(reduce: Reduce) -> None:
-    if not callable(reduce):
-        raise InvalidArgument(f"reduce={reduce!r} is not callable; pass reduce(replica_losses, chunk_sizes) -> scalar")
 
 
 def _require_items(items: Items | None) -> None:
@@ -402,26 +390,17 @@ class LossAverageReport:
             f"chunk sizes {list(self.chunk_sizes)}, {k} replica{'s' if k != 1 else ''} used.",
         ]
         if self.normalizer:
-            lines += [
+            lines.append(
                 f"Each replica divided its summed loss by the {self.normalizer} it was given: "
-                f"{self._given_text}; the single-device call divides by {self._full_text}.",
-                f"Each replica returned: [{losses}].",
-                f"loss.mean() of those      = {self.mean_of_means:.8g}",
-            ]
+                f"{self._given_text}; the single-device call divides by {self._full_text}."
+            )
         elif self.by_tokens:
-            lines += [
-                f"Each replica's loss is a mean over its {self._noun}: {self.counted}, "
-                f"{sum(self.counts)} in all.",
-                f"Each replica returned its own chunk's mean loss: [{losses}].",
-                f"loss.mean() of those      = {self.mean_of_means:.8g}",
-                f"item-weighted sum(t_i/T)  = {self.weighted_mean:.8g}",
-            ]
-        else:
-            lines += [
-                f"Each replica returned its own chunk's mean loss: [{losses}].",
-                f"loss.mean() of those      = {self.mean_of_means:.8g}",
-                f"chunk-weighted sum(n_i/B) = {self.weighted_mean:.8g}",
-            ]
+            lines.append(f"Each replica's loss is a mean over its {self._noun}: {self.counted}, {sum(self.counts)} in all.")
+        returned = "Each replica returned" if self.normalizer else "Each replica returned its own chunk's mean loss"
+        lines += [f"{returned}: [{losses}].", f"loss.mean() of those      = {self.mean_of_means:.8g}"]
+        if not self.normalizer:
+            weighted = "item-weighted sum(t_i/T) " if self.by_tokens else "chunk-weighted sum(n_i/B)"
+            lines.append(f"{weighted} = {self.weighted_mean:.8g}")
         lines.append(f"full-batch loss           = {self.full_batch_loss:.8g}")
         if self.empty_replicas:
             return "\n".join(lines + self._empty_lines(list(self.empty_replicas)))
@@ -513,12 +492,9 @@ class LossAverageReport:
     def _why(self, uneven: bool) -> list[str]:
         """Why the mean of means is biased, and the fix: the chunk weights (uneven chunks),
         replica losses that are not per-row means, or both."""
+        weights = ", ".join(f"1/{self._fraction(w)}" for w in self.sample_weights)
         if self.by_tokens:
-            return self._why_items(uneven)
-        weights = ", ".join(
-            f"1/{round(1 / w)}" if abs(1 / w - round(1 / w)) < 1e-9 else f"{w:.4g}"
-            for w in self.sample_weights
-        )
+            return self._why_items(uneven, weights)
         not_means = (
             f"the replica losses are not the per-row means of their chunks: even the exact "
             f"chunk weighting sum(n_i/B * loss_i) is off the full-batch loss by "
@@ -527,10 +503,13 @@ class LossAverageReport:
             "between replicas, or a forward that depends on the whole batch (BatchNorm) or "
             "on randomness (dropout) does this."
         )
+        uneven_why = (
+            f"Why: the chunks are uneven, so loss.mean() gives each sample of replica i the "
+            f"weight 1/(k*n_i) = [{weights}] instead of 1/B = 1/{self.batch_size}"
+        )
         if uneven and self.weighted_is_exact:
             return [
-                f"Why: the chunks are uneven, so loss.mean() gives each sample of replica i the "
-                f"weight 1/(k*n_i) = [{weights}] instead of 1/B = 1/{self.batch_size}.",
+                f"{uneven_why}.",
                 "Fix: weight each replica's loss by n_i/B (sum(loss_i * n_i) / B), or return "
                 "per-sample (or summed) losses from forward and reduce after the gather.",
             ]
@@ -540,12 +519,7 @@ class LossAverageReport:
             "replica losses cannot make them exact."
         )
         if uneven:
-            return [
-                f"Why: the chunks are uneven, so loss.mean() gives each sample of replica i the "
-                f"weight 1/(k*n_i) = [{weights}] instead of 1/B = 1/{self.batch_size}; and "
-                f"{not_means}",
-                fix,
-            ]
+            return [f"{uneven_why}; and {not_means}", fix]
         if not self.weighted_is_exact:
             return [
                 f"Why: the chunks {list(self.chunk_sizes)} are equal, so loss.mean() weights "
@@ -560,11 +534,9 @@ class LossAverageReport:
             "replica losses, or the wrapper, differ from what the chunks give.",
         ]
 
-
-    def _why_items(self, uneven: bool) -> list[str]:
+    def _why_items(self, uneven: bool, weights: str) -> list[str]:
         """The Why and Fix when the replica losses are means over tokens, not rows."""
         noun, total = self._noun, sum(self.counts)
-        weights = ", ".join(f"1/{self._fraction(w)}" for w in self.sample_weights)
         if uneven and self.weighted_is_exact:
             return [
                 f"Why: the replicas hold different numbers of {noun}, {self.counted}"
@@ -624,10 +596,6 @@ def _eps(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
 
 
-def _coarsest(*dtypes: torch.dtype) -> torch.dtype:
-    return max(dtypes, key=_eps)
-
-
 def _noise(measured: float, eps: float, scale: float) -> float:
     """Rounding noise of a quantity whose terms reach ``scale``, computed with roundoff
     ``eps``: the measured exact-vs-computed difference, at least one roundoff of the terms.
@@ -637,13 +605,11 @@ def _noise(measured: float, eps: float, scale: float) -> float:
     return max(eps * scale, min(measured, math.sqrt(eps) * scale))
 
 
-def _grads(loss: torch.Tensor, params: Sequence[torch.Tensor], *, retain: bool = False) -> list[torch.Tensor]:
+def _grads(loss: torch.Tensor, model: nn.Module, *, retain: bool = False) -> list[torch.Tensor]:
+    # Frozen parameters have no gradient to compare (autograd.grad refuses them).
+    params = [p for p in model.parameters() if p.requires_grad]
     grads = torch.autograd.grad(loss, params, retain_graph=retain, allow_unused=True)
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
-
-
-def _largest(tensor: torch.Tensor) -> float:
-    return max_abs(tensor.detach()) if tensor.numel() else 0.0
 
 
 def check_forward_loss_average(
@@ -715,11 +681,9 @@ def loss_average_of(
     with default_dtype(torch.float64), torch.random.fork_rng(devices=fork_devices), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCALAR_GATHER_WARNING)
         parallel_model = copy.deepcopy(module).to(dtype=torch.float64, device=check.device)
-        # Frozen parameters have no gradient to compare (autograd.grad refuses them).
-        params = [p for p in parallel_model.parameters() if p.requires_grad]
         seed_step(0, check.device)
         _require_items(items)
-        observed = _ObservedRows(parallel_model, check.device_ids, check.dim, items, ignore_indices_of(module), list(parallel_given))
+        observed = _ObservedRows(parallel_model, check, items, parallel_given)
         try:
             with check.devices():
                 output = check.wrap(parallel_model)(*args, **parallel_kwargs)
@@ -729,7 +693,7 @@ def loss_average_of(
                 title = "loss.mean() of replica losses needs a loss from each replica"
                 raise_unless_ok(check.outcome(title, [], failures=failures, replicas=observed.forwards), None)
             # the replicas that ran (a balanced wrapper can run more than torch's scatter would)
-            losses = _replica_losses(output, loss_at, len(observed.seen) or check.plan.n_replicas)
+            losses = _replica_losses(output, loss_at, len(observed.in_order()) or check.plan.n_replicas)
         except IndexError as error:
             check.explain_gather_error(error)
             raise
@@ -748,7 +712,7 @@ def loss_average_of(
                 f"the forward's loss has shape {tuple(full.shape)} on the whole batch; it must "
                 "be a scalar (the batch's mean loss)"
             )
-        grads_full = _grads(full.reshape(()), [p for p in single.parameters() if p.requires_grad])
+        grads_full = _grads(full.reshape(()), single)
 
         candidates = observed.item_counts(losses.numel()) or {"rows": list(sizes)}
         item_kind, counts = choose_items(candidates, [float(x) for x in losses.detach()], float(full.detach()))
@@ -758,10 +722,10 @@ def loss_average_of(
             )
         mean_of_means = losses.mean()
         weighted = chunk_weighted_loss(losses, counts)
-        grads_mean = _grads(mean_of_means, params, retain=True)
-        grads_weighted = _grads(weighted, params)
+        grads_mean = _grads(mean_of_means, parallel_model, retain=True)
+        grads_weighted = _grads(weighted, parallel_model)
 
-    dtype = _coarsest(precision.dtype, losses.dtype, full.dtype)
+    dtype = max((precision.dtype, losses.dtype, full.dtype), key=_eps)  # the coarsest
     eps = _eps(dtype)
 
     def jittered() -> tuple[float, float]:
@@ -774,8 +738,8 @@ def loss_average_of(
             jitter_parameters(model, _JITTER_ROUNDOFFS * eps)
             seed_step(0, check.device)
             loss = extract_loss(model(*args, **single_kwargs), loss_at).reshape(())
-            grads = _grads(loss, [p for p in model.parameters() if p.requires_grad])
-        gaps = [_largest(g - gf) for g, gf in zip(grads, grads_full, strict=True)]
+            grads = _grads(loss, model)
+        gaps = [largest_abs(g - gf) for g, gf in zip(grads, grads_full, strict=True)]
         return abs(float(loss.detach()) - full_value), max(gaps, default=0.0)
 
     values = [float(x) for x in losses.detach()]
@@ -785,9 +749,9 @@ def loss_average_of(
     loss_terms = max([abs(full_value), *map(abs, values)])
     loss_noise = _noise(abs(weighted_error), eps, loss_terms)
 
-    scales = [_largest(g) for g in grads_full]
-    gaps_mean = [_largest(gm - gf) for gm, gf in zip(grads_mean, grads_full, strict=True)]
-    gaps_weighted = [_largest(gw - gf) for gw, gf in zip(grads_weighted, grads_full, strict=True)]
+    scales = [largest_abs(g) for g in grads_full]
+    gaps_mean = [largest_abs(gm - gf) for gm, gf in zip(grads_mean, grads_full, strict=True)]
+    gaps_weighted = [largest_abs(gw - gf) for gw, gf in zip(grads_weighted, grads_full, strict=True)]
     grad_scale = max(scales, default=0.0)
     grad_noise = _noise(max(gaps_weighted, default=0.0), eps, grad_scale)
     if abs(weighted_error) <= _NOISE_FACTOR * eps * loss_terms:
@@ -914,7 +878,7 @@ def assert_loss_reduction_matches_full_batch(
             wrapper ran fewer than two replica forwards where the split calls for more.
     """
     __tracebackhide__ = True
-    _require_reduce(reduce)
+    require_callable(reduce, "reduce", "reduce(replica_losses, chunk_sizes) -> scalar")
     check = Check.create(
         module, inputs, device_ids=device_ids, parallel=parallel, rtol=rtol, atol=atol,
         forward_kwargs=forward_kwargs, dim=dim,
@@ -927,28 +891,24 @@ def reduction_matches(
 ) -> StepComparison:
     """``assert_loss_reduction_matches_full_batch`` on a built ``check``, returning its
     comparison whatever it found."""
-    _require_reduce(reduce)
-    module = check.module
+    require_callable(reduce, "reduce", "reduce(replica_losses, chunk_sizes) -> scalar")
     _require_items(items)
     sizes = list(check.plan.chunk_sizes)
     counted: list[tuple[str, list[int]]] = []
     seen: list[torch.Tensor] = []
-
-    def whole(output: Any) -> torch.Tensor:
-        return extract_loss(output, loss_at)
-
+    whole = functools.partial(extract_loss, loss_at=loss_at)
     single_given = _per_call(per_call_kwargs, 1, check.kwargs)
     parallel_given = _per_call(per_call_kwargs, len(check.device_ids), check.kwargs)
     # the references first: the full-batch loss tells which item counts the replica
     # losses are means over
     refs = replace(check, kwargs={**check.kwargs, **single_given}).references(lambda _dtype: whole, loss_argument="the forward's loss")
     expected = refs.expected
-    observed = _ObservedRows(check.module, check.device_ids, check.dim, items, ignore_indices_of(module), list(parallel_given))
+    observed = _ObservedRows(check.module, check, items, parallel_given)
     with_counts = _takes_three(reduce)
 
     def reduced(output: Any) -> torch.Tensor:
         nonlocal sizes
-        losses = _replica_losses(output, loss_at, len(observed.seen) or check.plan.n_replicas)
+        losses = _replica_losses(output, loss_at, len(observed.in_order()) or check.plan.n_replicas)
         seen.append(losses.detach())
         # the split the wrapper made, which its replica losses are means over
         sizes = observed.sizes(losses.numel(), sum(sizes)) or sizes

@@ -11,6 +11,7 @@ described: the user's model in ``dpverify check``.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,11 +168,7 @@ def even_split_points(n_children: int, stages: int) -> tuple[int, ...]:
     if stages < 1 or n_children < stages:
         raise InvalidArgument(f"{n_children} top-level children cannot make {stages} pipeline stages of at least one child each")
     base, extra = divmod(n_children, stages)
-    points, start = [], 0
-    for stage in range(stages - 1):
-        start += base + (1 if stage < extra else 0)
-        points.append(start)
-    return tuple(points)
+    return tuple(itertools.accumulate(base + (1 if stage < extra else 0) for stage in range(stages - 1)))
 
 
 def microbatch_counts(batch_size: int, most: int = 4) -> list[int]:

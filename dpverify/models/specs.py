@@ -15,6 +15,7 @@ batch of them as data, and a ``TokenScenario`` puts one on devices with such a h
 from __future__ import annotations
 
 from collections import namedtuple
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,8 @@ from torch import nn
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.items import IGNORE_INDEX
+from dpverify.core.scatter import chunk_sizes
+from dpverify.core.tree import map_tensors
 
 __all__ = [
     "ACTIVATIONS",
@@ -158,7 +161,6 @@ class Conv(nn.Module):
         self.conv = conv(channels, hidden, kernel_size=3, padding=1)
         self.act = _activation(activation)
         self.head = nn.Linear(hidden, outputs)
-        self.dims = dims
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.conv(x)).flatten(2).mean(dim=2)
@@ -332,16 +334,14 @@ class ModelSpec:
     """A small architecture, as data.
 
     Attributes:
-        kind: one of ``KINDS`` (or ``TOKEN_KINDS``, ``SHARDED_KINDS``).
+        kind: one of ``KINDS`` (or ``TOKEN_KINDS``: a ``LanguageModelHead`` of width
+            ``hidden`` and ``activation``, the other fields unused; or ``SHARDED_KINDS``).
         features: input features (channels for convolutions).
         hidden: hidden width.
         outputs: output width (``tied-embedding`` outputs the vocabulary instead).
         depth: hidden layers, residual blocks or recurrent layers.
         activation: one of ``ACTIVATIONS``.
         pooling: token pooling of ``embedding``: mean, sum or max.
-
-    ``kind`` may also be one of ``TOKEN_KINDS``, a ``LanguageModelHead`` of width ``hidden``
-    and ``activation`` (the other fields are unused).
         train: train mode (``batchnorm`` and ``dropout`` depend on it).
         p: dropout probability of ``dropout``.
     """
@@ -486,6 +486,10 @@ def primary_output(output: Any) -> torch.Tensor:
 #: Loss functions, simplest first.
 LOSSES: tuple[str, ...] = ("mse", "l1", "smooth_l1", "cross_entropy", "nll", "bce_with_logits")
 CLASSIFICATION_LOSSES = ("cross_entropy", "nll")
+_LOSS_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss, "cross_entropy": F.cross_entropy,
+    "bce_with_logits": F.binary_cross_entropy_with_logits,
+}
 
 
 @dataclass(frozen=True)
@@ -507,18 +511,9 @@ class LossSpec:
 
     def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         logits = primary_output(output)
-        r = self.reduction
-        if self.name == "mse":
-            return F.mse_loss(logits, target, reduction=r)
-        if self.name == "l1":
-            return F.l1_loss(logits, target, reduction=r)
-        if self.name == "smooth_l1":
-            return F.smooth_l1_loss(logits, target, reduction=r)
-        if self.name == "cross_entropy":
-            return F.cross_entropy(logits, target, reduction=r)
         if self.name == "nll":
-            return F.nll_loss(F.log_softmax(logits, dim=-1), target, reduction=r)
-        return F.binary_cross_entropy_with_logits(logits, target, reduction=r)
+            return F.nll_loss(F.log_softmax(logits, dim=-1), target, reduction=self.reduction)
+        return _LOSS_FUNCTIONS[self.name](logits, target, reduction=self.reduction)
 
     def target(self, batch: int, outputs: int, seed: int = 0) -> torch.Tensor:
         """A target batch for ``(batch, outputs)`` logits, drawn from ``seed``."""
@@ -569,8 +564,6 @@ class Scenario:
 
     @property
     def chunk_sizes(self) -> list[int]:
-        from dpverify.core.scatter import chunk_sizes
-
         return chunk_sizes(self.batch_size, len(self.devices.device_ids))
 
     def build(self) -> BuiltScenario:
@@ -586,16 +579,15 @@ class Scenario:
             target = kwargs["labels"]
         module = self.model.build(self.seed).to(self.dtype)
 
-        def cast(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and value.is_floating_point():
-                return value.to(self.dtype)
-            return value
+        def cast(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
 
+        inputs, kwargs, target = map_tensors((tuple(args), kwargs, target), cast)
         return BuiltScenario(
             module=module,
-            inputs=tuple(cast(a) for a in args),
-            kwargs={k: cast(v) for k, v in kwargs.items()},
-            target=cast(target),
+            inputs=inputs,
+            kwargs=kwargs,
+            target=target,
             loss_fn=self.loss,
             device_ids=list(self.devices.device_ids),
             output_device=self.devices.output_device,
@@ -660,8 +652,6 @@ class TokenBatch:
     def chunk_counts(self, n_devices: int, causal: bool = False) -> list[int]:
         """The tokens a mean loss counts in each chunk DataParallel gives ``n_devices``
         devices (torch.chunk's rule; can be fewer chunks than devices)."""
-        from dpverify.core.scatter import chunk_sizes
-
         per_row, counts, start = self.counted(causal), [], 0
         for size in chunk_sizes(self.rows, n_devices):
             counts.append(sum(per_row[start:start + size]))
@@ -721,8 +711,6 @@ class TokenScenario:
 
     @property
     def chunk_sizes(self) -> list[int]:
-        from dpverify.core.scatter import chunk_sizes
-
         return chunk_sizes(self.batch.rows, len(self.devices.device_ids))
 
     @property
