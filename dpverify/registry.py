@@ -81,7 +81,7 @@ MICRO_BATCHES = 2
 TRAINING_STEPS = 3
 
 
-class Verdict(str, enum.Enum):
+class Verdict(enum.StrEnum):
     """What a check concluded."""
 
     PASS = "PASS"
@@ -93,8 +93,6 @@ class Verdict(str, enum.Enum):
     #: could not run on this split (the reason is the summary)
     SKIP = "SKIP"
 
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -338,10 +337,7 @@ class _CodeSwitch:
         code = function.__code__
         template = _trampoline_template.__code__
         consts = tuple(self.key if c == _SWITCH_KEY else c for c in template.co_consts)
-        trampoline = template.replace(co_consts=consts, co_name=code.co_name)
-        if sys.version_info >= (3, 11):
-            trampoline = trampoline.replace(co_qualname=code.co_qualname)
-        self.trampoline = trampoline
+        self.trampoline = template.replace(co_consts=consts, co_name=code.co_name, co_qualname=code.co_qualname)
         self.saved_code = code
         self.original: types.FunctionType = function  # replaced by a copy when installed
         _CODE_SWITCHES[self.key] = self
