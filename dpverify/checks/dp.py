@@ -47,6 +47,7 @@ from dpverify.core.tree import concatenate, first_batched, map_tensors
 from dpverify.core.validation import (
     require_arguments_fit,
     require_callable,
+    require_loss_fn,
     require_mapping,
     require_module_with_grads,
     require_target_rows,
@@ -55,7 +56,7 @@ from dpverify.core.virtual import data_parallel, observe_gathers, virtual_device
 
 __all__ = [
     "Check", "LossModule", "References", "SharedSteps", "assert_dp_grads_match", "assert_grad_sum_equals_mean_loss_grad",
-    "grad_sum_matches", "grads_match", "largest_abs", "output_id", "raise_unless_ok", "require_loss_fn",
+    "grad_sum_matches", "grads_match", "largest_abs", "output_id", "raise_unless_ok",
 ]
 
 Parallel = Callable[..., Callable[..., Any]]
@@ -641,11 +642,6 @@ def raise_unless_ok(result: StepComparison, msg: Msg) -> StepComparison:
     if not result.ok:
         raise ParallelMismatch(render(result.message(), msg), result)
     return result
-
-
-def require_loss_fn(loss_fn: LossFn) -> LossFn:
-    """``loss_fn`` when callable: the contract of every helper's ``loss_fn``, DDP's too."""
-    return require_callable(loss_fn, "loss_fn", "loss_fn(output, target) -> scalar, e.g. torch.nn.functional.mse_loss")
 
 
 class _WatchGathers:

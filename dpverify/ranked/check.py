@@ -19,7 +19,6 @@ from typing import Any, ClassVar, Self, TypeVar
 import torch
 from torch import nn
 
-from dpverify.checks.dp import require_loss_fn
 from dpverify.core.comparison import (
     StepComparison,
     TensorComparison,
@@ -48,6 +47,7 @@ from dpverify.core.validation import (
     require_arguments_fit,
     require_callable,
     require_int_at_least,
+    require_loss_fn,
     require_mapping,
     require_module_with_grads,
     require_target_rows,
