@@ -26,10 +26,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dpverify.checks.dp import Check, Parallel, largest_abs, raise_unless_ok
+from dpverify.checks.dp import Check, Parallel, raise_unless_ok
 from dpverify.core.comparison import Msg, StepComparison
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.items import Items, choose_items, count_items, ignore_indices_of, item_candidates
+from dpverify.core.numerics import largest_abs
 from dpverify.core.step import (
     ReplicaGradRecorder,
     ReplicaRecord,

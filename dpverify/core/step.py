@@ -15,7 +15,7 @@ from torch import nn
 
 from dpverify.core.comparison import Terms
 from dpverify.core.errors import InvalidArgument
-from dpverify.core.numerics import max_abs
+from dpverify.core.numerics import magnitudes
 from dpverify.core.tree import concatenate, first_batched, map_tensors, tensor_leaves
 from dpverify.core.virtual import replica_device
 
@@ -292,9 +292,7 @@ class ReplicaGradRecorder:
             if grad is None:
                 return
             grad = grad.detach()
-            dense = grad.to_dense() if grad.is_sparse else grad
-            size = max_abs(dense) if dense.numel() else 0.0
-            norm = float(torch.linalg.vector_norm(dense)) if dense.numel() else 0.0
+            size, norm = magnitudes(grad)
             with self._lock:
                 if self.keep:
                     record.grads[name] = grad.clone()
