@@ -316,6 +316,14 @@ class RankContext:
         self.item_kind = item_kind
         self.item_counts, self.micro_batch_items = items_of(item_counts, self.shard_index)
 
+    def backward(self, model: Callable[..., Any], weight: float | None = None) -> Any:
+        """Forwards this shard through ``model`` and backwards its mean loss, times
+        ``weight`` when given (the textbook steps' body); returns the output."""
+        output = model(*self.inputs, **self.kwargs)
+        loss = self.loss_fn(output, self.target)
+        (loss if weight is None else loss * weight).backward()
+        return output
+
     def micro_batch_split(self) -> list[MicroBatch]:
         """This shard cut into ``micro_batches`` contiguous micro-batches, as even as
         possible, each with its count of items (``micro_batch_items``, rows when the check
