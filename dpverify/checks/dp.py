@@ -34,6 +34,7 @@ from dpverify.core.numerics import FLOAT64_JITTER, largest_abs
 from dpverify.core.scatter import ScatterPlan, plan_scatter
 from dpverify.core.step import (
     Key,
+    LossFn,
     StepResult,
     as_inputs,
     batch_size_of,
@@ -60,7 +61,6 @@ __all__ = [
 ]
 
 Parallel = Callable[..., Callable[..., Any]]
-LossFn = Callable[[Any, Any], torch.Tensor]
 #: ``parallel_loss_fn(criterion, device_ids=..., output_device=...)`` -> ``loss(outputs, target)``
 ParallelLoss = Callable[..., Callable[[Any, Any], torch.Tensor]]
 

@@ -21,6 +21,7 @@ from dpverify.core.virtual import replica_device
 
 __all__ = [
     "Key",
+    "LossFn",
     "ReplicaGradRecorder",
     "ReplicaRecord",
     "StepResult",
@@ -37,6 +38,8 @@ __all__ = [
     "seed_step",
 ]
 
+#: ``loss_fn(output, target)`` -> a scalar loss.
+LossFn = Callable[[Any, Any], torch.Tensor]
 LossOfOutput = Callable[[Any], torch.Tensor]
 Wrap = Callable[[nn.Module], Callable[..., Any]]
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from dpverify.core.errors import InvalidArgument
-from dpverify.core.step import convert_tensors, flatten_tensors, no_tf32, parameter_sites
+from dpverify.core.step import LossFn, convert_tensors, flatten_tensors, no_tf32, parameter_sites
 from dpverify.core.tree import map_tensors
 
 __all__ = [
@@ -51,7 +51,6 @@ __all__ = [
     "train",
 ]
 
-LossFn = Callable[[Any, Any], torch.Tensor]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 #: One batch of a training run: ``(inputs, kwargs, target)``.
 Batch = tuple[tuple[Any, ...], Mapping[str, Any], Any]
