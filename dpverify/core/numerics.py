@@ -6,11 +6,12 @@ import math
 
 import torch
 
-__all__ = ["FLOAT64_JITTER", "largest_abs", "magnitudes", "max_abs"]
+__all__ = ["FLOAT64_JITTER", "JITTER_ROUNDOFFS", "largest_abs", "magnitudes", "max_abs"]
 
-# Relative size of the parameter perturbation of a float64 model's jittered run: a few
-# units of float64 roundoff, the size of the rounding a step makes in each parameter use.
-FLOAT64_JITTER = 8 * torch.finfo(torch.float64).eps
+# Relative size of the parameter perturbation of a jittered run, in units of roundoff of
+# the dtype whose rounding it measures: a few, the rounding a step makes in each parameter use.
+JITTER_ROUNDOFFS = 8.0
+FLOAT64_JITTER = JITTER_ROUNDOFFS * torch.finfo(torch.float64).eps
 
 
 def max_abs(tensor: torch.Tensor) -> float:
