@@ -93,6 +93,11 @@ class ModelCheckReport:
     def count(self, verdict: Verdict) -> int:
         return sum(r.verdict is verdict for r in self.results)
 
+    def counts(self) -> str:
+        """The verdicts counted in words, passed and failed always, e.g. ``3 passed, 0 failed, 1 skipped``."""
+        words = {Verdict.PASS: "passed", Verdict.FAIL: "failed", Verdict.EXPLAINED: "explained", Verdict.WARN: "warned", Verdict.SKIP: "skipped"}
+        return ", ".join(f"{self.count(v)} {word}" for v, word in words.items() if self.count(v) or v in (Verdict.PASS, Verdict.FAIL))
+
 
 @dataclass(frozen=True)
 class PlannedCheck:

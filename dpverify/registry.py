@@ -45,7 +45,7 @@ from dpverify.core.devices import cuda_device_count
 from dpverify.core.divergence import ONE_ROW_BATCHNORM, SourceGroup, group_sources
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.core.scatter import chunk_sizes
-from dpverify.core.step import batch_size_of
+from dpverify.core.step import LossFn, batch_size_of
 from dpverify.core.text import and_list
 from dpverify.core.tracebacks import describe_exception, failure_detail
 from dpverify.core.tree import map_tensors
@@ -72,8 +72,6 @@ __all__ = [
     "Target",
     "Verdict",
 ]
-
-LossFn = Callable[[Any, Any], torch.Tensor]
 
 #: Micro-batches per rank in the DDP accumulation check.
 MICRO_BATCHES = 2

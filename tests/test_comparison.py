@@ -15,6 +15,7 @@ from torch import nn
 import dpverify
 from dpverify import InvalidArgument, ParallelMismatch, Tolerance
 from dpverify.core.comparison import TensorId, compare_tensors
+from dpverify.core.numerics import largest_abs, magnitudes
 from dpverify.mutants import TinyErrorDataParallel
 
 SCALES = [1e-8, 1e-4, 1.0, 1e4, 1e8]
@@ -410,3 +411,13 @@ def test_derived_references_give_the_comparisons_of_fresh_ones() -> None:
     # other tensors, even of equal values, are other references
     compare_tensors(TensorId("g"), expected, expected.clone(), anchor, Tolerance(), derived=memo)
     assert len(memo) == 3
+
+
+def test_largest_abs_and_magnitudes_of_dense_sparse_and_empty_tensors() -> None:
+    dense = torch.tensor([[3.0, -4.0], [0.0, 0.0]])
+    assert largest_abs(dense) == 4.0
+    assert magnitudes(dense) == (4.0, 5.0)
+    assert magnitudes(dense.to_sparse()) == (4.0, 5.0)
+    assert largest_abs(torch.empty(0)) == 0.0
+    assert magnitudes(torch.empty(0, 3)) == (0.0, 0.0)
+    assert math.isnan(largest_abs(torch.tensor([1.0, math.nan])))

@@ -95,6 +95,19 @@ def test_a_context_loads_its_shard_and_weights_its_share_of_the_items() -> None:
     assert ctx.loss_weight == pytest.approx(1 * 2 / 5)
 
 
+
+@pytest.mark.parametrize("weight", [None, 0.5])
+def test_backward_forwards_the_shard_and_backwards_its_mean_loss_times_the_weight(weight: float | None) -> None:
+    ctx, twin = context(mlp(), rank=1, world_size=2, shard_sizes=(3, 2)), mlp()
+    (inputs, kwargs, target), = batches(1, rows=5)
+    ctx.load(inputs, target, kwargs, (3, 2))
+    output = ctx.backward(ctx.module, weight)
+    expected = twin(inputs[0][3:])
+    (F.mse_loss(expected, target[3:]) * (1.0 if weight is None else weight)).backward()
+    assert torch.equal(output, expected)
+    for mine, theirs in zip(ctx.module.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad)
+
 @dataclass
 class GroupContext(RankContext):
     """Ranks 0-1 share shard 0, ranks 2-3 shard 1 (as tensor-parallel ranks share their

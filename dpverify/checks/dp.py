@@ -30,10 +30,11 @@ from dpverify.core.comparison import (
 from dpverify.core.devices import cuda_device_count, normalize_device_ids, normalize_output_device
 from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
-from dpverify.core.numerics import max_abs
+from dpverify.core.numerics import FLOAT64_JITTER, largest_abs
 from dpverify.core.scatter import ScatterPlan, plan_scatter
 from dpverify.core.step import (
     Key,
+    LossFn,
     StepResult,
     as_inputs,
     batch_size_of,
@@ -47,6 +48,7 @@ from dpverify.core.tree import concatenate, first_batched, map_tensors
 from dpverify.core.validation import (
     require_arguments_fit,
     require_callable,
+    require_loss_fn,
     require_mapping,
     require_module_with_grads,
     require_target_rows,
@@ -55,11 +57,10 @@ from dpverify.core.virtual import data_parallel, observe_gathers, virtual_device
 
 __all__ = [
     "Check", "LossModule", "References", "SharedSteps", "assert_dp_grads_match", "assert_grad_sum_equals_mean_loss_grad",
-    "grad_sum_matches", "grads_match", "largest_abs", "output_id", "raise_unless_ok", "require_loss_fn",
+    "grad_sum_matches", "grads_match", "output_id", "raise_unless_ok",
 ]
 
 Parallel = Callable[..., Callable[..., Any]]
-LossFn = Callable[[Any, Any], torch.Tensor]
 #: ``parallel_loss_fn(criterion, device_ids=..., output_device=...)`` -> ``loss(outputs, target)``
 ParallelLoss = Callable[..., Callable[[Any, Any], torch.Tensor]]
 
@@ -468,7 +469,7 @@ class Check:
         anchor = step("anchor", torch.float64, "float64 single-device", measure_terms=True)
         if self.dtype == torch.float64:
             probe = step("probe", torch.float32)
-            jitter = step("jitter", torch.float64, jitter=_JITTER)
+            jitter = step("jitter", torch.float64, jitter=FLOAT64_JITTER)
             return made(expected, anchor, probe, jitter)
         if divergence_sources(self.module):
             # A mismatch of this module lists those sources as its likely cause, and
@@ -643,11 +644,6 @@ def raise_unless_ok(result: StepComparison, msg: Msg) -> StepComparison:
     return result
 
 
-def require_loss_fn(loss_fn: LossFn) -> LossFn:
-    """``loss_fn`` when callable: the contract of every helper's ``loss_fn``, DDP's too."""
-    return require_callable(loss_fn, "loss_fn", "loss_fn(output, target) -> scalar, e.g. torch.nn.functional.mse_loss")
-
-
 class _WatchGathers:
     """A wrapper's forward, noting where it gathered: the virtual ``Gather`` targets, or
     on real devices the device of the first output tensor (-1 for the host)."""
@@ -769,12 +765,6 @@ class References:
 _SPLIT_SCALING = 2.0**-10
 
 
-def largest_abs(tensor: torch.Tensor) -> float:
-    """The largest absolute entry of ``tensor``, sparse or dense (0 when it is empty)."""
-    values = tensor.detach().to_dense() if tensor.is_sparse else tensor.detach()
-    return max_abs(values) if values.numel() else 0.0
-
-
 class _Split:
     """The ``wrap`` of a step that runs the module alone, one chunk of the parallel split at
     a time: every batched tensor argument split along ``dim`` into ``sizes``, the outputs
@@ -797,11 +787,6 @@ class _Split:
             return concatenate(outputs, self.dim)
 
         return run
-
-
-# Relative size of the parameter perturbation of a float64 model's jittered run: a few
-# units of float64 roundoff, the size of the rounding a step makes in each parameter use.
-_JITTER = 8 * torch.finfo(torch.float64).eps
 
 
 def _require_finite_step(step: StepResult, stage: str) -> None:

@@ -26,10 +26,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dpverify.checks.dp import Check, Parallel, largest_abs, raise_unless_ok
+from dpverify.checks.dp import Check, Parallel, raise_unless_ok
 from dpverify.core.comparison import Msg, StepComparison
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.items import Items, choose_items, count_items, ignore_indices_of, item_candidates
+from dpverify.core.numerics import JITTER_ROUNDOFFS, largest_abs
 from dpverify.core.step import (
     ReplicaGradRecorder,
     ReplicaRecord,
@@ -57,9 +58,6 @@ Reduce = Callable[..., torch.Tensor]
 # A bias counts only when it exceeds the measured rounding noise this many times: noise is
 # estimated from one sample (the weighted-vs-full difference), so the margin is generous.
 _NOISE_FACTOR = 32.0
-# The jittered full-batch step's parameters are off by this many units of roundoff of the
-# forward's compute dtype (the size of the rounding a step makes in each parameter use).
-_JITTER_ROUNDOFFS = 8.0
 
 
 def extract_loss(output: Any, loss_at: int) -> torch.Tensor:
@@ -735,7 +733,7 @@ def loss_average_of(
         # itself (a near-converged target), whose rounding the loss values cannot show.
         with default_dtype(torch.float64), torch.random.fork_rng(devices=fork_devices):
             model = copy.deepcopy(module).to(dtype=torch.float64, device=check.device)
-            jitter_parameters(model, _JITTER_ROUNDOFFS * eps)
+            jitter_parameters(model, JITTER_ROUNDOFFS * eps)
             seed_step(0, check.device)
             loss = extract_loss(model(*args, **single_kwargs), loss_at).reshape(())
             grads = _grads(loss, model)

@@ -172,8 +172,6 @@ def render_model_check(console: Any, report: ModelCheckReport) -> None:
     console.print(table)
     _render_notes(console, report)
     _render_parameters(console, report)
-    words = {Verdict.PASS: "passed", Verdict.FAIL: "failed", Verdict.EXPLAINED: "explained", Verdict.WARN: "warned", Verdict.SKIP: "skipped"}
-    text = ", ".join(f"{report.count(v)} {word}" for v, word in words.items() if report.count(v) or v in (Verdict.PASS, Verdict.FAIL))
     if report.failed:
         status = Text("FAILED", style="bold red")
     elif report.checked_nothing:
@@ -181,7 +179,7 @@ def render_model_check(console: Any, report: ModelCheckReport) -> None:
         status = Text("NOTHING CHECKED", style="bold yellow")
     else:
         status = Text("OK", style="bold green")
-    console.print(Text.assemble(status, f": {text}"))
+    console.print(Text.assemble(status, f": {report.counts()}"))
 
 
 def _render_notes(console: Any, report: ModelCheckReport) -> None:

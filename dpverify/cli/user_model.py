@@ -29,7 +29,7 @@ from dpverify.core.errors import InvalidArgument
 from dpverify.core.tracebacks import describe_exception
 from dpverify.core.tree import first_batched
 from dpverify.models.specs import LOSSES, LossSpec, primary_output
-from dpverify.models.user import Batch, UserModel
+from dpverify.models.user import Batch, LossFn, UserModel
 
 __all__ = [
     "OutputLoss",
@@ -42,8 +42,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-LossFn = Callable[[Any, Any], torch.Tensor]
 
 #: Layers that keep the shape of their input: the next layer decides the batch's shape.
 _SHAPE_KEEPING = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.Identity)

@@ -15,12 +15,13 @@ from torch import nn
 
 from dpverify.core.comparison import Terms
 from dpverify.core.errors import InvalidArgument
-from dpverify.core.numerics import max_abs
+from dpverify.core.numerics import magnitudes
 from dpverify.core.tree import concatenate, first_batched, map_tensors, tensor_leaves
 from dpverify.core.virtual import replica_device
 
 __all__ = [
     "Key",
+    "LossFn",
     "ReplicaGradRecorder",
     "ReplicaRecord",
     "StepResult",
@@ -37,6 +38,8 @@ __all__ = [
     "seed_step",
 ]
 
+#: ``loss_fn(output, target)`` -> a scalar loss.
+LossFn = Callable[[Any, Any], torch.Tensor]
 LossOfOutput = Callable[[Any], torch.Tensor]
 Wrap = Callable[[nn.Module], Callable[..., Any]]
 
@@ -292,9 +295,7 @@ class ReplicaGradRecorder:
             if grad is None:
                 return
             grad = grad.detach()
-            dense = grad.to_dense() if grad.is_sparse else grad
-            size = max_abs(dense) if dense.numel() else 0.0
-            norm = float(torch.linalg.vector_norm(dense)) if dense.numel() else 0.0
+            size, norm = magnitudes(grad)
             with self._lock:
                 if self.keep:
                     record.grads[name] = grad.clone()

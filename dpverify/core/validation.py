@@ -23,6 +23,7 @@ __all__ = [
     "require_callable",
     "require_instance",
     "require_int_at_least",
+    "require_loss_fn",
     "require_mapping",
     "require_module_with_grads",
     "require_target_rows",
@@ -68,6 +69,11 @@ def require_callable(value: F, name: str, expected: str) -> F:
     if not callable(value):
         raise InvalidArgument(f"{name}={value!r} is not callable; pass {expected}")
     return value
+
+
+def require_loss_fn(loss_fn: F) -> F:
+    """``loss_fn`` when callable: the contract of every helper's ``loss_fn``, DDP's too."""
+    return require_callable(loss_fn, "loss_fn", "loss_fn(output, target) -> scalar, e.g. torch.nn.functional.mse_loss")
 
 
 def require_mapping(value: object, name: str, example: str) -> Mapping[str, Any]:

@@ -115,19 +115,13 @@ def ddp_step(ctx: ShardContext) -> Any:
     """The textbook DDP step: forward the shard, mean loss, backward. Biased when the ranks
     hold different numbers of items (rows, or tokens of a token-level loss): DDP averages
     per-rank means (the loss-averaging trap)."""
-    model = ctx.ddp()
-    output = model(*ctx.inputs, **ctx.kwargs)
-    ctx.loss_fn(output, ctx.target).backward()
-    return output
+    return ctx.backward(ctx.ddp())
 
 
 def weighted_ddp_step(ctx: ShardContext) -> Any:
     """The exact DDP step for any shards: the rank's mean loss times its share of the
     items, ``ctx.loss_weight`` (``n_r * W / B`` for rows, ``t_r * W / T`` for tokens)."""
-    model = ctx.ddp()
-    output = model(*ctx.inputs, **ctx.kwargs)
-    (ctx.loss_fn(output, ctx.target) * ctx.loss_weight).backward()
-    return output
+    return ctx.backward(ctx.ddp(), ctx.loss_weight)
 
 
 def no_sync_accumulation_step(ctx: ShardContext) -> None:

@@ -383,16 +383,6 @@ def _reason(result: CheckResult) -> str:
     return f"passed: {_clip(result.summary, 110)}"
 
 
-def _counts(report: ModelCheckReport) -> str:
-    counts = [f"{report.count(Verdict.PASS)} passed", f"{report.count(Verdict.FAIL)} failed"]
-    counts += [
-        f"{report.count(verdict)} {word}"
-        for verdict, word in ((Verdict.EXPLAINED, "explained"), (Verdict.WARN, "warned"), (Verdict.SKIP, "skipped"))
-        if report.count(verdict)
-    ]
-    return ", ".join(counts)
-
-
 def check_figure(report: ModelCheckReport) -> Figure:
     """Error over allowed error per tensor for every check ``dpverify check`` ran, worst
     first.
@@ -421,7 +411,7 @@ def check_figure(report: ModelCheckReport) -> Figure:
             by_check.setdefault(result.check, []).append(result)
         else:
             others.append(result)
-    suptitle = f"dpverify check: {report.model} (loss: {report.loss}): {_counts(report)}"
+    suptitle = f"dpverify check: {report.model} (loss: {report.loss}): {report.counts()}"
     notes = _grouped_notes(others)
     with drawing():
         if not by_check:

@@ -7,15 +7,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from dpverify.core.errors import InvalidArgument
+from dpverify.core.step import LossFn
 from dpverify.models.builtin import BUILTIN_MODELS, VERIFY_MODELS, builtin_case
 
 __all__ = ["Batch", "LossFn", "UserModel", "builtin_model"]
-
-LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 @dataclass(frozen=True)

@@ -43,29 +43,21 @@ def fsdp_undivided_step(ctx: FSDPContext) -> Any:
     for sub in ctx.fsdp_modules():
         sub.set_gradient_divide_factor(1.0)
         sub.set_force_sum_reduction_for_comms(True)
-    output = model(*ctx.inputs, **ctx.kwargs)
-    ctx.loss_fn(output, ctx.target).backward()
-    return output
+    return ctx.backward(model)
 
 
 def fsdp_summed_loss_step(ctx: FSDPContext) -> Any:
     """DELIBERATELY BROKEN: backpropagates the sum of the rank's row losses (its mean loss
     times its rows) while FSDP2 averages over ranks: gradients ``n`` times (rows per rank)
     the full-batch mean-loss gradient."""
-    model = ctx.fsdp()
-    output = model(*ctx.inputs, **ctx.kwargs)
-    (ctx.loss_fn(output, ctx.target) * ctx.shard_size).backward()
-    return output
+    return ctx.backward(ctx.fsdp(), ctx.shard_size)
 
 
 def fsdp_wrong_weight_step(ctx: FSDPContext) -> Any:
     """DELIBERATELY BROKEN: weights each rank's mean loss by ``n_r / B``, its share of the
     rows without the world size; FSDP2 then divides by the world size once more, so the
     gradients are ``1/world_size`` of the full-batch gradient, on any shards."""
-    model = ctx.fsdp()
-    output = model(*ctx.inputs, **ctx.kwargs)
-    (ctx.loss_fn(output, ctx.target) * (ctx.shard_size / ctx.batch_size)).backward()
-    return output
+    return ctx.backward(ctx.fsdp(), ctx.shard_size / ctx.batch_size)
 
 
 # --------------------------------------------------------------------------- tensor-parallel styles and plans

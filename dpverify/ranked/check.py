@@ -19,7 +19,6 @@ from typing import Any, ClassVar, Self, TypeVar
 import torch
 from torch import nn
 
-from dpverify.checks.dp import require_loss_fn
 from dpverify.core.comparison import (
     StepComparison,
     TensorComparison,
@@ -31,7 +30,7 @@ from dpverify.core.comparison import (
 )
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.items import Items
-from dpverify.core.numerics import max_abs
+from dpverify.core.numerics import FLOAT64_JITTER, largest_abs, magnitudes
 from dpverify.core.step import (
     Key,
     StepResult,
@@ -48,6 +47,7 @@ from dpverify.core.validation import (
     require_arguments_fit,
     require_callable,
     require_int_at_least,
+    require_loss_fn,
     require_mapping,
     require_module_with_grads,
     require_target_rows,
@@ -297,7 +297,7 @@ def relative_gap(actual: Mapping[str, torch.Tensor | None], reference: Mapping[s
         got = actual.get(name)
         if ref is None or got is None:
             continue
-        scale = float(ref.double().abs().max()) if ref.numel() else 0.0
+        scale = largest_abs(ref)
         if scale > 0:
             worst = max(worst, float((got.double() - ref.double()).abs().max()) / scale)
     return worst
@@ -313,7 +313,7 @@ def same_up_to_rounding(actual: Mapping[str, torch.Tensor | None], expected: Map
             if present is not None and bool(present.any()):
                 return False
             continue
-        scale = float(want.double().abs().max()) if want.numel() else 0.0
+        scale = largest_abs(want)
         if want.numel() and float((got.double() - want.double()).abs().max()) > 1e-4 * scale + 1e-30:
             return False
     return True
@@ -557,12 +557,6 @@ def grads_only(rows: Sequence[TensorComparison]) -> list[TensorComparison]:
 # --------------------------------------------------------------------------- references
 
 
-# Relative size of the parameter perturbation of a float64 model's jittered run, as in the
-# DataParallel checks (dpverify/checks/dp.py): a few units of float64 roundoff, the size of
-# the rounding a step makes in each parameter use.
-_JITTER = 8 * torch.finfo(torch.float64).eps
-
-
 @dataclass(frozen=True)
 class _Rounding:
     """What measures the rounding of a correct ranked step beyond the single-device step's
@@ -620,7 +614,7 @@ class References:
         check = self.check
         if check.dtype == torch.float64:
             probe = optional(lambda: check.reference(torch.float32))
-            jitter = optional(lambda: check.reference(torch.float64, jitter=_JITTER))
+            jitter = optional(lambda: check.reference(torch.float64, jitter=FLOAT64_JITTER))
         else:
             probe, jitter = None, optional(lambda: check.reference(None, jitter=torch.finfo(check.dtype).eps))
         terms = optional(lambda: _all_reduce_terms(check, self.micro_batches, self.items)) or {}
@@ -650,8 +644,7 @@ def _all_reduce_terms(check: RankedCheck, micro_batches: int, items: PieceItems 
             for name, grad in step.grads.items():
                 if grad is None or not grad.numel():
                     continue
-                dense = grad.to_dense() if grad.is_sparse else grad
-                size, norm = max_abs(dense), float(torch.linalg.vector_norm(dense))
+                size, norm = magnitudes(grad)
                 if math.isfinite(size) and math.isfinite(norm):
                     largest[name] = largest.get(name, 0.0) + weight * size
                     norms[name] = norms.get(name, 0.0) + weight * norm

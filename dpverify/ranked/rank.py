@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from dpverify.core.errors import InvalidArgument
-from dpverify.core.step import convert_tensors, flatten_tensors, no_tf32, parameter_sites
+from dpverify.core.step import LossFn, convert_tensors, flatten_tensors, no_tf32, parameter_sites
 from dpverify.core.tree import map_tensors
 
 __all__ = [
@@ -51,7 +51,6 @@ __all__ = [
     "train",
 ]
 
-LossFn = Callable[[Any, Any], torch.Tensor]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 #: One batch of a training run: ``(inputs, kwargs, target)``.
 Batch = tuple[tuple[Any, ...], Mapping[str, Any], Any]
@@ -315,6 +314,14 @@ class RankContext:
         self.kwargs = to_device(part_kwargs, self.device)
         self.item_kind = item_kind
         self.item_counts, self.micro_batch_items = items_of(item_counts, self.shard_index)
+
+    def backward(self, model: Callable[..., Any], weight: float | None = None) -> Any:
+        """Forwards this shard through ``model`` and backwards its mean loss, times
+        ``weight`` when given (the textbook steps' body); returns the output."""
+        output = model(*self.inputs, **self.kwargs)
+        loss = self.loss_fn(output, self.target)
+        (loss if weight is None else loss * weight).backward()
+        return output
 
     def micro_batch_split(self) -> list[MicroBatch]:
         """This shard cut into ``micro_batches`` contiguous micro-batches, as even as

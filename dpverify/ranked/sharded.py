@@ -40,11 +40,7 @@ def send_steps(
     counted = check.count_items()
     trap = counted.unequal_ranks
     chosen = step or (weighted if trap else plain)
-    sent = task(
-        module=check.module, inputs=check.args, target=check.target, loss_fn=check.loss_fn, shard_sizes=check.shard_sizes,
-        steps=(chosen, plain) if trap else (chosen,), kwargs=check.kwargs, item_kind=counted.kind,
-        item_counts=counted.counts if counted.by_tokens else (), **fields,
-    )
+    sent = task(**check.step_fields((chosen, plain) if trap else (chosen,), counted if counted.by_tokens else None), **fields)
     results = check.send(run, sent, title)
     return counted, chosen, [steps[0] for steps in results], [steps[1] for steps in results] if trap else None
 

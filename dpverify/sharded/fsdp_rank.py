@@ -149,19 +149,13 @@ def fsdp_step(ctx: FSDPContext) -> Any:
     """The textbook FSDP2 step: shard, forward the rank's rows, mean loss, backward. Biased
     when the ranks hold different numbers of items: FSDP2's reduce-scatter averages the
     per-rank gradients (the loss-averaging trap, as under DDP)."""
-    model = ctx.fsdp()
-    output = model(*ctx.inputs, **ctx.kwargs)
-    ctx.loss_fn(output, ctx.target).backward()
-    return output
+    return ctx.backward(ctx.fsdp())
 
 
 def weighted_fsdp_step(ctx: FSDPContext) -> Any:
     """The exact FSDP2 step for any shards: the rank's mean loss times its share of the
     items, ``ctx.loss_weight`` (``n_r * W / B`` for rows, ``t_r * W / T`` for tokens)."""
-    model = ctx.fsdp()
-    output = model(*ctx.inputs, **ctx.kwargs)
-    (ctx.loss_fn(output, ctx.target) * ctx.loss_weight).backward()
-    return output
+    return ctx.backward(ctx.fsdp(), ctx.loss_weight)
 
 
 # --------------------------------------------------------------------------- tasks

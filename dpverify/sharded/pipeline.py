@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from dpverify.checks.dp import raise_unless_ok, require_loss_fn
+from dpverify.checks.dp import raise_unless_ok
 from dpverify.core.comparison import (
     StepComparison,
     TensorComparison,
@@ -34,7 +34,12 @@ from dpverify.core.step import (
     flatten_tensors,
     parameter_sites,
 )
-from dpverify.core.validation import require_bool, require_int_at_least, require_module_with_grads
+from dpverify.core.validation import (
+    require_bool,
+    require_int_at_least,
+    require_loss_fn,
+    require_module_with_grads,
+)
 from dpverify.ddp.pool import require_picklable
 from dpverify.ranked.check import RankedCheck, References, ShardUnit, callable_name
 from dpverify.ranked.options import RankedKeywords, accepted, check_keywords, documented
