@@ -204,3 +204,31 @@ def test_an_error_that_fails_only_the_norm_test_names_the_rows_that_carry_it() -
     row = TensorComparison(TensorId("output", "output"), (6, 4), 24, allowed=1e-2, norm_allowed=1e-3, norm_gap=float(torch.linalg.vector_norm(got - reference)))
     assert _rows_over(got, reference, row, Tolerance(), 0) == [4, 5]
     assert bool((got[4:] - 1 - 1e-3).abs().max() < 1e-12)  # the output itself is left as it was
+
+
+class _PackedGRU(nn.Module):
+    """A padded-sequence model as users write it: pack, run, pad back."""
+
+    def __init__(self, total_length: bool) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(3, 4, batch_first=True)
+        self.total_length = total_length
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.rnn(packed)
+        padded, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.size(1) if self.total_length else None)
+        return padded
+
+
+def test_replica_outputs_of_chunk_dependent_length_are_explained() -> None:
+    # pad_packed_sequence pads each replica's chunk to its own longest sequence (5 and 2)
+    torch.manual_seed(0)
+    x, lengths, y = torch.randn(4, 5, 3), torch.tensor([5, 4, 2, 2]), torch.randn(4, 5, 4)
+    with pytest.raises(RuntimeError) as caught:
+        dpverify.assert_dp_grads_match(_PackedGRU(total_length=False), (x, lengths), y, loss_fn=F.mse_loss, device_ids=[0, 1])
+    note = next(n for n in caught.value.__notes__ if "different shapes" in n)
+    assert "device 0 [2, 5, 4], device 1 [2, 2, 4]" in note
+    assert "total_length=x.size(1)" in note
+    # the fix the note names passes
+    dpverify.assert_dp_grads_match(_PackedGRU(total_length=True), (x, lengths), y, loss_fn=F.mse_loss, device_ids=[0, 1])

@@ -174,9 +174,26 @@ def _concatenate(inputs: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
         return torch.cat([t.to(dtype) for t in inputs], dim)
 
 
+def _uneven_outputs_note(inputs: Sequence[torch.Tensor], dim: int, devices: Sequence[int]) -> str | None:
+    """Why the replicas' outputs cannot be concatenated, when their shapes differ outside
+    the gather dim: a length that depends on each replica's chunk."""
+    shapes = [tuple(t.shape) for t in inputs]
+    if len({len(s) for s in shapes}) != 1 or len({s[:dim] + s[dim + 1 :] for s in shapes}) < 2:
+        return None
+    each = ", ".join(f"device {d} {list(s)}" for d, s in zip(devices, shapes, strict=False))
+    return (
+        f"dpverify: the replicas returned outputs of different shapes outside the gather dim {dim} "
+        f"({each}). DataParallel concatenates them along dim {dim}, so every other dim must "
+        "agree; a length taken from each replica's chunk differs between replicas (the longest "
+        "sequence in the chunk, as pad_packed_sequence pads to without total_length=). Pad to "
+        "a length fixed for the whole batch, e.g. pad_packed_sequence(..., total_length=x.size(1))."
+    )
+
+
 class VirtualGather(Function):
     """``torch.nn.parallel._functions.Gather`` for virtual devices: concatenation into the
-    first output's dtype, with torch's scalar warning; backward splits by chunk size."""
+    first output's dtype, with torch's scalar warning (and a note naming each replica's shape when
+    they differ outside ``dim``); backward splits by chunk size."""
 
     @staticmethod
     def forward(ctx: Any, target_device: Any, dim: int, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -190,7 +207,13 @@ class VirtualGather(Function):
             inputs = tuple(t.view(1) for t in inputs)
             warnings.warn(SCALAR_GATHER_WARNING, stacklevel=2)
         ctx.input_sizes = tuple(i.size(ctx.dim) for i in inputs)
-        return _concatenate(inputs, ctx.dim)
+        try:
+            return _concatenate(inputs, ctx.dim)
+        except RuntimeError as error:
+            note = _uneven_outputs_note(inputs, ctx.dim, ctx.input_gpus)
+            if note is not None:
+                error.add_note(note)
+            raise
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
