@@ -284,6 +284,16 @@ def accumulate_without_dividing(ctx: ShardContext) -> None:
             ctx.loss_fn(model(*part.inputs), part.target).backward()  # not divided by k
 
 
+def accumulate_dividing_twice(ctx: ShardContext) -> None:
+    model = ctx.ddp()
+    parts = ctx.micro_batch_split()
+    for index, part in enumerate(parts):
+        last = index == len(parts) - 1
+        with model.no_sync() if not last else contextlib.nullcontext():
+            loss = ctx.loss_fn(model(*part.inputs), part.target) / len(parts)
+            (loss / len(parts)).backward()  # divided by k again, as a second scaler would
+
+
 def one_grad_slightly_off(ctx: ShardContext) -> Any:
     """torch's DDP step, then the first parameter's gradient 1e-6 too large (relative): below
     float32's resolution of a sum of a few terms, far above float64's."""
@@ -745,6 +755,17 @@ def test_micro_batch_loss_not_divided_is_caught(ddp_pool: DDPWorkerPool) -> None
     x, y = batch(6)
     with pytest.raises(ParallelMismatch, match=r"is 3 times .*\(3, the number of micro-batches\)"):
         assert_ddp_accumulation_matches(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, micro_batches=3, step=accumulate_without_dividing, pool=ddp_pool)
+
+
+@pytest.mark.parametrize("micro_batches", [3, 2], ids=["k=3", "k=world_size"])
+def test_micro_batch_loss_divided_twice_names_the_micro_batches(ddp_pool: DDPWorkerPool, micro_batches: int) -> None:
+    # 1/k; where k equals the world size the factor is also 1/world_size, and both are named
+    x, y = batch(12)  # equal micro-batches: dividing by k once is exact
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_ddp_accumulation_matches(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, micro_batches=micro_batches, step=accumulate_dividing_twice, pool=ddp_pool)
+    message = str(caught.value)
+    assert f"(1/{micro_batches}, one over the number of micro-batches): each micro-batch's loss was divided by {micro_batches} twice" in message
+    assert ("(1/2, one over the world size)" in message) == (micro_batches == 2)
 
 
 def test_last_micro_batch_inside_no_sync_is_caught(ddp_pool: DDPWorkerPool) -> None:

@@ -919,6 +919,12 @@ def _averaged_rank_causes(
             f"divided by {micro_batches} (weighted by its rows * world_size / B), or the "
             "accumulated gradient is the sum of the micro-batch means"
         )
+    if micro_batches > 1 and near(1.0 / micro_batches) and not summed:
+        causes.append(
+            f"(1/{micro_batches}, one over the number of micro-batches): each micro-batch's "
+            f"loss was divided by {micro_batches} twice, e.g. by gradient_accumulation_steps in "
+            "the step and again where the loss is scaled or the gradients averaged"
+        )
     if world_size > 1 and near(world_size) and not summed:
         causes.append(
             f"({world_size}, the {size}): the ranks' gradients were summed but not divided "
