@@ -17,7 +17,7 @@ from torch import nn
 
 from dpverify.core.divergence import DivergenceSource, divergence_sources
 from dpverify.core.errors import InvalidArgument, NonFiniteReference
-from dpverify.core.numerics import max_abs
+from dpverify.core.numerics import dense, max_abs
 from dpverify.core.text import shape_text
 
 __all__ = [
@@ -271,11 +271,6 @@ class TensorComparison:
         return "\n".join(lines)
 
 
-def _dense(tensor: torch.Tensor) -> torch.Tensor:
-    # Embedding(sparse=True) produces sparse gradients; compare their values.
-    return tensor.to_dense() if tensor.is_sparse else tensor
-
-
 def _missing(name: TensorId, actual: torch.Tensor | None, expected: torch.Tensor | None) -> TensorComparison | None:
     """Handles None gradients: equal when both are None, or when the other is all zeros
     (DataParallel's reduce-add materialises zeros for parameters a replica did not use)."""
@@ -304,7 +299,7 @@ def require_finite(name: TensorId, tensor: torch.Tensor | None, step: str) -> No
     """
     if tensor is None or not tensor.is_floating_point():
         return
-    values = _dense(tensor)
+    values = dense(tensor)
     if values.numel() == 0 or math.isfinite(max_abs(values)):  # one pass, no allocation
         return
     nan = int(values.isnan().sum())
@@ -371,9 +366,9 @@ def _anchored_reference(
     Raises:
         NonFiniteReference: ``expected`` or ``anchor`` holds NaN or inf.
     """
-    expected = _dense(expected)
+    expected = dense(expected)
     device = expected.device
-    reference = _dense(anchor).detach().to(device=device, dtype=torch.float64)
+    reference = dense(anchor).detach().to(device=device, dtype=torch.float64)
     dtype = expected.dtype if expected.is_floating_point() else torch.float64
     # Distances are taken from the float64 answer rounded to the working dtype: the best a
     # working-precision step can do. Rounding moves it by half a unit of roundoff, far
@@ -391,13 +386,13 @@ def _anchored_reference(
     if dtype == torch.float64 and probe is not None:
         # float64's own anchor cannot show its rounding; float32's, scaled by the ratio of
         # the unit roundoffs, does, unless float32 saturates (see compare_tensors)
-        probe_error = _dense(probe).detach().to(device=device, dtype=torch.float64) - reference
+        probe_error = dense(probe).detach().to(device=device, dtype=torch.float64) - reference
         largest = max_abs(probe_error)
         if largest <= _SATURATED * max_abs(reference):
             reference_error = max(reference_error, largest * _ROUNDOFF_RATIO)
             reference_norm = max(reference_norm, _norm(probe_error) * _ROUNDOFF_RATIO)
     if jitter is not None:  # a further sample of the working dtype's rounding
-        jittered = _dense(jitter).detach().to(device=device, dtype=wide) - rounded.to(wide)
+        jittered = dense(jitter).detach().to(device=device, dtype=wide) - rounded.to(wide)
         reference_error = max(reference_error, max_abs(jittered))
         reference_norm = max(reference_norm, _norm(jittered))
     return _Anchored(rounded, dtype, wide, reference_error, reference_norm, max_abs(rounded), _norm(rounded))
@@ -453,7 +448,7 @@ def compare_tensors(
     if actual.numel() == 0:
         return TensorComparison(name, tuple(actual.shape), 0)
     given = expected  # the object ``derived`` knows (a sparse one is densified anew)
-    actual, expected = _dense(actual), _dense(expected)
+    actual, expected = dense(actual), dense(expected)
     device = expected.device
     actual = actual.detach().to(device)
     if tolerance.explicit:

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["FLOAT64_JITTER", "JITTER_ROUNDOFFS", "largest_abs", "magnitudes", "max_abs"]
+__all__ = ["FLOAT64_JITTER", "JITTER_ROUNDOFFS", "dense", "largest_abs", "magnitudes", "max_abs"]
 
 # Relative size of the parameter perturbation of a jittered run, in units of roundoff of
 # the dtype whose rounding it measures: a few, the rounding a step makes in each parameter use.
@@ -23,15 +23,20 @@ def max_abs(tensor: torch.Tensor) -> float:
     return max(high_value, -low_value)  # +0.0, not -0.0, for an all-zero tensor
 
 
+def dense(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values as a dense tensor (``Embedding(sparse=True)`` gives sparse gradients)."""
+    return tensor.to_dense() if tensor.is_sparse else tensor
+
+
 def largest_abs(tensor: torch.Tensor) -> float:
     """The largest absolute entry of ``tensor``, sparse or dense (0 when it is empty)."""
-    values = tensor.detach().to_dense() if tensor.is_sparse else tensor.detach()
+    values = dense(tensor.detach())
     return max_abs(values) if values.numel() else 0.0
 
 
 def magnitudes(tensor: torch.Tensor) -> tuple[float, float]:
     """``tensor``'s largest absolute entry and its 2-norm, sparse or dense (0 and 0 when it is empty)."""
-    values = tensor.detach().to_dense() if tensor.is_sparse else tensor.detach()
+    values = dense(tensor.detach())
     if not values.numel():
         return 0.0, 0.0
     return max_abs(values), float(torch.linalg.vector_norm(values))

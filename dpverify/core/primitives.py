@@ -180,7 +180,7 @@ def _uneven_outputs_note(inputs: Sequence[torch.Tensor], dim: int, devices: Sequ
     shapes = [tuple(t.shape) for t in inputs]
     if len({len(s) for s in shapes}) != 1 or len({s[:dim] + s[dim + 1 :] for s in shapes}) < 2:
         return None
-    each = ", ".join(f"device {d} {list(s)}" for d, s in zip(devices, shapes, strict=False))
+    each = ", ".join(f"device {d} {list(s)}" for d, s in zip(devices, shapes, strict=True))
     return (
         f"dpverify: the replicas returned outputs of different shapes outside the gather dim {dim} "
         f"({each}). DataParallel concatenates them along dim {dim}, so every other dim must "
