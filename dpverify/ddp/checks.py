@@ -36,6 +36,7 @@ from dpverify.core.step import (
     flatten_tensors,
 )
 from dpverify.core.validation import (
+    require_callable,
     require_int_at_least,
     require_mapping,
     require_module_with_grads,
@@ -81,7 +82,13 @@ from dpverify.ranked.notes import (
     token_trap_note,
     trap_note,
 )
-from dpverify.ranked.options import ShardedKeywords, accepted, check_keywords, documented
+from dpverify.ranked.options import (
+    ShardedKeywords,
+    TrainingKeywords,
+    accepted,
+    check_keywords,
+    documented,
+)
 from dpverify.ranked.rank import (
     LossFn,
     OptimizerFactory,
@@ -110,6 +117,10 @@ class DDPKeywords(ShardedKeywords, total=False):
 
     ddp_kwargs: Mapping[str, Any] | None
     items: Items | None
+
+
+class DDPTrainingKeywords(DDPKeywords, TrainingKeywords, total=False):
+    """The optional keywords of ``assert_ddp_training_matches``."""
 
 
 def _ddp_kwargs(ddp_kwargs: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
@@ -492,9 +503,10 @@ def _sync_failure(counts: Sequence[int | None], micro_batches: int) -> str:
 # --------------------------------------------------------------------------- training
 
 
+@documented
 def assert_ddp_training_matches(
     module: nn.Module, batches: Sequence[tuple[Any, ...]], *, loss_fn: LossFn, optimizer: OptimizerFactory, world_size: int,
-    **options: Unpack[DDPKeywords],
+    **options: Unpack[DDPTrainingKeywords],
 ) -> StepComparison:
     """Asserts ``len(batches)`` optimizer steps of DDP training match one device.
 
@@ -517,6 +529,7 @@ def assert_ddp_training_matches(
         forward_kwargs: keyword forward arguments of every batch (sharded with its rows).
         items: ``items(args, kwargs) -> int`` for one shard of a batch (its target is
             ``args[-1]``); default: found per batch, as in ``assert_ddp_grads_match``.
+        <shared: after_backward>
         Others: as ``assert_ddp_grads_match``.
 
     Raises:
@@ -527,7 +540,11 @@ def assert_ddp_training_matches(
             names them, the step, and the fix.
     """
     __tracebackhide__ = True
-    accepted(assert_ddp_training_matches, options, DDPKeywords)
+    accepted(assert_ddp_training_matches, options, DDPTrainingKeywords)
+    after_backward = options.get("after_backward")
+    if after_backward is not None:
+        require_callable(after_backward, "after_backward", "hook(ctx), e.g. one calling clip_grad_norm_(ctx.module.parameters(), 1.0)")
+        sendable(after_backward, "after_backward", "a module-level function hook(ctx)")
     pairs = describe_batches(batches, forward_keywords(options.get("forward_kwargs")))
     first_inputs, first_kwargs, first_target = pairs[0]
     check = DDPCheck.of(module, first_inputs, first_target, loss_fn, world_size, {**options, "forward_kwargs": first_kwargs})
@@ -540,10 +557,11 @@ def assert_ddp_training_matches(
     task = TrainingTask(
         check.module, training.pairs, check.loss_fn, optimizer, training.sizes, chosen, check.ddp_kwargs,
         item_kinds=tuple(c.kind for c in counted), item_counts=tuple(c.per_rank for c in counted),
+        after_backward=after_backward,
     )
     title = f"{len(pairs)} steps of DDP training with {callable_name(optimizer)} must match single-device training"
     # One device first: if the ranks fail, it tells which parameters got no gradient.
-    expected, unused_by_step = train_single_device(module, pairs, loss_fn, optimizer, None)
+    expected, unused_by_step = train_single_device(module, pairs, loss_fn, optimizer, None, after_backward)
     try:
         ranks: tuple[RankTraining, ...] = check.send(run_training_task, task, title)
     except ParallelError as error:
@@ -551,9 +569,11 @@ def assert_ddp_training_matches(
         if retold is None:
             raise
         raise retold from None
-    anchor = None if check.tolerance.explicit else train_single_device(module, pairs, loss_fn, optimizer, torch.float64)[0]
+    anchor = None if check.tolerance.explicit else train_single_device(module, pairs, loss_fn, optimizer, torch.float64, after_backward)[0]
     rows, failing_step = training_rows(check, ranks, expected, anchor)
     notes = [f"Parameters compared after each of the {len(pairs)} optimizer steps; the table shows step {failing_step + 1}."]
+    if after_backward is not None:
+        notes.append(f"{callable_name(after_backward)}(ctx) ran after every backward, on every rank and in the single-device run.")
     if uneven and step is None:
         tokens = next((c for c in counted if c.by_tokens and c.unequal_ranks), None)
         if tokens is not None:

@@ -10,6 +10,7 @@ lives in ``dpverify.ddp`` and ``dpverify.sharded``, on this base.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -55,11 +56,15 @@ from dpverify.core.validation import (
 from dpverify.ddp.pool import ParallelError, RankRunner, require_picklable, shared_pool
 from dpverify.ranked.items import PieceItems, count_piece_items, cut_pieces, measure_losses
 from dpverify.ranked.rank import (
+    AfterBackward,
     Batch,
     LossFn,
     OptimizerFactory,
     RankStep,
+    ReferenceContext,
+    after_backward_note,
     even_shards,
+    one_rank_group,
     shard_bounds,
 )
 
@@ -660,23 +665,39 @@ def train_single_device(
     loss_fn: LossFn,
     optimizer: OptimizerFactory,
     dtype: torch.dtype | None,
+    after_backward: AfterBackward | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], list[list[str]]]:
     """Parameters after every step on one device, and the parameters that required grad
-    but got none in each step (``unused_names``)."""
+    but got none in each step (``unused_names``); ``after_backward(ctx)`` runs between each
+    backward and its optimizer step, with a ``ReferenceContext`` over the full batch."""
     model = copy_module(module, dtype)
     opt = optimizer(model.parameters())
     history = []
     unused: list[list[str]] = []
-    with torch.random.fork_rng(devices=[]), default_dtype(dtype):
+    with torch.random.fork_rng(devices=[]), default_dtype(dtype), _group_if(after_backward) as group:
         torch.manual_seed(0)
-        for inputs, kwargs, target in batches:
+        for index, (inputs, kwargs, target) in enumerate(batches):
             opt.zero_grad(set_to_none=True)
-            output = model(*convert_tensors(inputs, dtype, CPU), **convert_tensors(kwargs, dtype, CPU))
-            loss_fn(output, convert_tensors(target, dtype, CPU)).backward()
+            args, keywords, goal = (convert_tensors(part, dtype, CPU) for part in (inputs, kwargs, target))
+            output = model(*args, **keywords)
+            loss_fn(output, goal).backward()
             unused.append(unused_names(model, {name: p.grad for name, p in model.named_parameters()}))
+            if after_backward is not None:
+                rows = batch_size_of(tuple(args), kwargs=keywords)
+                ctx = ReferenceContext(
+                    rank=0, world_size=1, module=model, inputs=args, target=goal, loss_fn=loss_fn,
+                    shard_sizes=(rows,), device=CPU, kwargs=dict(keywords), step_index=index, one_rank=group,
+                )
+                with after_backward_note(after_backward):
+                    after_backward(ctx)
             opt.step()
             history.append({name: p.detach().clone() for name, p in model.named_parameters()})
     return history, unused
+
+
+def _group_if(after_backward: AfterBackward | None) -> contextlib.AbstractContextManager[Any]:
+    """A group of one rank for the reference's hook, only when there is a hook."""
+    return one_rank_group() if after_backward is not None else contextlib.nullcontext()
 
 
 def training_rows(

@@ -19,7 +19,7 @@ from typing import Any, TypedDict, TypeVar
 from dpverify.core.comparison import Msg
 from dpverify.ddp.pool import RankRunner
 
-__all__ = ["ARGS", "RankedKeywords", "ShardedKeywords", "accepted", "check_keywords", "documented"]
+__all__ = ["ARGS", "RankedKeywords", "ShardedKeywords", "TrainingKeywords", "accepted", "check_keywords", "documented"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _D = TypeVar("_D", bound=Mapping[str, Any])
@@ -43,6 +43,12 @@ class ShardedKeywords(RankedKeywords, total=False):
     forward_kwargs: Mapping[str, Any] | None
 
 
+class TrainingKeywords(TypedDict, total=False):
+    """The optional keywords of a training helper, on top of its backend's."""
+
+    after_backward: Any
+
+
 #: The Args text of each shared keyword, as the helpers' docstrings show it.
 ARGS: dict[str, str] = {
     "pool": "the ranks to use (default: the shared pool of ``world_size`` ranks).",
@@ -55,6 +61,14 @@ ARGS: dict[str, str] = {
         "whole. Picklable."
     ),
     "ddp_kwargs": "keyword arguments for DistributedDataParallel.",
+    "after_backward": (
+        "your code between backward and the optimizer step, ``hook(ctx)``: gradient clipping, "
+        "unscaling, a custom all-reduce. It runs on every rank after each step's backward "
+        "(``ctx``: the rank's context, ``ctx.module`` its module, ``ctx.step_index`` the "
+        "step) and in the single-device reference (``ctx.reference`` True, ``ctx.world_size`` "
+        "1, ``ctx.module`` the reference module); pass ``group=ctx.group`` to its collectives. "
+        "Picklable."
+    ),
 }
 
 

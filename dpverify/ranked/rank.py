@@ -24,6 +24,7 @@ from dpverify.core.step import LossFn, convert_tensors, flatten_tensors, no_tf32
 from dpverify.core.tree import map_tensors
 
 __all__ = [
+    "AfterBackward",
     "Batch",
     "LossFn",
     "MicroBatch",
@@ -34,12 +35,15 @@ __all__ = [
     "RankStepTask",
     "RankTraining",
     "RankTrainingTask",
+    "ReferenceContext",
     "Trained",
+    "after_backward_note",
     "buffers_of",
     "cpu_copy",
     "even_shards",
     "grads_of",
     "items_of",
+    "one_rank_group",
     "outputs_of",
     "params_of",
     "run_step",
@@ -52,6 +56,10 @@ __all__ = [
 ]
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+#: The user's code between backward and the optimizer step, ``hook(ctx)``: clipping,
+#: unscaling, a custom all-reduce. Run on every rank with its context, and on the
+#: single-device reference with a context of one rank (``RankContext.reference``).
+AfterBackward = Callable[[Any], None]
 #: One batch of a training run: ``(inputs, kwargs, target)``.
 Batch = tuple[tuple[Any, ...], Mapping[str, Any], Any]
 C = TypeVar("C", bound="RankContext")
@@ -232,6 +240,10 @@ class RankContext:
         item_counts: every shard's count of those items, in order (``()``: rows).
         micro_batch_items: this shard's count per micro-batch of ``micro_batch_split()``
             (``()``: rows).
+        step_index: in a training run, which optimizer step is running (0 for the first;
+            always 0 in a one-step check).
+        reference: True in the single-device reference run that an ``after_backward``
+            hook also sees: one rank over the full batch, ``group`` a group of one rank.
 
     A token-level loss (a mean over the labels that are not -100) is exact when each
     shard's mean loss is weighted by its share of the tokens, ``ctx.loss_weight``; or,
@@ -253,6 +265,8 @@ class RankContext:
     item_kind: str = "rows"
     item_counts: tuple[int, ...] = ()
     micro_batch_items: tuple[int, ...] = ()
+    step_index: int = 0
+    reference: bool = False
 
     @classmethod
     def for_rank(cls: type[C], info: RankInfo, module: nn.Module, loss_fn: LossFn, shard_sizes: tuple[int, ...], /, **more: Any) -> C:
@@ -297,6 +311,15 @@ class RankContext:
         return self.items * len(self.shard_sizes) / self.total_items
 
     @property
+    def group(self) -> Any:
+        """The process group this rank's gradients are averaged over, for collectives in a
+        hook: ``dist.all_reduce(t, group=ctx.group)``. None, torch.distributed's default
+        group (every rank), here and under DDP; a sharded backend's context names its own.
+        In the single-device reference it is a group of one rank, where a collective
+        returns its input."""
+        return None
+
+    @property
     def wrapped(self) -> bool:
         """Whether the step wrapped the module the backend's way (DDP, FSDP2, a plan)."""
         return False
@@ -334,6 +357,20 @@ class RankContext:
             inputs, target, kwargs = shard_of(self.inputs, self.target, sizes, piece, self.kwargs)
             parts.append(MicroBatch(inputs, target, rows, kwargs, count))
         return parts
+
+
+@dataclass
+class ReferenceContext(RankContext):
+    """The context an ``after_backward`` hook sees in the single-device reference run: one
+    rank (``rank`` 0, ``world_size`` 1) over the full batch, ``reference`` True, ``group``
+    a process group of this process alone (``one_rank_group``)."""
+
+    one_rank: Any = None
+    reference: bool = True
+
+    @property
+    def group(self) -> Any:
+        return self.one_rank
 
 
 # --------------------------------------------------------------------------- steps
@@ -405,6 +442,47 @@ def run_step(ctx: RankContext, task: RankStepTask, step: Callable[[Any], Any]) -
 # --------------------------------------------------------------------------- training
 
 
+@contextlib.contextmanager
+def after_backward_note(hook: AfterBackward) -> Iterator[None]:
+    """Runs the body, adding to what it raises that it came from the ``after_backward``
+    hook (``hook``), with the fix when it used a process group that the single-device
+    reference does not have."""
+    try:
+        yield
+    except Exception as error:
+        name = getattr(hook, "__qualname__", None) or type(hook).__name__
+        error.add_note(f"dpverify: raised in after_backward={name}(ctx)")
+        if "default process group has not been initialized" in str(error).lower():
+            error.add_note("dpverify: pass group=ctx.group to collectives in the hook (a group of one rank in the single-device reference)")
+        raise
+
+
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[Any]:
+    """A process group of this process alone, for the single-device reference's
+    ``after_backward`` hook: a new default gloo group of one rank when none is initialised
+    (destroyed afterwards), else, under torchrun, this rank's own subgroup (every rank
+    creates its own, collectively, as ``new_subgroups`` requires). None when
+    torch.distributed is not available."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        yield None
+        return
+    if dist.is_initialized():
+        group, _all = dist.new_subgroups(group_size=1)
+        try:
+            yield group
+        finally:
+            dist.destroy_process_group(group)
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
 @dataclass(frozen=True)
 class RankTrainingTask:
     """``len(batches)`` optimizer steps of training from the same weights on every rank:
@@ -422,6 +500,7 @@ class RankTrainingTask:
     shard_sizes: tuple[tuple[int, ...], ...]
     step: Callable[[Any], Any]
     seed: int = field(default=0, kw_only=True)
+    after_backward: AfterBackward | None = field(default=None, kw_only=True)
     item_kinds: tuple[str, ...] = field(default=(), kw_only=True)
     item_counts: tuple[tuple[int, ...], ...] = field(default=(), kw_only=True)
 
@@ -446,7 +525,7 @@ def train(
 ) -> Trained:
     """Trains ``ctx.module`` on this rank for ``len(plan.batches)`` optimizer steps: load
     the rank's shard of each batch into ``ctx``, zero the gradients, ``plan.step(ctx)``,
-    step the optimizer, read the parameters.
+    ``plan.after_backward(ctx)`` when given, step the optimizer, read the parameters.
 
     Args:
         ctx: the rank's context, over its copy of the module (reused by every step, so a
@@ -476,8 +555,12 @@ def train(
             )
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
+            ctx.step_index = index
             try:
                 plan.step(ctx)
+                if plan.after_backward is not None:
+                    with after_backward_note(plan.after_backward):
+                        plan.after_backward(ctx)
             except Exception as error:
                 # The parent retells some of torch's errors (an unfinished reduction) and
                 # needs to know in which step they came.
