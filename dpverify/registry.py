@@ -215,6 +215,12 @@ class Target:
             (default: ``layout.plan()``, torch's ColwiseParallel and RowwiseParallel).
         schedule: the pipeline schedule under test, a ``PipelineScheduleSingle`` subclass
             (default: the layout's, torch's ``ScheduleGPipe`` or ``Schedule1F1B``).
+        after_backward: the user's code between backward and the optimizer step,
+            ``hook(ctx)``, for the training checks: it runs on every rank and in the
+            single-device reference.
+        model: the model under test, ``model(module) -> nn.Module`` given the case's module
+            (a user's module with its own forward, wrapping or replacing it); every check
+            then runs on what it returns.
     """
 
     parallel: Any = None
@@ -225,6 +231,12 @@ class Target:
     ddp_kwargs: Mapping[str, Any] | None = None
     plan: Any = None
     schedule: Any = None
+    after_backward: Any = None
+    model: Any = None
+
+    def on(self, case: Case) -> Case:
+        """``case`` with the model under test (``model``) in place of its module."""
+        return case if self.model is None else replace(case, module=self.model(case.module), steps=None)
 
 
 @dataclass(frozen=True)
@@ -347,10 +359,12 @@ class CheckSpec:
             InvalidArgument: the check does not apply to ``case``, or cannot run on it.
         """
         __tracebackhide__ = True
+        target = target or Target()
+        case = target.on(case)
         reason = self.why_not(case)
         if reason is not None:
             raise InvalidArgument(f"check {self.name!r} cannot run here: {reason}")
-        return self.body(case, target or Target())
+        return self.body(case, target)
 
     def run(self, case: Case, target: Target | None = None, *, eval_copy: bool = False) -> CheckResult:
         """Runs the check and returns its verdict; whatever the code under test raises is
@@ -367,6 +381,8 @@ class CheckSpec:
                 trainable parameters); the message names the argument.
         """
         title = self.title_for(eval_copy)
+        target = target or Target()
+        case = target.on(case)
         split = case.split
 
         def result(verdict: Verdict, summary: str, **fields: Any) -> CheckResult:
@@ -377,7 +393,7 @@ class CheckSpec:
             return result(Verdict.SKIP, reason)
         groups = case.sources() if self.explains_divergence else ()
         try:
-            report = self.body(case, target or Target())
+            report = self.body(case, target)
         except InvalidArgument:
             raise
         except ParallelMismatch as failure:
@@ -546,6 +562,8 @@ def _on_ranks(
     if training:
         data = (list(case.batches or ((case.inputs, case.target),) * TRAINING_STEPS),)
         options["optimizer"] = case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+        if target.after_backward is not None:
+            options["after_backward"] = target.after_backward
     return helper(case.module, *data, loss_fn=case.loss_fn, world_size=case.world_size, pool=target.pool, **options)
 
 

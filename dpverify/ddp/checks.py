@@ -148,7 +148,7 @@ class DDPCheck(RankedCheck):
     NO_GRAD: ClassVar[str] = "DistributedDataParallel refuses such a module, and there is no gradient to compare"
 
     @classmethod
-    def of(cls, module: nn.Module, inputs: Any, target: Any, loss_fn: LossFn, world_size: int, options: DDPKeywords) -> DDPCheck:
+    def of(cls, module: nn.Module, inputs: Any, target: Any, loss_fn: LossFn, world_size: int, options: Mapping[str, Any]) -> DDPCheck:
         """The scenario of one call of a DDP helper: its arguments and ``options``."""
         return cls.create(
             module, inputs, target, loss_fn=loss_fn, world_size=world_size, **check_keywords(options),

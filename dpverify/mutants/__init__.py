@@ -176,7 +176,10 @@ PROPERTIES: dict[str, Property] = _properties()
 
 
 #: The ``Target`` field a mutant of each kind (but ``"criterion"``) is passed as.
-_TARGET_FIELDS = {"dp": "parallel", "reduce": "reduce", "ddp-step": "step", "fsdp-step": "step", "tp-plan": "plan", "pp-schedule": "schedule"}
+_TARGET_FIELDS = {
+    "dp": "parallel", "reduce": "reduce", "ddp-step": "step", "fsdp-step": "step", "tp-plan": "plan",
+    "pp-schedule": "schedule", "hook": "after_backward", "model": "model",
+}
 
 
 @dataclass(frozen=True)
@@ -188,8 +191,10 @@ class Mutant:
         implementation: the wrapper class, reduction function or DDP step.
         kind: what the implementation is (the package docstring says each), and so how
             ``target`` passes it: ``"dp"``, ``"criterion"`` (whose model wrapper is
-            ``model``), ``"reduce"``, ``"ddp-step"``, ``"fsdp-step"``, ``"tp-plan"`` or
-            ``"pp-schedule"``.
+            ``model``), ``"reduce"``, ``"ddp-step"``, ``"fsdp-step"``, ``"tp-plan"``,
+            ``"pp-schedule"``, ``"hook"`` (an ``after_backward`` hook of the training
+            checks) or ``"model"`` (``model(module) -> nn.Module``, the user's module
+            written with the bug, given the scenario's module).
         bug: what is wrong, in one sentence.
         caught_by: the registry check that catches it (a key of ``CHECKS`` and
             ``PROPERTIES``).
@@ -215,8 +220,7 @@ class Mutant:
             given: dict[str, Any] = {_TARGET_FIELDS[self.kind]: self.implementation}
             return Target(**given)
         raise ValueError(
-            f"mutant {self.name!r} has kind {self.kind!r}; expected 'dp', 'criterion', 'reduce', 'ddp-step', "
-            "'fsdp-step', 'tp-plan' or 'pp-schedule'"
+            f"mutant {self.name!r} has kind {self.kind!r}; expected 'criterion' or one of {', '.join(map(repr, _TARGET_FIELDS))}"
         )
 
     def check(self, scenario: Scenario | ShardedScenario) -> None:
