@@ -326,6 +326,8 @@ class CheckSpec:
         skip: why a wanted check cannot run on this case's split, or None.
         explains_divergence: a mismatch on a model with train-mode BatchNorm or Dropout is
             ``EXPLAINED`` (the same check on an eval-mode copy must pass).
+        training: the check trains for several optimizer steps (``Case.batches``,
+            ``Case.optimizer``) and runs ``Target.after_backward``.
     """
 
     name: str
@@ -336,6 +338,7 @@ class CheckSpec:
     wanted: Callable[[Case], bool] = lambda case: True
     skip: Callable[[Case], str | None] = lambda case: None
     explains_divergence: bool = True
+    training: bool = False
 
     def title_for(self, eval_copy: bool) -> str:
         """The table row's label, marked when the case is an eval-mode copy of the model."""
@@ -747,7 +750,7 @@ _SPECS = (
     CheckSpec(
         "ddp-training", f"training, {TRAINING_STEPS} optimizer steps", "ddp",
         "Parameters after several DDP optimizer steps equal single-device training's.",
-        _ddp_helper("assert_ddp_training_matches", training=True), skip=_ddp_skip,
+        _ddp_helper("assert_ddp_training_matches", training=True), skip=_ddp_skip, training=True,
     ),
     CheckSpec(
         "ddp-buffers", "DDP buffers come from rank 0", "ddp",
@@ -775,7 +778,7 @@ _SPECS = (
         "fsdp-training", f"FSDP2 training, {TRAINING_STEPS} steps", "fsdp",
         "Parameters after several FSDP2 optimizer steps (sharded optimizer state) equal "
         "single-device training's.",
-        _fsdp_training, skip=functools.partial(_sharded_skip, "fsdp"),
+        _fsdp_training, skip=functools.partial(_sharded_skip, "fsdp"), training=True,
     ),
     CheckSpec(
         "tp-grads", "TP grads match one device", "tp",
