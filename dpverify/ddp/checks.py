@@ -58,10 +58,13 @@ from dpverify.ddp.rank import (
 from dpverify.ranked.check import (
     CPU,
     RankedCheck,
+    TrainingTrace,
     callable_name,
     describe_batches,
     forward_keywords,
     grads_only,
+    local_buffer_notes,
+    per_shard_buffers,
     relative_gap,
     require_step,
     same_up_to_rounding,
@@ -70,6 +73,7 @@ from dpverify.ranked.check import (
     trainable_names,
     training_batches,
     training_rows,
+    training_scale_note,
     unused_names,
 )
 from dpverify.ranked.items import PieceItems, cut_pieces, require_items
@@ -207,6 +211,12 @@ class DDPCheck(RankedCheck):
 
 
 _UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
+
+#: What DDP does with buffers, for the note on buffers updated from the local batch.
+DDP_BUFFER_SYNC = (
+    "DistributedDataParallel broadcasts rank 0's buffers before each forward (broadcast_buffers=True), so every "
+    "rank goes on from rank 0's local-batch update, not from the full batch's."
+)
 
 _UNUSED_HINT = (
     "dpverify: 'Expected to have finished reduction in the prior iteration' means some "
@@ -561,7 +571,8 @@ def assert_ddp_training_matches(
     )
     title = f"{len(pairs)} steps of DDP training with {callable_name(optimizer)} must match single-device training"
     # One device first: if the ranks fail, it tells which parameters got no gradient.
-    expected, unused_by_step = train_single_device(module, pairs, loss_fn, optimizer, None, after_backward)
+    trace = TrainingTrace()
+    expected, unused_by_step = train_single_device(module, pairs, loss_fn, optimizer, None, after_backward, trace=trace)
     try:
         ranks: tuple[RankTraining, ...] = check.send(run_training_task, task, title)
     except ParallelError as error:
@@ -569,11 +580,23 @@ def assert_ddp_training_matches(
         if retold is None:
             raise
         raise retold from None
-    anchor = None if check.tolerance.explicit else train_single_device(module, pairs, loss_fn, optimizer, torch.float64, after_backward)[0]
-    rows, failing_step = training_rows(check, ranks, expected, anchor)
-    notes = [f"Parameters compared after each of the {len(pairs)} optimizer steps; the table shows step {failing_step + 1}."]
+    trace64 = None if check.tolerance.explicit else TrainingTrace()
+    anchor = None if trace64 is None else train_single_device(module, pairs, loss_fn, optimizer, torch.float64, after_backward, trace=trace64)[0]
+    rows, failing_step = training_rows(check, ranks, expected, anchor, trace=trace, trace_anchor=trace64)
+    notes = [
+        f"Parameters, buffers and optimizer state compared after each of the {len(pairs)} optimizer steps; "
+        f"the table shows step {failing_step + 1}."
+    ]
     if after_backward is not None:
         notes.append(f"{callable_name(after_backward)}(ctx) ran after every backward, on every rank and in the single-device run.")
+    ok = all(row.ok for row in rows)
+    scale = None
+    if not ok:
+        initial = {name: p.detach() for name, p in module.named_parameters()}
+        hook = callable_name(after_backward) if after_backward is not None else None
+        factor_note, scale = training_scale_note(ranks, expected, initial, failing_step, check.world_size, hook=hook, trace=trace)
+        notes += [factor_note] if factor_note else []
+        notes += local_buffer_notes(module, rows, DDP_BUFFER_SYNC)
     if uneven and step is None:
         tokens = next((c for c in counted if c.by_tokens and c.unequal_ranks), None)
         if tokens is not None:
@@ -592,9 +615,9 @@ def assert_ddp_training_matches(
     unused = list(dict.fromkeys(name for names in unused_by_step for name in names))
     failures, unused_notes = check.unused_findings(unused, wrapped=all(r.wrapped for r in ranks))
     notes += unused_notes
-    if not all(row.ok for row in rows) and check.loss_reduction(counted[0]) == "sum":
+    if not ok and check.loss_reduction(counted[0]) == "sum":
         notes.append(sum_loss_note(check.world_size))
-    outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures)
+    outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures, scale=scale)
     return raise_unless_ok(outcome, options.get("msg"))
 
 
@@ -620,13 +643,20 @@ def _eval_outputs(model: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype 
 def assert_ddp_buffers_match(
     module: nn.Module, inputs: Any, target: Any, *, loss_fn: LossFn, world_size: int, **options: Unpack[DDPKeywords],
 ) -> StepComparison:
-    """Asserts buffers (BatchNorm running statistics) come from rank 0, as DDP promises.
+    """Asserts every rank's buffers after a DDP step are what one device computes, and come
+    from rank 0 at the next forward, as DDP promises.
 
     Each rank runs one train-mode DDP step on its shard, then an eval-mode forward under
     ``torch.no_grad()``. Checked against one device:
 
-    - after the step, rank ``r``'s buffers are the module's buffers updated by rank ``r``'s
-      own shard (each rank's forward updates its own running statistics);
+    - after the step, rank ``r``'s floating-point buffers (a running statistic updated in
+      forward: an EMA, a batch-statistic buffer) are the module's buffers updated by one
+      forward over the full batch, as single-device training leaves them; a statistic each
+      rank updates from its own shard differs, unless forward averages it over the ranks
+      (``dist.all_reduce``). BatchNorm's running statistics and integer buffers (counts) are
+      the module's updated by rank ``r``'s own shard: without SyncBatchNorm each rank's
+      BatchNorm normalises by its shard's statistics, a known divergence
+      (``assert_ddp_sync_batchnorm_matches`` checks SyncBatchNorm);
     - at the next forward, every rank uses rank 0's buffers (``broadcast_buffers=True``
       broadcasts them before a forward), so every rank's buffers and eval outputs are those
       of rank 0's model.
@@ -639,47 +669,72 @@ def assert_ddp_buffers_match(
     be ``()``); the other arguments are as in ``assert_ddp_grads_match``.
 
     Raises:
-        ParallelMismatch: a rank's buffers or eval outputs differ; with
-            ``broadcast_buffers=False`` the ranks keep their own statistics and fail here.
+        ParallelMismatch: a rank's buffers or eval outputs differ (a running statistic
+            updated from the rank's own shard; with ``broadcast_buffers=False`` the ranks
+            keep their own statistics).
     """
     __tracebackhide__ = True
     accepted(assert_ddp_buffers_match, options, DDPKeywords, without=("step", "items"))
     check = DDPCheck.of(module, inputs, target, loss_fn, world_size, options)
     if not any(True for _ in module.buffers()):
         raise InvalidArgument("module has no buffers; there is nothing for DDP to broadcast")
-    title = "DDP buffers must come from rank 0 at the next forward"
+    title = "DDP buffers must match one device after the step, and come from rank 0 at the next forward"
     ranks: tuple[RankBuffers, ...] = check.send(run_buffer_task, check.step_task([]), title)
     rows = _buffer_rows(check, ranks)
+    per_shard = sorted(per_shard_buffers(module))
     notes = [
         "DDP broadcasts rank 0's buffers at the start of a forward that follows a grad-enabled "
-        "forward outside no_sync(); each rank's own forward then updates them from its shard."
+        "forward outside no_sync(); each rank's own forward then updates them from its shard.",
     ]
+    if per_shard:
+        notes.append(
+            f"Buffers {per_shard} (BatchNorm's running statistics, counts) were compared with each rank's own shard's "
+            "update: without SyncBatchNorm each rank's BatchNorm normalises by its shard's statistics, a known "
+            "divergence from one device; the other buffers with one forward over the full batch."
+        )
+    notes += local_buffer_notes(module, rows, DDP_BUFFER_SYNC)
     failures = _broadcast_failures(ranks)
     outcome = check.outcome(title, None, rows, notes=notes, failures=failures, divergence=False)
     return raise_unless_ok(outcome, options.get("msg"))
 
 
+def _expected_after_step(full: nn.Module, own: nn.Module, per_shard: set[str]) -> nn.Module:
+    """The module a rank should hold after its step: the full batch's buffers, but
+    ``per_shard``'s updated from the rank's own shard (``own``)."""
+    model = copy.deepcopy(full)
+    with torch.no_grad():
+        for name in per_shard:
+            model.get_buffer(name).copy_(own.get_buffer(name))
+    return model
+
+
 def _buffer_rows(check: DDPCheck, ranks: Sequence[RankBuffers]) -> list[TensorComparison]:
     shards = [piece for (piece,) in cut_pieces(check.args, check.kwargs, check.target, check.shard_sizes, 1)]
     dtypes: list[torch.dtype | None] = [None] if check.tolerance.explicit else [None, torch.float64]
-    after = {dtype: [_buffers_after_train_forward(check.module, p.args, dtype, p.kwargs) for p in shards] for dtype in dtypes}
+    per_shard = per_shard_buffers(check.module)
+    wanted: dict[torch.dtype | None, list[nn.Module]] = {}
+    for dtype in dtypes:
+        full = _buffers_after_train_forward(check.module, check.args, dtype, check.kwargs)
+        wanted[dtype] = [
+            _expected_after_step(full, _buffers_after_train_forward(check.module, p.args, dtype, p.kwargs), per_shard) for p in shards
+        ]
 
     def anchor_of(rank: int, name: str) -> torch.Tensor | None:
         if check.tolerance.explicit:
             return None
-        return dict(after[torch.float64][rank].named_buffers())[name]
+        return dict(wanted[torch.float64][rank].named_buffers())[name]
 
     rows: list[TensorComparison] = []
-    rank0 = dict(after[None][0].named_buffers())
+    rank0 = dict(wanted[None][0].named_buffers())
     for r, rank in enumerate(ranks):
-        own = dict(after[None][r].named_buffers())
+        own = dict(wanted[None][r].named_buffers())
         for name, value in own.items():
             rows.append(compare_tensors(TensorId("buffer", name, rank=r, detail="after its step"), rank.after_step.get(name), value, anchor_of(r, name), check.tolerance))
         for name, value in rank0.items():
             rows.append(compare_tensors(TensorId("buffer", name, rank=r, detail="at the next forward"), rank.after_next_forward.get(name), value, anchor_of(0, name), check.tolerance))
     for r, (rank, shard) in enumerate(zip(ranks, shards, strict=True)):
-        expected = _eval_outputs(copy.deepcopy(after[None][0]), shard.args, None, shard.kwargs)
-        anchors = {} if check.tolerance.explicit else _eval_outputs(copy.deepcopy(after[torch.float64][0]), shard.args, torch.float64, shard.kwargs)
+        expected = _eval_outputs(copy.deepcopy(wanted[None][0]), shard.args, None, shard.kwargs)
+        anchors = {} if check.tolerance.explicit else _eval_outputs(copy.deepcopy(wanted[torch.float64][0]), shard.args, torch.float64, shard.kwargs)
         mine = dict(rank.next_outputs)
         for path, value in expected.items():
             rows.append(compare_tensors(TensorId("output", path, rank=r, variant="eval"), mine.get(path), value, anchors.get(path), check.tolerance))

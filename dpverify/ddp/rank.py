@@ -220,7 +220,9 @@ def run_training_task(info: RankInfo, task: TrainingTask) -> RankTraining:
     ctx = _context(info, task, task.shard_sizes[0])
     trained = train(ctx, task)
     grads_none = tuple(name for name, grad in grads_of(ctx.module).items() if grad is None)
-    return RankTraining(trained.params, buffers_of(ctx.module), grads_none, ctx.wrapped)
+    return RankTraining(
+        trained.params, buffers_of(ctx.module), grads_none, ctx.wrapped, step_buffers=trained.buffers, step_state=trained.state,
+    )
 
 
 @dataclass(frozen=True)

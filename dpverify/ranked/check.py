@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Self, TypeVar
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from dpverify.core.comparison import (
     StepComparison,
@@ -65,6 +66,7 @@ from dpverify.ranked.rank import (
     after_backward_note,
     even_shards,
     one_rank_group,
+    optimizer_state_of,
     shard_bounds,
 )
 
@@ -78,12 +80,15 @@ __all__ = [
     "References",
     "ShardUnit",
     "TrainingBatches",
+    "TrainingTrace",
     "callable_name",
     "describe_batches",
     "forward_keywords",
     "grads_only",
+    "local_buffer_notes",
     "loss_reduction",
     "optional",
+    "per_shard_buffers",
     "relative_gap",
     "require_step",
     "runner",
@@ -95,6 +100,7 @@ __all__ = [
     "trainable_names",
     "training_batches",
     "training_rows",
+    "training_scale_note",
     "unused_names",
 ]
 
@@ -659,6 +665,15 @@ def _all_reduce_terms(check: RankedCheck, micro_batches: int, items: PieceItems 
 # --------------------------------------------------------------------------- training
 
 
+@dataclass
+class TrainingTrace:
+    """What single-device training left after every step besides its parameters: the
+    buffers, and the optimizer's state (``optimizer_state_of``), one dict per step."""
+
+    buffers: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    state: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
 def train_single_device(
     module: nn.Module,
     batches: Sequence[Batch],
@@ -666,10 +681,13 @@ def train_single_device(
     optimizer: OptimizerFactory,
     dtype: torch.dtype | None,
     after_backward: AfterBackward | None = None,
+    *,
+    trace: TrainingTrace | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], list[list[str]]]:
     """Parameters after every step on one device, and the parameters that required grad
     but got none in each step (``unused_names``); ``after_backward(ctx)`` runs between each
-    backward and its optimizer step, with a ``ReferenceContext`` over the full batch."""
+    backward and its optimizer step, with a ``ReferenceContext`` over the full batch.
+    ``trace``, when given, receives the buffers and the optimizer's state after every step."""
     model = copy_module(module, dtype)
     opt = optimizer(model.parameters())
     history = []
@@ -692,6 +710,9 @@ def train_single_device(
                     after_backward(ctx)
             opt.step()
             history.append({name: p.detach().clone() for name, p in model.named_parameters()})
+            if trace is not None:
+                trace.buffers.append({name: b.detach().clone() for name, b in model.named_buffers()})
+                trace.state.append(optimizer_state_of(opt, model))
     return history, unused
 
 
@@ -705,9 +726,14 @@ def training_rows(
     ranks: Sequence[Any],
     expected: Sequence[dict[str, torch.Tensor]],
     anchor: Sequence[dict[str, torch.Tensor]] | None,
+    *,
+    trace: TrainingTrace | None = None,
+    trace_anchor: TrainingTrace | None = None,
 ) -> tuple[list[TensorComparison], int]:
     """Each rank's parameters (``ranks[r].params``, one dict per step) against one device's:
-    the rows of the first step at which some rank diverges, else of the last step."""
+    the rows of the first step at which some rank diverges, else of the last step. With
+    ``trace`` (and its float64 twin ``trace_anchor``), each rank's buffers and optimizer
+    state after every step (``ranks[r].step_buffers``, ``step_state``) are compared too."""
     rows: list[TensorComparison] = []
     for index, reference in enumerate(expected):
         rows = [
@@ -721,6 +747,171 @@ def training_rows(
             for r, rank in enumerate(ranks)
             for name, value in reference.items()
         ]
+        if trace is not None:
+            rows += _traced_rows(check, ranks, index, "buffer", trace.buffers, trace_anchor.buffers if trace_anchor else None)
+            rows += _traced_rows(check, ranks, index, "optimizer state", trace.state, trace_anchor.state if trace_anchor else None)
         if not all(row.ok for row in rows):
             return rows, index
     return rows, len(expected) - 1
+
+
+def _traced_rows(
+    check: RankedCheck, ranks: Sequence[Any], index: int, kind: str,
+    expected: Sequence[dict[str, torch.Tensor]], anchor: Sequence[dict[str, torch.Tensor]] | None,
+) -> list[TensorComparison]:
+    """Each rank's buffers (``kind`` "buffer") or optimizer state after step ``index``
+    against one device's; none for a rank that did not read them. Floating-point buffers
+    only: an integer buffer counts (batches, rows seen), each rank its own, as torch keeps
+    it; a running statistic that enters the computation is a floating-point one."""
+    if index >= len(expected):
+        return []
+    rows = []
+    for r, rank in enumerate(ranks):
+        mine = rank.step_buffers if kind == "buffer" else rank.step_state
+        if index >= len(mine):
+            continue
+        for name, value in expected[index].items():
+            if kind == "buffer" and not value.is_floating_point():
+                continue  # a count (rows seen, num_batches_tracked): each rank keeps its own, as torch does
+            rows.append(compare_tensors(
+                TensorId(kind, name, rank=r, variant=f"step {index + 1}"), mine[index].get(name), value,
+                anchor[index].get(name) if anchor and index < len(anchor) else None, check.tolerance,
+            ))
+    return rows
+
+
+def _factor(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], rounding: float = 1e-3) -> float | None:
+    """``c`` when ``actual`` is ``c`` times ``expected`` on every tensor (1.0 included), to
+    ``rounding`` of its norm; None when not a clean multiple or nothing moved."""
+    dot = norm_e = norm_a = 0.0
+    for name, e in expected.items():
+        a = actual.get(name)
+        if a is None or a.shape != e.shape:
+            continue
+        a64, e64 = a.double(), e.double()
+        dot += float((a64 * e64).sum())
+        norm_e += float((e64 * e64).sum())
+        norm_a += float((a64 * a64).sum())
+    if norm_e == 0.0 or norm_a == 0.0:
+        return None
+    c = dot / norm_e
+    residual = max(norm_a - c * dot, 0.0) ** 0.5 / norm_a**0.5
+    return c if residual <= rounding else None
+
+
+def _changes(after: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: value.double() - before[name].double() for name, value in after.items() if name in before and before[name].shape == value.shape}
+
+
+def _agreed(factors: Sequence[float | None]) -> float | None:
+    """The factor every entry of ``factors`` gives, to 1e-3 of its size; None when one is
+    missing or they differ."""
+    found = [f for f in factors if f is not None]
+    if not found or len(found) != len(factors) or max(found) - min(found) > 1e-3 * max(abs(f) for f in found):
+        return None
+    return found[0]
+
+
+def _distinct(factors: Sequence[float | None]) -> list[float]:
+    """``factors`` when every one is present and they differ beyond 1e-3 of their size."""
+    found = [f for f in factors if f is not None]
+    if not found or len(found) != len(factors) or max(found) - min(found) <= 1e-3 * max(abs(f) for f in found):
+        return []
+    return found
+
+
+def _not_one(c: float | None) -> float | None:
+    return None if c is None or abs(c - 1.0) <= 1e-3 else c
+
+
+def training_scale_note(
+    ranks: Sequence[Any],
+    expected: Sequence[Mapping[str, torch.Tensor]],
+    initial: Mapping[str, torch.Tensor],
+    index: int,
+    world_size: int,
+    *,
+    hook: str | None = None,
+    shards: int = 0,
+    trace: TrainingTrace | None = None,
+) -> tuple[str | None, float | None]:
+    """The cause of a training mismatch at step ``index`` when the evidence shows a gradient
+    scale: every rank's update of its parameters (after minus before the step: the change,
+    not the parameters) ``c`` times the single-device update on every parameter; or, with
+    ``shards`` ranks sharding dim 0 (FSDP2), ``c_j`` times on the rows rank ``j`` stores; or,
+    at the first step, the first-order optimizer state (SGD's ``momentum_buffer``, Adam's
+    ``exp_avg``: what Adam's sign-like first update hides) ``c`` times. ``hook``: the
+    ``after_backward`` hook's name, where one ran. Returns the sentence and ``c`` (None, None
+    when the evidence shows no such scale)."""
+    ref = _changes(expected[index], expected[index - 1] if index else initial)
+    present = [rank for rank in ranks if index < len(rank.params)]
+    updates = [_changes(rank.params[index], rank.params[index - 1] if index else initial) for rank in present]
+    c = _not_one(_agreed([_factor(update, ref) for update in updates])) if updates else None
+    per_shard: list[float] = []
+    if c is None and shards > 1 and updates:
+
+        def piece(tensors: Mapping[str, torch.Tensor], j: int) -> dict[str, torch.Tensor]:
+            return {n: t.chunk(shards)[j] for n, t in tensors.items() if t.dim() and len(t.chunk(shards)) > j}
+
+        per_shard = _distinct([_factor(piece(updates[0], j), piece(ref, j)) for j in range(shards)])
+    what = "update"
+    if c is None and not per_shard and index == 0 and trace is not None and trace.state:
+        first_order = ("momentum_buffer", "exp_avg")
+        ref_state = {n: t for n, t in trace.state[0].items() if n.rsplit(".", 1)[-1] in first_order}
+        if ref_state:
+            c = _not_one(_agreed([
+                _factor({n: t for n, t in rank.step_state[0].items() if n in ref_state}, ref_state) for rank in ranks if rank.step_state
+            ]))
+            what = "optimizer state (" + "/".join(sorted({n.rsplit(".", 1)[-1] for n in ref_state})) + ")"
+    cause = f"a gradient scale applied in after_backward={hook}" if hook else "the gradients the optimizer stepped with were scaled"
+    if per_shard:
+        factors_text = ", ".join(f"{p:.6g}" for p in per_shard)
+        return (
+            f"At step {index + 1} the update of the parameters is [{factors_text}] times the single-device one on the "
+            f"rows each rank stores (FSDP2 shards dim 0 over the {shards} ranks, rank j holding the j-th piece): "
+            f"{cause} that differs from rank to rank: a clip norm computed from each rank's local shard "
+            "(p.grad.to_local()) rather than from the whole gradient? torch.nn.utils.clip_grad_norm_ on the "
+            "DTensor parameters computes the norm over every shard."
+        ), None
+    if c is None:
+        return None, None
+    root = ""
+    if world_size > 1 and abs(c * world_size**0.5 - 1.0) < 1e-3:
+        root = (
+            f" {c:.6g} is 1/sqrt({world_size}): a norm whose square was summed over the {world_size} ranks "
+            f"(dist.all_reduce) when every rank already held the whole averaged gradient, so the norm came out "
+            f"sqrt({world_size}) times too large."
+        )
+    return (
+        f"At step {index + 1} the {what} is {c:.6g} times the single-device one on every parameter, on every rank: "
+        f"{cause} (a clip norm computed over part of the gradient, or reduced twice?).{root}"
+    ), c
+
+
+def per_shard_buffers(module: nn.Module) -> set[str]:
+    """Buffers a rank updates from its own shard as torch means it to, not compared with one
+    device's full-batch update: BatchNorm's running statistics (without SyncBatchNorm each
+    rank normalises by its shard's statistics, a known divergence named with the module's
+    divergence sources) and integer buffers (counts: batches, rows seen)."""
+    batch_norm = {
+        f"{path}.{name}" if path else name
+        for path, sub in module.named_modules() if isinstance(sub, _BatchNorm)
+        for name, _b in sub.named_buffers(recurse=False)
+    }
+    return batch_norm | {name for name, b in module.named_buffers() if not b.is_floating_point()}
+
+
+def local_buffer_notes(module: nn.Module, rows: Sequence[TensorComparison], sync: str) -> list[str]:
+    """Why buffers differ from single-device training, when some do that are not
+    ``per_shard_buffers``: a running statistic updated in forward from the rank's own shard.
+    ``sync``: what the backend does with buffers, one sentence."""
+    names = sorted({row.id.name for row in rows if row.id.kind == "buffer" and not row.ok} - per_shard_buffers(module))
+    if not names:
+        return []
+    return [
+        f"Buffers {names} differ from what one device computes over the full batch: each rank's forward updated "
+        f"them from its own shard (a running statistic of the local batch: an EMA, a batch-statistic buffer). {sync} "
+        "Average the statistic over the ranks where forward computes it (dist.all_reduce(stat); stat /= "
+        "dist.get_world_size(), guarded by dist.is_initialized() for single-device runs, whose reference has no "
+        "process group of its own), or for BatchNorm use SyncBatchNorm."
+    ]

@@ -44,6 +44,7 @@ __all__ = [
     "grads_of",
     "items_of",
     "one_rank_group",
+    "optimizer_state_of",
     "outputs_of",
     "params_of",
     "run_step",
@@ -505,14 +506,34 @@ class RankTrainingTask:
     item_counts: tuple[tuple[int, ...], ...] = field(default=(), kw_only=True)
 
 
+def optimizer_state_of(
+    optimizer: torch.optim.Optimizer, module: nn.Module, whole: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> dict[str, torch.Tensor]:
+    """CPU copy of the optimizer's per-parameter state tensors of at least one dimension
+    (SGD's ``momentum_buffer``, Adam's ``exp_avg`` and ``exp_avg_sq``), named
+    ``"<parameter>.<key>"`` (``"0.weight.exp_avg"``); ``whole`` makes a sharded one whole
+    (FSDP2's ``DTensor.full_tensor()``, a collective: every rank reads in the same order).
+    A step counter (a scalar) is left out: it counts steps, which the parameters show."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    found: dict[str, torch.Tensor] = {}
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                found[f"{names.get(id(param), '?')}.{key}"] = cpu_copy(whole(value))
+    return found
+
+
 @dataclass(frozen=True)
 class Trained:
     """What ``train`` saw: the parameters after every optimizer step, the gradients each
-    step stepped with (when read), and the optimizer (None: no step ran)."""
+    step stepped with (when read), the optimizer (None: no step ran), and after every step
+    the buffers and the optimizer's state (``optimizer_state_of``; when read)."""
 
     params: tuple[dict[str, torch.Tensor], ...]
     step_grads: tuple[dict[str, torch.Tensor | None], ...]
     optimizer: torch.optim.Optimizer | None
+    buffers: tuple[dict[str, torch.Tensor], ...] = ()
+    state: tuple[dict[str, torch.Tensor], ...] = ()
 
 
 def train(
@@ -522,6 +543,8 @@ def train(
     optimizer_after_first_step: bool = False,
     read_params: Callable[[nn.Module], dict[str, torch.Tensor]] = params_of,
     read_grads: Callable[[nn.Module], dict[str, torch.Tensor | None]] | None = None,
+    read_buffers: Callable[[nn.Module], dict[str, torch.Tensor]] | None = buffers_of,
+    read_state: Callable[[torch.optim.Optimizer, nn.Module], dict[str, torch.Tensor]] | None = optimizer_state_of,
 ) -> Trained:
     """Trains ``ctx.module`` on this rank for ``len(plan.batches)`` optimizer steps: load
     the rank's shard of each batch into ``ctx``, zero the gradients, ``plan.step(ctx)``,
@@ -537,6 +560,9 @@ def train(
         read_params: the parameters after a step, as CPU tensors (whole ones, for a
             sharded module).
         read_grads: the gradients an optimizer step is about to use, when wanted.
+        read_buffers: the buffers after a step, when wanted.
+        read_state: the optimizer's state after a step (``optimizer_state_of``), when
+            wanted (whole ones, for a sharded optimizer).
 
     Raises:
         Exception: what a step raised, with a note saying in which optimizer step.
@@ -545,6 +571,8 @@ def train(
     optimizer = None if optimizer_after_first_step else plan.optimizer(module.parameters())
     params: list[dict[str, torch.Tensor]] = []
     step_grads: list[dict[str, torch.Tensor | None]] = []
+    buffers: list[dict[str, torch.Tensor]] = []
+    states: list[dict[str, torch.Tensor]] = []
     with seeded(ctx.device, plan.seed):
         for index, ((inputs, kwargs, target), sizes) in enumerate(zip(plan.batches, plan.shard_sizes, strict=True)):
             counts = plan.item_counts[index] if plan.item_counts else ()
@@ -572,14 +600,22 @@ def train(
                 step_grads.append(read_grads(module))
             optimizer.step()
             params.append(read_params(module))
-    return Trained(tuple(params), tuple(step_grads), optimizer)
+            if read_buffers is not None:
+                buffers.append(read_buffers(module))
+            if read_state is not None:
+                states.append(read_state(optimizer, module))
+    return Trained(tuple(params), tuple(step_grads), optimizer, tuple(buffers), tuple(states))
 
 
 @dataclass(frozen=True)
 class RankTraining:
-    """Parameters after every optimizer step, and the buffers at the end, on one rank."""
+    """Parameters after every optimizer step, and the buffers at the end, on one rank;
+    ``step_buffers`` and ``step_state``: the buffers and the optimizer's state after every
+    step (``Trained.buffers``, ``Trained.state``; empty when not read)."""
 
     params: tuple[dict[str, torch.Tensor], ...]
     buffers: dict[str, torch.Tensor]
     grads_none: tuple[str, ...]
     wrapped: bool = True
+    step_buffers: tuple[dict[str, torch.Tensor], ...] = field(default=(), kw_only=True)
+    step_state: tuple[dict[str, torch.Tensor], ...] = field(default=(), kw_only=True)

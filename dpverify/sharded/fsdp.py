@@ -8,6 +8,7 @@ are in docs/distributed.md and the helpers' docstrings.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -26,6 +27,7 @@ from dpverify.core.comparison import (
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.step import (
     StepResult,
+    batch_size_of,
     convert_tensors,
     default_dtype,
 )
@@ -39,19 +41,35 @@ from dpverify.ranked.check import (
     Batch,
     RankedCheck,
     ShardUnit,
+    TrainingTrace,
     callable_name,
     describe_batches,
     grads_only,
+    local_buffer_notes,
     require_step,
     same_up_to_rounding,
     sendable,
     train_single_device,
     training_batches,
     training_rows,
+    training_scale_note,
 )
 from dpverify.ranked.notes import items_notes, ranks_disagree, scale_note, sum_loss_note
-from dpverify.ranked.options import ShardedKeywords, accepted, check_keywords, documented
-from dpverify.ranked.rank import LossFn, OptimizerFactory
+from dpverify.ranked.options import (
+    ShardedKeywords,
+    TrainingKeywords,
+    accepted,
+    check_keywords,
+    documented,
+)
+from dpverify.ranked.rank import (
+    AfterBackward,
+    LossFn,
+    OptimizerFactory,
+    ReferenceContext,
+    after_backward_note,
+    one_rank_group,
+)
 from dpverify.ranked.sharded import module_paths, send_steps, trap_text
 from dpverify.sharded.fsdp_rank import (
     MESH_DIM,
@@ -83,6 +101,14 @@ class FSDPKeywords(ShardedKeywords, total=False):
 
     shard_modules: Sequence[str] | None
     reshard_after_forward: bool
+
+
+class FSDPTrainingKeywords(FSDPKeywords, TrainingKeywords, total=False):
+    """The optional keywords of ``assert_fsdp_training_matches``."""
+
+
+#: What FSDP2 does with buffers, for the note on buffers updated from the local batch.
+FSDP_BUFFER_SYNC = "FSDP2 leaves buffers alone: each rank goes on from its own local-batch update."
 
 
 # --------------------------------------------------------------------------- validation
@@ -469,17 +495,44 @@ def _grads_at(
     return {name: tensor.grad for name, tensor in leaves.items()}
 
 
+def _hooked(
+    module: nn.Module, loss_fn: LossFn, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor | None],
+    hook: AfterBackward, batch: Batch, index: int, group: Any,
+) -> dict[str, torch.Tensor | None]:
+    """``grads`` after the user's ``after_backward`` hook ran on them in the single-device
+    reference: on a copy of ``module`` holding ``params`` (in each gradient's dtype) with
+    ``grads`` as its ``.grad``, over the full batch ``batch`` of step ``index``."""
+    model = copy.deepcopy(module)
+    inputs, kwargs, target = batch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            grad = grads.get(name)
+            p.data = params[name].detach().to(grad.dtype if grad is not None else p.dtype, copy=True)
+            p.grad = None if grad is None else grad.detach().clone()
+    ctx = ReferenceContext(
+        rank=0, world_size=1, module=model, inputs=tuple(inputs), target=target, loss_fn=loss_fn,
+        shard_sizes=(batch_size_of(tuple(inputs), kwargs=kwargs),),
+        device=CPU, kwargs=dict(kwargs), step_index=index, one_rank=group,
+    )
+    with after_backward_note(hook):
+        hook(ctx)
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
 def _mixed_training_rows(
     check: FSDPCheck,
     pairs: Sequence[Batch],
     optimizer: OptimizerFactory,
     precision: Precision,
     ranks: Sequence[FSDPRankTraining],
+    after_backward: AfterBackward | None = None,
+    group: Any = None,
 ) -> tuple[list[TensorComparison], int]:
     """Rows of the first step at which some rank diverges (else of the last step), for
     training under a mixed-precision policy, each step judged where it rounds (as
     ``assert_fsdp_training_matches`` says): step k's gradients against ``_MixedReference``
-    at the one-device parameters before it, and the parameters after it against the
+    at the one-device parameters before it (after ``after_backward``, run on them with
+    ``group`` as the reference's one-rank group), and the parameters after it against the
     one-device optimizer stepping them with rank 0's gradients, each anchored in float64.
     """
     mixed = _MixedReference(check.module, check.loss_fn, precision)
@@ -493,6 +546,9 @@ def _mixed_training_rows(
         expected = mixed.grads(master, batch)
         leaves = {name: p.detach().to(torch.float64).requires_grad_(p.requires_grad) for name, p in master64.items()}
         anchor = _grads_at(model64, check.loss_fn, leaves, batch, torch.float64)
+        if after_backward is not None:
+            expected = _hooked(check.module, check.loss_fn, master, expected, after_backward, batch, index, group)
+            anchor = _hooked(model64, check.loss_fn, master64, anchor, after_backward, batch, index, group)
         rows = [
             compare_tensors(
                 TensorId("grad", name, rank=r, variant=f"step {index + 1}"), rank.step_grads[index].get(name), value, anchor[name], check.tolerance,
@@ -563,21 +619,24 @@ def _mixed_precision_note(precision: Precision, ranks: Sequence[FSDPRankTraining
     )
 
 
+@documented
 def assert_fsdp_training_matches(
     module: nn.Module, batches: Sequence[tuple[Any, ...]], *, loss_fn: LossFn, optimizer: OptimizerFactory, world_size: int,
-    **options: Unpack[FSDPKeywords],
+    **options: Unpack[FSDPTrainingKeywords],
 ) -> StepComparison:
     """Asserts ``len(batches)`` optimizer steps of FSDP2 training match one device.
 
     For each ``(inputs, target)`` in ``batches`` every rank runs ``step`` on its shard (the
     first call shards its copy of ``module``, as in ``assert_fsdp_grads_match``:
     ``ctx.fsdp(**fully_shard_keywords)``, or ``fully_shard`` called by the step itself,
-    once), and steps the optimizer, ``optimizer(params)`` built after the first step over
-    the sharded DTensor parameters so that its state is sharded too (gradients are zeroed
-    before every later step). After every step each rank's full parameters
-    (``full_tensor()``) must match single-device training on the full batches
-    (float64-anchored: the float64 run uses the same optimizer). The check fails when the
-    parameters or the optimizer state (e.g. Adam's ``exp_avg``) were not sharded.
+    once), runs ``after_backward`` when given, and steps the optimizer, ``optimizer(params)``
+    built after the first step over the sharded DTensor parameters so that its state is
+    sharded too (gradients are zeroed before every later step). After every step each rank's
+    full parameters and optimizer state (``full_tensor()``: SGD's ``momentum_buffer``,
+    Adam's ``exp_avg`` and ``exp_avg_sq``) and its buffers must match single-device training
+    on the full batches (float64-anchored: the float64 run uses the same optimizer); the
+    message names the first step that differs. The check fails when the parameters or the
+    optimizer state were not sharded.
 
     Under a ``MixedPrecisionPolicy`` (read off the ranks' FSDP2 modules) each step is judged
     where it rounds: the step's gradients against the single-device ones computed as FSDP2
@@ -596,6 +655,10 @@ def assert_fsdp_training_matches(
             some batch the ranks hold different numbers of items); the optimizer step is the
             harness's. It shards the module in its first call and runs again on the sharded
             module (``ctx.fsdp()`` returns it).
+        <shared: after_backward>
+            On the ranks ``ctx.group`` is the group FSDP2 reduce-scatters over, and the
+            gradients are DTensors: ``torch.nn.utils.clip_grad_norm_(ctx.module.parameters(),
+            max_norm)`` computes the norm over every shard.
         Others: as ``assert_fsdp_grads_match``.
 
     Raises:
@@ -605,7 +668,10 @@ def assert_fsdp_training_matches(
             later step is told to shard once).
     """
     __tracebackhide__ = True
-    accepted(assert_fsdp_training_matches, options, FSDPKeywords, without=("forward_kwargs",))
+    accepted(assert_fsdp_training_matches, options, FSDPTrainingKeywords, without=("forward_kwargs",))
+    after_backward = options.get("after_backward")
+    if after_backward is not None:
+        sendable(after_backward, "after_backward", "a module-level function hook(ctx), e.g. one calling clip_grad_norm_(ctx.module.parameters(), 1.0)")
     pairs = describe_batches(batches, {})
     first_inputs, first_kwargs, first_target = pairs[0]
     first = options.copy()
@@ -621,6 +687,7 @@ def assert_fsdp_training_matches(
         check.module, training.pairs, check.loss_fn, optimizer, training.sizes, chosen, check.shard_modules,
         check.reshard_after_forward, item_kinds=tuple(c.kind for c in counted),
         item_counts=tuple(c.per_rank if c.by_tokens else () for c in counted) if any(c.by_tokens for c in counted) else (),
+        after_backward=after_backward,
     )
     title = f"{len(pairs)} steps of FSDP2 training with {callable_name(optimizer)} must match single-device training"
     try:
@@ -635,13 +702,30 @@ def assert_fsdp_training_matches(
         raise
     precision, mixed_failures = _training_precision(ranks)
     stepwise = precision.mixed and not check.tolerance.explicit
+    trace: TrainingTrace | None = None
+    expected: list[dict[str, torch.Tensor]] = []
     if stepwise:
-        rows, failing_step = _mixed_training_rows(check, pairs, optimizer, precision, ranks)
+        with _one_rank_group_if(after_backward) as group:
+            rows, failing_step = _mixed_training_rows(check, pairs, optimizer, precision, ranks, after_backward, group)
     else:
-        expected, _unused = train_single_device(module, pairs, loss_fn, optimizer, None)
-        anchor = None if check.tolerance.explicit else train_single_device(module, pairs, loss_fn, optimizer, torch.float64)[0]
-        rows, failing_step = training_rows(check, ranks, expected, anchor)
-    notes = [f"Parameters compared after each of the {len(pairs)} optimizer steps; the table shows step {failing_step + 1}."]
+        trace, trace64 = TrainingTrace(), None if check.tolerance.explicit else TrainingTrace()
+        expected, _unused = train_single_device(module, pairs, loss_fn, optimizer, None, after_backward, trace=trace)
+        anchor = None if trace64 is None else train_single_device(module, pairs, loss_fn, optimizer, torch.float64, after_backward, trace=trace64)[0]
+        rows, failing_step = training_rows(check, ranks, expected, anchor, trace=trace, trace_anchor=trace64)
+    compared = "Gradients and parameters" if stepwise else "Parameters, buffers and optimizer state"
+    notes = [f"{compared} compared after each of the {len(pairs)} optimizer steps; the table shows step {failing_step + 1}."]
+    if after_backward is not None:
+        notes.append(f"{callable_name(after_backward)}(ctx) ran after every backward, on every rank and in the single-device run.")
+    ok = all(row.ok for row in rows)
+    scale = None
+    if not ok and expected:
+        initial = {name: p.detach() for name, p in module.named_parameters()}
+        hook = callable_name(after_backward) if after_backward is not None else None
+        factor_note, scale = training_scale_note(
+            ranks, expected, initial, failing_step, check.world_size, hook=hook, shards=check.world_size, trace=trace,
+        )
+        notes += [factor_note] if factor_note else []
+        notes += local_buffer_notes(module, rows, FSDP_BUFFER_SYNC)
     if uneven and step is None:
         notes.append("Some batches split unevenly: each rank's loss was weighted by its share of the items, n_r * world_size / B (weighted_fsdp_step).")
     failures, evidence = _sharding_findings(check, [r.held for r in ranks], [r.wrapped for r in ranks], [() for _ in ranks])
@@ -655,7 +739,12 @@ def assert_fsdp_training_matches(
             "Mixed precision (MixedPrecisionPolicy): with explicit rtol and atol the parameters were compared with "
             "full-precision training, within those tolerances."
         )
-    if not all(row.ok for row in rows) and check.loss_reduction(counted[0]) == "sum":
+    if not ok and check.loss_reduction(counted[0]) == "sum":
         notes.append(sum_loss_note(check.world_size))
-    outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures)
+    outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures, scale=scale)
     return raise_unless_ok(outcome, options.get("msg"))
+
+
+def _one_rank_group_if(after_backward: AfterBackward | None) -> contextlib.AbstractContextManager[Any]:
+    """A group of one rank for the single-device reference's hook, only when there is one."""
+    return one_rank_group() if after_backward is not None else contextlib.nullcontext()

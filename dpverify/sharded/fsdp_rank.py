@@ -24,6 +24,7 @@ from dpverify.ranked.rank import (
     RankTraining,
     RankTrainingTask,
     buffers_of,
+    optimizer_state_of,
     outputs_of,
     run_step,
     train,
@@ -110,11 +111,25 @@ class FSDPContext(RankContext):
     reshard_after_forward: bool = True
     info: RankInfo | None = field(default=None, repr=False)
     _sharded: bool = field(default=False, repr=False)
+    _mesh: Any = field(default=None, repr=False)
 
     @property
     def wrapped(self) -> bool:
         """Whether ``fsdp()`` sharded the module."""
         return self._sharded
+
+    @property
+    def group(self) -> Any:
+        """The process group FSDP2 reduce-scatters the gradients over, for collectives in a
+        hook (``dist.all_reduce(t, group=ctx.group)``): the group of the mesh ``fsdp()``
+        sharded over, or of the one-dimensional mesh of the first DTensor parameter (a
+        step that called ``fully_shard`` itself); None (every rank) before sharding."""
+        mesh = self._mesh
+        if mesh is None:
+            mesh = next((p.device_mesh for p in self.module.parameters() if isinstance(p, DTensor)), None)
+        if mesh is None or mesh.ndim != 1:
+            return None
+        return mesh.get_group()
 
     def fsdp(self, **options: Any) -> nn.Module:
         """``module`` after ``fully_shard`` on each of ``shard_modules`` (applied on the first
@@ -132,6 +147,7 @@ class FSDPContext(RankContext):
             if options.get("mesh") is None:
                 options["mesh"] = device_mesh(self.info, (self.world_size,), (MESH_DIM,))
             options.setdefault("reshard_after_forward", self.reshard_after_forward)
+            self._mesh = options["mesh"]
             for name in self.shard_modules:
                 fully_shard(self.module.get_submodule(name), **options)
             self._sharded = True
@@ -298,6 +314,16 @@ class FSDPRankTraining(RankTraining):
     grad_dtypes: tuple[str, ...] = ()
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, torch.Tensor]:
+    """The optimizer's state after a step, every sharded tensor made whole
+    (``optimizer_state_of``; the all-gathers run in the same order on every rank)."""
+    return optimizer_state_of(optimizer, module, _full)
+
+
 def _optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> tuple[Held, ...]:
     held = []
     for param, state in optimizer.state.items():
@@ -312,13 +338,17 @@ def run_fsdp_training_task(info: RankInfo, task: FSDPTrainingTask) -> FSDPRankTr
     model = copy.deepcopy(task.module).to(torch.device(info.device))
     ctx = _context(info, model, task, task.shard_sizes[0])
     with quiet():
-        trained = train(ctx, task, optimizer_after_first_step=True, read_params=full_params, read_grads=full_grads)
+        trained = train(
+            ctx, task, optimizer_after_first_step=True, read_params=full_params, read_grads=full_grads,
+            read_buffers=buffers_of, read_state=full_optimizer_state,
+        )
         grads_none = tuple(name for name, p in model.named_parameters() if p.grad is None)
         names = {id(p): name for name, p in model.named_parameters()}
         state = _optimizer_state(trained.optimizer, names) if trained.optimizer is not None else ()
         param_dtypes = tuple(dict.fromkeys(str(p.dtype) for p in model.parameters()))
         grad_dtypes = tuple(dict.fromkeys(str(p.grad.dtype) for p in model.parameters() if p.grad is not None))
     return FSDPRankTraining(
-        trained.params, buffers_of(model), grads_none, ctx.wrapped, _holding(model), state,
+        trained.params, buffers_of(model), grads_none, ctx.wrapped, held=_holding(model), state=state,
+        step_buffers=trained.buffers, step_state=trained.state,
         precision=precision_of(model), step_grads=trained.step_grads, param_dtypes=param_dtypes, grad_dtypes=grad_dtypes,
     )
