@@ -718,7 +718,9 @@ def test_training_over_several_steps_matches_one_device(ddp_pool: DDPWorkerPool,
     batches = [batch(2 * world + (i % 2), seed=i) for i in range(4)]  # even and uneven splits
     result = assert_ddp_training_matches(mlp(), batches, loss_fn=F.mse_loss, optimizer=optimizer, world_size=world, pool=ddp_pool)
     assert result.ok
-    assert all("step 4 param" in t.name for t in result.tensors)
+    assert all(t.name.startswith(f"rank {t.id.rank} step 4 ") for t in result.tensors)
+    kinds = {t.id.kind for t in result.tensors}
+    assert kinds == {"param", "optimizer state"}  # SGD's momentum_buffer, Adam's exp_avg and exp_avg_sq
     assert any("weighted" in note for note in result.notes)
 
 

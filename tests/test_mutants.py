@@ -17,6 +17,7 @@ from dpverify.mutants import (
     ReplicaOutputsDataParallel,
     ScratchDataParallel,
     WeightedCriterionParallel,
+    global_clip,
     manual_allreduce_step,
     weighted_replica_losses,
 )
@@ -57,10 +58,16 @@ CORRECT = {
     "fsdp-grads": Target(step=weighted_fsdp_step),
     "pp-grads": Target(schedule=ScheduleGPipe),
     "tp-grads": Target(plan=lambda layout, module: layout.plan(ColwiseParallel, RowwiseParallel)),
+    # torch's clip_grad_norm_ after backward: the global norm, under DDP and FSDP2 alike
+    "ddp-training": Target(after_backward=global_clip),
+    "fsdp-training": Target(after_backward=global_clip),
 }
 
+#: Properties whose examples train for several steps: the end-to-end tier runs them whole.
+TRAINING = {name for name, spec in CHECKS.items() if spec.training}
 
-@pytest.mark.parametrize("check", sorted(PROPERTIES))
+
+@pytest.mark.parametrize("check", [pytest.param(name, marks=pytest.mark.deep) if name in TRAINING else name for name in sorted(PROPERTIES)])
 def test_correct_implementations_pass_every_property(check: str) -> None:
     prop, correct = PROPERTIES[check], CORRECT[check]
 
@@ -100,6 +107,9 @@ def test_catalogue_entries_are_documented_and_name_registry_checks() -> None:
         assert (mutant.model is not None) == (mutant.kind == "criterion"), mutant.name
         assert mutant.caught_by in PROPERTIES
         assert mutant.caught_by in CHECKS
-        backend = {"ddp-step": "ddp", "fsdp-step": "fsdp", "tp-plan": "tp", "pp-schedule": "pp"}.get(mutant.kind, "dp")
-        assert CHECKS[mutant.caught_by].backend == backend, mutant.name
+        if mutant.kind == "hook":  # an after_backward hook runs in the training checks only
+            assert CHECKS[mutant.caught_by].training, mutant.name
+        elif mutant.kind != "model":  # a model runs under any check
+            backend = {"ddp-step": "ddp", "fsdp-step": "fsdp", "tp-plan": "tp", "pp-schedule": "pp"}.get(mutant.kind, "dp")
+            assert CHECKS[mutant.caught_by].backend == backend, mutant.name
         assert torch.is_tensor(torch.zeros(1))  # the catalogue imports without side effects

@@ -58,6 +58,13 @@ from dpverify.mutants.sharded import (
     local_output_plan,
     no_allreduce_plan,
 )
+from dpverify.mutants.training import (
+    LocalBatchStatistic,
+    clip_reduced_twice,
+    global_clip,
+    local_batch_statistic,
+    local_shard_clip,
+)
 from dpverify.registry import CHECKS, MICRO_BATCHES, Case, Target
 from dpverify.strategies import (
     Scenario,
@@ -77,6 +84,7 @@ __all__ = [
     "DeepCopyDataParallel",
     "DetachedReplicasDataParallel",
     "LastReplicaBuffersDataParallel",
+    "LocalBatchStatistic",
     "LocalOutputColwiseParallel",
     "MeanCriterionParallel",
     "Mutant",
@@ -90,11 +98,15 @@ __all__ = [
     "TinyErrorDataParallel",
     "UnscaledGPipe",
     "WeightedCriterionParallel",
+    "clip_reduced_twice",
     "forward_outside_no_sync_step",
     "fsdp_summed_loss_step",
     "fsdp_undivided_step",
     "fsdp_wrong_weight_step",
+    "global_clip",
+    "local_batch_statistic",
     "local_output_plan",
+    "local_shard_clip",
     "manual_allreduce_step",
     "mean_of_replica_losses",
     "no_allreduce_plan",
@@ -167,6 +179,12 @@ def _properties() -> dict[str, Property]:
         "fsdp-grads": sharded_scenarios("fsdp", world_sizes=(2, 3)),
         "pp-grads": sharded_scenarios("pp", world_sizes=(2, 3)),
         "tp-grads": sharded_scenarios("tp", world_sizes=(2,)),
+        # the training checks (three optimizer steps each) on small scenarios of 2 ranks
+        "ddp-training": scenarios(
+            models=ddp_models, devices=device_lists(min_devices=2, max_devices=2),
+            losses=loss_specs(reductions=("mean",)), max_batch=8,
+        ),
+        "fsdp-training": sharded_scenarios("fsdp", world_sizes=(2,), max_batch=6),
     }
     return {name: Property(name, strategy.filter(_runs(name))) for name, strategy in drawn.items()}
 
@@ -256,5 +274,8 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("pp-unscaled", UnscaledGPipe, "pp-schedule", "a GPipe schedule that does not scale gradients by 1/n_microbatches", "pp-grads", "microbatches"),
         Mutant("pp-skip-last-microbatch", SkipLastMicrobatchGPipe, "pp-schedule", "a GPipe schedule that never runs its last microbatch", "pp-grads", "microbatch"),
         Mutant("fsdp-wrong-weight", fsdp_wrong_weight_step, "fsdp-step", "weights each rank's loss by n_r / B, forgetting the world size FSDP2 divides by", "fsdp-grads", "the world size"),
+        Mutant("fsdp-local-shard-clip", local_shard_clip, "hook", "clips gradients by a norm computed from the rank's local FSDP2 shard", "fsdp-training", "local shard"),
+        Mutant("ddp-clip-reduced-twice", clip_reduced_twice, "hook", "clips gradients by a norm whose square is all-reduced again over ranks that already hold the averaged gradient", "ddp-training", "1/sqrt("),
+        Mutant("ddp-local-batch-buffer", local_batch_statistic, "model", "updates a running statistic in forward from the rank's own shard and uses it in the output", "ddp-training", "updated them from its own shard"),
     )
 }

@@ -320,7 +320,18 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, torch.Tensor]:
     """The optimizer's state after a step, every sharded tensor made whole
-    (``optimizer_state_of``; the all-gathers run in the same order on every rank)."""
+    (``optimizer_state_of``). Making a DTensor whole is a collective, so the ranks first
+    agree on what they hold: a rank whose optimizer skipped a parameter (no gradient) holds
+    no state for it, and then no rank reads any (an empty dict: the parameters show the
+    step the rank skipped)."""
+    import torch.distributed as dist
+
+    names = {id(p): name for name, p in module.named_parameters()}
+    held = [f"{names.get(id(p), '?')}.{key}" for p, state in optimizer.state.items() for key, value in state.items() if isinstance(value, DTensor)]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, held)
+    if any(other != held for other in every):
+        return {}
     return optimizer_state_of(optimizer, module, _full)
 
 
