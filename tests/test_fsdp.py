@@ -339,11 +339,15 @@ def test_optimizer_state_of_one_row_parameters_is_judged_across_ranks() -> None:
 
 
 
-def test_adam_hides_undivided_gradients_that_the_gradient_check_catches(ddp_pool: DDPWorkerPool) -> None:
+def test_adam_training_catches_undivided_gradients_in_its_state_not_its_parameters(ddp_pool: DDPWorkerPool) -> None:
     # Adam's update m / sqrt(v) is invariant to a uniform gradient factor (up to eps): twice
-    # the gradients train the same parameters, so only the gradient check sees the bug.
+    # the gradients train the same parameters, and only Adam's moments show the bug.
     x, y = batch(6)
-    assert_fsdp_training_matches(mlp(), [(x, y), (x, y)], loss_fn=F.mse_loss, optimizer=ADAM, world_size=2, step=fsdp_undivided_step, pool=ddp_pool)
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_fsdp_training_matches(mlp(), [(x, y), (x, y)], loss_fn=F.mse_loss, optimizer=ADAM, world_size=2, step=fsdp_undivided_step, pool=ddp_pool)
+    failing = [t for t in caught.value.report.tensors if not t.ok]
+    assert {t.id.kind for t in failing} == {"optimizer state"}
+    assert "the optimizer state (exp_avg) is 2 times the single-device one" in str(caught.value)
     with pytest.raises(ParallelMismatch, match="the world size"):
         assert_fsdp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=fsdp_undivided_step, pool=ddp_pool)
 

@@ -863,7 +863,10 @@ def training_scale_note(
                 _factor({n: t for n, t in rank.step_state[0].items() if n in ref_state}, ref_state) for rank in ranks if rank.step_state
             ]))
             what = "optimizer state (" + "/".join(sorted({n.rsplit(".", 1)[-1] for n in ref_state})) + ")"
-    cause = f"a gradient scale applied in after_backward={hook}" if hook else "the gradients the optimizer stepped with were scaled"
+    cause = (
+        f"a gradient scale applied in after_backward={hook}" if hook
+        else "the gradients the optimizer stepped with were scaled (by the step, or the loss)"
+    )
     if per_shard:
         factors_text = ", ".join(f"{p:.6g}" for p in per_shard)
         return (
@@ -876,7 +879,7 @@ def training_scale_note(
     if c is None:
         return None, None
     root = ""
-    if world_size > 1 and abs(c * world_size**0.5 - 1.0) < 1e-3:
+    if hook and world_size > 1 and abs(c * world_size**0.5 - 1.0) < 1e-3:
         root = (
             f" {c:.6g} is 1/sqrt({world_size}): a norm whose square was summed over the {world_size} ranks "
             f"(dist.all_reduce) when every rank already held the whole averaged gradient, so the norm came out "
@@ -884,7 +887,7 @@ def training_scale_note(
         )
     return (
         f"At step {index + 1} the {what} is {c:.6g} times the single-device one on every parameter, on every rank: "
-        f"{cause} (a clip norm computed over part of the gradient, or reduced twice?).{root}"
+        f"{cause}{' (a clip norm computed over part of the gradient, or reduced twice?)' if hook else ''}.{root}"
     ), c
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "RankTraining",
     "RankTrainingTask",
     "ReferenceContext",
+    "StepRead",
     "Trained",
     "after_backward_note",
     "buffers_of",
@@ -536,6 +537,18 @@ class Trained:
     state: tuple[dict[str, torch.Tensor], ...] = ()
 
 
+@dataclass(frozen=True)
+class StepRead:
+    """What one read after an optimizer step gives ``train`` (``read_step``): the
+    parameters, the gradients the step used, the buffers and the optimizer's state, as CPU
+    tensors (whole ones, for a sharded module)."""
+
+    params: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor | None]
+    buffers: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor]
+
+
 def train(
     ctx: RankContext,
     plan: RankTrainingTask,
@@ -545,6 +558,7 @@ def train(
     read_grads: Callable[[nn.Module], dict[str, torch.Tensor | None]] | None = None,
     read_buffers: Callable[[nn.Module], dict[str, torch.Tensor]] | None = buffers_of,
     read_state: Callable[[torch.optim.Optimizer, nn.Module], dict[str, torch.Tensor]] | None = optimizer_state_of,
+    read_step: Callable[[nn.Module, torch.optim.Optimizer], StepRead] | None = None,
 ) -> Trained:
     """Trains ``ctx.module`` on this rank for ``len(plan.batches)`` optimizer steps: load
     the rank's shard of each batch into ``ctx``, zero the gradients, ``plan.step(ctx)``,
@@ -563,6 +577,9 @@ def train(
         read_buffers: the buffers after a step, when wanted.
         read_state: the optimizer's state after a step (``optimizer_state_of``), when
             wanted (whole ones, for a sharded optimizer).
+        read_step: reads all four after the step at once, in place of the four readers
+            (a sharded module's in one collective); the gradients are read after the
+            optimizer step, which leaves them as it found them.
 
     Raises:
         Exception: what a step raised, with a note saying in which optimizer step.
@@ -596,9 +613,16 @@ def train(
                 raise
             if optimizer is None:
                 optimizer = plan.optimizer(module.parameters())
-            if read_grads is not None:
+            if read_grads is not None and read_step is None:
                 step_grads.append(read_grads(module))
             optimizer.step()
+            if read_step is not None:
+                read = read_step(module, optimizer)
+                params.append(read.params)
+                step_grads.append(read.grads)
+                buffers.append(read.buffers)
+                states.append(read.state)
+                continue
             params.append(read_params(module))
             if read_buffers is not None:
                 buffers.append(read_buffers(module))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
@@ -23,13 +24,14 @@ from dpverify.ranked.rank import (
     RankStepTask,
     RankTraining,
     RankTrainingTask,
+    StepRead,
     buffers_of,
-    optimizer_state_of,
+    cpu_copy,
     outputs_of,
     run_step,
     train,
 )
-from dpverify.sharded.mesh import device_mesh, full_grads, full_params, quiet
+from dpverify.sharded.mesh import _dim0_shard, device_mesh, full_grads, quiet
 
 __all__ = [
     "FSDPContext",
@@ -41,6 +43,7 @@ __all__ = [
     "Precision",
     "fsdp_step",
     "precision_of",
+    "read_fsdp_step",
     "run_fsdp_step_task",
     "run_fsdp_training_task",
     "shard_order",
@@ -314,25 +317,65 @@ class FSDPRankTraining(RankTraining):
     grad_dtypes: tuple[str, ...] = ()
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+def _pieces(named: Sequence[tuple[str, torch.Tensor | None]]) -> list[Any]:
+    """What this rank sends of each tensor (``gather_full``'s pieces): its local dim-0 shard
+    of a DTensor sharded so, else whether it holds a DTensor (None: no tensor)."""
+    return [
+        cpu_copy(t.to_local()) if isinstance(t, DTensor) and _dim0_shard(t) else (isinstance(t, DTensor) if t is not None else None)
+        for _name, t in named
+    ]
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, torch.Tensor]:
-    """The optimizer's state after a step, every sharded tensor made whole
-    (``optimizer_state_of``). Making a DTensor whole is a collective, so the ranks first
-    agree on what they hold: a rank whose optimizer skipped a parameter (no gradient) holds
-    no state for it, and then no rank reads any (an empty dict: the parameters show the
-    step the rank skipped)."""
-    import torch.distributed as dist
+def _whole(named: Sequence[tuple[str, torch.Tensor | None]], pieces: Sequence[Sequence[Any]]) -> list[torch.Tensor | None]:
+    """Each tensor of ``named`` made whole from every rank's ``pieces`` (``gather_full``),
+    in order; a tensor another placement shards is gathered with ``full_tensor()`` when
+    every rank holds a DTensor, else kept as this rank holds it."""
+    full: list[torch.Tensor | None] = []
+    for index, (_name, tensor) in enumerate(named):
+        mine = [held[index] for held in pieces]
+        if tensor is None:
+            full.append(None)
+        elif all(isinstance(piece, torch.Tensor) for piece in mine):
+            full.append(torch.cat(mine, dim=0))
+        elif isinstance(tensor, DTensor) and all(piece is True or isinstance(piece, torch.Tensor) for piece in mine):
+            full.append(cpu_copy(tensor.full_tensor()))
+        else:
+            full.append(cpu_copy(tensor.to_local() if isinstance(tensor, DTensor) else tensor))
+    return full
 
+
+def read_fsdp_step(module: nn.Module, optimizer: torch.optim.Optimizer) -> StepRead:
+    """The whole parameters, gradients and optimizer state after an FSDP2 optimizer step,
+    and the buffers, with one ``all_gather_object`` for all of them (as ``gather_full``
+    does for one kind: FSDP2's own collectives already cost milliseconds a step on gloo).
+
+    The optimizer's state (``optimizer_state_of``'s tensors) is made whole only when every
+    rank holds the same entries: a rank whose optimizer skipped a parameter (no gradient)
+    has no state for it, and then no rank reads any (an empty dict; the parameters show
+    the step that rank skipped)."""
+    params = [(name, p.detach()) for name, p in module.named_parameters()]
+    grads = [(name, p.grad) for name, p in module.named_parameters()]
     names = {id(p): name for name, p in module.named_parameters()}
-    held = [f"{names.get(id(p), '?')}.{key}" for p, state in optimizer.state.items() for key, value in state.items() if isinstance(value, DTensor)]
+    state = sorted(
+        (f"{names.get(id(p), '?')}.{key}", value)
+        for p, entries in optimizer.state.items()
+        for key, value in entries.items()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    )
+    keys = tuple(name for name, _t in state)
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, held)
-    if any(other != held for other in every):
-        return {}
-    return optimizer_state_of(optimizer, module, _full)
+    dist.all_gather_object(every, (keys, _pieces([*params, *grads]), _pieces(state)))
+    whole = _whole([*params, *grads], [held for _keys, held, _state in every])
+    full_params, full_grads = whole[: len(params)], whole[len(params) :]
+    full_state: list[torch.Tensor | None] = []
+    if all(other == keys for other, _held, _state in every):
+        full_state = _whole(state, [held for _keys, _held, held in every])
+    return StepRead(
+        params={name: t for (name, _p), t in zip(params, full_params, strict=True) if t is not None},
+        grads={name: t for (name, _g), t in zip(grads, full_grads, strict=True)},
+        buffers=buffers_of(module),
+        state={name: t for (name, _s), t in zip(state, full_state, strict=False) if t is not None},
+    )
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> tuple[Held, ...]:
@@ -349,10 +392,7 @@ def run_fsdp_training_task(info: RankInfo, task: FSDPTrainingTask) -> FSDPRankTr
     model = copy.deepcopy(task.module).to(torch.device(info.device))
     ctx = _context(info, model, task, task.shard_sizes[0])
     with quiet():
-        trained = train(
-            ctx, task, optimizer_after_first_step=True, read_params=full_params, read_grads=full_grads,
-            read_buffers=buffers_of, read_state=full_optimizer_state,
-        )
+        trained = train(ctx, task, optimizer_after_first_step=True, read_step=read_fsdp_step)
         grads_none = tuple(name for name, p in model.named_parameters() if p.grad is None)
         names = {id(p): name for name, p in model.named_parameters()}
         state = _optimizer_state(trained.optimizer, names) if trained.optimizer is not None else ()
