@@ -67,6 +67,7 @@ class Plan:
     seed: int = 0
     item_kinds: tuple[str, ...] = ()
     item_counts: tuple[tuple[int, ...], ...] = ()
+    after_backward: Any = None
 
 
 def test_a_shard_is_its_rows_of_every_batched_tensor() -> None:
@@ -167,6 +168,24 @@ def test_train_is_the_textbook_loop_whenever_the_optimizer_is_built(after_first_
     for got, want in zip(trained.params, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert isinstance(trained.optimizer, torch.optim.SGD)
+
+
+def test_train_reads_the_buffers_and_the_optimizer_state_after_every_step() -> None:
+    momentum = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    plan = Plan(batches(3), ((6,),) * 3, optimizer=momentum)
+    module = nn.Sequential(mlp(), nn.BatchNorm1d(2))
+    trained = train(context(module), plan)
+    assert len(trained.buffers) == len(trained.state) == 3
+    twin = nn.Sequential(mlp(), nn.BatchNorm1d(2))
+    optimizer = momentum(twin.parameters())
+    for index, (inputs, _kwargs, target) in enumerate(plan.batches):
+        optimizer.zero_grad(set_to_none=True)
+        F.mse_loss(twin(*inputs), target).backward()
+        optimizer.step()
+        assert trained.buffers[index]["1.running_mean"].equal(twin[1].running_mean)
+        assert trained.buffers[index]["1.num_batches_tracked"].item() == index + 1
+        assert trained.state[index]["0.0.weight.momentum_buffer"].equal(optimizer.state[twin[0][0].weight]["momentum_buffer"])
+    assert set(trained.state[0]) == {f"{name}.momentum_buffer" for name, _p in module.named_parameters()}
 
 
 def test_train_notes_the_optimizer_step_that_raised() -> None:
