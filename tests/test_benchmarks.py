@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import bench_ddp_pool
 import bench_overhead
 import bench_sharded_pool
+import bench_training
 import calibrate
 import mutants as mutants_benchmark
 import noise_stats
@@ -90,6 +91,15 @@ def test_sharded_pool_benchmark_smoke(backend: str) -> None:
     seconds, rate = bench_sharded_pool.through_pool(examples, backend, 2)
     assert seconds > 0
     assert rate > 0
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+def test_training_benchmark_smoke(backend: str, ddp_pool: dpverify.DDPWorkerPool) -> None:
+    row = bench_training.measure(backend, bench_training.examples(2, 2), 2, ddp_pool)
+    assert row.one_step > 0
+    assert row.training > 0
+    assert row.ratio > 0
 
 
 # Scenarios of the calibration generator that earlier tolerances called mismatches, or
