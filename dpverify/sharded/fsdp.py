@@ -22,6 +22,7 @@ from dpverify.core.comparison import (
     StepComparison,
     TensorComparison,
     TensorId,
+    Tolerance,
     compare_tensors,
 )
 from dpverify.core.errors import InvalidArgument
@@ -572,9 +573,45 @@ def _mixed_training_rows(
             for r, rank in enumerate(ranks)
             for name, value in master.items()
         ]
+        rows += _state_rows(ranks, index, _state_of(opt, master), _state_of(opt64, master64), check.tolerance)
+        buffers = {n: b for n, b in mixed.model.named_buffers() if b.is_floating_point()}
+        buffers64 = dict(model64.named_buffers())
+        rows += [
+            compare_tensors(
+                TensorId("buffer", name, rank=r, variant=f"step {index + 1}"), rank.step_buffers[index].get(name), value,
+                buffers64.get(name), check.tolerance,
+            )
+            for r, rank in enumerate(ranks) if index < len(rank.step_buffers)
+            for name, value in buffers.items()
+        ]
         if not all(row.ok for row in rows):
             return rows, index
     return rows, len(pairs) - 1
+
+
+def _state_of(optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter state tensors over ``params``, named as the ranks name
+    theirs (``optimizer_state_of``: ``"<parameter>.<key>"``)."""
+    names = {id(p): name for name, p in params.items()}
+    return {
+        f"{names[id(p)]}.{key}": value.detach()
+        for p, state in optimizer.state.items() if id(p) in names
+        for key, value in state.items() if isinstance(value, torch.Tensor) and value.dim() > 0
+    }
+
+
+def _state_rows(
+    ranks: Sequence[FSDPRankTraining], index: int, expected: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor], tolerance: Tolerance,
+) -> list[TensorComparison]:
+    """Each rank's optimizer state after step ``index`` against the one-device optimizer's."""
+    return [
+        compare_tensors(
+            TensorId("optimizer state", name, rank=r, variant=f"step {index + 1}"), rank.step_state[index].get(name), value,
+            anchor.get(name), tolerance,
+        )
+        for r, rank in enumerate(ranks) if index < len(rank.step_state)
+        for name, value in expected.items()
+    ]
 
 
 #: what torch's ``contract`` says when ``fully_shard`` is applied to a module twice
@@ -712,7 +749,7 @@ def assert_fsdp_training_matches(
         expected, _unused = train_single_device(module, pairs, loss_fn, optimizer, None, after_backward, trace=trace)
         anchor = None if trace64 is None else train_single_device(module, pairs, loss_fn, optimizer, torch.float64, after_backward, trace=trace64)[0]
         rows, failing_step = training_rows(check, ranks, expected, anchor, trace=trace, trace_anchor=trace64)
-    compared = "Gradients and parameters" if stepwise else "Parameters, buffers and optimizer state"
+    compared = "Gradients, parameters, buffers and optimizer state" if stepwise else "Parameters, buffers and optimizer state"
     notes = [f"{compared} compared after each of the {len(pairs)} optimizer steps; the table shows step {failing_step + 1}."]
     if after_backward is not None:
         notes.append(f"{callable_name(after_backward)}(ctx) ran after every backward, on every rank and in the single-device run.")
