@@ -112,7 +112,11 @@ def test_state_survives_from_replica_zero_only(scenario: Scenario) -> None:
     CHECKS["dp-state"].check(_placed(Case.from_scenario(scenario), scenario))
 
 
-@pytest.mark.parametrize("name", sorted(PROPERTIES))
+#: The properties whose examples train for several steps: the end-to-end tier runs them.
+TRAINING = {name for name in PROPERTIES if CHECKS[name].training}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.deep) if name in TRAINING else name for name in sorted(PROPERTIES)])
 def test_torch_passes_every_property_the_mutants_fail(name: str) -> None:
     """torch's own DataParallel, reduction and DDP step pass the scenarios each mutant is
     searched on, in float32 and float64: a caught mutant is the mutant's fault."""

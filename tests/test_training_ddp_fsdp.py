@@ -7,6 +7,7 @@ fixed variant: the buggy one is caught with a message naming its cause, the fixe
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import pytest
@@ -226,3 +227,36 @@ def test_batchnorm_statistics_stay_a_known_divergence(ddp_pool: DDPWorkerPool) -
     result = CHECKS["ddp-training"].run(case, Target(pool=ddp_pool))
     assert result.verdict is Verdict.EXPLAINED
     assert "Buffers [" not in result.detail
+
+
+# --------------------------------------------------------------------------- rounding
+
+
+def cancelling_bias_batches(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Targets off the model's outputs by +r on rank 0's rows and -r on rank 1's: the output
+    bias's gradient cancels to rounding over the full batch, not on either rank."""
+    generator = torch.Generator().manual_seed(0)
+    found = []
+    for _ in range(3):
+        x = torch.randn(6, 3, generator=generator, dtype=torch.float64)
+        with torch.no_grad():
+            pred = model(x)
+        signs = torch.tensor([1.0, 1, 1, -1, -1, -1], dtype=torch.float64)[:, None]
+        found.append((x, pred + signs * torch.rand(1, 2, generator=generator, dtype=torch.float64)))
+    return found
+
+
+def test_state_that_cancels_over_the_batch_is_judged_by_its_rounding_not_its_size(ddp_pool: DDPWorkerPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the momentum buffer after step 1 is the gradient, whose bias entries are float64
+    # rounding of cancelling terms: without the jittered run's sample of that rounding
+    # (training_rows' second look) the check calls it a mismatch
+    import dpverify.ddp.checks as ddp_checks
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    data = cancelling_bias_batches(model)
+    assert assert_ddp_training_matches(model, data, loss_fn=F.mse_loss, optimizer=MOMENTUM, world_size=2, pool=ddp_pool).ok
+    monkeypatch.setattr(ddp_checks, "jittered_training", lambda *args, **kwargs: None)
+    with pytest.raises(ParallelMismatch, match=re.escape("step 1 optimizer state '2.bias.momentum_buffer'")):
+        assert_ddp_training_matches(model, data, loss_fn=F.mse_loss, optimizer=MOMENTUM, world_size=2, pool=ddp_pool)

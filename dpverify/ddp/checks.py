@@ -63,6 +63,7 @@ from dpverify.ranked.check import (
     describe_batches,
     forward_keywords,
     grads_only,
+    jittered_training,
     local_buffer_notes,
     per_shard_buffers,
     relative_gap,
@@ -582,7 +583,8 @@ def assert_ddp_training_matches(
         raise retold from None
     trace64 = None if check.tolerance.explicit else TrainingTrace()
     anchor = None if trace64 is None else train_single_device(module, pairs, loss_fn, optimizer, torch.float64, after_backward, trace=trace64)[0]
-    rows, failing_step = training_rows(check, ranks, expected, anchor, trace=trace, trace_anchor=trace64)
+    jittered = None if trace64 is None else jittered_training(check, pairs, optimizer, after_backward)
+    rows, failing_step = training_rows(check, ranks, expected, anchor, trace=trace, trace_anchor=trace64, jittered=jittered)
     notes = [
         f"Parameters, buffers and optimizer state compared after each of the {len(pairs)} optimizer steps; "
         f"the table shows step {failing_step + 1}."

@@ -42,6 +42,7 @@ from dpverify.core.step import (
     copy_module,
     default_dtype,
     first_parameter_dtype,
+    jitter_parameters,
     parameter_sites,
     run_step,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "describe_batches",
     "forward_keywords",
     "grads_only",
+    "jittered_training",
     "local_buffer_notes",
     "loss_reduction",
     "optional",
@@ -683,12 +685,17 @@ def train_single_device(
     after_backward: AfterBackward | None = None,
     *,
     trace: TrainingTrace | None = None,
+    jitter: float = 0.0,
 ) -> tuple[list[dict[str, torch.Tensor]], list[list[str]]]:
     """Parameters after every step on one device, and the parameters that required grad
     but got none in each step (``unused_names``); ``after_backward(ctx)`` runs between each
     backward and its optimizer step, with a ``ReferenceContext`` over the full batch.
-    ``trace``, when given, receives the buffers and the optimizer's state after every step."""
+    ``trace``, when given, receives the buffers and the optimizer's state after every step;
+    ``jitter``: start from parameters multiplied by ``1 +- jitter`` (``jitter_parameters``),
+    a sample of how far rounding alone moves the run."""
     model = copy_module(module, dtype)
+    if jitter:
+        jitter_parameters(model, jitter)
     opt = optimizer(model.parameters())
     history = []
     unused: list[list[str]] = []
@@ -729,35 +736,67 @@ def training_rows(
     *,
     trace: TrainingTrace | None = None,
     trace_anchor: TrainingTrace | None = None,
+    jittered: Callable[[], tuple[Sequence[dict[str, torch.Tensor]], TrainingTrace]] | None = None,
 ) -> tuple[list[TensorComparison], int]:
     """Each rank's parameters (``ranks[r].params``, one dict per step) against one device's:
     the rows of the first step at which some rank diverges, else of the last step. With
     ``trace`` (and its float64 twin ``trace_anchor``), each rank's buffers and optimizer
-    state after every step (``ranks[r].step_buffers``, ``step_state``) are compared too."""
+    state after every step (``ranks[r].step_buffers``, ``step_state``) are compared too.
+
+    ``jittered``: single-device training from parameters a few units of roundoff off
+    (``train_single_device(..., jitter=)``), run once, when a step first fails: its tensors
+    are a further sample of rounding for that step's comparison (``compare_tensors``'
+    ``jitter``), as the one-step checks' second look. A momentum buffer or Adam moment after
+    the first step is a gradient, whose entries may cancel to nearly zero over the batch
+    and keep rounding of the size of the terms that cancelled.
+    """
+    second: tuple[Sequence[dict[str, torch.Tensor]], TrainingTrace] | None = None
     rows: list[TensorComparison] = []
     for index, reference in enumerate(expected):
-        rows = [
-            compare_tensors(
-                TensorId("param", name, rank=r, variant=f"step {index + 1}"),
-                rank.params[index].get(name),
-                value,
-                anchor[index][name] if anchor else None,
-                check.tolerance,
-            )
-            for r, rank in enumerate(ranks)
-            for name, value in reference.items()
-        ]
-        if trace is not None:
-            rows += _traced_rows(check, ranks, index, "buffer", trace.buffers, trace_anchor.buffers if trace_anchor else None)
-            rows += _traced_rows(check, ranks, index, "optimizer state", trace.state, trace_anchor.state if trace_anchor else None)
+        rows = _step_rows(check, ranks, index, reference, anchor, trace, trace_anchor, None)
+        if not all(row.ok for row in rows) and jittered is not None:
+            second = second or jittered()
+            rows = _step_rows(check, ranks, index, reference, anchor, trace, trace_anchor, second)
         if not all(row.ok for row in rows):
             return rows, index
     return rows, len(expected) - 1
 
 
+def _step_rows(
+    check: RankedCheck, ranks: Sequence[Any], index: int, reference: Mapping[str, torch.Tensor],
+    anchor: Sequence[dict[str, torch.Tensor]] | None, trace: TrainingTrace | None, trace_anchor: TrainingTrace | None,
+    second: tuple[Sequence[dict[str, torch.Tensor]], TrainingTrace] | None,
+) -> list[TensorComparison]:
+    """Every rank's rows of step ``index`` (``training_rows``), with ``second``'s tensors as
+    the jittered sample when given."""
+    params_j = second[0][index] if second is not None else {}
+    rows = [
+        compare_tensors(
+            TensorId("param", name, rank=r, variant=f"step {index + 1}"),
+            rank.params[index].get(name),
+            value,
+            anchor[index][name] if anchor else None,
+            check.tolerance,
+            jitter=params_j.get(name),
+        )
+        for r, rank in enumerate(ranks)
+        for name, value in reference.items()
+    ]
+    if trace is not None:
+        jittered = second[1] if second is not None else None
+        rows += _traced_rows(
+            check, ranks, index, "buffer", trace.buffers, trace_anchor.buffers if trace_anchor else None, jittered.buffers if jittered else None,
+        )
+        rows += _traced_rows(
+            check, ranks, index, "optimizer state", trace.state, trace_anchor.state if trace_anchor else None, jittered.state if jittered else None,
+        )
+    return rows
+
+
 def _traced_rows(
     check: RankedCheck, ranks: Sequence[Any], index: int, kind: str,
     expected: Sequence[dict[str, torch.Tensor]], anchor: Sequence[dict[str, torch.Tensor]] | None,
+    jittered: Sequence[dict[str, torch.Tensor]] | None = None,
 ) -> list[TensorComparison]:
     """Each rank's buffers (``kind`` "buffer") or optimizer state after step ``index``
     against one device's; none for a rank that did not read them. Floating-point buffers
@@ -776,6 +815,7 @@ def _traced_rows(
             rows.append(compare_tensors(
                 TensorId(kind, name, rank=r, variant=f"step {index + 1}"), mine[index].get(name), value,
                 anchor[index].get(name) if anchor and index < len(anchor) else None, check.tolerance,
+                jitter=jittered[index].get(name) if jittered and index < len(jittered) else None,
             ))
     return rows
 
@@ -918,3 +958,23 @@ def local_buffer_notes(module: nn.Module, rows: Sequence[TensorComparison], sync
         "dist.get_world_size(), guarded by dist.is_initialized() for single-device runs, whose reference has no "
         "process group of its own), or for BatchNorm use SyncBatchNorm."
     ]
+
+
+def jittered_training(
+    check: RankedCheck, batches: Sequence[Batch], optimizer: OptimizerFactory, after_backward: AfterBackward | None = None,
+) -> Callable[[], tuple[list[dict[str, torch.Tensor]], TrainingTrace]]:
+    """The ``jittered`` run of ``training_rows`` for ``check``: single-device training in
+    float64 from parameters ``FLOAT64_JITTER`` off for a float64 module, else in the
+    module's dtype from parameters one unit of roundoff off (as ``References`` samples a
+    one-step check's rounding)."""
+
+    def run() -> tuple[list[dict[str, torch.Tensor]], TrainingTrace]:
+        trace = TrainingTrace()
+        if check.dtype == torch.float64:
+            dtype, size = torch.float64, FLOAT64_JITTER
+        else:
+            dtype, size = None, torch.finfo(check.dtype).eps
+        history, _unused = train_single_device(check.module, batches, check.loss_fn, optimizer, dtype, after_backward, trace=trace, jitter=size)
+        return history, trace
+
+    return run

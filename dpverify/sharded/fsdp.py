@@ -46,6 +46,7 @@ from dpverify.ranked.check import (
     callable_name,
     describe_batches,
     grads_only,
+    jittered_training,
     local_buffer_notes,
     require_step,
     same_up_to_rounding,
@@ -748,7 +749,8 @@ def assert_fsdp_training_matches(
         trace, trace64 = TrainingTrace(), None if check.tolerance.explicit else TrainingTrace()
         expected, _unused = train_single_device(module, pairs, loss_fn, optimizer, None, after_backward, trace=trace)
         anchor = None if trace64 is None else train_single_device(module, pairs, loss_fn, optimizer, torch.float64, after_backward, trace=trace64)[0]
-        rows, failing_step = training_rows(check, ranks, expected, anchor, trace=trace, trace_anchor=trace64)
+        jittered = None if trace64 is None else jittered_training(check, pairs, optimizer, after_backward)
+        rows, failing_step = training_rows(check, ranks, expected, anchor, trace=trace, trace_anchor=trace64, jittered=jittered)
     compared = "Gradients, parameters, buffers and optimizer state" if stepwise else "Parameters, buffers and optimizer state"
     notes = [f"{compared} compared after each of the {len(pairs)} optimizer steps; the table shows step {failing_step + 1}."]
     if after_backward is not None:
