@@ -18,7 +18,12 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from dpverify import ParallelMismatch, assert_ddp_buffers_match, assert_ddp_training_matches
+from dpverify import (
+    InvalidArgument,
+    ParallelMismatch,
+    assert_ddp_buffers_match,
+    assert_ddp_training_matches,
+)
 from dpverify.ddp.pool import DDPWorkerPool
 from dpverify.registry import CHECKS, Case, Target, Verdict
 from dpverify.sharded.fsdp import FSDPContext, assert_fsdp_training_matches
@@ -260,3 +265,8 @@ def test_state_that_cancels_over_the_batch_is_judged_by_its_rounding_not_its_siz
     monkeypatch.setattr(ddp_checks, "jittered_training", lambda *args, **kwargs: None)
     with pytest.raises(ParallelMismatch, match=re.escape("step 1 optimizer state '2.bias.momentum_buffer'")):
         assert_ddp_training_matches(model, data, loss_fn=F.mse_loss, optimizer=MOMENTUM, world_size=2, pool=ddp_pool)
+
+
+def test_a_hook_the_ranks_cannot_import_is_refused_naming_the_argument(ddp_pool: DDPWorkerPool) -> None:
+    with pytest.raises(InvalidArgument, match="after_backward"):
+        assert_fsdp_training_matches(mlp(), batches(1), loss_fn=F.mse_loss, optimizer=SGD, world_size=2, pool=ddp_pool, after_backward=lambda ctx: None)
