@@ -40,6 +40,7 @@ from dpverify.checks.loss_average import (
     loss_average_of,
     reduction_matches,
 )
+from dpverify.checks.training import assert_dp_training_matches
 from dpverify.core.comparison import StepComparison, TensorComparison
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.divergence import ONE_ROW_BATCHNORM, SourceGroup, group_sources
@@ -546,6 +547,26 @@ def _dp_state(case: Case, target: Target) -> Report:
     return StepComparison(check=what, scenario=f"chunks {case.chunk_sizes}", tolerance="exact", tensors=(), replicas=len(case.chunk_sizes))
 
 
+def _training_batches(case: Case) -> list[tuple[Any, Any]]:
+    """The training checks' batches: the case's own, else its batch ``TRAINING_STEPS`` times."""
+    return list(case.batches or ((case.inputs, case.target),) * TRAINING_STEPS)
+
+
+def _training_optimizer(case: Case) -> Callable[..., torch.optim.Optimizer]:
+    """The training checks' optimizer factory: the case's own, else SGD with momentum."""
+    return case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+
+def _dp_training(case: Case, target: Target) -> Report:
+    """DataParallel training through the target's wrapper, with its ``after_backward``."""
+    assert case.loss_fn is not None
+    return assert_dp_training_matches(
+        case.module, _training_batches(case), loss_fn=case.loss_fn, optimizer=_training_optimizer(case),
+        device_ids=case.device_ids, output_device=case.output_device, parallel=target.parallel,
+        after_backward=target.after_backward, forward_kwargs=case.forward_kwargs, dim=case.dim,
+    )
+
+
 def _ddp() -> Any:
     checks = checks_if_available()
     if checks is None:
@@ -735,6 +756,12 @@ _SPECS = (
         "torch's DataParallel keeps replica 0's in-place buffer update and loses attributes set "
         "in forward.",
         _dp_state, wanted=_counter, explains_divergence=False,
+    ),
+    CheckSpec(
+        "dp-training", f"DP training, {TRAINING_STEPS} steps", "dp",
+        "Outputs, parameters, buffers, optimizer state and the attributes forward sets, after "
+        "each of several DataParallel optimizer steps, equal single-device training's.",
+        _dp_training, wanted=_has_loss_fn, training=True,
     ),
     CheckSpec(
         "ddp-grads", "DDP grads match one device", "ddp",
