@@ -52,6 +52,7 @@ CORRECT = {
     "dp-grad-sum": Target(parallel=ScratchDataParallel),
     "dp-buffers": Target(parallel=ScratchDataParallel),
     "dp-weighted-loss": Target(reduce=weighted_replica_losses),
+    "dp-training": Target(parallel=ScratchDataParallel),
     "ddp-grads": Target(step=manual_allreduce_step),
     "ddp-accumulation": Target(step=dpverify.no_sync_accumulation_step),
     "fsdp-grads": Target(step=weighted_fsdp_step),

@@ -37,6 +37,8 @@ from dpverify.mutants.dp import (
     DeepCopyDataParallel,
     DetachedReplicasDataParallel,
     LastReplicaBuffersDataParallel,
+    LocalBatchStatistic,
+    LostForwardState,
     MeanCriterionParallel,
     OutputDeviceFirstDataParallel,
     ReplicaOutputsDataParallel,
@@ -77,7 +79,9 @@ __all__ = [
     "DeepCopyDataParallel",
     "DetachedReplicasDataParallel",
     "LastReplicaBuffersDataParallel",
+    "LocalBatchStatistic",
     "LocalOutputColwiseParallel",
+    "LostForwardState",
     "MeanCriterionParallel",
     "Mutant",
     "NoAllReduceRowwiseParallel",
@@ -160,6 +164,12 @@ def _properties() -> dict[str, Property]:
         "dp-grad-sum": exact,
         "dp-buffers": scenarios(models=model_specs(kinds=["buffer-counter", "batchnorm"]), devices=devices),
         "dp-weighted-loss": scenarios(models=model_specs(kinds=["loss-head"]), devices=devices),
+        # training on models without state of their own: the built-in counters lose theirs
+        # under DataParallel by design (dp-state), which dp-training rightly reports
+        "dp-training": scenarios(
+            models=model_specs(kinds=[k for k in KINDS if k not in ("buffer-counter", "attribute-counter")], exact=True),
+            devices=devices,
+        ),
         "ddp-grads": ddp,
         "ddp-accumulation": ddp.filter(_equal_micro_batches),
         # the sharded checks on 2 or 3 ranks (tensor parallelism on 2: a 2-D mesh needs 4),
@@ -256,5 +266,7 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("pp-unscaled", UnscaledGPipe, "pp-schedule", "a GPipe schedule that does not scale gradients by 1/n_microbatches", "pp-grads", "microbatches"),
         Mutant("pp-skip-last-microbatch", SkipLastMicrobatchGPipe, "pp-schedule", "a GPipe schedule that never runs its last microbatch", "pp-grads", "microbatch"),
         Mutant("fsdp-wrong-weight", fsdp_wrong_weight_step, "fsdp-step", "weights each rank's loss by n_r / B, forgetting the world size FSDP2 divides by", "fsdp-grads", "the world size"),
+        Mutant("lost-forward-state", LostForwardState, "model", "a model that counts its forwards in a Python attribute and scales its output by a warm-up factor: DataParallel's replicas lose the count", "dp-training", "attribute changes are lost"),
+        Mutant("dp-local-buffer", LocalBatchStatistic, "model", "a model that updates an EMA buffer in forward from the rows it sees: DataParallel keeps replica 0's update, from its chunk alone", "dp-training", "DataParallel keeps replica 0's buffers"),
     )
 }
