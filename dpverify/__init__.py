@@ -55,6 +55,7 @@ _EXPORTS: dict[str, str] = {
     "assert_dp_buffers_match": "dpverify.checks.buffers",
     "assert_dp_ddp_agree": "dpverify.ddp.checks",
     "assert_dp_grads_match": "dpverify.checks.dp",
+    "assert_dp_training_matches": "dpverify.checks.training",
     "assert_fsdp_grads_match": "dpverify.sharded.fsdp",
     "assert_fsdp_training_matches": "dpverify.sharded.fsdp",
     "assert_grad_sum_equals_mean_loss_grad": "dpverify.checks.dp",
@@ -112,6 +113,7 @@ __all__ = [
     "assert_dp_buffers_match",
     "assert_dp_ddp_agree",
     "assert_dp_grads_match",
+    "assert_dp_training_matches",
     "assert_fsdp_grads_match",
     "assert_fsdp_training_matches",
     "assert_grad_sum_equals_mean_loss_grad",
@@ -161,6 +163,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from dpverify.checks.buffers import assert_dp_buffers_match as assert_dp_buffers_match
     from dpverify.checks.dp import assert_dp_grads_match as assert_dp_grads_match
+    from dpverify.checks.training import assert_dp_training_matches as assert_dp_training_matches
     from dpverify.checks.dp import (
         assert_grad_sum_equals_mean_loss_grad as assert_grad_sum_equals_mean_loss_grad,
     )

@@ -46,6 +46,7 @@ PUBLIC = [
     "assert_dp_buffers_match",
     "assert_dp_ddp_agree",
     "assert_dp_grads_match",
+    "assert_dp_training_matches",
     "assert_fsdp_grads_match",
     "assert_fsdp_training_matches",
     "assert_grad_sum_equals_mean_loss_grad",
