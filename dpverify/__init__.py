@@ -163,7 +163,6 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from dpverify.checks.buffers import assert_dp_buffers_match as assert_dp_buffers_match
     from dpverify.checks.dp import assert_dp_grads_match as assert_dp_grads_match
-    from dpverify.checks.training import assert_dp_training_matches as assert_dp_training_matches
     from dpverify.checks.dp import (
         assert_grad_sum_equals_mean_loss_grad as assert_grad_sum_equals_mean_loss_grad,
     )
@@ -175,6 +174,7 @@ if TYPE_CHECKING:
         check_forward_loss_average as check_forward_loss_average,
     )
     from dpverify.checks.loss_average import chunk_weighted_loss as chunk_weighted_loss
+    from dpverify.checks.training import assert_dp_training_matches as assert_dp_training_matches
     from dpverify.core.comparison import StepComparison as StepComparison
     from dpverify.core.comparison import TensorComparison as TensorComparison
     from dpverify.core.comparison import Tolerance as Tolerance

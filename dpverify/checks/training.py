@@ -539,7 +539,13 @@ def assert_dp_training_matches(
             ``after_backward`` not callable, a module without parameters to train).
     """
     __tracebackhide__ = True
-    require_callable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
+    factory = "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)"
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidArgument(
+            f"optimizer is a {type(optimizer).__name__} instance, built over other parameters than the copies each "
+            f"run trains; pass {factory}"
+        )
+    require_callable(optimizer, "optimizer", factory)
     require_callable(loss_fn, "loss_fn", "loss_fn(output, target) -> a scalar loss, e.g. torch.nn.functional.mse_loss")
     if after_backward is not None:
         require_callable(after_backward, "after_backward", "hook(ctx), e.g. one calling clip_grad_norm_(ctx.module.parameters(), 1.0)")
