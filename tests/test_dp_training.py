@@ -190,8 +190,28 @@ def test_a_cache_set_in_forward_is_caught_though_the_outputs_match() -> None:
         dpverify.assert_dp_training_matches(CachesInput(), _batches(), loss_fn=F.mse_loss, optimizer=SGD, device_ids=[0, 1])
     text = str(caught.value)
     assert "None under DataParallel" in text
-    assert "The outputs and parameters match here" in text
+    assert "The outputs, parameters, buffers and optimizer state match here" in text
     assert all(t.ok for t in caught.value.report.tensors)
+
+
+class LogsChunkSizes(nn.Module):
+    """Appends each call's batch size to a list kept on the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.shape[0])
+        out: torch.Tensor = self.fc(x)
+        return out
+
+
+def test_a_list_every_replica_appends_to_is_caught_with_what_each_appended() -> None:
+    with pytest.raises(dpverify.ParallelMismatch, match=r"attribute 'seen' of the root module \(LogsChunkSizes\): \(4, 4\) under DataParallel, \(8,\) on one device") as caught:
+        dpverify.assert_dp_training_matches(LogsChunkSizes(), _batches(), loss_fn=F.mse_loss, optimizer=SGD, device_ids=[0, 1])
+    assert "every replica changes the same object, once per replica" in str(caught.value)
 
 
 def test_a_lost_attribute_in_a_submodule_names_the_submodule() -> None:

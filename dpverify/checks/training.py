@@ -388,7 +388,7 @@ def _first_output_step(per_step: Sequence[Sequence[TensorComparison]]) -> int | 
     )
 
 
-def _attribute_failure(differences: Sequence[_LostAttribute], output_step: int | None) -> str:
+def _attribute_failure(differences: Sequence[_LostAttribute], output_step: int | None, tensors_match: bool) -> str:
     lines = []
     for d in differences:
         shown = "missing" if d.parallel is _OPAQUE else _short(d.parallel)
@@ -409,10 +409,15 @@ def _attribute_failure(differences: Sequence[_LostAttribute], output_step: int |
         "on the replica and lost with it, on every replica, replica 0 included, so each forward sees the value from "
         "before training. "
     )
+    if len(lost) < len(differences):
+        text += (
+            "A mutable attribute (a list, a dict) is not copied: every replica changes the same object, once per "
+            "replica, each with its own chunk. "
+        )
     if output_step is not None:
         text += f"The outputs first diverge at step {output_step + 1}. "
-    else:
-        text += "The outputs and parameters match here, but the module's state does not. "
+    elif tensors_match:
+        text += "The outputs, parameters, buffers and optimizer state match here, but the module's Python state does not. "
     text += (
         "Keep such state in a buffer updated in place (self.register_buffer('calls', torch.zeros((), "
         "dtype=torch.long)); self.calls.add_(1): replica 0 updates the module's own buffer), or set it outside "
@@ -592,7 +597,7 @@ def training_matches(
     if bad_step is not None:
         notes.insert(0, f"The first step that differs: step {bad_step + 1} of {len(batches)}.")
     if differences:
-        failures.append(_attribute_failure(differences, _first_output_step(per_step)))
+        failures.append(_attribute_failure(differences, _first_output_step(per_step), bad_step is None))
     bad_buffers = [row for row in rows if row.id.kind == "buffer" and not row.ok]
     if bad_buffers:
         notes.append(_buffer_note(check, bad_buffers, shown, actual, batches[shown]))
