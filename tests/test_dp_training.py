@@ -279,6 +279,27 @@ def test_the_registry_check_runs_the_targets_hook_and_explains_batchnorm() -> No
     assert normed.verdict is Verdict.EXPLAINED
 
 
+class AveragingDataParallel(nn.DataParallel):  # type: ignore[type-arg]
+    """A user's DataParallel that "averages the GPUs' gradients" on top of torch's sum."""
+
+    def replicate(self, module: nn.Module, device_ids: Any) -> Any:
+        replicas = super().replicate(module, device_ids)
+        count = len(replicas)
+        for replica in replicas:
+            for sub in replica.modules():
+                for name in getattr(sub, "_former_parameters", {}):
+                    getattr(sub, name).register_hook(lambda g: g / count)
+        return replicas
+
+
+def test_a_users_wrapper_is_trained_as_given_and_caught_at_its_first_step() -> None:
+    with pytest.raises(dpverify.ParallelMismatch, match="The first step that differs: step 1 of 3") as caught:
+        dpverify.assert_dp_training_matches(_mlp(), _batches(), loss_fn=F.mse_loss, optimizer=SGD, device_ids=[0, 1], parallel=AveragingDataParallel)
+    assert "wrapper AveragingDataParallel" in str(caught.value)
+    assert "step 1 param" in str(caught.value)
+    assert dpverify.assert_dp_training_matches(_mlp(), _batches(), loss_fn=F.mse_loss, optimizer=SGD, device_ids=[0, 1], parallel=nn.DataParallel).ok
+
+
 def test_a_wrapper_that_never_splits_is_never_a_pass() -> None:
     def whole_batch(module: nn.Module, device_ids: list[int], output_device: int | None = None) -> nn.Module:
         return module
