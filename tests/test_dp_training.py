@@ -155,7 +155,7 @@ def test_a_hook_that_only_clips_under_data_parallel_is_caught_at_step_one() -> N
         if not ctx.reference:
             clip(ctx)
 
-    with pytest.raises(dpverify.ParallelMismatch, match="The first step that differs: step 1 of 3") as caught:
+    with pytest.raises(dpverify.ParallelMismatch, match=r"The first step that differs: step 1 of 3 \(tensors from step 1\)") as caught:
         dpverify.assert_dp_training_matches(
             _mlp(), _batches(), loss_fn=F.mse_loss, optimizer=SGD, device_ids=[0, 1], after_backward=clip_on_gpus_only,
         )
@@ -175,7 +175,7 @@ def test_a_lost_counter_is_caught_naming_the_attribute_and_the_step_outputs_dive
     assert "The replicas' attribute changes are lost" in text
     assert "attribute 'step' of the root module (WarmupHead): 0 under DataParallel, 1 on one device, after step 1" in text
     assert "The outputs first diverge at step 2." in text
-    assert "The first step that differs: step 2 of 3" in text
+    assert "The first step that differs: step 1 of 3 (attributes from step 1, tensors from step 2)." in text
     assert "step 2 output" in text
 
 

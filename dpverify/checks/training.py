@@ -594,8 +594,11 @@ def training_matches(
         f"Outputs, loss, parameters, buffers, optimizer state and Python attributes compared after each of the "
         f"{len(batches)} optimizer steps; the table shows step {shown + 1}."
     ]
-    if bad_step is not None:
-        notes.insert(0, f"The first step that differs: step {bad_step + 1} of {len(batches)}.")
+    first_attribute = min((d.step for d in differences), default=None)
+    where = [f"{what} from step {step + 1}" for what, step in (("attributes", first_attribute), ("tensors", bad_step)) if step is not None]
+    if where:
+        first = min(step for step in (first_attribute, bad_step) if step is not None)
+        notes.insert(0, f"The first step that differs: step {first + 1} of {len(batches)} ({', '.join(where)}).")
     if differences:
         failures.append(_attribute_failure(differences, _first_output_step(per_step), bad_step is None))
     bad_buffers = [row for row in rows if row.id.kind == "buffer" and not row.ok]
