@@ -174,6 +174,7 @@ def test_a_lost_counter_is_caught_naming_the_attribute_and_the_step_outputs_dive
     text = str(caught.value)
     assert "The replicas' attribute changes are lost" in text
     assert "attribute 'step' of the root module (WarmupHead): 0 under DataParallel, 1 on one device, after step 1" in text
+    assert "; 0 and 3 after the last (under DataParallel it kept its value from before training)" in text
     assert "The outputs first diverge at step 2." in text
     assert "The first step that differs: step 1 of 3 (attributes from step 1, tensors from step 2)." in text
     assert "step 2 output" in text

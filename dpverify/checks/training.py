@@ -344,6 +344,8 @@ class _LostAttribute:
     single: Any
     initial: Any
     step: int
+    #: the values after the last step (DataParallel, one device), when it is a later one
+    last: tuple[Any, Any] | None = None
 
     @property
     def where(self) -> str:
@@ -370,9 +372,10 @@ def _attribute_differences(
             if other is not _OPAQUE and _same(other, value, anchored.get(key)):
                 continue
             path, name = key
+            final = (actual.steps[-1].attributes.get(key, _OPAQUE), expected.steps[-1].attributes.get(key, _OPAQUE))
             found[key] = _LostAttribute(
                 path, type(model.get_submodule(path)).__name__, name, other, value,
-                actual.initial.get(key, _OPAQUE), index,
+                actual.initial.get(key, _OPAQUE), index, final if index < len(expected.steps) - 1 else None,
             )
     return list(found.values())
 
@@ -390,12 +393,14 @@ def _first_output_step(per_step: Sequence[Sequence[TensorComparison]]) -> int | 
 
 def _attribute_failure(differences: Sequence[_LostAttribute], output_step: int | None, tensors_match: bool) -> str:
     lines = []
+    def shown(value: Any) -> str:
+        return "missing" if value is _OPAQUE else _short(value)
+
     for d in differences:
-        shown = "missing" if d.parallel is _OPAQUE else _short(d.parallel)
-        lines.append(
-            f"  - attribute {d.name!r} {d.where}: {shown} under DataParallel, {_short(d.single)} on one device, "
-            f"after step {d.step + 1}" + (" (under DataParallel it kept its value from before training)" if d.lost else "")
-        )
+        line = f"  - attribute {d.name!r} {d.where}: {shown(d.parallel)} under DataParallel, {shown(d.single)} on one device, after step {d.step + 1}"
+        if d.last is not None:
+            line += f"; {shown(d.last[0])} and {shown(d.last[1])} after the last"
+        lines.append(line + (" (under DataParallel it kept its value from before training)" if d.lost else ""))
     lost = [d for d in differences if d.lost]
     head = (
         "Python attributes that the forward sets differ from one device's"
