@@ -57,6 +57,8 @@ from dpverify.mutants.sharded import (
     fsdp_wrong_weight_step,
     local_output_plan,
     no_allreduce_plan,
+    tp_global_clip,
+    tp_one_rank_clip,
 )
 from dpverify.registry import CHECKS, MICRO_BATCHES, Case, Target
 from dpverify.strategies import (
@@ -101,6 +103,8 @@ __all__ = [
     "rank_seeded_init_step",
     "summed_allreduce_step",
     "summed_loss_step",
+    "tp_global_clip",
+    "tp_one_rank_clip",
     "undivided_accumulation_step",
     "weighted_replica_losses",
     "zero_grad_in_loop_step",
@@ -167,6 +171,7 @@ def _properties() -> dict[str, Property]:
         "fsdp-grads": sharded_scenarios("fsdp", world_sizes=(2, 3)),
         "pp-grads": sharded_scenarios("pp", world_sizes=(2, 3)),
         "tp-grads": sharded_scenarios("tp", world_sizes=(2,)),
+        "tp-training": sharded_scenarios("tp", world_sizes=(2,)),
     }
     return {name: Property(name, strategy.filter(_runs(name))) for name, strategy in drawn.items()}
 
@@ -256,5 +261,6 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("pp-unscaled", UnscaledGPipe, "pp-schedule", "a GPipe schedule that does not scale gradients by 1/n_microbatches", "pp-grads", "microbatches"),
         Mutant("pp-skip-last-microbatch", SkipLastMicrobatchGPipe, "pp-schedule", "a GPipe schedule that never runs its last microbatch", "pp-grads", "microbatch"),
         Mutant("fsdp-wrong-weight", fsdp_wrong_weight_step, "fsdp-step", "weights each rank's loss by n_r / B, forgetting the world size FSDP2 divides by", "fsdp-grads", "the world size"),
+        Mutant("tp-one-rank-clip", tp_one_rank_clip, "hook", "a gradient clip run only on rank 0 (under `if ctx.rank == 0`), so the other tensor-parallel ranks step their shards unclipped", "tp-training", "did not run alike on every rank"),
     )
 }
