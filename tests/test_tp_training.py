@@ -142,6 +142,33 @@ def test_adam_state_is_compared_every_step(ddp_pool: DDPWorkerPool) -> None:
     assert any("after each of the 3 optimizer steps" in note for note in result.notes)
 
 
+def average_over_data_parallel(ctx: Any) -> None:
+    # a hand-written data-parallel average, written for any mesh: without data-parallel
+    # groups ctx.dp_group holds this rank alone, and the average changes nothing
+    for p in ctx.module.parameters():
+        if p.grad is not None:
+            local = _local(p.grad)
+            dist.all_reduce(local, group=ctx.dp_group)
+            local /= dist.get_world_size(ctx.dp_group)
+
+
+def test_the_hook_sees_the_tensor_parallel_and_data_parallel_groups(ddp_pool: DDPWorkerPool) -> None:
+    assert train(ddp_pool, mlp(), MLP_PLAN, mlp_batches(), after_backward=average_over_data_parallel).ok
+
+
+def test_a_hook_that_needs_dtensor_gradients_is_told_the_reference_has_plain_ones(ddp_pool: DDPWorkerPool) -> None:
+    with pytest.raises(AttributeError) as caught:
+        train(ddp_pool, mlp(), MLP_PLAN, mlp_batches(), after_backward=placements_of_grads)
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "raised in after_backward=placements_of_grads(ctx)" in notes
+    assert "the gradients are plain tensors, not DTensors" in notes
+
+
+def placements_of_grads(ctx: Any) -> None:
+    for p in ctx.module.parameters():
+        assert p.grad.placements  # DTensor only
+
+
 # --------------------------------------------------------------------------- sequence parallel
 
 

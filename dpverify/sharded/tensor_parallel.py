@@ -760,9 +760,18 @@ def _single_device(
         names = {id(p): name for name, p in model.named_parameters()}
         trace.states.append(optimizer_state(opt, names, _clones))
 
-    params, _unused = train_single_device(
-        module, pairs, loss_fn, optimizer, dtype, after_backward, context=TPReferenceContext, before_step=before, after_step=after,
-    )
+    try:
+        params, _unused = train_single_device(
+            module, pairs, loss_fn, optimizer, dtype, after_backward, context=TPReferenceContext, before_step=before,
+            after_step=after,
+        )
+    except AttributeError as error:
+        if any(name in str(error) for name in ("to_local", "full_tensor", "placements", "device_mesh")):
+            error.add_note(
+                "dpverify: in the single-device reference (ctx.reference True) the gradients are plain tensors, not "
+                "DTensors: take p.grad.to_local() only where isinstance(p.grad, DTensor)"
+            )
+        raise
     trace.params.extend(params)
     return trace
 
@@ -868,8 +877,9 @@ def assert_tensor_parallel_training_matches(
         fsdp_modules=check.fsdp_modules,
     )
     title = f"{len(pairs)} steps of tensor-parallel training with {callable_name(optimizer)} must match single-device training"
-    ranks: tuple[TPRankTraining, ...] = check.send(run_tp_training_task, task, title)
+    # one device first: a hook that cannot run there fails before the ranks start
     expected = _single_device(module, pairs, loss_fn, optimizer, None, after_backward)
+    ranks: tuple[TPRankTraining, ...] = check.send(run_tp_training_task, task, title)
     anchor = None if check.tolerance.explicit else _single_device(module, pairs, loss_fn, optimizer, torch.float64, after_backward)
     rows, failing = _training_rows(check, ranks, expected, anchor)
     ok = all(row.ok for row in rows)
