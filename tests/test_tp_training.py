@@ -266,3 +266,22 @@ def test_bad_arguments_are_named(ddp_pool: DDPWorkerPool) -> None:
         train(ddp_pool, mlp(), MLP_PLAN, mlp_batches(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     with pytest.raises(InvalidArgument, match="plan"):
         train(ddp_pool, mlp(), {"9": ColwiseParallel()}, mlp_batches())
+
+
+# --------------------------------------------------------------------------- a 2-D mesh
+
+
+@pytest.mark.deep
+@pytest.mark.parametrize("ddp_pool", [4], indirect=True)
+def test_a_module_the_plan_leaves_plain_checks_on_a_2d_mesh(ddp_pool: DDPWorkerPool) -> None:
+    # FSDP2 shards the plain head over "dp" alone: its whole tensors are rebuilt from one
+    # piece per data-parallel group, not one per rank
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 4), nn.Linear(4, 2))
+    batches = [(x, y[:, :2]) for x, y in mlp_batches()]
+    result = train(ddp_pool, model, MLP_PLAN, batches, optimizer=ADAM, data_parallel=2)
+    assert result.ok
+    assert ("optimizer state", "3.weight.exp_avg") in {(row.id.kind, row.id.name) for row in result.tensors}
+    x, y = batches[0]
+    one_step = assert_tensor_parallel_grads_match(model, x, y, loss_fn=F.mse_loss, world_size=4, plan=MLP_PLAN, data_parallel=2, pool=ddp_pool)
+    assert one_step.ok
