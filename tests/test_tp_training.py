@@ -169,6 +169,33 @@ def placements_of_grads(ctx: Any) -> None:
         assert p.grad.placements  # DTensor only
 
 
+class TrackedTanh(nn.Tanh):
+    """A Tanh that keeps a running mean square of what it sees (an activation statistic)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean_square", torch.zeros(()))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.mean_square.mul_(0.9).add_(0.1 * h.pow(2).mean())
+        return super().forward(h)
+
+
+def test_a_running_statistic_of_a_local_shard_is_caught_in_the_buffers(ddp_pool: DDPWorkerPool) -> None:
+    # between the colwise and the rowwise Linear each rank holds its own columns only
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), TrackedTanh(), nn.Linear(8, 4))
+    text = mismatch(ddp_pool, model, MLP_PLAN, mlp_batches())
+    assert "step 1 buffer '1.mean_square': tensors are not close" in text
+    # the same statistic where the activations are whole: on the replicated output
+    torch.manual_seed(0)
+    fixed = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 4), TrackedTanh())
+    result = train(ddp_pool, fixed, MLP_PLAN, mlp_batches())
+    assert result.ok
+    assert ("buffer", "3.mean_square") in {(row.id.kind, row.id.name) for row in result.tensors}
+
+
 # --------------------------------------------------------------------------- sequence parallel
 
 
