@@ -34,6 +34,7 @@ from dpverify.core.validation import (
     require_int_at_least,
     require_module_with_grads,
 )
+from dpverify.ddp.pool import ParallelError
 from dpverify.ranked.check import (
     TP_GROUPS,
     Batch,
@@ -803,6 +804,28 @@ def _training_rows(
     return rows, len(expected.params) - 1
 
 
+#: what DTensor's dispatch says of an operator given DTensors and plain tensors together
+#: (torch/distributed/tensor/_dispatch.py), e.g. ``clip_grad_norm_``'s ``_foreach_norm``
+_MIXED = "got mixed torch.Tensor and DTensor"
+
+
+def _mixed_grads_note(check: TPCheck) -> str:
+    """The fix for a hook that handed DTensor and plain gradients to one operator."""
+    styled = {path for path, _style in _matched(check.module, check.plan)}
+    plain = [
+        f"{path}.{name}" if path else name
+        for path, sub in check.module.named_modules() if path not in styled
+        for name, _p in sub.named_parameters(recurse=False)
+    ]
+    return (
+        f"dpverify: the plan leaves the parameters {plain} plain tensors, so their gradients are not DTensors like "
+        "the others', and torch.nn.utils.clip_grad_norm_ (its _foreach_norm) refuses the mix. Take the norm of each "
+        "kind, torch.nn.utils.get_total_norm(dtensor_grads).full_tensor() and get_total_norm(plain_grads), combine "
+        "them with torch.linalg.vector_norm, and scale every gradient (p.grad.to_local() of a DTensor) by "
+        "min(1, max_norm / (norm + 1e-6))."
+    )
+
+
 @documented
 def assert_tensor_parallel_training_matches(
     module: nn.Module, batches: Sequence[tuple[Any, ...]], *, loss_fn: LossFn, optimizer: OptimizerFactory, world_size: int,
@@ -879,7 +902,12 @@ def assert_tensor_parallel_training_matches(
     title = f"{len(pairs)} steps of tensor-parallel training with {callable_name(optimizer)} must match single-device training"
     # one device first: a hook that cannot run there fails before the ranks start
     expected = _single_device(module, pairs, loss_fn, optimizer, None, after_backward)
-    ranks: tuple[TPRankTraining, ...] = check.send(run_tp_training_task, task, title)
+    try:
+        ranks: tuple[TPRankTraining, ...] = check.send(run_tp_training_task, task, title)
+    except ParallelError as error:
+        if _MIXED in str(error) and "raised in after_backward=" in str(error):
+            error.add_note(_mixed_grads_note(check))
+        raise
     anchor = None if check.tolerance.explicit else _single_device(module, pairs, loss_fn, optimizer, torch.float64, after_backward)
     rows, failing = _training_rows(check, ranks, expected, anchor)
     ok = all(row.ok for row in rows)
