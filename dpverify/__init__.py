@@ -62,6 +62,7 @@ _EXPORTS: dict[str, str] = {
     "assert_loss_reduction_matches_full_batch": "dpverify.checks.loss_average",
     "assert_pipeline_grads_match": "dpverify.sharded.pipeline",
     "assert_tensor_parallel_grads_match": "dpverify.sharded.tensor_parallel",
+    "assert_tensor_parallel_training_matches": "dpverify.sharded.tensor_parallel",
     "check_forward_loss_average": "dpverify.checks.loss_average",
     "chunk_sizes": "dpverify.core.scatter",
     "chunk_weighted_loss": "dpverify.checks.loss_average",
@@ -120,6 +121,7 @@ __all__ = [
     "assert_loss_reduction_matches_full_batch",
     "assert_pipeline_grads_match",
     "assert_tensor_parallel_grads_match",
+    "assert_tensor_parallel_training_matches",
     "check_forward_loss_average",
     "chunk_sizes",
     "chunk_weighted_loss",
@@ -225,6 +227,9 @@ if TYPE_CHECKING:
     from dpverify.sharded.tensor_parallel import TPContext as TPContext
     from dpverify.sharded.tensor_parallel import (
         assert_tensor_parallel_grads_match as assert_tensor_parallel_grads_match,
+    )
+    from dpverify.sharded.tensor_parallel import (
+        assert_tensor_parallel_training_matches as assert_tensor_parallel_training_matches,
     )
     from dpverify.sharded.tensor_parallel import tp_step as tp_step
     from dpverify.sharded.tensor_parallel import weighted_tp_step as weighted_tp_step

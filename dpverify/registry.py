@@ -641,6 +641,16 @@ def _tp_grads(case: Case, target: Target) -> Report:
     )
 
 
+def _tp_training(case: Case, target: Target) -> Report:
+    layout = case.layout_for("tp")
+    assert isinstance(layout, TPLayout)
+    plan = target.plan(layout, case.module) if target.plan is not None else layout.plan()
+    return _on_ranks(
+        _sharded("tensor_parallel").assert_tensor_parallel_training_matches, case, target, training=True,
+        plan=plan, data_parallel=layout.data_parallel, forward_kwargs=case.forward_kwargs,
+    )
+
+
 def _pp_grads(case: Case, target: Target) -> Report:
     layout = case.layout_for("pp")
     assert isinstance(layout, PipelineLayout)
@@ -812,6 +822,12 @@ _SPECS = (
         "A tensor-parallel plan's outputs and full gradients on every rank equal the "
         "single-device step's.",
         _tp_grads, skip=functools.partial(_sharded_skip, "tp"),
+    ),
+    CheckSpec(
+        "tp-training", f"TP training, {TRAINING_STEPS} steps", "tp",
+        "Parameters, buffers and optimizer state after several tensor-parallel optimizer steps "
+        "equal single-device training's.",
+        _tp_training, skip=functools.partial(_sharded_skip, "tp"), training=True,
     ),
     CheckSpec(
         "pp-grads", "pipeline grads match one device", "pp",

@@ -53,6 +53,7 @@ PUBLIC = [
     "assert_loss_reduction_matches_full_batch",
     "assert_pipeline_grads_match",
     "assert_tensor_parallel_grads_match",
+    "assert_tensor_parallel_training_matches",
     "check_forward_loss_average",
     "chunk_sizes",
     "chunk_weighted_loss",

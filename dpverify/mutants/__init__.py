@@ -59,6 +59,8 @@ from dpverify.mutants.sharded import (
     fsdp_wrong_weight_step,
     local_output_plan,
     no_allreduce_plan,
+    tp_global_clip,
+    tp_one_rank_clip,
 )
 from dpverify.registry import CHECKS, MICRO_BATCHES, Case, Target
 from dpverify.strategies import (
@@ -105,6 +107,8 @@ __all__ = [
     "rank_seeded_init_step",
     "summed_allreduce_step",
     "summed_loss_step",
+    "tp_global_clip",
+    "tp_one_rank_clip",
     "undivided_accumulation_step",
     "weighted_replica_losses",
     "zero_grad_in_loop_step",
@@ -177,6 +181,7 @@ def _properties() -> dict[str, Property]:
         "fsdp-grads": sharded_scenarios("fsdp", world_sizes=(2, 3)),
         "pp-grads": sharded_scenarios("pp", world_sizes=(2, 3)),
         "tp-grads": sharded_scenarios("tp", world_sizes=(2,)),
+        "tp-training": sharded_scenarios("tp", world_sizes=(2,)),
     }
     return {name: Property(name, strategy.filter(_runs(name))) for name, strategy in drawn.items()}
 
@@ -268,5 +273,6 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("fsdp-wrong-weight", fsdp_wrong_weight_step, "fsdp-step", "weights each rank's loss by n_r / B, forgetting the world size FSDP2 divides by", "fsdp-grads", "the world size"),
         Mutant("lost-forward-state", LostForwardState, "model", "a model that counts its forwards in a Python attribute and scales its output by a warm-up factor: DataParallel's replicas lose the count", "dp-training", "attribute changes are lost"),
         Mutant("dp-local-buffer", LocalBatchStatistic, "model", "a model that updates an EMA buffer in forward from the rows it sees: DataParallel keeps replica 0's update, from its chunk alone", "dp-training", "DataParallel keeps replica 0's buffers"),
+        Mutant("tp-one-rank-clip", tp_one_rank_clip, "hook", "a gradient clip run only on rank 0 (under `if ctx.rank == 0`), so the other tensor-parallel ranks step their shards unclipped", "tp-training", "did not run alike on every rank"),
     )
 }
