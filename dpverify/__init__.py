@@ -60,6 +60,7 @@ _EXPORTS: dict[str, str] = {
     "assert_grad_sum_equals_mean_loss_grad": "dpverify.checks.dp",
     "assert_loss_reduction_matches_full_batch": "dpverify.checks.loss_average",
     "assert_pipeline_grads_match": "dpverify.sharded.pipeline",
+    "assert_pipeline_training_matches": "dpverify.sharded.pipeline",
     "assert_tensor_parallel_grads_match": "dpverify.sharded.tensor_parallel",
     "check_forward_loss_average": "dpverify.checks.loss_average",
     "chunk_sizes": "dpverify.core.scatter",
@@ -117,6 +118,7 @@ __all__ = [
     "assert_grad_sum_equals_mean_loss_grad",
     "assert_loss_reduction_matches_full_batch",
     "assert_pipeline_grads_match",
+    "assert_pipeline_training_matches",
     "assert_tensor_parallel_grads_match",
     "check_forward_loss_average",
     "chunk_sizes",
@@ -219,6 +221,7 @@ if TYPE_CHECKING:
     from dpverify.sharded.fsdp import fsdp_step as fsdp_step
     from dpverify.sharded.fsdp import weighted_fsdp_step as weighted_fsdp_step
     from dpverify.sharded.pipeline import assert_pipeline_grads_match as assert_pipeline_grads_match
+    from dpverify.sharded.pipeline import assert_pipeline_training_matches as assert_pipeline_training_matches
     from dpverify.sharded.tensor_parallel import TPContext as TPContext
     from dpverify.sharded.tensor_parallel import (
         assert_tensor_parallel_grads_match as assert_tensor_parallel_grads_match,

@@ -666,10 +666,16 @@ def train_single_device(
     optimizer: OptimizerFactory,
     dtype: torch.dtype | None,
     after_backward: AfterBackward | None = None,
+    *,
+    context: Callable[..., ReferenceContext] = ReferenceContext,
+    on_step: Callable[[int, nn.Module, torch.optim.Optimizer], None] | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], list[list[str]]]:
     """Parameters after every step on one device, and the parameters that required grad
     but got none in each step (``unused_names``); ``after_backward(ctx)`` runs between each
-    backward and its optimizer step, with a ``ReferenceContext`` over the full batch."""
+    backward and its optimizer step, with a ``ReferenceContext`` over the full batch (or the
+    subclass ``context`` makes, with the same fields: a backend's, that hooks written for it
+    read). ``on_step(index, model, optimizer)`` runs after each optimizer step, to read
+    what else the step left (gradients, buffers, the optimizer's state)."""
     model = copy_module(module, dtype)
     opt = optimizer(model.parameters())
     history = []
@@ -684,7 +690,7 @@ def train_single_device(
             unused.append(unused_names(model, {name: p.grad for name, p in model.named_parameters()}))
             if after_backward is not None:
                 rows = batch_size_of(tuple(args), kwargs=keywords)
-                ctx = ReferenceContext(
+                ctx = context(
                     rank=0, world_size=1, module=model, inputs=args, target=goal, loss_fn=loss_fn,
                     shard_sizes=(rows,), device=CPU, kwargs=dict(keywords), step_index=index, one_rank=group,
                 )
@@ -692,6 +698,8 @@ def train_single_device(
                     after_backward(ctx)
             opt.step()
             history.append({name: p.detach().clone() for name, p in model.named_parameters()})
+            if on_step is not None:
+                on_step(index, model, opt)
     return history, unused
 
 
