@@ -221,7 +221,9 @@ if TYPE_CHECKING:
     from dpverify.sharded.fsdp import fsdp_step as fsdp_step
     from dpverify.sharded.fsdp import weighted_fsdp_step as weighted_fsdp_step
     from dpverify.sharded.pipeline import assert_pipeline_grads_match as assert_pipeline_grads_match
-    from dpverify.sharded.pipeline import assert_pipeline_training_matches as assert_pipeline_training_matches
+    from dpverify.sharded.pipeline import (
+        assert_pipeline_training_matches as assert_pipeline_training_matches,
+    )
     from dpverify.sharded.tensor_parallel import TPContext as TPContext
     from dpverify.sharded.tensor_parallel import (
         assert_tensor_parallel_grads_match as assert_tensor_parallel_grads_match,

@@ -17,6 +17,7 @@ from torch import nn
 import dpverify
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.ddp.pool import DDPWorkerPool
+from dpverify.mutants import UnscaledGPipe
 
 VOCAB, DIM, SEQ = 16, 8, 4
 SGD = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)
@@ -38,14 +39,15 @@ class TinyGPT(nn.Module):
     """A GPT-like language model whose output projection is its input embedding (weight
     tying, as GPT-2 does): a pipeline puts the two on the first and the last stage."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, *, tie: bool = True) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.embed = nn.Embedding(VOCAB, DIM)
         self.block = Block(DIM)
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
-        self.head.weight = self.embed.weight
+        if tie:
+            self.head.weight = self.embed.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(self.block(self.embed(ids))))
@@ -118,3 +120,87 @@ def test_averaging_the_tied_gradients_is_named(ddp_pool: DDPWorkerPool) -> None:
     text = str(caught.value)
     print(text)
     assert "averaged over the 2 stages instead of summed" in text
+
+
+ROWS = 4
+
+
+def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The bug: the microbatch's summed token loss, with scale_grads=False: the schedule
+    backpropagates the raw sum over the batch."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+def batch_share_loss(logits: torch.Tensor, labels: torch.Tensor, *, tokens: int) -> torch.Tensor:
+    """The fix: the microbatch's summed token loss over the batch's token count."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / tokens
+
+
+def test_the_raw_sum_passes_without_an_objective_and_is_caught_with_one(ddp_pool: DDPWorkerPool) -> None:
+    summed = {"loss_fn": summed_token_loss, "scale_grads": False, "after_backward": sync_tied_embedding}
+    assert train(ddp_pool, **summed).ok  # one loss_fn is both: the sum is its own objective
+    with pytest.raises(ParallelMismatch) as caught:
+        train(ddp_pool, objective=lm_loss, **summed)
+    text = str(caught.value)
+    print(text)
+    assert "objective lm_loss" in text
+    assert "the sum of the 2 microbatch losses (scale_grads=False) of loss_fn=summed_token_loss" in text
+    assert f"({ROWS * SEQ} times it)" in text
+    fixed = functools.partial(batch_share_loss, tokens=ROWS * SEQ)
+    assert train(ddp_pool, loss_fn=fixed, scale_grads=False, objective=lm_loss, after_backward=sync_tied_embedding).ok
+
+
+def padded_batches(steps: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Token batches whose second microbatch (rows 2-3) is mostly padding: 8 and 4 tokens
+    count (labels -100 are ignored), 12 in every batch."""
+    found = []
+    for ids, labels in token_batches(steps):
+        labels = labels.clone()
+        labels[2, 1:] = -100
+        labels[3, 3:] = -100
+        found.append((ids, labels))
+    return found
+
+
+TRAP = "the loss-averaging trap under a pipeline"
+
+
+def test_the_token_mean_of_each_microbatch_is_the_trap_and_the_batch_count_fixes_it(ddp_pool: DDPWorkerPool) -> None:
+    with pytest.raises(ParallelMismatch) as caught:
+        train(ddp_pool, batches=padded_batches(), after_backward=sync_tied_embedding)
+    text = str(caught.value)
+    print(text)
+    assert TRAP in text
+    assert "tokens: [8, 4] (target != -100), 12 in all" in text
+    assert "[1/16, 1/8] instead of 1/T = 1/12" in text
+    assert "is one weight tied" not in text  # the tie is summed: not the cause
+    fixed = functools.partial(batch_share_loss, tokens=12)
+    assert train(ddp_pool, batches=padded_batches(), loss_fn=fixed, scale_grads=False, after_backward=sync_tied_embedding).ok
+
+
+def test_the_gradient_check_names_the_trap_only_when_the_evidence_fits(ddp_pool: DDPWorkerPool) -> None:
+    ids, labels = padded_batches(1)[0]
+    options: dict[str, Any] = {"loss_fn": lm_loss, "world_size": 2, "n_microbatches": 2, "split_points": ["block"], "pool": ddp_pool}
+    with pytest.raises(ParallelMismatch) as caught:
+        dpverify.assert_pipeline_grads_match(TinyGPT(tie=False), ids, labels, **options)
+    assert TRAP in str(caught.value)
+    # the same uneven tokens, but a schedule that never divides by n_microbatches: the
+    # stages' gradients are not the mean of the microbatch losses', so the trap is not the cause
+    with pytest.raises(ParallelMismatch) as caught:
+        dpverify.assert_pipeline_grads_match(TinyGPT(tie=False), ids, labels, schedule=UnscaledGPipe, **options)
+    print(caught.value)
+    assert TRAP not in str(caught.value)
+
+
+def test_bad_arguments_are_refused_before_anything_runs() -> None:
+    # no pool is passed and none needs to start: validation comes first
+    batches = token_batches()
+    options: dict[str, Any] = {"loss_fn": lm_loss, "optimizer": SGD, "world_size": 2, "n_microbatches": 2, "split_points": ["block"]}
+    with pytest.raises(InvalidArgument, match=r"batches\[1\] has shapes .* pad the batches"):
+        dpverify.assert_pipeline_training_matches(TinyGPT(), [batches[0], (batches[1][0][:2], batches[1][1][:2])], **options)
+    with pytest.raises(InvalidArgument, match="after_backward=3 is not callable"):
+        dpverify.assert_pipeline_training_matches(TinyGPT(), batches, after_backward=3, **options)
+    with pytest.raises(InvalidArgument, match="objective='mean' is not callable"):
+        dpverify.assert_pipeline_training_matches(TinyGPT(), batches, objective="mean", **options)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'step'"):
+        dpverify.assert_pipeline_training_matches(TinyGPT(), batches, step=print, **options)

@@ -690,10 +690,14 @@ def _schedule_loss_notes(check: PipelineCheck, grads: Mapping[str, torch.Tensor 
     the objective: the token-mean trap, or an objective the microbatch losses do not add up
     to. ``module``: the weights the step started from. Empty otherwise: then the schedule
     or the stages did something else, and other notes say what."""
-    ran = optional(lambda: _schedule_step(check, module, None))
-    if ran is None or not same_up_to_rounding(dict(grads), ran.grads) or same_up_to_rounding(ran.grads, expected.grads):
+    found = optional(lambda: _schedule_step(check, module, None))
+    if found is None:
         return []
-    gap = relative_gap(ran.grads, expected.grads)
+    ran = {name: grad for name, grad in found.grads.items() if name in grads}
+    want = {name: grad for name, grad in expected.grads.items() if name in grads}
+    if not same_up_to_rounding(dict(grads), ran) or same_up_to_rounding(ran, want):
+        return []
+    gap = relative_gap(ran, want)
     items = optional(check.count_items)
     if items is not None and items.by_tokens and items.unequal_ranks and check.loss_reduction(items) != "sum":
         return [_token_trap_note(check, items, gap)]
@@ -826,9 +830,12 @@ def _training_rows(
 
 def _tied_notes(
     ranks: Sequence[PipelineRankTraining], expected: _Reference, index: int, aliases: dict[str, str], hook: AfterBackward | None,
+    others_ok: bool,
 ) -> list[str]:
     """What happened to each weight tied across stages in step ``index``: its copies'
-    gradients against each other and against one device's gradient of the one parameter."""
+    gradients against each other and against one device's gradient of the one parameter.
+    Copies that agree are blamed only when the other gradients (``others_ok``) are right:
+    otherwise what is wrong with them is wrong with every gradient."""
     copies: dict[str, list[tuple[int, str, torch.Tensor | None]]] = {}
     for r, rank in enumerate(ranks):
         for local, name in rank.tied.items():
@@ -856,6 +863,8 @@ def _tied_notes(
         total = uniform_scale({name: present[0]}, {name: want})
         if not same:
             text += f" In step {index + 1}, with {ran}, the copies' gradients differ from each other: they were not summed."
+        elif not others_ok:
+            continue
         elif total is not None and math.isclose(total, 1 / len(held), rel_tol=1e-3):
             text += (
                 f" In step {index + 1}, with {ran}, the copies' gradients agree but are 1/{len(held)} of one "
@@ -1008,11 +1017,11 @@ def _training_diagnosis(
     """The notes of a failing step ``index``: the tied weights, then the gradients the
     step used against one device's (a uniform factor, the schedule's own loss). Before
     that step the stages matched one device, so the step's gradients are comparable."""
-    notes = _tied_notes(ranks, expected, index, aliases, hook)
     grads = _grads_by_name([rank.steps[index] for rank in ranks], aliases)
     tied = {name for rank in ranks for name in rank.tied.values()}
     untied = {name: grad for name, grad in grads.items() if name not in tied}
     want = {name: grad for name, grad in expected.grads[index].items() if name not in tied}
+    notes = _tied_notes(ranks, expected, index, aliases, hook, same_up_to_rounding(untied, want))
     if index == 0:
         start = check.module
         step_check = check
@@ -1025,5 +1034,5 @@ def _training_diagnosis(
         notes.append(_explain_factor(step_check, c, step_check.loss_reduction()))
     one = optional(lambda: step_check.reference(None))
     if one is not None:
-        notes += _schedule_loss_notes(step_check, untied, replace(one, grads={k: v for k, v in one.grads.items() if k not in tied}), start)
+        notes += _schedule_loss_notes(step_check, untied, one, start)
     return notes
