@@ -196,7 +196,7 @@ def test_bad_arguments_are_refused_before_anything_runs() -> None:
     # no pool is passed and none needs to start: validation comes first
     batches = token_batches()
     options: dict[str, Any] = {"loss_fn": lm_loss, "optimizer": SGD, "world_size": 2, "n_microbatches": 2, "split_points": ["block"]}
-    with pytest.raises(InvalidArgument, match=r"batches\[1\] has shapes .* pad the batches"):
+    with pytest.raises(InvalidArgument, match=r"batches\[1\] has shapes .*pad the batches"):
         dpverify.assert_pipeline_training_matches(TinyGPT(), [batches[0], (batches[1][0][:2], batches[1][1][:2])], **options)
     with pytest.raises(InvalidArgument, match="after_backward=3 is not callable"):
         dpverify.assert_pipeline_training_matches(TinyGPT(), batches, after_backward=3, **options)
