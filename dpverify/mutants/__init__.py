@@ -14,7 +14,7 @@ gives each of those checks the random scenarios it runs on. The implementations 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hypothesis.strategies import SearchStrategy
@@ -52,6 +52,7 @@ from dpverify.mutants.sharded import (
     NoAllReduceRowwiseParallel,
     SkipLastMicrobatchGPipe,
     UnscaledGPipe,
+    averaged_tied_grads_hook,
     fsdp_summed_loss_step,
     fsdp_undivided_step,
     fsdp_wrong_weight_step,
@@ -90,6 +91,7 @@ __all__ = [
     "TinyErrorDataParallel",
     "UnscaledGPipe",
     "WeightedCriterionParallel",
+    "averaged_tied_grads_hook",
     "forward_outside_no_sync_step",
     "fsdp_summed_loss_step",
     "fsdp_undivided_step",
@@ -126,6 +128,13 @@ def _equal_micro_batches(scenario: Scenario) -> bool:
     # equal shards of equal micro-batches: the common case, where a missing 1/k shows as a
     # clean factor the message can name
     return scenario.batch_size % (MICRO_BATCHES * len(scenario.devices.device_ids)) == 0
+
+
+def _tied_embedding(scenario: ShardedScenario) -> ShardedScenario:
+    """The scenario with its ``sequential`` model made ``tied-sequential``: as many
+    children (its layout stands), the first an embedding and the last sharing its weight."""
+    plain = scenario.scenario
+    return replace(scenario, scenario=replace(plain, model=replace(plain.model, kind="tied-sequential")))
 
 
 @dataclass(frozen=True)
@@ -167,6 +176,9 @@ def _properties() -> dict[str, Property]:
         "fsdp-grads": sharded_scenarios("fsdp", world_sizes=(2, 3)),
         "pp-grads": sharded_scenarios("pp", world_sizes=(2, 3)),
         "tp-grads": sharded_scenarios("tp", world_sizes=(2,)),
+        # pipelines whose first stage's embedding is the last stage's output projection
+        # (tied weights): the training check's after_backward must sum the two copies
+        "pp-training": sharded_scenarios("pp", world_sizes=(2, 3)).map(_tied_embedding),
     }
     return {name: Property(name, strategy.filter(_runs(name))) for name, strategy in drawn.items()}
 
@@ -256,5 +268,6 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("pp-unscaled", UnscaledGPipe, "pp-schedule", "a GPipe schedule that does not scale gradients by 1/n_microbatches", "pp-grads", "microbatches"),
         Mutant("pp-skip-last-microbatch", SkipLastMicrobatchGPipe, "pp-schedule", "a GPipe schedule that never runs its last microbatch", "pp-grads", "microbatch"),
         Mutant("fsdp-wrong-weight", fsdp_wrong_weight_step, "fsdp-step", "weights each rank's loss by n_r / B, forgetting the world size FSDP2 divides by", "fsdp-grads", "the world size"),
+        Mutant("pp-untied-embedding", averaged_tied_grads_hook, "hook", "a stage hook that averages a tied embedding's gradient over the first and last stage instead of summing the two parts", "pp-training", "instead of summed"),
     )
 }

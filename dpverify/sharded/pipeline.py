@@ -76,6 +76,7 @@ from dpverify.ranked.rank import (
     take_rows,
 )
 from dpverify.sharded.pipeline_rank import (
+    PipelineContext,
     PipelineRankStep,
     PipelineRankTraining,
     PipelineReferenceContext,
@@ -84,16 +85,19 @@ from dpverify.sharded.pipeline_rank import (
     optimizer_state,
     run_pipeline_task,
     run_pipeline_training,
+    sync_tied_grads,
 )
 
 __all__ = [
     "SCHEDULES",
     "PipelineCheck",
+    "PipelineContext",
     "PipelineTrainingKeywords",
     "assert_pipeline_grads_match",
     "assert_pipeline_training_matches",
     "pipeline_check",
     "stage_children",
+    "sync_tied_grads",
 ]
 
 #: The schedules ``schedule=`` takes by name.

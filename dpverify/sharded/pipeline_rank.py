@@ -436,12 +436,16 @@ def run_pipeline_training(info: RankInfo, task: PipelineTrainingTask) -> Pipelin
             stage = PipelineStage(module, rank, stages, device)
             evidence = _Evidence(stage, module)
             schedule = task.schedule(stage, task.n_microbatches, loss_fn=task.loss_fn, scale_grads=task.scale_grads)
-            optimizer = task.optimizer(module.parameters())
+            # a stage of parameterless children (an activation) has nothing to optimise;
+            # torch's optimizers refuse an empty parameter list
+            held = list(module.parameters())
+            optimizer = task.optimizer(held) if held else None
             for index, (inputs, target) in enumerate(task.batches):
                 args, goal = to_device(inputs, device), to_device(target, device)
                 ctx.inputs, ctx.target = (args if rank == 0 else ()), (goal if last else None)
                 ctx.shard_sizes, ctx.step_index = (int(goal.size(0)),), index
-                optimizer.zero_grad(set_to_none=True)
+                if optimizer is not None:
+                    optimizer.zero_grad(set_to_none=True)
                 evidence.reset()
                 losses: list[Any] = []
                 try:
@@ -453,10 +457,11 @@ def run_pipeline_training(info: RankInfo, task: PipelineTrainingTask) -> Pipelin
                     error.add_note(f"dpverify: raised in optimizer step {index + 1} of {len(task.batches)} (stage {rank})")
                     raise
                 steps.append(_rank_step(stage, names, module, evidence, losses, output if last else None))
-                optimizer.step()
+                if optimizer is not None:
+                    optimizer.step()
                 params.append(params_of(module))
                 buffers.append(buffers_of(module))
-                state.append(optimizer_state(optimizer, module))
+                state.append(optimizer_state(optimizer, module) if optimizer is not None else {})
     finally:
         if group is not None and group is not dist.group.WORLD:
             dist.destroy_process_group(group)
