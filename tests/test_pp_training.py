@@ -89,7 +89,7 @@ def token_batches(steps: int = 2, rows: int = 4, seed: int = 0) -> list[tuple[to
     return found
 
 
-def train(pool: DDPWorkerPool, **options: Any) -> dpverify.StepComparison:
+def train(pool: DDPWorkerPool | None = None, **options: Any) -> dpverify.StepComparison:
     kwargs: dict[str, Any] = {
         "loss_fn": lm_loss, "optimizer": SGD, "world_size": 2, "n_microbatches": 2, "split_points": ["block"], "pool": pool,
     }
@@ -204,3 +204,15 @@ def test_bad_arguments_are_refused_before_anything_runs() -> None:
         dpverify.assert_pipeline_training_matches(TinyGPT(), batches, objective="mean", **options)
     with pytest.raises(TypeError, match="unexpected keyword argument 'step'"):
         dpverify.assert_pipeline_training_matches(TinyGPT(), batches, step=print, **options)
+
+
+@pytest.mark.deep  # a pool of 3 ranks starts in about 10 s here; the checks take about 1 s
+def test_three_stages_sum_the_tied_weight_over_the_first_and_last_only(ddp_pools: Any) -> None:
+    # the middle stage holds no tied weight: ctx.tied_group is the subgroup of stages 0
+    # and 2, made by the harness on every rank
+    pool = ddp_pools(3)
+    options: dict[str, Any] = {"pool": pool, "world_size": 3, "split_points": ["block", "norm"], "schedule": "1f1b", "n_microbatches": 4}
+    batches = token_batches(rows=8)
+    assert train(after_backward=sync_tied_embedding, optimizer=ADAM, batches=batches, **options).ok
+    with pytest.raises(ParallelMismatch, match="'head.weight' on stage 2"):
+        train(batches=batches, **options)
