@@ -214,5 +214,5 @@ def test_three_stages_sum_the_tied_weight_over_the_first_and_last_only(ddp_pools
     options: dict[str, Any] = {"pool": pool, "world_size": 3, "split_points": ["block", "norm"], "schedule": "1f1b", "n_microbatches": 4}
     batches = token_batches(rows=8)
     assert train(after_backward=sync_tied_embedding, optimizer=ADAM, batches=batches, **options).ok
-    with pytest.raises(ParallelMismatch, match="'head.weight' on stage 2"):
+    with pytest.raises(ParallelMismatch, match=r"'head\.weight' on stage 2"):
         train(batches=batches, **options)

@@ -449,8 +449,10 @@ def assert_pipeline_grads_match(
 
     The check also fails, whatever the gradients, when the ranks' evidence shows a skipped
     or repeated microbatch, or a parameter held by no stage or by two. A sum loss with
-    ``scale_grads=True``, or a mean loss without it, is named with its factor and the fix;
-    uneven microbatches are refused before anything runs (docs/distributed.md tells why).
+    ``scale_grads=True``, or a mean loss without it, is named with its factor and the fix,
+    and so is a token-mean loss over microbatches of different token counts (the
+    loss-averaging trap); uneven microbatches are refused before anything runs
+    (docs/distributed.md tells why).
 
     Args:
         module: an ``nn.Sequential``, or a module whose forward runs its top-level
@@ -467,6 +469,10 @@ def assert_pipeline_grads_match(
         schedule: ``"gpipe"`` (``ScheduleGPipe``), ``"1f1b"`` (``Schedule1F1B``), or a
             ``PipelineScheduleSingle`` subclass (top-level, picklable).
         scale_grads: passed to the schedule.
+        objective: the loss one device computes over the full batch, when it is not
+            ``loss_fn`` (the schedule's per-microbatch loss): the schedule's gradients, of
+            the mean of the microbatch losses (``scale_grads``) or of their sum, must be
+            ``objective``'s.
         <shared: pool, rtol, atol, msg>
 
     Returns:
@@ -613,7 +619,10 @@ def _evidence_failures(
             f"Parameters are held by more than one stage: {described}. A weight tied between "
             "children of different stages becomes one copy per stage, and each stage's "
             "gradient is only its own children's part (PipelineStage does not add them up). "
-            "Put the children that share it in one stage (split_points), or untie it."
+            "Put the children that share it in one stage (split_points), or untie it; or, if your "
+            "training sums the copies' gradients between backward and the optimizer step, check "
+            "that with assert_pipeline_training_matches(..., after_backward=your hook) "
+            "(dpverify.sync_tied_grads does it)."
         )
     return failures
 
