@@ -216,3 +216,41 @@ def test_three_stages_sum_the_tied_weight_over_the_first_and_last_only(ddp_pools
     assert train(after_backward=sync_tied_embedding, optimizer=ADAM, batches=batches, **options).ok
     with pytest.raises(ParallelMismatch, match=r"'head\.weight' on stage 2"):
         train(batches=batches, **options)
+
+
+class RowCounter(nn.Module):
+    """Counts the rows it has seen in a buffer (as a running statistic does), user-style."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("rows_seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows_seen += x.size(0)
+        return x
+
+
+class CountingGPT(TinyGPT):
+    def __init__(self) -> None:
+        super().__init__(tie=False)
+        self.count = RowCounter()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.count(self.head(self.norm(self.block(self.embed(ids)))))
+
+
+def test_a_buffer_updated_in_forward_gets_torchs_shape_inference_forward_too(ddp_pool: DDPWorkerPool) -> None:
+    # found here: PipelineStage runs the stage's forward once before the first step to
+    # infer shapes, so a counter of rows (a running statistic) counts the first
+    # microbatch once more than one device does; the buffer is compared and the extra
+    # forward named
+    with pytest.raises(ParallelMismatch) as caught:
+        dpverify.assert_pipeline_training_matches(
+            CountingGPT(), token_batches(), loss_fn=lm_loss, optimizer=SGD, world_size=2, n_microbatches=2,
+            split_points=["block"], pool=ddp_pool,
+        )
+    text = str(caught.value)
+    print(text)
+    assert "step 1 stage 1 buffer 'count.rows_seen': tensors are not close" in text
+    assert "Stage 1's module ran forward 1 time outside any microbatch in step 1" in text
+    assert "_forward_metadata_inference" in text

@@ -1023,6 +1023,25 @@ def _require_same_batches(pairs: Sequence[Batch]) -> None:
             )
 
 
+def _inference_notes(ranks: Sequence[PipelineRankTraining], index: int) -> list[str]:
+    """Stages with buffers whose module ran forward outside the microbatches of step
+    ``index``: torch's shape inference, one forward more than one device runs."""
+    notes = []
+    for r, rank in enumerate(ranks):
+        extra = rank.steps[index].outside
+        if extra and rank.buffers[index]:
+            notes.append(
+                f"Stage {r}'s module ran forward {extra} time{'s' if extra > 1 else ''} outside any microbatch in step "
+                f"{index + 1}: torch's PipelineStage runs it once before the first step to infer the shapes it sends "
+                "(_forward_metadata_inference, on the first stage's inputs, on empty tensors of the received shapes on "
+                "the others), so buffers updated in forward (running statistics, counters) "
+                f"{sorted(rank.buffers[index])} get an update one device never makes. Give every stage's "
+                "PipelineStage input_args= and output_args= (static shapes: the stages then vote to skip the "
+                "inference), or update such buffers outside forward."
+            )
+    return notes
+
+
 def _training_diagnosis(
     check: PipelineCheck, ranks: Sequence[PipelineRankTraining], expected: _Reference, index: int, aliases: dict[str, str],
     hook: AfterBackward | None, pairs: Sequence[Batch],
@@ -1034,7 +1053,7 @@ def _training_diagnosis(
     tied = {name for rank in ranks for name in rank.tied.values()}
     untied = {name: grad for name, grad in grads.items() if name not in tied}
     want = {name: grad for name, grad in expected.grads[index].items() if name not in tied}
-    notes = _tied_notes(ranks, expected, index, aliases, hook, same_up_to_rounding(untied, want))
+    notes = _tied_notes(ranks, expected, index, aliases, hook, same_up_to_rounding(untied, want)) + _inference_notes(ranks, index)
     if index == 0:
         start = check.module
         step_check = check

@@ -107,6 +107,8 @@ class PipelineRankStep:
         grads: gradient of each parameter of the stage, by qualified name in the module.
         losses: the schedule's loss of each microbatch (last stage only).
         outputs: the schedule's merged output, by path (last stage only).
+        outside: forwards of the stage's module outside any microbatch (torch's shape
+            inference, ``_Evidence``).
     """
 
     stage_index: int
@@ -120,6 +122,7 @@ class PipelineRankStep:
     grads: dict[str, torch.Tensor | None]
     losses: tuple[torch.Tensor, ...] = ()
     outputs: tuple[tuple[str, torch.Tensor], ...] = ()
+    outside: int = 0
 
 
 class _Evidence:
@@ -128,7 +131,8 @@ class _Evidence:
 
     ``PipelineStage`` also calls the module once outside any microbatch, to infer the shapes
     it sends (``_forward_metadata_inference``, torch/distributed/pipelining/stage.py): a
-    forward counts only inside ``forward_one_chunk``, so that call is left out.
+    forward counts only inside ``forward_one_chunk``, so that call is left out, and
+    counted apart (``outside``): it updates buffers that the forward updates.
     """
 
     def __init__(self, stage: PipelineStage, module: nn.Module) -> None:
@@ -136,6 +140,7 @@ class _Evidence:
         self.rows: list[int] = []
         self.backwards: list[int] = []
         self.output_grads = 0
+        self.outside = 0
         self._chunk: int | None = None
         module.register_forward_hook(self._forward_hook)
         forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
@@ -159,10 +164,11 @@ class _Evidence:
 
     def reset(self) -> None:
         """Forget what earlier steps ran: the next step's evidence starts empty."""
-        self.forwards, self.rows, self.backwards, self.output_grads = [], [], [], 0
+        self.forwards, self.rows, self.backwards, self.output_grads, self.outside = [], [], [], 0, 0
 
     def _forward_hook(self, _module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self._chunk is None:
+            self.outside += 1
             return
         first = first_batched(args)
         self.rows.append(int(first.size(0)) if first is not None and first.dim() > 0 else 0)
@@ -216,6 +222,7 @@ def _rank_step(stage: PipelineStage, names: tuple[str, ...], module: nn.Module, 
         grads=grads_of(module),
         losses=tuple(cpu_copy(loss) for loss in losses if isinstance(loss, torch.Tensor)),
         outputs=outputs_of(output) if output is not None else (),
+        outside=evidence.outside,
     )
 
 
