@@ -254,3 +254,20 @@ def test_a_buffer_updated_in_forward_gets_torchs_shape_inference_forward_too(ddp
     assert "step 1 stage 1 buffer 'count.rows_seen': tensors are not close" in text
     assert "Stage 1's module ran forward 1 time outside any microbatch in step 1" in text
     assert "_forward_metadata_inference" in text
+
+
+def test_the_registry_check_sums_tied_weights_unless_the_target_brings_its_hook() -> None:
+    from dpverify.models.layouts import PipelineLayout, ShardedScenario
+    from dpverify.mutants import MUTANTS
+    from dpverify.strategies import ModelSpec, Scenario
+
+    scenario = ShardedScenario(Scenario(ModelSpec("tied-sequential", hidden=4, depth=2, train=False), 4), PipelineLayout((2,), 2))
+    case = dpverify.Case.from_scenario(scenario)
+    passed = dpverify.CHECKS["pp-training"].run(case)
+    assert passed.verdict is dpverify.Verdict.PASS, passed.detail
+    assert passed.tensors  # a pass rests on compared tensors
+    mutant = MUTANTS["pp-untied-embedding"]
+    caught = dpverify.CHECKS["pp-training"].run(case, mutant.target)
+    assert caught.verdict is dpverify.Verdict.FAIL
+    assert "'0.weight' is one weight tied across stages" in caught.detail
+    assert mutant.message in caught.detail
