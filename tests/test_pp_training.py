@@ -271,3 +271,13 @@ def test_the_registry_check_sums_tied_weights_unless_the_target_brings_its_hook(
     assert caught.verdict is dpverify.Verdict.FAIL
     assert "'0.weight' is one weight tied across stages" in caught.detail
     assert mutant.message in caught.detail
+
+
+def test_the_gradient_check_holds_the_schedule_to_the_objective(ddp_pool: DDPWorkerPool) -> None:
+    ids, labels = token_batches(1)[0]
+    options: dict[str, Any] = {"world_size": 2, "n_microbatches": 2, "split_points": ["block"], "pool": ddp_pool, "scale_grads": False}
+    assert dpverify.assert_pipeline_grads_match(TinyGPT(tie=False), ids, labels, loss_fn=summed_token_loss, **options).ok
+    with pytest.raises(ParallelMismatch, match="The schedule optimises a different loss than the objective"):
+        dpverify.assert_pipeline_grads_match(TinyGPT(tie=False), ids, labels, loss_fn=summed_token_loss, objective=lm_loss, **options)
+    fixed = functools.partial(batch_share_loss, tokens=ROWS * SEQ)
+    assert dpverify.assert_pipeline_grads_match(TinyGPT(tie=False), ids, labels, loss_fn=fixed, objective=lm_loss, **options).ok
