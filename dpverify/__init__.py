@@ -61,6 +61,9 @@ _EXPORTS: dict[str, str] = {
     "assert_grad_sum_equals_mean_loss_grad": "dpverify.checks.dp",
     "assert_loss_reduction_matches_full_batch": "dpverify.checks.loss_average",
     "assert_pipeline_grads_match": "dpverify.sharded.pipeline",
+    "assert_pipeline_training_matches": "dpverify.sharded.pipeline",
+    "PipelineContext": "dpverify.sharded.pipeline",
+    "sync_tied_grads": "dpverify.sharded.pipeline",
     "assert_tensor_parallel_grads_match": "dpverify.sharded.tensor_parallel",
     "assert_tensor_parallel_training_matches": "dpverify.sharded.tensor_parallel",
     "check_forward_loss_average": "dpverify.checks.loss_average",
@@ -95,6 +98,7 @@ __all__ = [
     "NonFiniteReference",
     "ParallelError",
     "ParallelMismatch",
+    "PipelineContext",
     "RankInfo",
     "ScatterPlan",
     "ShardContext",
@@ -120,6 +124,7 @@ __all__ = [
     "assert_grad_sum_equals_mean_loss_grad",
     "assert_loss_reduction_matches_full_batch",
     "assert_pipeline_grads_match",
+    "assert_pipeline_training_matches",
     "assert_tensor_parallel_grads_match",
     "assert_tensor_parallel_training_matches",
     "check_forward_loss_average",
@@ -132,6 +137,7 @@ __all__ = [
     "fsdp_step",
     "no_sync_accumulation_step",
     "plan_scatter",
+    "sync_tied_grads",
     "tp_step",
     "virtual_devices",
     "weighted_ddp_step",
@@ -223,7 +229,12 @@ if TYPE_CHECKING:
     from dpverify.sharded.fsdp import assert_fsdp_training_matches as assert_fsdp_training_matches
     from dpverify.sharded.fsdp import fsdp_step as fsdp_step
     from dpverify.sharded.fsdp import weighted_fsdp_step as weighted_fsdp_step
+    from dpverify.sharded.pipeline import PipelineContext as PipelineContext
     from dpverify.sharded.pipeline import assert_pipeline_grads_match as assert_pipeline_grads_match
+    from dpverify.sharded.pipeline import (
+        assert_pipeline_training_matches as assert_pipeline_training_matches,
+    )
+    from dpverify.sharded.pipeline import sync_tied_grads as sync_tied_grads
     from dpverify.sharded.tensor_parallel import TPContext as TPContext
     from dpverify.sharded.tensor_parallel import (
         assert_tensor_parallel_grads_match as assert_tensor_parallel_grads_match,

@@ -660,6 +660,27 @@ def _pp_grads(case: Case, target: Target) -> Report:
     )
 
 
+def _pp_training(case: Case, target: Target) -> Report:
+    """The pipeline training check on the case's layout. A model that ties weights across
+    the layout's stages needs their gradients summed between backward and the optimizer
+    step: the target's ``after_backward`` does it, by default dpverify's correct
+    ``sync_tied_grads``."""
+    layout = case.layout_for("pp")
+    assert isinstance(layout, PipelineLayout)
+    pipeline = _sharded("pipeline")
+    options: dict[str, Any] = {}
+    if target.after_backward is None:
+        stages = pipeline.stage_children(case.module, case.world_size, layout.split_points)
+        rank_side = _sharded("pipeline_rank")
+        if rank_side.tied_across_stages(case.module, stages):
+            options["after_backward"] = rank_side.sync_tied_grads
+    return _on_ranks(
+        pipeline.assert_pipeline_training_matches, case, target, training=True,
+        n_microbatches=layout.n_microbatches, split_points=layout.split_points, schedule=target.schedule or layout.schedule,
+        **options,
+    )
+
+
 def _sharded_skip(backend: str, case: Case) -> str | None:
     """Why a sharded check cannot run on ``case``: no loss function, another dimension,
     too few rows for the ranks that split the batch, or no layout of ``backend`` for the
@@ -834,6 +855,13 @@ _SPECS = (
         "Every pipeline stage's gradients and the schedule's loss equal the single-device "
         "full-batch step's.",
         _pp_grads, skip=functools.partial(_sharded_skip, "pp"),
+    ),
+    CheckSpec(
+        "pp-training", f"pipeline training, {TRAINING_STEPS} steps", "pp",
+        "Every stage's parameters, buffers and optimizer state after several optimizer steps "
+        "equal single-device training's (a weight tied across stages summed over them by "
+        "after_backward).",
+        _pp_training, skip=functools.partial(_sharded_skip, "pp"), training=True,
     ),
 )
 

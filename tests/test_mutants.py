@@ -23,6 +23,7 @@ from dpverify.mutants import (
 )
 from dpverify.registry import CHECKS, Target
 from dpverify.sharded.fsdp import weighted_fsdp_step
+from dpverify.sharded.pipeline_rank import sync_tied_grads
 from dpverify.strategies import Scenario
 
 # The search is bounded by the CI profile's examples; shrinking is left out to bound time.
@@ -61,6 +62,7 @@ CORRECT = {
     "pp-grads": Target(schedule=ScheduleGPipe),
     "tp-grads": Target(plan=lambda layout, module: layout.plan(ColwiseParallel, RowwiseParallel)),
     "tp-training": Target(after_backward=tp_global_clip),
+    "pp-training": Target(after_backward=sync_tied_grads),
 }
 
 

@@ -14,7 +14,7 @@ gives each of those checks the random scenarios it runs on. The implementations 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hypothesis.strategies import SearchStrategy
@@ -54,6 +54,7 @@ from dpverify.mutants.sharded import (
     NoAllReduceRowwiseParallel,
     SkipLastMicrobatchGPipe,
     UnscaledGPipe,
+    averaged_tied_grads_hook,
     fsdp_summed_loss_step,
     fsdp_undivided_step,
     fsdp_wrong_weight_step,
@@ -96,6 +97,7 @@ __all__ = [
     "TinyErrorDataParallel",
     "UnscaledGPipe",
     "WeightedCriterionParallel",
+    "averaged_tied_grads_hook",
     "forward_outside_no_sync_step",
     "fsdp_summed_loss_step",
     "fsdp_undivided_step",
@@ -134,6 +136,13 @@ def _equal_micro_batches(scenario: Scenario) -> bool:
     # equal shards of equal micro-batches: the common case, where a missing 1/k shows as a
     # clean factor the message can name
     return scenario.batch_size % (MICRO_BATCHES * len(scenario.devices.device_ids)) == 0
+
+
+def _tied_embedding(scenario: ShardedScenario) -> ShardedScenario:
+    """The scenario with its ``sequential`` model made ``tied-sequential``: as many
+    children (its layout stands), the first an embedding and the last sharing its weight."""
+    plain = scenario.scenario
+    return replace(scenario, scenario=replace(plain, model=replace(plain.model, kind="tied-sequential")))
 
 
 @dataclass(frozen=True)
@@ -182,6 +191,9 @@ def _properties() -> dict[str, Property]:
         "pp-grads": sharded_scenarios("pp", world_sizes=(2, 3)),
         "tp-grads": sharded_scenarios("tp", world_sizes=(2,)),
         "tp-training": sharded_scenarios("tp", world_sizes=(2,)),
+        # pipelines whose first stage's embedding is the last stage's output projection
+        # (tied weights): the training check's after_backward must sum the two copies
+        "pp-training": sharded_scenarios("pp", world_sizes=(2, 3)).map(_tied_embedding),
     }
     return {name: Property(name, strategy.filter(_runs(name))) for name, strategy in drawn.items()}
 
@@ -274,5 +286,6 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("lost-forward-state", LostForwardState, "model", "a model that counts its forwards in a Python attribute and scales its output by a warm-up factor: DataParallel's replicas lose the count", "dp-training", "attribute changes are lost"),
         Mutant("dp-local-buffer", LocalBatchStatistic, "model", "a model that updates an EMA buffer in forward from the rows it sees: DataParallel keeps replica 0's update, from its chunk alone", "dp-training", "DataParallel keeps replica 0's buffers"),
         Mutant("tp-one-rank-clip", tp_one_rank_clip, "hook", "a gradient clip run only on rank 0 (under `if ctx.rank == 0`), so the other tensor-parallel ranks step their shards unclipped", "tp-training", "did not run alike on every rank"),
+        Mutant("pp-untied-embedding", averaged_tied_grads_hook, "hook", "a stage hook that averages a tied embedding's gradient over the first and last stage instead of summing the two parts", "pp-training", "instead of summed"),
     )
 }

@@ -1,5 +1,6 @@
 """Sharded mutants: FSDP2 steps (``step(ctx: FSDPContext)``), tensor-parallel styles and the
-plan builders that use them (``plan(layout, module)``), and pipeline schedule classes.
+plan builders that use them (``plan(layout, module)``), pipeline schedule classes, and
+pipeline stages' ``after_backward`` hooks (``hook(ctx: PipelineContext)``).
 
 Each is DELIBERATELY BROKEN, a mistake seen in real training or hand-written parallel
 code, kept so that the sharded checks can be shown to catch it; never use them to train.
@@ -24,6 +25,7 @@ __all__ = [
     "NoAllReduceRowwiseParallel",
     "SkipLastMicrobatchGPipe",
     "UnscaledGPipe",
+    "averaged_tied_grads_hook",
     "fsdp_summed_loss_step",
     "fsdp_undivided_step",
     "fsdp_wrong_weight_step",
@@ -206,3 +208,24 @@ def tp_one_rank_clip(ctx: Any) -> None:
     norm = _full_grad_norm(ctx)
     if ctx.rank == 0:
         _scale_grads(ctx, norm)
+
+
+# --------------------------------------------------------------------------- pipeline training
+
+
+def averaged_tied_grads_hook(ctx: Any) -> None:
+    """DELIBERATELY BROKEN: all-reduces the gradient of every weight tied across stages
+    (``ctx.tied``, an embedding shared with the output projection) over the stages that
+    hold it, then divides by their number: the data-parallel habit of averaging, where
+    every rank holds a whole gradient. Each stage holds only its own children's part, so
+    the copies agree with each other but step with ``1/stages`` of the gradient one
+    device's single parameter gets (the correct hook sums: ``sync_tied_grads``)."""
+    import torch.distributed as dist
+
+    if ctx.reference or not ctx.tied:
+        return
+    params = dict(ctx.module.named_parameters(remove_duplicate=False))
+    for local in sorted(ctx.tied, key=lambda name: ctx.tied[name]):
+        grad = params[local].grad
+        dist.all_reduce(grad, group=ctx.tied_group)
+        grad /= dist.get_world_size(ctx.tied_group)

@@ -667,15 +667,17 @@ def train_single_device(
     dtype: torch.dtype | None,
     after_backward: AfterBackward | None = None,
     *,
-    context: type[ReferenceContext] = ReferenceContext,
+    context: Callable[..., ReferenceContext] = ReferenceContext,
     before_step: Callable[[nn.Module], None] | None = None,
-    after_step: Callable[[nn.Module, torch.optim.Optimizer], None] | None = None,
+    on_step: Callable[[int, nn.Module, torch.optim.Optimizer], None] | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], list[list[str]]]:
     """Parameters after every step on one device, and the parameters that required grad
     but got none in each step (``unused_names``); ``after_backward(ctx)`` runs between each
-    backward and its optimizer step, with a ``context`` (a ``ReferenceContext``, or a
-    backend's subclass naming its groups) over the full batch. ``before_step(model)`` sees
-    the gradients each optimizer step uses, ``after_step(model, optimizer)`` what it left."""
+    backward and its optimizer step, with a ``ReferenceContext`` over the full batch (or the
+    subclass ``context`` makes, with the same fields: a backend's, that hooks written for it
+    read). ``before_step(model)`` sees the gradients each optimizer step uses;
+    ``on_step(index, model, optimizer)`` runs after each optimizer step, to read what else
+    the step left (buffers, the optimizer's state)."""
     model = copy_module(module, dtype)
     opt = optimizer(model.parameters())
     history = []
@@ -700,8 +702,8 @@ def train_single_device(
                 before_step(model)
             opt.step()
             history.append({name: p.detach().clone() for name, p in model.named_parameters()})
-            if after_step is not None:
-                after_step(model, opt)
+            if on_step is not None:
+                on_step(index, model, opt)
     return history, unused
 
 

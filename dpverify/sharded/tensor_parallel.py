@@ -756,7 +756,7 @@ def _single_device(
     def before(model: nn.Module) -> None:
         trace.grads.append(_clones([(name, p.grad) for name, p in model.named_parameters()]))
 
-    def after(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    def after(_index: int, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         trace.buffers.append({name: b.detach().clone() for name, b in model.named_buffers()})
         names = {id(p): name for name, p in model.named_parameters()}
         trace.states.append(optimizer_state(opt, names, _clones))
@@ -764,7 +764,7 @@ def _single_device(
     try:
         params, _unused = train_single_device(
             module, pairs, loss_fn, optimizer, dtype, after_backward, context=TPReferenceContext, before_step=before,
-            after_step=after,
+            on_step=after,
         )
     except AttributeError as error:
         if any(name in str(error) for name in ("to_local", "full_tensor", "placements", "device_mesh")):
