@@ -127,7 +127,7 @@ def test_the_sync_on_the_first_micro_batch_is_named(ddp_pool: DDPWorkerPool) -> 
 def test_the_sync_on_the_last_micro_batch_passes(ddp_pool: DDPWorkerPool) -> None:
     x, y = batch(12)
     result = assert_ddp_accumulation_matches(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, micro_batches=3, step=accumulate_syncing_last, pool=ddp_pool)
-    assert "Gradient synchronisations per rank: [1, 1] (one expected, on micro-batch 3 of 3)." in result.notes
+    assert result.ok and "Gradient synchronisations per rank: [1, 1] (one expected)." in result.notes
 
 
 # --------------------------------------------------------------------------- the token trap, where it fits

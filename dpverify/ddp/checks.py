@@ -524,7 +524,7 @@ def assert_ddp_accumulation_matches(
     if not ok:
         more, scale = scale_note(results, expected, check.world_size, k, shard_sizes=check.shard_sizes, reduction=reduction)
         notes += more + ranks_disagree(results)
-    notes.append(f"Gradient synchronisations per rank: {counts} (one expected, on micro-batch {k} of {k}).")
+    notes.append(f"Gradient synchronisations per rank: {counts} (one expected).")
     outcome = check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, failures=failures, scale=scale, replayed=replayed)
     return raise_unless_ok(outcome, options.get("msg"))
 

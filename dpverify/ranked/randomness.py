@@ -93,17 +93,30 @@ def recording_dropout(module: nn.Module, calls: list[DropoutCall]) -> Iterator[N
     """Runs the body with every layer of ``dropout_layers(module)`` drawing its mask from the
     generator of its input's device, applying it, and appending it to ``calls``."""
 
-    def hook_for(name: str, p: float) -> Any:
-        def hook(_layer: nn.Module, args: tuple[Any, ...], _output: Any) -> torch.Tensor:
+    drawn: list[torch.Tensor] = []
+
+    def draw_for(name: str, p: float) -> Any:
+        # before the layer's own draw, so that the mask depends on the random state the
+        # layer was called in, and not on how many numbers its own mask took
+        def draw(_layer: nn.Module, args: tuple[Any, ...]) -> None:
             (x,) = args
             state = _generator_state(x.device)
             keep = torch.rand(x.shape, device=x.device) >= p
             calls.append(DropoutCall(name, p, keep.detach().to("cpu"), state))
-            return _apply(x, keep, p)
+            drawn.append(keep)
 
-        return hook
+        return draw
 
-    handles = [module.get_submodule(name).register_forward_hook(hook_for(name, p)) for name, p in dropout_layers(module).items()]
+    def apply_for(p: float) -> Any:
+        def apply(_layer: nn.Module, args: tuple[Any, ...], _output: Any) -> torch.Tensor:
+            return _apply(args[0], drawn.pop(), p)
+
+        return apply
+
+    handles = []
+    for name, p in dropout_layers(module).items():
+        layer = module.get_submodule(name)
+        handles += [layer.register_forward_pre_hook(draw_for(name, p)), layer.register_forward_hook(apply_for(p))]
     try:
         yield
     finally:
