@@ -127,7 +127,8 @@ def test_the_sync_on_the_first_micro_batch_is_named(ddp_pool: DDPWorkerPool) -> 
 def test_the_sync_on_the_last_micro_batch_passes(ddp_pool: DDPWorkerPool) -> None:
     x, y = batch(12)
     result = assert_ddp_accumulation_matches(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, micro_batches=3, step=accumulate_syncing_last, pool=ddp_pool)
-    assert result.ok and "Gradient synchronisations per rank: [1, 1] (one expected)." in result.notes
+    assert result.ok
+    assert "Gradient synchronisations per rank: [1, 1] (one expected)." in result.notes
 
 
 # --------------------------------------------------------------------------- the token trap, where it fits
@@ -194,7 +195,8 @@ def test_the_token_trap_note_comes_with_the_token_trap(ddp_pool: DDPWorkerPool) 
     with pytest.raises(ParallelMismatch) as caught:
         assert_ddp_grads_match(TinyLM(), ids, labels, loss_fn=token_loss, world_size=2, step=token_mean_step, pool=ddp_pool)
     text = str(caught.value)
-    assert "Each rank's loss is a mean over its tokens" in text and TRAP in text
+    assert "Each rank's loss is a mean over its tokens" in text
+    assert TRAP in text
     assert "The step's gradients equal the plain per-rank mean-loss step's" in text
 
 

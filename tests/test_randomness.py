@@ -137,7 +137,8 @@ def test_same_seed_asks_for_one_stream_on_every_rank(ddp_pool: DDPWorkerPool) ->
 def test_accumulation_replays_every_micro_batch_and_catches_one_seed(ddp_pool: DDPWorkerPool) -> None:
     x, y = batch(12)
     result = assert_ddp_accumulation_matches(Regularised().train(), x, y, loss_fn=F.mse_loss, world_size=2, micro_batches=3, pool=ddp_pool)
-    assert result.ok and result.replayed == ("drop",)
+    assert result.ok
+    assert result.replayed == ("drop",)
     with pytest.raises(ParallelMismatch, match=SAME):
         assert_ddp_accumulation_matches(
             Regularised().train(), x, y, loss_fn=F.mse_loss, world_size=2, micro_batches=3, step=accumulate_seeding_every_rank_alike, pool=ddp_pool,
@@ -180,4 +181,5 @@ def test_replay_refuses_masks_that_do_not_follow_the_rows() -> None:
     assert replaying_dropout(module, [calls, calls], [[3], [3]]) is not None
     assert replaying_dropout(module, [calls, calls], [[3], [2]]) is None  # rank 1 ran 2 rows
     assert replaying_dropout(module, [calls, []], [[3], [3]]) is None  # rank 1 drew nothing
-    assert not module._forward_hooks and not module.drop._forward_hooks  # recording leaves no hook
+    assert not module._forward_hooks
+    assert not module.drop._forward_hooks
