@@ -871,7 +871,7 @@ def explain_scale(
     *,
     averager: str | None = None,
     micro_batches: int = 1,
-    shard_size: int | None = None,
+    shard_size: float | None = None,
     reduction: str | None = None,
     size: str = "world size",
     untracked_all_reduce: bool = False,
@@ -886,7 +886,8 @@ def explain_scale(
     text, e.g. the data-parallel groups of tensor parallelism), and ``reduction``
     (``"sum"``, ``"mean"`` or None: how ``loss_fn`` reduces) tells a sum loss from a mean
     one. A factor within ``10 * rounding`` (relative) of a cause's factor (the micro-batch
-    count, the world size, the rows per rank ``shard_size``, their inverses) names it.
+    count, the world size, the rows per rank ``shard_size`` (on uneven shards their
+    average, the batch over the world size), their inverses) names it.
     ``untracked_all_reduce``: the ranks were seen passing a tensor that requires grad to
     ``torch.distributed.all_reduce``; a factor of ``1/world_size`` is then named as that,
     not guessed.
@@ -924,7 +925,7 @@ def explain_scale(
 
 
 def _averaged_rank_causes(
-    world_size: int, near: Callable[[float], bool], averager: str, micro_batches: int, shard_size: int | None, reduction: str | None, size: str,
+    world_size: int, near: Callable[[float], bool], averager: str, micro_batches: int, shard_size: float | None, reduction: str | None, size: str,
 ) -> list[str]:
     """The causes of a factor under a ranked wrapper that averages its ranks' gradients."""
     summed = reduction == "sum"
@@ -950,7 +951,8 @@ def _averaged_rank_causes(
         )
     if shard_size and shard_size > 1 and near(shard_size) and not summed:
         causes.append(
-            f"({shard_size}, the rows per rank): the step's loss is the sum over the rank's "
+            (f"({shard_size:g}, the rows per rank)" if float(shard_size).is_integer() else f"({shard_size:g}, the batch's rows over the {size})")
+            + ": the step's loss is the sum over the rank's "
             "rows (or its mean times the rows) while loss_fn, which the single-device step "
             "uses, averages: divide the step's loss by its rows (ctx.shard_size), or use "
             f"loss_fn as it is; {averager} then averages the ranks"

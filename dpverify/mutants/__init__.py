@@ -17,16 +17,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import hypothesis.strategies as st
 from hypothesis.strategies import SearchStrategy
 
 from dpverify.models.layouts import ShardedScenario
 from dpverify.models.specs import KINDS
 from dpverify.mutants.ddp import (
+    double_accumulation_division_step,
     forward_outside_no_sync_step,
     manual_allreduce_step,
     rank_seeded_init_step,
+    same_seed_ranks_step,
     summed_allreduce_step,
     summed_loss_step,
+    sync_first_micro_batch_step,
     undivided_accumulation_step,
     zero_grad_in_loop_step,
 )
@@ -90,6 +94,7 @@ __all__ = [
     "TinyErrorDataParallel",
     "UnscaledGPipe",
     "WeightedCriterionParallel",
+    "double_accumulation_division_step",
     "forward_outside_no_sync_step",
     "fsdp_summed_loss_step",
     "fsdp_undivided_step",
@@ -99,8 +104,10 @@ __all__ = [
     "mean_of_replica_losses",
     "no_allreduce_plan",
     "rank_seeded_init_step",
+    "same_seed_ranks_step",
     "summed_allreduce_step",
     "summed_loss_step",
+    "sync_first_micro_batch_step",
     "undivided_accumulation_step",
     "weighted_replica_losses",
     "zero_grad_in_loop_step",
@@ -155,12 +162,18 @@ def _properties() -> dict[str, Property]:
         models=ddp_models, devices=device_lists(min_devices=2, max_devices=3),
         losses=loss_specs(reductions=("mean",)), max_batch=12,
     )
+    # the DDP gradient check replays train-mode nn.Dropout masks from the ranks, so it also
+    # draws dropout models in train mode (where ranks seeded alike show)
+    ddp_dropout = scenarios(
+        models=st.one_of(ddp_models, model_specs(kinds=["dropout"]).filter(lambda m: not m.deterministic)),
+        devices=device_lists(min_devices=2, max_devices=3), losses=loss_specs(reductions=("mean",)), max_batch=12,
+    )
     drawn: dict[str, SearchStrategy[Any]] = {
         "dp-grads": exact,
         "dp-grad-sum": exact,
         "dp-buffers": scenarios(models=model_specs(kinds=["buffer-counter", "batchnorm"]), devices=devices),
         "dp-weighted-loss": scenarios(models=model_specs(kinds=["loss-head"]), devices=devices),
-        "ddp-grads": ddp,
+        "ddp-grads": ddp_dropout,
         "ddp-accumulation": ddp.filter(_equal_micro_batches),
         # the sharded checks on 2 or 3 ranks (tensor parallelism on 2: a 2-D mesh needs 4),
         # each with layouts drawn for its model (``sharded_scenarios``)
@@ -256,5 +269,8 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("pp-unscaled", UnscaledGPipe, "pp-schedule", "a GPipe schedule that does not scale gradients by 1/n_microbatches", "pp-grads", "microbatches"),
         Mutant("pp-skip-last-microbatch", SkipLastMicrobatchGPipe, "pp-schedule", "a GPipe schedule that never runs its last microbatch", "pp-grads", "microbatch"),
         Mutant("fsdp-wrong-weight", fsdp_wrong_weight_step, "fsdp-step", "weights each rank's loss by n_r / B, forgetting the world size FSDP2 divides by", "fsdp-grads", "the world size"),
+        Mutant("ddp-double-accumulation-division", double_accumulation_division_step, "ddp-step", "divides each micro-batch's loss by the number of micro-batches twice", "ddp-accumulation", "one over the number of micro-batches"),
+        Mutant("ddp-sync-wrong-micro-batch", sync_first_micro_batch_step, "ddp-step", "synchronises on the first micro-batch instead of the last (no_sync() if i != 0)", "ddp-accumulation", "synchronised on micro-batch 1 of"),
+        Mutant("ddp-same-seed-ranks", same_seed_ranks_step, "ddp-step", "seeds every rank alike (torch.manual_seed(0) on every rank), so every rank draws the same dropout masks", "ddp-grads", "Every rank draws the same random numbers"),
     )
 }

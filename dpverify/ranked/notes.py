@@ -78,11 +78,12 @@ def scale_note(
     (``steps[r].grad_all_reduces``, where recorded) has that named as the cause of a
     ``1/world_size`` factor, and no sum loss is suspected."""
     c = uniform_scale(steps[0].grads, expected.grads)
-    equal = shard_sizes[0] if shard_sizes and len(set(shard_sizes)) == 1 else None
+    # a loss summed over each rank's rows gives B / world_size on any shards
+    per_rank = sum(shard_sizes) / len(shard_sizes) if shard_sizes else None
     untracked = any(getattr(step, "grad_all_reduces", ()) for step in steps)
     notes = [] if c is None else [
         explain_scale(
-            c, world_size, averager=averager, micro_batches=micro_batches, shard_size=equal, reduction=reduction, size=size,
+            c, world_size, averager=averager, micro_batches=micro_batches, shard_size=per_rank, reduction=reduction, size=size,
             untracked_all_reduce=untracked,
         )
     ]

@@ -133,7 +133,8 @@ def _per_layer(calls: Sequence[DropoutCall]) -> dict[str, list[DropoutCall]]:
 
 def replaying_dropout(module: nn.Module, ranks: Sequence[Sequence[DropoutCall]], rows: Sequence[Sequence[int]]) -> nn.Module | None:
     """A copy of ``module`` whose Dropout layers apply the ranks' masks, concatenated along
-    the batch in rank order, in every full-batch forward; None when they cannot (a layer
+    the batch in rank order, in every full-batch forward (and, in a forward of fewer rows,
+    the next rows of them: each rank's piece in turn); None when they cannot (a layer
     some rank did not record, a call count or a mask shape that does not follow the rows).
 
     Args:
@@ -165,6 +166,8 @@ def replaying_dropout(module: nn.Module, ranks: Sequence[Sequence[DropoutCall]],
         masks[name] = joined
     replay = copy.deepcopy(module)
     positions = {name: [0] for name in layers}
+    # where the next forward of fewer rows (one rank's piece, in rank order) starts, per call
+    cursors = {name: [0] * len(joined) for name, joined in masks.items()}
 
     def restart(_module: nn.Module, _args: Any) -> None:
         for position in positions.values():
@@ -177,12 +180,19 @@ def replaying_dropout(module: nn.Module, ranks: Sequence[Sequence[DropoutCall]],
             index = position[0]
             position[0] += 1
             recorded = masks[name]
-            if index >= len(recorded) or recorded[index].shape != x.shape:
-                raise DropoutReplayError(
-                    f"Dropout layer {name!r}: forward {index + 1} of shape {list(x.shape)} has no recorded mask "
-                    f"(the ranks recorded {[list(m.shape) for m in recorded]})"
-                )
-            return _apply(x, recorded[index], p)
+            if index < len(recorded) and recorded[index].shape == x.shape:
+                return _apply(x, recorded[index], p)
+            if index < len(recorded) and x.dim() > 0 and recorded[index].shape[1:] == x.shape[1:] and x.size(0) < recorded[index].size(0):
+                # a forward of one rank's rows (the rounding terms run each rank's piece in
+                # rank order): the next rows of the recorded mask
+                start = cursors[name][index]
+                start = 0 if start + x.size(0) > recorded[index].size(0) else start
+                cursors[name][index] = start + x.size(0)
+                return _apply(x, recorded[index][start : start + x.size(0)], p)
+            raise DropoutReplayError(
+                f"Dropout layer {name!r}: call {index + 1} of a forward, of shape {list(x.shape)}, has no recorded mask "
+                f"(the ranks recorded {[list(m.shape) for m in recorded]})"
+            )
 
         return hook
 
