@@ -354,6 +354,8 @@ def assert_ddp_grads_match(
             over (its tokens), called in this process on each shard's forward arguments
             with the shard's target appended as the last positional argument (``args[-1]``).
             Default: found from the evidence (see above).
+        same_seed: start every rank's step from the same random state. Default False:
+            rank ``r`` starts from seed ``r``, its own stream, as launchers seed ranks.
 
     Returns:
         The comparison (``str()`` summarises it).
@@ -364,7 +366,15 @@ def assert_ddp_grads_match(
     fails naming them (torch's DDP never completes the step's all-reduce and refuses the next
     forward). Frozen parameters (``requires_grad=False``) are ignored by DDP and compared as
     None. A gradient that is uniformly off by a factor gets its likely causes named, among
-    them a sum-reduction loss (``1/world_size``: DDP averages the ranks' gradients).
+    them a sum-reduction loss (``1/world_size``: DDP averages the ranks' gradients), or,
+    where a rank was seen passing a tensor that requires grad to
+    ``torch.distributed.all_reduce``, that all-reduce, which autograd does not differentiate.
+
+    Randomness: the ``nn.Dropout`` layers of the rank's module in train mode draw their masks
+    through a hook that records them; the single-device step replays them, concatenated
+    along the batch in rank order, so a train-mode Dropout model is compared exactly, and
+    two ranks that drew a mask from the same random state (one ``torch.manual_seed`` on
+    every rank) fail the check, unless ``same_seed``.
 
     Raises:
         ParallelMismatch: a rank's gradient or output differs beyond tolerance, or parameters
@@ -458,6 +468,11 @@ def assert_ddp_accumulation_matches(
     different numbers of items, the division by ``micro_batches``
     (``micro_mean_accumulation_step``) is run for contrast and its bias reported, and a
     step whose gradients equal it is named as that trap.
+
+    The one synchronisation must come on the last micro-batch: the counter records the
+    micro-batch each synchronisation came on, and a step that synchronises on an earlier
+    one (``no_sync() if i != 0``) fails, naming it. Dropout masks are recorded and replayed,
+    and ``same_seed`` is taken, as in ``assert_ddp_grads_match``.
 
     Args:
         micro_batches: micro-batches per rank (every shard needs at least that many rows).
