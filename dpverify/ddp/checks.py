@@ -533,7 +533,7 @@ def assert_ddp_accumulation_matches(
         # With unused parameters DDP never completes the all-reduce, so no synchronisation is
         # counted: that is the unused parameters' failure, not a last micro-batch in no_sync().
         failures.append(_sync_failure(counts, k))
-    elif (wrong := wrong_micro_batch_failure([s.sync_forwards for s in results], k)) is not None:
+    elif (wrong := wrong_micro_batch_failure(results, k)) is not None:
         failures.append(wrong)
     scale = None
     if not ok:

@@ -240,6 +240,7 @@ def _run_one(info: RankInfo, task: StepTask, step: Step) -> RankStep:
         wrapped=ctx.wrapped,
         syncs=ctx.syncs if task.count_syncs and ctx.wrapped else None,
         sync_forwards=tuple(ctx.sync_forwards),
+        forwards=ctx.forwards if task.count_syncs and ctx.wrapped else None,
         dropout=tuple(dropout),
         grad_all_reduces=tuple(all_reduced),
     )

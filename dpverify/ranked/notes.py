@@ -141,10 +141,14 @@ def same_random_numbers_failure(same: SameStream, world_size: int) -> str:
     )
 
 
-def wrong_micro_batch_failure(sync_forwards: Sequence[Sequence[int]], micro_batches: int) -> str | None:
-    """The ranks that synchronised once, but on a micro-batch other than the last
-    (``sync_forwards[r]``: the forwards seen at each of rank r's synchronisations)."""
-    wrong = [(rank, seen[0]) for rank, seen in enumerate(sync_forwards) if len(seen) == 1 and seen[0] != micro_batches]
+def wrong_micro_batch_failure(steps: Sequence[Any], micro_batches: int) -> str | None:
+    """The ranks that synchronised once, but before their last forward: on a micro-batch
+    other than the last (``steps[r].sync_forwards``, the forwards seen at each of rank r's
+    synchronisations, and ``steps[r].forwards``, all of them)."""
+    wrong = [
+        (rank, step.sync_forwards[0]) for rank, step in enumerate(steps)
+        if len(step.sync_forwards) == 1 and step.forwards is not None and step.sync_forwards[0] < step.forwards
+    ]
     if not wrong:
         return None
     where = "; ".join(f"rank {rank} synchronised on micro-batch {index} of {micro_batches}" for rank, index in wrong)

@@ -417,6 +417,7 @@ class RankStep:
         syncs: gradient synchronisations counted (None when not counted).
         sync_forwards: for each synchronisation counted, how many forwards of the module
             had run (the micro-batch it synchronised on, from 1).
+        forwards: the forwards of the module the step ran (when synchronisations are counted).
         dropout: the masks the module's Dropout layers drew, in order (``recording_dropout``).
         grad_all_reduces: the shapes of the tensors requiring grad that the step passed to
             ``torch.distributed.all_reduce``, which autograd does not differentiate.
@@ -429,6 +430,7 @@ class RankStep:
     wrapped: bool
     syncs: int | None
     sync_forwards: tuple[int, ...] = ()
+    forwards: int | None = None
     dropout: tuple[DropoutCall, ...] = ()
     grad_all_reduces: tuple[tuple[int, ...], ...] = ()
 
