@@ -145,6 +145,22 @@ def test_accumulation_replays_every_micro_batch_and_catches_one_seed(ddp_pool: D
         )
 
 
+def mlp() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def test_a_step_that_seeds_every_rank_alike_is_noted_without_dropout(ddp_pool: DDPWorkerPool) -> None:
+    # no mask to compare: the ranks leaving the step in one random state is the evidence
+    x, y = batch(6)
+    alike = assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=step_seeding_every_rank_alike, pool=ddp_pool)
+    own = assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, step=step_seeding_each_rank, pool=ddp_pool)
+    note = "All 2 ranks left the step in the same random state"
+    assert any(note in text for text in alike.notes)
+    assert not any(note in text for text in own.notes)
+
+
 # --------------------------------------------------------------------------- verdicts
 
 

@@ -78,6 +78,7 @@ from dpverify.ranked.notes import (
     fraction,
     items_notes,
     ranks_disagree,
+    same_end_state_note,
     same_random_numbers_failure,
     scale_note,
     sum_loss_note,
@@ -231,11 +232,17 @@ class DDPCheck(RankedCheck):
             return self.references(micro_batches, items=items), ()
         return replace(self, module=replay).references(micro_batches, items=items), tuple(dropout_layers(self.module))
 
-    def same_stream_failures(self, steps: Sequence[RankStep]) -> list[str]:
-        """A failure when two ranks drew their dropout masks from the same random state
-        (none when ``same_seed`` asked for it)."""
-        same = None if self.same_seed else same_random_numbers([s.dropout for s in steps])
-        return [] if same is None else [same_random_numbers_failure(same, self.world_size)]
+    def same_stream_findings(self, steps: Sequence[RankStep]) -> tuple[list[str], list[str]]:
+        """(failures, notes) when the ranks drew the same random numbers (none when
+        ``same_seed`` asked for it): a failure when two ranks drew their dropout masks from
+        the same random state, else a note when every rank left the step in one state."""
+        if self.same_seed:
+            return [], []
+        same = same_random_numbers([s.dropout for s in steps])
+        if same is not None:
+            return [same_random_numbers_failure(same, self.world_size)], []
+        note = same_end_state_note(steps)
+        return [], [] if note is None else [note]
 
 
 _UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
@@ -416,8 +423,9 @@ def assert_ddp_grads_match(
                 f"the loss-averaging trap. Multiply the rank's loss by ctx.loss_weight{share}."
             )
     failures, unused_notes = check.unused_findings(unused_names(module, expected.grads), wrapped=all(s.wrapped for s in verified))
-    failures += check.same_stream_failures(verified)
-    notes += unused_notes
+    same_failures, same_notes = check.same_stream_findings(verified)
+    failures += same_failures
+    notes += unused_notes + same_notes
     scale = None
     if not ok:
         more, scale = scale_note(verified, expected, check.world_size, shard_sizes=check.shard_sizes, reduction=reduction)
@@ -509,8 +517,9 @@ def assert_ddp_accumulation_matches(
     rows = check.rank_rows(results, refs)
     ok = all(row.ok for row in rows)
     failures, notes = check.unused_findings(unused_names(module, expected.grads), wrapped=all(s.wrapped for s in results))
-    failures += check.same_stream_failures(results)
-    notes += items_notes(counted, trap) + _replay_notes(replayed)
+    same_failures, same_notes = check.same_stream_findings(results)
+    failures += same_failures
+    notes += items_notes(counted, trap) + _replay_notes(replayed) + same_notes
     reduction = None if ok else check.loss_reduction(counted)
     contrasts: list[TensorComparison] = []
     plain = [rank_steps[1] for rank_steps in sent] if trap else []

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dpverify.ranked.randomness import DropoutCall, recording_dropout
+from dpverify.ranked.randomness import DropoutCall, generator_state, recording_dropout
 from dpverify.ranked.rank import (
     MicroBatch,
     RankContext,
@@ -230,8 +230,16 @@ def _run_one(info: RankInfo, task: StepTask, step: Step) -> RankStep:
     )
     dropout: list[DropoutCall] = []
     all_reduced: list[tuple[int, ...]] = []
+    end_state: list[str] = []
+
+    def step_then_read_state(context: ShardContext) -> Any:
+        # the random state the step leaves, read before run_step restores the process's
+        output = step(context)
+        end_state.append(generator_state(context.device))
+        return output
+
     with recording_dropout(ctx.module, dropout), watching_all_reduce(all_reduced):
-        output, loss = run_step(ctx, task, step)
+        output, loss = run_step(ctx, task, step_then_read_state)
     return RankStep(
         grads=grads_of(ctx.module),
         outputs=outputs_of(output),
@@ -243,6 +251,7 @@ def _run_one(info: RankInfo, task: StepTask, step: Step) -> RankStep:
         forwards=ctx.forwards if task.count_syncs and ctx.wrapped else None,
         dropout=tuple(dropout),
         grad_all_reduces=tuple(all_reduced),
+        end_state=end_state[0] if end_state else None,
     )
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "fraction",
     "items_notes",
     "ranks_disagree",
+    "same_end_state_note",
     "same_random_numbers_failure",
     "scale_note",
     "sum_loss_note",
@@ -138,6 +139,20 @@ def same_random_numbers_failure(same: SameStream, world_size: int) -> str:
         f"(rank = torch.distributed.get_rank(), {world_size} ranks; accelerate's set_seed(seed, "
         "device_specific=True)); dpverify seeds rank r with seed + r, and same_seed=True when identical "
         "streams are meant."
+    )
+
+
+def same_end_state_note(steps: Sequence[Any]) -> str | None:
+    """A note when every rank left the step in the same random state (``steps[r].end_state``),
+    though each started in its own stream: the step seeded every rank alike."""
+    states = [step.end_state for step in steps]
+    if len(states) < 2 or states[0] is None or any(state != states[0] for state in states):
+        return None
+    return (
+        f"All {len(states)} ranks left the step in the same random state, though dpverify started each in "
+        "its own stream (seed + rank): the step seeds every rank alike (torch.manual_seed with one seed), so "
+        "whatever it draws after that (F.dropout, noise, augmentation, a random crop) is the same on every "
+        "rank. Seed each rank in its own stream, torch.manual_seed(seed + rank)."
     )
 
 

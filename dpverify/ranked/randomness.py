@@ -33,6 +33,7 @@ __all__ = [
     "DropoutReplayError",
     "SameStream",
     "dropout_layers",
+    "generator_state",
     "rank_seed",
     "recording_dropout",
     "replaying_dropout",
@@ -79,7 +80,8 @@ def dropout_layers(module: nn.Module) -> dict[str, float]:
     }
 
 
-def _generator_state(device: torch.device) -> str:
+def generator_state(device: torch.device) -> str:
+    """A digest of the random generator's state: the CPU's, or ``device``'s when it is a GPU."""
     state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
     return hashlib.blake2b(state.numpy().tobytes(), digest_size=12).hexdigest()
 
@@ -100,7 +102,7 @@ def recording_dropout(module: nn.Module, calls: list[DropoutCall]) -> Iterator[N
         # layer was called in, and not on how many numbers its own mask took
         def draw(_layer: nn.Module, args: tuple[Any, ...]) -> None:
             (x,) = args
-            state = _generator_state(x.device)
+            state = generator_state(x.device)
             keep = torch.rand(x.shape, device=x.device) >= p
             calls.append(DropoutCall(name, p, keep.detach().to("cpu"), state))
             drawn.append(keep)

@@ -421,6 +421,7 @@ class RankStep:
         dropout: the masks the module's Dropout layers drew, in order (``recording_dropout``).
         grad_all_reduces: the shapes of the tensors requiring grad that the step passed to
             ``torch.distributed.all_reduce``, which autograd does not differentiate.
+        end_state: a digest of the random generator's state the step left (None: not read).
     """
 
     grads: dict[str, torch.Tensor | None]
@@ -433,6 +434,7 @@ class RankStep:
     forwards: int | None = None
     dropout: tuple[DropoutCall, ...] = ()
     grad_all_reduces: tuple[tuple[int, ...], ...] = ()
+    end_state: str | None = None
 
 
 def run_step(ctx: RankContext, task: RankStepTask, step: Callable[[Any], Any]) -> tuple[Any, float | None]:
