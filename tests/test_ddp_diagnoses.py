@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dpverify.core.comparison import StepComparison
 from dpverify.core.errors import ParallelMismatch
 from dpverify.ddp.checks import assert_ddp_accumulation_matches, assert_ddp_grads_match
 from dpverify.ddp.pool import DDPWorkerPool
@@ -31,6 +32,12 @@ def mlp() -> nn.Module:
 def batch(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     return torch.randn(rows, 5, generator=generator), torch.randn(rows, 2, generator=generator)
+
+
+def _report(failure: ParallelMismatch) -> StepComparison:
+    report = failure.report
+    assert isinstance(report, StepComparison)
+    return report
 
 
 # --------------------------------------------------------------------------- all_reduce in the loss
@@ -77,7 +84,7 @@ def test_a_loss_all_reduced_outside_autograd_is_named(ddp_pool: DDPWorkerPool) -
     assert "Seen on the ranks: the step passed tensors that require grad to torch.distributed.all_reduce (shapes rank 0: []; rank 1: [];" in text
     assert "sum-reduction" not in text
     assert "divided by the world size twice" not in text
-    assert caught.value.report.scale == pytest.approx(0.5, rel=1e-4)
+    assert _report(caught.value).scale == pytest.approx(0.5, rel=1e-4)
 
 
 def test_all_reducing_a_detached_copy_for_the_log_passes(ddp_pool: DDPWorkerPool) -> None:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dpverify.core.comparison import StepComparison
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.ddp.checks import assert_ddp_accumulation_matches, assert_ddp_grads_match
 from dpverify.ddp.pool import DDPWorkerPool
@@ -45,6 +46,12 @@ class Regularised(nn.Module):
 def batch(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     return torch.randn(rows, 5, generator=generator), torch.randn(rows, 2, generator=generator)
+
+
+def _report(failure: ParallelMismatch) -> StepComparison:
+    report = failure.report
+    assert isinstance(report, StepComparison)
+    return report
 
 
 # --------------------------------------------------------------------------- rank steps
@@ -107,7 +114,7 @@ def test_a_step_that_seeds_every_rank_alike_is_caught(ddp_pool: DDPWorkerPool) -
     assert "their masks agree on all 48 entries they share" in text
     assert "torch.manual_seed(seed + rank)" in text
     # the masks replay, so the gradients themselves match: the finding is the failure
-    assert all(row.ok for row in caught.value.report.tensors)
+    assert all(row.ok for row in _report(caught.value).tensors)
 
 
 def test_uneven_shards_seeded_alike_share_the_first_rows_masks(ddp_pool: DDPWorkerPool) -> None:
@@ -116,7 +123,7 @@ def test_uneven_shards_seeded_alike_share_the_first_rows_masks(ddp_pool: DDPWork
         assert_ddp_grads_match(
             Regularised().train(), x, y, loss_fn=F.mse_loss, world_size=2, step=weighted_step_seeding_every_rank_alike, shards=[3, 2], pool=ddp_pool,
         )
-    assert all(row.ok for row in caught.value.report.tensors)
+    assert all(row.ok for row in _report(caught.value).tensors)
 
 
 def test_a_step_that_seeds_each_rank_passes(ddp_pool: DDPWorkerPool) -> None:
@@ -131,7 +138,7 @@ def test_same_seed_asks_for_one_stream_on_every_rank(ddp_pool: DDPWorkerPool) ->
     )
     assert result.ok
     with pytest.raises(InvalidArgument, match="same_seed"):
-        assert_ddp_grads_match(Regularised().train(), x, y, loss_fn=F.mse_loss, world_size=2, same_seed="yes", pool=ddp_pool)  # type: ignore[typeddict-item]
+        assert_ddp_grads_match(Regularised().train(), x, y, loss_fn=F.mse_loss, world_size=2, same_seed="yes", pool=ddp_pool)  # type: ignore[arg-type]
 
 
 def test_accumulation_replays_every_micro_batch_and_catches_one_seed(ddp_pool: DDPWorkerPool) -> None:
