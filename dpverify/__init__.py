@@ -55,12 +55,14 @@ _EXPORTS: dict[str, str] = {
     "assert_dp_buffers_match": "dpverify.checks.buffers",
     "assert_dp_ddp_agree": "dpverify.ddp.checks",
     "assert_dp_grads_match": "dpverify.checks.dp",
+    "assert_dp_training_matches": "dpverify.checks.training",
     "assert_fsdp_grads_match": "dpverify.sharded.fsdp",
     "assert_fsdp_training_matches": "dpverify.sharded.fsdp",
     "assert_grad_sum_equals_mean_loss_grad": "dpverify.checks.dp",
     "assert_loss_reduction_matches_full_batch": "dpverify.checks.loss_average",
     "assert_pipeline_grads_match": "dpverify.sharded.pipeline",
     "assert_tensor_parallel_grads_match": "dpverify.sharded.tensor_parallel",
+    "assert_tensor_parallel_training_matches": "dpverify.sharded.tensor_parallel",
     "check_forward_loss_average": "dpverify.checks.loss_average",
     "chunk_sizes": "dpverify.core.scatter",
     "chunk_weighted_loss": "dpverify.checks.loss_average",
@@ -112,12 +114,14 @@ __all__ = [
     "assert_dp_buffers_match",
     "assert_dp_ddp_agree",
     "assert_dp_grads_match",
+    "assert_dp_training_matches",
     "assert_fsdp_grads_match",
     "assert_fsdp_training_matches",
     "assert_grad_sum_equals_mean_loss_grad",
     "assert_loss_reduction_matches_full_batch",
     "assert_pipeline_grads_match",
     "assert_tensor_parallel_grads_match",
+    "assert_tensor_parallel_training_matches",
     "check_forward_loss_average",
     "chunk_sizes",
     "chunk_weighted_loss",
@@ -172,6 +176,7 @@ if TYPE_CHECKING:
         check_forward_loss_average as check_forward_loss_average,
     )
     from dpverify.checks.loss_average import chunk_weighted_loss as chunk_weighted_loss
+    from dpverify.checks.training import assert_dp_training_matches as assert_dp_training_matches
     from dpverify.core.comparison import StepComparison as StepComparison
     from dpverify.core.comparison import TensorComparison as TensorComparison
     from dpverify.core.comparison import Tolerance as Tolerance
@@ -222,6 +227,9 @@ if TYPE_CHECKING:
     from dpverify.sharded.tensor_parallel import TPContext as TPContext
     from dpverify.sharded.tensor_parallel import (
         assert_tensor_parallel_grads_match as assert_tensor_parallel_grads_match,
+    )
+    from dpverify.sharded.tensor_parallel import (
+        assert_tensor_parallel_training_matches as assert_tensor_parallel_training_matches,
     )
     from dpverify.sharded.tensor_parallel import tp_step as tp_step
     from dpverify.sharded.tensor_parallel import weighted_tp_step as weighted_tp_step

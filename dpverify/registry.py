@@ -40,6 +40,7 @@ from dpverify.checks.loss_average import (
     loss_average_of,
     reduction_matches,
 )
+from dpverify.checks.training import assert_dp_training_matches
 from dpverify.core.comparison import StepComparison, TensorComparison
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.divergence import ONE_ROW_BATCHNORM, SourceGroup, group_sources
@@ -549,6 +550,26 @@ def _dp_state(case: Case, target: Target) -> Report:
     return StepComparison(check=what, scenario=f"chunks {case.chunk_sizes}", tolerance="exact", tensors=(), replicas=len(case.chunk_sizes))
 
 
+def _training_batches(case: Case) -> list[tuple[Any, Any]]:
+    """The training checks' batches: the case's own, else its batch ``TRAINING_STEPS`` times."""
+    return list(case.batches or ((case.inputs, case.target),) * TRAINING_STEPS)
+
+
+def _training_optimizer(case: Case) -> Callable[..., torch.optim.Optimizer]:
+    """The training checks' optimizer factory: the case's own, else SGD with momentum."""
+    return case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+
+def _dp_training(case: Case, target: Target) -> Report:
+    """DataParallel training through the target's wrapper, with its ``after_backward``."""
+    assert case.loss_fn is not None
+    return assert_dp_training_matches(
+        case.module, _training_batches(case), loss_fn=case.loss_fn, optimizer=_training_optimizer(case),
+        device_ids=case.device_ids, output_device=case.output_device, parallel=target.parallel,
+        after_backward=target.after_backward, forward_kwargs=case.forward_kwargs, dim=case.dim,
+    )
+
+
 def _ddp() -> Any:
     checks = checks_if_available()
     if checks is None:
@@ -619,6 +640,16 @@ def _tp_grads(case: Case, target: Target) -> Report:
     plan = target.plan(layout, case.module) if target.plan is not None else layout.plan()
     return _on_ranks(
         _sharded("tensor_parallel").assert_tensor_parallel_grads_match, case, target,
+        plan=plan, data_parallel=layout.data_parallel, forward_kwargs=case.forward_kwargs,
+    )
+
+
+def _tp_training(case: Case, target: Target) -> Report:
+    layout = case.layout_for("tp")
+    assert isinstance(layout, TPLayout)
+    plan = target.plan(layout, case.module) if target.plan is not None else layout.plan()
+    return _on_ranks(
+        _sharded("tensor_parallel").assert_tensor_parallel_training_matches, case, target, training=True,
         plan=plan, data_parallel=layout.data_parallel, forward_kwargs=case.forward_kwargs,
     )
 
@@ -740,6 +771,12 @@ _SPECS = (
         _dp_state, wanted=_counter, explains_divergence=False,
     ),
     CheckSpec(
+        "dp-training", f"DP training, {TRAINING_STEPS} steps", "dp",
+        "Outputs, parameters, buffers, optimizer state and the attributes forward sets, after "
+        "each of several DataParallel optimizer steps, equal single-device training's.",
+        _dp_training, wanted=_has_loss_fn, training=True,
+    ),
+    CheckSpec(
         "ddp-grads", "DDP grads match one device", "ddp",
         "Every rank's gradients after a DDP step equal the single-device full-batch step's.",
         _ddp_helper("assert_ddp_grads_match"), skip=_ddp_skip,
@@ -788,6 +825,12 @@ _SPECS = (
         "A tensor-parallel plan's outputs and full gradients on every rank equal the "
         "single-device step's.",
         _tp_grads, skip=functools.partial(_sharded_skip, "tp"),
+    ),
+    CheckSpec(
+        "tp-training", f"TP training, {TRAINING_STEPS} steps", "tp",
+        "Parameters, buffers and optimizer state after several tensor-parallel optimizer steps "
+        "equal single-device training's.",
+        _tp_training, skip=functools.partial(_sharded_skip, "tp"), training=True,
     ),
     CheckSpec(
         "pp-grads", "pipeline grads match one device", "pp",

@@ -18,6 +18,7 @@ from dpverify.mutants import (
     ScratchDataParallel,
     WeightedCriterionParallel,
     manual_allreduce_step,
+    tp_global_clip,
     weighted_replica_losses,
 )
 from dpverify.registry import CHECKS, Target
@@ -46,17 +47,20 @@ def test_every_mutant_is_caught_with_a_message_that_points_at_the_bug(name: str)
 
 #: The correct implementation each property runs, by registry check: a DataParallel from
 #: scratch, a reduction weighted by chunk size, a DDP step with a hand-written all-reduce,
-#: torch's no_sync recipe, the FSDP2 step weighted by each rank's share of the batch.
+#: torch's no_sync recipe, the FSDP2 step weighted by each rank's share of the batch, a
+#: tensor-parallel clip by the norm of the full gradients.
 CORRECT = {
     "dp-grads": Target(parallel=ScratchDataParallel),
     "dp-grad-sum": Target(parallel=ScratchDataParallel),
     "dp-buffers": Target(parallel=ScratchDataParallel),
     "dp-weighted-loss": Target(reduce=weighted_replica_losses),
+    "dp-training": Target(parallel=ScratchDataParallel),
     "ddp-grads": Target(step=manual_allreduce_step),
     "ddp-accumulation": Target(step=dpverify.no_sync_accumulation_step),
     "fsdp-grads": Target(step=weighted_fsdp_step),
     "pp-grads": Target(schedule=ScheduleGPipe),
     "tp-grads": Target(plan=lambda layout, module: layout.plan(ColwiseParallel, RowwiseParallel)),
+    "tp-training": Target(after_backward=tp_global_clip),
 }
 
 
@@ -100,6 +104,7 @@ def test_catalogue_entries_are_documented_and_name_registry_checks() -> None:
         assert (mutant.model is not None) == (mutant.kind == "criterion"), mutant.name
         assert mutant.caught_by in PROPERTIES
         assert mutant.caught_by in CHECKS
-        backend = {"ddp-step": "ddp", "fsdp-step": "fsdp", "tp-plan": "tp", "pp-schedule": "pp"}.get(mutant.kind, "dp")
-        assert CHECKS[mutant.caught_by].backend == backend, mutant.name
+        if mutant.kind not in ("hook", "model"):  # the user's hook or model runs on any backend
+            backend = {"ddp-step": "ddp", "fsdp-step": "fsdp", "tp-plan": "tp", "pp-schedule": "pp"}.get(mutant.kind, "dp")
+            assert CHECKS[mutant.caught_by].backend == backend, mutant.name
         assert torch.is_tensor(torch.zeros(1))  # the catalogue imports without side effects

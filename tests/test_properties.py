@@ -154,6 +154,7 @@ CAUGHT = {
     "dp-grad-sum": ("detached-replicas", Scenario(batch_size=2, devices=DeviceList((0, 1, 2)))),
     "dp-buffers": ("last-replica-buffers", Scenario(ModelSpec("batchnorm"), 4)),
     "dp-weighted-loss": ("mean-of-means", Scenario(ModelSpec("loss-head"), 3)),
+    "dp-training": ("lost-forward-state", Scenario(batch_size=2)),
     "ddp-grads": ("ddp-summed-allreduce", Scenario(batch_size=4)),
     "ddp-accumulation": ("ddp-undivided-accumulation", Scenario(batch_size=4)),
 }

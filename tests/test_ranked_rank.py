@@ -67,6 +67,7 @@ class Plan:
     seed: int = 0
     item_kinds: tuple[str, ...] = ()
     item_counts: tuple[tuple[int, ...], ...] = ()
+    after_backward: Any = None
 
 
 def test_a_shard_is_its_rows_of_every_batched_tensor() -> None:

@@ -41,6 +41,8 @@ from dpverify.mutants.dp import (
     DeepCopyDataParallel,
     DetachedReplicasDataParallel,
     LastReplicaBuffersDataParallel,
+    LocalBatchStatistic,
+    LostForwardState,
     MeanCriterionParallel,
     OutputDeviceFirstDataParallel,
     ReplicaOutputsDataParallel,
@@ -61,6 +63,8 @@ from dpverify.mutants.sharded import (
     fsdp_wrong_weight_step,
     local_output_plan,
     no_allreduce_plan,
+    tp_global_clip,
+    tp_one_rank_clip,
 )
 from dpverify.registry import CHECKS, MICRO_BATCHES, Case, Target
 from dpverify.strategies import (
@@ -81,7 +85,9 @@ __all__ = [
     "DeepCopyDataParallel",
     "DetachedReplicasDataParallel",
     "LastReplicaBuffersDataParallel",
+    "LocalBatchStatistic",
     "LocalOutputColwiseParallel",
+    "LostForwardState",
     "MeanCriterionParallel",
     "Mutant",
     "NoAllReduceRowwiseParallel",
@@ -108,6 +114,8 @@ __all__ = [
     "summed_allreduce_step",
     "summed_loss_step",
     "sync_first_micro_batch_step",
+    "tp_global_clip",
+    "tp_one_rank_clip",
     "undivided_accumulation_step",
     "weighted_replica_losses",
     "zero_grad_in_loop_step",
@@ -173,6 +181,12 @@ def _properties() -> dict[str, Property]:
         "dp-grad-sum": exact,
         "dp-buffers": scenarios(models=model_specs(kinds=["buffer-counter", "batchnorm"]), devices=devices),
         "dp-weighted-loss": scenarios(models=model_specs(kinds=["loss-head"]), devices=devices),
+        # training on models without state of their own: the built-in counters lose theirs
+        # under DataParallel by design (dp-state), which dp-training rightly reports
+        "dp-training": scenarios(
+            models=model_specs(kinds=[k for k in KINDS if k not in ("buffer-counter", "attribute-counter")], exact=True),
+            devices=devices,
+        ),
         "ddp-grads": ddp_dropout,
         "ddp-accumulation": ddp.filter(_equal_micro_batches),
         # the sharded checks on 2 or 3 ranks (tensor parallelism on 2: a 2-D mesh needs 4),
@@ -180,6 +194,7 @@ def _properties() -> dict[str, Property]:
         "fsdp-grads": sharded_scenarios("fsdp", world_sizes=(2, 3)),
         "pp-grads": sharded_scenarios("pp", world_sizes=(2, 3)),
         "tp-grads": sharded_scenarios("tp", world_sizes=(2,)),
+        "tp-training": sharded_scenarios("tp", world_sizes=(2,)),
     }
     return {name: Property(name, strategy.filter(_runs(name))) for name, strategy in drawn.items()}
 
@@ -269,6 +284,9 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("pp-unscaled", UnscaledGPipe, "pp-schedule", "a GPipe schedule that does not scale gradients by 1/n_microbatches", "pp-grads", "microbatches"),
         Mutant("pp-skip-last-microbatch", SkipLastMicrobatchGPipe, "pp-schedule", "a GPipe schedule that never runs its last microbatch", "pp-grads", "microbatch"),
         Mutant("fsdp-wrong-weight", fsdp_wrong_weight_step, "fsdp-step", "weights each rank's loss by n_r / B, forgetting the world size FSDP2 divides by", "fsdp-grads", "the world size"),
+        Mutant("lost-forward-state", LostForwardState, "model", "a model that counts its forwards in a Python attribute and scales its output by a warm-up factor: DataParallel's replicas lose the count", "dp-training", "attribute changes are lost"),
+        Mutant("dp-local-buffer", LocalBatchStatistic, "model", "a model that updates an EMA buffer in forward from the rows it sees: DataParallel keeps replica 0's update, from its chunk alone", "dp-training", "DataParallel keeps replica 0's buffers"),
+        Mutant("tp-one-rank-clip", tp_one_rank_clip, "hook", "a gradient clip run only on rank 0 (under `if ctx.rank == 0`), so the other tensor-parallel ranks step their shards unclipped", "tp-training", "did not run alike on every rank"),
         Mutant("ddp-double-accumulation-division", double_accumulation_division_step, "ddp-step", "divides each micro-batch's loss by the number of micro-batches twice", "ddp-accumulation", "one over the number of micro-batches"),
         Mutant("ddp-sync-wrong-micro-batch", sync_first_micro_batch_step, "ddp-step", "synchronises on the first micro-batch instead of the last (no_sync() if i != 0)", "ddp-accumulation", "synchronised on micro-batch 1 of"),
         Mutant("ddp-same-seed-ranks", same_seed_ranks_step, "ddp-step", "seeds every rank alike (torch.manual_seed(0) on every rank), so every rank draws the same dropout masks", "ddp-grads", "Every rank draws the same random numbers"),

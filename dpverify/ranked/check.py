@@ -668,10 +668,16 @@ def train_single_device(
     optimizer: OptimizerFactory,
     dtype: torch.dtype | None,
     after_backward: AfterBackward | None = None,
+    *,
+    context: type[ReferenceContext] = ReferenceContext,
+    before_step: Callable[[nn.Module], None] | None = None,
+    after_step: Callable[[nn.Module, torch.optim.Optimizer], None] | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], list[list[str]]]:
     """Parameters after every step on one device, and the parameters that required grad
     but got none in each step (``unused_names``); ``after_backward(ctx)`` runs between each
-    backward and its optimizer step, with a ``ReferenceContext`` over the full batch."""
+    backward and its optimizer step, with a ``context`` (a ``ReferenceContext``, or a
+    backend's subclass naming its groups) over the full batch. ``before_step(model)`` sees
+    the gradients each optimizer step uses, ``after_step(model, optimizer)`` what it left."""
     model = copy_module(module, dtype)
     opt = optimizer(model.parameters())
     history = []
@@ -686,14 +692,18 @@ def train_single_device(
             unused.append(unused_names(model, {name: p.grad for name, p in model.named_parameters()}))
             if after_backward is not None:
                 rows = batch_size_of(tuple(args), kwargs=keywords)
-                ctx = ReferenceContext(
+                ctx = context(
                     rank=0, world_size=1, module=model, inputs=args, target=goal, loss_fn=loss_fn,
                     shard_sizes=(rows,), device=CPU, kwargs=dict(keywords), step_index=index, one_rank=group,
                 )
                 with after_backward_note(after_backward):
                     after_backward(ctx)
+            if before_step is not None:
+                before_step(model)
             opt.step()
             history.append({name: p.detach().clone() for name, p in model.named_parameters()})
+            if after_step is not None:
+                after_step(model, opt)
     return history, unused
 
 
