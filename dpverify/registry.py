@@ -403,6 +403,9 @@ class CheckSpec:
         except ParallelMismatch as failure:
             comparison = failure.report if isinstance(failure.report, StepComparison) else None
             tensors = comparison.tensors if comparison is not None else ()
+            if groups and comparison is not None and comparison.replayed:
+                # a Dropout whose masks the reference replayed explains nothing any more
+                groups = tuple(group for group in groups if not set(group.modules) <= set(comparison.replayed))
             if groups:
                 return _explained(result, groups, tensors)
             worst = _worst(tensors)

@@ -17,16 +17,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import hypothesis.strategies as st
 from hypothesis.strategies import SearchStrategy
 
 from dpverify.models.layouts import ShardedScenario
 from dpverify.models.specs import KINDS
 from dpverify.mutants.ddp import (
+    double_accumulation_division_step,
     forward_outside_no_sync_step,
     manual_allreduce_step,
     rank_seeded_init_step,
+    same_seed_ranks_step,
     summed_allreduce_step,
     summed_loss_step,
+    sync_first_micro_batch_step,
     undivided_accumulation_step,
     zero_grad_in_loop_step,
 )
@@ -98,6 +102,7 @@ __all__ = [
     "UnscaledGPipe",
     "WeightedCriterionParallel",
     "averaged_tied_grads_hook",
+    "double_accumulation_division_step",
     "forward_outside_no_sync_step",
     "fsdp_summed_loss_step",
     "fsdp_undivided_step",
@@ -107,8 +112,10 @@ __all__ = [
     "mean_of_replica_losses",
     "no_allreduce_plan",
     "rank_seeded_init_step",
+    "same_seed_ranks_step",
     "summed_allreduce_step",
     "summed_loss_step",
+    "sync_first_micro_batch_step",
     "tp_global_clip",
     "tp_one_rank_clip",
     "undivided_accumulation_step",
@@ -172,6 +179,12 @@ def _properties() -> dict[str, Property]:
         models=ddp_models, devices=device_lists(min_devices=2, max_devices=3),
         losses=loss_specs(reductions=("mean",)), max_batch=12,
     )
+    # the DDP gradient check replays train-mode nn.Dropout masks from the ranks, so it also
+    # draws dropout models in train mode (where ranks seeded alike show)
+    ddp_dropout = scenarios(
+        models=st.one_of(ddp_models, model_specs(kinds=["dropout"]).filter(lambda m: not m.deterministic)),
+        devices=device_lists(min_devices=2, max_devices=3), losses=loss_specs(reductions=("mean",)), max_batch=12,
+    )
     drawn: dict[str, SearchStrategy[Any]] = {
         "dp-grads": exact,
         "dp-grad-sum": exact,
@@ -183,7 +196,7 @@ def _properties() -> dict[str, Property]:
             models=model_specs(kinds=[k for k in KINDS if k not in ("buffer-counter", "attribute-counter")], exact=True),
             devices=devices,
         ),
-        "ddp-grads": ddp,
+        "ddp-grads": ddp_dropout,
         "ddp-accumulation": ddp.filter(_equal_micro_batches),
         # the sharded checks on 2 or 3 ranks (tensor parallelism on 2: a 2-D mesh needs 4),
         # each with layouts drawn for its model (``sharded_scenarios``)
@@ -287,5 +300,8 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("dp-local-buffer", LocalBatchStatistic, "model", "a model that updates an EMA buffer in forward from the rows it sees: DataParallel keeps replica 0's update, from its chunk alone", "dp-training", "DataParallel keeps replica 0's buffers"),
         Mutant("tp-one-rank-clip", tp_one_rank_clip, "hook", "a gradient clip run only on rank 0 (under `if ctx.rank == 0`), so the other tensor-parallel ranks step their shards unclipped", "tp-training", "did not run alike on every rank"),
         Mutant("pp-untied-embedding", averaged_tied_grads_hook, "hook", "a stage hook that averages a tied embedding's gradient over the first and last stage instead of summing the two parts", "pp-training", "instead of summed"),
+        Mutant("ddp-double-accumulation-division", double_accumulation_division_step, "ddp-step", "divides each micro-batch's loss by the number of micro-batches twice", "ddp-accumulation", "one over the number of micro-batches"),
+        Mutant("ddp-sync-wrong-micro-batch", sync_first_micro_batch_step, "ddp-step", "synchronises on the first micro-batch instead of the last (no_sync() if i != 0)", "ddp-accumulation", "synchronised on micro-batch 1 of"),
+        Mutant("ddp-same-seed-ranks", same_seed_ranks_step, "ddp-step", "seeds every rank alike (torch.manual_seed(0) on every rank), so every rank draws the same dropout masks", "ddp-grads", "Every rank draws the same random numbers"),
     )
 }

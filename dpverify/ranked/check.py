@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self, TypeVar
 
@@ -546,11 +546,13 @@ class RankedCheck:
         divergence: bool = True,
         scale: float | None = None,
         scenario: str | None = None,
+        replayed: Collection[str] = (),
     ) -> StepComparison:
-        """The comparison of this check; ``scenario`` replaces ``describe(step)``."""
+        """The comparison of this check; ``scenario`` replaces ``describe(step)``;
+        ``replayed``: Dropout layers whose masks the reference replayed from the ranks."""
         return step_comparison(
             title, self.describe(step) if scenario is None else scenario, self.tolerance, self.dtype, self.module, rows,
-            contrasts=contrasts, notes=notes, failures=failures, scale=scale, divergence=divergence,
+            contrasts=contrasts, notes=notes, failures=failures, scale=scale, divergence=divergence, replayed=replayed,
         )
 
 
