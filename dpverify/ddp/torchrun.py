@@ -1,11 +1,22 @@
-"""Tasks under torchrun: ``ProcessGroupRunner`` runs them in the current process group."""
+"""Checks inside a process group that torchrun started: ``ProcessGroupRunner`` runs a
+check's task on the ranks of the current default group, ``group_runner`` finds that group
+for a check given ``pool=None``, and ``join_torchrun_group`` starts it for the command line.
+
+Under torchrun every rank is the parent of its own check: each validates the arguments,
+runs the task on its own shard, receives every rank's result (``all_gather_object``) and
+compares them with the single-device step it computes itself, from the same module and
+batch, so every rank reaches the same verdict and raises the same way.
+"""
 
 from __future__ import annotations
 
+import os
 import pickle
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
+from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
 from dpverify.ddp.pool import ParallelError
 from dpverify.ddp.runner import (
@@ -17,25 +28,66 @@ from dpverify.ddp.runner import (
 )
 from dpverify.ranked.rank import RankInfo
 
-__all__ = ["ProcessGroupRunner"]
+__all__ = [
+    "TORCHRUN_VARIABLES",
+    "ProcessGroupRunner",
+    "group_runner",
+    "join_torchrun_group",
+    "torchrun_backend",
+    "under_torchrun",
+]
 
 T = TypeVar("T")
 
+#: What torchrun sets in every rank's environment (one node or many).
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank that torchrun (or a launcher like it) started."""
+    return all(name in os.environ for name in TORCHRUN_VARIABLES)
+
+
+def _rank_device(backend: str) -> tuple[str, str]:
+    """``(backend, device)`` of this rank in a group of ``backend`` (torch's name, e.g.
+    ``"gloo"``, ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``): nccl computes on
+    ``cuda:LOCAL_RANK``, made the current device (``all_gather_object`` sends through it),
+    gloo on the CPU.
+
+    Raises:
+        InvalidArgument: a backend that is neither (mpi, ucc, a custom one).
+    """
+    import torch
+
+    names = {part.rpartition(":")[2] for part in backend.split(",")}
+    if "nccl" in names and torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+        if torch.cuda.current_device() != local:
+            torch.cuda.set_device(local)
+        return "nccl", f"cuda:{local}"
+    if "gloo" in names:
+        return "gloo", "cpu"
+    raise InvalidArgument(
+        f"the process group's backend is {backend!r}; the ranked checks run on gloo (CPU) or nccl "
+        "(one GPU per rank): pass backend='gloo' or 'nccl' to torch.distributed.init_process_group"
+    )
+
 
 class ProcessGroupRunner:
-    """Runs tasks in the current process group (started by torchrun) instead of a pool.
+    """Runs tasks in the current default process group (started by torchrun) instead of a pool.
 
     Every rank calls ``run`` with the same task; each runs it locally, and the results (or
     tracebacks) are all-gathered so that every rank gets every rank's result and all ranks
     take the same path afterwards. A hang cannot be detected here: the process group's
-    own timeout applies.
+    own timeout applies, and a rank that dies ends the job through torchrun (which stops
+    the other ranks).
 
     Raises:
-        InvalidArgument: no process group is initialised.
+        InvalidArgument: no process group is initialised, or its backend is neither gloo
+            nor nccl.
     """
 
     def __init__(self) -> None:
-        import torch
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -43,8 +95,7 @@ class ProcessGroupRunner:
                 "ProcessGroupRunner needs an initialised process group; run under torchrun "
                 "and call torch.distributed.init_process_group() first"
             )
-        backend = str(dist.get_backend())
-        device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
+        backend, device = _rank_device(str(dist.get_backend()))
         self._info = RankInfo(dist.get_rank(), dist.get_world_size(), backend, device)
 
     @property
@@ -58,6 +109,9 @@ class ProcessGroupRunner:
     @property
     def rank(self) -> int:
         return self._info.rank
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupRunner(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"
 
     def run(self, fn: Callable[..., T], /, *args: Any, timeout: float | None = None) -> tuple[T, ...]:
         """Runs ``fn(rank_info, *args)`` here and gathers every rank's result."""
@@ -78,3 +132,53 @@ class ProcessGroupRunner:
             raise ParallelError(f"DDP task failed under torchrun: {head}.\n\n{detail}", failures)
         return tuple(pickle.loads(body) for _ok, body in gathered)
 
+
+def group_runner(world_size: int) -> ProcessGroupRunner | None:
+    """The ranks of the initialised default process group (a script that torchrun started
+    and that called ``init_process_group``), checked to number ``world_size``; None when no
+    group is initialised (the check starts a pool of its own).
+
+    Raises:
+        InvalidArgument: the group has another number of ranks.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = ProcessGroupRunner()
+    if group.world_size != world_size:
+        raise InvalidArgument(
+            f"world_size={world_size} but this process is rank {group.rank} of an initialised process group of "
+            f"{group.world_size} ranks (torchrun's), where the check runs when pool is None; pass "
+            f"world_size={group.world_size} (torch.distributed.get_world_size()), or pass "
+            f"pool=DDPWorkerPool({world_size}) to check on a local pool of ranks instead"
+        )
+    return group
+
+
+def torchrun_backend() -> str:
+    """The backend every rank of this node chooses alike: nccl only when each of the node's
+    ``LOCAL_WORLD_SIZE`` ranks has a CUDA device of its own (``DPVERIFY_GPUS`` caps the count),
+    else gloo. A choice by the rank's own index would split the group (two ranks on one GPU:
+    rank 0 on nccl, rank 1 on gloo) and hang ``init_process_group``.
+    """
+    import torch.distributed as dist
+
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return "nccl" if cuda_device_count() >= local_ranks and dist.is_nccl_available() else "gloo"
+
+
+def join_torchrun_group(backend: str | None = None, timeout: float | None = None) -> ProcessGroupRunner:
+    """The ranks of torchrun's job as a runner: the default process group, initialised
+    here (``backend``, else ``torchrun_backend()``; nccl on ``cuda:LOCAL_RANK``) unless the
+    caller did it, with ``timeout`` seconds for every collective when given (torch's
+    default otherwise: a rank that waits on one that raised alone waits that long)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        chosen = backend or torchrun_backend()
+        if chosen == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(chosen, timeout=None if timeout is None else timedelta(seconds=timeout))
+    return ProcessGroupRunner()
