@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
@@ -29,8 +30,10 @@ from dpverify.ddp.runner import (
 from dpverify.ranked.rank import RankInfo
 
 __all__ = [
+    "FAILURE_GRACE_S",
     "TORCHRUN_VARIABLES",
     "ProcessGroupRunner",
+    "broken_group",
     "group_runner",
     "join_torchrun_group",
     "torchrun_backend",
@@ -114,23 +117,160 @@ class ProcessGroupRunner:
         return f"ProcessGroupRunner(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"
 
     def run(self, fn: Callable[..., T], /, *args: Any, timeout: float | None = None) -> tuple[T, ...]:
-        """Runs ``fn(rank_info, *args)`` here and gathers every rank's result."""
+        """Runs ``fn(rank_info, *args)`` here and gathers every rank's result.
+
+        Raises:
+            ParallelError: a rank raised (every rank raises it alike when every rank
+                reported), or the group broke: a rank died, or raised while the others
+                waited in a collective it never joined (``_Arrivals``). A broken group
+                refuses every later task, so that no rank waits on it.
+        """
         import torch.distributed as dist
 
         del timeout  # the process group's timeout governs collectives under torchrun
+        broken = _BROKEN.get(_group_key())
+        if broken is not None:
+            raise ParallelError(f"the process group of torchrun broke in an earlier check; nothing more can run on it.\n\n{broken}")
         pickle_task(fn, args)
         try:
             reply: tuple[bool, Any] = (True, pickle.dumps(fn(self._info, *args), protocol=PICKLE_PROTOCOL))
         except BaseException as error:
             reply = (False, (summarize(error), describe_exception(error)))
+        arrivals = _Arrivals.next(self.rank, self.world_size)
+        if arrivals is not None and not arrivals.every_rank_arrived(None if reply[0] else reply[1][0]):
+            raise self._broke(reply, arrivals)
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, reply)
+        try:
+            dist.all_gather_object(gathered, reply)
+        except Exception as error:  # a peer died during the gather
+            raise self._broke(reply, arrivals, error) from error
         failures = [raised_failure(rank, body) for rank, (ok, body) in enumerate(gathered) if not ok]
         if failures:
             head = "; ".join(f"rank {f.rank} {f.summary}" for f in failures)
             detail = "\n".join(f.describe() for f in failures)
             raise ParallelError(f"DDP task failed under torchrun: {head}.\n\n{detail}", failures)
         return tuple(pickle.loads(body) for _ok, body in gathered)
+
+    def _broke(self, reply: tuple[bool, Any], arrivals: _Arrivals | None, error: BaseException | None = None) -> ParallelError:
+        """The error of a task after which the group cannot be used (remembered, so that
+        later tasks are refused): what this rank knows, what the others reported through
+        the store, and who did not report."""
+        failures = [raised_failure(self.rank, reply[1])] if not reply[0] else []
+        if error is not None:
+            failures.append(raised_failure(self.rank, (summarize(error), describe_exception(error))))
+        reports = arrivals.reports() if arrivals is not None else {}
+        missing = [r for r in range(self.world_size) if r not in reports]
+        away = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never reported" if missing else "the ranks did not all meet to gather them"
+        others = "".join(
+            f" Rank {r} reported: {summary}." for r, summary in reports.items() if r != self.rank and summary is not None
+        )
+        message = (
+            f"the ranks' results could not be gathered under torchrun: {away}; a rank died, or raised while the "
+            "others waited in a collective it never joined, and the process group cannot be used any more "
+            "(torchrun's summary names a rank that died, with its exit status)."
+            f"{others} Rank {self.rank}: " + ("; ".join(f.summary for f in failures) or "its task finished") + "."
+        )
+        detail = "\n".join(f.describe() for f in failures)
+        text = f"{message}\n\n{detail}" if detail else message
+        _BROKEN[_group_key()] = text
+        return ParallelError(text, failures)
+
+
+#: The groups that broke (by ``_group_key``), with what broke them.
+_BROKEN: dict[int, str] = {}
+
+#: How long a rank whose task raised waits for the others to report theirs (every rank may
+#: have raised alike) before it concludes they are blocked in a collective.
+FAILURE_GRACE_S = 5.0
+
+
+def _group_key() -> int:
+    import torch.distributed as dist
+
+    return id(dist.group.WORLD)
+
+
+def broken_group() -> str | None:
+    """Why the current default process group cannot be used any more (a rank died or
+    raised alone in an earlier task), or None."""
+    import torch.distributed as dist
+
+    return _BROKEN.get(_group_key()) if dist.is_initialized() else None
+
+
+class _Arrivals:
+    """Who finished a task, told through the process group's store, which needs no
+    collective: a rank whose task raised while the others wait in a collective it never
+    joins (DDP's all-reduce) would otherwise wait with them in the gather of the results,
+    each in another collective, until the group's timeout (half an hour on gloo).
+
+    Every rank marks its arrival; once all have, the first to see it decides that the
+    results are gathered. A rank whose task raised waits ``FAILURE_GRACE_S`` for the
+    others, then decides that they are blocked, unless the gather was decided first (the
+    decision is one ``compare_set``, so no rank gathers alone). Every task has its own
+    keys: every rank runs the same tasks in the same order.
+    """
+
+    _counts: ClassVar[dict[int, int]] = {}
+
+    def __init__(self, store: Any, prefix: str, rank: int, world_size: int) -> None:
+        self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
+
+    @classmethod
+    def next(cls, rank: int, world_size: int) -> _Arrivals | None:
+        """The arrivals of the next task on the default group; None where its store
+        cannot be had (the gather then goes ahead unguarded)."""
+        import torch.distributed as dist
+
+        # torch keeps the default group's store here (distributed_c10d.py); it outlives a
+        # dead rank under torchrun, whose agent hosts it.
+        get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+        try:
+            store = get_store() if get_store is not None else None
+        except Exception:
+            store = None
+        if store is None:
+            return None
+        key = _group_key()
+        cls._counts[key] = index = cls._counts.get(key, 0) + 1
+        return cls(store, f"dpverify/task/{index}", rank, world_size)
+
+    def _arrived(self) -> bool:
+        return bool(self.store.check([f"{self.prefix}/rank/{r}" for r in range(self.world_size)]))
+
+    def reports(self) -> dict[int, str | None]:
+        """What every rank that arrived reported: None for a task that finished, else the
+        one line of what it raised."""
+        found: dict[int, str | None] = {}
+        for r in range(self.world_size):
+            key = f"{self.prefix}/rank/{r}"
+            if self.store.check([key]):
+                text = bytes(self.store.get(key)).decode()
+                found[r] = None if text == "ok" else text.removeprefix("failed: ")
+        return found
+
+    def _decide(self, choice: str) -> bool:
+        decided = self.store.compare_set(f"{self.prefix}/decision", "", choice)
+        return bytes(decided).decode() == "gather"
+
+    def every_rank_arrived(self, failure: str | None) -> bool:
+        """Marks this rank's arrival, with the line of what its task raised (``failure``)
+        if it did, and waits for the decision: True when every rank arrived (gather the
+        results), False when they are presumed blocked."""
+        failed = failure is not None
+        self.store.set(f"{self.prefix}/rank/{self.rank}", "ok" if failure is None else f"failed: {failure}")
+        decision = f"{self.prefix}/decision"
+        started = time.monotonic()
+        pause = 0.002
+        while True:
+            if self._arrived():
+                return self._decide("gather")
+            if self.store.check([decision]):
+                return bytes(self.store.get(decision)).decode() == "gather"
+            if failed and time.monotonic() - started > FAILURE_GRACE_S:
+                return self._decide("abandon")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
 
 def group_runner(world_size: int) -> ProcessGroupRunner | None:
