@@ -26,8 +26,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 from dpverify.cli.exits import EXIT_FAILED, EXIT_USAGE, usage_error
 from dpverify.core.errors import InvalidArgument
@@ -65,6 +67,23 @@ def agreed_exit(code: int, rank: int, world_size: int) -> int:
         statuses = and_list([f"rank {r} {c}" for r, c in enumerate(codes)])
         print(f"dpverify check: the ranks ended with different statuses ({statuses}); exiting {EXIT_FAILED}", file=sys.stderr)
     return EXIT_FAILED
+
+
+def _leave(code: int) -> NoReturn:
+    """Ends this rank with ``code`` at once, its output flushed: the ranks leave together,
+    and none reaches the interpreter's teardown, where torch's C++ threads can abort a
+    rank ("terminate called without an active exception", seen after the tensor-parallel
+    checks on four ranks) that torchrun then reports as the job's failure."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _exit_with_on_sigterm(code: int) -> None:
+    """From here on, torchrun's SIGTERM ends this rank with ``code``: the agent stops the
+    ranks still running as soon as one exits with a status other than 0, and a rank
+    stopped on its way out after the verdict must still exit with the verdict."""
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: os._exit(code))
 
 
 def torchrun_check_options(args: argparse.Namespace, world_size: int, ranked_checks: Callable[[list[str]], list[str]]) -> None:
@@ -108,7 +127,7 @@ def check_under_torchrun(
     """``dpverify check`` on the ranks of torchrun's process group (see the module's
     docstring): ``run_check(args)`` on every rank, with the options fitted to the group
     (``torchrun_check_options``); returns the exit status, the same on every rank that
-    finished.
+    finished, by ending the process (``_leave``) once the ranks agreed on it.
 
     Raises:
         InvalidArgument: on rank 0, an unusable option (the other ranks print theirs with
@@ -144,7 +163,9 @@ def check_under_torchrun(
             # torchrun stop them, and its summary names the rank that died
             print(f"dpverify check (rank {rank}): {broken}", file=sys.stderr)
             return EXIT_FAILED
-        return agreed_exit(code, rank, world)
+        agreed = agreed_exit(code, rank, world)
+        _exit_with_on_sigterm(agreed)
     finally:
         if broken_group() is None:
             dist.destroy_process_group()
+    _leave(agreed)
