@@ -160,6 +160,12 @@ try:
     dpverify.assert_ddp_grads_match(model, x, y, loss_fn=F.mse_loss, world_size=world + 1)
 except dpverify.InvalidArgument as error:
     print(f"REFUSED rank {rank}: {error}", file=verdicts, flush=True)
+torch.manual_seed(rank)  # each rank seeded its own way: a model of other weights on every rank
+unseeded = torch.nn.Linear(4, 3)
+try:
+    dpverify.assert_ddp_grads_match(unseeded, x, y, loss_fn=F.mse_loss, world_size=world)
+except dpverify.InvalidArgument as error:
+    print(f"DIFFERENT rank {rank}: {error}", file=verdicts, flush=True)
 dist.destroy_process_group()
 '''
 
@@ -407,6 +413,8 @@ def test_helpers_in_a_torchrun_script_catch_the_bugs_on_every_rank(tmp_path: Pat
     assert "clip_reduced_twice(ctx) ran after every backward, on every rank and in the single-device run" in out
     assert written.count("REFUSED rank") == 2
     assert "world_size=3 but this process is rank 1 of an initialised process group of 2 ranks" in written
+    assert written.count("DIFFERENT rank") == 2
+    assert "the module's weights on rank 1 differ from rank 0's" in written
 
 
 @pytest.mark.timeout(120)

@@ -10,6 +10,7 @@ batch, so every rank reaches the same verdict and raises the same way.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import time
@@ -132,6 +133,7 @@ class ProcessGroupRunner:
         if broken is not None:
             raise ParallelError(f"the process group of torchrun broke in an earlier check; nothing more can run on it.\n\n{broken}")
         pickle_task(fn, args)
+        weights = _weights_digest(args)
         try:
             reply: tuple[bool, Any] = (True, pickle.dumps(fn(self._info, *args), protocol=PICKLE_PROTOCOL))
         except BaseException as error:
@@ -141,9 +143,11 @@ class ProcessGroupRunner:
             raise self._broke(reply, arrivals)
         gathered: list[Any] = [None] * self.world_size
         try:
-            dist.all_gather_object(gathered, reply)
+            dist.all_gather_object(gathered, (reply, weights))
         except Exception as error:  # a peer died during the gather
             raise self._broke(reply, arrivals, error) from error
+        _require_same_weights([w for _reply, w in gathered])
+        gathered = [r for r, _weights in gathered]
         failures = [raised_failure(rank, body) for rank, (ok, body) in enumerate(gathered) if not ok]
         if failures:
             head = "; ".join(f"rank {f.rank} {f.summary}" for f in failures)
@@ -174,6 +178,41 @@ class ProcessGroupRunner:
         text = f"{message}\n\n{detail}" if detail else message
         _BROKEN[_group_key()] = text
         return ParallelError(text, failures)
+
+
+def _weights_digest(args: tuple[Any, ...]) -> str | None:
+    """A digest of the weights of the task's module (its ``module`` field), None without
+    one: every rank compares its ranks' tensors with the single-device step it computes
+    itself, which holds only if every rank was given the same model."""
+    import torch
+
+    module = getattr(args[0], "module", None) if args else None
+    if not isinstance(module, torch.nn.Module):
+        return None
+    digest = hashlib.sha256()
+    for name, value in module.state_dict().items():
+        digest.update(name.encode())
+        if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+            flat = value.detach().cpu().contiguous().reshape(-1)
+            digest.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    return digest.hexdigest()
+
+
+def _require_same_weights(digests: list[str | None]) -> None:
+    """Every rank checked the same model.
+
+    Raises:
+        InvalidArgument: on every rank alike, naming the ranks whose weights differ from
+            rank 0's.
+    """
+    others = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+    if others:
+        raise InvalidArgument(
+            f"the module's weights on rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} differ from "
+            "rank 0's: under torchrun every rank must call the check with the same model and batch (each compares "
+            "the ranks with the single-device step it computes itself); build them after the same "
+            "torch.manual_seed on every rank, or load the same checkpoint"
+        )
 
 
 #: The groups that broke (by ``_group_key``), with what broke them.
