@@ -130,8 +130,9 @@ def check_under_torchrun(
     finished, by ending the process (``_leave``) once the ranks agreed on it.
 
     Raises:
-        InvalidArgument: on rank 0, an unusable option (the other ranks print theirs with
-            their rank and return ``EXIT_USAGE``).
+        InvalidArgument: on rank 0, an unusable option or model. The other ranks return
+            ``EXIT_USAGE``: silently for the options (the same on every rank), with their
+            message, prefixed with their rank, for what the check raised.
     """
     import torch.distributed as dist
 
