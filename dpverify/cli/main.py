@@ -489,6 +489,28 @@ def _check_dim(args: argparse.Namespace) -> None:
         )
 
 
+def _check_command(args: argparse.Namespace) -> int:
+    """``dpverify check``: on torchrun's ranks when torchrun started this process
+    (``dpverify.cli.torchrun``), else here, with pools of ranks for the ranked checks."""
+    from dpverify.ddp.torchrun import under_torchrun
+    from dpverify.planner import DEFAULT_DEVICE_COUNTS
+
+    if under_torchrun():
+        from dpverify.cli.torchrun import check_under_torchrun
+
+        return check_under_torchrun(args, _check, _ranked_checks)
+    args.backend = args.backend or "dp"
+    args.devices = args.devices or list(DEFAULT_DEVICE_COUNTS)
+    return _check(args)
+
+
+def _ranked_checks(names: list[str]) -> list[str]:
+    """The checks among ``names`` (``all``: every one) that run on ranks, not DataParallel's."""
+    from dpverify.registry import CHECKS
+
+    return [name for name in (list(CHECKS) if "all" in names else names) if CHECKS[name].backend != "dp"]
+
+
 def _check(args: argparse.Namespace) -> int:
     from dpverify.cli.check_view import CheckProgress, render_model_check, render_model_check_header
     from dpverify.figures.check import check_figure
@@ -663,11 +685,11 @@ def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
     _model_arguments(check)
     check.add_argument("--model", choices=sorted(BUILTIN_MODELS), help="a built-in model instead of MODULE:FACTORY")
     check.add_argument(
-        "--backend", choices=(*CHECK_BACKENDS, "all"), default="dp",
-        help="DataParallel (default), DDP, FSDP2 (fsdp), tensor parallel (tp), pipeline parallel (pp), or all of them",
+        "--backend", choices=(*CHECK_BACKENDS, "all"), default=None,
+        help="DataParallel (default; ddp under torchrun), DDP, FSDP2 (fsdp), tensor parallel (tp), pipeline parallel (pp), or all of them",
     )
     check.add_argument("--batch-sizes", type=_positive("--batch-sizes"), nargs="+", default=list(DEFAULT_BATCH_SIZES), metavar="B", help=f"batch sizes (default {' '.join(map(str, DEFAULT_BATCH_SIZES))})")
-    check.add_argument("--devices", type=_positive("--devices"), nargs="+", default=list(DEFAULT_DEVICE_COUNTS), metavar="N", help=f"device counts or DDP world sizes (default {' '.join(map(str, DEFAULT_DEVICE_COUNTS))})")
+    check.add_argument("--devices", type=_positive("--devices"), nargs="+", default=None, metavar="N", help=f"device counts or DDP world sizes (default {' '.join(map(str, DEFAULT_DEVICE_COUNTS))}; under torchrun, its world size)")
     check.add_argument(
         "--parallel", metavar="MODULE:CALLABLE",
         help="check your own DataParallel-like wrapper, called as CALLABLE(module, device_ids=..., output_device=...) (plus dim=D with --dim), instead of torch's",
@@ -689,7 +711,7 @@ def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
     )
     _ddp_kwargs_argument(check)
     check.add_argument("--figure", type=Path, metavar="FILE.{png,svg,pdf}", help="also draw every check's error/allowed per tensor, worst first, as a figure (needs matplotlib: pip install 'dpverify[plot]')")
-    check.set_defaults(run=_check)
+    check.set_defaults(run=_check_command)
 
 
 def _add_explain(commands: Any, common: argparse.ArgumentParser) -> None:

@@ -54,6 +54,7 @@ from dpverify.core.validation import (
     require_target_rows,
 )
 from dpverify.ddp.pool import ParallelError, RankRunner, require_picklable, shared_pool
+from dpverify.ddp.torchrun import group_runner
 from dpverify.ranked.items import PieceItems, count_piece_items, cut_pieces, measure_losses
 from dpverify.ranked.rank import (
     AfterBackward,
@@ -106,10 +107,11 @@ _T = TypeVar("_T")
 
 
 def runner(pool: RankRunner | None, world_size: int) -> RankRunner:
-    """The ranks a check runs on: ``pool``, checked against ``world_size``, or the shared
-    pool of ``world_size`` ranks when None."""
+    """The ranks a check runs on: ``pool``, checked against ``world_size``; when None, the
+    ranks of the initialised default process group (a script torchrun started: every rank
+    runs the check, ``group_runner``), else the shared pool of ``world_size`` ranks."""
     if pool is None:
-        return shared_pool(world_size)
+        return group_runner(world_size) or shared_pool(world_size)
     if not callable(getattr(pool, "run", None)):
         raise InvalidArgument(f"pool={pool!r} has no run(); pass a DDPWorkerPool or None")
     if pool.world_size != world_size:

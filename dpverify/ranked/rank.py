@@ -488,7 +488,8 @@ def one_rank_group() -> Iterator[Any]:
         yield None
         return
     if dist.is_initialized():
-        group, _all = dist.new_subgroups(group_size=1)
+        # gloo whatever the default group's backend: the reference runs on the CPU
+        group, _all = dist.new_subgroups(group_size=1, backend="gloo")
         try:
             yield group
         finally:
