@@ -135,6 +135,12 @@ def test_the_optimizer_reaches_the_check(spelling: str, named: str, capsys: pyte
     assert f"3 steps of DDP training with {named} must match single-device training" in out
 
 
+def test_the_header_says_when_every_step_trains_on_the_same_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [f"{MODULE}:make", "--inputs", f"{MODULE}:fixed_batches", *MODEL[3:], "--step", f"{MODULE}:clip", "--checks", "ddp-training"]
+    out = _run(capsys, argv, EXIT_OK)
+    assert f"each on the same batch (--inputs {MODULE}:fixed_batches gave the same batch for two steps)" in out
+
+
 # --------------------------------------------------------------------------- usage errors
 
 

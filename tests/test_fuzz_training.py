@@ -78,9 +78,9 @@ def test_a_step_wrong_from_the_second_optimizer_step_is_caught_by_the_training_c
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
 def test_torchs_own_training_passes_a_short_session(backend: str, tmp_path: Path) -> None:
-    report = fuzz(FuzzConfig(backend=backend, devices=2, max_examples=3, seed=1, state_dir=tmp_path))
+    report = fuzz(FuzzConfig(backend=backend, devices=2, max_examples=2, seed=1, state_dir=tmp_path))
     assert report.ok, report.failure and report.failure.report
-    assert report.examples == 3
+    assert report.examples == 2
 
 
 def test_a_training_repro_script_pastes_its_scenario() -> None:

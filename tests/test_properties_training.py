@@ -9,6 +9,8 @@ gradient of every step is scaled by the same factor, which is what these bugs do
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
@@ -39,12 +41,12 @@ DDP_TRAINING = training_scenarios(
 FSDP_TRAINING = training_scenarios("fsdp", scenarios=sharded_scenarios("fsdp", world_sizes=(2, 3)), clip_norms=(None,))
 
 
-def all_reduce_again(ctx: object) -> None:
+def all_reduce_again(ctx: Any) -> None:
     """A hook kept from code before DDP: it sums the gradients over the ranks, which DDP
     has averaged already (a group of one rank in the single-device run changes nothing)."""
-    for p in ctx.module.parameters():  # type: ignore[attr-defined]
+    for p in ctx.module.parameters():
         if p.grad is not None:
-            dist.all_reduce(p.grad, group=ctx.group)  # type: ignore[attr-defined]
+            dist.all_reduce(p.grad, group=ctx.group)
 
 
 def _check(name: str, scenario: TrainingScenario, target: Target | None = None) -> None:

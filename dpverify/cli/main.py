@@ -531,7 +531,7 @@ def _check(args: argparse.Namespace) -> int:
     render_model_check_header(
         console, model, loss=batch.loss_name, backend=args.backend, device_counts=args.devices,
         wrapper=args.parallel, criterion=args.parallel_loss, dim=args.dim,
-        training=training.describe(model) if any(planned.spec.training for planned in plan) else None,
+        training=training.describe(model, max(args.batch_sizes)) if any(planned.spec.training for planned in plan) else None,
     )
     with CheckProgress(console, len(plan)) as progress:
         report = check_model(
@@ -614,11 +614,25 @@ class _Training:
     hook_name: str | None
     optimizer_name: str
 
-    def describe(self, model: UserModel) -> str:
-        """The header's line: the steps, their batches, the optimizer and the hook."""
-        batches = "a batch of its own" if model.make_step_batch is not None else "the same batch"
+    def describe(self, model: UserModel, batch_size: int) -> str:
+        """The header's line: the steps, their batches (as made: a batch function that
+        ignores torch's seed gives the same one every step), the optimizer and the hook."""
+        batches = "a batch of its own" if _distinct_step_batches(model, batch_size) else "the same batch"
+        if batches == "the same batch" and model.make_step_batch is not None:
+            batches += f" ({model.batch_source} gave the same batch for two steps)"
         hook = f"after backward: {self.hook_name}" if self.hook_name else "nothing after backward (--step MODULE:FN)"
         return f"training checks: {plural(self.options.steps, 'optimizer step')} of {self.optimizer_name}, each on {batches}; {hook}"
+
+
+def _distinct_step_batches(model: UserModel, batch_size: int) -> bool:
+    """Whether the first two training steps' batches differ, as made."""
+    from dpverify.core.tree import tensor_leaves
+
+    def tensors(batch: Any) -> list[torch.Tensor]:
+        return [tensor for _, _, tensor in tensor_leaves((batch.inputs, dict(batch.kwargs), batch.target))]
+
+    first, second = (tensors(batch) for batch in model.step_batches(batch_size, 2))
+    return len(first) != len(second) or any(a.shape != b.shape or not torch.equal(a, b) for a, b in zip(first, second, strict=False))
 
 
 def _training(args: argparse.Namespace, model: UserModel) -> _Training:
