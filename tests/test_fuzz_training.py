@@ -19,6 +19,7 @@ from dpverify.cli.fuzz import (
     FuzzConfig,
     _CheckFailed,
     _example_runner,
+    describe_training,
     fuzz,
     repro_script,
     scenario_strategy,
@@ -46,6 +47,9 @@ PLANTED = textwrap.dedent(
 def test_the_training_backends_run_the_registrys_training_checks() -> None:
     assert TRAINING_CHECKS["ddp"] == ("ddp-training",)
     assert TRAINING_CHECKS["fsdp"] == ("fsdp-training",)
+    # the session's header says what the training runs draw, and only that
+    assert describe_training("ddp").endswith("a global clip, no_sync() accumulation (ddp-training)")
+    assert "clip" not in describe_training("fsdp")
 
 
 @pytest.mark.timeout(240)

@@ -71,6 +71,7 @@ __all__ = [
     "FuzzFailure",
     "FuzzReport",
     "Tally",
+    "describe_training",
     "fuzz",
     "parse_duration",
     "repro_script",
@@ -102,6 +103,16 @@ TRAINING_CHECKS: dict[str, tuple[str, ...]] = {
 #: The global clip norms a backend's training scenarios draw (None: no clip). FSDP2's
 #: training check takes ``after_backward`` with issue 24's item 2; until then it draws none.
 _CLIP_NORMS: dict[str, tuple[float | None, ...]] = {"ddp": (None, 0.05, 1.0), "fsdp": (None,)}
+
+
+
+def describe_training(backend: str) -> str:
+    """What a backend's training runs draw, in words (the session's header)."""
+    parts = ["SGD, SGD with momentum, Adam, AdamW", "1 to 3 optimizer steps"]
+    parts += ["a global clip"] if any(_CLIP_NORMS[backend]) else []
+    parts += ["no_sync() accumulation"] if backend == "ddp" else []
+    return f"{', '.join(parts)} ({', '.join(TRAINING_CHECKS[backend])})"
+
 
 #: The ``Target`` field ``--target`` fills, by backend: DataParallel's wrapper, a per-rank
 #: step (DDP, FSDP2), a tensor-parallel plan builder, a pipeline schedule class.

@@ -398,6 +398,8 @@ def _fuzz_loss(args: argparse.Namespace) -> Any:
 
 
 def _fuzz_header(console: Console, config: FuzzConfig, where: str) -> None:
+    from dpverify.cli.fuzz import TRAINING_CHECKS, describe_training
+
     under_test = {
         "dp": "torch.nn.DataParallel",
         "ddp": "torch DistributedDataParallel",
@@ -422,7 +424,8 @@ def _fuzz_header(console: Console, config: FuzzConfig, where: str) -> None:
         replay = f"random seed; failures kept in {config.state_dir}/examples and replayed first"
     else:
         replay = f"seed {config.seed} (a seeded session does not use the example database)"
-    console.print(f"[bold]dpverify fuzz[/]: {under_test} on {where}; {limit}; {replay}", soft_wrap=True)
+    training = f"; training runs: {describe_training(config.backend)}" if config.backend in TRAINING_CHECKS else ""
+    console.print(f"[bold]dpverify fuzz[/]: {under_test} on {where}; {limit}; {replay}{training}", soft_wrap=True)
 
 
 def _fuzz_summary(console: Console, config: FuzzConfig, report: FuzzReport) -> int:
