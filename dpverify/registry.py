@@ -61,9 +61,11 @@ from dpverify.models.layouts import (
     layout_of,
 )
 from dpverify.models.specs import AttributeCounter, BufferCounter, Scenario
+from dpverify.models.training import TrainingScenario
 
 __all__ = [
     "CHECKS",
+    "DEFAULT_OPTIMIZER",
     "MICRO_BATCHES",
     "TRAINING_STEPS",
     "Case",
@@ -78,6 +80,8 @@ __all__ = [
 MICRO_BATCHES = 2
 #: Optimizer steps in the DDP training check.
 TRAINING_STEPS = 3
+#: The training checks' optimizer where a case names none (``Case.optimizer``).
+DEFAULT_OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 
 
 class Verdict(enum.StrEnum):
@@ -123,8 +127,10 @@ class Case:
             built-in and generated models), so ``loss.mean()`` of replica losses must be
             biased exactly when the chunks are uneven; False for a user's model, whose bias
             is a warning either way.
-        batches: the batches of the DDP training check (default: this batch, three times).
-        optimizer: the DDP training check's optimizer factory (default: SGD with momentum).
+        batches: the batches of the training checks, one ``(inputs, target)`` pair or
+            ``(inputs, kwargs, target)`` triple per optimizer step (default: this batch,
+            ``TRAINING_STEPS`` times).
+        optimizer: the training checks' optimizer factory (default: SGD with momentum).
         dim: the dimension DataParallel splits the batch along (DataParallel checks only).
         layout: how the sharded checks lay the model out (``FSDPLayout``, ``TPLayout``,
             ``PipelineLayout``); a check whose backend has no layout here derives one
@@ -142,16 +148,20 @@ class Case:
     output_device: int | None = None
     forward_kwargs: Mapping[str, Any] | None = None
     per_row_mean_loss: bool = False
-    batches: tuple[tuple[Any, Any], ...] = ()
+    batches: tuple[tuple[Any, ...], ...] = ()
     optimizer: Callable[..., torch.optim.Optimizer] | None = None
     dim: int = 0
     layout: Layout | None = None
     steps: SharedSteps | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def from_scenario(cls, scenario: Scenario | ShardedScenario) -> Case:
+    def from_scenario(cls, scenario: Scenario | ShardedScenario | TrainingScenario) -> Case:
         """A generated scenario, built (its models' losses are per-row means); a sharded
-        scenario brings its layout."""
+        scenario brings its layout, a training scenario its batches and optimizer (its hook
+        and step are code under test: ``TrainingScenario.code``, ``Target.with_defaults``)."""
+        if isinstance(scenario, TrainingScenario):
+            first = cls.from_scenario(scenario.scenario)
+            return replace(first, batches=scenario.batches(), optimizer=scenario.optimizer.factory())
         plain, layout = (scenario.scenario, scenario.layout) if isinstance(scenario, ShardedScenario) else (scenario, None)
         s = plain.build()
         return cls(
@@ -167,6 +177,11 @@ class Case:
     @property
     def returns_loss(self) -> bool:
         return self.loss_fn is None
+
+    @property
+    def training_steps(self) -> int:
+        """The optimizer steps of the training checks: one per batch of ``batches``."""
+        return len(self.batches) or TRAINING_STEPS
 
     @property
     def world_size(self) -> int:
@@ -238,6 +253,11 @@ class Target:
     def on(self, case: Case) -> Case:
         """``case`` with the model under test (``model``) in place of its module."""
         return case if self.model is None else replace(case, module=self.model(case.module), steps=None)
+
+    def with_defaults(self, **fields: Any) -> Target:
+        """This target with ``fields`` where it has None: a training scenario's own code
+        (``TrainingScenario.code``) under the code the caller gives."""
+        return replace(self, **{name: value for name, value in fields.items() if getattr(self, name) is None})
 
 
 @dataclass(frozen=True)
@@ -341,9 +361,14 @@ class CheckSpec:
     explains_divergence: bool = True
     training: bool = False
 
-    def title_for(self, eval_copy: bool) -> str:
-        """The table row's label, marked when the case is an eval-mode copy of the model."""
-        return self.title + (" (eval mode)" if eval_copy else "")
+    def title_for(self, eval_copy: bool, case: Case | None = None) -> str:
+        """The table row's label, marked when the case is an eval-mode copy of the model; a
+        training check's names the case's optimizer steps where they are not
+        ``TRAINING_STEPS`` (the count its title is written with)."""
+        title = self.title
+        if self.training and case is not None and case.training_steps != TRAINING_STEPS:
+            title = title.replace(f"{TRAINING_STEPS} ", f"{case.training_steps} ", 1)
+        return title + (" (eval mode)" if eval_copy else "")
 
     def applies(self, case: Case) -> bool:
         """Whether the check is meant for ``case`` (it may still be skipped on its split)."""
@@ -384,7 +409,7 @@ class CheckSpec:
             InvalidArgument: ``case`` cannot be checked at all (for example a module without
                 trainable parameters); the message names the argument.
         """
-        title = self.title_for(eval_copy)
+        title = self.title_for(eval_copy, case)
         target = target or Target()
         case = target.on(case)
         split = case.split
@@ -588,7 +613,7 @@ def _on_ranks(
     data: tuple[Any, ...] = (case.inputs, case.target)
     if training:
         data = (list(case.batches or ((case.inputs, case.target),) * TRAINING_STEPS),)
-        options["optimizer"] = case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+        options["optimizer"] = case.optimizer or DEFAULT_OPTIMIZER
         if target.after_backward is not None:
             options["after_backward"] = target.after_backward
     return helper(case.module, *data, loss_fn=case.loss_fn, world_size=case.world_size, pool=target.pool, **options)

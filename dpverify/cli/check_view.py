@@ -98,10 +98,11 @@ def runs_on(
 
 def render_model_check_header(
     console: Any, model: UserModel, *, loss: str, backend: str, device_counts: Sequence[int], wrapper: str | None = None,
-    criterion: str | None = None, dim: int = 0,
+    criterion: str | None = None, dim: int = 0, training: str | None = None,
 ) -> None:
     """Prints what is checked, on what, before any check runs (a long run shows at once
-    what it is doing): the wrapper and criterion wrapper under test among them."""
+    what it is doing): the wrapper and criterion wrapper under test among them, and where
+    a training check runs, ``training``: its steps, optimizer and code after backward."""
     from rich.text import Text
 
     console.print(Text(f"dpverify check: {model.name}", style="bold"))
@@ -110,6 +111,8 @@ def render_model_check_header(
         f"{runs_on(backend, device_counts, wrapper, criterion=criterion, dim=dim)}; torch {torch.__version__}",
         markup=False,
     )
+    if training is not None:
+        console.print(training, markup=False)
 
 
 class CheckProgress:
