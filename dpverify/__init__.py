@@ -55,12 +55,17 @@ _EXPORTS: dict[str, str] = {
     "assert_dp_buffers_match": "dpverify.checks.buffers",
     "assert_dp_ddp_agree": "dpverify.ddp.checks",
     "assert_dp_grads_match": "dpverify.checks.dp",
+    "assert_dp_training_matches": "dpverify.checks.training",
     "assert_fsdp_grads_match": "dpverify.sharded.fsdp",
     "assert_fsdp_training_matches": "dpverify.sharded.fsdp",
     "assert_grad_sum_equals_mean_loss_grad": "dpverify.checks.dp",
     "assert_loss_reduction_matches_full_batch": "dpverify.checks.loss_average",
     "assert_pipeline_grads_match": "dpverify.sharded.pipeline",
+    "assert_pipeline_training_matches": "dpverify.sharded.pipeline",
+    "PipelineContext": "dpverify.sharded.pipeline",
+    "sync_tied_grads": "dpverify.sharded.pipeline",
     "assert_tensor_parallel_grads_match": "dpverify.sharded.tensor_parallel",
+    "assert_tensor_parallel_training_matches": "dpverify.sharded.tensor_parallel",
     "check_forward_loss_average": "dpverify.checks.loss_average",
     "chunk_sizes": "dpverify.core.scatter",
     "chunk_weighted_loss": "dpverify.checks.loss_average",
@@ -93,6 +98,7 @@ __all__ = [
     "NonFiniteReference",
     "ParallelError",
     "ParallelMismatch",
+    "PipelineContext",
     "RankInfo",
     "ScatterPlan",
     "ShardContext",
@@ -112,12 +118,15 @@ __all__ = [
     "assert_dp_buffers_match",
     "assert_dp_ddp_agree",
     "assert_dp_grads_match",
+    "assert_dp_training_matches",
     "assert_fsdp_grads_match",
     "assert_fsdp_training_matches",
     "assert_grad_sum_equals_mean_loss_grad",
     "assert_loss_reduction_matches_full_batch",
     "assert_pipeline_grads_match",
+    "assert_pipeline_training_matches",
     "assert_tensor_parallel_grads_match",
+    "assert_tensor_parallel_training_matches",
     "check_forward_loss_average",
     "chunk_sizes",
     "chunk_weighted_loss",
@@ -128,6 +137,7 @@ __all__ = [
     "fsdp_step",
     "no_sync_accumulation_step",
     "plan_scatter",
+    "sync_tied_grads",
     "tp_step",
     "virtual_devices",
     "weighted_ddp_step",
@@ -172,6 +182,7 @@ if TYPE_CHECKING:
         check_forward_loss_average as check_forward_loss_average,
     )
     from dpverify.checks.loss_average import chunk_weighted_loss as chunk_weighted_loss
+    from dpverify.checks.training import assert_dp_training_matches as assert_dp_training_matches
     from dpverify.core.comparison import StepComparison as StepComparison
     from dpverify.core.comparison import TensorComparison as TensorComparison
     from dpverify.core.comparison import Tolerance as Tolerance
@@ -218,10 +229,18 @@ if TYPE_CHECKING:
     from dpverify.sharded.fsdp import assert_fsdp_training_matches as assert_fsdp_training_matches
     from dpverify.sharded.fsdp import fsdp_step as fsdp_step
     from dpverify.sharded.fsdp import weighted_fsdp_step as weighted_fsdp_step
+    from dpverify.sharded.pipeline import PipelineContext as PipelineContext
     from dpverify.sharded.pipeline import assert_pipeline_grads_match as assert_pipeline_grads_match
+    from dpverify.sharded.pipeline import (
+        assert_pipeline_training_matches as assert_pipeline_training_matches,
+    )
+    from dpverify.sharded.pipeline import sync_tied_grads as sync_tied_grads
     from dpverify.sharded.tensor_parallel import TPContext as TPContext
     from dpverify.sharded.tensor_parallel import (
         assert_tensor_parallel_grads_match as assert_tensor_parallel_grads_match,
+    )
+    from dpverify.sharded.tensor_parallel import (
+        assert_tensor_parallel_training_matches as assert_tensor_parallel_training_matches,
     )
     from dpverify.sharded.tensor_parallel import tp_step as tp_step
     from dpverify.sharded.tensor_parallel import weighted_tp_step as weighted_tp_step

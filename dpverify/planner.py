@@ -19,6 +19,9 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from dpverify.checks.dp import SharedSteps
 from dpverify.core.comparison import TensorId
@@ -33,7 +36,16 @@ from dpverify.core.step import batch_size_of
 from dpverify.core.tree import first_batched
 from dpverify.models.layouts import BACKENDS as SHARDED_BACKENDS
 from dpverify.models.user import Batch, UserModel
-from dpverify.registry import CHECKS, Case, CheckResult, CheckSpec, Split, Target, Verdict
+from dpverify.registry import (
+    CHECKS,
+    TRAINING_STEPS,
+    Case,
+    CheckResult,
+    CheckSpec,
+    Split,
+    Target,
+    Verdict,
+)
 
 __all__ = [
     "BACKENDS",
@@ -43,6 +55,7 @@ __all__ = [
     "ModelCheckReport",
     "ParameterError",
     "PlannedCheck",
+    "TrainingOptions",
     "check_model",
     "parameter_errors",
     "plan_checks",
@@ -112,6 +125,32 @@ class PlannedCheck:
         return self.spec.run(self.case, self.target, eval_copy=self.eval_copy)
 
 
+@dataclass(frozen=True)
+class TrainingOptions:
+    """What the training checks (``CheckSpec.training``) train with: ``dpverify check``'s
+    ``--steps`` and ``--optimizer`` (its ``--step`` is the code under test,
+    ``Target.after_backward``).
+
+    Attributes:
+        steps: optimizer steps, each on a batch of its own where the model makes one per
+            step (``UserModel.step_batches``).
+        optimizer: ``params -> Optimizer``, picklable; None for the checks' default (SGD
+            with momentum).
+    """
+
+    steps: int = TRAINING_STEPS
+    optimizer: Callable[..., torch.optim.Optimizer] | None = None
+
+
+def _training_batches(model: UserModel, batch_size: int, steps: int) -> tuple[tuple[Any, ...], ...]:
+    """The training checks' batches of one batch size: an ``(inputs, target)`` pair, or an
+    ``(inputs, kwargs, target)`` triple, per optimizer step."""
+    return tuple(
+        (batch.inputs, dict(batch.kwargs), batch.target) if batch.kwargs else (batch.inputs, batch.target)
+        for batch in model.step_batches(batch_size, steps)
+    )
+
+
 #: Every backend ``check`` runs, by name: DataParallel, DDP, then the sharded ones.
 BACKENDS: tuple[str, ...] = ("dp", "ddp", *SHARDED_BACKENDS)
 
@@ -136,6 +175,7 @@ def plan_checks(
     splits: Sequence[tuple[int, int]] | None = None,
     target: Target | None = None,
     dim: int = 0,
+    training: TrainingOptions | None = None,
 ) -> list[PlannedCheck]:
     """Every check to run, in order; a model with divergence sources is checked as given
     (mismatches explained) and then as an eval-mode copy (mismatches fail). The checks of
@@ -156,6 +196,9 @@ def plan_checks(
         dim: the dimension the DataParallel checks split the batch along (``Case.dim``);
             a batch size is the rows along it, and every batch must have that many there
             (the DDP checks skip a case that is not split along dim 0).
+        training: the training checks' optimizer steps and optimizer (default:
+            ``TrainingOptions()``, ``TRAINING_STEPS`` steps of SGD with momentum); each step
+            trains on the model's batch for that step.
 
     Raises:
         InvalidArgument: an unknown check or backend, a batch the model cannot take, or
@@ -172,6 +215,10 @@ def plan_checks(
         require_rows_along(batch.inputs, size, dim, model.batch_source, dict(batch.kwargs))
     largest = max(batches)
     require_batch_dim(model, largest, dim, batches[largest])
+    options = training or TrainingOptions()
+    # the training checks' batches, one per optimizer step, made only where one runs
+    trains = any(spec.training for spec in specs)
+    steps_of = {size: _training_batches(model, size, options.steps) if trains else () for size in batches}
     planned: list[PlannedCheck] = []
     for module, eval_copy in modules:
         # the checks of one module and batch share its steps, on every device count
@@ -181,7 +228,7 @@ def plan_checks(
             case = Case(
                 module, batch.inputs, batch.target, batch.loss_fn, tuple(range(devices)),
                 forward_kwargs=dict(batch.kwargs) or None, per_row_mean_loss=batch.per_row_mean_loss, dim=dim,
-                steps=steps[batch_size],
+                steps=steps[batch_size], batches=steps_of[batch_size], optimizer=options.optimizer,
             )
             planned += [PlannedCheck(spec, case, target, eval_copy) for spec in specs if spec.applies(case)]
     return planned
@@ -256,13 +303,14 @@ def check_model(
     on_start: Callable[[str, Split], None] | None = None,
     plan: Sequence[PlannedCheck] | None = None,
     dim: int = 0,
+    training: TrainingOptions | None = None,
 ) -> ModelCheckReport:
     """Runs every planned check; ``on_start`` sees each check's title and split before it
     runs, and ``on_result`` its result as it comes.
 
     Args:
-        model, batch_sizes, device_counts, backend, checks, splits, target, dim: what to
-            check, as in ``plan_checks``.
+        model, batch_sizes, device_counts, backend, checks, splits, target, dim, training:
+            what to check, as in ``plan_checks``.
         on_result: called with each result.
         on_start: called before each check.
         plan: the checks ``plan_checks`` returned for these arguments, when the caller has
@@ -275,12 +323,12 @@ def check_model(
     if plan is None:
         plan = plan_checks(
             model, batch_sizes=batch_sizes, device_counts=device_counts, backend=backend, checks=checks,
-            splits=splits, target=target, dim=dim,
+            splits=splits, target=target, dim=dim, training=training,
         )
     results: list[CheckResult] = []
     for planned in plan:
         if on_start is not None:
-            on_start(planned.spec.title_for(planned.eval_copy), planned.case.split)
+            on_start(planned.spec.title_for(planned.eval_copy, planned.case), planned.case.split)
         result = planned.run()
         results.append(result)
         if on_result is not None:

@@ -40,6 +40,7 @@ from dpverify.checks.loss_average import (
     loss_average_of,
     reduction_matches,
 )
+from dpverify.checks.training import assert_dp_training_matches
 from dpverify.core.comparison import StepComparison, TensorComparison
 from dpverify.core.devices import cuda_device_count
 from dpverify.core.divergence import ONE_ROW_BATCHNORM, SourceGroup, group_sources
@@ -60,9 +61,11 @@ from dpverify.models.layouts import (
     layout_of,
 )
 from dpverify.models.specs import AttributeCounter, BufferCounter, Scenario
+from dpverify.models.training import TrainingScenario
 
 __all__ = [
     "CHECKS",
+    "DEFAULT_OPTIMIZER",
     "MICRO_BATCHES",
     "TRAINING_STEPS",
     "Case",
@@ -77,6 +80,8 @@ __all__ = [
 MICRO_BATCHES = 2
 #: Optimizer steps in the DDP training check.
 TRAINING_STEPS = 3
+#: The training checks' optimizer where a case names none (``Case.optimizer``).
+DEFAULT_OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 
 
 class Verdict(enum.StrEnum):
@@ -122,8 +127,10 @@ class Case:
             built-in and generated models), so ``loss.mean()`` of replica losses must be
             biased exactly when the chunks are uneven; False for a user's model, whose bias
             is a warning either way.
-        batches: the batches of the DDP training check (default: this batch, three times).
-        optimizer: the DDP training check's optimizer factory (default: SGD with momentum).
+        batches: the batches of the training checks, one ``(inputs, target)`` pair or
+            ``(inputs, kwargs, target)`` triple per optimizer step (default: this batch,
+            ``TRAINING_STEPS`` times).
+        optimizer: the training checks' optimizer factory (default: SGD with momentum).
         dim: the dimension DataParallel splits the batch along (DataParallel checks only).
         layout: how the sharded checks lay the model out (``FSDPLayout``, ``TPLayout``,
             ``PipelineLayout``); a check whose backend has no layout here derives one
@@ -141,16 +148,20 @@ class Case:
     output_device: int | None = None
     forward_kwargs: Mapping[str, Any] | None = None
     per_row_mean_loss: bool = False
-    batches: tuple[tuple[Any, Any], ...] = ()
+    batches: tuple[tuple[Any, ...], ...] = ()
     optimizer: Callable[..., torch.optim.Optimizer] | None = None
     dim: int = 0
     layout: Layout | None = None
     steps: SharedSteps | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def from_scenario(cls, scenario: Scenario | ShardedScenario) -> Case:
+    def from_scenario(cls, scenario: Scenario | ShardedScenario | TrainingScenario) -> Case:
         """A generated scenario, built (its models' losses are per-row means); a sharded
-        scenario brings its layout."""
+        scenario brings its layout, a training scenario its batches and optimizer (its hook
+        and step are code under test: ``TrainingScenario.code``, ``Target.with_defaults``)."""
+        if isinstance(scenario, TrainingScenario):
+            first = cls.from_scenario(scenario.scenario)
+            return replace(first, batches=scenario.batches(), optimizer=scenario.optimizer.factory())
         plain, layout = (scenario.scenario, scenario.layout) if isinstance(scenario, ShardedScenario) else (scenario, None)
         s = plain.build()
         return cls(
@@ -166,6 +177,11 @@ class Case:
     @property
     def returns_loss(self) -> bool:
         return self.loss_fn is None
+
+    @property
+    def training_steps(self) -> int:
+        """The optimizer steps of the training checks: one per batch of ``batches``."""
+        return len(self.batches) or TRAINING_STEPS
 
     @property
     def world_size(self) -> int:
@@ -237,6 +253,11 @@ class Target:
     def on(self, case: Case) -> Case:
         """``case`` with the model under test (``model``) in place of its module."""
         return case if self.model is None else replace(case, module=self.model(case.module), steps=None)
+
+    def with_defaults(self, **fields: Any) -> Target:
+        """This target with ``fields`` where it has None: a training scenario's own code
+        (``TrainingScenario.code``) under the code the caller gives."""
+        return replace(self, **{name: value for name, value in fields.items() if getattr(self, name) is None})
 
 
 @dataclass(frozen=True)
@@ -340,9 +361,14 @@ class CheckSpec:
     explains_divergence: bool = True
     training: bool = False
 
-    def title_for(self, eval_copy: bool) -> str:
-        """The table row's label, marked when the case is an eval-mode copy of the model."""
-        return self.title + (" (eval mode)" if eval_copy else "")
+    def title_for(self, eval_copy: bool, case: Case | None = None) -> str:
+        """The table row's label, marked when the case is an eval-mode copy of the model; a
+        training check's names the case's optimizer steps where they are not
+        ``TRAINING_STEPS`` (the count its title is written with)."""
+        title = self.title
+        if self.training and case is not None and case.training_steps != TRAINING_STEPS:
+            title = title.replace(f"{TRAINING_STEPS} ", f"{case.training_steps} ", 1)
+        return title + (" (eval mode)" if eval_copy else "")
 
     def applies(self, case: Case) -> bool:
         """Whether the check is meant for ``case`` (it may still be skipped on its split)."""
@@ -383,7 +409,7 @@ class CheckSpec:
             InvalidArgument: ``case`` cannot be checked at all (for example a module without
                 trainable parameters); the message names the argument.
         """
-        title = self.title_for(eval_copy)
+        title = self.title_for(eval_copy, case)
         target = target or Target()
         case = target.on(case)
         split = case.split
@@ -402,6 +428,9 @@ class CheckSpec:
         except ParallelMismatch as failure:
             comparison = failure.report if isinstance(failure.report, StepComparison) else None
             tensors = comparison.tensors if comparison is not None else ()
+            if groups and comparison is not None and comparison.replayed:
+                # a Dropout whose masks the reference replayed explains nothing any more
+                groups = tuple(group for group in groups if not set(group.modules) <= set(comparison.replayed))
             if groups:
                 return _explained(result, groups, tensors)
             worst = _worst(tensors)
@@ -546,6 +575,26 @@ def _dp_state(case: Case, target: Target) -> Report:
     return StepComparison(check=what, scenario=f"chunks {case.chunk_sizes}", tolerance="exact", tensors=(), replicas=len(case.chunk_sizes))
 
 
+def _training_batches(case: Case) -> list[tuple[Any, Any]]:
+    """The training checks' batches: the case's own, else its batch ``TRAINING_STEPS`` times."""
+    return list(case.batches or ((case.inputs, case.target),) * TRAINING_STEPS)
+
+
+def _training_optimizer(case: Case) -> Callable[..., torch.optim.Optimizer]:
+    """The training checks' optimizer factory: the case's own, else SGD with momentum."""
+    return case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+
+def _dp_training(case: Case, target: Target) -> Report:
+    """DataParallel training through the target's wrapper, with its ``after_backward``."""
+    assert case.loss_fn is not None
+    return assert_dp_training_matches(
+        case.module, _training_batches(case), loss_fn=case.loss_fn, optimizer=_training_optimizer(case),
+        device_ids=case.device_ids, output_device=case.output_device, parallel=target.parallel,
+        after_backward=target.after_backward, forward_kwargs=case.forward_kwargs, dim=case.dim,
+    )
+
+
 def _ddp() -> Any:
     checks = checks_if_available()
     if checks is None:
@@ -564,7 +613,7 @@ def _on_ranks(
     data: tuple[Any, ...] = (case.inputs, case.target)
     if training:
         data = (list(case.batches or ((case.inputs, case.target),) * TRAINING_STEPS),)
-        options["optimizer"] = case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+        options["optimizer"] = case.optimizer or DEFAULT_OPTIMIZER
         if target.after_backward is not None:
             options["after_backward"] = target.after_backward
     return helper(case.module, *data, loss_fn=case.loss_fn, world_size=case.world_size, pool=target.pool, **options)
@@ -620,12 +669,43 @@ def _tp_grads(case: Case, target: Target) -> Report:
     )
 
 
+def _tp_training(case: Case, target: Target) -> Report:
+    layout = case.layout_for("tp")
+    assert isinstance(layout, TPLayout)
+    plan = target.plan(layout, case.module) if target.plan is not None else layout.plan()
+    return _on_ranks(
+        _sharded("tensor_parallel").assert_tensor_parallel_training_matches, case, target, training=True,
+        plan=plan, data_parallel=layout.data_parallel, forward_kwargs=case.forward_kwargs,
+    )
+
+
 def _pp_grads(case: Case, target: Target) -> Report:
     layout = case.layout_for("pp")
     assert isinstance(layout, PipelineLayout)
     return _on_ranks(
         _sharded("pipeline").assert_pipeline_grads_match, case, target,
         n_microbatches=layout.n_microbatches, split_points=layout.split_points, schedule=target.schedule or layout.schedule,
+    )
+
+
+def _pp_training(case: Case, target: Target) -> Report:
+    """The pipeline training check on the case's layout. A model that ties weights across
+    the layout's stages needs their gradients summed between backward and the optimizer
+    step: the target's ``after_backward`` does it, by default dpverify's correct
+    ``sync_tied_grads``."""
+    layout = case.layout_for("pp")
+    assert isinstance(layout, PipelineLayout)
+    pipeline = _sharded("pipeline")
+    options: dict[str, Any] = {}
+    if target.after_backward is None:
+        stages = pipeline.stage_children(case.module, case.world_size, layout.split_points)
+        rank_side = _sharded("pipeline_rank")
+        if rank_side.tied_across_stages(case.module, stages):
+            options["after_backward"] = rank_side.sync_tied_grads
+    return _on_ranks(
+        pipeline.assert_pipeline_training_matches, case, target, training=True,
+        n_microbatches=layout.n_microbatches, split_points=layout.split_points, schedule=target.schedule or layout.schedule,
+        **options,
     )
 
 
@@ -737,6 +817,12 @@ _SPECS = (
         _dp_state, wanted=_counter, explains_divergence=False,
     ),
     CheckSpec(
+        "dp-training", f"DP training, {TRAINING_STEPS} steps", "dp",
+        "Outputs, parameters, buffers, optimizer state and the attributes forward sets, after "
+        "each of several DataParallel optimizer steps, equal single-device training's.",
+        _dp_training, wanted=_has_loss_fn, training=True,
+    ),
+    CheckSpec(
         "ddp-grads", "DDP grads match one device", "ddp",
         "Every rank's gradients after a DDP step equal the single-device full-batch step's.",
         _ddp_helper("assert_ddp_grads_match"), skip=_ddp_skip,
@@ -787,10 +873,23 @@ _SPECS = (
         _tp_grads, skip=functools.partial(_sharded_skip, "tp"),
     ),
     CheckSpec(
+        "tp-training", f"TP training, {TRAINING_STEPS} steps", "tp",
+        "Parameters, buffers and optimizer state after several tensor-parallel optimizer steps "
+        "equal single-device training's.",
+        _tp_training, skip=functools.partial(_sharded_skip, "tp"), training=True,
+    ),
+    CheckSpec(
         "pp-grads", "pipeline grads match one device", "pp",
         "Every pipeline stage's gradients and the schedule's loss equal the single-device "
         "full-batch step's.",
         _pp_grads, skip=functools.partial(_sharded_skip, "pp"),
+    ),
+    CheckSpec(
+        "pp-training", f"pipeline training, {TRAINING_STEPS} steps", "pp",
+        "Every stage's parameters, buffers and optimizer state after several optimizer steps "
+        "equal single-device training's (a weight tied across stages summed over them by "
+        "after_backward).",
+        _pp_training, skip=functools.partial(_sharded_skip, "pp"), training=True,
     ),
 )
 

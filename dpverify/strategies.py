@@ -67,9 +67,11 @@ from dpverify.models.specs import (
     TokenBatch,
     TokenScenario,
 )
+from dpverify.models.training import OPTIMIZERS, OptimizerSpec, TrainingScenario
 
 __all__ = [
     "LOSSES",
+    "OPTIMIZERS",
     "PADDING_SIDES",
     "SCHEDULES",
     "SHARDED_KINDS",
@@ -79,24 +81,28 @@ __all__ = [
     "FSDPLayout",
     "LossSpec",
     "ModelSpec",
+    "OptimizerSpec",
     "PipelineLayout",
     "Scenario",
     "ShardedScenario",
     "TPLayout",
     "TokenBatch",
     "TokenScenario",
+    "TrainingScenario",
     "batch_sizes",
     "device_lists",
     "dtypes",
     "fsdp_layouts",
     "loss_specs",
     "model_specs",
+    "optimizer_specs",
     "pipeline_layouts",
     "scenarios",
     "sharded_scenarios",
     "token_batches",
     "token_scenarios",
     "tp_layouts",
+    "training_scenarios",
 ]
 
 T = TypeVar("T")
@@ -674,3 +680,96 @@ def sharded_scenarios(
         raise InvalidArgument("world_sizes=[] is empty; pass at least one world size, e.g. (2,)")
     require_int_at_least(max_batch, "max_batch", 1)
     return _sharded_scenarios(backend, sizes, dtypes() if dtype is None else _value_or_strategy(dtype, "dtype", torch.dtype), max_batch)
+
+
+# --------------------------------------------------------------------------- training
+
+
+def optimizer_specs(*, names: Sequence[str] = OPTIMIZERS) -> SearchStrategy[OptimizerSpec]:
+    """torch's optimizers from ``names`` (``OPTIMIZERS``): SGD with and without momentum,
+    Adam and AdamW, at learning rates that move a small model visibly in a few steps, with
+    and without weight decay. Shrinks toward ``OptimizerSpec('sgd', lr=0.1)``."""
+    chosen = _subset("names", names, OPTIMIZERS, f"choose a non-empty subset of {OPTIMIZERS}")
+
+    @st.composite
+    def draw_spec(draw: st.DrawFn) -> OptimizerSpec:
+        name = draw(st.sampled_from([n for n in OPTIMIZERS if n in chosen]))
+        decay = draw(st.sampled_from((0.0, 0.01)))
+        if name == "sgd":
+            return OptimizerSpec(name, draw(st.sampled_from((0.1, 0.01))), draw(st.sampled_from((0.0, 0.9))), decay)
+        return OptimizerSpec(name, draw(st.sampled_from((1e-3, 1e-2))), weight_decay=decay)
+
+    return draw_spec()
+
+
+#: The models a DDP training scenario draws: what DDP reproduces exactly, with a loss outside
+#: the forward and no keyword arguments.
+_TRAINING_KINDS = tuple(k for k in KINDS if k not in ("kwargs", "loss-head"))
+
+
+@st.composite
+def _training_scenarios(
+    draw: st.DrawFn, backend: str, base: SearchStrategy[Scenario] | SearchStrategy[ShardedScenario], optimizers: SearchStrategy[OptimizerSpec],
+    max_steps: int, clip_norms: tuple[float | None, ...], micro_batches: tuple[int, ...],
+) -> TrainingScenario:
+    scenario = draw(base)
+    if not isinstance(scenario, ShardedScenario if backend == "fsdp" else Scenario):
+        raise InvalidArgument(f"scenarios drew {scenario!r}; training_scenarios({backend!r}) takes {'ShardedScenario' if backend == 'fsdp' else 'Scenario'}s")
+    optimizer = _drawn(draw(optimizers), "optimizers", OptimizerSpec)
+    steps = draw(st.integers(1, max_steps))
+    clip = draw(st.sampled_from(clip_norms))
+    if backend == "fsdp":
+        return TrainingScenario(scenario, optimizer, steps, clip)
+    assert isinstance(scenario, Scenario)
+    # as many micro-batches as every rank has rows for
+    world = len(scenario.devices.device_ids)
+    fitting = [k for k in micro_batches if scenario.batch_size >= k * world] or [1]
+    return TrainingScenario(scenario, optimizer, steps, clip, draw(st.sampled_from(fitting)))
+
+
+def training_scenarios(
+    backend: str = "ddp",
+    *,
+    scenarios: SearchStrategy[Scenario] | SearchStrategy[ShardedScenario] | None = None,
+    optimizers: SearchStrategy[OptimizerSpec] | None = None,
+    max_steps: int = 3,
+    clip_norms: Sequence[float | None] = (None, 0.05, 1.0),
+    micro_batches: Sequence[int] = (1, 2),
+) -> SearchStrategy[TrainingScenario]:
+    """Training runs for the training checks of ``backend``, ``"ddp"`` or ``"fsdp"``: a
+    scenario from ``scenarios`` (default, DDP: a model DDP reproduces exactly, a mean loss,
+    2 ranks and a row for each; FSDP2: ``sharded_scenarios("fsdp")``), its device count the
+    world size; an optimizer from ``optimizers`` (default ``optimizer_specs()``); 1 to
+    ``max_steps`` optimizer steps, each on a batch of its own; a global gradient clip to a
+    norm from ``clip_norms`` (None: no clip); and, for DDP, gradient accumulation under
+    ``no_sync()`` over a number of micro-batches from ``micro_batches`` that every rank
+    has rows for (1 where none fits).
+
+    Shrinks toward the simplest scenario, one step of ``OptimizerSpec('sgd', lr=0.1)``, and
+    the first of ``clip_norms`` and of ``micro_batches``.
+    """
+    if backend not in ("ddp", "fsdp"):
+        raise InvalidArgument(f"backend={backend!r}: training scenarios run on 'ddp' or 'fsdp'")
+    require_int_at_least(max_steps, "max_steps", 1)
+    clips = tuple(clip_norms)
+    if not clips or any(c is not None and not (isinstance(c, (int, float)) and c > 0) for c in clips):
+        raise InvalidArgument(f"clip_norms={list(clips)!r} must be a non-empty list of positive norms or None")
+    ks = tuple(require_int_at_least(k, "micro_batches", 1) for k in micro_batches)
+    if not ks:
+        raise InvalidArgument("micro_batches=[] is empty; pass counts of at least 1, e.g. (1, 2)")
+    if scenarios is None:
+        ddp = _default_training_scenarios()
+        scenarios = sharded_scenarios("fsdp") if backend == "fsdp" else ddp
+    elif not isinstance(scenarios, SearchStrategy):
+        raise InvalidArgument(f"scenarios={scenarios!r} must be a strategy of {'ShardedScenario' if backend == 'fsdp' else 'Scenario'}s")
+    return _training_scenarios(backend, scenarios, optimizer_specs() if optimizers is None else optimizers, max_steps, clips, ks)
+
+
+def _default_training_scenarios() -> SearchStrategy[Scenario]:
+    """DDP's: models it reproduces exactly with a loss outside the forward and no keyword
+    arguments, a mean loss, 2 ranks and a row for each."""
+    drawn = scenarios(
+        models=model_specs(kinds=_TRAINING_KINDS, exact=True), devices=DeviceList((0, 1)),
+        losses=loss_specs(reductions=("mean",)), max_batch=8,
+    )
+    return drawn.map(lambda s: replace(s, batch_size=max(s.batch_size, 2)))

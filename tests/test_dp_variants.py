@@ -291,7 +291,7 @@ _KIND_CHECKS = [
 def test_every_model_kind_meets_the_checks_meant_for_it() -> None:
     assert {kind for kind, _ in _KIND_CHECKS} == set(_KINDS)
     names = {name for _, name in _KIND_CHECKS}
-    assert names == {"dp-grads", "dp-grad-sum", "dp-loss-average", "dp-weighted-loss", "dp-buffers"}
+    assert names == {"dp-grads", "dp-grad-sum", "dp-loss-average", "dp-weighted-loss", "dp-buffers", "dp-training"}
 
 
 @pytest.mark.parametrize(("kind", "name"), _KIND_CHECKS)

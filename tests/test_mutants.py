@@ -19,10 +19,12 @@ from dpverify.mutants import (
     WeightedCriterionParallel,
     global_clip,
     manual_allreduce_step,
+    tp_global_clip,
     weighted_replica_losses,
 )
 from dpverify.registry import CHECKS, Target
 from dpverify.sharded.fsdp import weighted_fsdp_step
+from dpverify.sharded.pipeline_rank import sync_tied_grads
 from dpverify.strategies import Scenario
 
 # The search is bounded by the CI profile's examples; shrinking is left out to bound time.
@@ -47,24 +49,29 @@ def test_every_mutant_is_caught_with_a_message_that_points_at_the_bug(name: str)
 
 #: The correct implementation each property runs, by registry check: a DataParallel from
 #: scratch, a reduction weighted by chunk size, a DDP step with a hand-written all-reduce,
-#: torch's no_sync recipe, the FSDP2 step weighted by each rank's share of the batch.
+#: torch's no_sync recipe, the FSDP2 step weighted by each rank's share of the batch, a
+#: tensor-parallel clip by the norm of the full gradients.
 CORRECT = {
     "dp-grads": Target(parallel=ScratchDataParallel),
     "dp-grad-sum": Target(parallel=ScratchDataParallel),
     "dp-buffers": Target(parallel=ScratchDataParallel),
     "dp-weighted-loss": Target(reduce=weighted_replica_losses),
+    "dp-training": Target(parallel=ScratchDataParallel),
     "ddp-grads": Target(step=manual_allreduce_step),
     "ddp-accumulation": Target(step=dpverify.no_sync_accumulation_step),
     "fsdp-grads": Target(step=weighted_fsdp_step),
     "pp-grads": Target(schedule=ScheduleGPipe),
     "tp-grads": Target(plan=lambda layout, module: layout.plan(ColwiseParallel, RowwiseParallel)),
+    "tp-training": Target(after_backward=tp_global_clip),
+    "pp-training": Target(after_backward=sync_tied_grads),
     # torch's clip_grad_norm_ after backward: the global norm, under DDP and FSDP2 alike
     "ddp-training": Target(after_backward=global_clip),
     "fsdp-training": Target(after_backward=global_clip),
 }
 
-#: Properties whose examples train for several steps: the end-to-end tier runs them whole.
-TRAINING = {name for name, spec in CHECKS.items() if spec.training}
+#: Properties whose examples run three optimizer steps on ranks and twice on one device
+#: (about 20 s a search): the end-to-end tier runs them whole.
+TRAINING = {"ddp-training", "fsdp-training"}
 
 
 @pytest.mark.parametrize("check", [pytest.param(name, marks=pytest.mark.deep) if name in TRAINING else name for name in sorted(PROPERTIES)])
@@ -109,7 +116,7 @@ def test_catalogue_entries_are_documented_and_name_registry_checks() -> None:
         assert mutant.caught_by in CHECKS
         if mutant.kind == "hook":  # an after_backward hook runs in the training checks only
             assert CHECKS[mutant.caught_by].training, mutant.name
-        elif mutant.kind != "model":  # a model runs under any check
+        if mutant.kind not in ("hook", "model"):  # the user's hook or model runs on any backend
             backend = {"ddp-step": "ddp", "fsdp-step": "fsdp", "tp-plan": "tp", "pp-schedule": "pp"}.get(mutant.kind, "dp")
             assert CHECKS[mutant.caught_by].backend == backend, mutant.name
         assert torch.is_tensor(torch.zeros(1))  # the catalogue imports without side effects

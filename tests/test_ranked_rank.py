@@ -22,6 +22,7 @@ from dpverify.ranked.rank import (
     buffers_of,
     grads_of,
     items_of,
+    optimizer_state_of,
     outputs_of,
     run_step,
     shard_of,
@@ -174,7 +175,7 @@ def test_train_reads_the_buffers_and_the_optimizer_state_after_every_step() -> N
     momentum = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
     plan = Plan(batches(3), ((6,),) * 3, optimizer=momentum)
     module = nn.Sequential(mlp(), nn.BatchNorm1d(2))
-    trained = train(context(module), plan)
+    trained = train(context(module), plan, read_buffers=buffers_of, read_state=optimizer_state_of)
     assert len(trained.buffers) == len(trained.state) == 3
     twin = nn.Sequential(mlp(), nn.BatchNorm1d(2))
     optimizer = momentum(twin.parameters())

@@ -5,6 +5,12 @@ copy (``comm.broadcast_coalesced``), so in-place updates made by replica 0 persi
 others' are lost: after one step, the module's buffers are those of the module run on the
 first chunk alone (docs/semantics.md, section 5, Replicate). BatchNorm's running statistics
 and ``num_batches_tracked``, and spectral norm's power-iteration vectors, rely on this.
+
+That is torch's semantics, not the model's intent: a running statistic a forward updates
+from the rows it sees (an EMA of batch means, a usage count) then follows replica 0's chunk,
+not the full batch one device sees. The check also compares every buffer with the
+single-device full-batch update and says which differ; ``full_batch=True`` fails on them,
+but for BatchNorm's running statistics in train mode, a known, explained divergence.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from dpverify.core.comparison import (
     TensorId,
     compare_tensors,
 )
+from dpverify.core.divergence import divergence_sources
+from dpverify.core.errors import InvalidArgument
 from dpverify.core.step import convert_tensors, copy_module, default_dtype, seed_step
 from dpverify.core.text import plural
 from dpverify.core.tree import first_batched
@@ -84,12 +92,78 @@ def _buffers_after_forward(
     return {name: buffer.detach() for name, buffer in model.named_buffers()}
 
 
-def _compare_exact(name: TensorId, actual: torch.Tensor, expected: torch.Tensor) -> TensorComparison:
+def _compare_exact(name: TensorId, actual: torch.Tensor, expected: torch.Tensor, reference: str = "replica 0's chunk alone") -> TensorComparison:
     differs = int((actual.cpu() != expected.cpu()).sum()) if actual.shape == expected.shape else expected.numel()
     problem = None
     if differs:
-        problem = f"is {actual.tolist()} after the parallel step, {expected.tolist()} after replica 0's chunk alone"
+        problem = f"is {actual.tolist()} after the parallel step, {expected.tolist()} after {reference}"
     return TensorComparison(name, tuple(expected.shape), expected.numel(), mismatched=differs, problem=problem)
+
+
+def _compare(
+    label: TensorId, got: torch.Tensor | None, want: torch.Tensor, anchor: torch.Tensor, check: Check, reference: str,
+) -> TensorComparison:
+    if got is None:
+        return TensorComparison(label, tuple(want.shape), want.numel(), mismatched=1, problem="is missing after the parallel step")
+    if want.is_floating_point():
+        return compare_tensors(label, got, want, anchor, check.tolerance)
+    return _compare_exact(label, got, want, reference)
+
+
+def _batch_statistics(check: Check) -> set[str]:
+    """The modules whose buffers follow replica 0's chunk by a known, explained divergence:
+    BatchNorm in train mode (``divergence_sources``)."""
+    return {source.module for source in divergence_sources(check.module) if source.kind == "batch statistics"}
+
+
+def _owner(buffer: str) -> str:
+    return buffer.rpartition(".")[0]
+
+
+def _full_batch_findings(
+    check: Check, actual: Mapping[str, torch.Tensor], rows_zero: int, *, fail: bool,
+) -> tuple[list[TensorComparison], list[str]]:
+    """Every buffer after the parallel step against the single-device full-batch update:
+    the rows that fail (``fail``: those not explained), and notes for the others."""
+    if len(check.plan.chunk_sizes) < 2:
+        return [], []  # one chunk: replica 0's update is the full batch's
+    full = _buffers_after_forward(check, check.args, check.kwargs, parallel=False, dtype=None)
+    anchor = _buffers_after_forward(check, check.args, check.kwargs, parallel=False, dtype=torch.float64)
+    explained = _batch_statistics(check)
+    rows: list[TensorComparison] = []
+    plain: list[str] = []
+    batchnorm: list[str] = []
+    for name, buffer in full.items():
+        label = TensorId("buffer", name, variant="full batch")
+        row = _compare(label, actual.get(name), buffer, anchor[name], check, "the full batch on one device")
+        if row.ok:
+            continue
+        if _owner(name) in explained:
+            batchnorm.append(name)
+        elif fail:
+            rows.append(row)
+        else:
+            plain.append(name)
+    batch = sum(check.plan.chunk_sizes)
+    notes = []
+    if plain or rows:
+        names = ", ".join(repr(n) for n in plain or [r.id.name for r in rows])
+        notes.append(
+            f"Buffers {names} differ from the single-device full-batch update: DataParallel keeps replica 0's "
+            f"buffers, updated from its chunk ({plural(rows_zero, 'row')} of {batch}), and drops the other replicas' "
+            "updates, so a running statistic updated in forward follows replica 0's chunk, not the full batch. "
+            "Compute it over the full batch outside the DataParallel forward"
+            + ("." if rows else "; full_batch=True fails on this.")
+        )
+    if batchnorm:
+        modules = ", ".join(repr(m) for m in dict.fromkeys(_owner(n) for n in batchnorm))
+        notes.append(
+            f"BatchNorm {modules} in train mode: its running statistics follow replica 0's chunk, not the full "
+            "batch (a known divergence: each replica normalises its chunk with that chunk's statistics, and "
+            "DataParallel keeps replica 0's buffers). Compare in eval mode, or use SyncBatchNorm under "
+            "DistributedDataParallel."
+        )
+    return rows, notes
 
 
 def assert_dp_buffers_match(
@@ -102,6 +176,7 @@ def assert_dp_buffers_match(
     forward_kwargs: Mapping[str, Any] | None = None,
     msg: Msg = None,
     dim: int = 0,
+    full_batch: bool = False,
 ) -> StepComparison:
     """Asserts the module's buffers after a parallel forward are replica 0's.
 
@@ -111,20 +186,32 @@ def assert_dp_buffers_match(
     float64-anchored tolerance, integer ones exactly. A wrapper that keeps another
     replica's updates, averages them, or loses replica 0's fails.
 
-    Args: as ``assert_dp_grads_match``, without target and loss.
+    Every buffer is also compared with the single-device full-batch update (a third copy
+    run on the whole batch): torch keeps replica 0's update, so a running statistic updated
+    in forward from the rows it sees (an EMA of batch means, a usage count) differs from
+    what one device computes. Those buffers are named in a note; with ``full_batch=True``
+    they fail the check, except BatchNorm's running statistics in train mode, a known
+    divergence that stays a note (compare in eval mode to check them).
+
+    Args: as ``assert_dp_grads_match``, without target and loss, and:
+        full_batch: fail where a buffer differs from the single-device full-batch update
+            (default False: a note says so).
 
     Raises:
-        ParallelMismatch: a buffer differs from replica 0's.
+        ParallelMismatch: a buffer differs from replica 0's, or, with ``full_batch``, from
+            the single-device full-batch update for a reason other than train-mode BatchNorm.
     """
     __tracebackhide__ = True
+    if not isinstance(full_batch, bool):
+        raise InvalidArgument(f"full_batch={full_batch!r} must be True or False")
     check = Check.create(
         module, inputs, device_ids=device_ids, output_device=output_device, parallel=parallel,
         forward_kwargs=forward_kwargs, dim=dim,
     )
-    return raise_unless_ok(buffers_match(check), msg)
+    return raise_unless_ok(buffers_match(check, full_batch=full_batch), msg)
 
 
-def buffers_match(check: Check) -> StepComparison:
+def buffers_match(check: Check, *, full_batch: bool = False) -> StepComparison:
     """``assert_dp_buffers_match`` on a built ``check``, returning its comparison whatever
     it found."""
     replica_zero = _ReplicaZero(check.device_ids[0])
@@ -136,22 +223,18 @@ def buffers_match(check: Check) -> StepComparison:
         first_args, first_kwargs = _first_chunk(check)
     expected = _buffers_after_forward(check, first_args, first_kwargs, parallel=False, dtype=None)
     anchor = _buffers_after_forward(check, first_args, first_kwargs, parallel=False, dtype=torch.float64)
-    rows = []
-    for name, buffer in expected.items():
-        label = TensorId("buffer", name)
-        got = actual.get(name)
-        if got is None:
-            rows.append(TensorComparison(label, tuple(buffer.shape), buffer.numel(), mismatched=1, problem="is missing after the parallel step"))
-        elif buffer.is_floating_point():
-            rows.append(compare_tensors(label, got, buffer, anchor[name], check.tolerance))
-        else:
-            rows.append(_compare_exact(label, got, buffer))
+    rows = [_compare(TensorId("buffer", name), actual.get(name), buffer, anchor[name], check, "replica 0's chunk alone") for name, buffer in expected.items()]
     first = first_batched(first_args)
     rows_zero = int(first.shape[check.dim]) if first is not None else 0
     notes = [
         f"Replica 0 ran on {plural(rows_zero, 'row')}; "
         "torch keeps its in-place buffer updates and drops the other replicas'."
     ]
+    full_rows, full_notes = _full_batch_findings(check, actual, rows_zero, fail=full_batch)
+    rows += full_rows
+    notes += full_notes
     title = "Buffers after the parallel step must be those replica 0 left"
+    if full_batch:
+        title += ", and equal the single-device full-batch update"
     ran = replica_zero.forwards
     return check.outcome(title, rows, notes=notes, failures=check.replica_failures(ran), replicas=ran)

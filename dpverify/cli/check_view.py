@@ -25,8 +25,24 @@ _STYLES = {
 }
 
 
+def _group_backend() -> str | None:
+    """The backend of the initialised default process group (torchrun's), whose ranks the
+    ranked checks run on; None without one."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from dpverify.ddp.torchrun import ProcessGroupRunner
+
+    return ProcessGroupRunner().backend
+
+
 def _ddp_backend(world_size: int) -> str:
-    """The process group backend the DDP check's pool of ``world_size`` ranks gets."""
+    """The process group backend the DDP check's ranks get: torchrun's group's, else that
+    of a pool of ``world_size`` ranks."""
+    group = _group_backend()
+    if group is not None:
+        return group
     try:
         from dpverify.ddp.pool import default_backend
     except ImportError:  # no DDP in this build: the command refused --backend ddp already
@@ -59,7 +75,7 @@ def runs_on(
     from dpverify.core.devices import cuda_device_count
 
     parts: list[str] = []
-    if backend in ("dp", "all"):
+    if backend == "dp" or (backend == "all" and _group_backend() is None):  # under torchrun, "all" is the ranked ones
         gpus = cuda_device_count()
         where = f"{plural(gpus, 'CUDA device')} where enough exist, virtual ones otherwise" if gpus else "virtual devices (no CUDA here)"
         pair = f" with criterion wrapper {criterion}" if criterion else ""
@@ -82,10 +98,11 @@ def runs_on(
 
 def render_model_check_header(
     console: Any, model: UserModel, *, loss: str, backend: str, device_counts: Sequence[int], wrapper: str | None = None,
-    criterion: str | None = None, dim: int = 0,
+    criterion: str | None = None, dim: int = 0, training: str | None = None,
 ) -> None:
     """Prints what is checked, on what, before any check runs (a long run shows at once
-    what it is doing): the wrapper and criterion wrapper under test among them."""
+    what it is doing): the wrapper and criterion wrapper under test among them, and where
+    a training check runs, ``training``: its steps, optimizer and code after backward."""
     from rich.text import Text
 
     console.print(Text(f"dpverify check: {model.name}", style="bold"))
@@ -94,6 +111,8 @@ def render_model_check_header(
         f"{runs_on(backend, device_counts, wrapper, criterion=criterion, dim=dim)}; torch {torch.__version__}",
         markup=False,
     )
+    if training is not None:
+        console.print(training, markup=False)
 
 
 class CheckProgress:

@@ -3,7 +3,10 @@
 Each example is a ``Scenario`` drawn by Hypothesis (``scenario_strategy``), made a ``Case``
 (``Case.from_scenario``) and checked by the checks of ``dpverify.registry.CHECKS`` that
 apply to it (``DP_CHECKS``, ``DDP_CHECKS``, ``SHARDED_CHECKS``), as the property suite
-checks (``tests/test_properties.py``). A check that comes back ``EXPLAINED`` (BatchNorm or
+checks (``tests/test_properties.py``). Under ``--backend ddp`` and ``fsdp`` each example is a
+``TrainingScenario`` (``training_scenarios``): the backend's gradient checks run on its
+scenario, then its training checks (``CheckSpec.training``, ``TRAINING_CHECKS``) train it for
+a few steps with its optimizer, clip and accumulation. A check that comes back ``EXPLAINED`` (BatchNorm or
 Dropout in train mode) counts as an expected divergence, and must pass on the eval-mode
 copy (``_run_check``).
 
@@ -41,6 +44,7 @@ from dpverify.core.text import plural
 from dpverify.models.layouts import BACKENDS as SHARDED_BACKENDS
 from dpverify.models.layouts import ShardedScenario
 from dpverify.models.specs import KINDS
+from dpverify.models.training import TrainingScenario
 from dpverify.registry import CHECKS, Case, CheckResult, Target, Verdict
 from dpverify.strategies import (
     DeviceList,
@@ -51,6 +55,7 @@ from dpverify.strategies import (
     model_specs,
     scenarios,
     sharded_scenarios,
+    training_scenarios,
 )
 
 __all__ = [
@@ -60,11 +65,13 @@ __all__ = [
     "DP_CHECKS",
     "SHARDED_CHECKS",
     "TARGET_FIELDS",
+    "TRAINING_CHECKS",
     "FuzzConfig",
     "FuzzExample",
     "FuzzFailure",
     "FuzzReport",
     "Tally",
+    "describe_training",
     "fuzz",
     "parse_duration",
     "repro_script",
@@ -88,6 +95,25 @@ DP_CHECKS: tuple[str, ...] = ("dp-grads", "dp-grad-sum", "dp-loss-average", "dp-
 DDP_CHECKS: tuple[str, ...] = ("ddp-grads",)
 #: The registry checks a sharded example runs, by backend.
 SHARDED_CHECKS: dict[str, tuple[str, ...]] = {"fsdp": ("fsdp-grads",), "tp": ("tp-grads",), "pp": ("pp-grads",)}
+#: The registry's training checks (``CheckSpec.training``) a backend's examples run, by backend:
+#: those the training scenarios can lay out (``TrainingScenario``: DDP and FSDP2).
+TRAINING_CHECKS: dict[str, tuple[str, ...]] = {
+    backend: tuple(name for name, spec in CHECKS.items() if spec.training and spec.backend == backend) for backend in ("ddp", "fsdp")
+}
+#: The global clip norms a backend's training scenarios draw (None: no clip). FSDP2's
+#: training check takes ``after_backward`` with issue 24's item 2; until then it draws none.
+_CLIP_NORMS: dict[str, tuple[float | None, ...]] = {"ddp": (None, 0.05, 1.0), "fsdp": (None,)}
+
+
+
+def describe_training(backend: str) -> str:
+    """What a backend's training runs draw, in words (the session's header)."""
+    parts = ["SGD, SGD with momentum, Adam, AdamW", "1 to 3 optimizer steps"]
+    parts += ["a global clip"] if any(_CLIP_NORMS[backend]) else []
+    parts += ["no_sync() accumulation"] if backend == "ddp" else []
+    return f"{', '.join(parts)} ({', '.join(TRAINING_CHECKS[backend])})"
+
+
 #: The ``Target`` field ``--target`` fills, by backend: DataParallel's wrapper, a per-rank
 #: step (DDP, FSDP2), a tensor-parallel plan builder, a pipeline schedule class.
 TARGET_FIELDS: dict[str, str] = {"dp": "parallel", "ddp": "step", "fsdp": "step", "tp": "plan", "pp": "schedule"}
@@ -97,6 +123,9 @@ TARGET_FIELDS: dict[str, str] = {"dp": "parallel", "ddp": "step", "fsdp": "step"
 DDP_KINDS: tuple[str, ...] = tuple(k for k in KINDS if k not in ("kwargs", "loss-head"))
 
 _DIVERGENT_KINDS = ("batchnorm", "dropout")
+
+#: What a session draws: a scenario of one step, a sharded one, or a training run of either.
+AnyScenario = Scenario | ShardedScenario | TrainingScenario
 _DURATION = re.compile(r"^\s*(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>s|m|h)?\s*$")
 
 
@@ -153,7 +182,7 @@ class _CheckFailed(Exception):
             whose train-mode run diverged as expected.
     """
 
-    def __init__(self, scenario: Scenario | ShardedScenario, result: CheckResult, *, eval_mode: bool = False) -> None:
+    def __init__(self, scenario: AnyScenario, result: CheckResult, *, eval_mode: bool = False) -> None:
         super().__init__(result.summary)
         self.check = result.check
         self.scenario = scenario
@@ -177,9 +206,11 @@ def _bucket(name: str) -> str:
     return name
 
 
-def _run_check(name: str, scenario: Scenario | ShardedScenario, target: Target, loss: Any = None) -> Outcome:
+def _run_check(name: str, scenario: AnyScenario, target: Target, loss: Any = None) -> Outcome:
     """Runs one registry check on a fresh ``Case`` of ``scenario`` (a check may change its
-    module, as ``dp-state`` does, and a repro script starts from a fresh one too).
+    module, as ``dp-state`` does, and a repro script starts from a fresh one too); a
+    training scenario's own code (its clip, its accumulation step) goes where ``target``
+    has none (``Target.with_defaults``).
 
     Returns:
         The module classes of an expected divergence (empty when the check passed), and
@@ -191,6 +222,8 @@ def _run_check(name: str, scenario: Scenario | ShardedScenario, target: Target, 
     """
     spec = CHECKS[name]
     case = with_user_loss(Case.from_scenario(scenario), loss)
+    if isinstance(scenario, TrainingScenario):
+        target = target.with_defaults(**scenario.code())
     result = spec.run(case, target)
     if result.verdict is Verdict.FAIL:
         raise _CheckFailed(scenario, result)
@@ -418,7 +451,7 @@ class FuzzFailure:
     """
 
     check: str
-    scenario: Scenario | ShardedScenario
+    scenario: AnyScenario
     report: str
     repro: Path
     first_found_at: int
@@ -463,11 +496,14 @@ class _TimeUp(BaseException):
     instead of treating it as a failure to shrink)."""
 
 
-def scenario_strategy(config: FuzzConfig) -> SearchStrategy[Scenario] | SearchStrategy[ShardedScenario]:
+def scenario_strategy(config: FuzzConfig) -> SearchStrategy[Scenario] | SearchStrategy[ShardedScenario] | SearchStrategy[TrainingScenario]:
     """The scenarios a session draws: DataParallel device lists of 1 to ``devices``
     devices, or, for the DDP backend alone, ``devices`` ranks and at least one row each;
-    for a sharded backend, its ``sharded_scenarios`` on ``devices`` ranks. A session with
-    a criterion wrapper draws its own scenarios (``_pair_scenarios``)."""
+    for a sharded backend, its ``sharded_scenarios`` on ``devices`` ranks. DDP's and
+    FSDP2's are the scenarios of ``training_scenarios``. A session with a criterion wrapper
+    draws its own scenarios (``_pair_scenarios``)."""
+    if config.backend == "fsdp":
+        return training_scenarios("fsdp", scenarios=sharded_scenarios("fsdp", world_sizes=(config.devices,)), clip_norms=_CLIP_NORMS["fsdp"])
     if config.backend in SHARDED_BACKENDS:
         return sharded_scenarios(config.backend, world_sizes=(config.devices,))
     if config.backend == "ddp":
@@ -478,7 +514,8 @@ def scenario_strategy(config: FuzzConfig) -> SearchStrategy[Scenario] | SearchSt
             models=model_specs(kinds=_loss_kinds(config, DDP_KINDS)), devices=ranks,
             losses=loss_specs(names=_loss_names(config), reductions=("mean",)), max_batch=max(12, 2 * config.devices),
         )
-        return drawn.map(lambda s: dataclasses.replace(s, batch_size=max(s.batch_size, config.devices)))
+        ranked = drawn.map(lambda s: dataclasses.replace(s, batch_size=max(s.batch_size, config.devices)))
+        return training_scenarios("ddp", scenarios=ranked, clip_norms=_CLIP_NORMS["ddp"])
     # Two devices at least where --devices allows: a one-device example runs one replica,
     # so every check skips it (nothing parallel to compare), and Hypothesis, which draws
     # small values first, spent most of a short session on them. With one GPU visible this
@@ -550,21 +587,28 @@ def devices_text(config: FuzzConfig) -> str:
     return f"{where}, and {ranks}" if config.backend == "all" else where
 
 
-def _example_runner(config: FuzzConfig) -> Callable[[Scenario | ShardedScenario], Outcome]:
+def _example_runner(config: FuzzConfig) -> Callable[[AnyScenario], Outcome]:
     """One example: the DataParallel checks that apply, then (``ddp``, or ``all`` where DDP's
-    contract holds) the DDP checks on ``--devices`` ranks; raises ``_CheckFailed``."""
+    contract holds) the DDP checks on ``--devices`` ranks; for a training scenario, its
+    scenario's checks and then the training checks; raises ``_CheckFailed``."""
     torch_wrapper = config.target is None
     dp = Target(parallel=config.target_object, parallel_loss=config.parallel_loss_object)
     ddp = Target(step=config.target_object, ddp_kwargs=dict(config.ddp_kwargs) or None)
     sharded = Target(**{TARGET_FIELDS[config.backend]: config.target_object}) if config.backend in SHARDED_BACKENDS else ddp
 
-    def run(name: str, scenario: Scenario, target: Target) -> Outcome:
+    def run(name: str, scenario: Scenario | TrainingScenario, target: Target) -> Outcome:
         # the user's loss (--loss MODULE:FN) where one was given
         if config.loss_object is None:
             return _run_check(name, scenario, target)
         return _run_check(name, scenario, target, config.loss_object)
 
-    def example(scenario: Scenario | ShardedScenario) -> Outcome:
+    def example(scenario: AnyScenario) -> Outcome:
+        if isinstance(scenario, TrainingScenario):
+            # the one-step checks on its scenario, then the training checks on all of it
+            outcome = example(scenario.scenario)
+            for name in TRAINING_CHECKS[scenario.backend]:
+                outcome |= _run_check(name, scenario, sharded) if isinstance(scenario.scenario, ShardedScenario) else run(name, scenario, ddp)
+            return outcome
         outcome = Outcome()
         if isinstance(scenario, ShardedScenario):
             for name in SHARDED_CHECKS[scenario.backend]:
@@ -659,7 +703,7 @@ def fuzz(config: FuzzConfig, *, on_example: Callable[[Tally], None] | None = Non
 
     ctrl_c: list[bool] = []
 
-    def check(scenario: Scenario | ShardedScenario) -> None:
+    def check(scenario: AnyScenario) -> None:
         if ctrl_c:
             raise KeyboardInterrupt  # a Ctrl-C whose KeyboardInterrupt a finalizer lost
         if not saved:
@@ -762,7 +806,7 @@ def _target_import(target: str | None, parallel_loss: str | None = None, loss: s
 
 def repro_script(
     check: str,
-    scenario: Scenario | ShardedScenario,
+    scenario: AnyScenario,
     *,
     target: str | None,
     eval_mode: bool = False,
@@ -778,7 +822,8 @@ def repro_script(
 
     Args:
         check: a key of ``CHECKS``.
-        scenario: the (shrunk) scenario; a DDP check's world size is its device count.
+        scenario: the (shrunk) scenario; a DDP check's world size is its device count. A
+            training scenario's clip and accumulation step go where the target has none.
         target: ``MODULE:CALLABLE`` under test, or None for torch's own.
         eval_mode: run the check on the eval-mode copy of the model.
         path: where the script will live (named in its docstring).
@@ -793,6 +838,9 @@ def repro_script(
     fields = f"{field_name}=target" + (", parallel_loss=parallel_loss" if parallel_loss else "")
     fields += f", ddp_kwargs={ddp_kwargs!r}" if ddp_kwargs else ""
     imports = target is not None or parallel_loss is not None or loss is not None
+    training = isinstance(scenario, TrainingScenario)
+    layout = scenario.scenario if isinstance(scenario, TrainingScenario) else scenario
+    code = f"Target({fields})" + (".with_defaults(**scenario.code())" if training else "")
     case = "Case.from_scenario(scenario)"
     case = f"with_user_loss({case}, loss)" if loss is not None else case
     case += ".in_eval_mode()" if eval_mode else ""
@@ -812,7 +860,8 @@ def repro_script(
         "from dpverify.registry import CHECKS, Case, Target",
         *(["from dpverify.cli.fuzz import with_user_loss"] if loss is not None else []),
         "from dpverify.models.specs import DeviceList, LossSpec, ModelSpec, Scenario",
-        *(["from dpverify.models.layouts import FSDPLayout, PipelineLayout, ShardedScenario, TPLayout"] if isinstance(scenario, ShardedScenario) else []),
+        *(["from dpverify.models.layouts import FSDPLayout, PipelineLayout, ShardedScenario, TPLayout"] if isinstance(layout, ShardedScenario) else []),
+        *(["from dpverify.models.training import OptimizerSpec, TrainingScenario"] if training else []),
         "",
         *_target_import(target, parallel_loss, loss),
         "",
@@ -820,7 +869,7 @@ def repro_script(
         "",
         "",
         "def main() -> None:",
-        f'    CHECKS["{check}"].check({case}, Target({fields}))',
+        f'    CHECKS["{check}"].check({case}, {code})',
         '    print("passed: the failure does not reproduce")',
         "",
         "",

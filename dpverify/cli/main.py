@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from dpverify.cli.fuzz import FuzzConfig, FuzzReport
+    from dpverify.planner import TrainingOptions
     from dpverify.registry import CheckResult
 
 __all__ = [
@@ -396,6 +398,8 @@ def _fuzz_loss(args: argparse.Namespace) -> Any:
 
 
 def _fuzz_header(console: Console, config: FuzzConfig, where: str) -> None:
+    from dpverify.cli.fuzz import TRAINING_CHECKS, describe_training
+
     under_test = {
         "dp": "torch.nn.DataParallel",
         "ddp": "torch DistributedDataParallel",
@@ -420,7 +424,8 @@ def _fuzz_header(console: Console, config: FuzzConfig, where: str) -> None:
         replay = f"random seed; failures kept in {config.state_dir}/examples and replayed first"
     else:
         replay = f"seed {config.seed} (a seeded session does not use the example database)"
-    console.print(f"[bold]dpverify fuzz[/]: {under_test} on {where}; {limit}; {replay}", soft_wrap=True)
+    training = f"; training runs: {describe_training(config.backend)}" if config.backend in TRAINING_CHECKS else ""
+    console.print(f"[bold]dpverify fuzz[/]: {under_test} on {where}; {limit}; {replay}{training}", soft_wrap=True)
 
 
 def _fuzz_summary(console: Console, config: FuzzConfig, report: FuzzReport) -> int:
@@ -489,6 +494,28 @@ def _check_dim(args: argparse.Namespace) -> None:
         )
 
 
+def _check_command(args: argparse.Namespace) -> int:
+    """``dpverify check``: on torchrun's ranks when torchrun started this process
+    (``dpverify.cli.torchrun``), else here, with pools of ranks for the ranked checks."""
+    from dpverify.ddp.torchrun import under_torchrun
+    from dpverify.planner import DEFAULT_DEVICE_COUNTS
+
+    if under_torchrun():
+        from dpverify.cli.torchrun import check_under_torchrun
+
+        return check_under_torchrun(args, _check, _ranked_checks)
+    args.backend = args.backend or "dp"
+    args.devices = args.devices or list(DEFAULT_DEVICE_COUNTS)
+    return _check(args)
+
+
+def _ranked_checks(names: list[str]) -> list[str]:
+    """The checks among ``names`` (``all``: every one) that run on ranks, not DataParallel's."""
+    from dpverify.registry import CHECKS
+
+    return [name for name in (list(CHECKS) if "all" in names else names) if CHECKS[name].backend != "dp"]
+
+
 def _check(args: argparse.Namespace) -> int:
     from dpverify.cli.check_view import CheckProgress, render_model_check, render_model_check_header
     from dpverify.figures.check import check_figure
@@ -501,18 +528,23 @@ def _check(args: argparse.Namespace) -> int:
     if args.parallel_loss and args.backend not in ("dp", "all"):
         raise InvalidArgument(f"--parallel-loss is a DataParallel criterion wrapper, for --backend dp or all; the {args.backend} checks compute the loss on each rank")
     ddp_kwargs = _ddp_kwargs(args, backends=("ddp", "all"))
-    checks = list(CHECKS) if "all" in args.checks else list(args.checks)
+    checks = _check_names(args)
     model = _load_model(args, default=None)
+    training = _training(args, model)
     # planning makes every batch: a batch that cannot be made is a usage error before any output
-    target = Target(parallel=_load_callable(args.parallel, "--parallel"), parallel_loss=_load_callable(args.parallel_loss, "--parallel-loss"), ddp_kwargs=ddp_kwargs)
+    target = Target(
+        parallel=_load_callable(args.parallel, "--parallel"), parallel_loss=_load_callable(args.parallel_loss, "--parallel-loss"),
+        ddp_kwargs=ddp_kwargs, after_backward=training.hook,
+    )
     plan = plan_checks(
         model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend,
-        checks=checks, target=target, dim=args.dim,
+        checks=checks, target=target, dim=args.dim, training=training.options,
     )
+    _require_training_check(args, plan)
     if not plan:
         every = plan_checks(model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend="all", checks=list(CHECKS), dim=args.dim)
         fitting = sorted({planned.spec.name for planned in every if planned.spec.why_not(planned.case) is None})
-        raise InvalidArgument(f"--checks {' '.join(args.checks)} --backend {args.backend}: none of these applies to this model; these do: {', '.join(fitting)}")
+        raise InvalidArgument(f"--checks {' '.join(checks)} --backend {args.backend}: none of these applies to this model; these do: {', '.join(fitting)}")
     batch = model.make_batch(max(args.batch_sizes))
     if args.parallel_loss and batch.loss_fn is None:
         raise InvalidArgument(
@@ -524,12 +556,13 @@ def _check(args: argparse.Namespace) -> int:
     render_model_check_header(
         console, model, loss=batch.loss_name, backend=args.backend, device_counts=args.devices,
         wrapper=args.parallel, criterion=args.parallel_loss, dim=args.dim,
+        training=training.describe(model, max(args.batch_sizes)) if any(planned.spec.training for planned in plan) else None,
     )
     with CheckProgress(console, len(plan)) as progress:
         report = check_model(
             model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend,
             checks=checks, target=target, on_start=progress.start, on_result=progress.finished, plan=plan,
-            dim=args.dim,
+            dim=args.dim, training=training.options,
         )
     render_model_check(console, report)
     _write_figure(lambda: check_figure(report), figure)
@@ -537,6 +570,137 @@ def _check(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     # a run that compared nothing is no pass: the skip reasons are printed above
     return EXIT_NOTHING_CHECKED if report.checked_nothing else EXIT_OK
+
+
+# --------------------------------------------------------------------------- check: training
+
+
+#: The options of the training checks (``CheckSpec.training``), as ``check`` spells them.
+_TRAINING_OPTIONS = ("--step", "--optimizer", "--steps")
+
+
+def _training_arguments(parser: argparse.ArgumentParser) -> None:
+    from dpverify.registry import TRAINING_STEPS
+
+    group = parser.add_argument_group(
+        "training checks",
+        f"Options of the checks that train for several optimizer steps ({', '.join(_training_checks())}); "
+        "giving one adds those of --backend to the default --checks.",
+    )
+    group.add_argument(
+        "--step", "--after-backward", dest="step", metavar="MODULE:FN",
+        help="your code between backward and the optimizer step, FN(ctx): gradient clipping, loss scaling, custom "
+        "all-reduces (pass group=ctx.group to collectives); it runs on every rank and in the single-device reference",
+    )
+    group.add_argument(
+        "--optimizer", metavar="NAME[:KEY=VALUE,...]|MODULE:FACTORY",
+        help="the optimizer: sgd, adam or adamw with lr, momentum (sgd) and weight_decay, e.g. sgd:lr=0.1,momentum=0.9 "
+        "or adam:lr=1e-3; or your FACTORY(params) returning a torch.optim.Optimizer (default sgd:lr=0.1,momentum=0.9)",
+    )
+    group.add_argument(
+        "--steps", type=_positive("--steps"), metavar="N",
+        help=f"optimizer steps (default {TRAINING_STEPS}), each on a batch of its own: --inputs FN(batch_size) called "
+        "again with torch seeded --seed + step (a FN that ignores torch's seed gives the same batch every step), a fresh "
+        "inferred batch, or a built-in model's batch of that seed",
+    )
+
+
+def _training_checks(backend: str = "all") -> list[str]:
+    """The registry's training checks of ``backend`` (every one for ``"all"``)."""
+    from dpverify.registry import CHECKS
+
+    return [name for name, spec in CHECKS.items() if spec.training and backend in (spec.backend, "all")]
+
+
+def _training_given(args: argparse.Namespace) -> list[str]:
+    """The training options given, as ``check`` spells them."""
+    return [option for option in _TRAINING_OPTIONS if getattr(args, option.removeprefix("--")) is not None]
+
+
+def _check_names(args: argparse.Namespace) -> list[str]:
+    """``--checks`` (every check for ``all``); by default ``DEFAULT_CHECKS``, and the
+    training checks of ``--backend`` where a training option is given."""
+    from dpverify.planner import DEFAULT_CHECKS
+    from dpverify.registry import CHECKS
+
+    if args.checks is not None:
+        return list(CHECKS) if "all" in args.checks else list(args.checks)
+    added = _training_checks(args.backend) if _training_given(args) else []
+    return [*DEFAULT_CHECKS, *(name for name in added if name not in DEFAULT_CHECKS)]
+
+
+@dataclass(frozen=True)
+class _Training:
+    """``check``'s training options, loaded: what the planner gets, the hook under test
+    (``Target.after_backward``), and the names the header shows."""
+
+    options: TrainingOptions
+    hook: Any
+    hook_name: str | None
+    optimizer_name: str
+
+    def describe(self, model: UserModel, batch_size: int) -> str:
+        """The header's line: the steps, their batches (as made: a batch function that
+        ignores torch's seed gives the same one every step), the optimizer and the hook."""
+        batches = "a batch of its own" if _distinct_step_batches(model, batch_size) else "the same batch"
+        if batches == "the same batch" and model.make_step_batch is not None:
+            batches += f" ({model.batch_source} gave the same batch for two steps)"
+        hook = f"after backward: {self.hook_name}" if self.hook_name else "nothing after backward (--step MODULE:FN)"
+        return f"training checks: {plural(self.options.steps, 'optimizer step')} of {self.optimizer_name}, each on {batches}; {hook}"
+
+
+def _distinct_step_batches(model: UserModel, batch_size: int) -> bool:
+    """Whether the first two training steps' batches differ, as made."""
+    from dpverify.core.tree import tensor_leaves
+
+    def tensors(batch: Any) -> list[torch.Tensor]:
+        return [tensor for _, _, tensor in tensor_leaves((batch.inputs, dict(batch.kwargs), batch.target))]
+
+    first, second = (tensors(batch) for batch in model.step_batches(batch_size, 2))
+    return len(first) != len(second) or any(a.shape != b.shape or not torch.equal(a, b) for a, b in zip(first, second, strict=False))
+
+
+def _training(args: argparse.Namespace, model: UserModel) -> _Training:
+    """``--step``, ``--optimizer`` and ``--steps`` loaded (each checked before any check runs).
+
+    Raises:
+        InvalidArgument: a hook or optimizer that cannot be used; the message names the option.
+    """
+    from dpverify.cli.user_model import load_hook, load_optimizer
+    from dpverify.planner import TrainingOptions
+    from dpverify.ranked.check import callable_name
+    from dpverify.registry import DEFAULT_OPTIMIZER, TRAINING_STEPS
+
+    hook = load_hook(args.step, "--step")
+    factory, name = load_optimizer(args.optimizer, model.module) if args.optimizer else (None, f"{callable_name(DEFAULT_OPTIMIZER)} (the default)")
+    return _Training(TrainingOptions(args.steps or TRAINING_STEPS, factory), hook, args.step, name)
+
+
+def _require_training_check(args: argparse.Namespace, plan: Sequence[Any]) -> None:
+    """A training option goes to a training check that is planned: never a silent no-op.
+
+    Raises:
+        InvalidArgument: a training option is given and no planned check trains; the message
+            names the options and what to pass instead.
+    """
+    from dpverify.registry import CHECKS
+
+    given = _training_given(args)
+    if not given or any(planned.spec.training for planned in plan):
+        return
+    options = " and ".join(given)
+    chosen = f" --checks {' '.join(args.checks)}" if args.checks is not None else ""
+    everywhere = _training_checks()
+    here = _training_checks(args.backend)
+    if here:
+        advice = f"add {' '.join(here)} to --checks (or pass --checks all)"
+    else:
+        backends = list(dict.fromkeys(CHECKS[name].backend for name in everywhere))
+        advice = f"--backend {args.backend} has none; pass --backend {' or '.join(backends)} (or all)"
+    raise InvalidArgument(
+        f"{options} {'go' if len(given) > 1 else 'goes'} to the training checks ({', '.join(everywhere)}), and none of them runs "
+        f"with --backend {args.backend}{chosen}: {advice}, or leave {options} out"
+    )
 
 
 # --------------------------------------------------------------------------- explain
@@ -663,11 +827,11 @@ def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
     _model_arguments(check)
     check.add_argument("--model", choices=sorted(BUILTIN_MODELS), help="a built-in model instead of MODULE:FACTORY")
     check.add_argument(
-        "--backend", choices=(*CHECK_BACKENDS, "all"), default="dp",
-        help="DataParallel (default), DDP, FSDP2 (fsdp), tensor parallel (tp), pipeline parallel (pp), or all of them",
+        "--backend", choices=(*CHECK_BACKENDS, "all"), default=None,
+        help="DataParallel (default; ddp under torchrun), DDP, FSDP2 (fsdp), tensor parallel (tp), pipeline parallel (pp), or all of them",
     )
     check.add_argument("--batch-sizes", type=_positive("--batch-sizes"), nargs="+", default=list(DEFAULT_BATCH_SIZES), metavar="B", help=f"batch sizes (default {' '.join(map(str, DEFAULT_BATCH_SIZES))})")
-    check.add_argument("--devices", type=_positive("--devices"), nargs="+", default=list(DEFAULT_DEVICE_COUNTS), metavar="N", help=f"device counts or DDP world sizes (default {' '.join(map(str, DEFAULT_DEVICE_COUNTS))})")
+    check.add_argument("--devices", type=_positive("--devices"), nargs="+", default=None, metavar="N", help=f"device counts or DDP world sizes (default {' '.join(map(str, DEFAULT_DEVICE_COUNTS))}; under torchrun, its world size)")
     check.add_argument(
         "--parallel", metavar="MODULE:CALLABLE",
         help="check your own DataParallel-like wrapper, called as CALLABLE(module, device_ids=..., output_device=...) (plus dim=D with --dim), instead of torch's",
@@ -684,12 +848,14 @@ def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
         "are rows along it, so with D other than 0 pass --inputs returning the batch that way",
     )
     check.add_argument(
-        "--checks", nargs="+", choices=[*CHECKS, "all"], default=list(DEFAULT_CHECKS), metavar="NAME",
-        help=f"the checks to run where they apply, or all of them (default {' '.join(DEFAULT_CHECKS)}; all: {' '.join(CHECKS)})",
+        "--checks", nargs="+", choices=[*CHECKS, "all"], metavar="NAME",
+        help=f"the checks to run where they apply, or all of them (default {' '.join(DEFAULT_CHECKS)}, and the training checks "
+        f"with --step, --optimizer or --steps; all: {' '.join(CHECKS)})",
     )
+    _training_arguments(check)
     _ddp_kwargs_argument(check)
     check.add_argument("--figure", type=Path, metavar="FILE.{png,svg,pdf}", help="also draw every check's error/allowed per tensor, worst first, as a figure (needs matplotlib: pip install 'dpverify[plot]')")
-    check.set_defaults(run=_check)
+    check.set_defaults(run=_check_command)
 
 
 def _add_explain(commands: Any, common: argparse.ArgumentParser) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -26,18 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpverify.cli.exits import EXIT_FAILED, EXIT_NOTHING_CHECKED, EXIT_OK, usage_error
-from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.text import plural
 from dpverify.ddp.pool import DDPWorkerPool, RankRunner
-from dpverify.ddp.torchrun import ProcessGroupRunner
+from dpverify.ddp.torchrun import join_torchrun_group, torchrun_backend, under_torchrun
 from dpverify.models.builtin import BuiltinCase, builtin_case
 from dpverify.registry import CHECKS, Case, Target, Verdict
 
-__all__ = ["PartlyUsed", "main_selftest", "selftest_command"]
-
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
+__all__ = ["PartlyUsed", "main_selftest", "selftest_command", "torchrun_backend"]
 
 class PartlyUsed(nn.Module):
     """A Linear head plus a branch that forward never uses (for find_unused_parameters)."""
@@ -134,29 +129,6 @@ def _verdict(check: SelfCheck, runner: RankRunner) -> tuple[bool | None, str, st
     return False, f"expected DDP grads at {check.expect_scale:.3g} x DP's, got {result.verdict}: {result.summary}", result.detail
 
 
-def torchrun_backend() -> str:
-    """The backend every rank of this node chooses alike: nccl only when each of the node's
-    ``LOCAL_WORLD_SIZE`` ranks has a CUDA device of its own (``DPVERIFY_GPUS`` caps the count),
-    else gloo. A choice by the rank's own index would split the group (two ranks on one GPU:
-    rank 0 on nccl, rank 1 on gloo) and hang ``init_process_group``.
-    """
-    import torch.distributed as dist
-
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return "nccl" if cuda_device_count() >= local_ranks and dist.is_nccl_available() else "gloo"
-
-
-def _join_torchrun_group(backend: str | None) -> ProcessGroupRunner:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        chosen = backend or torchrun_backend()
-        if chosen == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(chosen)
-    return ProcessGroupRunner()
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dpverify ddp-selftest",
@@ -205,8 +177,8 @@ def main_selftest(argv: Sequence[str] | None = None) -> int:
         InvalidArgument: an unusable option (``selftest_command`` makes it exit 2).
     """
     args = _parser().parse_args(argv)
-    if all(name in os.environ for name in TORCHRUN_VARIABLES):
-        runner = _join_torchrun_group(args.backend)
+    if under_torchrun():
+        runner = join_torchrun_group(args.backend)
         rank = runner.rank
 
         def show(line: str) -> None:

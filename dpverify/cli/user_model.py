@@ -13,6 +13,7 @@ user's frames of it.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import os
 import sys
@@ -34,8 +35,10 @@ from dpverify.models.user import Batch, LossFn, UserModel
 __all__ = [
     "OutputLoss",
     "first_layer_batch",
+    "load_hook",
     "load_loss",
     "load_object",
+    "load_optimizer",
     "select_output",
     "user_model",
     "with_loss",
@@ -180,24 +183,35 @@ def user_model(
             f"MODULE:FACTORY {factory_spec!r} returned {type(module).__name__}; it must return a "
             "torch.nn.Module (the factory is called with no arguments)"
         )
+    raw_at: Callable[[int], RawBatches]
     if inputs_spec is not None:
         fn = load_object(inputs_spec, "--inputs")
         if not callable(fn):
             raise InvalidArgument(f"--inputs {inputs_spec!r} is not callable; pass a function fn(batch_size) -> (inputs, target)")
-        raw = _user_batches(fn, inputs_spec, seed)
+        raw_at = functools.partial(_user_batches, fn, inputs_spec)
         source = f"--inputs {inputs_spec}"
     else:
-        raw, source = first_layer_batch(module, seed=seed)
-    probe = raw(2)
+        source = first_layer_batch(module, seed=seed)[1]
+        raw_at = functools.partial(_first_layer_raw, module)
+    probe = raw_at(seed)(2)
     returns_loss = _returns_loss(module, probe, source)
     if returns_loss and loss is None and output_key is not None:
         raise InvalidArgument(
             f"--output-key {output_key!r} picks the output a loss is applied to, but this forward returns its "
             "own loss (checked as a loss in forward); leave --output-key out, or pass --inputs with a target"
         )
-    make = _batch_maker(module, raw, loss, returns_loss, user_loss, output_key)
+    make = _batch_maker(module, raw_at(seed), loss, returns_loss, user_loss, output_key)
     _try_loss(module, make(2), source, output_key, inputs_given=inputs_spec is not None)
-    return UserModel(factory_spec, module, source, make)
+
+    def make_step(batch_size: int, step: int) -> Batch:
+        # the training checks' step: the same batch function, with torch seeded seed + step
+        return make(batch_size) if step == 0 else _batch_maker(module, raw_at(seed + step), loss, returns_loss, user_loss, output_key)(batch_size)
+
+    return UserModel(factory_spec, module, source, make, make_step)
+
+
+def _first_layer_raw(module: nn.Module, seed: int) -> RawBatches:
+    return first_layer_batch(module, seed=seed)[0]
 
 
 def with_loss(model: UserModel, loss: str) -> UserModel:
@@ -238,6 +252,69 @@ def load_loss(loss: str | None) -> LossFn | None:
     if not callable(fn):
         raise InvalidArgument(f"--loss {loss!r} is {type(fn).__name__}, not callable; pass MODULE:FN, a function loss(output, target)")
     return cast(LossFn, fn)
+
+
+def _sendable(value: Any, what: str, instead: str) -> None:
+    """``value`` pickles, as the rank processes receive it.
+
+    Raises:
+        InvalidArgument: it does not; the message names ``what`` and says ``instead``.
+    """
+    import pickle
+
+    try:
+        pickle.dumps(value)
+    except Exception as error:
+        raise InvalidArgument(f"{what} cannot be sent to the rank processes ({describe_exception(error)}); pass {instead}") from error
+
+
+def load_hook(spec: str | None, option: str = "--step") -> Callable[[Any], None] | None:
+    """``--step MODULE:FN``, the user's code between backward and the optimizer step
+    (``FN(ctx)``, the training checks' ``after_backward``), imported; None without one.
+
+    Raises:
+        InvalidArgument: it cannot be imported, is not callable, or does not pickle.
+    """
+    if spec is None:
+        return None
+    hook = load_object(spec, option)
+    instead = "a module-level function FN(ctx), e.g. one calling torch.nn.utils.clip_grad_norm_(ctx.module.parameters(), 1.0)"
+    if not callable(hook):
+        raise InvalidArgument(f"{option} {spec!r} is {type(hook).__name__}, not callable; pass {instead}")
+    _sendable(hook, f"{option} {spec!r}", instead)
+    return cast(Callable[[Any], None], hook)
+
+
+def load_optimizer(spec: str, module: nn.Module, option: str = "--optimizer") -> tuple[Callable[..., torch.optim.Optimizer], str]:
+    """``--optimizer``: a built-in spelling ``NAME[:KEY=VALUE,...]`` (``sgd:lr=0.1,momentum=0.9``,
+    ``adam:lr=1e-3``; ``OptimizerSpec.parse``) or ``MODULE:FACTORY``, a function ``params ->
+    Optimizer``; the factory is tried once on a copy of ``module``'s parameters.
+
+    Returns:
+        The factory, and how to name it (``SGD(lr=0.1, momentum=0.9)``, or ``MODULE:FACTORY``).
+
+    Raises:
+        InvalidArgument: neither spelling, a factory that cannot be imported or pickled, or
+            one that raises or returns no ``torch.optim.Optimizer``.
+    """
+    from dpverify.models.training import OPTIMIZERS, OptimizerSpec
+    from dpverify.ranked.check import callable_name
+
+    head, colon, rest = spec.partition(":")
+    if head.strip().lower() in OPTIMIZERS or not colon or "=" in rest:
+        parsed = OptimizerSpec.parse(spec, option)
+        made_factory = parsed.factory()
+        return made_factory, callable_name(made_factory)
+    factory = load_object(spec, option)
+    instead = "a module-level function params -> Optimizer, e.g. def make(params): return torch.optim.SGD(params, lr=0.1)"
+    if not callable(factory):
+        raise InvalidArgument(f"{option} {spec!r} is {type(factory).__name__}, not callable; pass {instead}")
+    _sendable(factory, f"{option} {spec!r}", instead)
+    trial = copy.deepcopy(module)
+    made = _call_user(f"{option} {spec!r}", lambda: factory(trial.parameters()), "called with the model's parameters")
+    if not isinstance(made, torch.optim.Optimizer):
+        raise InvalidArgument(f"{option} {spec!r} returned {type(made).__name__}; pass {instead}")
+    return cast(Callable[..., torch.optim.Optimizer], factory), spec
 
 
 def _described(value: Any) -> str:

@@ -9,7 +9,7 @@ code.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -716,6 +716,8 @@ class StepComparison:
             the module's copies); None where they are not counted (the DDP and sharded
             checks run one rank per process). Fewer than two ran nothing in parallel, so a
             match says nothing about the parallel code.
+        replayed: train-mode Dropout layers whose masks the reference replayed from the
+            parallel run (so they are not among ``divergence``).
     """
 
     check: str
@@ -728,6 +730,7 @@ class StepComparison:
     failures: tuple[str, ...] = field(default_factory=tuple)
     scale: float | None = None
     replicas: int | None = None
+    replayed: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -780,6 +783,7 @@ def step_comparison(
     scale: float | None = None,
     divergence: bool = True,
     replicas: int | None = None,
+    replayed: Collection[str] = (),
 ) -> StepComparison:
     """The outcome of a check, built the same way by the DataParallel and the DDP helpers so
     that their messages read alike: the tolerance in words for the working ``dtype``, and
@@ -787,7 +791,8 @@ def step_comparison(
     is False: a check whose reference already splits the batch as the parallel step does,
     such as DDP's buffer and SyncBatchNorm checks). A float64 step whose every mismatch is
     of float32's rounding in size gets a note that names a float32 intermediate as the
-    likely cause (``float32_hint``)."""
+    likely cause (``float32_hint``). ``replayed``: Dropout layers whose masks the reference
+    replayed from the parallel run, no longer a source of divergence."""
     hint = float32_hint(rows) if dtype == torch.float64 else None
     return StepComparison(
         check=check,
@@ -795,11 +800,12 @@ def step_comparison(
         tolerance=tolerance.describe(dtype),
         tensors=tuple(rows),
         contrasts=tuple(contrasts),
-        divergence=divergence_sources(module) if divergence else (),
+        divergence=divergence_sources(module, replayed=replayed) if divergence else (),
         notes=(*notes, *([hint] if hint else [])),
         failures=tuple(failures),
         scale=scale,
         replicas=replicas,
+        replayed=tuple(replayed),
     )
 
 
@@ -865,9 +871,10 @@ def explain_scale(
     *,
     averager: str | None = None,
     micro_batches: int = 1,
-    shard_size: int | None = None,
+    shard_size: float | None = None,
     reduction: str | None = None,
     size: str = "world size",
+    untracked_all_reduce: bool = False,
 ) -> str:
     """A sentence on a uniform gradient factor between the parallel step and one device,
     naming every classic mistake that produces that factor (2 can be the world size and the
@@ -879,7 +886,11 @@ def explain_scale(
     text, e.g. the data-parallel groups of tensor parallelism), and ``reduction``
     (``"sum"``, ``"mean"`` or None: how ``loss_fn`` reduces) tells a sum loss from a mean
     one. A factor within ``10 * rounding`` (relative) of a cause's factor (the micro-batch
-    count, the world size, the rows per rank ``shard_size``, their inverses) names it.
+    count, the world size, the rows per rank ``shard_size`` (on uneven shards their
+    average, the batch over the world size), their inverses) names it.
+    ``untracked_all_reduce``: the ranks were seen passing a tensor that requires grad to
+    ``torch.distributed.all_reduce``; a factor of ``1/world_size`` is then named as that,
+    not guessed.
     """
 
     def near(value: float) -> bool:
@@ -899,11 +910,22 @@ def explain_scale(
     else:
         head = f"Every rank's gradient is {c:.6g} times the single-device full-batch gradient"
         causes = _averaged_rank_causes(replicas, near, averager, micro_batches, shard_size, reduction, size)
+        if untracked_all_reduce and replicas > 1 and near(1.0 / replicas):
+            causes = [
+                f"(1/{replicas}, one over the {size}): the loss went through "
+                "torch.distributed.all_reduce, which autograd does not differentiate (it has no "
+                "gradient formula, so the gradient passes through it as if it were not there), "
+                f"so the division by the {size} that follows reaches the gradient and the "
+                f"all-reduce does not, while {averager} averages the ranks' gradients as well. "
+                "Backpropagate the rank's own loss and all-reduce a detached copy for logging "
+                "(reported = loss.detach().clone(); dist.all_reduce(reported)), or use the "
+                "differentiable torch.distributed.nn.functional.all_reduce"
+            ]
     return head + (" " + "; or ".join(causes) if causes else "") + "."
 
 
 def _averaged_rank_causes(
-    world_size: int, near: Callable[[float], bool], averager: str, micro_batches: int, shard_size: int | None, reduction: str | None, size: str,
+    world_size: int, near: Callable[[float], bool], averager: str, micro_batches: int, shard_size: float | None, reduction: str | None, size: str,
 ) -> list[str]:
     """The causes of a factor under a ranked wrapper that averages its ranks' gradients."""
     summed = reduction == "sum"
@@ -929,7 +951,8 @@ def _averaged_rank_causes(
         )
     if shard_size and shard_size > 1 and near(shard_size) and not summed:
         causes.append(
-            f"({shard_size}, the rows per rank): the step's loss is the sum over the rank's "
+            (f"({shard_size:g}, the rows per rank)" if float(shard_size).is_integer() else f"({shard_size:g}, the batch's rows over the {size})")
+            + ": the step's loss is the sum over the rank's "
             "rows (or its mean times the rows) while loss_fn, which the single-device step "
             "uses, averages: divide the step's loss by its rows (ctx.shard_size), or use "
             f"loss_fn as it is; {averager} then averages the ranks"

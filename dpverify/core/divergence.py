@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -65,9 +65,11 @@ def _classify(name: str, module: nn.Module) -> DivergenceSource | None:
     return None
 
 
-def divergence_sources(module: nn.Module) -> tuple[DivergenceSource, ...]:
-    """Every submodule whose train-mode output depends on the batch split or on randomness."""
-    found = (_classify(name, sub) for name, sub in module.named_modules())
+def divergence_sources(module: nn.Module, *, replayed: Collection[str] = ()) -> tuple[DivergenceSource, ...]:
+    """Every submodule whose train-mode output depends on the batch split or on randomness,
+    but the ``replayed`` ones: Dropout layers whose masks the reference replayed from the
+    ranks (``dpverify.ranked.randomness``), which make no difference any more."""
+    found = (_classify(name, sub) for name, sub in module.named_modules() if name not in replayed)
     return tuple(source for source in found if source is not None)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Unpack
 
 import torch
@@ -36,6 +36,7 @@ from dpverify.core.step import (
     flatten_tensors,
 )
 from dpverify.core.validation import (
+    require_bool,
     require_callable,
     require_int_at_least,
     require_mapping,
@@ -58,6 +59,7 @@ from dpverify.ddp.rank import (
 from dpverify.ranked.check import (
     CPU,
     RankedCheck,
+    References,
     TrainingTrace,
     callable_name,
     describe_batches,
@@ -68,7 +70,6 @@ from dpverify.ranked.check import (
     per_shard_buffers,
     relative_gap,
     require_step,
-    same_up_to_rounding,
     sendable,
     train_single_device,
     trainable_names,
@@ -82,10 +83,14 @@ from dpverify.ranked.notes import (
     fraction,
     items_notes,
     ranks_disagree,
+    same_end_state_note,
+    same_random_numbers_failure,
     scale_note,
     sum_loss_note,
     token_trap_note,
+    trap_fits,
     trap_note,
+    wrong_micro_batch_failure,
 )
 from dpverify.ranked.options import (
     ShardedKeywords,
@@ -94,11 +99,13 @@ from dpverify.ranked.options import (
     check_keywords,
     documented,
 )
+from dpverify.ranked.randomness import dropout_layers, replaying_dropout, same_random_numbers
 from dpverify.ranked.rank import (
     LossFn,
     OptimizerFactory,
     RankStep,
     RankTraining,
+    even_shards,
 )
 
 __all__ = [
@@ -124,6 +131,13 @@ class DDPKeywords(ShardedKeywords, total=False):
     items: Items | None
 
 
+class DDPStepKeywords(DDPKeywords, total=False):
+    """The optional keywords of the one-step DDP helpers that run the user's step
+    (``assert_ddp_grads_match``, ``assert_ddp_accumulation_matches``)."""
+
+    same_seed: bool
+
+
 class DDPTrainingKeywords(DDPKeywords, TrainingKeywords, total=False):
     """The optional keywords of ``assert_ddp_training_matches``."""
 
@@ -146,9 +160,11 @@ def _ddp_kwargs(ddp_kwargs: Mapping[str, Any] | None) -> tuple[tuple[str, Any], 
 
 @dataclass(frozen=True)
 class DDPCheck(RankedCheck):
-    """A validated DDP scenario: ``RankedCheck``'s, and DistributedDataParallel's keywords."""
+    """A validated DDP scenario: ``RankedCheck``'s, DistributedDataParallel's keywords, and
+    whether every rank starts from the same random state (``same_seed``) rather than its own."""
 
     ddp_kwargs: tuple[tuple[str, Any], ...] = ()
+    same_seed: bool = False
 
     NO_GRAD: ClassVar[str] = "DistributedDataParallel refuses such a module, and there is no gradient to compare"
 
@@ -158,6 +174,7 @@ class DDPCheck(RankedCheck):
         return cls.create(
             module, inputs, target, loss_fn=loss_fn, world_size=world_size, **check_keywords(options),
             ddp_kwargs=_ddp_kwargs(options.get("ddp_kwargs")),
+            same_seed=require_bool(options.get("same_seed", False), "same_seed"),
         )
 
     @property
@@ -208,7 +225,29 @@ class DDPCheck(RankedCheck):
     def step_task(self, steps: Sequence[Step], items: PieceItems | None = None, **options: Any) -> StepTask:
         """The ranks' task: ``steps`` on this batch, with the items ``items`` counted
         (``ShardContext.item_counts``; rows when None)."""
-        return StepTask(**self.step_fields(steps, items), ddp_kwargs=self.ddp_kwargs, **options)
+        return StepTask(**self.step_fields(steps, items), ddp_kwargs=self.ddp_kwargs, same_seed=self.same_seed, **options)
+
+    def replayed_references(self, steps: Sequence[RankStep], micro_batches: int = 1, items: PieceItems | None = None) -> tuple[References, tuple[str, ...]]:
+        """``references``, from a copy of the module whose Dropout layers apply the masks the
+        ranks drew (``steps[r].dropout``, concatenated along the batch in rank order), and
+        the layers replayed; the plain references and none when the masks cannot replay."""
+        rows = [even_shards(n, micro_batches) for n in self.shard_sizes]
+        replay = replaying_dropout(self.module, [s.dropout for s in steps], rows)
+        if replay is None:
+            return self.references(micro_batches, items=items), ()
+        return replace(self, module=replay).references(micro_batches, items=items), tuple(dropout_layers(self.module))
+
+    def same_stream_findings(self, steps: Sequence[RankStep]) -> tuple[list[str], list[str]]:
+        """(failures, notes) when the ranks drew the same random numbers (none when
+        ``same_seed`` asked for it): a failure when two ranks drew their dropout masks from
+        the same random state, else a note when every rank left the step in one state."""
+        if self.same_seed:
+            return [], []
+        same = same_random_numbers([s.dropout for s in steps])
+        if same is not None:
+            return [same_random_numbers_failure(same, self.world_size)], []
+        note = same_end_state_note(steps)
+        return [], [] if note is None else [note]
 
 
 _UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
@@ -292,7 +331,7 @@ def _accumulation_trap_note(check: DDPCheck, items: PieceItems, micro_batches: i
 
 @documented
 def assert_ddp_grads_match(
-    module: nn.Module, inputs: Any, target: Any, *, loss_fn: LossFn, world_size: int, **options: Unpack[DDPKeywords],
+    module: nn.Module, inputs: Any, target: Any, *, loss_fn: LossFn, world_size: int, **options: Unpack[DDPStepKeywords],
 ) -> StepComparison:
     """Asserts one DistributedDataParallel step gives every rank the full-batch gradient.
 
@@ -333,6 +372,8 @@ def assert_ddp_grads_match(
             over (its tokens), called in this process on each shard's forward arguments
             with the shard's target appended as the last positional argument (``args[-1]``).
             Default: found from the evidence (see above).
+        same_seed: start every rank's step from the same random state. Default False:
+            rank ``r`` starts from seed ``r``, its own stream, as launchers seed ranks.
 
     Returns:
         The comparison (``str()`` summarises it).
@@ -343,7 +384,15 @@ def assert_ddp_grads_match(
     fails naming them (torch's DDP never completes the step's all-reduce and refuses the next
     forward). Frozen parameters (``requires_grad=False``) are ignored by DDP and compared as
     None. A gradient that is uniformly off by a factor gets its likely causes named, among
-    them a sum-reduction loss (``1/world_size``: DDP averages the ranks' gradients).
+    them a sum-reduction loss (``1/world_size``: DDP averages the ranks' gradients), or,
+    where a rank was seen passing a tensor that requires grad to
+    ``torch.distributed.all_reduce``, that all-reduce, which autograd does not differentiate.
+
+    Randomness: the ``nn.Dropout`` layers of the rank's module in train mode draw their masks
+    through a hook that records them; the single-device step replays them, concatenated
+    along the batch in rank order, so a train-mode Dropout model is compared exactly, and
+    two ranks that drew a mask from the same random state (one ``torch.manual_seed`` on
+    every rank) fail the check, unless ``same_seed``.
 
     Raises:
         ParallelMismatch: a rank's gradient or output differs beyond tolerance, or parameters
@@ -353,7 +402,7 @@ def assert_ddp_grads_match(
             the module has no parameter that requires grad.
     """
     __tracebackhide__ = True
-    accepted(assert_ddp_grads_match, options, DDPKeywords)
+    accepted(assert_ddp_grads_match, options, DDPStepKeywords)
     check = DDPCheck.of(module, inputs, target, loss_fn, world_size, options)
     step = options.get("step")
     require_step(step, "ShardContext")
@@ -364,33 +413,46 @@ def assert_ddp_grads_match(
     title = "DistributedDataParallel gradients must match the single-device full-batch gradient on every rank"
     results = check.send(run_step_task, check.step_task(steps, counted), title)
     verified = [rank_steps[0] for rank_steps in results]
-    refs = check.references(items=counted)
+    refs, replayed = check.replayed_references(verified, items=counted)
     expected, anchor = refs.expected, refs.anchor
     rows = check.rank_rows(verified, refs)
     ok = all(row.ok for row in rows)
-    notes: list[str] = items_notes(counted, trap)
+    notes: list[str] = items_notes(counted, trap) + _replay_notes(replayed)
     contrasts: list[TensorComparison] = []
     reduction = None if ok else check.loss_reduction(counted)
     if trap:
         naive = [rank_steps[1] for rank_steps in results]
-        if reduction != "sum":  # the trap is about per-rank mean losses
+        if trap_fits(step, ok, reduction, verified, naive):  # the trap is about per-rank mean losses
             reference = anchor or expected
             notes.append(token_trap_note(check, counted, naive, reference) if counted.by_tokens else trap_note(check, naive, reference))
         if step is None:
             contrasts = grads_only(check.rank_rows(naive, refs, variant="plain ddp_step", contrast=True))
-        elif not ok and reduction != "sum" and same_up_to_rounding(verified[0].grads, naive[0].grads):
+        elif trap_fits(step, ok, reduction, verified, naive):
             share = f" (t_r * world_size / T, its share of the {counted.noun})" if counted.by_tokens else ""
             notes.append(
                 "The step's gradients equal the plain per-rank mean-loss step's: it falls into "
                 f"the loss-averaging trap. Multiply the rank's loss by ctx.loss_weight{share}."
             )
     failures, unused_notes = check.unused_findings(unused_names(module, expected.grads), wrapped=all(s.wrapped for s in verified))
-    notes += unused_notes
+    same_failures, same_notes = check.same_stream_findings(verified)
+    failures += same_failures
+    notes += unused_notes + same_notes
     scale = None
     if not ok:
         more, scale = scale_note(verified, expected, check.world_size, shard_sizes=check.shard_sizes, reduction=reduction)
         notes += more + ranks_disagree(verified)
-    return raise_unless_ok(check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, failures=failures, scale=scale), options.get("msg"))
+    outcome = check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, failures=failures, scale=scale, replayed=replayed)
+    return raise_unless_ok(outcome, options.get("msg"))
+
+
+def _replay_notes(replayed: Sequence[str]) -> list[str]:
+    if not replayed:
+        return []
+    return [
+        f"Dropout layers {list(replayed)} ran in train mode: each rank drew its masks from its own random "
+        "stream (seed + rank), and the single-device step applied them, concatenated along the batch in "
+        "rank order."
+    ]
 
 
 # --------------------------------------------------------------------------- accumulation
@@ -399,7 +461,7 @@ def assert_ddp_grads_match(
 @documented
 def assert_ddp_accumulation_matches(
     module: nn.Module, inputs: Any, target: Any, *, loss_fn: LossFn, world_size: int, micro_batches: int,
-    **options: Unpack[DDPKeywords],
+    **options: Unpack[DDPStepKeywords],
 ) -> StepComparison:
     """Asserts gradient accumulation with ``no_sync()`` equals one full-batch step.
 
@@ -426,6 +488,11 @@ def assert_ddp_accumulation_matches(
     (``micro_mean_accumulation_step``) is run for contrast and its bias reported, and a
     step whose gradients equal it is named as that trap.
 
+    The one synchronisation must come on the last micro-batch: the counter records the
+    micro-batch each synchronisation came on, and a step that synchronises on an earlier
+    one (``no_sync() if i != 0``) fails, naming it. Dropout masks are recorded and replayed,
+    and ``same_seed`` is taken, as in ``assert_ddp_grads_match``.
+
     Args:
         micro_batches: micro-batches per rank (every shard needs at least that many rows).
         items: ``items(args, kwargs) -> int`` for one micro-batch (its target is
@@ -438,7 +505,7 @@ def assert_ddp_accumulation_matches(
             synchronisation is then counted: DDP never completes the all-reduce).
     """
     __tracebackhide__ = True
-    accepted(assert_ddp_accumulation_matches, options, DDPKeywords)
+    accepted(assert_ddp_accumulation_matches, options, DDPStepKeywords)
     check = DDPCheck.of(module, inputs, target, loss_fn, world_size, options)
     step = options.get("step")
     k = require_int_at_least(micro_batches, "micro_batches", 1)
@@ -456,20 +523,22 @@ def assert_ddp_accumulation_matches(
     task = check.step_task(steps, counted, micro_batches=k, count_syncs=True)
     sent = check.send(run_step_task, task, title)
     results = [rank_steps[0] for rank_steps in sent]
-    refs = check.references(k, items=counted)
+    refs, replayed = check.replayed_references(results, k, items=counted)
     expected = refs.expected
     rows = check.rank_rows(results, refs)
     ok = all(row.ok for row in rows)
     failures, notes = check.unused_findings(unused_names(module, expected.grads), wrapped=all(s.wrapped for s in results))
-    notes += items_notes(counted, trap)
+    same_failures, same_notes = check.same_stream_findings(results)
+    failures += same_failures
+    notes += items_notes(counted, trap) + _replay_notes(replayed) + same_notes
     reduction = None if ok else check.loss_reduction(counted)
     contrasts: list[TensorComparison] = []
-    if trap and reduction != "sum":
-        plain = [rank_steps[1] for rank_steps in sent]
+    plain = [rank_steps[1] for rank_steps in sent] if trap else []
+    if trap and trap_fits(step, ok, reduction, results, plain):
         notes.append(_accumulation_trap_note(check, counted, k, plain, refs.anchor or expected))
         if step is None:
             contrasts = grads_only(check.rank_rows(plain, refs, variant="micro_mean_accumulation_step", contrast=True))
-        elif not ok and same_up_to_rounding(results[0].grads, plain[0].grads):
+        else:
             notes.append(
                 "The step's gradients equal those of dividing each micro-batch's mean loss by "
                 f"the number of micro-batches, {k}: it falls into the loss-averaging trap. Weight "
@@ -484,12 +553,14 @@ def assert_ddp_accumulation_matches(
         # With unused parameters DDP never completes the all-reduce, so no synchronisation is
         # counted: that is the unused parameters' failure, not a last micro-batch in no_sync().
         failures.append(_sync_failure(counts, k))
+    elif (wrong := wrong_micro_batch_failure(results, k)) is not None:
+        failures.append(wrong)
     scale = None
     if not ok:
         more, scale = scale_note(results, expected, check.world_size, k, shard_sizes=check.shard_sizes, reduction=reduction)
         notes += more + ranks_disagree(results)
     notes.append(f"Gradient synchronisations per rank: {counts} (one expected).")
-    outcome = check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, failures=failures, scale=scale)
+    outcome = check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, failures=failures, scale=scale, replayed=replayed)
     return raise_unless_ok(outcome, options.get("msg"))
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from dpverify.ranked.randomness import DropoutCall, generator_state, recording_dropout
 from dpverify.ranked.rank import (
     MicroBatch,
     RankContext,
@@ -27,6 +29,7 @@ from dpverify.ranked.rank import (
     RankTrainingTask,
     buffers_of,
     grads_of,
+    optimizer_state_of,
     outputs_of,
     run_step,
     seeded,
@@ -44,6 +47,7 @@ __all__ = [
     "run_buffer_task",
     "run_step_task",
     "run_training_task",
+    "watching_all_reduce",
     "weighted_ddp_step",
 ]
 
@@ -52,11 +56,13 @@ Step = Callable[["ShardContext"], Any]
 
 def _count_syncs_then_allreduce(state, bucket):  # type: ignore[no-untyped-def]
     # torch's default all-reduce (divide by world size, then sum), counting one gradient
-    # synchronisation per backward pass at its last bucket.
+    # synchronisation per backward pass at its last bucket, with the forwards run so far
+    # (the micro-batch whose backward it is).
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     if bucket.is_last():
         state.syncs += 1
+        state.sync_forwards.append(state.forwards)
     return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
 
 
@@ -88,11 +94,16 @@ class ShardContext(RankContext):
         count_syncs: whether ``ddp()`` counts gradient synchronisations (through a
             communication hook running torch's default all-reduce).
         syncs: gradient synchronisations seen so far (when counted).
+        forwards: forwards of ``module`` seen so far (when synchronisations are counted).
+        sync_forwards: for each synchronisation, the forwards seen before it: the
+            micro-batch whose backward synchronised, from 1.
     """
 
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
     count_syncs: bool = False
     syncs: int = 0
+    forwards: int = 0
+    sync_forwards: list[int] = field(default_factory=list)
     _wrapper: DistributedDataParallel | None = field(default=None, repr=False)
 
     @property
@@ -107,8 +118,35 @@ class ShardContext(RankContext):
             wrapper = DistributedDataParallel(self.module, device_ids=device_ids, **self.ddp_kwargs)
             if self.count_syncs:
                 wrapper.register_comm_hook(self, _counting_hook())
+                self.module.register_forward_pre_hook(self._forwarded)
             self._wrapper = wrapper
         return self._wrapper
+
+    def _forwarded(self, _module: nn.Module, _args: Any) -> None:
+        self.forwards += 1
+
+
+@contextlib.contextmanager
+def watching_all_reduce(seen: list[tuple[int, ...]]) -> Iterator[None]:
+    """Runs the body with ``torch.distributed.all_reduce`` appending to ``seen`` the shape of
+    every tensor requiring grad it is given: autograd has no formula for it (torch 2.13
+    passes the gradient through unchanged, with a warning that no autograd kernel is
+    registered for c10d::allreduce_), so a loss all-reduced this way and then divided by the
+    world size sends ``1/world_size`` of its gradient back. Calls through a name bound
+    before the step (``from torch.distributed import all_reduce``) are not seen."""
+    original = dist.all_reduce
+
+    @functools.wraps(original)
+    def all_reduce(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            seen.append(tuple(tensor.shape))
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
 
 
 def ddp_step(ctx: ShardContext) -> Any:
@@ -191,7 +229,18 @@ def _run_one(info: RankInfo, task: StepTask, step: Step) -> RankStep:
     ctx = _context(
         info, task, task.shard_sizes, task.sync_batchnorm, micro_batches=task.micro_batches, count_syncs=task.count_syncs,
     )
-    output, loss = run_step(ctx, task, step)
+    dropout: list[DropoutCall] = []
+    all_reduced: list[tuple[int, ...]] = []
+    end_state: list[str] = []
+
+    def step_then_read_state(context: ShardContext) -> Any:
+        # the random state the step leaves, read before run_step restores the process's
+        output = step(context)
+        end_state.append(generator_state(context.device))
+        return output
+
+    with recording_dropout(ctx.module, dropout), watching_all_reduce(all_reduced):
+        output, loss = run_step(ctx, task, step_then_read_state)
     return RankStep(
         grads=grads_of(ctx.module),
         outputs=outputs_of(output),
@@ -199,6 +248,11 @@ def _run_one(info: RankInfo, task: StepTask, step: Step) -> RankStep:
         buffers=buffers_of(ctx.module),
         wrapped=ctx.wrapped,
         syncs=ctx.syncs if task.count_syncs and ctx.wrapped else None,
+        sync_forwards=tuple(ctx.sync_forwards),
+        forwards=ctx.forwards if task.count_syncs and ctx.wrapped else None,
+        dropout=tuple(dropout),
+        grad_all_reduces=tuple(all_reduced),
+        end_state=end_state[0] if end_state else None,
     )
 
 
@@ -218,7 +272,7 @@ class TrainingTask(RankTrainingTask):
 def run_training_task(info: RankInfo, task: TrainingTask) -> RankTraining:
     """Trains this rank's copy for ``len(task.batches)`` steps (a task for ``RankRunner.run``)."""
     ctx = _context(info, task, task.shard_sizes[0])
-    trained = train(ctx, task)
+    trained = train(ctx, task, read_buffers=buffers_of, read_state=optimizer_state_of)
     grads_none = tuple(name for name, grad in grads_of(ctx.module).items() if grad is None)
     return RankTraining(
         trained.params, buffers_of(ctx.module), grads_none, ctx.wrapped, step_buffers=trained.buffers, step_state=trained.state,

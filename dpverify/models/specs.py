@@ -45,8 +45,10 @@ __all__ = [
     "Output",
     "Scenario",
     "TokenBatch",
+    "TokenMean",
     "TokenScenario",
     "primary_output",
+    "tied_sequential",
 ]
 
 #: Architecture kinds, simplest first: hypothesis shrinks toward the front.
@@ -79,9 +81,12 @@ TOKEN_KINDS: tuple[str, ...] = ("lm-head", "causal-lm-head")
 #: Models the sharded checks need as they are: ``sequential`` is a bare ``nn.Sequential`` of
 #: ``depth + 1`` Linear layers with activations between them (``0``, ``2``, ... are the
 #: Linear layers), whose top-level children a pipeline splits into stages and whose Linear
-#: pairs a tensor-parallel plan shards colwise then rowwise. Not in ``KINDS``, so that what
-#: the default strategies draw is unchanged.
-SHARDED_KINDS: tuple[str, ...] = ("sequential",)
+#: pairs a tensor-parallel plan shards colwise then rowwise. ``tied-sequential`` is the
+#: pipelines' language model in miniature, an ``nn.Sequential`` of as many children whose
+#: first is an embedding and whose last, the output projection, shares its weight
+#: (``TiedSequential``): a pipeline puts the two copies on the first and the last stage.
+#: Not in ``KINDS``, so that what the default strategies draw is unchanged.
+SHARDED_KINDS: tuple[str, ...] = ("sequential", "tied-sequential")
 #: Where a ``TokenBatch`` pads its rows.
 PADDING_SIDES: tuple[str, ...] = ("right", "left")
 ACTIVATIONS: tuple[str, ...] = ("relu", "tanh", "gelu", "sigmoid", "silu")
@@ -198,6 +203,26 @@ class Tied(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.decoder(self.act(self.mix(self.embedding(tokens).mean(1))))
         return out
+
+
+class TokenMean(nn.Module):
+    """The mean over the token dimension (dim 1) of a ``(batch, tokens, hidden)`` tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(1)
+
+
+def tied_sequential(hidden: int, depth: int, activation: str) -> nn.Sequential:
+    """``nn.Sequential(Embedding, TokenMean, (Linear, activation) * (depth - 1), Linear)``,
+    ``2 * depth + 1`` children like ``sequential``, the last Linear's weight the
+    embedding's (tied): token ids in, one logit per vocabulary entry out."""
+    embedding = nn.Embedding(_VOCAB, hidden)
+    layers: list[nn.Module] = [embedding, TokenMean()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(hidden, hidden), _activation(activation)]
+    head = nn.Linear(hidden, _VOCAB, bias=False)
+    head.weight = embedding.weight
+    return nn.Sequential(*layers, head)
 
 
 class Recurrent(nn.Module):
@@ -338,7 +363,8 @@ class ModelSpec:
             ``hidden`` and ``activation``, the other fields unused; or ``SHARDED_KINDS``).
         features: input features (channels for convolutions).
         hidden: hidden width.
-        outputs: output width (``tied-embedding`` outputs the vocabulary instead).
+        outputs: output width (``tied-embedding`` and ``tied-sequential`` output the
+            vocabulary instead).
         depth: hidden layers, residual blocks or recurrent layers.
         activation: one of ``ACTIVATIONS``.
         pooling: token pooling of ``embedding``: mean, sum or max.
@@ -395,7 +421,7 @@ class ModelSpec:
     def output_dim(self) -> int:
         if self.kind in TOKEN_KINDS:
             return _LM_VOCAB
-        return _VOCAB if self.kind == "tied-embedding" else self.outputs
+        return _VOCAB if self.kind in ("tied-embedding", "tied-sequential") else self.outputs
 
     def build(self, seed: int = 0, *, ignore_index: int = IGNORE_INDEX) -> nn.Module:
         """The module, its weights drawn from ``seed`` (the caller's RNG is left alone).
@@ -418,6 +444,8 @@ class ModelSpec:
             return MLP(f, h, o, self.depth, act)
         if k == "sequential":
             return MLP(f, h, o, self.depth, act).layers
+        if k == "tied-sequential":
+            return tied_sequential(h, self.depth, act)
         if k == "residual":
             return Residual(f, h, o, self.depth, act)
         if k in ("layernorm", "batchnorm", "dropout"):
@@ -455,7 +483,7 @@ class ModelSpec:
         k = self.kind
         if k in TOKEN_KINDS:
             return (), TokenBatch.sample(batch, self.causal, seed).build()
-        if k in ("embedding", "tied-embedding"):
+        if k in ("embedding", "tied-embedding", "tied-sequential"):
             return (torch.randint(0, _VOCAB, (batch, _SEQUENCE), generator=g),), {}
         if k == "conv1d":
             return (torch.randn(batch, self.features, _SEQUENCE, generator=g),), {}

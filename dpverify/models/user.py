@@ -53,12 +53,23 @@ class UserModel:
         module: the model, as the factory returned it.
         batch_source: where batches come from, in words.
         make_batch: ``make_batch(batch_size)`` gives a ``Batch``, deterministically.
+        make_step_batch: ``make_step_batch(batch_size, step)`` gives the batch of optimizer
+            step ``step`` of the training checks (step 0's is ``make_batch``'s), or None
+            when the model has one batch per size (every step trains on it).
     """
 
     name: str
     module: nn.Module
     batch_source: str
     make_batch: Callable[[int], Batch]
+    make_step_batch: Callable[[int, int], Batch] | None = None
+
+    def step_batches(self, batch_size: int, steps: int) -> tuple[Batch, ...]:
+        """The batches of ``steps`` optimizer steps: each its own where the model has
+        ``make_step_batch``, else ``make_batch``'s every time."""
+        if self.make_step_batch is None:
+            return (self.make_batch(batch_size),) * steps
+        return tuple(self.make_step_batch(batch_size, step) for step in range(steps))
 
     @property
     def parameter_count(self) -> int:
@@ -76,11 +87,12 @@ def builtin_model(name: str, *, seed: int = 0) -> UserModel:
     if name not in VERIFY_MODELS:
         raise InvalidArgument(f"--model {name!r} is not a built-in model; choose from {sorted(BUILTIN_MODELS)}")
 
-    def make(batch_size: int) -> Batch:
-        case = builtin_case(name, batch=batch_size, seed=seed)
+    def make(batch_size: int, step: int = 0) -> Batch:
+        # a step's batch: the inputs and target of the case seeded seed + step
+        case = builtin_case(name, batch=batch_size, seed=seed + step)
         if case.loss_fn is None:
             return Batch(case.inputs, None, None, "computed in forward (each replica's chunk mean)", per_row_mean_loss=True, kwargs=case.kwargs)
         return Batch(case.inputs, case.target, case.loss_fn, getattr(case.loss_fn, "__name__", "loss"), kwargs=case.kwargs)
 
     module = builtin_case(name, batch=1, seed=seed).module
-    return UserModel(name, module, "built in", make)
+    return UserModel(name, module, "built in", make, make)

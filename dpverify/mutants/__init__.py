@@ -14,19 +14,23 @@ gives each of those checks the random scenarios it runs on. The implementations 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import hypothesis.strategies as st
 from hypothesis.strategies import SearchStrategy
 
 from dpverify.models.layouts import ShardedScenario
 from dpverify.models.specs import KINDS
 from dpverify.mutants.ddp import (
+    double_accumulation_division_step,
     forward_outside_no_sync_step,
     manual_allreduce_step,
     rank_seeded_init_step,
+    same_seed_ranks_step,
     summed_allreduce_step,
     summed_loss_step,
+    sync_first_micro_batch_step,
     undivided_accumulation_step,
     zero_grad_in_loop_step,
 )
@@ -37,6 +41,8 @@ from dpverify.mutants.dp import (
     DeepCopyDataParallel,
     DetachedReplicasDataParallel,
     LastReplicaBuffersDataParallel,
+    LocalBatchStatistic,
+    LostForwardState,
     MeanCriterionParallel,
     OutputDeviceFirstDataParallel,
     ReplicaOutputsDataParallel,
@@ -52,17 +58,20 @@ from dpverify.mutants.sharded import (
     NoAllReduceRowwiseParallel,
     SkipLastMicrobatchGPipe,
     UnscaledGPipe,
+    averaged_tied_grads_hook,
     fsdp_summed_loss_step,
     fsdp_undivided_step,
     fsdp_wrong_weight_step,
     local_output_plan,
     no_allreduce_plan,
+    tp_global_clip,
+    tp_one_rank_clip,
 )
 from dpverify.mutants.training import (
-    LocalBatchStatistic,
+    LocalBatchOffset,
     clip_reduced_twice,
     global_clip,
-    local_batch_statistic,
+    local_batch_offset,
     local_shard_clip,
 )
 from dpverify.registry import CHECKS, MICRO_BATCHES, Case, Target
@@ -84,8 +93,10 @@ __all__ = [
     "DeepCopyDataParallel",
     "DetachedReplicasDataParallel",
     "LastReplicaBuffersDataParallel",
+    "LocalBatchOffset",
     "LocalBatchStatistic",
     "LocalOutputColwiseParallel",
+    "LostForwardState",
     "MeanCriterionParallel",
     "Mutant",
     "NoAllReduceRowwiseParallel",
@@ -98,21 +109,27 @@ __all__ = [
     "TinyErrorDataParallel",
     "UnscaledGPipe",
     "WeightedCriterionParallel",
+    "averaged_tied_grads_hook",
     "clip_reduced_twice",
+    "double_accumulation_division_step",
     "forward_outside_no_sync_step",
     "fsdp_summed_loss_step",
     "fsdp_undivided_step",
     "fsdp_wrong_weight_step",
     "global_clip",
-    "local_batch_statistic",
+    "local_batch_offset",
     "local_output_plan",
     "local_shard_clip",
     "manual_allreduce_step",
     "mean_of_replica_losses",
     "no_allreduce_plan",
     "rank_seeded_init_step",
+    "same_seed_ranks_step",
     "summed_allreduce_step",
     "summed_loss_step",
+    "sync_first_micro_batch_step",
+    "tp_global_clip",
+    "tp_one_rank_clip",
     "undivided_accumulation_step",
     "weighted_replica_losses",
     "zero_grad_in_loop_step",
@@ -138,6 +155,13 @@ def _equal_micro_batches(scenario: Scenario) -> bool:
     # equal shards of equal micro-batches: the common case, where a missing 1/k shows as a
     # clean factor the message can name
     return scenario.batch_size % (MICRO_BATCHES * len(scenario.devices.device_ids)) == 0
+
+
+def _tied_embedding(scenario: ShardedScenario) -> ShardedScenario:
+    """The scenario with its ``sequential`` model made ``tied-sequential``: as many
+    children (its layout stands), the first an embedding and the last sharing its weight."""
+    plain = scenario.scenario
+    return replace(scenario, scenario=replace(plain, model=replace(plain.model, kind="tied-sequential")))
 
 
 @dataclass(frozen=True)
@@ -167,19 +191,35 @@ def _properties() -> dict[str, Property]:
         models=ddp_models, devices=device_lists(min_devices=2, max_devices=3),
         losses=loss_specs(reductions=("mean",)), max_batch=12,
     )
+    # the DDP gradient check replays train-mode nn.Dropout masks from the ranks, so it also
+    # draws dropout models in train mode (where ranks seeded alike show)
+    ddp_dropout = scenarios(
+        models=st.one_of(ddp_models, model_specs(kinds=["dropout"]).filter(lambda m: not m.deterministic)),
+        devices=device_lists(min_devices=2, max_devices=3), losses=loss_specs(reductions=("mean",)), max_batch=12,
+    )
     drawn: dict[str, SearchStrategy[Any]] = {
         "dp-grads": exact,
         "dp-grad-sum": exact,
         "dp-buffers": scenarios(models=model_specs(kinds=["buffer-counter", "batchnorm"]), devices=devices),
         "dp-weighted-loss": scenarios(models=model_specs(kinds=["loss-head"]), devices=devices),
-        "ddp-grads": ddp,
+        # training on models without state of their own: the built-in counters lose theirs
+        # under DataParallel by design (dp-state), which dp-training rightly reports
+        "dp-training": scenarios(
+            models=model_specs(kinds=[k for k in KINDS if k not in ("buffer-counter", "attribute-counter")], exact=True),
+            devices=devices,
+        ),
+        "ddp-grads": ddp_dropout,
         "ddp-accumulation": ddp.filter(_equal_micro_batches),
         # the sharded checks on 2 or 3 ranks (tensor parallelism on 2: a 2-D mesh needs 4),
         # each with layouts drawn for its model (``sharded_scenarios``)
         "fsdp-grads": sharded_scenarios("fsdp", world_sizes=(2, 3)),
         "pp-grads": sharded_scenarios("pp", world_sizes=(2, 3)),
         "tp-grads": sharded_scenarios("tp", world_sizes=(2,)),
-        # the training checks (three optimizer steps each) on small scenarios of 2 ranks
+        "tp-training": sharded_scenarios("tp", world_sizes=(2,)),
+        # pipelines whose first stage's embedding is the last stage's output projection
+        # (tied weights): the training check's after_backward must sum the two copies
+        "pp-training": sharded_scenarios("pp", world_sizes=(2, 3)).map(_tied_embedding),
+        # the DDP and FSDP2 training checks (three optimizer steps each) on small scenarios of 2 ranks
         "ddp-training": scenarios(
             models=ddp_models, devices=device_lists(min_devices=2, max_devices=2),
             losses=loss_specs(reductions=("mean",)), max_batch=8,
@@ -274,8 +314,15 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("pp-unscaled", UnscaledGPipe, "pp-schedule", "a GPipe schedule that does not scale gradients by 1/n_microbatches", "pp-grads", "microbatches"),
         Mutant("pp-skip-last-microbatch", SkipLastMicrobatchGPipe, "pp-schedule", "a GPipe schedule that never runs its last microbatch", "pp-grads", "microbatch"),
         Mutant("fsdp-wrong-weight", fsdp_wrong_weight_step, "fsdp-step", "weights each rank's loss by n_r / B, forgetting the world size FSDP2 divides by", "fsdp-grads", "the world size"),
+        Mutant("lost-forward-state", LostForwardState, "model", "a model that counts its forwards in a Python attribute and scales its output by a warm-up factor: DataParallel's replicas lose the count", "dp-training", "attribute changes are lost"),
+        Mutant("dp-local-buffer", LocalBatchStatistic, "model", "a model that updates an EMA buffer in forward from the rows it sees: DataParallel keeps replica 0's update, from its chunk alone", "dp-training", "DataParallel keeps replica 0's buffers"),
+        Mutant("tp-one-rank-clip", tp_one_rank_clip, "hook", "a gradient clip run only on rank 0 (under `if ctx.rank == 0`), so the other tensor-parallel ranks step their shards unclipped", "tp-training", "did not run alike on every rank"),
+        Mutant("pp-untied-embedding", averaged_tied_grads_hook, "hook", "a stage hook that averages a tied embedding's gradient over the first and last stage instead of summing the two parts", "pp-training", "instead of summed"),
+        Mutant("ddp-double-accumulation-division", double_accumulation_division_step, "ddp-step", "divides each micro-batch's loss by the number of micro-batches twice", "ddp-accumulation", "one over the number of micro-batches"),
+        Mutant("ddp-sync-wrong-micro-batch", sync_first_micro_batch_step, "ddp-step", "synchronises on the first micro-batch instead of the last (no_sync() if i != 0)", "ddp-accumulation", "synchronised on micro-batch 1 of"),
+        Mutant("ddp-same-seed-ranks", same_seed_ranks_step, "ddp-step", "seeds every rank alike (torch.manual_seed(0) on every rank), so every rank draws the same dropout masks", "ddp-grads", "Every rank draws the same random numbers"),
         Mutant("fsdp-local-shard-clip", local_shard_clip, "hook", "clips gradients by a norm computed from the rank's local FSDP2 shard", "fsdp-training", "local shard"),
         Mutant("ddp-clip-reduced-twice", clip_reduced_twice, "hook", "clips gradients by a norm whose square is all-reduced again over ranks that already hold the averaged gradient", "ddp-training", "1/sqrt("),
-        Mutant("ddp-local-batch-buffer", local_batch_statistic, "model", "updates a running statistic in forward from the rank's own shard and uses it in the output", "ddp-training", "updated them from its own shard"),
+        Mutant("ddp-local-batch-buffer", local_batch_offset, "model", "updates a running statistic in forward from the rank's own shard and uses it in the output", "ddp-training", "updated them from its own shard"),
     )
 }

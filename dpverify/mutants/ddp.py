@@ -12,11 +12,14 @@ import torch.distributed as dist
 from dpverify.ddp.rank import ShardContext
 
 __all__ = [
+    "double_accumulation_division_step",
     "forward_outside_no_sync_step",
     "manual_allreduce_step",
     "rank_seeded_init_step",
+    "same_seed_ranks_step",
     "summed_allreduce_step",
     "summed_loss_step",
+    "sync_first_micro_batch_step",
     "undivided_accumulation_step",
     "zero_grad_in_loop_step",
 ]
@@ -100,3 +103,37 @@ def zero_grad_in_loop_step(ctx: ShardContext) -> None:
         with contextlib.nullcontext() if index == len(parts) - 1 else model.no_sync():
             output = model(*part.inputs)
             (ctx.loss_fn(output, part.target) * part.rows * ctx.world_size / ctx.batch_size).backward()
+
+
+def double_accumulation_division_step(ctx: ShardContext) -> None:
+    """Gradient accumulation that divides each micro-batch's loss by the number of
+    micro-batches in the step and again where the loss is scaled: gradients ``1/k`` of the
+    full-batch ones."""
+    model = ctx.ddp()
+    parts = ctx.micro_batch_split()
+    k = len(parts)
+    for index, part in enumerate(parts):
+        with contextlib.nullcontext() if index == k - 1 else model.no_sync():
+            loss = ctx.loss_fn(model(*part.inputs), part.target) / k
+            (loss / k).backward()
+
+
+def sync_first_micro_batch_step(ctx: ShardContext) -> None:
+    """Gradient accumulation that synchronises on the first micro-batch instead of the last
+    (``no_sync() if i != 0``): one synchronisation, but later micro-batches' gradients stay
+    on their rank."""
+    model = ctx.ddp()
+    parts = ctx.micro_batch_split()
+    for index, part in enumerate(parts):
+        with model.no_sync() if index != 0 else contextlib.nullcontext():
+            (ctx.loss_fn(model(*part.inputs), part.target) / len(parts)).backward()
+
+
+def same_seed_ranks_step(ctx: ShardContext) -> Any:
+    """Seeds every rank alike (``torch.manual_seed(0)`` in the training script, on every
+    rank) before a correct DDP step: every rank draws the same dropout masks."""
+    torch.manual_seed(0)
+    model = ctx.ddp()
+    output = model(*ctx.inputs)
+    (ctx.loss_fn(output, ctx.target) * ctx.loss_weight).backward()
+    return output

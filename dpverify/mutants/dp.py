@@ -1,5 +1,6 @@
-"""DataParallel mutants: wrappers with ``DataParallel``'s signature, criterion wrappers and
-reductions of per-replica losses, each with one real bug; ``ScratchDataParallel`` and
+"""DataParallel mutants: wrappers with ``DataParallel``'s signature, criterion wrappers,
+reductions of per-replica losses and user models (``model(module)``) written with state
+DataParallel's replicas lose, each with one real bug; ``ScratchDataParallel`` and
 ``weighted_replica_losses`` are the correct implementations they are compared with."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import nn
 from torch.nn.parallel.scatter_gather import gather
 
 from dpverify.checks.loss_average import chunk_weighted_loss
-from dpverify.core.tree import concatenate, first_batched, map_tensors
+from dpverify.core.tree import concatenate, first_batched, map_tensors, tensor_leaves
 from dpverify.core.virtual import VirtualDataParallel
 
 __all__ = [
@@ -24,6 +25,8 @@ __all__ = [
     "DeepCopyDataParallel",
     "DetachedReplicasDataParallel",
     "LastReplicaBuffersDataParallel",
+    "LocalBatchStatistic",
+    "LostForwardState",
     "MeanCriterionParallel",
     "OutputDeviceFirstDataParallel",
     "ReplicaOutputsDataParallel",
@@ -353,3 +356,49 @@ def weighted_replica_losses(losses: torch.Tensor, chunk_sizes: list[int]) -> tor
     """Each replica's loss weighted by its share of the batch: exact for any split (the
     correct reduction the ``mean-of-means`` mutant is compared with)."""
     return chunk_weighted_loss(losses, chunk_sizes)
+
+
+# --------------------------------------------------------------------------- user models
+
+
+class LostForwardState(nn.Module):
+    """Counts its forwards in a Python attribute (``self.calls += 1``) and scales the
+    module's output by a warm-up factor ``min(1, calls / warmup)``, as a step-dependent
+    schedule written inside ``forward`` does. On one device the factor grows step by step;
+    under DataParallel every forward runs on replicas, whose attribute changes are lost, so
+    each forward sees ``calls == 1`` and the outputs diverge from the second step on."""
+
+    def __init__(self, module: nn.Module, warmup: int = 4) -> None:
+        super().__init__()
+        self.module = module
+        self.warmup = warmup
+        self.calls = 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        scale = min(1.0, self.calls / self.warmup)
+        return map_tensors(self.module(*args, **kwargs), lambda t: t * scale if t.is_floating_point() else t)
+
+
+class LocalBatchStatistic(nn.Module):
+    """Tracks an exponential moving average of its output's mean in a buffer, updated in
+    place in ``forward`` from the rows it sees (as a VQ-VAE tracks its codebook usage).
+    Under DataParallel only replica 0's update reaches the module, made from its chunk
+    alone, so the buffer is not what one device computes over the full batch."""
+
+    output_mean: torch.Tensor
+
+    def __init__(self, module: nn.Module, momentum: float = 0.1) -> None:
+        super().__init__()
+        self.module = module
+        self.momentum = momentum
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.get_default_dtype())
+        self.register_buffer("output_mean", torch.zeros((), dtype=dtype))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.module(*args, **kwargs)
+        first = next((t for _path, _keys, t in tensor_leaves(output) if t.is_floating_point() and t.dim() > 0), None)
+        if first is not None:
+            with torch.no_grad():
+                self.output_mean.mul_(1 - self.momentum).add_(self.momentum * first.detach().mean().to(self.output_mean.dtype))
+        return output

@@ -1,5 +1,6 @@
 """Sharded mutants: FSDP2 steps (``step(ctx: FSDPContext)``), tensor-parallel styles and the
-plan builders that use them (``plan(layout, module)``), and pipeline schedule classes.
+plan builders that use them (``plan(layout, module)``), pipeline schedule classes, and
+pipeline stages' ``after_backward`` hooks (``hook(ctx: PipelineContext)``).
 
 Each is DELIBERATELY BROKEN, a mistake seen in real training or hand-written parallel
 code, kept so that the sharded checks can be shown to catch it; never use them to train.
@@ -19,15 +20,19 @@ from dpverify.models.layouts import TPLayout
 from dpverify.sharded.fsdp_rank import FSDPContext
 
 __all__ = [
+    "TP_CLIP_NORM",
     "LocalOutputColwiseParallel",
     "NoAllReduceRowwiseParallel",
     "SkipLastMicrobatchGPipe",
     "UnscaledGPipe",
+    "averaged_tied_grads_hook",
     "fsdp_summed_loss_step",
     "fsdp_undivided_step",
     "fsdp_wrong_weight_step",
     "local_output_plan",
     "no_allreduce_plan",
+    "tp_global_clip",
+    "tp_one_rank_clip",
 ]
 
 
@@ -155,3 +160,72 @@ class SkipLastMicrobatchGPipe(ScheduleGPipe):
             super()._step_microbatches(cut(arg_mbs), cut(kwarg_mbs), cut(target_mbs), losses, *args, **kwargs)
         finally:
             self._n_microbatches = n
+
+
+# --------------------------------------------------------------------------- tensor parallel training
+
+#: The norm the tensor-parallel training hooks clip to: small, so that every step clips.
+TP_CLIP_NORM = 0.01
+
+
+@torch.no_grad()
+def _full_grad_norm(ctx: Any) -> torch.Tensor:
+    """The norm of the full gradients: of the DTensor ones by ``get_total_norm`` (a
+    DTensor made whole, ``full_tensor()``: the sum over the shards, a ``Partial``
+    gradient reduced first), of the plain ones (whole on every rank) as they are;
+    ``clip_grad_norm_`` itself refuses a mix of DTensor and plain gradients."""
+    grads = [p.grad for p in ctx.module.parameters() if p.grad is not None]
+    dtensors = [g for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    norms = []
+    if dtensors:
+        total = torch.nn.utils.get_total_norm(dtensors)  # a Replicate() DTensor
+        norms.append(total.full_tensor() if isinstance(total, DTensor) else total)
+    if plain:
+        norms.append(torch.nn.utils.get_total_norm(plain))
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+@torch.no_grad()
+def _scale_grads(ctx: Any, norm: torch.Tensor) -> None:
+    coef = (TP_CLIP_NORM / (norm + 1e-6)).clamp(max=1.0)
+    for p in ctx.module.parameters():
+        if p.grad is not None:
+            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
+
+
+def tp_global_clip(ctx: Any) -> None:
+    """A correct ``after_backward`` hook for tensor parallelism: every rank clips its
+    gradients (its shards) by the norm of the full gradients, to ``TP_CLIP_NORM``."""
+    _scale_grads(ctx, _full_grad_norm(ctx))
+
+
+def tp_one_rank_clip(ctx: Any) -> None:
+    """DELIBERATELY BROKEN: computes the norm of the full gradients on every rank (they all
+    join its collectives) but clips only under ``if ctx.rank == 0``, the "main process"
+    guard meant for logging: the other ranks step with unclipped gradients, and their
+    shards of every parameter drift from rank 0's."""
+    norm = _full_grad_norm(ctx)
+    if ctx.rank == 0:
+        _scale_grads(ctx, norm)
+
+
+# --------------------------------------------------------------------------- pipeline training
+
+
+def averaged_tied_grads_hook(ctx: Any) -> None:
+    """DELIBERATELY BROKEN: all-reduces the gradient of every weight tied across stages
+    (``ctx.tied``, an embedding shared with the output projection) over the stages that
+    hold it, then divides by their number: the data-parallel habit of averaging, where
+    every rank holds a whole gradient. Each stage holds only its own children's part, so
+    the copies agree with each other but step with ``1/stages`` of the gradient one
+    device's single parameter gets (the correct hook sums: ``sync_tied_grads``)."""
+    import torch.distributed as dist
+
+    if ctx.reference or not ctx.tied:
+        return
+    params = dict(ctx.module.named_parameters(remove_duplicate=False))
+    for local in sorted(ctx.tied, key=lambda name: ctx.tied[name]):
+        grad = params[local].grad
+        dist.all_reduce(grad, group=ctx.tied_group)
+        grad /= dist.get_world_size(ctx.tied_group)

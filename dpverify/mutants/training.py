@@ -16,10 +16,10 @@ from dpverify.core.tree import map_tensors, tensor_leaves
 
 __all__ = [
     "CLIP_NORM",
-    "LocalBatchStatistic",
+    "LocalBatchOffset",
     "clip_reduced_twice",
     "global_clip",
-    "local_batch_statistic",
+    "local_batch_offset",
     "local_shard_clip",
 ]
 
@@ -61,10 +61,10 @@ def clip_reduced_twice(ctx: Any) -> None:
     _scale(params, squared.sqrt())
 
 
-class LocalBatchStatistic(nn.Module):
-    """The scenario's module behind a running statistic of its output: every forward
-    updates an exponential moving average of the output's mean from the batch it sees and
-    adds it to the output. Under DDP each rank sees only its shard, so the average is of the
+class LocalBatchOffset(nn.Module):
+    """The scenario's module behind a running statistic of its output, used as an offset:
+    every forward updates an exponential moving average of the output's mean from the batch
+    it sees and adds it to the output (``dp.LocalBatchStatistic`` keeps it aside). Under DDP each rank sees only its shard, so the average is of the
     local batch, never all-reduced over the ranks."""
 
     ema: torch.Tensor
@@ -84,7 +84,7 @@ class LocalBatchStatistic(nn.Module):
         return map_tensors(out, lambda t: t + self.ema.to(t.dtype) if t.is_floating_point() else t)
 
 
-def local_batch_statistic(module: nn.Module) -> nn.Module:
+def local_batch_offset(module: nn.Module) -> nn.Module:
     """The user's module with a running statistic updated from the local batch in forward
-    and used in the output (``LocalBatchStatistic``)."""
-    return LocalBatchStatistic(module)
+    and added to the output (``LocalBatchOffset``)."""
+    return LocalBatchOffset(module)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self, TypeVar
 
@@ -56,6 +56,7 @@ from dpverify.core.validation import (
     require_target_rows,
 )
 from dpverify.ddp.pool import ParallelError, RankRunner, require_picklable, shared_pool
+from dpverify.ddp.torchrun import group_runner
 from dpverify.ranked.items import PieceItems, count_piece_items, cut_pieces, measure_losses
 from dpverify.ranked.rank import (
     AfterBackward,
@@ -114,10 +115,11 @@ _T = TypeVar("_T")
 
 
 def runner(pool: RankRunner | None, world_size: int) -> RankRunner:
-    """The ranks a check runs on: ``pool``, checked against ``world_size``, or the shared
-    pool of ``world_size`` ranks when None."""
+    """The ranks a check runs on: ``pool``, checked against ``world_size``; when None, the
+    ranks of the initialised default process group (a script torchrun started: every rank
+    runs the check, ``group_runner``), else the shared pool of ``world_size`` ranks."""
     if pool is None:
-        return shared_pool(world_size)
+        return group_runner(world_size) or shared_pool(world_size)
     if not callable(getattr(pool, "run", None)):
         raise InvalidArgument(f"pool={pool!r} has no run(); pass a DDPWorkerPool or None")
     if pool.world_size != world_size:
@@ -554,11 +556,13 @@ class RankedCheck:
         divergence: bool = True,
         scale: float | None = None,
         scenario: str | None = None,
+        replayed: Collection[str] = (),
     ) -> StepComparison:
-        """The comparison of this check; ``scenario`` replaces ``describe(step)``."""
+        """The comparison of this check; ``scenario`` replaces ``describe(step)``;
+        ``replayed``: Dropout layers whose masks the reference replayed from the ranks."""
         return step_comparison(
             title, self.describe(step) if scenario is None else scenario, self.tolerance, self.dtype, self.module, rows,
-            contrasts=contrasts, notes=notes, failures=failures, scale=scale, divergence=divergence,
+            contrasts=contrasts, notes=notes, failures=failures, scale=scale, divergence=divergence, replayed=replayed,
         )
 
 
@@ -684,13 +688,20 @@ def train_single_device(
     dtype: torch.dtype | None,
     after_backward: AfterBackward | None = None,
     *,
+    context: Callable[..., ReferenceContext] = ReferenceContext,
+    before_step: Callable[[nn.Module], None] | None = None,
+    on_step: Callable[[int, nn.Module, torch.optim.Optimizer], None] | None = None,
     trace: TrainingTrace | None = None,
     jitter: float = 0.0,
 ) -> tuple[list[dict[str, torch.Tensor]], list[list[str]]]:
     """Parameters after every step on one device, and the parameters that required grad
     but got none in each step (``unused_names``); ``after_backward(ctx)`` runs between each
-    backward and its optimizer step, with a ``ReferenceContext`` over the full batch.
-    ``trace``, when given, receives the buffers and the optimizer's state after every step;
+    backward and its optimizer step, with a ``ReferenceContext`` over the full batch (or the
+    subclass ``context`` makes, with the same fields: a backend's, that hooks written for it
+    read). ``before_step(model)`` sees the gradients each optimizer step uses;
+    ``on_step(index, model, optimizer)`` runs after each optimizer step, to read what else
+    the step left (buffers, the optimizer's state). ``trace``, when given, receives the
+    buffers and the optimizer's state after every step (``optimizer_state_of``);
     ``jitter``: start from parameters multiplied by ``1 +- jitter`` (``jitter_parameters``),
     a sample of how far rounding alone moves the run."""
     model = copy_module(module, dtype)
@@ -709,17 +720,21 @@ def train_single_device(
             unused.append(unused_names(model, {name: p.grad for name, p in model.named_parameters()}))
             if after_backward is not None:
                 rows = batch_size_of(tuple(args), kwargs=keywords)
-                ctx = ReferenceContext(
+                ctx = context(
                     rank=0, world_size=1, module=model, inputs=args, target=goal, loss_fn=loss_fn,
                     shard_sizes=(rows,), device=CPU, kwargs=dict(keywords), step_index=index, one_rank=group,
                 )
                 with after_backward_note(after_backward):
                     after_backward(ctx)
+            if before_step is not None:
+                before_step(model)
             opt.step()
             history.append({name: p.detach().clone() for name, p in model.named_parameters()})
             if trace is not None:
                 trace.buffers.append({name: b.detach().clone() for name, b in model.named_buffers()})
                 trace.state.append(optimizer_state_of(opt, model))
+            if on_step is not None:
+                on_step(index, model, opt)
     return history, unused
 
 

@@ -1,6 +1,8 @@
 """The notes a ranked check adds to a failure: the factor a gradient is off by and its
-likely causes, a sum-reduction loss under an averaging wrapper, the loss-averaging trap
-(rows or tokens), and ranks that disagree with each other.
+likely causes, a sum-reduction loss under an averaging wrapper, a loss all-reduced outside
+autograd, the loss-averaging trap (rows or tokens) and when it applies, ranks that disagree
+with each other, ranks that draw the same random numbers, and a synchronisation on the
+wrong micro-batch.
 
 Every backend whose wrapper averages the ranks' gradients (DDP's all-reduce, FSDP2's
 reduce-scatter, FSDP2 over the data-parallel groups of tensor parallelism) words the same
@@ -16,17 +18,23 @@ import torch
 
 from dpverify.core.comparison import explain_scale, uniform_scale
 from dpverify.core.step import StepResult
-from dpverify.ranked.check import RankedCheck, relative_gap
+from dpverify.ranked.check import RankedCheck, relative_gap, same_up_to_rounding
 from dpverify.ranked.items import PieceItems
+from dpverify.ranked.randomness import SameStream
 
 __all__ = [
     "fraction",
     "items_notes",
     "ranks_disagree",
+    "same_end_state_note",
+    "same_random_numbers_failure",
     "scale_note",
     "sum_loss_note",
     "token_trap_note",
+    "trap_fits",
     "trap_note",
+    "untracked_all_reduce_note",
+    "wrong_micro_batch_failure",
 ]
 
 
@@ -67,15 +75,104 @@ def scale_note(
     """The uniform factor between rank 0's gradients and one device's, with its sentence
     (``explain_scale``) and the sum-loss note when the sentence did not name it.
     ``averager``: what averages the ranks' gradients, in the text; ``size``: what
-    ``world_size`` counts."""
+    ``world_size`` counts. A step seen all-reducing a tensor that requires grad
+    (``steps[r].grad_all_reduces``, where recorded) has that named as the cause of a
+    ``1/world_size`` factor, and no sum loss is suspected."""
     c = uniform_scale(steps[0].grads, expected.grads)
-    equal = shard_sizes[0] if shard_sizes and len(set(shard_sizes)) == 1 else None
+    # a loss summed over each rank's rows gives B / world_size on any shards
+    per_rank = sum(shard_sizes) / len(shard_sizes) if shard_sizes else None
+    untracked = any(getattr(step, "grad_all_reduces", ()) for step in steps)
     notes = [] if c is None else [
-        explain_scale(c, world_size, averager=averager, micro_batches=micro_batches, shard_size=equal, reduction=reduction, size=size)
+        explain_scale(
+            c, world_size, averager=averager, micro_batches=micro_batches, shard_size=per_rank, reduction=reduction, size=size,
+            untracked_all_reduce=untracked,
+        )
     ]
-    if reduction == "sum" and not any("sum-reduction loss" in note for note in notes):
+    if untracked:
+        notes.append(untracked_all_reduce_note(steps))
+    elif reduction == "sum" and not any("sum-reduction loss" in note for note in notes):
         notes.append(sum_loss_note(world_size, averager, size))
     return notes, c
+
+
+def untracked_all_reduce_note(steps: Sequence[Any]) -> str:
+    """What the ranks passed to ``torch.distributed.all_reduce`` that requires grad
+    (``steps[r].grad_all_reduces``)."""
+    seen = {rank: list(step.grad_all_reduces) for rank, step in enumerate(steps) if step.grad_all_reduces}
+    shapes = "; ".join(f"rank {rank}: {', '.join(str(list(shape)) for shape in shapes)}" for rank, shapes in seen.items())
+    return (
+        f"Seen on the ranks: the step passed tensors that require grad to torch.distributed.all_reduce "
+        f"(shapes {shapes}; a shape [] is a scalar such as the loss). all_reduce has no gradient formula: "
+        "the gradient passes through it unchanged (torch warns that no autograd kernel is registered for "
+        "c10d::allreduce_), so each rank's gradient is its own loss's, times whatever the step did to the "
+        "reduced value."
+    )
+
+
+def trap_fits(step: Any, ok: bool, reduction: str | None, verified: Sequence[Any], naive: Sequence[Any]) -> bool:
+    """Whether a loss-averaging trap note (``trap_note``, ``token_trap_note``) belongs with a
+    check on shards of unequal items: for the harness's own step (``step`` None: the note
+    says why the weighted step ran and what the plain one, shown for contrast, gets wrong);
+    for the user's step only when it failed as the trap predicts, its gradients equal to the
+    plain per-rank mean-loss step's (``naive``, the counterfactual). Never for a sum loss,
+    which no weighting of means concerns."""
+    if reduction == "sum":
+        return False
+    if step is None:
+        return True
+    return not ok and same_up_to_rounding(verified[0].grads, naive[0].grads)
+
+
+def same_random_numbers_failure(same: SameStream, world_size: int) -> str:
+    """Two ranks drew their Dropout masks from the same random state (``same_random_numbers``)."""
+    first, other = same.ranks
+    masks = (
+        f"their masks agree on all {same.elements} entries they share" if same.identical
+        else f"(their masks differ only where their rows do, {same.elements} entries shared)"
+    )
+    return (
+        f"Every rank draws the same random numbers: ranks {first} and {other} drew the dropout mask of "
+        f"{same.module!r} from the same random generator state, and {masks}. The step seeds every rank "
+        "alike (torch.manual_seed(seed) with one seed on every rank), so the ranks drop the same units of "
+        "their rows: the data-parallel noise is correlated, where one device over the full batch draws an "
+        f"independent mask for every row. Seed each rank in its own stream, torch.manual_seed(seed + rank) "
+        f"(rank = torch.distributed.get_rank(), {world_size} ranks; accelerate's set_seed(seed, "
+        "device_specific=True)); dpverify seeds rank r with seed + r, and same_seed=True when identical "
+        "streams are meant."
+    )
+
+
+def same_end_state_note(steps: Sequence[Any]) -> str | None:
+    """A note when every rank left the step in the same random state (``steps[r].end_state``),
+    though each started in its own stream: the step seeded every rank alike."""
+    states = [step.end_state for step in steps]
+    if len(states) < 2 or states[0] is None or any(state != states[0] for state in states):
+        return None
+    return (
+        f"All {len(states)} ranks left the step in the same random state, though dpverify started each in "
+        "its own stream (seed + rank): the step seeds every rank alike (torch.manual_seed with one seed), so "
+        "whatever it draws after that (F.dropout, noise, augmentation, a random crop) is the same on every "
+        "rank. Seed each rank in its own stream, torch.manual_seed(seed + rank)."
+    )
+
+
+def wrong_micro_batch_failure(steps: Sequence[Any], micro_batches: int) -> str | None:
+    """The ranks that synchronised once, but before their last forward: on a micro-batch
+    other than the last (``steps[r].sync_forwards``, the forwards seen at each of rank r's
+    synchronisations, and ``steps[r].forwards``, all of them)."""
+    wrong = [
+        (rank, step.sync_forwards[0]) for rank, step in enumerate(steps)
+        if len(step.sync_forwards) == 1 and step.forwards is not None and step.sync_forwards[0] < step.forwards
+    ]
+    if not wrong:
+        return None
+    where = "; ".join(f"rank {rank} synchronised on micro-batch {index} of {micro_batches}" for rank, index in wrong)
+    return (
+        f"{where}. DDP must synchronise on the last: the gradients of later micro-batches never reach the "
+        "other ranks (they stay on the rank that computed them, added after the all-reduce). Run every "
+        "micro-batch but the last inside no_sync(): `with model.no_sync() if i < k - 1 else "
+        "contextlib.nullcontext():`."
+    )
 
 
 def fraction(value: float) -> str:

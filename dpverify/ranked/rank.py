@@ -22,6 +22,7 @@ from torch import nn
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.step import LossFn, convert_tensors, flatten_tensors, no_tf32, parameter_sites
 from dpverify.core.tree import map_tensors
+from dpverify.ranked.randomness import DropoutCall, rank_seed
 
 __all__ = [
     "AfterBackward",
@@ -187,8 +188,9 @@ def outputs_of(output: Any) -> tuple[tuple[str, torch.Tensor], ...]:
 @contextlib.contextmanager
 def seeded(device: torch.device, seed: int) -> Iterator[None]:
     """Runs the body with the random state seeded with ``seed`` and restored afterwards
-    (the CPU's, and ``device``'s when it is a GPU), and TF32 off: every rank starts a step
-    from the same random state, whatever ran before in the process."""
+    (the CPU's, and ``device``'s when it is a GPU), and TF32 off: a step starts from the
+    random state its seed gives, whatever ran before in the process (each shard's own,
+    ``rank_seed``, in a one-step check)."""
     fork = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork), no_tf32():
         torch.manual_seed(seed)
@@ -385,9 +387,10 @@ class RankStepTask:
     ``TPStepTask`` add how the module is wrapped).
 
     ``inputs``, ``target`` and ``kwargs`` are the whole batch's (each rank cuts its shard,
-    ``RankContext.load``); ``seed`` is the random state every step starts from, and
-    ``item_counts`` the items of every shard's micro-batches as the parent counted them
-    (``()``: rows).
+    ``RankContext.load``); ``seed`` gives the random state every step starts from: each
+    shard's own stream, ``rank_seed(seed, shard)``, as launchers seed ranks, or ``seed``
+    itself on every rank when ``same_seed``; ``item_counts`` the items of every shard's
+    micro-batches as the parent counted them (``()``: rows).
     """
 
     module: nn.Module
@@ -397,6 +400,7 @@ class RankStepTask:
     shard_sizes: tuple[int, ...]
     steps: tuple[Callable[[Any], Any], ...]
     seed: int = field(default=0, kw_only=True)
+    same_seed: bool = field(default=False, kw_only=True)
     kwargs: Mapping[str, Any] = field(default_factory=dict, kw_only=True)
     item_kind: str = field(default="rows", kw_only=True)
     item_counts: tuple[tuple[int, ...], ...] = field(default=(), kw_only=True)
@@ -413,6 +417,13 @@ class RankStep:
         buffers: every buffer after the step.
         wrapped: whether the step wrapped the module (``ctx.wrapped``).
         syncs: gradient synchronisations counted (None when not counted).
+        sync_forwards: for each synchronisation counted, how many forwards of the module
+            had run (the micro-batch it synchronised on, from 1).
+        forwards: the forwards of the module the step ran (when synchronisations are counted).
+        dropout: the masks the module's Dropout layers drew, in order (``recording_dropout``).
+        grad_all_reduces: the shapes of the tensors requiring grad that the step passed to
+            ``torch.distributed.all_reduce``, which autograd does not differentiate.
+        end_state: a digest of the random generator's state the step left (None: not read).
     """
 
     grads: dict[str, torch.Tensor | None]
@@ -421,18 +432,25 @@ class RankStep:
     buffers: dict[str, torch.Tensor]
     wrapped: bool
     syncs: int | None
+    sync_forwards: tuple[int, ...] = ()
+    forwards: int | None = None
+    dropout: tuple[DropoutCall, ...] = ()
+    grad_all_reduces: tuple[tuple[int, ...], ...] = ()
+    end_state: str | None = None
 
 
 def run_step(ctx: RankContext, task: RankStepTask, step: Callable[[Any], Any]) -> tuple[Any, float | None]:
     """Loads this rank's shard of ``task``'s batch into ``ctx`` and runs ``step(ctx)`` from
-    the random state ``task.seed`` (``seeded``).
+    the random state of its shard's stream, ``rank_seed(task.seed, ctx.shard_index)``
+    (``task.seed`` itself when ``task.same_seed``; ``seeded``).
 
     Returns:
         What the step returned, and the rank's mean loss on that output (None when the
         step returned nothing, or the shard has no row: a mean over no row is NaN).
     """
     ctx.load(task.inputs, task.target, task.kwargs, task.shard_sizes, item_kind=task.item_kind, item_counts=task.item_counts)
-    with seeded(ctx.device, task.seed):
+    seed = task.seed if task.same_seed else rank_seed(task.seed, ctx.shard_index)
+    with seeded(ctx.device, seed):
         output = step(ctx)
         loss = None
         if output is not None and ctx.shard_size > 0:
@@ -472,7 +490,8 @@ def one_rank_group() -> Iterator[Any]:
         yield None
         return
     if dist.is_initialized():
-        group, _all = dist.new_subgroups(group_size=1)
+        # gloo whatever the default group's backend: the reference runs on the CPU
+        group, _all = dist.new_subgroups(group_size=1, backend="gloo")
         try:
             yield group
         finally:
@@ -556,8 +575,8 @@ def train(
     optimizer_after_first_step: bool = False,
     read_params: Callable[[nn.Module], dict[str, torch.Tensor]] = params_of,
     read_grads: Callable[[nn.Module], dict[str, torch.Tensor | None]] | None = None,
-    read_buffers: Callable[[nn.Module], dict[str, torch.Tensor]] | None = buffers_of,
-    read_state: Callable[[torch.optim.Optimizer, nn.Module], dict[str, torch.Tensor]] | None = optimizer_state_of,
+    read_buffers: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None,
+    read_state: Callable[[torch.optim.Optimizer, nn.Module], dict[str, torch.Tensor]] | None = None,
     read_step: Callable[[nn.Module, torch.optim.Optimizer], StepRead] | None = None,
 ) -> Trained:
     """Trains ``ctx.module`` on this rank for ``len(plan.batches)`` optimizer steps: load
@@ -574,9 +593,9 @@ def train(
         read_params: the parameters after a step, as CPU tensors (whole ones, for a
             sharded module).
         read_grads: the gradients an optimizer step is about to use, when wanted.
-        read_buffers: the buffers after a step, when wanted.
-        read_state: the optimizer's state after a step (``optimizer_state_of``), when
-            wanted (whole ones, for a sharded optimizer).
+        read_buffers: the buffers after a step, when wanted (``buffers_of``).
+        read_state: the optimizer's state after a step, when wanted
+            (``optimizer_state_of``; whole tensors, for a sharded optimizer).
         read_step: reads all four after the step at once, in place of the four readers
             (a sharded module's in one collective); the gradients are read after the
             optimizer step, which leaves them as it found them.

@@ -49,14 +49,13 @@ from dpverify.ranked.check import (
     jittered_training,
     local_buffer_notes,
     require_step,
-    same_up_to_rounding,
     sendable,
     train_single_device,
     training_batches,
     training_rows,
     training_scale_note,
 )
-from dpverify.ranked.notes import items_notes, ranks_disagree, scale_note, sum_loss_note
+from dpverify.ranked.notes import items_notes, ranks_disagree, scale_note, sum_loss_note, trap_fits
 from dpverify.ranked.options import (
     ShardedKeywords,
     TrainingKeywords,
@@ -365,7 +364,7 @@ def assert_fsdp_grads_match(
     contrasts: list[TensorComparison] = []
     reduction = None if ok else check.loss_reduction(counted)
     if naive is not None:
-        if reduction != "sum":
+        if trap_fits(step, ok, reduction, verified, naive):
             token_intro = (
                 "FSDP2's reduce-scatter averages the ranks' gradients as DDP's all-reduce does, so DDP's "
                 "token trap holds here, with fsdp_step for ddp_step and weighted_fsdp_step for weighted_ddp_step: "
@@ -379,7 +378,7 @@ def assert_fsdp_grads_match(
             )
         if step is None:
             contrasts = grads_only(check.rank_rows(naive, refs, variant="plain fsdp_step", contrast=True))
-        elif not ok and reduction != "sum" and same_up_to_rounding(verified[0].grads, naive[0].grads):
+        elif trap_fits(step, ok, reduction, verified, naive):
             notes.append(
                 "The step's gradients equal the plain per-rank mean-loss step's (fsdp_step): it falls into "
                 "the loss-averaging trap. Multiply the rank's loss by ctx.loss_weight (weighted_fsdp_step)."

@@ -70,9 +70,12 @@ def quiet() -> Iterator[None]:
 
 
 def _dim0_shard(tensor: DTensor) -> bool:
-    """Sharded as FSDP2 shards by default: along dim 0 over a 1-D mesh, so the full tensor
-    is the ranks' local pieces concatenated in rank order."""
-    return tensor.device_mesh.ndim == 1 and tuple(tensor.placements) == (Shard(0),)
+    """Sharded as FSDP2 shards by default: along dim 0 over a 1-D mesh of every rank, so the
+    full tensor is the ranks' local pieces concatenated in rank order. (A 1-D mesh of some
+    ranks only, the ``"dp"`` dimension of a 2-D mesh, holds one piece per data-parallel
+    group: several ranks hold each piece.)"""
+    mesh = tensor.device_mesh
+    return mesh.ndim == 1 and mesh.size() == dist.get_world_size() and tuple(tensor.placements) == (Shard(0),)
 
 
 def gather_full(named: Sequence[tuple[str, torch.Tensor | None]]) -> dict[str, torch.Tensor | None]:

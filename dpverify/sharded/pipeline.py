@@ -9,7 +9,7 @@ import copy
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Unpack
 
 import torch
@@ -33,25 +33,71 @@ from dpverify.core.step import (
     batch_size_of,
     flatten_tensors,
     parameter_sites,
+    run_step,
 )
 from dpverify.core.validation import (
     require_bool,
+    require_callable,
     require_int_at_least,
     require_loss_fn,
     require_module_with_grads,
 )
 from dpverify.ddp.pool import require_picklable
-from dpverify.ranked.check import RankedCheck, References, ShardUnit, callable_name
-from dpverify.ranked.options import RankedKeywords, accepted, check_keywords, documented
-from dpverify.ranked.rank import LossFn, even_shards, shard_bounds, take_rows
-from dpverify.sharded.pipeline_rank import PipelineRankStep, PipelineTask, run_pipeline_task
+from dpverify.ranked.check import (
+    Batch,
+    RankedCheck,
+    References,
+    ShardUnit,
+    callable_name,
+    describe_batches,
+    optional,
+    relative_gap,
+    same_up_to_rounding,
+    sendable,
+    train_single_device,
+)
+from dpverify.ranked.items import PieceItems
+from dpverify.ranked.notes import fraction
+from dpverify.ranked.options import (
+    RankedKeywords,
+    TrainingKeywords,
+    accepted,
+    check_keywords,
+    documented,
+)
+from dpverify.ranked.rank import (
+    AfterBackward,
+    LossFn,
+    OptimizerFactory,
+    buffers_of,
+    even_shards,
+    grads_of,
+    shard_bounds,
+    take_rows,
+)
+from dpverify.sharded.pipeline_rank import (
+    PipelineContext,
+    PipelineRankStep,
+    PipelineRankTraining,
+    PipelineReferenceContext,
+    PipelineTask,
+    PipelineTrainingTask,
+    optimizer_state,
+    run_pipeline_task,
+    run_pipeline_training,
+    sync_tied_grads,
+)
 
 __all__ = [
     "SCHEDULES",
     "PipelineCheck",
+    "PipelineContext",
+    "PipelineTrainingKeywords",
     "assert_pipeline_grads_match",
+    "assert_pipeline_training_matches",
     "pipeline_check",
     "stage_children",
+    "sync_tied_grads",
 ]
 
 #: The schedules ``schedule=`` takes by name.
@@ -269,6 +315,7 @@ class PipelineKeywords(RankedKeywords, total=False):
     split_points: Sequence[int | str] | None
     schedule: str | type[PipelineScheduleSingle]
     scale_grads: bool
+    objective: LossFn | None
 
 
 @dataclass(frozen=True)
@@ -286,6 +333,7 @@ class PipelineCheck(RankedCheck):
     schedule: type[PipelineScheduleSingle] = ScheduleGPipe
     n_microbatches: int = 1
     scale_grads: bool = True
+    objective: LossFn | None = None
 
     NO_GRAD: ClassVar[str] = "there is no gradient for a pipeline stage to compare"
     UNIT: ClassVar[ShardUnit] = ShardUnit("microbatch", "n_microbatches", why="")
@@ -302,7 +350,27 @@ class PipelineCheck(RankedCheck):
             f"{self.world_size} ranks ({self.runner.backend}): {stages}; "
             f"{self.schedule.__name__}(n_microbatches={self.n_microbatches}, "
             f"scale_grads={self.scale_grads}), loss_fn {callable_name(self.loss_fn)}"
+            + (f", objective {callable_name(self.objective)}" if self.objective is not None else "")
         )
+
+    @property
+    def goal(self) -> LossFn:
+        """The loss one device trains on over the full batch: ``objective``, else ``loss_fn``."""
+        return self.loss_fn if self.objective is None else self.objective
+
+    def reference(self, dtype: torch.dtype | None, *, jitter: float = 0.0) -> StepResult:
+        """The single-device full-batch step of ``goal`` (``RankedCheck.reference``)."""
+        target = self.target_as(dtype)
+        goal = self.goal
+        return run_step(self.module, self.args, lambda output: goal(output, target), dtype=dtype, jitter=jitter, kwargs=self.kwargs)
+
+    def schedule_loss(self, output: Any, target: Any) -> torch.Tensor:
+        """The loss whose gradient the schedule computes from a full-batch ``output``:
+        ``loss_fn`` on each microbatch's rows, their mean with ``scale_grads``, else their sum."""
+        return self.combined([
+            self.loss_fn(take_rows(output, start, stop, self.batch_size), take_rows(target, start, stop, self.batch_size))
+            for start, stop in shard_bounds(self.shard_sizes)
+        ])
 
     def task(self) -> PipelineTask:
         return PipelineTask(
@@ -349,6 +417,9 @@ def pipeline_check(
         )
     require_loss_fn(loss_fn)
     require_picklable(loss_fn, "loss_fn")
+    objective = options.get("objective")
+    if objective is not None:
+        require_callable(objective, "objective", "objective(output, target) -> scalar over the full batch, e.g. F.cross_entropy")
     args = as_inputs(inputs)
     batch = _tensor_batch(args, target)
     sizes = _microbatches(batch, microbatches)
@@ -356,7 +427,7 @@ def pipeline_check(
     _require_chain(module, args, stages)
     return PipelineCheck.create(
         module, args, target, loss_fn=loss_fn, world_size=world, shards=sizes, **check_keywords(options),
-        stages=stages, schedule=chosen, n_microbatches=microbatches, scale_grads=scale,
+        stages=stages, schedule=chosen, n_microbatches=microbatches, scale_grads=scale, objective=objective,
     )
 
 
@@ -378,8 +449,10 @@ def assert_pipeline_grads_match(
 
     The check also fails, whatever the gradients, when the ranks' evidence shows a skipped
     or repeated microbatch, or a parameter held by no stage or by two. A sum loss with
-    ``scale_grads=True``, or a mean loss without it, is named with its factor and the fix;
-    uneven microbatches are refused before anything runs (docs/distributed.md tells why).
+    ``scale_grads=True``, or a mean loss without it, is named with its factor and the fix,
+    and so is a token-mean loss over microbatches of different token counts (the
+    loss-averaging trap); uneven microbatches are refused before anything runs
+    (docs/distributed.md tells why).
 
     Args:
         module: an ``nn.Sequential``, or a module whose forward runs its top-level
@@ -396,6 +469,10 @@ def assert_pipeline_grads_match(
         schedule: ``"gpipe"`` (``ScheduleGPipe``), ``"1f1b"`` (``Schedule1F1B``), or a
             ``PipelineScheduleSingle`` subclass (top-level, picklable).
         scale_grads: passed to the schedule.
+        objective: the loss one device computes over the full batch, when it is not
+            ``loss_fn`` (the schedule's per-microbatch loss): the schedule's gradients, of
+            the mean of the microbatch losses (``scale_grads``) or of their sum, must be
+            ``objective``'s.
         <shared: pool, rtol, atol, msg>
 
     Returns:
@@ -417,12 +494,12 @@ def assert_pipeline_grads_match(
     refs = check.references()
     aliases = _aliases(module)
     rows = _grad_rows(check, ranks, refs, aliases) + _output_rows(check, ranks[-1], refs) + _loss_rows(check, ranks[-1], refs)
-    failures = _evidence_failures(check, ranks, refs.expected, aliases)
+    failures = _evidence_failures(check, ranks, refs.expected.grads, aliases)
     notes = [_evidence_note(check, ranks)]
     scale = None
     if not all(row.ok for row in rows):
         more, scale = _scale_notes(check, ranks, refs.expected, aliases)
-        notes += more
+        notes += more + _schedule_loss_notes(check, _grads_by_name(ranks, aliases), refs.expected, check.module)
     outcome = check.outcome(title, None, rows, notes=notes, failures=failures, scale=scale)
     return raise_unless_ok(outcome, msg)
 
@@ -492,8 +569,13 @@ def _loss_rows(check: PipelineCheck, last: PipelineRankStep, refs: References) -
 # --------------------------------------------------------------------------- evidence
 
 
-def _evidence_failures(check: PipelineCheck, ranks: Sequence[PipelineRankStep], expected: StepResult, aliases: dict[str, str]) -> list[str]:
-    """What the ranks ran, held against what a pipeline step must run."""
+def _evidence_failures(
+    check: PipelineCheck, ranks: Sequence[PipelineRankStep], expected: Mapping[str, torch.Tensor | None], aliases: dict[str, str], *,
+    tied_ok: bool = False,
+) -> list[str]:
+    """What the ranks ran, held against what a pipeline step must run; ``tied_ok``: a
+    weight held by several stages is allowed (the training check, whose ``after_backward``
+    hook can sum its gradients, judges it by the parameters it trains)."""
     n = check.n_microbatches
     every = list(range(n))
     failures = []
@@ -523,7 +605,7 @@ def _evidence_failures(check: PipelineCheck, ranks: Sequence[PipelineRankStep], 
     for r, rank in enumerate(ranks):
         for name in {aliases.get(local, local) for local in rank.held}:
             holders.setdefault(name, []).append(r)
-    used = [name for name, grad in expected.grads.items() if grad is not None]
+    used = [name for name, grad in expected.items() if grad is not None]
     orphans = [name for name in used if not holders.get(name)]
     if orphans:
         failures.append(
@@ -531,13 +613,16 @@ def _evidence_failures(check: PipelineCheck, ranks: Sequence[PipelineRankStep], 
             "to one of its top-level children, so no stage trains them. Move them into a child."
         )
     shared = {name: where for name, where in holders.items() if len(where) > 1}
-    if shared:
+    if shared and not tied_ok:
         described = ", ".join(f"{name!r} by stages {where}" for name, where in shared.items())
         failures.append(
             f"Parameters are held by more than one stage: {described}. A weight tied between "
             "children of different stages becomes one copy per stage, and each stage's "
             "gradient is only its own children's part (PipelineStage does not add them up). "
-            "Put the children that share it in one stage (split_points), or untie it."
+            "Put the children that share it in one stage (split_points), or untie it; or, if your "
+            "training sums the copies' gradients between backward and the optimizer step, check "
+            "that with assert_pipeline_training_matches(..., after_backward=your hook) "
+            "(dpverify.sync_tied_grads does it)."
         )
     return failures
 
@@ -599,3 +684,387 @@ def _explain_factor(check: PipelineCheck, c: float, reduction: str | None) -> st
             "end of _step_microbatches)."
         )
     return text + "."
+
+
+# --------------------------------------------------------------------------- the schedule's loss
+
+
+def _schedule_step(check: PipelineCheck, module: nn.Module, dtype: torch.dtype | None) -> StepResult:
+    """The gradient, on one device, of the loss the schedule backpropagates
+    (``PipelineCheck.schedule_loss``), from ``module``'s weights."""
+    target = check.target_as(dtype)
+    return run_step(module, check.args, lambda output: check.schedule_loss(output, target), dtype=dtype, kwargs=check.kwargs)
+
+
+def _schedule_loss_notes(check: PipelineCheck, grads: Mapping[str, torch.Tensor | None], expected: StepResult, module: nn.Module) -> list[str]:
+    """Why the stages' gradients (``grads``, by the module's names) differ from one
+    device's, when the evidence shows they are exactly the gradients of the schedule's own
+    loss (the microbatch losses of ``loss_fn``, averaged or summed) and that loss is not
+    the objective: the token-mean trap, or an objective the microbatch losses do not add up
+    to. ``module``: the weights the step started from. Empty otherwise: then the schedule
+    or the stages did something else, and other notes say what."""
+    found = optional(lambda: _schedule_step(check, module, None))
+    if found is None:
+        return []
+    ran = {name: grad for name, grad in found.grads.items() if name in grads}
+    want = {name: grad for name, grad in expected.grads.items() if name in grads}
+    if not same_up_to_rounding(dict(grads), ran) or same_up_to_rounding(ran, want):
+        return []
+    gap = relative_gap(ran, want)
+    items = optional(check.count_items)
+    if items is not None and items.by_tokens and items.unequal_ranks and check.loss_reduction(items) != "sum":
+        return [_token_trap_note(check, items, gap)]
+    if check.objective is None:
+        return []  # a factor between loss_fn's microbatches and its full batch: _scale_notes
+    with torch.no_grad():
+        output = copy.deepcopy(module)(*check.args)
+        ours, goal = float(check.schedule_loss(output, check.target)), float(check.goal(output, check.target))
+    ratio = f" ({ours / goal:.6g} times it)" if goal else ""
+    how = f"the mean of the {check.n_microbatches} microbatch losses (scale_grads=True)" if check.scale_grads else (
+        f"the sum of the {check.n_microbatches} microbatch losses (scale_grads=False)"
+    )
+    return [
+        f"The stages computed exactly the gradients of the schedule's loss, {how} of "
+        f"loss_fn={callable_name(check.loss_fn)}: {ours:.8g} on this batch, where "
+        f"objective={callable_name(check.objective)} is {goal:.8g}{ratio}; their gradients differ by up "
+        f"to {gap:.3g} (relative). The schedule optimises a different loss than the objective. Make each "
+        "microbatch's loss its share of the objective: for a mean over the batch's B rows, a mean over the "
+        "microbatch's rows with scale_grads=True (equal microbatches), or the sum over its rows divided by B "
+        "(the whole batch's rows, not the microbatch's) with scale_grads=False."
+    ]
+
+
+def _token_trap_note(check: PipelineCheck, items: PieceItems, gap: float) -> str:
+    """The loss-averaging trap over microbatches that hold different numbers of tokens."""
+    n, counts, total = check.n_microbatches, items.per_rank, items.total
+    noun = items.noun
+    divide = n if check.scale_grads else 1
+    weights = ", ".join(f"1/{fraction(divide * t)}" for t in counts)
+    how = f"averages the microbatch losses' gradients (scale_grads=True divides their sum by n_microbatches={n})" if check.scale_grads else (
+        "sums the microbatch losses' gradients (scale_grads=False)"
+    )
+    text = (
+        f"Each microbatch's loss is a mean over its {noun}: {list(counts)}{items.detail}, {total} in all, on "
+        f"microbatches of {list(check.shard_sizes)} rows. The schedule {how}, so a per-microbatch mean loss "
+        f"gives each of microbatch i's {noun} the weight 1/({'n_microbatches * ' if check.scale_grads else ''}t_i) "
+        f"= [{weights}] instead of 1/T = 1/{total} (the loss-averaging trap under a pipeline)."
+    )
+    losses = items.rank_losses()
+    if losses is not None and items.full_loss is not None:
+        combined = math.fsum(losses) / divide
+        text += f" The schedule's loss is {combined:.8g} against the full batch's {items.full_loss:.8g} (bias {combined - items.full_loss:+.3g});"
+    return text + (
+        f" the stages' gradients are exactly that loss's (on one device) and differ from the full-batch gradients by up to "
+        f"{gap:.3g} (relative). Exact: count the batch's {noun} T before schedule.step, make loss_fn sum its {items.singular} "
+        f"losses and divide by T (the same T for every microbatch), and pass scale_grads=False."
+    )
+
+
+# --------------------------------------------------------------------------- training
+
+
+class PipelineTrainingKeywords(PipelineKeywords, TrainingKeywords, total=False):
+    """The optional keywords of ``assert_pipeline_training_matches``."""
+
+
+@dataclass(frozen=True)
+class _Reference:
+    """Single-device training, after every optimizer step: parameters, the gradients the
+    step used, buffers and the optimizer's state, by the module's names."""
+
+    params: list[dict[str, torch.Tensor]]
+    grads: list[dict[str, torch.Tensor | None]]
+    buffers: list[dict[str, torch.Tensor]]
+    state: list[dict[str, dict[str, torch.Tensor]]]
+
+
+def _train_reference(
+    check: PipelineCheck, batches: Sequence[Batch], optimizer: OptimizerFactory, dtype: torch.dtype | None, after_backward: AfterBackward | None,
+) -> _Reference:
+    grads: list[dict[str, torch.Tensor | None]] = []
+    buffers: list[dict[str, torch.Tensor]] = []
+    state: list[dict[str, dict[str, torch.Tensor]]] = []
+
+    def record(index: int, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        grads.append(grads_of(model))
+        buffers.append(buffers_of(model))
+        state.append(optimizer_state(opt, model))
+
+    params, _unused = train_single_device(
+        check.module, batches, check.goal, optimizer, dtype, after_backward, context=PipelineReferenceContext, on_step=record,
+    )
+    return _Reference(params, grads, buffers, state)
+
+
+def _module_at(module: nn.Module, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]) -> nn.Module:
+    """A copy of ``module`` with these parameters and buffers (by name)."""
+    model = copy.deepcopy(module)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in params:
+                param.copy_(params[name])
+        for name, buffer in model.named_buffers():
+            if name in buffers:
+                buffer.copy_(buffers[name])
+    return model
+
+
+def _training_rows(
+    check: PipelineCheck, ranks: Sequence[PipelineRankTraining], expected: _Reference, anchor: _Reference | None, index: int, aliases: dict[str, str],
+) -> list[TensorComparison]:
+    """Every stage's parameters, buffers and optimizer state after step ``index`` against
+    one device's, by the module's names (a tied weight's copies against its one parameter)."""
+    rows = []
+    step = f"step {index + 1}"
+
+    def compare(kind: str, name: str, local: str, r: int, actual: torch.Tensor | None, want: torch.Tensor | None, anchored: torch.Tensor | None, key: str = "") -> None:
+        detail = " ".join(part for part in (key, f"(as {local!r})" if local != name else "") if part)
+        rows.append(compare_tensors(TensorId(kind, name, variant=f"{step} stage {r}", detail=detail), actual, want, anchored, check.tolerance))
+
+    for r, rank in enumerate(ranks):
+        for local, value in rank.params[index].items():
+            name = aliases.get(local, local)
+            if name in expected.params[index]:
+                compare("param", name, local, r, value, expected.params[index][name], anchor.params[index][name] if anchor else None)
+        for name, value in rank.buffers[index].items():
+            if name in expected.buffers[index] and value.is_floating_point():
+                compare("buffer", name, name, r, value, expected.buffers[index][name], anchor.buffers[index][name] if anchor else None)
+        for local, entries in rank.state[index].items():
+            name = aliases.get(local, local)
+            want = expected.state[index].get(name, {})
+            anchored = anchor.state[index].get(name, {}) if anchor else {}
+            for key, value in entries.items():
+                compare(
+                    "optimizer state", name, local, r, value.double() if not value.is_floating_point() else value,
+                    want.get(key), anchored.get(key), f"[{key!r}]",
+                )
+    return rows
+
+
+def _tied_notes(
+    ranks: Sequence[PipelineRankTraining], expected: _Reference, index: int, aliases: dict[str, str], hook: AfterBackward | None,
+    others_ok: bool,
+) -> list[str]:
+    """What happened to each weight tied across stages in step ``index``: its copies'
+    gradients against each other and against one device's gradient of the one parameter.
+    Copies that agree are blamed only when the other gradients (``others_ok``) are right:
+    otherwise what is wrong with them is wrong with every gradient."""
+    copies: dict[str, list[tuple[int, str, torch.Tensor | None]]] = {}
+    for r, rank in enumerate(ranks):
+        for local, name in rank.tied.items():
+            grads = rank.steps[index].grads
+            own = next((grads[key] for key in grads if aliases.get(key, key) == name), None)
+            copies.setdefault(name, []).append((r, local, own))
+    notes = []
+    ran = f"after_backward={callable_name(hook)}" if hook is not None else "no after_backward hook"
+    for name, held in copies.items():
+        where = ", ".join(f"{local!r} on stage {r}" for r, local, _g in held)
+        want = expected.grads[index].get(name)
+        got = [g for _r, _l, g in held]
+        text = (
+            f"{name!r} is one weight tied across stages in the module, held as {where}: each stage "
+            f"computes only its own children's part of its gradient (PipelineStage does not add them up), "
+            f"so the copies must be summed over the stages that hold them (ctx.tied_group) between backward "
+            f"and the optimizer step, as one device's single parameter gets the sum."
+        )
+        present = [g for g in got if g is not None]
+        if len(present) < len(got) or want is None:
+            notes.append(text)
+            continue
+        scale = max(float(present[0].abs().max()), 1e-30)
+        same = all(torch.allclose(g, present[0], rtol=1e-5, atol=1e-7 * scale) for g in present)
+        total = uniform_scale({name: present[0]}, {name: want})
+        if not same:
+            text += f" In step {index + 1}, with {ran}, the copies' gradients differ from each other: they were not summed."
+        elif not others_ok:
+            continue
+        elif total is not None and math.isclose(total, 1 / len(held), rel_tol=1e-3):
+            text += (
+                f" In step {index + 1}, with {ran}, the copies' gradients agree but are 1/{len(held)} of one "
+                f"device's: they were averaged over the {len(held)} stages instead of summed (an all-reduce "
+                f"followed by a division by the group's size, the habit of data parallelism, where every rank "
+                f"holds a whole gradient; here each holds a part)."
+            )
+        elif total is not None:
+            text += f" In step {index + 1}, with {ran}, the copies' gradients agree but are {total:.6g} times one device's."
+        else:
+            continue  # the tied weight's gradient is right: something else differs
+        notes.append(text)
+    return notes
+
+
+@documented
+def assert_pipeline_training_matches(
+    module: nn.Module, batches: Sequence[tuple[Any, ...]], *, loss_fn: LossFn, optimizer: OptimizerFactory, world_size: int,
+    n_microbatches: int, **options: Unpack[PipelineTrainingKeywords],
+) -> StepComparison:
+    """Asserts ``len(batches)`` optimizer steps of pipeline-parallel training match one device.
+
+    ``module``'s top-level children are cut into ``world_size`` stages, one per rank, as
+    ``assert_pipeline_grads_match`` cuts them. Every rank builds its stage, the schedule
+    around it and ``optimizer(stage parameters)``; for each ``(inputs, target)`` in
+    ``batches`` it zeroes the gradients, runs one ``schedule.step`` (rank 0 feeding the
+    inputs, the last rank the target), runs ``after_backward(ctx)`` when given (a
+    ``PipelineContext``: ``ctx.stage_index``, ``ctx.num_stages``, ``ctx.group``,
+    ``ctx.tied``, ``ctx.tied_group``), and steps the optimizer. After every step each
+    stage's parameters, buffers and optimizer state must match single-device training on
+    the full batches (float64-anchored tolerance) under the module's names: a weight tied
+    between children of different stages (an input embedding shared with the output
+    projection) is a copy on each stage, and each copy must match the one parameter. The
+    message shows the first step that differs, and names a tied weight whose copies were
+    not summed, the token-mean trap over microbatches, and a schedule whose loss is not
+    ``objective``.
+
+    The single-device run trains on ``objective`` (default ``loss_fn``) over each whole
+    batch; the stages run ``loss_fn`` on each microbatch, and torch's schedules
+    backpropagate the mean of the microbatch losses with ``scale_grads=True`` (they divide
+    the accumulated gradients by ``n_microbatches``), their sum without.
+
+    Args:
+        module: as ``assert_pipeline_grads_match``.
+        batches: one ``(inputs, target)`` pair per optimizer step, each as the ``inputs``
+            and ``target`` of ``assert_pipeline_grads_match``, all of the same shapes (a
+            ``PipelineStage`` sizes its buffers on the first step).
+        loss_fn: the schedule's per-microbatch ``loss_fn(output, target)``, picklable.
+        optimizer: picklable factory ``params -> Optimizer``, e.g.
+            ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``, built by every
+            stage over its own parameters.
+        world_size: the number of stages and ranks, at least 2.
+        n_microbatches: microbatches per step; must divide every batch.
+        objective: the loss you mean to minimise, ``objective(output, target)`` over a whole
+            batch, when it is not ``loss_fn`` itself (e.g. the batch's token mean, where
+            ``loss_fn`` divides each microbatch's summed token loss by a count).
+        <shared: after_backward>
+        Others: as ``assert_pipeline_grads_match``.
+
+    Raises:
+        ParallelMismatch: a stage's parameters, buffers or optimizer state differ after
+            some step (the message shows the first such step), or the ranks' evidence shows
+            skipped microbatches or parameters held by no stage.
+        ParallelError: a rank raised, died or hung.
+        InvalidArgument: an argument cannot be used.
+    """
+    __tracebackhide__ = True
+    accepted(assert_pipeline_training_matches, options, PipelineTrainingKeywords)
+    after_backward = options.get("after_backward")
+    if after_backward is not None:
+        require_callable(after_backward, "after_backward", "hook(ctx), e.g. one all-reducing a tied weight's gradient over ctx.tied_group")
+        sendable(after_backward, "after_backward", "a module-level function hook(ctx)")
+    pairs = describe_batches(batches, {})
+    scenario: dict[str, Any] = {key: value for key, value in options.items() if key not in ("after_backward", "msg")}
+    first_inputs, _kwargs, first_target = pairs[0]
+    check = pipeline_check(module, first_inputs, first_target, loss_fn=loss_fn, world_size=world_size, n_microbatches=n_microbatches, **scenario)
+    _require_same_batches(pairs)
+    sendable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
+    require_picklable([(inputs, target) for inputs, _k, target in pairs], "batches")
+    task = PipelineTrainingTask(
+        check.module, tuple((inputs, target) for inputs, _k, target in pairs), check.loss_fn, optimizer, check.stages,
+        check.schedule, check.n_microbatches, check.scale_grads, after_backward,
+    )
+    title = (
+        f"{len(pairs)} steps of pipeline-parallel training with {callable_name(optimizer)} must match "
+        "single-device training on every stage"
+    )
+    expected = _train_reference(check, pairs, optimizer, None, after_backward)
+    ranks: tuple[PipelineRankTraining, ...] = check.send(run_pipeline_training, task, title)
+    anchor = None if check.tolerance.explicit else _train_reference(check, pairs, optimizer, torch.float64, after_backward)
+    aliases = _aliases(module)
+    failing = len(pairs) - 1
+    rows: list[TensorComparison] = []
+    for index in range(len(pairs)):
+        rows = _training_rows(check, ranks, expected, anchor, index, aliases)
+        if not all(row.ok for row in rows):
+            failing = index
+            break
+    failures: list[str] = []
+    for index in range(len(pairs)):
+        found = _evidence_failures(check, [rank.steps[index] for rank in ranks], expected.grads[index], aliases, tied_ok=True)
+        if found:
+            failures = [f"In optimizer step {index + 1}: {text}" for text in found]
+            break
+    notes = [
+        f"Parameters, buffers and optimizer state compared after each of the {len(pairs)} optimizer steps; the "
+        f"table shows step {failing + 1}.",
+        _evidence_note(check, [rank.steps[failing] for rank in ranks]),
+    ]
+    if after_backward is not None:
+        notes.append(f"{callable_name(after_backward)}(ctx) ran after every schedule step, on every stage and in the single-device run.")
+    if check.objective is not None:
+        notes.append(
+            f"The single-device run trained on objective={callable_name(check.objective)} over each whole batch; the "
+            f"stages ran loss_fn={callable_name(check.loss_fn)} on each microbatch."
+        )
+    if not all(row.ok for row in rows):
+        notes += _training_diagnosis(check, ranks, expected, failing, aliases, after_backward, pairs)
+    outcome = check.outcome(title, None, rows, notes=notes, failures=failures)
+    return raise_unless_ok(outcome, options.get("msg"))
+
+
+def _require_same_batches(pairs: Sequence[Batch]) -> None:
+    """Every batch of the shapes of the first: a ``PipelineStage`` infers the shapes it
+    sends and receives once, on its first step (torch/distributed/pipelining/stage.py)."""
+    for index, (inputs, kwargs, target) in enumerate(pairs):
+        if kwargs:
+            raise InvalidArgument(
+                f"batches[{index}] has keyword arguments {sorted(kwargs)}; the pipeline's first stage takes "
+                "positional tensors: pass (inputs, target) pairs"
+            )
+        if index == 0:
+            continue
+        first_inputs, _k, first_target = pairs[0]
+        _tensor_batch(tuple(inputs), target)
+        shapes = [tuple(t.shape) for t in (*inputs, target) if isinstance(t, torch.Tensor)]
+        first = [tuple(t.shape) for t in (*first_inputs, first_target) if isinstance(t, torch.Tensor)]
+        if shapes != first:
+            raise InvalidArgument(
+                f"batches[{index}] has shapes {shapes}, batches[0] {first}: a PipelineStage sizes the "
+                "activations it sends and receives on its first step, so every step's batch must have the "
+                "first one's shapes (pad the batches, or drop the last, smaller one)"
+            )
+
+
+def _inference_notes(ranks: Sequence[PipelineRankTraining], index: int) -> list[str]:
+    """Stages with buffers whose module ran forward outside the microbatches of step
+    ``index``: torch's shape inference, one forward more than one device runs."""
+    notes = []
+    for r, rank in enumerate(ranks):
+        extra = rank.steps[index].outside
+        if extra and rank.buffers[index]:
+            notes.append(
+                f"Stage {r}'s module ran forward {extra} time{'s' if extra > 1 else ''} outside any microbatch in step "
+                f"{index + 1}: torch's PipelineStage runs it once before the first step to infer the shapes it sends "
+                "(_forward_metadata_inference, on the first stage's inputs, on empty tensors of the received shapes on "
+                "the others), so buffers updated in forward (running statistics, counters) "
+                f"{sorted(rank.buffers[index])} get an update one device never makes. Give every stage's "
+                "PipelineStage input_args= and output_args= (static shapes: the stages then vote to skip the "
+                "inference), or update such buffers outside forward."
+            )
+    return notes
+
+
+def _training_diagnosis(
+    check: PipelineCheck, ranks: Sequence[PipelineRankTraining], expected: _Reference, index: int, aliases: dict[str, str],
+    hook: AfterBackward | None, pairs: Sequence[Batch],
+) -> list[str]:
+    """The notes of a failing step ``index``: the tied weights, then the gradients the
+    step used against one device's (a uniform factor, the schedule's own loss). Before
+    that step the stages matched one device, so the step's gradients are comparable."""
+    grads = _grads_by_name([rank.steps[index] for rank in ranks], aliases)
+    tied = {name for rank in ranks for name in rank.tied.values()}
+    untied = {name: grad for name, grad in grads.items() if name not in tied}
+    want = {name: grad for name, grad in expected.grads[index].items() if name not in tied}
+    notes = _tied_notes(ranks, expected, index, aliases, hook, same_up_to_rounding(untied, want)) + _inference_notes(ranks, index)
+    if index == 0:
+        start = check.module
+        step_check = check
+    else:
+        start = _module_at(check.module, expected.params[index - 1], expected.buffers[index - 1])
+        inputs, _kwargs, target = pairs[index]
+        step_check = replace(check, args=tuple(inputs), target=target, module=start)
+    c = uniform_scale(untied, want)
+    if c is not None and not notes:
+        notes.append(_explain_factor(step_check, c, step_check.loss_reduction()))
+    one = optional(lambda: step_check.reference(None))
+    if one is not None:
+        notes += _schedule_loss_notes(step_check, untied, one, start)
+    return notes

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Unpack
@@ -24,35 +25,60 @@ from dpverify.core.comparison import (
     StepComparison,
     TensorComparison,
     TensorId,
+    compare_tensors,
 )
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.step import StepResult
-from dpverify.core.validation import require_int_at_least, require_module_with_grads
+from dpverify.core.validation import (
+    require_callable,
+    require_int_at_least,
+    require_module_with_grads,
+)
+from dpverify.ddp.pool import ParallelError
 from dpverify.ranked.check import (
     TP_GROUPS,
+    Batch,
     RankedCheck,
     References,
     ShardUnit,
+    callable_name,
+    describe_batches,
+    forward_keywords,
     grads_only,
     optional,
     require_step,
     same_up_to_rounding,
+    sendable,
+    train_single_device,
+    training_batches,
 )
-from dpverify.ranked.notes import items_notes, scale_note
-from dpverify.ranked.options import ShardedKeywords, accepted, check_keywords, documented
-from dpverify.ranked.rank import LossFn, shard_bounds, take_rows
+from dpverify.ranked.notes import items_notes, scale_note, sum_loss_note
+from dpverify.ranked.options import (
+    ShardedKeywords,
+    TrainingKeywords,
+    accepted,
+    check_keywords,
+    documented,
+)
+from dpverify.ranked.rank import AfterBackward, LossFn, OptimizerFactory, shard_bounds, take_rows
 from dpverify.ranked.sharded import module_paths, send_steps, trap_text
 from dpverify.sharded.fsdp import _shard_modules
 from dpverify.sharded.tensor_parallel_rank import (
     DP_DIM,
     TP_DIM,
+    Placed,
     TPContext,
     TPRankStep,
+    TPRankTraining,
+    TPReferenceContext,
     TPStepTask,
+    TPTrainingTask,
     _matched,
     full_output,
+    optimizer_state,
     placement_text,
     run_tp_step_task,
+    run_tp_training_task,
     tp_step,
     weighted_tp_step,
 )
@@ -61,6 +87,7 @@ __all__ = [
     "TPCheck",
     "TPContext",
     "assert_tensor_parallel_grads_match",
+    "assert_tensor_parallel_training_matches",
     "full_output",
     "tp_step",
     "weighted_tp_step",
@@ -70,6 +97,10 @@ class TPKeywords(ShardedKeywords, total=False):
     """The optional keywords of the tensor-parallel helper."""
 
     data_parallel: int
+
+
+class TPTrainingKeywords(TPKeywords, TrainingKeywords, total=False):
+    """The optional keywords of the tensor-parallel training helper."""
 
 
 # --------------------------------------------------------------------------- validation
@@ -217,7 +248,7 @@ def _group_loss(check: TPCheck, start: int, stop: int, step: StepResult) -> torc
 # --------------------------------------------------------------------------- evidence
 
 
-def _sharding_findings(check: TPCheck, steps: Sequence[TPRankStep]) -> tuple[list[str], str]:
+def _sharding_findings(check: TPCheck, steps: Sequence[TPRankStep | TPRankTraining]) -> tuple[list[str], str]:
     """(failures, the evidence for the scenario line): whether the plan was applied and sharded
     some parameter over ``"tp"`` on every rank."""
     failures: list[str] = []
@@ -564,6 +595,7 @@ def assert_tensor_parallel_grads_match(
     scale = None
     if not ok:
         notes += _own_columns_note(check, verified, expected) or _partial_sum_note(check, verified, expected)
+        notes += _partial_grads_note(check, [(s.dp_rank, s.grads) for s in verified], expected.grads)
         if check.data_parallel > 1:
             reduction = check.loss_reduction(counted)
             more, scale = scale_note(
@@ -574,3 +606,330 @@ def assert_tensor_parallel_grads_match(
     scenario = f"{check.describe(chosen)}; evidence: {evidence}"
     outcome = check.outcome(title, chosen, rows, contrasts=contrasts, notes=notes, failures=failures, scale=scale, scenario=scenario)
     return raise_unless_ok(outcome, msg)
+
+
+# --------------------------------------------------------------------------- gradients explained
+
+#: how close a sum over ranks, or a scaled reference, must come to count as the explanation
+_FIT = 1e-4
+
+
+def _partial_grads_note(
+    check: TPCheck, grads: Sequence[tuple[int, Mapping[str, torch.Tensor | None]]], expected: Mapping[str, torch.Tensor | None],
+) -> list[str]:
+    """Gradients that differ between the ranks of a tensor-parallel group while their sum
+    over the group is the single-device gradient: each rank's is a partial sum over its own
+    part of the activations (a norm over a sequence shard, with plain parameters whose
+    gradients nothing all-reduces). ``grads``: each rank's (data-parallel group, whole
+    gradients)."""
+    if check.tp_size < 2:
+        return []
+    found: list[str] = []
+    for name, want in expected.items():
+        if want is None:
+            continue
+        scale = float(want.double().abs().max()) or 1.0
+        for dp_rank in range(check.data_parallel):
+            parts = [g.get(name) for d, g in grads if d == dp_rank]
+            if any(p is None or p.shape != want.shape for p in parts):
+                break
+            tensors = [p for p in parts if p is not None]
+            if all(torch.equal(tensors[0], t) for t in tensors):
+                break
+            total = torch.stack([t.double() for t in tensors]).sum(0)
+            if float((total - want.double()).abs().max()) / scale > _FIT:
+                break
+        else:
+            found.append(name)
+    if not found:
+        return []
+    modules = dict.fromkeys(name.rpartition(".")[0] for name in found)
+    kinds = "/".join(dict.fromkeys(type(check.module.get_submodule(path)).__name__ for path in modules))
+    return [
+        f"The gradients of {found} differ between the {check.tp_size} tensor-parallel ranks, and their sum over the ranks "
+        f"is the single-device gradient: the {kinds}'s gradients are per-rank partial sums over the sequence shards "
+        f"(each rank's over the rows of the activations it holds; its parameters are plain tensors, which no "
+        "collective reduces). All-reduce them over the tensor-parallel group (dist.all_reduce(p.grad, "
+        "group=ctx.tp_group) in after_backward), or use SequenceParallel, which does: it makes them Replicate() "
+        "DTensors whose Partial() gradients are summed over the ranks where they are used."
+    ]
+
+
+def _own_part(check: TPCheck, placed: Placed | None, grad: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """The part of a whole gradient that rank ``tp_rank`` computed: its shard of a
+    parameter sharded over ``"tp"`` (``Shard(d)``: ``torch.chunk``'s pieces, as DTensor
+    cuts them), else all of it."""
+    if placed is None or not placed.tp_sharded or check.data_parallel > 1:
+        return grad
+    dim = re.fullmatch(r"Shard\((-?\d+)\)", placed.placements)
+    if dim is None:
+        return grad
+    pieces = grad.chunk(check.tp_size, int(dim.group(1)))
+    return pieces[tp_rank] if tp_rank < len(pieces) else grad.new_empty(0)
+
+
+def _rank_factors(
+    check: TPCheck, ranks: Sequence[TPRankTraining], index: int, expected: Mapping[str, torch.Tensor | None],
+) -> list[float] | None:
+    """Per rank, the factor c_r such that the gradients it computed in step ``index`` (its
+    own shards, and the gradients it holds whole) are c_r times the single-device ones;
+    None when some rank's are not a multiple of them."""
+    factors = []
+    for rank in ranks:
+        held = {p.name: p for p in rank.held}
+        pairs = [
+            (_own_part(check, held.get(name), got.double(), rank.tp_rank), _own_part(check, held.get(name), want.double(), rank.tp_rank))
+            for name, want in expected.items()
+            if want is not None and (got := rank.step_grads[index].get(name)) is not None and got.shape == want.shape
+        ]
+        if not pairs:
+            return None
+        dot = sum(float((a * e).sum()) for a, e in pairs)
+        norm = sum(float((e * e).sum()) for _a, e in pairs)
+        if norm == 0.0:
+            return None
+        factor = dot / norm
+        scale = max(float(e.abs().max()) for _a, e in pairs if e.numel()) or 1.0
+        if max(float((a - factor * e).abs().max()) for a, e in pairs if e.numel()) > _FIT * scale * max(1.0, abs(factor)):
+            return None
+        factors.append(factor)
+    return factors
+
+
+def _scaled_grads_note(
+    check: TPCheck, ranks: Sequence[TPRankTraining], index: int, expected: Mapping[str, torch.Tensor | None], hook: AfterBackward,
+) -> list[str]:
+    """When in the first diverging step each rank's gradients are the single-device ones
+    times a factor of its own: the hook scaled them (clipped them) by a coefficient the
+    ranks did not agree on."""
+    factors = _rank_factors(check, ranks, index, expected)
+    if factors is None or max(factors) - min(factors) <= 1e-3 * max(abs(f) for f in factors):
+        return []
+    shown = ", ".join(f"rank {r} x{f:.6g}" for r, f in enumerate(factors))
+    name = callable_name(hook)
+    ones = [r for r, f in enumerate(factors) if abs(f - 1.0) <= 1e-3]
+    others = [r for r, f in enumerate(factors) if abs(f - 1.0) > 1e-3]
+    head = (
+        f"In step {index + 1} the gradients the optimizer used (after {name}(ctx)) are the single-device ones times a "
+        f"factor of each rank's own ({shown}), where every rank must use exactly them."
+    )
+    if ones:
+        return [
+            f"{head} Ranks {ones} scaled them as the single device did, ranks {others} did not: the gradient clipping "
+            f"(or other scaling) in after_backward={name} did not run alike on every rank, e.g. it ran under "
+            "`if ctx.rank == 0`, or each rank computed its own norm. Clip on every rank, with the norm of the full "
+            "gradients."
+        ]
+    return [
+        f"{head} after_backward={name} scaled them by a coefficient each rank computed from what it holds alone, e.g. "
+        "a clip norm from its local shards (p.grad.to_local()) never all-reduced over the tensor-parallel group. "
+        "Compute the norm of the full gradients: torch.nn.utils.clip_grad_norm_ over the DTensor gradients, or "
+        "all-reduce the local sums of squares over ctx.tp_group, counting a replicated gradient once."
+    ]
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass(frozen=True)
+class _Trace:
+    """Single-device training, per optimizer step: the parameters after it, the gradients
+    it used, the buffers and the optimizer state after it."""
+
+    params: list[dict[str, torch.Tensor]]
+    grads: list[dict[str, torch.Tensor | None]]
+    buffers: list[dict[str, torch.Tensor]]
+    states: list[dict[str, torch.Tensor]]
+
+
+def _clones(named: Sequence[tuple[str, torch.Tensor | None]]) -> dict[str, torch.Tensor | None]:
+    return {name: None if t is None else t.detach().clone() for name, t in named}
+
+
+def _single_device(
+    module: nn.Module, pairs: Sequence[Batch], loss_fn: LossFn, optimizer: OptimizerFactory, dtype: torch.dtype | None,
+    after_backward: AfterBackward | None,
+) -> _Trace:
+    """``train_single_device`` with ``TPReferenceContext`` for the hook, read after every step."""
+    trace = _Trace([], [], [], [])
+
+    def before(model: nn.Module) -> None:
+        trace.grads.append(_clones([(name, p.grad) for name, p in model.named_parameters()]))
+
+    def after(_index: int, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        trace.buffers.append({name: b.detach().clone() for name, b in model.named_buffers()})
+        names = {id(p): name for name, p in model.named_parameters()}
+        trace.states.append(optimizer_state(opt, names, _clones))
+
+    try:
+        params, _unused = train_single_device(
+            module, pairs, loss_fn, optimizer, dtype, after_backward, context=TPReferenceContext, before_step=before,
+            on_step=after,
+        )
+    except AttributeError as error:
+        if any(name in str(error) for name in ("to_local", "full_tensor", "placements", "device_mesh")):
+            error.add_note(
+                "dpverify: in the single-device reference (ctx.reference True) the gradients are plain tensors, not "
+                "DTensors: take p.grad.to_local() only where isinstance(p.grad, DTensor)"
+            )
+        raise
+    trace.params.extend(params)
+    return trace
+
+
+def _training_rows(
+    check: TPCheck, ranks: Sequence[TPRankTraining], expected: _Trace, anchor: _Trace | None,
+) -> tuple[list[TensorComparison], int]:
+    """Each rank's whole parameters, buffers and optimizer state after every step against
+    one device's: the rows of the first step at which some rank diverges, else of the last."""
+    rows: list[TensorComparison] = []
+    for index in range(len(expected.params)):
+        rows = []
+        kinds = (
+            ("param", expected.params, anchor.params if anchor else None, [r.params for r in ranks]),
+            ("buffer", expected.buffers, anchor.buffers if anchor else None, [r.step_buffers for r in ranks]),
+            ("optimizer state", expected.states, anchor.states if anchor else None, [r.step_states for r in ranks]),
+        )
+        for kind, want, anchored, got in kinds:
+            for r, per_step in enumerate(got):
+                for name, value in want[index].items():
+                    rows.append(
+                        compare_tensors(
+                            TensorId(kind, name, rank=r, variant=f"step {index + 1}"), per_step[index].get(name), value,
+                            anchored[index].get(name) if anchored else None, check.tolerance,
+                        )
+                    )
+        if not all(row.ok for row in rows):
+            return rows, index
+    return rows, len(expected.params) - 1
+
+
+#: what DTensor's dispatch says of an operator given DTensors and plain tensors together
+#: (torch/distributed/tensor/_dispatch.py), e.g. ``clip_grad_norm_``'s ``_foreach_norm``
+_MIXED = "got mixed torch.Tensor and DTensor"
+
+
+def _mixed_grads_note(check: TPCheck) -> str:
+    """The fix for a hook that handed DTensor and plain gradients to one operator."""
+    styled = {path for path, _style in _matched(check.module, check.plan)}
+    plain = [
+        f"{path}.{name}" if path else name
+        for path, sub in check.module.named_modules() if path not in styled
+        for name, _p in sub.named_parameters(recurse=False)
+    ]
+    return (
+        f"dpverify: the plan leaves the parameters {plain} plain tensors, so their gradients are not DTensors like "
+        "the others', and torch.nn.utils.clip_grad_norm_ (its _foreach_norm) refuses the mix. Take the norm of each "
+        "kind, torch.nn.utils.get_total_norm(dtensor_grads).full_tensor() and get_total_norm(plain_grads), combine "
+        "them with torch.linalg.vector_norm, and scale every gradient (p.grad.to_local() of a DTensor) by "
+        "min(1, max_norm / (norm + 1e-6))."
+    )
+
+
+@documented
+def assert_tensor_parallel_training_matches(
+    module: nn.Module, batches: Sequence[tuple[Any, ...]], *, loss_fn: LossFn, optimizer: OptimizerFactory, world_size: int,
+    plan: Mapping[str, ParallelStyle], **options: Unpack[TPTrainingKeywords],
+) -> StepComparison:
+    """Asserts ``len(batches)`` optimizer steps of tensor-parallel training match one device.
+
+    Every rank takes a copy of ``module`` and, for each ``(inputs, target)`` in ``batches``,
+    zeroes the gradients, runs ``step`` (whose first call applies ``plan`` with
+    ``ctx.parallelize()``, as in ``assert_tensor_parallel_grads_match``), runs
+    ``after_backward`` and steps the optimizer, ``optimizer(params)`` built after the first
+    step over the DTensor parameters. After every step each rank's whole parameters,
+    buffers and optimizer state (``full_tensor()``) must match single-device training on
+    the full batches, in which ``after_backward`` runs too (float64-anchored: the float64
+    run uses the same optimizer); the message names the first step that differs.
+
+    When they differ, the gradients of that step explain it where they can: gradients whose
+    sum over the tensor-parallel ranks is one device's (a sequence-parallel norm's, left as
+    per-rank partial sums), or gradients each rank scaled by a factor of its own (a clip
+    norm from the local shard, a clip on one rank only).
+
+    Args:
+        batches: one ``(inputs, target)`` pair, or ``(inputs, kwargs, target)`` triple, per
+            optimizer step.
+        optimizer: picklable factory ``params -> Optimizer``, e.g.
+            ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``.
+        plan: what ``parallelize_module`` takes: module path to ``ParallelStyle``.
+        data_parallel: data-parallel groups (a divisor of ``world_size``).
+        shards: rows per data-parallel group, for every batch (default: even per batch).
+        step: per-rank forward/backward, ``step(ctx: TPContext)`` (default ``tp_step``,
+            ``weighted_tp_step`` when in some batch the groups hold different numbers of
+            items); it applies the plan with ``ctx.parallelize()`` (once: later calls return
+            the parallelized module). The optimizer step is the harness's.
+        <shared: after_backward>
+        forward_kwargs: keyword forward arguments of every batch (sharded with its rows).
+        Others: as ``assert_tensor_parallel_grads_match``. In the hook, ``ctx.tp_group``
+            is the tensor-parallel group (also ``ctx.group``), ``ctx.dp_group`` the
+            data-parallel one; in the single-device reference both are a group of one rank
+            and the gradients are plain tensors.
+
+    Returns:
+        The comparison (``str()`` summarises it).
+
+    Raises:
+        ParallelMismatch: a rank's parameters, buffers or optimizer state differ after some
+            step (the message shows the first such step); the plan sharded nothing or was
+            never applied.
+        ParallelError: a rank raised, died or hung.
+        InvalidArgument: an argument cannot be used (as ``assert_tensor_parallel_grads_match``).
+    """
+    __tracebackhide__ = True
+    accepted(assert_tensor_parallel_training_matches, options, TPTrainingKeywords)
+    after_backward = options.get("after_backward")
+    if after_backward is not None:
+        require_callable(after_backward, "after_backward", "hook(ctx), e.g. one calling clip_grad_norm_(ctx.module.parameters(), 1.0)")
+        sendable(after_backward, "after_backward", "a module-level function hook(ctx)")
+    pairs = describe_batches(batches, forward_keywords(options.get("forward_kwargs")))
+    first_inputs, first_kwargs, first_target = pairs[0]
+    first = options.copy()
+    first["forward_kwargs"] = first_kwargs
+    check = TPCheck.of(module, first_inputs, first_target, loss_fn, world_size, plan, first)
+    sendable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
+    step = options.get("step")
+    require_step(step, "TPContext")
+    training = training_batches(check, pairs, options.get("shards"))
+    counted, uneven = training.counted, training.uneven
+    chosen = step or (weighted_tp_step if uneven else tp_step)
+    task = TPTrainingTask(
+        check.module, training.pairs, check.loss_fn, optimizer, training.sizes, chosen,
+        item_kinds=tuple(c.kind for c in counted), item_counts=tuple(c.per_rank for c in counted),
+        after_backward=after_backward, plan=dict(check.plan), data_parallel=check.data_parallel,
+        fsdp_modules=check.fsdp_modules,
+    )
+    title = f"{len(pairs)} steps of tensor-parallel training with {callable_name(optimizer)} must match single-device training"
+    # one device first: a hook that cannot run there fails before the ranks start
+    expected = _single_device(module, pairs, loss_fn, optimizer, None, after_backward)
+    try:
+        ranks: tuple[TPRankTraining, ...] = check.send(run_tp_training_task, task, title)
+    except ParallelError as error:
+        if _MIXED in str(error) and "raised in after_backward=" in str(error):
+            error.add_note(_mixed_grads_note(check))
+        raise
+    anchor = None if check.tolerance.explicit else _single_device(module, pairs, loss_fn, optimizer, torch.float64, after_backward)
+    rows, failing = _training_rows(check, ranks, expected, anchor)
+    ok = all(row.ok for row in rows)
+    notes = [
+        f"Parameters, buffers and optimizer state compared after each of the {len(pairs)} optimizer steps; the table "
+        f"shows step {failing + 1}."
+    ]
+    if after_backward is not None:
+        notes.append(f"{callable_name(after_backward)}(ctx) ran after every backward, on every rank and in the single-device run.")
+    if uneven and step is None:
+        notes.append(
+            "Some batches split unevenly over the data-parallel groups: each group's loss was weighted by its share of "
+            "the items (weighted_tp_step)."
+        )
+    failures, evidence = _sharding_findings(check, ranks)
+    if not ok:
+        reference_grads = expected.grads[failing]
+        notes += _partial_grads_note(check, [(r.dp_rank, r.step_grads[failing]) for r in ranks], reference_grads)
+        if after_backward is not None:
+            notes += _scaled_grads_note(check, ranks, failing, reference_grads, after_backward)
+        if check.loss_reduction(counted[0]) == "sum" and check.data_parallel > 1:
+            notes.append(sum_loss_note(check.data_parallel))
+    scenario = f"{check.describe(chosen)}; evidence: {evidence}"
+    outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures, scenario=scenario)
+    return raise_unless_ok(outcome, options.get("msg"))

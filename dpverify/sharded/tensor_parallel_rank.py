@@ -8,6 +8,7 @@ do not compose is explained from evidence instead of torch's traceback.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,11 +28,15 @@ from dpverify.ranked.rank import (
     RankInfo,
     RankStep,
     RankStepTask,
+    RankTraining,
+    RankTrainingTask,
+    ReferenceContext,
     buffers_of,
     outputs_of,
     run_step,
+    train,
 )
-from dpverify.sharded.mesh import device_mesh, full_grads, quiet
+from dpverify.sharded.mesh import device_mesh, full_grads, full_params, gather_full, quiet
 
 __all__ = [
     "DP_DIM",
@@ -41,9 +46,13 @@ __all__ = [
     "Seen",
     "TPContext",
     "TPRankStep",
+    "TPRankTraining",
+    "TPReferenceContext",
     "TPStepTask",
+    "TPTrainingTask",
     "full_output",
     "run_tp_step_task",
+    "run_tp_training_task",
     "tp_step",
     "weighted_tp_step",
 ]
@@ -287,6 +296,29 @@ class TPContext(RankContext):
             raise RuntimeError("TPContext has no device mesh (mesh=)")
         return self.mesh[TP_DIM] if self.data_parallel > 1 else self.mesh
 
+    @property
+    def tp_group(self) -> Any:
+        """The process group of this rank's tensor-parallel group (the ``"tp"`` mesh
+        dimension): where a sum over the shards of a gradient goes, e.g. the local sums of
+        squares of a clip norm, ``dist.all_reduce(t, group=ctx.tp_group)``."""
+        return self.tp_mesh().get_group()
+
+    @property
+    def dp_group(self) -> Any:
+        """The process group of the ranks that hold this rank's place in the other
+        data-parallel groups (the ``"dp"`` mesh dimension, over which FSDP2 averages); a
+        group of this rank alone without data parallelism."""
+        if self.data_parallel > 1:
+            assert self.mesh is not None
+            return self.mesh[DP_DIM].get_group()
+        return _own_group(self.rank)
+
+    @property
+    def group(self) -> Any:
+        """The tensor-parallel group (``tp_group``): where the shards of a gradient are
+        summed."""
+        return self.tp_group
+
     def parallelize(self) -> nn.Module:
         """``module`` after ``parallelize_module(module, tp_mesh, plan)`` and, with
         data-parallel groups, ``fully_shard`` over ``"dp"`` on each of ``fsdp_modules``
@@ -306,6 +338,46 @@ class TPContext(RankContext):
 
     def ddp(self) -> Any:
         raise TypeError("a tensor-parallel step applies its plan with ctx.parallelize(); ctx.ddp() is for the DDP checks")
+
+
+#: one group of a single rank per rank process (and default group), made on first use
+_OWN_GROUPS: dict[tuple[int, int], Any] = {}
+
+
+def _own_group(rank: int) -> Any:
+    """A process group of rank ``rank`` alone (only its members take part in making it),
+    kept for the life of the rank process."""
+    key = (id(dist.group.WORLD), rank)
+    if key not in _OWN_GROUPS:
+        _OWN_GROUPS[key] = dist.new_group([rank], use_local_synchronization=True)
+    return _OWN_GROUPS[key]
+
+
+@dataclass
+class TPReferenceContext(ReferenceContext):
+    """What an ``after_backward`` hook of the tensor-parallel training check sees in the
+    single-device reference: ``ReferenceContext``'s one rank over the full batch, with
+    ``TPContext``'s names for its groups (``tp_group``, ``dp_group``, ``group``: a process
+    group of this process alone, where a collective returns its input) and places
+    (``tp_rank`` 0 of ``tp_size`` 1, ``dp_rank`` 0 of ``data_parallel`` 1). Its gradients
+    are plain tensors, not DTensors."""
+
+    data_parallel: int = 1
+    dp_rank: int = 0
+    tp_rank: int = 0
+    mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    @property
+    def tp_size(self) -> int:
+        return 1
+
+    @property
+    def tp_group(self) -> Any:
+        return self.one_rank
+
+    @property
+    def dp_group(self) -> Any:
+        return self.one_rank
 
 
 def _matched(module: nn.Module, plan: Mapping[str, Any]) -> list[tuple[str, Any]]:
@@ -463,3 +535,101 @@ def run_tp_step_task(info: RankInfo, task: TPStepTask) -> tuple[TPRankStep, ...]
     """Runs every step of ``task`` on this rank (a task for ``RankRunner.run``)."""
     with quiet():
         return tuple(_run_one(info, task, step) for step in task.steps)
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass(frozen=True)
+class TPTrainingTask(RankTrainingTask):
+    """``len(batches)`` optimizer steps of tensor-parallel training: a ``RankTrainingTask``
+    with the plan, the data-parallel groups and the modules FSDP2 shards over them
+    (``shard_sizes``: the rows of each data-parallel group, per batch). The first step
+    applies the plan; the optimizer is built after it, over the DTensor parameters."""
+
+    plan: Mapping[str, Any] = field(default_factory=dict)
+    data_parallel: int = 1
+    fsdp_modules: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TPRankTraining(RankTraining):
+    """What tensor-parallel training left on one rank: ``RankTraining``'s whole parameters
+    after every step, and per step (whole tensors, ``full_tensor()``):
+
+    Attributes:
+        step_grads: the gradients each optimizer step used (after ``after_backward``).
+        step_buffers: the buffers after each step.
+        step_states: the optimizer state after each step, ``"<parameter>.<key>"`` (e.g.
+            ``"0.weight.exp_avg"``) to tensor.
+        dp_rank: the rank's data-parallel group; tp_rank: its place in its
+            tensor-parallel group.
+        held: how it held each parameter at the end.
+    """
+
+    step_grads: tuple[dict[str, torch.Tensor | None], ...] = ()
+    step_buffers: tuple[dict[str, torch.Tensor], ...] = ()
+    step_states: tuple[dict[str, torch.Tensor], ...] = ()
+    dp_rank: int = 0
+    tp_rank: int = 0
+    held: tuple[Placed, ...] = ()
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str], read: Any) -> dict[str, torch.Tensor]:
+    """Every tensor of ``optimizer``'s per-parameter state, ``"<parameter>.<key>"`` to
+    ``read([(name, tensor), ...])``'s copy (whole tensors on a rank, clones on one device)."""
+    named = [
+        (f"{names.get(id(param), '?')}.{key}", value)
+        for param, state in optimizer.state.items()
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor)
+    ]
+    found = read(named)
+    return {name: tensor for name, tensor in found.items() if tensor is not None}
+
+
+def _full_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    full = gather_full(list(module.named_buffers()))
+    return {name: tensor for name, tensor in full.items() if tensor is not None}
+
+
+def run_tp_training_task(info: RankInfo, task: TPTrainingTask) -> TPRankTraining:
+    """Trains this rank's copy as ``TPTrainingTask`` says (a task for ``RankRunner.run``),
+    reading the whole parameters, buffers and optimizer state after every step."""
+    device = torch.device(info.device)
+    model = copy.deepcopy(task.module).to(device)
+    d = task.data_parallel
+    tp_size = info.world_size // d
+    dp_rank, tp_rank = divmod(info.rank, tp_size)
+    mesh = device_mesh(info, (d, tp_size), (DP_DIM, TP_DIM)) if d > 1 else device_mesh(info, (info.world_size,), (TP_DIM,))
+    ctx = TPContext.for_rank(
+        info, model, task.loss_fn, task.shard_sizes[0], plan=task.plan, data_parallel=d, dp_rank=dp_rank,
+        tp_rank=tp_rank, fsdp_modules=task.fsdp_modules, mesh=mesh,
+    )
+    made: list[torch.optim.Optimizer] = []
+    buffers: list[dict[str, torch.Tensor]] = []
+    states: list[dict[str, torch.Tensor]] = []
+
+    def build(params: Any) -> torch.optim.Optimizer:
+        made.append(task.optimizer(params))
+        return made[-1]
+
+    def read(module: nn.Module) -> dict[str, torch.Tensor]:
+        # after each optimizer step: the parameters, and with them the buffers and the state
+        params = full_params(module)
+        buffers.append(_full_buffers(module))
+        names = {id(p): name for name, p in module.named_parameters()}
+        states.append(optimizer_state(made[-1], names, gather_full) if made else {})
+        return params
+
+    with quiet():
+        trained = train(
+            ctx, dataclasses.replace(task, optimizer=build), optimizer_after_first_step=True, read_params=read,
+            read_grads=full_grads,
+        )
+    grads_none = tuple(name for name, p in model.named_parameters() if p.grad is None)
+    return TPRankTraining(
+        trained.params, buffers[-1] if buffers else {}, grads_none, ctx.wrapped, step_grads=trained.step_grads,
+        step_buffers=tuple(buffers), step_states=tuple(states), dp_rank=dp_rank, tp_rank=tp_rank,
+        held=tuple(_placed(name, p) for name, p in model.named_parameters()),
+    )
