@@ -118,7 +118,7 @@ def test_steps_set_the_optimizer_steps_the_check_trains(capsys: pytest.CaptureFi
     assert "FAIL: training, 2 optimizer steps, B=4 on 2" in out
     # the check's own report: it trained and compared two steps
     assert "2 steps of DDP training with SGD(lr=0.1, momentum=0.9)" in out
-    assert "Parameters compared after each of the 2 optimizer steps" in out
+    assert "Parameters, buffers and optimizer state compared after each of the 2 optimizer steps" in out
 
 
 # SGD: Adam's update is unchanged when every step's gradient is scaled by the same factor,
