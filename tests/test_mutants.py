@@ -3,6 +3,8 @@ points at it, and the correct hand-written implementations pass the same propert
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import Phase, given, settings
@@ -10,14 +12,15 @@ from torch.distributed.pipelining import ScheduleGPipe
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import dpverify
+from dpverify.models.hooks import global_clip
 from dpverify.mutants import (
+    CLIP_NORM,
     MUTANTS,
     PROPERTIES,
     Mutant,
     ReplicaOutputsDataParallel,
     ScratchDataParallel,
     WeightedCriterionParallel,
-    global_clip,
     manual_allreduce_step,
     tp_global_clip,
     weighted_replica_losses,
@@ -65,8 +68,8 @@ CORRECT = {
     "tp-training": Target(after_backward=tp_global_clip),
     "pp-training": Target(after_backward=sync_tied_grads),
     # torch's clip_grad_norm_ after backward: the global norm, under DDP and FSDP2 alike
-    "ddp-training": Target(after_backward=global_clip),
-    "fsdp-training": Target(after_backward=global_clip),
+    "ddp-training": Target(after_backward=functools.partial(global_clip, max_norm=CLIP_NORM)),
+    "fsdp-training": Target(after_backward=functools.partial(global_clip, max_norm=CLIP_NORM)),
 }
 
 #: Properties whose examples run three optimizer steps on ranks and twice on one device

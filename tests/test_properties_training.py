@@ -37,8 +37,9 @@ DDP_TRAINING = training_scenarios(
         devices=device_lists(min_devices=2, max_devices=3), losses=loss_specs(reductions=("mean",)), max_batch=12,
     ).filter(lambda s: s.batch_size >= len(s.devices.device_ids)),
 )
-#: FSDP2's training check takes no after_backward hook before issue 24's item 2: no clip.
-FSDP_TRAINING = training_scenarios("fsdp", scenarios=sharded_scenarios("fsdp", world_sizes=(2, 3)), clip_norms=(None,))
+#: FSDP2 on 2 or 3 ranks, with the scenario's global clip (torch's clip_grad_norm_ on the
+#: DTensor parameters) as its after_backward hook.
+FSDP_TRAINING = training_scenarios("fsdp", scenarios=sharded_scenarios("fsdp", world_sizes=(2, 3)))
 
 
 def all_reduce_again(ctx: Any) -> None:

@@ -68,9 +68,9 @@ from dpverify.mutants.sharded import (
     tp_one_rank_clip,
 )
 from dpverify.mutants.training import (
+    CLIP_NORM,
     LocalBatchOffset,
     clip_reduced_twice,
-    global_clip,
     local_batch_offset,
     local_shard_clip,
 )
@@ -85,6 +85,7 @@ from dpverify.strategies import (
 )
 
 __all__ = [
+    "CLIP_NORM",
     "MUTANTS",
     "PROPERTIES",
     "AveragingDataParallel",
@@ -116,7 +117,6 @@ __all__ = [
     "fsdp_summed_loss_step",
     "fsdp_undivided_step",
     "fsdp_wrong_weight_step",
-    "global_clip",
     "local_batch_offset",
     "local_output_plan",
     "local_shard_clip",

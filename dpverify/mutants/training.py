@@ -1,7 +1,8 @@
 """Training-step mutants for DDP and FSDP2: the user's code after backward
 (``after_backward(ctx)`` hooks: gradient clipping) and the user's module (``model(module)``:
-a running statistic in forward), written with the bug; ``global_clip`` is correct.
-Module-level, so that they pickle to the ranks."""
+a running statistic in forward), written with the bug; the correct clip they are compared
+with is ``dpverify.models.hooks.global_clip`` (torch's ``clip_grad_norm_``) to
+``CLIP_NORM``. Module-level, so that they pickle to the ranks."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ __all__ = [
     "CLIP_NORM",
     "LocalBatchOffset",
     "clip_reduced_twice",
-    "global_clip",
     "local_batch_offset",
     "local_shard_clip",
 ]
@@ -26,13 +26,6 @@ __all__ = [
 #: The clipping threshold of the hooks: small enough that the drawn scenarios' gradients
 #: are clipped, so that a wrong norm changes the step.
 CLIP_NORM = 0.01
-
-
-def global_clip(ctx: Any) -> None:
-    """A correct clip: torch's ``clip_grad_norm_`` over the module's parameters. Under DDP
-    every rank holds the whole averaged gradient; under FSDP2 the gradients are DTensors and
-    torch computes the norm over every shard."""
-    torch.nn.utils.clip_grad_norm_(ctx.module.parameters(), CLIP_NORM)
 
 
 def _scale(params: list[nn.Parameter], norm: torch.Tensor) -> None:
