@@ -581,8 +581,8 @@ def _training_batches(case: Case) -> list[tuple[Any, Any]]:
 
 
 def _training_optimizer(case: Case) -> Callable[..., torch.optim.Optimizer]:
-    """The training checks' optimizer factory: the case's own, else SGD with momentum."""
-    return case.optimizer or functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    """The training checks' optimizer factory: the case's own, else ``DEFAULT_OPTIMIZER``."""
+    return case.optimizer or DEFAULT_OPTIMIZER
 
 
 def _dp_training(case: Case, target: Target) -> Report:
@@ -612,8 +612,8 @@ def _on_ranks(
     assert case.loss_fn is not None
     data: tuple[Any, ...] = (case.inputs, case.target)
     if training:
-        data = (list(case.batches or ((case.inputs, case.target),) * TRAINING_STEPS),)
-        options["optimizer"] = case.optimizer or DEFAULT_OPTIMIZER
+        data = (_training_batches(case),)
+        options["optimizer"] = _training_optimizer(case)
         if target.after_backward is not None:
             options["after_backward"] = target.after_backward
     return helper(case.module, *data, loss_fn=case.loss_fn, world_size=case.world_size, pool=target.pool, **options)
@@ -772,7 +772,9 @@ def _ddp_skip(case: Case, *, rows_per_rank: int = 1, checks: str = "the DDP chec
 
 
 def _has_batchnorm(case: Case) -> bool:
-    return any(isinstance(m, _BatchNorm) for m in case.module.modules())
+    """A BatchNorm in train mode: SyncBatchNorm synchronises only there (an eval-mode copy
+    of the model has nothing to synchronise)."""
+    return any(isinstance(m, _BatchNorm) and m.training for m in case.module.modules())
 
 
 def _counter(case: Case) -> bool:

@@ -437,3 +437,15 @@ def test_check_on_one_device_says_nothing_ran_in_parallel(devices: list[str], co
 def test_one_rank_runs_nothing_in_parallel(backend: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "--model", "mlp", "--backend", backend, "--batch-sizes", "4", "--devices", "1", "--no-color"]) == 3
     assert "nothing runs in parallel on one rank" in capsys.readouterr().out
+
+
+def test_sync_batchnorm_check_is_not_planned_for_the_eval_mode_copy(models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SyncBatchNorm synchronises only in train mode: the eval-mode copy a train-mode
+    BatchNorm model is checked again on has nothing for ddp-sync-batchnorm to check (it
+    raised 'module is in eval mode' there, and `check --checks ddp-sync-batchnorm` exited 2)."""
+    (models / "bn_models.py").write_text(
+        "from torch import nn\n\n\ndef make():\n    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))\n"
+    )
+    monkeypatch.syspath_prepend(str(models))
+    report = check_model(user_model("bn_models:make"), batch_sizes=(8,), device_counts=(2,), backend="ddp", checks=("ddp-sync-batchnorm",))
+    assert [(r.check, r.eval_copy, r.verdict) for r in report.results] == [("ddp-sync-batchnorm", False, Verdict.PASS)]
