@@ -970,8 +970,9 @@ def local_buffer_notes(module: nn.Module, rows: Sequence[TensorComparison], sync
         f"Buffers {names} differ from what one device computes over the full batch: each rank's forward updated "
         f"them from its own shard (a running statistic of the local batch: an EMA, a batch-statistic buffer). {sync} "
         "Average the statistic over the ranks where forward computes it (dist.all_reduce(stat); stat /= "
-        "dist.get_world_size(), guarded by dist.is_initialized() for single-device runs, whose reference has no "
-        "process group of its own), or for BatchNorm use SyncBatchNorm."
+        "dist.get_world_size(), under `if dist.is_initialized():` for single-device runs: the single-device "
+        "reference has no process group, or with an after_backward hook one of a single rank, where the average "
+        "changes nothing), or for BatchNorm use SyncBatchNorm."
     ]
 
 
