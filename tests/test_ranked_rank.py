@@ -189,6 +189,23 @@ def test_train_reads_the_buffers_and_the_optimizer_state_after_every_step() -> N
     assert set(trained.state[0]) == {f"{name}.momentum_buffer" for name, _p in module.named_parameters()}
 
 
+def test_train_gives_each_shard_its_own_random_stream_as_launchers_do() -> None:
+    """One seed on every rank gives every rank the same dropout masks; train() starts rank
+    r from the stream of its shard, as run_step does, so two ranks draw different numbers
+    and a rank draws the same numbers each time it runs."""
+    drawn: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def noisy(ctx: RankContext) -> Any:
+        drawn[ctx.rank].append(torch.rand(4))
+        return plain_step(ctx)
+
+    plan = Plan(batches(2), ((3, 3),) * 2, step=noisy)
+    for rank in (0, 1, 0):
+        train(context(mlp(), rank, 2, (3, 3)), plan)
+    assert not torch.equal(drawn[0][0], drawn[1][0])
+    assert torch.equal(torch.stack(drawn[0][:2]), torch.stack(drawn[0][2:]))
+
+
 def test_train_notes_the_optimizer_step_that_raised() -> None:
     calls = []
 

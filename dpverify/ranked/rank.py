@@ -609,7 +609,8 @@ def train(
     step_grads: list[dict[str, torch.Tensor | None]] = []
     buffers: list[dict[str, torch.Tensor]] = []
     states: list[dict[str, torch.Tensor]] = []
-    with seeded(ctx.device, plan.seed):
+    # each shard's own random stream, as launchers seed ranks (ranks sharing a shard share it)
+    with seeded(ctx.device, rank_seed(plan.seed, ctx.shard_index)):
         for index, ((inputs, kwargs, target), sizes) in enumerate(zip(plan.batches, plan.shard_sizes, strict=True)):
             counts = plan.item_counts[index] if plan.item_counts else ()
             ctx.load(
