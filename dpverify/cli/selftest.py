@@ -171,7 +171,9 @@ def _run_all(runner: RankRunner, seed: int, show: Callable[[str], None]) -> int:
 
 
 def main_selftest(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``dpverify ddp-selftest``; returns the exit code (same on every rank).
+    """Entry point of ``dpverify ddp-selftest``; returns the exit code, or under torchrun
+    ends the rank with it once its group is destroyed (``leave_rank``; the same code on
+    every rank).
 
     Raises:
         InvalidArgument: an unusable option (``selftest_command`` makes it exit 2).
@@ -186,12 +188,13 @@ def main_selftest(argv: Sequence[str] | None = None) -> int:
                 print(line, flush=True)
 
         show(f"dpverify ddp-selftest: torchrun process group, {plural(runner.world_size, 'rank')} ({runner.backend}), torch {torch.__version__}")
-        try:
-            return _run_all(runner, args.seed, show)
-        finally:
-            import torch.distributed as dist
+        import torch.distributed as dist
 
-            dist.destroy_process_group()
+        from dpverify.cli.torchrun import leave_rank
+
+        code = _run_all(runner, args.seed, show)
+        dist.destroy_process_group()
+        leave_rank(code)  # not the interpreter's teardown, which can abort a rank (see leave_rank)
     if args.world_size < 1:
         raise InvalidArgument(f"--world-size={args.world_size} must be at least 1")
     with DDPWorkerPool(args.world_size, args.backend, timeout=args.timeout) as pool:
