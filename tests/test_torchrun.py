@@ -156,6 +156,25 @@ for name, call in calls.items():
         if rank == 0:
             print(f"--- {name}\\n{failure}", flush=True)
     print(f"VERDICT {name} rank {rank}: {verdict}", file=verdicts, flush=True)
+
+
+def breaks_in_the_reference(ctx):
+    if ctx.reference:
+        dist.all_reduce(torch.ones(1), group=ctx.group)  # in the subgroup of this rank alone
+        if ctx.step_index == 1:
+            raise RuntimeError("the reference's clip broke at step 2")
+    clip(ctx)
+
+
+# the single-device run's hook raises mid-way on every rank: its subgroups are destroyed, and
+# the next check makes its own, on every rank in the same order
+for name, hook in (("reference-raises", breaks_in_the_reference), ("after-it", clip)):
+    try:
+        dpverify.assert_ddp_training_matches(model, batches, loss_fn=F.mse_loss, optimizer=sgd, world_size=world, after_backward=hook)
+        verdict = "passed"
+    except RuntimeError:
+        verdict = "raised"
+    print(f"VERDICT {name} rank {rank}: {verdict}", file=verdicts, flush=True)
 try:
     dpverify.assert_ddp_grads_match(model, x, y, loss_fn=F.mse_loss, world_size=world + 1)
 except dpverify.InvalidArgument as error:
@@ -174,6 +193,8 @@ dist.destroy_process_group()
 
 
 def _free_port() -> int:
+    """A port free now; another process may take it before torchrun binds it (see
+    ``_two_nodes``)."""
     with socket.socket() as sock:
         sock.bind(("localhost", 0))
         return int(sock.getsockname()[1])
@@ -202,9 +223,26 @@ def _launchers(commands: Sequence[Sequence[str]], tmp_path: Path, **env: str) ->
         yield started
     finally:
         for process in started:
-            with suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            _kill_with_its_ranks(process)
+
+
+def _kill_with_its_ranks(launcher: subprocess.Popen[str]) -> None:
+    """Kills a launcher and every process under it. torchrun starts each rank in a session
+    of its own (torch's ``SubprocessHandler``: ``start_new_session=True``), so killing the
+    launcher's process group would leave a hung rank running; each rank's group is killed
+    too, found before the launcher dies (the ranks of a dead launcher belong to init)."""
+    import psutil
+
+    try:
+        under = psutil.Process(launcher.pid).children(recursive=True)
+    except psutil.Error:  # the launcher ended: torchrun stopped and reaped its ranks
+        under = []
+    for pid in (launcher.pid, *(process.pid for process in under)):
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+    launcher.wait()
+    _gone, alive = psutil.wait_procs(under, timeout=30)
+    assert not alive, f"processes of the torchrun job outlived it: {alive}"
 
 
 def _finish(process: subprocess.Popen[str], timeout: float) -> tuple[int, str, str]:
@@ -255,6 +293,49 @@ def test_a_helper_inside_a_process_group_runs_on_its_ranks() -> None:
         sgd = functools.partial(torch.optim.SGD, lr=0.5)
         dpverify.assert_ddp_training_matches(model, [(x, y)] * 2, loss_fn=F.mse_loss, optimizer=sgd, world_size=1, after_backward=_clip)
         assert dist.get_world_size() == 1  # the hook's subgroup is gone, the user's group stays
+
+
+class _ClipThatBreaksInTheReference:
+    """A clip hook whose single-device run raises at the second step, after an all-reduce
+    over its group (the one-rank subgroup ``one_rank_group`` made)."""
+
+    def __init__(self) -> None:
+        self.groups: list[object] = []
+
+    def __call__(self, ctx: object) -> None:
+        if ctx.reference:  # type: ignore[attr-defined]
+            self.groups.append(ctx.group)  # type: ignore[attr-defined]
+            dist.all_reduce(torch.ones(1), group=ctx.group)  # type: ignore[attr-defined]
+            if ctx.step_index == 1:  # type: ignore[attr-defined]
+                raise RuntimeError("the reference's clip broke at step 2")
+        _clip(ctx)
+
+
+def test_the_reference_hooks_subgroup_is_destroyed_when_the_hook_raises_mid_way() -> None:
+    """Inside the user's group the reference's hook runs in a subgroup of one rank
+    (``new_subgroups``, made on every rank); when the hook raises at step 2 the subgroup
+    is destroyed (without waiting on anything), the user's group stays usable, and the
+    next check makes a subgroup of its own."""
+    from torch.distributed import distributed_c10d as c10d
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    batches = [(torch.randn(4, 4), torch.randn(4, 3)) for _ in range(3)]
+    sgd = functools.partial(torch.optim.SGD, lr=0.5)
+    hook = _ClipThatBreaksInTheReference()
+    with _group_of_one():
+        groups_before = set(c10d._world.pg_map)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="the reference's clip broke at step 2"):
+            dpverify.assert_ddp_training_matches(model, batches, loss_fn=F.mse_loss, optimizer=sgd, world_size=1, after_backward=hook)
+        assert time.monotonic() - started < 30
+        assert len(hook.groups) == 2
+        assert hook.groups[0] is hook.groups[1]  # one subgroup for the whole reference run
+        assert hook.groups[0] is not dist.group.WORLD
+        assert set(c10d._world.pg_map) == groups_before  # the subgroup is gone, the user's group stays
+        dist.all_reduce(torch.ones(1))  # and is usable
+        dpverify.assert_ddp_training_matches(model, batches[:2], loss_fn=F.mse_loss, optimizer=sgd, world_size=1, after_backward=_clip)
+        assert set(c10d._world.pg_map) == groups_before
 
 
 def test_a_helper_inside_a_process_group_of_another_size_says_which_world_size() -> None:
@@ -344,18 +425,31 @@ def test_check_under_torchrun_on_four_ranks_runs_every_ranked_backend(tmp_path: 
     assert out.count("OK: 6 passed, 0 failed") == 1
 
 
+def _two_nodes(arguments: Sequence[str], tmp_path: Path, timeout: float) -> list[tuple[int, str, str]]:
+    """Two launchers of one node each, rendezvousing on localhost; node 0 hosts the store
+    (``is_host``), on a port picked just before. Only when node 0 says that port was taken
+    meanwhile (``EADDRINUSE``, the one failure that is the port's) is the job started once
+    more, on another port."""
+    for attempt in range(2):
+        port = _free_port()
+        nodes = [
+            ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-id",
+             f"dpverify-test-{attempt}", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-conf", f"is_host={int(node == 0)}", *arguments]
+            for node in (0, 1)
+        ]
+        with _launchers(nodes, tmp_path) as (host, guest):
+            first = _finish(host, timeout)
+            if attempt == 0 and first[0] != 0 and "name: EADDRINUSE" in first[2]:
+                continue  # the guest, waiting for a store that never came, is killed on the way out
+            return [first, _finish(guest, timeout)]
+    raise AssertionError("unreachable: the second attempt returns")
+
+
 @pytest.mark.timeout(240)
 @needs_torchrun
 @pytest.mark.deep
 def test_check_over_a_two_node_rendezvous(tmp_path: Path) -> None:
-    port = _free_port()
-    nodes = [
-        ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-id", "dpverify-test",
-         "--rdzv-endpoint", f"localhost:{port}", "-m", "dpverify", "check", "user_model:mlp", "--backend", "fsdp", "--batch-sizes", "6"]
-        for node in (0, 1)
-    ]
-    with _launchers(nodes, tmp_path) as launchers:
-        done = [_finish(launcher, 200) for launcher in launchers]
+    done = _two_nodes(["-m", "dpverify", "check", "user_model:mlp", "--backend", "fsdp", "--batch-sizes", "6"], tmp_path, 100)
     assert [code for code, _out, _err in done] == [0, 0], done
     printed = "".join(out for _code, out, _err in done)
     assert printed.count("dpverify check: torchrun process group, 2 gloo ranks on 2 nodes") == 1
@@ -393,6 +487,13 @@ def test_a_rank_that_raises_while_the_others_wait_in_a_collective_is_reported(tm
 # --------------------------------------------------------------------------- torchrun, the Python helpers
 
 
+def _reference_hook_raising_mid_way(world: int) -> dict[tuple[str, int], str]:
+    """What the script's two last training checks give: the first raises on every rank (the
+    hook of its single-device run raised at step 2, in a subgroup of one rank), the next
+    passes on every rank."""
+    return {**{("reference-raises", rank): "raised" for rank in range(world)}, **{("after-it", rank): "passed" for rank in range(world)}}
+
+
 def _verdicts(tmp_path: Path) -> tuple[dict[tuple[str, int], str], str]:
     """Every rank's verdicts, and everything the ranks wrote to their files."""
     text = "".join(path.read_text() for path in sorted(tmp_path.glob("verdicts-*.txt")))
@@ -407,7 +508,10 @@ def test_helpers_in_a_torchrun_script_catch_the_bugs_on_every_rank(tmp_path: Pat
     assert code == 0, out + err
     names = ("ddp-grads", "fsdp-training", "ddp-training-clip")
     verdicts, written = _verdicts(tmp_path)
-    assert verdicts == {(name, rank): "caught" for name in names for rank in (0, 1)}
+    assert verdicts == {
+        **{(name, rank): "caught" for name in names for rank in (0, 1)},
+        **_reference_hook_raising_mid_way(2),
+    }
     assert out.count("--- ") == 3  # rank 0 alone prints what was caught
     assert "loss_fn is a sum-reduction loss" in out
     assert "clip_reduced_twice(ctx) ran after every backward, on every rank and in the single-device run" in out
@@ -424,5 +528,8 @@ def test_helpers_in_a_torchrun_script_pass_the_fixed_code_on_four_ranks(tmp_path
     code, out, err = _torchrun(["--standalone", "--nproc-per-node", "4", "user_script.py", "fixed"], tmp_path)
     assert code == 0, out + err
     names = ("ddp-grads", "fsdp-training", "ddp-training-clip")
-    assert _verdicts(tmp_path)[0] == {(name, rank): "passed" for name in names for rank in range(4)}
+    assert _verdicts(tmp_path)[0] == {
+        **{(name, rank): "passed" for name in names for rank in range(4)},
+        **_reference_hook_raising_mid_way(4),
+    }
     assert "--- " not in out
