@@ -10,12 +10,14 @@ batch, so every rank reaches the same verdict and raises the same way.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import pickle
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from dpverify.core.devices import cuda_device_count
@@ -101,6 +103,8 @@ class ProcessGroupRunner:
             )
         backend, device = _rank_device(str(dist.get_backend()))
         self._info = RankInfo(dist.get_rank(), dist.get_world_size(), backend, device)
+        if backend == "gloo":
+            _settle_gloo_threads_at_exit()
 
     @property
     def world_size(self) -> int:
@@ -178,6 +182,55 @@ class ProcessGroupRunner:
         text = f"{message}\n\n{detail}" if detail else message
         _BROKEN[_group_key()] = text
         return ParallelError(text, failures)
+
+
+#: Whether ``_settle_gloo_threads`` runs at this process's exit.
+_SETTLE_REGISTERED: list[bool] = []
+
+
+def _settle_gloo_threads_at_exit() -> None:
+    """Lets gloo's worker threads finish with the last collectives before the interpreter
+    is torn down (``atexit``, once per process), for a script that torchrun started and
+    that exits as scripts do.
+
+    torch 2.13 never frees the default gloo group once DDP has built a ``Reducer`` on it:
+    ``destroy_process_group`` leaves its ``pt_gloo_runloop`` threads running. Such a thread
+    drops a finished collective's work (the runner's ``all_gather_object``, whose tensors
+    Python owns) a moment after the work completes; if the interpreter is finalising by
+    then, taking the GIL for that decref ends the thread inside the work's ``noexcept``
+    destructor and the rank aborts ("terminate called without an active exception"),
+    which torchrun reports as the job's failure although every check finished.
+    """
+    if not _SETTLE_REGISTERED:
+        _SETTLE_REGISTERED.append(True)
+        atexit.register(_settle_gloo_threads)
+
+
+def _settle_gloo_threads(limit_s: float = 2.0) -> None:
+    """Waits, with the GIL released, until no gloo worker thread of this process is
+    running (two samples in a row, 5 ms apart; at most ``limit_s``). Linux only (the
+    threads' states in ``/proc``); elsewhere it returns at once."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return
+    deadline = time.monotonic() + limit_s
+    settled_before = False
+    while time.monotonic() < deadline:
+        time.sleep(0.005)  # a thread waiting for the GIL takes it meanwhile
+        settled = not any(_running_gloo_thread(task) for task in tasks.iterdir())
+        if settled and settled_before:
+            return
+        settled_before = settled
+
+
+def _running_gloo_thread(task: Path) -> bool:
+    try:
+        name = (task / "comm").read_text().strip()
+        stat = (task / "stat").read_text()
+    except OSError:  # the thread ended
+        return False
+    # the state follows the name, which is in parentheses and may hold spaces (proc(5))
+    return name == "pt_gloo_runloop" and stat.rpartition(")")[2].split()[0] == "R"
 
 
 def _weights_digest(args: tuple[Any, ...]) -> str | None:
