@@ -1,0 +1,86 @@
+"""Gradient clipping on pipeline stages: the habit of data parallelism,
+``clip_grad_norm_(ctx.module.parameters(), max_norm)`` on every rank, clips each stage by
+the norm of its own parameters' gradients (a stage holds only its own), where one device
+clips by the whole model's norm. The pipeline training check catches it at step 1 and names
+that cause from the gradients each stage's optimizer used; the clip by the norm summed over
+the stages passes; a bug that is not a clip gets no clip note."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import dpverify
+from dpverify.core.errors import ParallelMismatch
+from dpverify.ddp.pool import DDPWorkerPool
+
+MAX_NORM = 0.05
+SGD = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batches(steps: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(steps)]
+
+
+def stage_clip(ctx: Any) -> None:
+    """The bug: DDP's clip, where every rank holds every parameter, run on a pipeline stage."""
+    torch.nn.utils.clip_grad_norm_(ctx.module.parameters(), MAX_NORM)
+
+
+def global_clip(ctx: Any, max_norm: float = MAX_NORM) -> None:
+    """The fix: the squared norms summed over the stages, then torch's clip with that norm."""
+    params = [p for p in ctx.module.parameters() if p.grad is not None]
+    square = sum((p.grad.detach().double().pow(2).sum() for p in params), torch.zeros((), dtype=torch.float64))
+    dist.all_reduce(square, group=ctx.group)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, square.sqrt())
+
+
+def summed_mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, target, reduction="sum")
+
+
+def train(pool: DDPWorkerPool, hook: Any, loss_fn: Any = F.mse_loss) -> dpverify.StepComparison:
+    return dpverify.assert_pipeline_training_matches(
+        mlp(), batches(), loss_fn=loss_fn, optimizer=SGD, world_size=2, n_microbatches=2, after_backward=hook, pool=pool,
+    )
+
+
+def test_a_clip_by_each_stages_own_norm_is_named(ddp_pool: DDPWorkerPool) -> None:
+    with pytest.raises(ParallelMismatch) as caught:
+        train(ddp_pool, stage_clip)
+    text = str(caught.value)
+    print(text)
+    assert "the table shows step 1" in text
+    assert "times a factor of the stage's own (stage 0 x" in text
+    assert "Each stage clipped by the norm of its own parameters' gradients" in text
+    assert "a pipeline's global norm sums the squared norms over the stages; all-reduce it over ctx.group" in text
+    assert "clip_grads_with_norm_(params, max_norm, square.sqrt())" in text
+
+
+def test_the_clip_by_the_norm_summed_over_the_stages_passes(ddp_pool: DDPWorkerPool) -> None:
+    result = train(ddp_pool, global_clip)
+    print(result)
+    assert result.ok
+
+
+def test_a_bug_that_is_not_a_clip_gets_no_clip_note(ddp_pool: DDPWorkerPool) -> None:
+    # a sum loss with scale_grads=True: every stage's gradient 1/2 of one device's, the
+    # clip's threshold too high to clip anything
+    with pytest.raises(ParallelMismatch) as caught:
+        train(ddp_pool, functools.partial(global_clip, max_norm=1e6), loss_fn=summed_mse)
+    text = str(caught.value)
+    print(text)
+    assert "sum-reduction loss" in text
+    assert "own parameters" not in text and "factor of the stage's own" not in text
