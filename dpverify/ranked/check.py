@@ -988,7 +988,7 @@ def jittered_training(
     """The ``jittered`` run of ``training_rows`` for ``check``: single-device training in
     float64 from parameters ``FLOAT64_JITTER`` off for a float64 module, else in the
     module's dtype from parameters one unit of roundoff off (as ``References`` samples a
-    one-step check's rounding)."""
+    one-step check's rounding), replaying ``dropout`` (``train_single_device``)."""
 
     def run() -> tuple[list[dict[str, torch.Tensor]], TrainingTrace]:
         trace = TrainingTrace()

@@ -10,7 +10,8 @@ hook that records it (``recording_dropout``): its keep-mask, drawn from the gene
 input's device, replaces the layer's own. Two ranks whose masks were drawn from the same
 generator state drew the same random numbers (``same_random_numbers``), and the masks of
 every rank, concatenated along the batch in rank order, replay on one device
-(``replaying_dropout``), so that a train-mode Dropout model is compared exactly. Only
+(``replaying_dropout``; in training, each step's masks in that step's forward,
+``replay_masks`` and ``replaying``), so that a train-mode Dropout model is compared exactly. Only
 ``nn.Dropout`` layers whose input's first dimension is the batch replay; other random
 layers (``Dropout2d``, ``F.dropout`` calls, ``torch.randn`` in forward) draw as before.
 Everything here must be importable by the rank processes.
