@@ -23,6 +23,8 @@ from dpverify.ddp.pool import DDPWorkerPool
 from dpverify.ddp.rank import ShardContext
 from dpverify.mutants import summed_allreduce_step
 from dpverify.registry import CHECKS, Case, Target, Verdict
+from dpverify.sharded.fsdp import assert_fsdp_training_matches
+from dpverify.sharded.fsdp_rank import FSDPContext
 from dpverify.strategies import DeviceList, ModelSpec, Scenario
 
 SAME = "Every rank draws the same random numbers"
@@ -75,6 +77,14 @@ def step_reseeding_each_rank(ctx: ShardContext) -> Any:
     return output
 
 
+def fsdp_step_reseeding_every_rank_alike(ctx: FSDPContext) -> Any:
+    """The same bug in an FSDP2 step."""
+    torch.manual_seed(1000 + ctx.step_index)
+    output = ctx.fsdp()(ctx.inputs[0])
+    F.mse_loss(output, ctx.target).backward()
+    return output
+
+
 def train(pool: DDPWorkerPool, **options: Any) -> StepComparison:
     return assert_ddp_training_matches(Regularised().train(), batches(), loss_fn=F.mse_loss, optimizer=SGD, world_size=2, pool=pool, **options)
 
@@ -100,6 +110,21 @@ def test_a_step_that_reseeds_every_rank_alike_is_caught_in_training(ddp_pool: DD
     assert train(ddp_pool, step=step_reseeding_every_rank_alike, same_seed=True).ok
 
 
+def test_fsdp2_training_replays_the_masks_and_catches_one_seed(ddp_pool: DDPWorkerPool) -> None:
+    def fsdp(**options: Any) -> StepComparison:
+        return assert_fsdp_training_matches(
+            Regularised().train(), batches(), loss_fn=F.mse_loss, optimizer=SGD, world_size=2, pool=ddp_pool, **options,
+        )
+
+    result = fsdp()
+    print(result)
+    assert result.ok
+    assert result.replayed == ("drop",)
+    with pytest.raises(ParallelMismatch) as caught:
+        fsdp(step=fsdp_step_reseeding_every_rank_alike)
+    assert f"In optimizer step 1: {SAME}" in str(caught.value)
+
+
 def _dropout_case() -> Case:
     return Case.from_scenario(Scenario(ModelSpec(kind="dropout", hidden=8, train=True, p=0.5), batch_size=6, devices=DeviceList((0, 1))))
 
@@ -110,6 +135,8 @@ def test_the_registry_gives_a_dropout_model_a_real_training_verdict() -> None:
     assert passed.verdict == Verdict.PASS, passed.summary
     caught = spec.run(_dropout_case(), Target(step=summed_allreduce_step))
     assert caught.verdict == Verdict.FAIL, caught.summary
+    fsdp = CHECKS["fsdp-training"].run(_dropout_case())
+    assert fsdp.verdict == Verdict.PASS, fsdp.summary
 
 
 class Attending(nn.Module):

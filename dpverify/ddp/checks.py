@@ -88,6 +88,7 @@ from dpverify.ranked.notes import (
     scale_note,
     sum_loss_note,
     token_trap_note,
+    training_stream_findings,
     trap_fits,
     trap_note,
     wrong_micro_batch_failure,
@@ -100,11 +101,10 @@ from dpverify.ranked.options import (
     documented,
 )
 from dpverify.ranked.randomness import (
-    Masks,
     dropout_layers,
-    replay_masks,
     replaying_dropout,
     same_random_numbers,
+    training_masks,
 )
 from dpverify.ranked.rank import (
     LossFn,
@@ -671,7 +671,7 @@ def assert_ddp_training_matches(
         if retold is None:
             raise
         raise retold from None
-    masks = None if first is not None else _training_masks(check, ranks, training.sizes)
+    masks = None if first is not None else training_masks(check.module, [rank.dropout for rank in ranks], training.sizes)
     replayed = tuple(dropout_layers(check.module)) if masks is not None else ()
     expected, unused_by_step = first or train_single_device(module, pairs, loss_fn, optimizer, None, after_backward, trace=trace, dropout=masks)
     trace64 = None if check.tolerance.explicit else TrainingTrace()
@@ -718,51 +718,13 @@ def assert_ddp_training_matches(
     unused = list(dict.fromkeys(name for names in unused_by_step for name in names))
     failures, unused_notes = check.unused_findings(unused, wrapped=all(r.wrapped for r in ranks))
     notes += unused_notes
-    same_failures, same_notes = _same_stream_in_training(check, ranks)
+    same_failures, same_notes = ([], []) if check.same_seed else training_stream_findings(ranks, check.world_size)
     failures += same_failures
     notes += same_notes
     if not ok and check.loss_reduction(counted[0]) == "sum":
         notes.append(sum_loss_note(check.world_size))
     outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures, scale=scale, replayed=replayed)
     return raise_unless_ok(outcome, options.get("msg"))
-
-
-def _training_masks(check: DDPCheck, ranks: Sequence[RankTraining], sizes: Sequence[Sequence[int]]) -> list[Masks] | None:
-    """Each step's Dropout masks for single-device training (``replay_masks``: every rank's
-    one forward of its shard, concatenated in rank order); None unless every step's replay."""
-    found = []
-    for index, shards in enumerate(sizes):
-        calls = [rank.dropout[index] if index < len(rank.dropout) else () for rank in ranks]
-        masks = replay_masks(check.module, calls, [[n] for n in shards])
-        if masks is None:
-            return None
-        found.append(masks)
-    return found
-
-
-@dataclass(frozen=True)
-class _StepEnd:
-    """The random state a rank's training step left (what ``same_end_state_note`` reads)."""
-
-    end_state: str | None
-
-
-def _same_stream_in_training(check: DDPCheck, ranks: Sequence[RankTraining]) -> tuple[list[str], list[str]]:
-    """``DDPCheck.same_stream_findings`` over the steps of training: a failure at the first
-    step in which two ranks drew a Dropout mask from the same random state, else a note at
-    the first step every rank left in one state (none when ``same_seed`` asked for it)."""
-    if check.same_seed:
-        return [], []
-    steps = min((len(rank.dropout) for rank in ranks), default=0)
-    for index in range(steps):
-        same = same_random_numbers([rank.dropout[index] for rank in ranks])
-        if same is not None:
-            return [f"In optimizer step {index + 1}: {same_random_numbers_failure(same, check.world_size)}"], []
-    for index in range(min((len(rank.end_states) for rank in ranks), default=0)):
-        note = same_end_state_note([_StepEnd(rank.end_states[index]) for rank in ranks])
-        if note is not None:
-            return [], [f"In optimizer step {index + 1}: {note}"]
-    return [], []
 
 
 # --------------------------------------------------------------------------- buffers

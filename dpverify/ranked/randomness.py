@@ -42,6 +42,7 @@ __all__ = [
     "replaying",
     "replaying_dropout",
     "same_random_numbers",
+    "training_masks",
 ]
 
 
@@ -231,6 +232,21 @@ def replaying_dropout(module: nn.Module, ranks: Sequence[Sequence[DropoutCall]],
     replay = copy.deepcopy(module)
     _replay_hooks(replay, masks)
     return replay
+
+
+def training_masks(module: nn.Module, ranks: Sequence[Sequence[Sequence[DropoutCall]]], sizes: Sequence[Sequence[int]]) -> list[Masks] | None:
+    """Each training step's masks for single-device training (``replay_masks``): ``ranks[r]``
+    holds rank ``r``'s calls of every step, ``sizes[i]`` the ranks' rows in step ``i``, each
+    rank running one forward of its shard a step; None unless every step's replay (a
+    model without ``dropout_layers`` included)."""
+    found = []
+    for index, shards in enumerate(sizes):
+        calls = [steps[index] if index < len(steps) else () for steps in ranks]
+        masks = replay_masks(module, calls, [[n] for n in shards])
+        if masks is None:
+            return None
+        found.append(masks)
+    return found
 
 
 @contextlib.contextmanager
