@@ -21,6 +21,7 @@ from dpverify.core.errors import ParallelMismatch
 from dpverify.ddp.checks import assert_ddp_training_matches
 from dpverify.ddp.pool import DDPWorkerPool
 from dpverify.ddp.rank import ShardContext
+from dpverify.models.hooks import accumulation_step
 from dpverify.mutants import summed_allreduce_step
 from dpverify.registry import CHECKS, Case, Target, Verdict
 from dpverify.sharded.fsdp import assert_fsdp_training_matches
@@ -95,6 +96,15 @@ def test_a_dropout_model_trains_three_steps_with_its_masks_replayed(ddp_pool: DD
     assert result.ok
     assert result.replayed == ("drop",)
     assert any("in every step each rank drew its masks from its own random stream (seed + rank)" in note for note in result.notes)
+
+
+def test_a_step_that_accumulates_micro_batches_replays_each_forwards_masks(ddp_pool: DDPWorkerPool) -> None:
+    result = assert_ddp_training_matches(
+        Regularised().train(), batches(rows=8), loss_fn=F.mse_loss, optimizer=SGD, world_size=2, pool=ddp_pool,
+        step=functools.partial(accumulation_step, micro_batches=2),
+    )
+    assert result.ok
+    assert result.replayed == ("drop",)
 
 
 def test_a_step_that_reseeds_every_rank_alike_is_caught_in_training(ddp_pool: DDPWorkerPool) -> None:

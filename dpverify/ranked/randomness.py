@@ -236,17 +236,33 @@ def replaying_dropout(module: nn.Module, ranks: Sequence[Sequence[DropoutCall]],
 
 def training_masks(module: nn.Module, ranks: Sequence[Sequence[Sequence[DropoutCall]]], sizes: Sequence[Sequence[int]]) -> list[Masks] | None:
     """Each training step's masks for single-device training (``replay_masks``): ``ranks[r]``
-    holds rank ``r``'s calls of every step, ``sizes[i]`` the ranks' rows in step ``i``, each
-    rank running one forward of its shard a step; None unless every step's replay (a
-    model without ``dropout_layers`` included)."""
+    holds rank ``r``'s calls of every step, ``sizes[i]`` the ranks' rows in step ``i``;
+    None unless every step's replay (a model without ``dropout_layers`` included).
+
+    A rank's forwards in a step are read off its calls of the first layer: one forward of
+    its shard, or, when those calls' rows add up to the shard's, one forward per call (a
+    step that accumulates micro-batches, each a contiguous piece of the shard in order)."""
+    layers = dropout_layers(module)
+    if not layers:
+        return None
+    first = next(iter(layers))
     found = []
     for index, shards in enumerate(sizes):
         calls = [steps[index] if index < len(steps) else () for steps in ranks]
-        masks = replay_masks(module, calls, [[n] for n in shards])
+        rows = [_forward_rows([c for c in mine if c.module == first], n) for mine, n in zip(calls, shards, strict=False)]
+        masks = replay_masks(module, calls, rows)
         if masks is None:
             return None
         found.append(masks)
     return found
+
+
+def _forward_rows(calls: Sequence[DropoutCall], shard: int) -> list[int]:
+    """The rows of each forward a rank ran in a step (``training_masks``)."""
+    pieces = [int(call.keep.size(0)) if call.keep.dim() else 0 for call in calls]
+    if len(pieces) > 1 and sum(pieces) == shard and all(pieces):
+        return pieces
+    return [shard]
 
 
 @contextlib.contextmanager
