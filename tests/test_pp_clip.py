@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from test_pp_training import ADAM, TinyGPT, lm_loss, token_batches
 from torch import nn
 
 import dpverify
@@ -47,6 +48,23 @@ def global_clip(ctx: Any, max_norm: float = MAX_NORM) -> None:
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, square.sqrt())
 
 
+def sync_then_stage_clip(ctx: Any) -> None:
+    """The bug on a tied model: the tied embedding's copies summed, then each stage clipped alone."""
+    dpverify.sync_tied_grads(ctx)
+    torch.nn.utils.clip_grad_norm_(ctx.module.parameters(), 0.5)
+
+
+def sync_then_global_clip(ctx: Any) -> None:
+    """The fix: the copies summed, then the norm summed over the stages, the tied weight
+    counted once (on the first stage)."""
+    dpverify.sync_tied_grads(ctx)
+    params = [(name, p) for name, p in ctx.module.named_parameters() if p.grad is not None]
+    counted = [p for name, p in params if ctx.is_first or name not in ctx.tied]
+    square = sum((p.grad.detach().double().pow(2).sum() for p in counted), torch.zeros((), dtype=torch.float64))
+    dist.all_reduce(square, group=ctx.group)
+    torch.nn.utils.clip_grads_with_norm_([p for _n, p in params], 0.5, square.sqrt())
+
+
 def summed_mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, target, reduction="sum")
 
@@ -73,6 +91,21 @@ def test_the_clip_by_the_norm_summed_over_the_stages_passes(ddp_pool: DDPWorkerP
     result = train(ddp_pool, global_clip)
     print(result)
     assert result.ok
+
+
+def test_a_tied_model_summed_then_clipped_per_stage_is_named_for_the_clip(ddp_pool: DDPWorkerPool) -> None:
+    def tied(hook: Any) -> dpverify.StepComparison:
+        return dpverify.assert_pipeline_training_matches(
+            TinyGPT(), token_batches(), loss_fn=lm_loss, optimizer=ADAM, world_size=2, n_microbatches=2, split_points=["block"],
+            after_backward=hook, pool=ddp_pool,
+        )
+
+    with pytest.raises(ParallelMismatch) as caught:
+        tied(sync_then_stage_clip)
+    text = str(caught.value)
+    assert "Each stage clipped by the norm of its own parameters' gradients" in text
+    assert "they were not summed" not in text  # they were: the clip scaled each copy by its stage's factor
+    assert tied(sync_then_global_clip).ok
 
 
 def test_a_bug_that_is_not_a_clip_gets_no_clip_note(ddp_pool: DDPWorkerPool) -> None:

@@ -874,6 +874,8 @@ def _tied_notes(
         scale = max(float(present[0].abs().max()), 1e-30)
         same = all(torch.allclose(g, present[0], rtol=1e-5, atol=1e-7 * scale) for g in present)
         total = uniform_scale({name: present[0]}, {name: want})
+        if not same and hook is not None and all(_factor({name: g}, {name: want}) is not None for g in present):
+            continue  # each copy is the whole gradient, scaled by its stage's own factor: summed, then scaled per stage
         if not same:
             text += f" In step {index + 1}, with {ran}, the copies' gradients differ from each other: they were not summed."
         elif not others_ok:
