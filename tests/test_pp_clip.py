@@ -40,6 +40,15 @@ def stage_clip(ctx: Any) -> None:
     torch.nn.utils.clip_grad_norm_(ctx.module.parameters(), MAX_NORM)
 
 
+def clip_on_the_last_stage(ctx: Any) -> None:
+    """Another bug: the global norm, but only the stage that holds the loss clips."""
+    params = [p for p in ctx.module.parameters() if p.grad is not None]
+    square = sum((p.grad.detach().double().pow(2).sum() for p in params), torch.zeros((), dtype=torch.float64))
+    dist.all_reduce(square, group=ctx.group)
+    if ctx.is_last:
+        torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, square.sqrt())
+
+
 def global_clip(ctx: Any, max_norm: float = MAX_NORM) -> None:
     """The fix: the squared norms summed over the stages, then torch's clip with that norm."""
     params = [p for p in ctx.module.parameters() if p.grad is not None]
@@ -85,6 +94,15 @@ def test_a_clip_by_each_stages_own_norm_is_named(ddp_pool: DDPWorkerPool) -> Non
     assert "Each stage clipped by the norm of its own parameters' gradients" in text
     assert "a pipeline's global norm sums the squared norms over the stages; all-reduce it over ctx.group" in text
     assert "clip_grads_with_norm_(params, max_norm, square.sqrt())" in text
+
+
+def test_a_clip_on_some_stages_only_is_named(ddp_pool: DDPWorkerPool) -> None:
+    with pytest.raises(ParallelMismatch) as caught:
+        train(ddp_pool, clip_on_the_last_stage)
+    text = str(caught.value)
+    print(text)
+    assert "Stages [1] scaled them as one device did" in text
+    assert "stages [0] left them as the backward made them" in text
 
 
 def test_the_clip_by_the_norm_summed_over_the_stages_passes(ddp_pool: DDPWorkerPool) -> None:

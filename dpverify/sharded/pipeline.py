@@ -1161,6 +1161,15 @@ def _stage_scale_notes(
                 f"were {shown_norms}, and each stage whose own norm exceeded {clipped:.6g} (the norm one device clipped "
                 f"the whole gradient to, from {total:.6g}) was scaled to that norm on its own.{fix}"
             ]
+        like_one = [s for s, f in zip(which, factors, strict=True) if math.isclose(f, 1.0, rel_tol=1e-3)]
+        unscaled = [s for s, k in zip(which, kept, strict=True) if k is not None and math.isclose(k, 1.0, rel_tol=1e-3)]
+        if like_one and unscaled and sorted(like_one + unscaled) == which:
+            return [
+                f"{head} Stages {like_one} scaled them as one device did (by {clipped / total:.6g}), stages {unscaled} "
+                f"left them as the backward made them: the clip (or other scaling) in after_backward={name} ran on some "
+                "stages only, e.g. under `if ctx.is_last`. Every stage must clip, with the norm of the whole model's "
+                f"gradients (its squared norm all-reduced over ctx.group):\n{GLOBAL_CLIP_HOOK}"
+            ]
     return [
         f"{head} after_backward={name} scaled each stage by a coefficient it computed from what it holds alone, e.g. a "
         f"clip norm over the stage's own parameters.{fix}"
