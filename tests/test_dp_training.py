@@ -335,7 +335,11 @@ def test_a_model_criterion_pair_trains_through_its_criterion_wrapper() -> None:
     the loss: the training check takes the loss from ``parallel_loss_fn`` (the outputs are
     not gathered, so they are not compared), and catches a criterion that averages the
     replicas' mean losses over uneven chunks."""
-    from dpverify.mutants import MeanCriterionParallel, ReplicaOutputsDataParallel, WeightedCriterionParallel
+    from dpverify.mutants import (
+        MeanCriterionParallel,
+        ReplicaOutputsDataParallel,
+        WeightedCriterionParallel,
+    )
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
