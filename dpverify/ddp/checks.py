@@ -37,7 +37,6 @@ from dpverify.core.step import (
 )
 from dpverify.core.validation import (
     require_bool,
-    require_callable,
     require_int_at_least,
     require_mapping,
     require_module_with_grads,
@@ -70,10 +69,10 @@ from dpverify.ranked.check import (
     per_shard_buffers,
     relative_gap,
     require_step,
-    sendable,
     train_single_device,
     trainable_names,
     training_batches,
+    training_code,
     training_rows,
     training_scale_note,
     unused_names,
@@ -640,14 +639,10 @@ def assert_ddp_training_matches(
     """
     __tracebackhide__ = True
     accepted(assert_ddp_training_matches, options, DDPTrainingKeywords)
-    after_backward = options.get("after_backward")
-    if after_backward is not None:
-        require_callable(after_backward, "after_backward", "hook(ctx), e.g. one calling clip_grad_norm_(ctx.module.parameters(), 1.0)")
-        sendable(after_backward, "after_backward", "a module-level function hook(ctx)")
+    after_backward = training_code(optimizer, options.get("after_backward"))
     pairs = describe_batches(batches, forward_keywords(options.get("forward_kwargs")))
     first_inputs, first_kwargs, first_target = pairs[0]
     check = DDPCheck.of(module, first_inputs, first_target, loss_fn, world_size, {**options, "forward_kwargs": first_kwargs})
-    sendable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
     step = options.get("step")
     require_step(step, "ShardContext")
     training = training_batches(check, pairs, options.get("shards"), require_items(options.get("items")))

@@ -103,6 +103,7 @@ __all__ = [
     "train_single_device",
     "trainable_names",
     "training_batches",
+    "training_code",
     "training_rows",
     "training_scale_note",
     "unused_names",
@@ -191,6 +192,16 @@ def sendable(value: Any, name: str, expected: str) -> None:
     """A callable the ranks can unpickle (by name: a top-level function or a partial of one)."""
     require_callable(value, name, expected)
     require_picklable(value, name)
+
+
+def training_code(optimizer: Any, after_backward: Any, example: str = "one calling clip_grad_norm_(ctx.module.parameters(), 1.0)") -> Any:
+    """The training helpers' own code, checked before any rank starts: ``optimizer``, a
+    factory ``params -> Optimizer``, and ``after_backward`` when given, each picklable by
+    name; returns ``after_backward``."""
+    sendable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
+    if after_backward is not None:
+        sendable(after_backward, "after_backward", f"a module-level function hook(ctx), e.g. {example}")
+    return after_backward
 
 
 def require_step(step: Any, context: str) -> None:

@@ -49,9 +49,9 @@ from dpverify.ranked.check import (
     jittered_training,
     local_buffer_notes,
     require_step,
-    sendable,
     train_single_device,
     training_batches,
+    training_code,
     training_rows,
     training_scale_note,
 )
@@ -719,15 +719,12 @@ def assert_fsdp_training_matches(
     """
     __tracebackhide__ = True
     accepted(assert_fsdp_training_matches, options, FSDPTrainingKeywords, without=("forward_kwargs",))
-    after_backward = options.get("after_backward")
-    if after_backward is not None:
-        sendable(after_backward, "after_backward", "a module-level function hook(ctx), e.g. one calling clip_grad_norm_(ctx.module.parameters(), 1.0)")
+    after_backward = training_code(optimizer, options.get("after_backward"))
     pairs = describe_batches(batches, {})
     first_inputs, first_kwargs, first_target = pairs[0]
     first = options.copy()
     first["forward_kwargs"] = first_kwargs
     check = FSDPCheck.of(module, first_inputs, first_target, loss_fn, world_size, first)
-    sendable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
     step = options.get("step")
     require_step(step, "FSDPContext")
     training = training_batches(check, pairs, options.get("shards"))

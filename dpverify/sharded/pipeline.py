@@ -53,8 +53,8 @@ from dpverify.ranked.check import (
     optional,
     relative_gap,
     same_up_to_rounding,
-    sendable,
     train_single_device,
+    training_code,
 )
 from dpverify.ranked.items import PieceItems
 from dpverify.ranked.notes import fraction
@@ -948,16 +948,12 @@ def assert_pipeline_training_matches(
     """
     __tracebackhide__ = True
     accepted(assert_pipeline_training_matches, options, PipelineTrainingKeywords)
-    after_backward = options.get("after_backward")
-    if after_backward is not None:
-        require_callable(after_backward, "after_backward", "hook(ctx), e.g. one all-reducing a tied weight's gradient over ctx.tied_group")
-        sendable(after_backward, "after_backward", "a module-level function hook(ctx)")
+    after_backward = training_code(optimizer, options.get("after_backward"), "one all-reducing a tied weight's gradient over ctx.tied_group")
     pairs = describe_batches(batches, {})
     scenario: dict[str, Any] = {key: value for key, value in options.items() if key not in ("after_backward", "msg")}
     first_inputs, _kwargs, first_target = pairs[0]
     check = pipeline_check(module, first_inputs, first_target, loss_fn=loss_fn, world_size=world_size, n_microbatches=n_microbatches, **scenario)
     _require_same_batches(pairs)
-    sendable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
     require_picklable([(inputs, target) for inputs, _k, target in pairs], "batches")
     task = PipelineTrainingTask(
         check.module, tuple((inputs, target) for inputs, _k, target in pairs), check.loss_fn, optimizer, check.stages,
