@@ -15,13 +15,21 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 
 from dpverify.core.errors import ParallelMismatch
-from dpverify.models.specs import KINDS
-from dpverify.models.training import TrainingScenario
-from dpverify.mutants import AveragingDataParallel, UnscaledGPipe, fsdp_undivided_step, tp_one_rank_clip
+from dpverify.models.layouts import PipelineLayout, ShardedScenario, TPLayout
+from dpverify.models.specs import KINDS, DeviceList, LossSpec, ModelSpec, Scenario
+from dpverify.models.training import OptimizerSpec, TrainingScenario
+from dpverify.mutants import (
+    AveragingDataParallel,
+    UnscaledGPipe,
+    fsdp_undivided_step,
+    local_shard_clip,
+    tp_one_rank_clip,
+)
 from dpverify.registry import CHECKS, Case, Target
 from dpverify.strategies import (
     device_lists,
@@ -124,3 +132,38 @@ def test_property_pp_training_matches_one_device(scenario: TrainingScenario) -> 
         # weights summed by the registry's default hook, without the scenario's clip)
         with pytest.raises(ParallelMismatch, match="the table shows step 1"):
             _check("pp-training", replace(scenario, clip=None), Target(schedule=UnscaledGPipe))
+
+
+# --------------------------------------------------------------------------- the drawn clip
+
+
+def stage_clip(ctx: Any) -> None:
+    """A pipeline stage's clip written as on one device: the tied weights summed over their
+    stages, then ``clip_grad_norm_`` over the stage's own parameters, the norm of only its
+    part of the model."""
+    from dpverify.sharded.pipeline_rank import sync_tied_grads
+
+    sync_tied_grads(ctx)
+    torch.nn.utils.clip_grad_norm_(ctx.module.parameters(), 0.05)
+
+
+def _sequential(kind: str, world_size: int, layout: TPLayout | PipelineLayout) -> TrainingScenario:
+    """Three Linear layers (the middle one's input width 4), SGD, 2 steps, a clip to 0.05."""
+    plain = Scenario(ModelSpec(kind, features=3, hidden=4, depth=2, train=False), 4, DeviceList(tuple(range(world_size))), LossSpec("mse"))
+    return TrainingScenario(ShardedScenario(plain, layout), OptimizerSpec("sgd", 0.1), steps=2, clip=0.05)
+
+
+@pytest.mark.parametrize("kind", ["sequential", "tied-sequential"])
+def test_the_pipeline_clip_is_global_and_a_clip_per_stage_is_caught(kind: str) -> None:
+    scenario = _sequential(kind, 2, PipelineLayout((3,), 2, "gpipe"))
+    _check("pp-training", scenario)  # pipeline_clip: tied copies summed, the norm over both stages
+    with pytest.raises(ParallelMismatch, match="the table shows step 1"):
+        _check("pp-training", scenario, Target(after_backward=stage_clip))
+
+
+def test_the_clip_over_dtensor_and_plain_gradients_is_global_and_a_local_shard_clip_is_caught() -> None:
+    # the plan shards the first two Linear layers and leaves the third plain
+    scenario = _sequential("sequential", 2, TPLayout((("0", "2"),)))
+    _check("tp-training", scenario)
+    with pytest.raises(ParallelMismatch, match="local shards"):
+        _check("tp-training", scenario, Target(after_backward=local_shard_clip))
