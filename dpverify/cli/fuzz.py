@@ -107,7 +107,7 @@ _CLIP_NORMS: tuple[float | None, ...] = (None, 0.05, 1.0)
 #: What each backend's training runs accumulate over, in words (the session's header).
 _ACCUMULATION = {
     "ddp": "no_sync() accumulation over 1 or 2 micro-batches",
-    "pp": "the schedule's microbatches (GPipe, 1F1B), half the models with an embedding tied across the first and last stage",
+    "pp": "the schedule's microbatches, half the models with a weight tied across stages",
 }
 
 
@@ -115,7 +115,7 @@ _ACCUMULATION = {
 
 def describe_training(backend: str) -> str:
     """What the training runs of a session of ``--backend`` draw, in words (its header)."""
-    clip = "a global clip (tied weights summed over their stages first)" if backend == "pp" else "a global clip"
+    clip = "a global clip over every stage" if backend == "pp" else "a global clip"
     parts = ["SGD, SGD with momentum, Adam, AdamW", "1 to 3 optimizer steps", clip]
     parts += [_ACCUMULATION[backend]] if backend in _ACCUMULATION else []
     return f"{', '.join(parts)} ({', '.join(TRAINING_CHECKS[backend])})"
