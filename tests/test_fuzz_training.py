@@ -11,13 +11,16 @@ import importlib
 import runpy
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import Phase, given, settings
 
+import dpverify.cli.fuzz as fuzz_module
 from dpverify.cli.fuzz import (
     TRAINING_CHECKS,
     FuzzConfig,
+    Outcome,
     _CheckFailed,
     _example_runner,
     _training_runs,
@@ -89,10 +92,23 @@ def test_a_step_wrong_from_the_second_optimizer_step_is_caught_by_the_training_c
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", ["dp", "ddp", "fsdp", "tp", "pp", "all"])
-def test_torchs_own_training_passes_a_short_session(backend: str, tmp_path: Path) -> None:
-    report = fuzz(FuzzConfig(backend=backend, devices=2, max_examples=2, seed=1, state_dir=tmp_path))
+def test_torchs_own_training_passes_a_short_session(backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[tuple[str, bool]] = []
+    run_check = fuzz_module._run_check
+
+    def spy(name: str, *args: Any) -> Outcome:
+        outcome = run_check(name, *args)
+        ran.append((name, outcome.parallel))
+        return outcome
+
+    monkeypatch.setattr(fuzz_module, "_run_check", spy)
+    # seed 0's first DataParallel examples are one-row batches, which nothing runs in parallel
+    seed, examples = (0, 3) if backend in ("dp", "all") else (1, 2)
+    report = fuzz(FuzzConfig(backend=backend, devices=2, max_examples=examples, seed=seed, state_dir=tmp_path))
     assert report.ok, report.failure and report.failure.report
-    assert report.examples == 2
+    assert report.examples == examples
+    # every training check of the session trained in parallel, and passed
+    assert {name for name, parallel in ran if parallel and name.endswith("-training")} == set(TRAINING_CHECKS[backend])
 
 
 @pytest.mark.parametrize(
