@@ -1,13 +1,14 @@
 """What a 3-step training check costs against a one-step check, on the same pooled ranks.
 
-For DDP and FSDP2 the registry's training check (``ddp-training``, ``fsdp-training``: three
-optimizer steps of SGD with momentum, parameters, buffers and optimizer state compared with
-single-device training after every step, float64-anchored) and its one-step gradient
-check (``ddp-grads``, ``fsdp-grads``) run on the same small Sequential MLPs through one
-``DDPWorkerPool``, interleaved example by example so that a loaded machine slows both
-alike. The goal (issue 24): a 3-step training check costs at most 3x a one-step check.
+For every backend the registry's training check (``dp-training``, ``ddp-training``, ...:
+three optimizer steps of SGD with momentum, parameters, buffers and optimizer state
+compared with single-device training after every step, float64-anchored) and its one-step
+gradient check (``dp-grads``, ``ddp-grads``, ...) run on the same small Sequential MLPs,
+the ranked ones through one ``DDPWorkerPool`` (DataParallel on virtual devices in this
+process), interleaved example by example so that a loaded machine slows both alike. The
+goal: a 3-step training check costs at most 3x a one-step check.
 
-    python benchmarks/bench_training.py                       # ddp and fsdp on 2 ranks
+    python benchmarks/bench_training.py                       # every backend on 2 ranks
     python benchmarks/bench_training.py --backends fsdp --examples 40
 """
 
@@ -27,7 +28,10 @@ from dpverify.ddp.pool import DDPWorkerPool
 from dpverify.registry import CHECKS, TRAINING_STEPS, Case, Target
 
 #: The one-step check and the training check of each backend.
-CHECK = {"ddp": ("ddp-grads", "ddp-training"), "fsdp": ("fsdp-grads", "fsdp-training")}
+CHECK = {
+    "dp": ("dp-grads", "dp-training"), "ddp": ("ddp-grads", "ddp-training"), "fsdp": ("fsdp-grads", "fsdp-training"),
+    "tp": ("tp-grads", "tp-training"), "pp": ("pp-grads", "pp-training"),
+}
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ def measure(backend: str, batch: Sequence[Example], world_size: int, pool: DDPWo
 
 def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backends", nargs="+", choices=sorted(CHECK), default=["ddp", "fsdp"])
+    parser.add_argument("--backends", nargs="+", choices=sorted(CHECK), default=list(CHECK))
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--examples", type=int, default=30, help="examples per backend (default 30)")
     args = parser.parse_args(argv)

@@ -68,10 +68,13 @@ DEFAULT_BATCH_SIZES: tuple[int, ...] = (8, 5, 2)
 DEFAULT_DEVICE_COUNTS: tuple[int, ...] = (2, 4)
 
 #: The checks ``dpverify check`` runs by default, where they apply: what a user's model and
-#: training loop can get wrong. The others (buffers, accumulation, training, SyncBatchNorm,
-#: ...) test the parallel wrapper itself, torch's unless one is given: ``--checks`` adds them.
+#: training step can get wrong, one gradient step and a few optimizer steps (state kept
+#: across forwards, buffers updated in forward, the user's ``--step``). The others (buffers,
+#: accumulation, SyncBatchNorm, ...) test the parallel wrapper itself, torch's unless one is
+#: given: ``--checks`` adds them.
 DEFAULT_CHECKS: tuple[str, ...] = (
-    "dp-grads", "dp-grad-sum", "dp-loss-average", "dp-weighted-loss", "ddp-grads", "fsdp-grads", "tp-grads", "pp-grads",
+    "dp-grads", "dp-grad-sum", "dp-loss-average", "dp-weighted-loss", "dp-training", "ddp-grads", "ddp-training",
+    "fsdp-grads", "fsdp-training", "tp-grads", "tp-training", "pp-grads", "pp-training",
 )
 
 

@@ -591,7 +591,7 @@ def _dp_training(case: Case, target: Target) -> Report:
     return assert_dp_training_matches(
         case.module, _training_batches(case), loss_fn=case.loss_fn, optimizer=_training_optimizer(case),
         device_ids=case.device_ids, output_device=case.output_device, parallel=target.parallel,
-        after_backward=target.after_backward, forward_kwargs=case.forward_kwargs, dim=case.dim,
+        parallel_loss_fn=target.parallel_loss, after_backward=target.after_backward, forward_kwargs=case.forward_kwargs, dim=case.dim,
     )
 
 

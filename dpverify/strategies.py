@@ -705,6 +705,12 @@ def optimizer_specs(*, names: Sequence[str] = OPTIMIZERS) -> SearchStrategy[Opti
 #: The models a DDP training scenario draws: what DDP reproduces exactly, with a loss outside
 #: the forward and no keyword arguments.
 _TRAINING_KINDS = tuple(k for k in KINDS if k not in ("kwargs", "loss-head"))
+#: The models a DataParallel training scenario draws: those with a loss outside the forward
+#: and no state of their own (the counters lose theirs under DataParallel by design, which
+#: ``dp-state`` checks and ``dp-training`` rightly reports).
+_DP_TRAINING_KINDS = tuple(k for k in KINDS if k not in ("loss-head", "buffer-counter", "attribute-counter"))
+#: The backends a training scenario runs on (``TrainingScenario.backend``).
+_TRAINING_BACKENDS: tuple[str, ...] = ("dp", "ddp", *BACKENDS)
 
 
 @st.composite
@@ -713,13 +719,15 @@ def _training_scenarios(
     max_steps: int, clip_norms: tuple[float | None, ...], micro_batches: tuple[int, ...],
 ) -> TrainingScenario:
     scenario = draw(base)
-    if not isinstance(scenario, ShardedScenario if backend == "fsdp" else Scenario):
-        raise InvalidArgument(f"scenarios drew {scenario!r}; training_scenarios({backend!r}) takes {'ShardedScenario' if backend == 'fsdp' else 'Scenario'}s")
+    sharded = backend in BACKENDS
+    if not isinstance(scenario, ShardedScenario if sharded else Scenario) or (sharded and scenario.backend != backend):  # type: ignore[union-attr]
+        wanted = f"ShardedScenarios of {backend!r}" if sharded else "Scenarios"
+        raise InvalidArgument(f"scenarios drew {scenario!r}; training_scenarios({backend!r}) takes {wanted}")
     optimizer = _drawn(draw(optimizers), "optimizers", OptimizerSpec)
     steps = draw(st.integers(1, max_steps))
     clip = draw(st.sampled_from(clip_norms))
-    if backend == "fsdp":
-        return TrainingScenario(scenario, optimizer, steps, clip)
+    if backend != "ddp":
+        return TrainingScenario(scenario, optimizer, steps, clip, dp=backend == "dp")
     assert isinstance(scenario, Scenario)
     # as many micro-batches as every rank has rows for
     world = len(scenario.devices.device_ids)
@@ -735,21 +743,30 @@ def training_scenarios(
     max_steps: int = 3,
     clip_norms: Sequence[float | None] = (None, 0.05, 1.0),
     micro_batches: Sequence[int] = (1, 2),
+    world_sizes: Sequence[int] = (2,),
 ) -> SearchStrategy[TrainingScenario]:
-    """Training runs for the training checks of ``backend``, ``"ddp"`` or ``"fsdp"``: a
-    scenario from ``scenarios`` (default, DDP: a model DDP reproduces exactly, a mean loss,
-    2 ranks and a row for each; FSDP2: ``sharded_scenarios("fsdp")``), its device count the
-    world size; an optimizer from ``optimizers`` (default ``optimizer_specs()``); 1 to
-    ``max_steps`` optimizer steps, each on a batch of its own; a global gradient clip to a
-    norm from ``clip_norms`` (None: no clip); and, for DDP, gradient accumulation under
-    ``no_sync()`` over a number of micro-batches from ``micro_batches`` that every rank
-    has rows for (1 where none fits).
+    """Training runs for the training checks of ``backend``
+    (``"dp"``, ``"ddp"``, ``"fsdp"``, ``"tp"``, ``"pp"``): a scenario from ``scenarios``,
+    its device count the world size; an optimizer from ``optimizers`` (default
+    ``optimizer_specs()``); 1 to ``max_steps`` optimizer steps, each on a batch of its own;
+    a global gradient clip to a norm from ``clip_norms`` (None: no clip; a pipeline's sums
+    its tied weights over their stages first, ``pipeline_clip``); and, for DDP, gradient
+    accumulation under ``no_sync()`` over a number of micro-batches from ``micro_batches``
+    that every rank has rows for (1 where none fits; the other backends take 1: a pipeline
+    accumulates over its layout's microbatches, DataParallel has no ``no_sync()``).
+
+    The default scenarios, on a world size from ``world_sizes``: DataParallel, a model
+    without state of its own and with a loss outside the forward, that train mode does not
+    make diverge, on 2 to the largest of ``world_sizes`` devices; DDP, such a model without
+    keyword arguments, a mean loss and a row for each rank; ``sharded_scenarios(backend,
+    world_sizes=world_sizes)`` for the others, half the pipelines' models tying their first
+    child's embedding to their last child's output projection (``tied-sequential``).
 
     Shrinks toward the simplest scenario, one step of ``OptimizerSpec('sgd', lr=0.1)``, and
     the first of ``clip_norms`` and of ``micro_batches``.
     """
-    if backend not in ("ddp", "fsdp"):
-        raise InvalidArgument(f"backend={backend!r}: training scenarios run on 'ddp' or 'fsdp'")
+    if backend not in _TRAINING_BACKENDS:
+        raise InvalidArgument(f"backend={backend!r}: training scenarios run on one of {_TRAINING_BACKENDS}")
     require_int_at_least(max_steps, "max_steps", 1)
     clips = tuple(clip_norms)
     if not clips or any(c is not None and not (isinstance(c, (int, float)) and c > 0) for c in clips):
@@ -757,19 +774,48 @@ def training_scenarios(
     ks = tuple(require_int_at_least(k, "micro_batches", 1) for k in micro_batches)
     if not ks:
         raise InvalidArgument("micro_batches=[] is empty; pass counts of at least 1, e.g. (1, 2)")
+    sizes = tuple(require_int_at_least(w, "world_sizes", 1) for w in world_sizes)
+    if not sizes:
+        raise InvalidArgument("world_sizes=[] is empty; pass at least one world size, e.g. (2,)")
     if scenarios is None:
-        ddp = _default_training_scenarios()
-        scenarios = sharded_scenarios("fsdp") if backend == "fsdp" else ddp
+        scenarios = _default_training_scenarios(backend, sizes)
     elif not isinstance(scenarios, SearchStrategy):
-        raise InvalidArgument(f"scenarios={scenarios!r} must be a strategy of {'ShardedScenario' if backend == 'fsdp' else 'Scenario'}s")
+        wanted = "ShardedScenario" if backend in BACKENDS else "Scenario"
+        raise InvalidArgument(f"scenarios={scenarios!r} must be a strategy of {wanted}s")
     return _training_scenarios(backend, scenarios, optimizer_specs() if optimizers is None else optimizers, max_steps, clips, ks)
 
 
-def _default_training_scenarios() -> SearchStrategy[Scenario]:
-    """DDP's: models it reproduces exactly with a loss outside the forward and no keyword
-    arguments, a mean loss, 2 ranks and a row for each."""
-    drawn = scenarios(
-        models=model_specs(kinds=_TRAINING_KINDS, exact=True), devices=DeviceList((0, 1)),
-        losses=loss_specs(reductions=("mean",)), max_batch=8,
-    )
-    return drawn.map(lambda s: replace(s, batch_size=max(s.batch_size, 2)))
+def _tied_pipelines(pipelines: SearchStrategy[ShardedScenario]) -> SearchStrategy[ShardedScenario]:
+    """Pipeline scenarios of ``sequential`` models (``sharded_scenarios("pp")``), and as
+    many with the model made ``tied-sequential``: as many children (the layout stands), the
+    first an embedding whose weight the last, the output projection, shares, so that the
+    first and the last stage each train a copy. Shrinks toward the untied model."""
+    def tie(scenario: ShardedScenario) -> ShardedScenario:
+        plain = scenario.scenario
+        if plain.model.kind != "sequential":
+            raise InvalidArgument(f"_tied_pipelines takes sequential models; drew {plain.model!r}")
+        return replace(scenario, scenario=replace(plain, model=replace(plain.model, kind="tied-sequential")))
+
+    return st.one_of(pipelines, pipelines.map(tie))
+
+
+def _default_training_scenarios(backend: str, world_sizes: tuple[int, ...]) -> SearchStrategy[Scenario] | SearchStrategy[ShardedScenario]:
+    """``training_scenarios``' default scenarios of ``backend`` (its docstring says which)."""
+    if backend == "pp":
+        return _tied_pipelines(sharded_scenarios("pp", world_sizes=world_sizes))
+    if backend in BACKENDS:
+        return sharded_scenarios(backend, world_sizes=world_sizes)
+    if backend == "dp":
+        devices = device_lists(min_devices=min(2, max(world_sizes)), max_devices=max(world_sizes))
+        return scenarios(models=model_specs(kinds=_DP_TRAINING_KINDS, exact=True), devices=devices)
+
+    @st.composite
+    def ranked(draw: st.DrawFn) -> Scenario:
+        world = draw(st.sampled_from(world_sizes))
+        drawn = draw(scenarios(
+            models=model_specs(kinds=_TRAINING_KINDS, exact=True), devices=DeviceList(tuple(range(world))),
+            losses=loss_specs(reductions=("mean",)), max_batch=max(8, 2 * world),
+        ))
+        return replace(drawn, batch_size=max(drawn.batch_size, world))
+
+    return ranked()

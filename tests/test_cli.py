@@ -92,7 +92,7 @@ def test_verify_prints_a_verdict_and_exits_zero() -> None:
     warned = [line for line in lines if line.lstrip().startswith("WARN")]
     assert len(warned) == 1
     assert "loss-in-forward  B=5 on 4   loss.mean() of replica losses      biased by +0.133 (chunks [2, 2, 1])" in warned[0]
-    assert lines[-1].startswith("OK: 53 passed, 0 failed, 1 warned in ")
+    assert lines[-1].startswith("OK: 77 passed, 0 failed, 1 warned in ")
     assert result.stderr == ""
 
 
@@ -219,7 +219,7 @@ def test_a_check_that_checked_nothing_exits_three_with_the_reasons(capsys: pytes
     assert code == 3
     assert "fewer rows than ranks (1 < 2)" in out
     assert "fewer rows than ranks (1 < 4)" in out
-    assert out.splitlines()[-1] == "NOTHING CHECKED: 0 passed, 0 failed, 2 skipped"
+    assert out.splitlines()[-1] == "NOTHING CHECKED: 0 passed, 0 failed, 4 skipped"
 
 
 @pytest.mark.timeout(240)

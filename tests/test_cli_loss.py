@@ -337,12 +337,14 @@ def test_fuzz_with_a_builtin_loss_name_draws_that_loss(capsys: pytest.CaptureFix
     from hypothesis.errors import NoSuchExample
 
     from dpverify.cli.fuzz import scenario_strategy
+    from dpverify.models.training import TrainingScenario
 
+    # each example is a DataParallel training run of a drawn scenario
     drawn = find(scenario_strategy(FuzzConfig(loss="l1")), lambda s: True)
-    assert isinstance(drawn, Scenario)
-    assert drawn.loss.name == "l1"
+    assert isinstance(drawn, TrainingScenario)
+    assert drawn.plain.loss.name == "l1"
     with pytest.raises(NoSuchExample):  # no other loss is ever drawn
-        find(scenario_strategy(FuzzConfig(loss="l1")), lambda s: isinstance(s, Scenario) and s.loss.name != "l1")
+        find(scenario_strategy(FuzzConfig(loss="l1")), lambda s: s.plain.loss.name != "l1")
 
 
 def test_fuzz_refuses_a_loss_it_cannot_apply(capsys: pytest.CaptureFixture[str]) -> None:

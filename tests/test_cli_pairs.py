@@ -58,7 +58,7 @@ def test_check_a_criterion_that_averages_uneven_chunks_fails_as_the_loss_averagi
 )
 def test_check_a_correct_pair_passes(pair: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "--model", "mlp", *pair, *UNEVEN]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == "OK: 2 passed, 0 failed"
+    assert capsys.readouterr().out.splitlines()[-1] == "OK: 3 passed, 0 failed"
 
 
 @pytest.mark.parametrize(("wrapper", "code"), [(None, 0), ("cli_pairs_code:ignores_dim", 1)], ids=["torch", "ignores-dim"])
@@ -236,8 +236,8 @@ def test_verify_catches_a_bug_that_only_one_kind_of_model_shows(wrapper: str, mo
     failed = {line.split()[1] for line in lines if line.startswith("  FAIL  ")}
     # the model made for the bug fails, on every split; the others pass: each bug needs its model
     assert failed == {model}
-    assert sum(line.lstrip().startswith(f"FAIL  {model} ") for line in lines) == 6
-    assert lines[-1].startswith("FAILED: 47 passed, 6 failed, 1 warned")
+    assert sum(line.lstrip().startswith(f"FAIL  {model} ") for line in lines) == 9
+    assert lines[-1].startswith("FAILED: 68 passed, 9 failed, 1 warned")
 
 
 def test_verify_passes_a_correct_wrapper_and_says_what_it_covered(capsys: pytest.CaptureFixture[str]) -> None:
@@ -251,7 +251,7 @@ def test_verify_passes_a_correct_wrapper_and_says_what_it_covered(capsys: pytest
         assert behaviour in covered
     assert "splits: B=8 on 2 (chunks [4, 4]), B=5 on 4 (chunks [2, 2, 1]), B=2 on 4 (chunks [1, 1])" in lines
     assert not any(line.startswith("not covered") for line in lines)
-    assert lines[-1].startswith("OK: 53 passed, 0 failed, 1 warned")
+    assert lines[-1].startswith("OK: 77 passed, 0 failed, 1 warned")
 
 
 def test_verify_on_some_models_says_what_it_left_out(capsys: pytest.CaptureFixture[str]) -> None:

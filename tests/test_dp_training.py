@@ -328,3 +328,26 @@ def test_bad_input_is_an_invalid_argument_naming_it(changes: dict[str, Any], mes
     arguments: dict[str, Any] = {"batches": _batches(), "optimizer": SGD} | changes
     with pytest.raises(dpverify.InvalidArgument, match=message):
         dpverify.assert_dp_training_matches(_mlp(), arguments.pop("batches"), loss_fn=F.mse_loss, device_ids=[0, 1], **arguments)
+
+
+def test_a_model_criterion_pair_trains_through_its_criterion_wrapper() -> None:
+    """A pair's model wrapper leaves one output per replica and its criterion wrapper makes
+    the loss: the training check takes the loss from ``parallel_loss_fn`` (the outputs are
+    not gathered, so they are not compared), and catches a criterion that averages the
+    replicas' mean losses over uneven chunks."""
+    from dpverify.mutants import (
+        MeanCriterionParallel,
+        ReplicaOutputsDataParallel,
+        WeightedCriterionParallel,
+    )
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    batches = [(torch.randn(5, 4), torch.randn(5, 2)) for _ in range(2)]
+    train = functools.partial(
+        dpverify.assert_dp_training_matches, model, batches, loss_fn=F.mse_loss, device_ids=[0, 1, 2],
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1), parallel=ReplicaOutputsDataParallel,
+    )
+    train(parallel_loss_fn=WeightedCriterionParallel)
+    with pytest.raises(dpverify.ParallelMismatch, match="step 1 loss"):
+        train(parallel_loss_fn=MeanCriterionParallel)

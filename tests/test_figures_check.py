@@ -229,7 +229,7 @@ def test_check_figure_draws_each_tensors_worst_split_per_check(parallel: type[nn
     report = check_model(builtin_model("mlp", seed=0), batch_sizes=[5], device_counts=[2, 4], backend="dp", target=Target(parallel=parallel))
     fig = check_figure(report)
     panels = _panels(report)
-    assert list(panels) == ["dp-grads", "dp-grad-sum"]
+    assert list(panels) == ["dp-grads", "dp-grad-sum", "dp-training"]
     assert [ax.get_label() for ax in fig.axes] == list(panels)  # nothing else to note
     for name, results in panels.items():
         ax = _axes(fig, name)
@@ -245,7 +245,7 @@ def test_check_figure_draws_each_tensors_worst_split_per_check(parallel: type[nn
         assert _has_limit_line(ax)
         assert ax.get_xscale() == "log"
     passed, failed = report.count(Verdict.PASS), report.count(Verdict.FAIL)
-    assert (passed, failed) == ((4, 0) if parallel is None else (0, 4))
+    assert (passed, failed) == ((6, 0) if parallel is None else (0, 6))
     assert f"dpverify check: mlp (loss: mse_loss): {passed} passed, {failed} failed" in _texts(fig)
 
 
@@ -263,12 +263,12 @@ def _batchnorm_model() -> UserModel:
 def test_explained_divergences_are_a_footnote_not_bars() -> None:
     report = check_model(_batchnorm_model(), batch_sizes=[4], device_counts=[2], backend="dp")
     explained = [r for r in report.results if r.verdict is Verdict.EXPLAINED]
-    assert {r.check for r in explained} == {"dp-grads", "dp-grad-sum"}
+    assert {r.check for r in explained} == {"dp-grads", "dp-grad-sum", "dp-training"}
     fig = check_figure(report)
     text = _texts(fig)
     assert "dp-grads on B=4 on 2: explained by BatchNorm1d in train mode, not errors" in text
     assert "dp-grad-sum on B=4 on 2: explained by BatchNorm1d in train mode, not errors" in text
-    assert f"dpverify check: bn (loss: mse_loss): {report.count(Verdict.PASS)} passed, 0 failed, 2 explained" in text
+    assert f"dpverify check: bn (loss: mse_loss): {report.count(Verdict.PASS)} passed, 0 failed, 3 explained" in text
     # the bars are the eval-mode copy's, which must match, and say so
     ax = _axes(fig, "dp-grads")
     eval_mode = [r for r in report.results if r.check == "dp-grads" and r.verdict is Verdict.PASS]

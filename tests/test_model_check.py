@@ -110,7 +110,7 @@ def test_batchnorm_and_dropout_are_explained_not_failed(models: Path) -> None:
     assert "'drop' (randomness)" in out
     assert "Per-parameter gradient error" in out
     assert "norm.weight" in out
-    assert out.splitlines()[-1] == "OK: 8 passed, 0 failed, 8 explained"
+    assert out.splitlines()[-1] == "OK: 12 passed, 0 failed, 12 explained"
 
 
 def test_a_batch_dependent_model_fails_with_the_report(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -135,14 +135,14 @@ def test_a_model_returning_its_loss_gets_the_averaging_checks(models: Path) -> N
 
 def test_builtin_model_and_ddp_skip_for_tiny_batches(capsys: pytest.CaptureFixture[str]) -> None:
     report = check_model(builtin_model("conv"), batch_sizes=(3,), device_counts=(2,))
-    assert [r.verdict for r in report.results] == [Verdict.PASS, Verdict.PASS]
+    assert [r.verdict for r in report.results] == [Verdict.PASS] * 3
     # no rank starts: a rank without rows, or a forward that returns its loss, is skipped
     ddp = check_model(builtin_model("mlp"), batch_sizes=(1,), device_counts=(2,), backend="ddp")
-    assert [(r.verdict, r.summary) for r in ddp.results] == [(Verdict.SKIP, "fewer rows than ranks (1 < 2)")]
+    assert [(r.verdict, r.summary) for r in ddp.results] == [(Verdict.SKIP, "fewer rows than ranks (1 < 2)")] * 2
     head = check_model(builtin_model("loss-in-forward"), batch_sizes=(4,), device_counts=(2,), backend="ddp")
     assert head.results[0].verdict == Verdict.SKIP
     assert main(["check", "--model", "mlp", "--batch-sizes", "2", "--devices", "2", "--no-color"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == "OK: 2 passed, 0 failed"
+    assert capsys.readouterr().out.splitlines()[-1] == "OK: 3 passed, 0 failed"
 
 
 @pytest.mark.parametrize(
@@ -390,7 +390,7 @@ def test_check_parallel_checks_your_wrapper(capsys: pytest.CaptureFixture[str]) 
     words = " ".join(out.split())  # the header and panels wrap at the console's width
     assert "dpverify.mutants:AveragingDataParallel on virtual devices" in words
     assert "the replica gradients were averaged" in words
-    assert out.splitlines()[-1] == "FAILED: 0 passed, 2 failed"
+    assert out.splitlines()[-1] == "FAILED: 0 passed, 3 failed"
     assert main([*args, "--parallel", "dpverify.mutants:ScratchDataParallel"]) == 0
     assert main([*args, "--parallel", "no_such_module:X"]) == 2
 
@@ -427,10 +427,10 @@ def test_check_on_one_device_says_nothing_ran_in_parallel(devices: list[str], co
     assert "DP grads match one device, B=5 on 1: 1 replica forward ran (chunks [5]): nothing ran in" in " ".join(out.split())
     if code == 3:
         assert "Nothing ran in parallel: every check ran one replica" in out
-        assert out.splitlines()[-1] == "NOTHING CHECKED: 0 passed, 0 failed, 2 skipped"
+        assert out.splitlines()[-1] == "NOTHING CHECKED: 0 passed, 0 failed, 3 skipped"
     else:
-        assert "Skipped: 2 checks, 2 of them ran one replica (nothing in parallel)" in out
-        assert out.splitlines()[-1] == "OK: 2 passed, 0 failed, 2 skipped"
+        assert "Skipped: 3 checks, 3 of them ran one replica (nothing in parallel)" in out
+        assert out.splitlines()[-1] == "OK: 3 passed, 0 failed, 3 skipped"
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])

@@ -69,6 +69,7 @@ class Plan:
     item_kinds: tuple[str, ...] = ()
     item_counts: tuple[tuple[int, ...], ...] = ()
     after_backward: Any = None
+    same_seed: bool = False
 
 
 def test_a_shard_is_its_rows_of_every_batched_tensor() -> None:

@@ -397,14 +397,15 @@ def test_check_under_torchrun_prints_one_verdict_and_every_rank_exits_with_it(tm
     assert code == 0, out + err
     assert out.count("dpverify check: torchrun process group, 2 gloo ranks") == 1
     assert out.count("PASS  DDP grads match one device, B=6 on 2") == 1
-    assert out.count("OK: 1 passed, 0 failed") == 1
+    assert out.count("PASS  training, 3 optimizer steps, B=6 on 2") == 1  # the default checks train too
+    assert out.count("OK: 2 passed, 0 failed") == 1
 
 
 @pytest.mark.timeout(120)
 @needs_torchrun
 @pytest.mark.deep
 def test_check_under_torchrun_fails_a_model_that_centres_each_shard_on_every_rank(tmp_path: Path) -> None:
-    code, out, err = _torchrun(_standalone(2, "user_model:centred", "--backend", "fsdp", "--batch-sizes", "6"), tmp_path)
+    code, out, err = _torchrun(_standalone(2, "user_model:centred", "--backend", "fsdp", "--batch-sizes", "6", "--checks", "fsdp-grads"), tmp_path)
     assert code == 1, out + err
     assert out.count("FAILED: 0 passed, 1 failed") == 1
     assert "FAIL  FSDP2 grads match one device, B=6 on 2" in out
@@ -449,7 +450,8 @@ def _two_nodes(arguments: Sequence[str], tmp_path: Path, timeout: float) -> list
 @needs_torchrun
 @pytest.mark.deep
 def test_check_over_a_two_node_rendezvous(tmp_path: Path) -> None:
-    done = _two_nodes(["-m", "dpverify", "check", "user_model:mlp", "--backend", "fsdp", "--batch-sizes", "6"], tmp_path, 100)
+    arguments = ["-m", "dpverify", "check", "user_model:mlp", "--backend", "fsdp", "--batch-sizes", "6", "--checks", "fsdp-grads"]
+    done = _two_nodes(arguments, tmp_path, 100)
     assert [code for code, _out, _err in done] == [0, 0], done
     printed = "".join(out for _code, out, _err in done)
     assert printed.count("dpverify check: torchrun process group, 2 gloo ranks on 2 nodes") == 1

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn.parallel.scatter_gather import scatter_kwargs
 
-from dpverify.checks.dp import Check, Parallel, raise_unless_ok
+from dpverify.checks.dp import Check, Parallel, ParallelLoss, raise_unless_ok
 from dpverify.core.comparison import (
     Msg,
     StepComparison,
@@ -235,7 +235,7 @@ def _train(
             args, keywords, goal = (convert_tensors(part, dtype, device) for part in (inputs, kwargs, target))
             opt.zero_grad(set_to_none=True)
             output = runner(*args, **keywords)
-            loss = quiet_size_warnings(functools.partial(_loss_of, loss_fn, goal))(output)
+            loss = (check.parallel_loss_of(loss_fn, goal) if parallel else quiet_size_warnings(functools.partial(_loss_of, loss_fn, goal)))(output)
             loss.backward()
             if after_backward is not None:
                 rows = batch_size_of(tuple(args), dim=check.dim, kwargs=keywords)
@@ -267,8 +267,9 @@ def _train(
 def _rows_of_step(
     check: Check, index: int, actual: _Snapshot, expected: _Snapshot, anchor: _Snapshot | None,
 ) -> list[TensorComparison]:
-    """Step ``index``'s outputs and loss, then the parameters, buffers and optimizer state it
-    left, against one device's (float64-anchored)."""
+    """Step ``index``'s outputs (but a model/criterion pair's, one per replica) and loss, then
+    the parameters, buffers and optimizer state it left, against one device's
+    (float64-anchored)."""
     variant = f"step {index + 1}"
     tolerance = check.tolerance
     rows: list[TensorComparison] = []
@@ -287,7 +288,8 @@ def _rows_of_step(
         for key, value in pick(expected).items():
             compare(kind(key), got.get(key), value, anchored.get(key))
 
-    each(lambda path: TensorId("output", path, variant=variant), lambda s: s.outputs)
+    if check.parallel_loss is None:  # a model/criterion pair's wrapper leaves one output per replica
+        each(lambda path: TensorId("output", path, variant=variant), lambda s: s.outputs)
     compare(TensorId("loss", variant=variant), actual.loss, expected.loss, anchor.loss if anchor is not None else None)
     each(lambda name: TensorId("param", name, variant=variant), lambda s: s.params)
     each(lambda name: TensorId("buffer", name, variant=variant), lambda s: s.buffers)
@@ -491,6 +493,7 @@ def assert_dp_training_matches(
     device_ids: Sequence[int],
     output_device: int | None = None,
     parallel: Parallel | None = None,
+    parallel_loss_fn: ParallelLoss | None = None,
     after_backward: AfterBackward | None = None,
     forward_kwargs: Mapping[str, Any] | None = None,
     rtol: float | None = None,
@@ -527,6 +530,9 @@ def assert_dp_training_matches(
         output_device: where outputs are gathered (default ``device_ids[0]``, -1 for host).
         parallel: the DataParallel implementation under test, as ``assert_dp_grads_match``
             takes it (default ``dpverify.data_parallel``).
+        parallel_loss_fn: the criterion half of a model/criterion pair, as
+            ``assert_dp_grads_match`` takes it: the parallel run's loss is its
+            ``loss(outputs, target)``, the single-device run's ``loss_fn``.
         after_backward: your code between backward and the optimizer step, ``hook(ctx)``:
             gradient clipping, unscaling. It runs after each backward in both runs, with
             ``ctx.module`` the module being trained (under DataParallel the wrapped module,
@@ -564,7 +570,7 @@ def assert_dp_training_matches(
     inputs, first_kwargs, _target = found[0]
     check = Check.create(
         module, inputs, device_ids=device_ids, output_device=output_device, parallel=parallel, rtol=rtol, atol=atol,
-        forward_kwargs=first_kwargs or None, dim=dim,
+        forward_kwargs=first_kwargs or None, dim=dim, parallel_loss_fn=parallel_loss_fn,
     )
     if dim == 0:
         for index, (args, kwargs, target) in enumerate(found):

@@ -3,10 +3,11 @@
 Each example is a ``Scenario`` drawn by Hypothesis (``scenario_strategy``), made a ``Case``
 (``Case.from_scenario``) and checked by the checks of ``dpverify.registry.CHECKS`` that
 apply to it (``DP_CHECKS``, ``DDP_CHECKS``, ``SHARDED_CHECKS``), as the property suite
-checks (``tests/test_properties.py``). Under ``--backend ddp`` and ``fsdp`` each example is a
-``TrainingScenario`` (``training_scenarios``): the backend's gradient checks run on its
+checks (``tests/test_properties.py``). On every backend each example is a
+``TrainingScenario`` (``training_scenarios``): the backend's one-step checks run on its
 scenario, then its training checks (``CheckSpec.training``, ``TRAINING_CHECKS``) train it for
-a few steps with its optimizer, clip and accumulation. A check that comes back ``EXPLAINED`` (BatchNorm or
+a few steps with its optimizer, clip and accumulation (``--backend all``: DataParallel's,
+and DDP's where DDP's contract holds). A check that comes back ``EXPLAINED`` (BatchNorm or
 Dropout in train mode) counts as an expected divergence, and must pass on the eval-mode
 copy (``_run_check``).
 
@@ -54,7 +55,6 @@ from dpverify.strategies import (
     loss_specs,
     model_specs,
     scenarios,
-    sharded_scenarios,
     training_scenarios,
 )
 
@@ -95,22 +95,29 @@ DP_CHECKS: tuple[str, ...] = ("dp-grads", "dp-grad-sum", "dp-loss-average", "dp-
 DDP_CHECKS: tuple[str, ...] = ("ddp-grads",)
 #: The registry checks a sharded example runs, by backend.
 SHARDED_CHECKS: dict[str, tuple[str, ...]] = {"fsdp": ("fsdp-grads",), "tp": ("tp-grads",), "pp": ("pp-grads",)}
-#: The registry's training checks (``CheckSpec.training``) a backend's examples run, by backend:
-#: those the training scenarios can lay out (``TrainingScenario``: DDP and FSDP2).
+#: The registry's training checks (``CheckSpec.training``) a session's examples run, by
+#: ``--backend``: the backend's own (``--backend all``: DataParallel's and DDP's).
 TRAINING_CHECKS: dict[str, tuple[str, ...]] = {
-    backend: tuple(name for name, spec in CHECKS.items() if spec.training and spec.backend == backend) for backend in ("ddp", "fsdp")
+    backend: tuple(name for name, spec in CHECKS.items() if spec.training and spec.backend in (backend,) + (("dp", "ddp") if backend == "all" else ()))
+    for backend in ("dp", "ddp", "fsdp", "tp", "pp", "all")
 }
-#: The global clip norms a backend's training scenarios draw (None: no clip). FSDP2's
-#: training check takes ``after_backward`` with issue 24's item 2; until then it draws none.
-_CLIP_NORMS: dict[str, tuple[float | None, ...]] = {"ddp": (None, 0.05, 1.0), "fsdp": (None,)}
+#: The global clip norms the training scenarios draw (None: no clip): one that rarely
+#: engages and one that engages on every step.
+_CLIP_NORMS: tuple[float | None, ...] = (None, 0.05, 1.0)
+#: What each backend's training runs accumulate over, in words (the session's header).
+_ACCUMULATION = {
+    "ddp": "no_sync() accumulation over 1 or 2 micro-batches",
+    "pp": "the schedule's microbatches, half the models with a weight tied across stages",
+}
+
 
 
 
 def describe_training(backend: str) -> str:
-    """What a backend's training runs draw, in words (the session's header)."""
-    parts = ["SGD, SGD with momentum, Adam, AdamW", "1 to 3 optimizer steps"]
-    parts += ["a global clip"] if any(_CLIP_NORMS[backend]) else []
-    parts += ["no_sync() accumulation"] if backend == "ddp" else []
+    """What the training runs of a session of ``--backend`` draw, in words (its header)."""
+    clip = "a global clip over every stage" if backend == "pp" else "a global clip"
+    parts = ["SGD, SGD with momentum, Adam, AdamW", "1 to 3 optimizer steps", clip]
+    parts += [_ACCUMULATION[backend]] if backend in _ACCUMULATION else []
     return f"{', '.join(parts)} ({', '.join(TRAINING_CHECKS[backend])})"
 
 
@@ -123,6 +130,10 @@ TARGET_FIELDS: dict[str, str] = {"dp": "parallel", "ddp": "step", "fsdp": "step"
 DDP_KINDS: tuple[str, ...] = tuple(k for k in KINDS if k not in ("kwargs", "loss-head"))
 
 _DIVERGENT_KINDS = ("batchnorm", "dropout")
+#: Model kinds DataParallel's training check is not run on: the counters lose their state
+#: under DataParallel by design (``dp-state`` checks torch does so, and ``dp-training``
+#: rightly reports it), and a forward that returns its loss has no loss to train with.
+_DP_UNTRAINED = ("buffer-counter", "attribute-counter", "loss-head")
 
 #: What a session draws: a scenario of one step, a sharded one, or a training run of either.
 AnyScenario = Scenario | ShardedScenario | TrainingScenario
@@ -499,13 +510,12 @@ class _TimeUp(BaseException):
 def scenario_strategy(config: FuzzConfig) -> SearchStrategy[Scenario] | SearchStrategy[ShardedScenario] | SearchStrategy[TrainingScenario]:
     """The scenarios a session draws: DataParallel device lists of 1 to ``devices``
     devices, or, for the DDP backend alone, ``devices`` ranks and at least one row each;
-    for a sharded backend, its ``sharded_scenarios`` on ``devices`` ranks. DDP's and
-    FSDP2's are the scenarios of ``training_scenarios``. A session with a criterion wrapper
-    draws its own scenarios (``_pair_scenarios``)."""
-    if config.backend == "fsdp":
-        return training_scenarios("fsdp", scenarios=sharded_scenarios("fsdp", world_sizes=(config.devices,)), clip_norms=_CLIP_NORMS["fsdp"])
+    for a sharded backend, its ``sharded_scenarios`` on ``devices`` ranks (a pipeline's
+    models tied or not). Each is the scenario of a ``TrainingScenario`` (``training_scenarios``:
+    DataParallel's under ``dp`` and ``all``). A session with a criterion wrapper draws one-step
+    scenarios of its own (``_pair_scenarios``): the training check takes no criterion wrapper."""
     if config.backend in SHARDED_BACKENDS:
-        return sharded_scenarios(config.backend, world_sizes=(config.devices,))
+        return training_scenarios(config.backend, world_sizes=(config.devices,), clip_norms=_CLIP_NORMS)
     if config.backend == "ddp":
         ranks = DeviceList(tuple(range(config.devices)))
         # DDP averages gradients over ranks: it matches the full batch for mean losses only
@@ -515,7 +525,7 @@ def scenario_strategy(config: FuzzConfig) -> SearchStrategy[Scenario] | SearchSt
             losses=loss_specs(names=_loss_names(config), reductions=("mean",)), max_batch=max(12, 2 * config.devices),
         )
         ranked = drawn.map(lambda s: dataclasses.replace(s, batch_size=max(s.batch_size, config.devices)))
-        return training_scenarios("ddp", scenarios=ranked, clip_norms=_CLIP_NORMS["ddp"])
+        return training_scenarios("ddp", scenarios=ranked, clip_norms=_CLIP_NORMS)
     # Two devices at least where --devices allows: a one-device example runs one replica,
     # so every check skips it (nothing parallel to compare), and Hypothesis, which draws
     # small values first, spent most of a short session on them. With one GPU visible this
@@ -524,7 +534,8 @@ def scenario_strategy(config: FuzzConfig) -> SearchStrategy[Scenario] | SearchSt
     devices = device_lists(min_devices=least, max_devices=config.devices)
     if config.parallel_loss is not None:
         return _pair_scenarios(devices, config)
-    return _with_divergent(devices, loss_specs(names=_loss_names(config)), _loss_kinds(config, KINDS))
+    drawn = _with_divergent(devices, loss_specs(names=_loss_names(config)), _loss_kinds(config, KINDS))
+    return training_scenarios("dp", scenarios=drawn, clip_norms=_CLIP_NORMS)
 
 
 def _with_divergent(devices: SearchStrategy[DeviceList], losses: SearchStrategy[LossSpec], kinds: tuple[str, ...]) -> SearchStrategy[Scenario]:
@@ -587,10 +598,31 @@ def devices_text(config: FuzzConfig) -> str:
     return f"{where}, and {ranks}" if config.backend == "all" else where
 
 
+def _training_runs(scenario: TrainingScenario, config: FuzzConfig) -> list[tuple[str, TrainingScenario]]:
+    """The training checks an example runs, each with the training scenario it runs on: the
+    backend's; for DataParallel (``dp``, ``all``) on models without state of their own and
+    with a loss outside the forward (``_DP_UNTRAINED``); under ``all`` also DDP's, on
+    ``--devices`` ranks, where DDP's contract holds."""
+    if scenario.backend != "dp":
+        return [(name, scenario) for name in TRAINING_CHECKS[scenario.backend]]
+    runs = [] if scenario.plain.model.kind in _DP_UNTRAINED else [("dp-training", scenario)]
+    if config.backend == "all" and _ddp_applies(scenario.plain, config.devices):
+        runs.append(("ddp-training", dataclasses.replace(scenario, scenario=_on_ranks(scenario.plain, config.devices), dp=False)))
+    return runs
+
+
+def _one_step_runs(scenario: TrainingScenario) -> bool:
+    """Whether the one-step checks run on the training scenario's scenario: not on a model
+    tied across pipeline stages, whose gradients no one step makes whole (``pp-grads`` says
+    so, and points to the training check, where ``after_backward`` sums the copies)."""
+    return not (scenario.backend == "pp" and scenario.plain.model.kind == "tied-sequential")
+
+
 def _example_runner(config: FuzzConfig) -> Callable[[AnyScenario], Outcome]:
     """One example: the DataParallel checks that apply, then (``ddp``, or ``all`` where DDP's
     contract holds) the DDP checks on ``--devices`` ranks; for a training scenario, its
-    scenario's checks and then the training checks; raises ``_CheckFailed``."""
+    scenario's checks and then the training checks (``_training_runs``); raises
+    ``_CheckFailed``."""
     torch_wrapper = config.target is None
     dp = Target(parallel=config.target_object, parallel_loss=config.parallel_loss_object)
     ddp = Target(step=config.target_object, ddp_kwargs=dict(config.ddp_kwargs) or None)
@@ -605,9 +637,12 @@ def _example_runner(config: FuzzConfig) -> Callable[[AnyScenario], Outcome]:
     def example(scenario: AnyScenario) -> Outcome:
         if isinstance(scenario, TrainingScenario):
             # the one-step checks on its scenario, then the training checks on all of it
-            outcome = example(scenario.scenario)
-            for name in TRAINING_CHECKS[scenario.backend]:
-                outcome |= _run_check(name, scenario, sharded) if isinstance(scenario.scenario, ShardedScenario) else run(name, scenario, ddp)
+            outcome = example(scenario.scenario) if _one_step_runs(scenario) else Outcome()
+            for name, trained in _training_runs(scenario, config):
+                if isinstance(trained.scenario, ShardedScenario):
+                    outcome |= _run_check(name, trained, sharded)
+                else:
+                    outcome |= run(name, trained, dp if trained.backend == "dp" else ddp)
             return outcome
         outcome = Outcome()
         if isinstance(scenario, ShardedScenario):

@@ -37,7 +37,6 @@ from dpverify.core.step import (
 )
 from dpverify.core.validation import (
     require_bool,
-    require_callable,
     require_int_at_least,
     require_mapping,
     require_module_with_grads,
@@ -70,10 +69,10 @@ from dpverify.ranked.check import (
     per_shard_buffers,
     relative_gap,
     require_step,
-    sendable,
     train_single_device,
     trainable_names,
     training_batches,
+    training_code,
     training_rows,
     training_scale_note,
     unused_names,
@@ -88,6 +87,7 @@ from dpverify.ranked.notes import (
     scale_note,
     sum_loss_note,
     token_trap_note,
+    training_stream_findings,
     trap_fits,
     trap_note,
     wrong_micro_batch_failure,
@@ -99,7 +99,12 @@ from dpverify.ranked.options import (
     check_keywords,
     documented,
 )
-from dpverify.ranked.randomness import dropout_layers, replaying_dropout, same_random_numbers
+from dpverify.ranked.randomness import (
+    dropout_layers,
+    replaying_dropout,
+    same_random_numbers,
+    training_masks,
+)
 from dpverify.ranked.rank import (
     LossFn,
     OptimizerFactory,
@@ -140,6 +145,8 @@ class DDPStepKeywords(DDPKeywords, total=False):
 
 class DDPTrainingKeywords(DDPKeywords, TrainingKeywords, total=False):
     """The optional keywords of ``assert_ddp_training_matches``."""
+
+    same_seed: bool
 
 
 def _ddp_kwargs(ddp_kwargs: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
@@ -614,6 +621,15 @@ def assert_ddp_training_matches(
         <shared: after_backward>
         Others: as ``assert_ddp_grads_match``.
 
+    Randomness: every rank trains in its own random stream (seed + rank; ``same_seed``: one
+    for all), and the masks the ``nn.Dropout`` layers of each rank's module draw in train
+    mode are recorded in every step; single-device training applies each step's masks,
+    concatenated along the batch in rank order, in that step's forward, so a train-mode
+    Dropout model is compared exactly over every step. Two ranks that drew a mask from the
+    same random state in some step (a step that reseeds every rank alike) fail the check,
+    unless ``same_seed``. Other random draws (``F.dropout`` in a forward, ``Dropout2d``) are
+    not replayed: such a model differs from one device by its randomness.
+
     Raises:
         ParallelMismatch: a rank's parameters differ after some step; the message shows the
             first such step.
@@ -623,14 +639,10 @@ def assert_ddp_training_matches(
     """
     __tracebackhide__ = True
     accepted(assert_ddp_training_matches, options, DDPTrainingKeywords)
-    after_backward = options.get("after_backward")
-    if after_backward is not None:
-        require_callable(after_backward, "after_backward", "hook(ctx), e.g. one calling clip_grad_norm_(ctx.module.parameters(), 1.0)")
-        sendable(after_backward, "after_backward", "a module-level function hook(ctx)")
+    after_backward = training_code(optimizer, options.get("after_backward"))
     pairs = describe_batches(batches, forward_keywords(options.get("forward_kwargs")))
     first_inputs, first_kwargs, first_target = pairs[0]
     check = DDPCheck.of(module, first_inputs, first_target, loss_fn, world_size, {**options, "forward_kwargs": first_kwargs})
-    sendable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
     step = options.get("step")
     require_step(step, "ShardContext")
     training = training_batches(check, pairs, options.get("shards"), require_items(options.get("items")))
@@ -639,27 +651,40 @@ def assert_ddp_training_matches(
     task = TrainingTask(
         check.module, training.pairs, check.loss_fn, optimizer, training.sizes, chosen, check.ddp_kwargs,
         item_kinds=tuple(c.kind for c in counted), item_counts=tuple(c.per_rank for c in counted),
-        after_backward=after_backward,
+        after_backward=after_backward, same_seed=check.same_seed,
     )
     title = f"{len(pairs)} steps of DDP training with {callable_name(optimizer)} must match single-device training"
-    # One device first: if the ranks fail, it tells which parameters got no gradient.
     trace = TrainingTrace()
-    expected, unused_by_step = train_single_device(module, pairs, loss_fn, optimizer, None, after_backward, trace=trace)
+    # One device first, unless it must replay the ranks' Dropout masks: if the ranks fail,
+    # it tells which parameters got no gradient.
+    first = None if dropout_layers(check.module) else train_single_device(module, pairs, loss_fn, optimizer, None, after_backward, trace=trace)
     try:
         ranks: tuple[RankTraining, ...] = check.send(run_training_task, task, title)
     except ParallelError as error:
-        retold = _unused_training_error(error, unused_by_step, check)
+        unused_found = (first or train_single_device(module, pairs, loss_fn, optimizer, None, after_backward))[1]
+        retold = _unused_training_error(error, unused_found, check)
         if retold is None:
             raise
         raise retold from None
+    masks = None if first is not None else training_masks(check.module, [rank.dropout for rank in ranks], training.sizes)
+    replayed = tuple(dropout_layers(check.module)) if masks is not None else ()
+    expected, unused_by_step = first or train_single_device(module, pairs, loss_fn, optimizer, None, after_backward, trace=trace, dropout=masks)
     trace64 = None if check.tolerance.explicit else TrainingTrace()
-    anchor = None if trace64 is None else train_single_device(module, pairs, loss_fn, optimizer, torch.float64, after_backward, trace=trace64)[0]
-    jittered = None if trace64 is None else jittered_training(check, pairs, optimizer, after_backward)
+    anchor = None if trace64 is None else train_single_device(
+        module, pairs, loss_fn, optimizer, torch.float64, after_backward, trace=trace64, dropout=masks,
+    )[0]
+    jittered = None if trace64 is None else jittered_training(check, pairs, optimizer, after_backward, masks)
     rows, failing_step = training_rows(check, ranks, expected, anchor, trace=trace, trace_anchor=trace64, jittered=jittered)
     notes = [
         f"Parameters, buffers and optimizer state compared after each of the {len(pairs)} optimizer steps; "
         f"the table shows step {failing_step + 1}."
     ]
+    if replayed:
+        notes.append(
+            f"Dropout layers {list(replayed)} ran in train mode: in every step each rank drew its masks from its own "
+            f"random stream ({'one seed on every rank, same_seed=True' if check.same_seed else 'seed + rank'}), and "
+            "single-device training applied them, concatenated along the batch in rank order, in that step's forward."
+        )
     if after_backward is not None:
         notes.append(f"{callable_name(after_backward)}(ctx) ran after every backward, on every rank and in the single-device run.")
     ok = all(row.ok for row in rows)
@@ -688,9 +713,12 @@ def assert_ddp_training_matches(
     unused = list(dict.fromkeys(name for names in unused_by_step for name in names))
     failures, unused_notes = check.unused_findings(unused, wrapped=all(r.wrapped for r in ranks))
     notes += unused_notes
+    same_failures, same_notes = ([], []) if check.same_seed else training_stream_findings(ranks, check.world_size)
+    failures += same_failures
+    notes += same_notes
     if not ok and check.loss_reduction(counted[0]) == "sum":
         notes.append(sum_loss_note(check.world_size))
-    outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures, scale=scale)
+    outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures, scale=scale, replayed=replayed)
     return raise_unless_ok(outcome, options.get("msg"))
 
 

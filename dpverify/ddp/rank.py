@@ -272,10 +272,11 @@ class TrainingTask(RankTrainingTask):
 def run_training_task(info: RankInfo, task: TrainingTask) -> RankTraining:
     """Trains this rank's copy for ``len(task.batches)`` steps (a task for ``RankRunner.run``)."""
     ctx = _context(info, task, task.shard_sizes[0])
-    trained = train(ctx, task, read_buffers=buffers_of, read_state=optimizer_state_of)
+    trained = train(ctx, task, read_buffers=buffers_of, read_state=optimizer_state_of, record_dropout=True)
     grads_none = tuple(name for name, grad in grads_of(ctx.module).items() if grad is None)
     return RankTraining(
         trained.params, buffers_of(ctx.module), grads_none, ctx.wrapped, step_buffers=trained.buffers, step_state=trained.state,
+        dropout=trained.dropout, end_states=trained.end_states,
     )
 
 

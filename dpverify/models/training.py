@@ -2,12 +2,13 @@
 
 An ``OptimizerSpec`` is an optimizer factory that prints as a line a person can paste,
 pickles, and parses from the command line's short spelling (``sgd:lr=0.1,momentum=0.9``).
-A ``TrainingScenario`` runs a generated scenario (``Scenario``, or an FSDP2
-``ShardedScenario``) for a few optimizer steps, each on a batch of its own, with a correct
-global gradient clip between backward and the optimizer step and gradient accumulation
-over micro-batches where asked (``dpverify.models.hooks``); the training checks of the
-registry (``CheckSpec.training``) run it: ``Case.from_scenario`` takes its batches and
-optimizer, ``TrainingScenario.code`` its hook and step.
+A ``TrainingScenario`` runs a generated scenario for a few optimizer steps, each on a batch
+of its own, on any backend: a ``Scenario`` under DDP (or DataParallel, ``dp=True``), a
+``ShardedScenario`` under its layout's backend (FSDP2, tensor parallel, pipeline). Between
+backward and the optimizer step it runs a correct global gradient clip where asked, and,
+under DDP, gradient accumulation over micro-batches (``dpverify.models.hooks``); the
+training checks of the registry (``CheckSpec.training``) run it: ``Case.from_scenario``
+takes its batches and optimizer, ``TrainingScenario.code`` its hook and step.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 import torch
 
 from dpverify.core.errors import InvalidArgument
-from dpverify.models.hooks import accumulation_step, global_clip
-from dpverify.models.layouts import FSDPLayout, ShardedScenario
+from dpverify.models.hooks import accumulation_step, global_clip, pipeline_clip
+from dpverify.models.layouts import ShardedScenario
 from dpverify.models.specs import Scenario
 
 __all__ = ["OPTIMIZERS", "OptimizerSpec", "TrainingScenario"]
@@ -111,18 +112,26 @@ class OptimizerSpec:
 
 @dataclass(frozen=True)
 class TrainingScenario:
-    """``steps`` optimizer steps of ``scenario`` on ranks (its device count is the world
-    size): DDP for a ``Scenario``, FSDP2 for a ``ShardedScenario`` with an ``FSDPLayout``.
+    """``steps`` optimizer steps of ``scenario``, on the backend it names (``backend``): DDP
+    ranks for a ``Scenario`` (its device count is the world size), DataParallel on its
+    devices with ``dp=True``, and for a ``ShardedScenario`` its layout's backend (FSDP2,
+    tensor parallel, pipeline).
 
     Attributes:
-        scenario: the model, first batch, loss, ranks, dtype and seed; step ``i`` trains
-            on the batch of the same scenario with seed ``seed + i``.
+        scenario: the model, first batch, loss, devices or ranks, dtype and seed; step
+            ``i`` trains on the batch of the same scenario with seed ``seed + i`` (of the
+            same shapes: a pipeline stage sizes its buffers on the first).
         optimizer: the optimizer every rank and the single-device run build.
         steps: optimizer steps.
-        clip: the global gradient norm ``global_clip`` clips to between backward and the
-            optimizer step (``Target.after_backward``), or None for no clip.
+        clip: the global gradient norm clipped to between backward and the optimizer step
+            (``Target.after_backward``): ``global_clip``, or for a pipeline
+            ``pipeline_clip`` (the stages' tied weights summed first); None for no clip.
         micro_batches: micro-batches each rank accumulates under ``no_sync()`` per optimizer
-            step (``accumulation_step``, ``Target.step``); DDP only, 1 for none.
+            step (``accumulation_step``, ``Target.step``); DDP only, 1 for none. (A
+            pipeline accumulates over its layout's microbatches; DataParallel, FSDP2 and
+            tensor parallelism train each step on the whole batch.)
+        dp: train a ``Scenario`` through DataParallel on its devices (virtual where CUDA
+            devices are missing) instead of on DDP ranks.
     """
 
     scenario: Scenario | ShardedScenario = field(default_factory=Scenario)
@@ -130,10 +139,11 @@ class TrainingScenario:
     steps: int = 2
     clip: float | None = None
     micro_batches: int = 1
+    dp: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.scenario, ShardedScenario) and not isinstance(self.scenario.layout, FSDPLayout):
-            raise InvalidArgument(f"scenario={self.scenario!r}: training runs on DDP (a Scenario) or FSDP2 (a ShardedScenario with an FSDPLayout)")
+        if self.dp and isinstance(self.scenario, ShardedScenario):
+            raise InvalidArgument(f"dp=True trains a Scenario through DataParallel; scenario={self.scenario!r} has a layout of its own backend")
         if self.steps < 1:
             raise InvalidArgument(f"steps={self.steps} must be at least 1")
         if self.clip is not None and not self.clip > 0:
@@ -141,8 +151,11 @@ class TrainingScenario:
         if self.micro_batches < 1:
             raise InvalidArgument(f"micro_batches={self.micro_batches} must be at least 1")
         if self.micro_batches > 1 and self.backend != "ddp":
-            raise InvalidArgument(f"micro_batches={self.micro_batches}: accumulation under no_sync() is DDP's; FSDP2 scenarios take 1")
-        if self.plain.batch_size < self.micro_batches * self.world_size:
+            raise InvalidArgument(
+                f"micro_batches={self.micro_batches}: accumulation under no_sync() is DDP's; {self.backend} scenarios take 1 "
+                "(a pipeline accumulates over its layout's n_microbatches)"
+            )
+        if self.backend in ("ddp", "fsdp") and self.plain.batch_size < self.micro_batches * self.world_size:
             raise InvalidArgument(
                 f"batch_size={self.plain.batch_size} gives some rank fewer rows than its {self.micro_batches} micro-batches "
                 f"on {self.world_size} ranks"
@@ -155,11 +168,15 @@ class TrainingScenario:
 
     @property
     def backend(self) -> str:
-        """``"ddp"`` or ``"fsdp"``: the backend whose training check runs this."""
-        return self.scenario.backend if isinstance(self.scenario, ShardedScenario) else "ddp"
+        """``"dp"``, ``"ddp"``, ``"fsdp"``, ``"tp"`` or ``"pp"``: the backend whose training
+        check runs this."""
+        if isinstance(self.scenario, ShardedScenario):
+            return self.scenario.backend
+        return "dp" if self.dp else "ddp"
 
     @property
     def world_size(self) -> int:
+        """Ranks, or DataParallel's devices."""
         return len(self.plain.devices.device_ids)
 
     def batches(self) -> tuple[tuple[Any, ...], ...]:
@@ -175,7 +192,7 @@ class TrainingScenario:
         clip) and ``step`` (the accumulation), where it has them."""
         found: dict[str, Any] = {}
         if self.clip is not None:
-            found["after_backward"] = functools.partial(global_clip, max_norm=self.clip)
+            found["after_backward"] = functools.partial(pipeline_clip if self.backend == "pp" else global_clip, max_norm=self.clip)
         if self.micro_batches > 1:
             found["step"] = functools.partial(accumulation_step, micro_batches=self.micro_batches)
         return found

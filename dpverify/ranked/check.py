@@ -58,6 +58,7 @@ from dpverify.core.validation import (
 from dpverify.ddp.pool import ParallelError, RankRunner, require_picklable, shared_pool
 from dpverify.ddp.torchrun import group_runner
 from dpverify.ranked.items import PieceItems, count_piece_items, cut_pieces, measure_losses
+from dpverify.ranked.randomness import Masks, replaying
 from dpverify.ranked.rank import (
     AfterBackward,
     Batch,
@@ -102,6 +103,7 @@ __all__ = [
     "train_single_device",
     "trainable_names",
     "training_batches",
+    "training_code",
     "training_rows",
     "training_scale_note",
     "unused_names",
@@ -190,6 +192,16 @@ def sendable(value: Any, name: str, expected: str) -> None:
     """A callable the ranks can unpickle (by name: a top-level function or a partial of one)."""
     require_callable(value, name, expected)
     require_picklable(value, name)
+
+
+def training_code(optimizer: Any, after_backward: Any, example: str = "one calling clip_grad_norm_(ctx.module.parameters(), 1.0)") -> Any:
+    """The training helpers' own code, checked before any rank starts: ``optimizer``, a
+    factory ``params -> Optimizer``, and ``after_backward`` when given, each picklable by
+    name; returns ``after_backward``."""
+    sendable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
+    if after_backward is not None:
+        sendable(after_backward, "after_backward", f"a module-level function hook(ctx), e.g. {example}")
+    return after_backward
 
 
 def require_step(step: Any, context: str) -> None:
@@ -693,6 +705,7 @@ def train_single_device(
     on_step: Callable[[int, nn.Module, torch.optim.Optimizer], None] | None = None,
     trace: TrainingTrace | None = None,
     jitter: float = 0.0,
+    dropout: Sequence[Masks] | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], list[list[str]]]:
     """Parameters after every step on one device, and the parameters that required grad
     but got none in each step (``unused_names``); ``after_backward(ctx)`` runs between each
@@ -703,7 +716,9 @@ def train_single_device(
     the step left (buffers, the optimizer's state). ``trace``, when given, receives the
     buffers and the optimizer's state after every step (``optimizer_state_of``);
     ``jitter``: start from parameters multiplied by ``1 +- jitter`` (``jitter_parameters``),
-    a sample of how far rounding alone moves the run."""
+    a sample of how far rounding alone moves the run. ``dropout``: the masks the ranks'
+    Dropout layers drew in each step (``replay_masks``), applied by the same layers in
+    that step's forward; without it they draw their own."""
     model = copy_module(module, dtype)
     if jitter:
         jitter_parameters(model, jitter)
@@ -715,7 +730,8 @@ def train_single_device(
         for index, (inputs, kwargs, target) in enumerate(batches):
             opt.zero_grad(set_to_none=True)
             args, keywords, goal = (convert_tensors(part, dtype, CPU) for part in (inputs, kwargs, target))
-            output = model(*args, **keywords)
+            with replaying(model, dropout[index] if dropout else None):
+                output = model(*args, **keywords)
             loss_fn(output, goal).backward()
             unused.append(unused_names(model, {name: p.grad for name, p in model.named_parameters()}))
             if after_backward is not None:
@@ -978,11 +994,12 @@ def local_buffer_notes(module: nn.Module, rows: Sequence[TensorComparison], sync
 
 def jittered_training(
     check: RankedCheck, batches: Sequence[Batch], optimizer: OptimizerFactory, after_backward: AfterBackward | None = None,
+    dropout: Sequence[Masks] | None = None,
 ) -> Callable[[], tuple[list[dict[str, torch.Tensor]], TrainingTrace]]:
     """The ``jittered`` run of ``training_rows`` for ``check``: single-device training in
     float64 from parameters ``FLOAT64_JITTER`` off for a float64 module, else in the
     module's dtype from parameters one unit of roundoff off (as ``References`` samples a
-    one-step check's rounding)."""
+    one-step check's rounding), replaying ``dropout`` (``train_single_device``)."""
 
     def run() -> tuple[list[dict[str, torch.Tensor]], TrainingTrace]:
         trace = TrainingTrace()
@@ -990,7 +1007,9 @@ def jittered_training(
             dtype, size = torch.float64, FLOAT64_JITTER
         else:
             dtype, size = None, torch.finfo(check.dtype).eps
-        history, _unused = train_single_device(check.module, batches, check.loss_fn, optimizer, dtype, after_backward, trace=trace, jitter=size)
+        history, _unused = train_single_device(
+            check.module, batches, check.loss_fn, optimizer, dtype, after_backward, trace=trace, jitter=size, dropout=dropout,
+        )
         return history, trace
 
     return run

@@ -12,6 +12,7 @@ facts; ``averager`` names the wrapper in the text.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from dpverify.core.comparison import explain_scale, uniform_scale
 from dpverify.core.step import StepResult
 from dpverify.ranked.check import RankedCheck, relative_gap, same_up_to_rounding
 from dpverify.ranked.items import PieceItems
-from dpverify.ranked.randomness import SameStream
+from dpverify.ranked.randomness import SameStream, same_random_numbers
 
 __all__ = [
     "fraction",
@@ -31,6 +32,7 @@ __all__ = [
     "scale_note",
     "sum_loss_note",
     "token_trap_note",
+    "training_stream_findings",
     "trap_fits",
     "trap_note",
     "untracked_all_reduce_note",
@@ -154,6 +156,29 @@ def same_end_state_note(steps: Sequence[Any]) -> str | None:
         "whatever it draws after that (F.dropout, noise, augmentation, a random crop) is the same on every "
         "rank. Seed each rank in its own stream, torch.manual_seed(seed + rank)."
     )
+
+
+@dataclass(frozen=True)
+class _StepEnd:
+    """The random state a rank's training step left (what ``same_end_state_note`` reads)."""
+
+    end_state: str | None
+
+
+def training_stream_findings(ranks: Sequence[Any], world_size: int) -> tuple[list[str], list[str]]:
+    """(failures, notes) of a training check whose ranks recorded each step's Dropout masks
+    and end state (``ranks[r].dropout``, ``ranks[r].end_states``): a failure at the first
+    step in which two ranks drew a mask from the same random state, else a note at the first
+    step every rank left in one state (``same_end_state_note``)."""
+    for index in range(min((len(rank.dropout) for rank in ranks), default=0)):
+        same = same_random_numbers([rank.dropout[index] for rank in ranks])
+        if same is not None:
+            return [f"In optimizer step {index + 1}: {same_random_numbers_failure(same, world_size)}"], []
+    for index in range(min((len(rank.end_states) for rank in ranks), default=0)):
+        note = same_end_state_note([_StepEnd(rank.end_states[index]) for rank in ranks])
+        if note is not None:
+            return [], [f"In optimizer step {index + 1}: {note}"]
+    return [], []
 
 
 def wrong_micro_batch_failure(steps: Sequence[Any], micro_batches: int) -> str | None:

@@ -10,7 +10,8 @@ hook that records it (``recording_dropout``): its keep-mask, drawn from the gene
 input's device, replaces the layer's own. Two ranks whose masks were drawn from the same
 generator state drew the same random numbers (``same_random_numbers``), and the masks of
 every rank, concatenated along the batch in rank order, replay on one device
-(``replaying_dropout``), so that a train-mode Dropout model is compared exactly. Only
+(``replaying_dropout``; in training, each step's masks in that step's forward,
+``replay_masks`` and ``replaying``), so that a train-mode Dropout model is compared exactly. Only
 ``nn.Dropout`` layers whose input's first dimension is the batch replay; other random
 layers (``Dropout2d``, ``F.dropout`` calls, ``torch.randn`` in forward) draw as before.
 Everything here must be importable by the rank processes.
@@ -31,13 +32,17 @@ from torch import nn
 __all__ = [
     "DropoutCall",
     "DropoutReplayError",
+    "Masks",
     "SameStream",
     "dropout_layers",
     "generator_state",
     "rank_seed",
     "recording_dropout",
+    "replay_masks",
+    "replaying",
     "replaying_dropout",
     "same_random_numbers",
+    "training_masks",
 ]
 
 
@@ -133,22 +138,28 @@ def _per_layer(calls: Sequence[DropoutCall]) -> dict[str, list[DropoutCall]]:
     return layers
 
 
-def replaying_dropout(module: nn.Module, ranks: Sequence[Sequence[DropoutCall]], rows: Sequence[Sequence[int]]) -> nn.Module | None:
-    """A copy of ``module`` whose Dropout layers apply the ranks' masks, concatenated along
-    the batch in rank order, in every full-batch forward (and, in a forward of fewer rows,
-    the next rows of them: each rank's piece in turn); None when they cannot (a layer
-    some rank did not record, a call count or a mask shape that does not follow the rows).
+#: The masks the ranks drew in one step, by layer: for each call of the layer in one
+#: full-batch forward, the ranks' masks concatenated along the batch (``replay_masks``).
+Masks = dict[str, list[torch.Tensor]]
+
+
+def replay_masks(module: nn.Module, ranks: Sequence[Sequence[DropoutCall]], rows: Sequence[Sequence[int]]) -> Masks | None:
+    """The masks a full-batch forward of ``module`` replays from one step of the ranks: per
+    layer of ``dropout_layers(module)``, for each of its calls, the ranks' masks
+    concatenated along the batch in rank order (each rank's forwards in order); None when
+    they cannot replay (a layer some rank did not record, a call count or a mask shape
+    that does not follow the rows).
 
     Args:
         module: the module the ranks copied.
-        ranks: each rank's ``DropoutCall``s, in the order they ran.
+        ranks: each rank's ``DropoutCall``s in the step, in the order they ran.
         rows: each rank's rows per forward (its micro-batches', in order; one entry for a
             one-forward step): rank ``r``'s ``k``-th forward ran ``rows[r][k]`` rows.
     """
     layers = dropout_layers(module)
     if not layers or len(ranks) != len(rows):
         return None
-    masks: dict[str, list[torch.Tensor]] = {}
+    masks: Masks = {}
     for name in layers:
         per_rank = [_per_layer(calls).get(name, []) for calls in ranks]
         forwards = [len(r) for r in rows]
@@ -166,8 +177,15 @@ def replaying_dropout(module: nn.Module, ranks: Sequence[Sequence[DropoutCall]],
                 return None
             joined.append(torch.cat(pieces))
         masks[name] = joined
-    replay = copy.deepcopy(module)
-    positions = {name: [0] for name in layers}
+    return masks
+
+
+def _replay_hooks(module: nn.Module, masks: Masks) -> list[Any]:
+    """Hooks that make ``module``'s Dropout layers (``masks``' keys) apply ``masks`` in every
+    full-batch forward (and, in a forward of fewer rows, the next rows of them: each rank's
+    piece in turn); their handles."""
+    layers = dropout_layers(module)
+    positions = {name: [0] for name in masks}
     # where the next forward of fewer rows (one rank's piece, in rank order) starts, per call
     cursors = {name: [0] * len(joined) for name, joined in masks.items()}
 
@@ -198,10 +216,65 @@ def replaying_dropout(module: nn.Module, ranks: Sequence[Sequence[DropoutCall]],
 
         return hook
 
-    replay.register_forward_pre_hook(restart)
-    for name, p in layers.items():
-        replay.get_submodule(name).register_forward_hook(hook_for(name, p))
+    handles = [module.register_forward_pre_hook(restart)]
+    for name in masks:
+        handles.append(module.get_submodule(name).register_forward_hook(hook_for(name, layers[name])))
+    return handles
+
+
+def replaying_dropout(module: nn.Module, ranks: Sequence[Sequence[DropoutCall]], rows: Sequence[Sequence[int]]) -> nn.Module | None:
+    """A copy of ``module`` whose Dropout layers apply the ranks' masks of one step
+    (``replay_masks``: concatenated along the batch in rank order) in every full-batch
+    forward, and in a forward of fewer rows the next rows of them; None when they cannot."""
+    masks = replay_masks(module, ranks, rows)
+    if masks is None:
+        return None
+    replay = copy.deepcopy(module)
+    _replay_hooks(replay, masks)
     return replay
+
+
+def training_masks(module: nn.Module, ranks: Sequence[Sequence[Sequence[DropoutCall]]], sizes: Sequence[Sequence[int]]) -> list[Masks] | None:
+    """Each training step's masks for single-device training (``replay_masks``): ``ranks[r]``
+    holds rank ``r``'s calls of every step, ``sizes[i]`` the ranks' rows in step ``i``;
+    None unless every step's replay (a model without ``dropout_layers`` included).
+
+    A rank's forwards in a step are read off its calls of the first layer: one forward of
+    its shard, or, when those calls' rows add up to the shard's, one forward per call (a
+    step that accumulates micro-batches, each a contiguous piece of the shard in order)."""
+    layers = dropout_layers(module)
+    if not layers:
+        return None
+    first = next(iter(layers))
+    found = []
+    for index, shards in enumerate(sizes):
+        calls = [steps[index] if index < len(steps) else () for steps in ranks]
+        rows = [_forward_rows([c for c in mine if c.module == first], n) for mine, n in zip(calls, shards, strict=False)]
+        masks = replay_masks(module, calls, rows)
+        if masks is None:
+            return None
+        found.append(masks)
+    return found
+
+
+def _forward_rows(calls: Sequence[DropoutCall], shard: int) -> list[int]:
+    """The rows of each forward a rank ran in a step (``training_masks``)."""
+    pieces = [int(call.keep.size(0)) if call.keep.dim() else 0 for call in calls]
+    if len(pieces) > 1 and sum(pieces) == shard and all(pieces):
+        return pieces
+    return [shard]
+
+
+@contextlib.contextmanager
+def replaying(module: nn.Module, masks: Masks | None) -> Iterator[None]:
+    """Runs the body with ``module``'s Dropout layers applying ``masks`` (one training
+    step's, ``replay_masks``), or drawing as they do when ``masks`` is None."""
+    handles = _replay_hooks(module, masks) if masks else []
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @dataclass(frozen=True)

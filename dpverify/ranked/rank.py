@@ -22,7 +22,7 @@ from torch import nn
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.step import LossFn, convert_tensors, flatten_tensors, no_tf32, parameter_sites
 from dpverify.core.tree import map_tensors
-from dpverify.ranked.randomness import DropoutCall, rank_seed
+from dpverify.ranked.randomness import DropoutCall, generator_state, rank_seed, recording_dropout
 
 __all__ = [
     "AfterBackward",
@@ -511,7 +511,9 @@ class RankTrainingTask:
     the module is wrapped).
 
     ``batches`` holds one ``(inputs, kwargs, target)`` per optimizer step; ``shard_sizes``,
-    ``item_kinds`` and ``item_counts`` are per batch (the last two ``()`` for rows).
+    ``item_kinds`` and ``item_counts`` are per batch (the last two ``()`` for rows);
+    ``seed``: every rank trains in its shard's own stream, ``rank_seed(seed, shard)``, or
+    in ``seed`` itself when ``same_seed``.
     """
 
     module: nn.Module
@@ -524,6 +526,7 @@ class RankTrainingTask:
     after_backward: AfterBackward | None = field(default=None, kw_only=True)
     item_kinds: tuple[str, ...] = field(default=(), kw_only=True)
     item_counts: tuple[tuple[int, ...], ...] = field(default=(), kw_only=True)
+    same_seed: bool = field(default=False, kw_only=True)
 
 
 def optimizer_state_of(
@@ -547,13 +550,17 @@ def optimizer_state_of(
 class Trained:
     """What ``train`` saw: the parameters after every optimizer step, the gradients each
     step stepped with (when read), the optimizer (None: no step ran), and after every step
-    the buffers and the optimizer's state (``optimizer_state_of``; when read)."""
+    the buffers and the optimizer's state (``optimizer_state_of``; when read); when
+    recorded, each step's Dropout masks (``recording_dropout``) and a digest of the random
+    state each step left (``generator_state``)."""
 
     params: tuple[dict[str, torch.Tensor], ...]
     step_grads: tuple[dict[str, torch.Tensor | None], ...]
     optimizer: torch.optim.Optimizer | None
     buffers: tuple[dict[str, torch.Tensor], ...] = ()
     state: tuple[dict[str, torch.Tensor], ...] = ()
+    dropout: tuple[tuple[DropoutCall, ...], ...] = ()
+    end_states: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -578,6 +585,7 @@ def train(
     read_buffers: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None,
     read_state: Callable[[torch.optim.Optimizer, nn.Module], dict[str, torch.Tensor]] | None = None,
     read_step: Callable[[nn.Module, torch.optim.Optimizer], StepRead] | None = None,
+    record_dropout: bool = False,
 ) -> Trained:
     """Trains ``ctx.module`` on this rank for ``len(plan.batches)`` optimizer steps: load
     the rank's shard of each batch into ``ctx``, zero the gradients, ``plan.step(ctx)``,
@@ -599,6 +607,9 @@ def train(
         read_step: reads all four after the step at once, in place of the four readers
             (a sharded module's in one collective); the gradients are read after the
             optimizer step, which leaves them as it found them.
+        record_dropout: record the masks the module's ``nn.Dropout`` layers draw in each
+            step (``recording_dropout``), and the random state each step leaves, for the
+            single-device reference to replay them and to tell ranks that drew alike.
 
     Raises:
         Exception: what a step raised, with a note saying in which optimizer step.
@@ -609,8 +620,11 @@ def train(
     step_grads: list[dict[str, torch.Tensor | None]] = []
     buffers: list[dict[str, torch.Tensor]] = []
     states: list[dict[str, torch.Tensor]] = []
+    dropout: list[tuple[DropoutCall, ...]] = []
+    end_states: list[str] = []
     # each shard's own random stream, as launchers seed ranks (ranks sharing a shard share it)
-    with seeded(ctx.device, rank_seed(plan.seed, ctx.shard_index)):
+    seed = plan.seed if plan.same_seed else rank_seed(plan.seed, ctx.shard_index)
+    with seeded(ctx.device, seed):
         for index, ((inputs, kwargs, target), sizes) in enumerate(zip(plan.batches, plan.shard_sizes, strict=True)):
             counts = plan.item_counts[index] if plan.item_counts else ()
             ctx.load(
@@ -622,7 +636,12 @@ def train(
                 optimizer.zero_grad(set_to_none=True)
             ctx.step_index = index
             try:
-                plan.step(ctx)
+                calls: list[DropoutCall] = []
+                with recording_dropout(module, calls) if record_dropout else contextlib.nullcontext():
+                    plan.step(ctx)
+                if record_dropout:
+                    dropout.append(tuple(calls))
+                    end_states.append(generator_state(ctx.device))
                 if plan.after_backward is not None:
                     with after_backward_note(plan.after_backward):
                         plan.after_backward(ctx)
@@ -648,14 +667,16 @@ def train(
                 buffers.append(read_buffers(module))
             if read_state is not None:
                 states.append(read_state(optimizer, module))
-    return Trained(tuple(params), tuple(step_grads), optimizer, tuple(buffers), tuple(states))
+    return Trained(tuple(params), tuple(step_grads), optimizer, tuple(buffers), tuple(states), tuple(dropout), tuple(end_states))
 
 
 @dataclass(frozen=True)
 class RankTraining:
     """Parameters after every optimizer step, and the buffers at the end, on one rank;
     ``step_buffers`` and ``step_state``: the buffers and the optimizer's state after every
-    step (``Trained.buffers``, ``Trained.state``; empty when not read)."""
+    step (``Trained.buffers``, ``Trained.state``; empty when not read); ``dropout`` and
+    ``end_states``: each step's Dropout masks and the random state it left
+    (``Trained.dropout``, ``Trained.end_states``; empty when not recorded)."""
 
     params: tuple[dict[str, torch.Tensor], ...]
     buffers: dict[str, torch.Tensor]
@@ -663,3 +684,5 @@ class RankTraining:
     wrapped: bool = True
     step_buffers: tuple[dict[str, torch.Tensor], ...] = field(default=(), kw_only=True)
     step_state: tuple[dict[str, torch.Tensor], ...] = field(default=(), kw_only=True)
+    dropout: tuple[tuple[DropoutCall, ...], ...] = field(default=(), kw_only=True)
+    end_states: tuple[str, ...] = field(default=(), kw_only=True)

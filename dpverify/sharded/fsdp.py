@@ -49,13 +49,20 @@ from dpverify.ranked.check import (
     jittered_training,
     local_buffer_notes,
     require_step,
-    sendable,
     train_single_device,
     training_batches,
+    training_code,
     training_rows,
     training_scale_note,
 )
-from dpverify.ranked.notes import items_notes, ranks_disagree, scale_note, sum_loss_note, trap_fits
+from dpverify.ranked.notes import (
+    items_notes,
+    ranks_disagree,
+    scale_note,
+    sum_loss_note,
+    training_stream_findings,
+    trap_fits,
+)
 from dpverify.ranked.options import (
     ShardedKeywords,
     TrainingKeywords,
@@ -63,6 +70,7 @@ from dpverify.ranked.options import (
     check_keywords,
     documented,
 )
+from dpverify.ranked.randomness import dropout_layers, training_masks
 from dpverify.ranked.rank import (
     AfterBackward,
     LossFn,
@@ -682,6 +690,11 @@ def assert_fsdp_training_matches(
     Training with no rounding of the gradients is no fair reference: Adam, for one, moves a
     parameter by its learning rate whichever the sign of a gradient rounding may flip.
 
+    Randomness: as in ``assert_ddp_training_matches``, each rank trains in its own stream
+    (seed + rank), its ``nn.Dropout`` masks are recorded in every step and single-device
+    training replays them step by step (not under a ``MixedPrecisionPolicy``), and two
+    ranks that drew a mask from the same random state fail the check.
+
     Args:
         batches: one ``(inputs, target)`` pair, or ``(inputs, kwargs, target)`` triple, per
             optimizer step.
@@ -706,15 +719,12 @@ def assert_fsdp_training_matches(
     """
     __tracebackhide__ = True
     accepted(assert_fsdp_training_matches, options, FSDPTrainingKeywords, without=("forward_kwargs",))
-    after_backward = options.get("after_backward")
-    if after_backward is not None:
-        sendable(after_backward, "after_backward", "a module-level function hook(ctx), e.g. one calling clip_grad_norm_(ctx.module.parameters(), 1.0)")
+    after_backward = training_code(optimizer, options.get("after_backward"))
     pairs = describe_batches(batches, {})
     first_inputs, first_kwargs, first_target = pairs[0]
     first = options.copy()
     first["forward_kwargs"] = first_kwargs
     check = FSDPCheck.of(module, first_inputs, first_target, loss_fn, world_size, first)
-    sendable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
     step = options.get("step")
     require_step(step, "FSDPContext")
     training = training_batches(check, pairs, options.get("shards"))
@@ -741,19 +751,30 @@ def assert_fsdp_training_matches(
     stepwise = precision.mixed and not check.tolerance.explicit
     trace: TrainingTrace | None = None
     expected: list[dict[str, torch.Tensor]] = []
+    replayed: tuple[str, ...] = ()  # under mixed precision the Dropout masks are not replayed
     if stepwise:
         with _one_rank_group_if(after_backward) as group:
             rows, failing_step = _mixed_training_rows(check, pairs, optimizer, precision, ranks, after_backward, group)
     else:
+        masks = training_masks(check.module, [rank.dropout for rank in ranks], training.sizes)
+        replayed = tuple(dropout_layers(check.module)) if masks is not None else ()
         trace, trace64 = TrainingTrace(), None if check.tolerance.explicit else TrainingTrace()
-        expected, _unused = train_single_device(module, pairs, loss_fn, optimizer, None, after_backward, trace=trace)
-        anchor = None if trace64 is None else train_single_device(module, pairs, loss_fn, optimizer, torch.float64, after_backward, trace=trace64)[0]
-        jittered = None if trace64 is None else jittered_training(check, pairs, optimizer, after_backward)
+        expected, _unused = train_single_device(module, pairs, loss_fn, optimizer, None, after_backward, trace=trace, dropout=masks)
+        anchor = None if trace64 is None else train_single_device(
+            module, pairs, loss_fn, optimizer, torch.float64, after_backward, trace=trace64, dropout=masks,
+        )[0]
+        jittered = None if trace64 is None else jittered_training(check, pairs, optimizer, after_backward, masks)
         rows, failing_step = training_rows(check, ranks, expected, anchor, trace=trace, trace_anchor=trace64, jittered=jittered)
     compared = "Gradients, parameters, buffers and optimizer state" if stepwise else "Parameters, buffers and optimizer state"
     notes = [f"{compared} compared after each of the {len(pairs)} optimizer steps; the table shows step {failing_step + 1}."]
     if after_backward is not None:
         notes.append(f"{callable_name(after_backward)}(ctx) ran after every backward, on every rank and in the single-device run.")
+    if replayed:
+        notes.append(
+            f"Dropout layers {list(replayed)} ran in train mode: in every step each rank drew its masks from its own "
+            "random stream (seed + rank), and single-device training applied them, concatenated along the batch in "
+            "rank order, in that step's forward."
+        )
     ok = all(row.ok for row in rows)
     scale = None
     if not ok and expected:
@@ -768,8 +789,9 @@ def assert_fsdp_training_matches(
         notes.append("Some batches split unevenly: each rank's loss was weighted by its share of the items, n_r * world_size / B (weighted_fsdp_step).")
     failures, evidence = _sharding_findings(check, [r.held for r in ranks], [r.wrapped for r in ranks], [() for _ in ranks])
     state_failures, state_notes = _state_findings(check.world_size, ranks)
-    failures += state_failures + mixed_failures
-    notes += evidence + state_notes
+    stream_failures, stream_notes = training_stream_findings(ranks, check.world_size)
+    failures += state_failures + mixed_failures + stream_failures
+    notes += evidence + state_notes + stream_notes
     if stepwise:
         notes.append(_mixed_precision_note(precision, ranks))
     elif precision.mixed:
@@ -779,7 +801,7 @@ def assert_fsdp_training_matches(
         )
     if not ok and check.loss_reduction(counted[0]) == "sum":
         notes.append(sum_loss_note(check.world_size))
-    outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures, scale=scale)
+    outcome = check.outcome(title, chosen, rows, notes=notes, failures=failures, scale=scale, replayed=replayed)
     return raise_unless_ok(outcome, options.get("msg"))
 
 

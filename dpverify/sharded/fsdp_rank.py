@@ -392,7 +392,7 @@ def run_fsdp_training_task(info: RankInfo, task: FSDPTrainingTask) -> FSDPRankTr
     model = copy.deepcopy(task.module).to(torch.device(info.device))
     ctx = _context(info, model, task, task.shard_sizes[0])
     with quiet():
-        trained = train(ctx, task, optimizer_after_first_step=True, read_step=read_fsdp_step)
+        trained = train(ctx, task, optimizer_after_first_step=True, read_step=read_fsdp_step, record_dropout=True)
         grads_none = tuple(name for name, p in model.named_parameters() if p.grad is None)
         names = {id(p): name for name, p in model.named_parameters()}
         state = _optimizer_state(trained.optimizer, names) if trained.optimizer is not None else ()
@@ -400,6 +400,6 @@ def run_fsdp_training_task(info: RankInfo, task: FSDPTrainingTask) -> FSDPRankTr
         grad_dtypes = tuple(dict.fromkeys(str(p.grad.dtype) for p in model.parameters() if p.grad is not None))
     return FSDPRankTraining(
         trained.params, buffers_of(model), grads_none, ctx.wrapped, held=_holding(model), state=state,
-        step_buffers=trained.buffers, step_state=trained.state,
+        step_buffers=trained.buffers, step_state=trained.state, dropout=trained.dropout, end_states=trained.end_states,
         precision=precision_of(model), step_grads=trained.step_grads, param_dtypes=param_dtypes, grad_dtypes=grad_dtypes,
     )

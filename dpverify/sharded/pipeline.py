@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Unpack
 
@@ -53,8 +53,8 @@ from dpverify.ranked.check import (
     optional,
     relative_gap,
     same_up_to_rounding,
-    sendable,
     train_single_device,
+    training_code,
 )
 from dpverify.ranked.items import PieceItems
 from dpverify.ranked.notes import fraction
@@ -874,6 +874,8 @@ def _tied_notes(
         scale = max(float(present[0].abs().max()), 1e-30)
         same = all(torch.allclose(g, present[0], rtol=1e-5, atol=1e-7 * scale) for g in present)
         total = uniform_scale({name: present[0]}, {name: want})
+        if not same and hook is not None and all(_factor({name: g}, {name: want}) is not None for g in present):
+            continue  # each copy is the whole gradient, scaled by its stage's own factor: summed, then scaled per stage
         if not same:
             text += f" In step {index + 1}, with {ran}, the copies' gradients differ from each other: they were not summed."
         elif not others_ok:
@@ -946,16 +948,12 @@ def assert_pipeline_training_matches(
     """
     __tracebackhide__ = True
     accepted(assert_pipeline_training_matches, options, PipelineTrainingKeywords)
-    after_backward = options.get("after_backward")
-    if after_backward is not None:
-        require_callable(after_backward, "after_backward", "hook(ctx), e.g. one all-reducing a tied weight's gradient over ctx.tied_group")
-        sendable(after_backward, "after_backward", "a module-level function hook(ctx)")
+    after_backward = training_code(optimizer, options.get("after_backward"), "one all-reducing a tied weight's gradient over ctx.tied_group")
     pairs = describe_batches(batches, {})
     scenario: dict[str, Any] = {key: value for key, value in options.items() if key not in ("after_backward", "msg")}
     first_inputs, _kwargs, first_target = pairs[0]
     check = pipeline_check(module, first_inputs, first_target, loss_fn=loss_fn, world_size=world_size, n_microbatches=n_microbatches, **scenario)
     _require_same_batches(pairs)
-    sendable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
     require_picklable([(inputs, target) for inputs, _k, target in pairs], "batches")
     task = PipelineTrainingTask(
         check.module, tuple((inputs, target) for inputs, _k, target in pairs), check.loss_fn, optimizer, check.stages,
@@ -1065,6 +1063,110 @@ def _training_diagnosis(
     if c is not None and not notes:
         notes.append(_explain_factor(step_check, c, step_check.loss_reduction()))
     one = optional(lambda: step_check.reference(None))
+    if hook is not None and c is None:
+        notes += _stage_scale_notes(ranks, expected.grads[index], one.grads if one is not None else None, index, aliases, hook)
     if one is not None:
         notes += _schedule_loss_notes(step_check, untied, one, start)
     return notes
+
+
+def _factor(actual: Mapping[str, torch.Tensor | None], expected: Mapping[str, torch.Tensor | None]) -> float | None:
+    """``c`` when ``actual`` is ``c`` times ``expected`` on every tensor both hold (1.0
+    included), to 1e-4 of its norm; None when not a clean multiple or nothing to compare."""
+    dot = norm_e = norm_a = 0.0
+    for name, e in expected.items():
+        a = actual.get(name)
+        if a is None or e is None or a.shape != e.shape:
+            continue
+        a64, e64 = a.double(), e.double()
+        dot, norm_e, norm_a = dot + float((a64 * e64).sum()), norm_e + float((e64 * e64).sum()), norm_a + float((a64 * a64).sum())
+    if norm_e == 0.0 or norm_a == 0.0:
+        return None
+    c = dot / norm_e
+    return c if max(norm_a - c * dot, 0.0) ** 0.5 <= 1e-4 * norm_a**0.5 else None
+
+
+def _norm(grads: Mapping[str, torch.Tensor | None], names: Collection[str]) -> float:
+    return math.sqrt(math.fsum(float(grads[n].double().pow(2).sum()) for n in names if grads.get(n) is not None))  # type: ignore[union-attr]
+
+
+#: The hook a pipeline's clip must be, shown with the per-stage clip's diagnosis.
+GLOBAL_CLIP_HOOK = """\
+    def clip(ctx):  # after_backward: clip by the whole model's gradient norm
+        params = [p for p in ctx.module.parameters() if p.grad is not None]
+        square = sum((p.grad.detach().double().pow(2).sum() for p in params), torch.zeros((), dtype=torch.float64))
+        dist.all_reduce(square, group=ctx.group)  # the sum over the stages (a group of one rank on one device)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, square.sqrt())"""
+
+
+def _stage_scale_notes(
+    ranks: Sequence[PipelineRankTraining], want: Mapping[str, torch.Tensor | None], raw: Mapping[str, torch.Tensor | None] | None,
+    index: int, aliases: dict[str, str], hook: AfterBackward,
+) -> list[str]:
+    """When in the failing step ``index`` each stage's gradients (as its optimizer used
+    them, after ``hook``) are one device's (``want``, after the hook too) times a factor of
+    the stage's own: the hook scaled each stage by a coefficient computed from what the
+    stage holds. ``raw``: one device's gradients of that step before the hook; when each
+    stage's factor against them is ``min(1, T / n_s)`` (``n_s`` the norm of the stage's
+    own part of them, ``T`` the norm one device's clipped gradient came out with), the
+    evidence is that of a clip by each stage's own norm, and the note says so."""
+    factors: list[float] = []
+    which: list[int] = []
+    stages: list[tuple[dict[str, torch.Tensor | None], set[str]]] = []
+    tied = {name for rank in ranks for name in rank.tied.values()}
+    for r, rank in enumerate(ranks):
+        grads: dict[str, torch.Tensor | None] = {
+            aliases.get(local, local): grad for local, grad in rank.steps[index].grads.items() if grad is not None
+        }
+        names = {name for name in grads if name not in tied} or set(grads)
+        if not names:
+            continue
+        found = _factor({n: grads[n] for n in names}, {n: want.get(n) for n in names})
+        if found is None:
+            return []
+        factors.append(found)
+        which.append(r)
+        stages.append((grads, names))
+    if len(factors) < 2 or max(factors) - min(factors) <= 1e-3 * max(abs(f) for f in factors):
+        return []
+    name = callable_name(hook)
+    shown = ", ".join(f"stage {s} x{f:.6g}" for s, f in zip(which, factors, strict=True))
+    head = (
+        f"In step {index + 1} the gradients each stage's optimizer used (after {name}(ctx)) are the single-device ones "
+        f"times a factor of the stage's own ({shown}), where every stage must use exactly them."
+    )
+    fix = (
+        f" A pipeline stage holds only its own parameters, so a norm over ctx.module.parameters() is the stage's "
+        "alone: a pipeline's global norm sums the squared norms over the stages; all-reduce it over ctx.group (every "
+        "stage), counting a weight tied across stages once (on one of the stages in ctx.tied_group), then clip every "
+        f"stage with it:\n{GLOBAL_CLIP_HOOK}"
+    )
+    if raw is not None:
+        everything = [n for n, g in raw.items() if g is not None]
+        total, clipped = _norm(raw, everything), _norm(want, everything)
+        # the stage's own norm before the hook, and its factor against one device's unclipped gradients
+        norms = [_norm(raw, grads) for grads, _names in stages]
+        kept = [_factor({n: grads[n] for n in names}, {n: raw.get(n) for n in names}) for grads, names in stages]
+        fits = clipped < total * (1 - 1e-4) and all(
+            k is not None and n > 0 and math.isclose(k, min(1.0, clipped / n), rel_tol=1e-3) for k, n in zip(kept, norms, strict=True)
+        )
+        if fits and any(k is not None and k < 1 - 1e-3 for k in kept):
+            shown_norms = ", ".join(f"stage {s} {n:.6g}" for s, n in zip(which, norms, strict=True))
+            return [
+                f"{head} Each stage clipped by the norm of its own parameters' gradients: before the hook their norms "
+                f"were {shown_norms}, and each stage whose own norm exceeded {clipped:.6g} (the norm one device clipped "
+                f"the whole gradient to, from {total:.6g}) was scaled to that norm on its own.{fix}"
+            ]
+        like_one = [s for s, f in zip(which, factors, strict=True) if math.isclose(f, 1.0, rel_tol=1e-3)]
+        unscaled = [s for s, k in zip(which, kept, strict=True) if k is not None and math.isclose(k, 1.0, rel_tol=1e-3)]
+        if like_one and unscaled and sorted(like_one + unscaled) == which:
+            return [
+                f"{head} Stages {like_one} scaled them as one device did (by {clipped / total:.6g}), stages {unscaled} "
+                f"left them as the backward made them: the clip (or other scaling) in after_backward={name} ran on some "
+                "stages only, e.g. under `if ctx.is_last`. Every stage must clip, with the norm of the whole model's "
+                f"gradients (its squared norm all-reduced over ctx.group):\n{GLOBAL_CLIP_HOOK}"
+            ]
+    return [
+        f"{head} after_backward={name} scaled each stage by a coefficient it computed from what it holds alone, e.g. a "
+        f"clip norm over the stage's own parameters.{fix}"
+    ]

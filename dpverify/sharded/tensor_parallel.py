@@ -30,7 +30,6 @@ from dpverify.core.comparison import (
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.step import StepResult
 from dpverify.core.validation import (
-    require_callable,
     require_int_at_least,
     require_module_with_grads,
 )
@@ -48,9 +47,9 @@ from dpverify.ranked.check import (
     optional,
     require_step,
     same_up_to_rounding,
-    sendable,
     train_single_device,
     training_batches,
+    training_code,
 )
 from dpverify.ranked.notes import items_notes, scale_note, sum_loss_note
 from dpverify.ranked.options import (
@@ -878,16 +877,12 @@ def assert_tensor_parallel_training_matches(
     """
     __tracebackhide__ = True
     accepted(assert_tensor_parallel_training_matches, options, TPTrainingKeywords)
-    after_backward = options.get("after_backward")
-    if after_backward is not None:
-        require_callable(after_backward, "after_backward", "hook(ctx), e.g. one calling clip_grad_norm_(ctx.module.parameters(), 1.0)")
-        sendable(after_backward, "after_backward", "a module-level function hook(ctx)")
+    after_backward = training_code(optimizer, options.get("after_backward"))
     pairs = describe_batches(batches, forward_keywords(options.get("forward_kwargs")))
     first_inputs, first_kwargs, first_target = pairs[0]
     first = options.copy()
     first["forward_kwargs"] = first_kwargs
     check = TPCheck.of(module, first_inputs, first_target, loss_fn, world_size, plan, first)
-    sendable(optimizer, "optimizer", "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)")
     step = options.get("step")
     require_step(step, "TPContext")
     training = training_batches(check, pairs, options.get("shards"))
