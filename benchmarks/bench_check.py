@@ -5,8 +5,9 @@ stem, max-pool, four stages of two basic blocks, average pool, a 10-way classifi
 parameters) and fed 3x32x32 images with class labels, so ``dpverify check`` runs it with
 cross-entropy. It is timed through the command's own code path: ``user_model`` loads
 ``bench_check:resnet18`` with ``--inputs bench_check:batches`` as the command line does,
-and ``check_model`` runs every planned check with the default batch sizes and device
-counts.
+and ``check_model`` runs every planned one-step check of the defaults (the training checks
+among them are timed against the one-step ones by ``bench_training.py``) with the default
+batch sizes and device counts.
 
 The floor is the bare forward/backward steps a correct check must run, timed on copies
 made beforehand (as in ``bench_overhead.py``), in the same run, interleaved, medians
@@ -64,12 +65,14 @@ from dpverify.core.step import copy_module
 from dpverify.models.user import Batch, UserModel
 from dpverify.planner import (
     DEFAULT_BATCH_SIZES,
+    DEFAULT_CHECKS,
     DEFAULT_DEVICE_COUNTS,
     ModelCheckReport,
     Split,
     Verdict,
     check_model,
 )
+from dpverify.registry import CHECKS
 
 CLASSES = 10
 IMAGE = (3, 32, 32)
@@ -131,8 +134,12 @@ def load(quick: bool) -> UserModel:
     return user_model(f"bench_check:{'resnet_tiny' if quick else 'resnet18'}", inputs_spec="bench_check:batches")
 
 
+#: The default checks but the training ones: the steps the floor counts.
+ONE_STEP_CHECKS = tuple(name for name in DEFAULT_CHECKS if not CHECKS[name].training)
+
+
 def run_check(model: UserModel) -> ModelCheckReport:
-    return check_model(model, batch_sizes=DEFAULT_BATCH_SIZES, device_counts=DEFAULT_DEVICE_COUNTS)
+    return check_model(model, batch_sizes=DEFAULT_BATCH_SIZES, device_counts=DEFAULT_DEVICE_COUNTS, checks=ONE_STEP_CHECKS)
 
 
 @dataclass

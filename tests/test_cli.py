@@ -87,7 +87,7 @@ def test_verify_prints_a_verdict_and_exits_zero() -> None:
     lines = result.stdout.splitlines()
     assert lines[0].startswith("dpverify verify: DataParallel on ")
     # nine models, three splits, two checks each: verify is `check` on the built-in models
-    assert sum(line.lstrip().startswith("PASS") for line in lines) == 53
+    assert sum(line.lstrip().startswith("PASS") for line in lines) == 77
     # the loss-in-forward model's loss.mean() on chunks [2, 2, 1] is the trap, as predicted
     warned = [line for line in lines if line.lstrip().startswith("WARN")]
     assert len(warned) == 1
@@ -100,7 +100,7 @@ def test_verify_prints_a_verdict_and_exits_zero() -> None:
 def test_verify_subset_and_unknown_model() -> None:
     ok = _run("verify", "--models", "conv")
     assert ok.returncode == 0
-    assert ok.stdout.splitlines()[-1].startswith("OK: 6 passed, 0 failed")
+    assert ok.stdout.splitlines()[-1].startswith("OK: 9 passed, 0 failed")
     bad = _run("verify", "--models", "resnet")
     assert bad.returncode == 2
     assert "unknown --models ['resnet']" in bad.stderr
@@ -180,12 +180,12 @@ def test_a_wrapper_that_leaves_or_raises_fails_its_checks(user_code: Path, wrapp
     result = _run("verify", "--models", "mlp", "--parallel", f"user_code:{wrapper}", cwd=user_code)
     assert result.returncode == 1, result.stdout + result.stderr
     failures = [line.rstrip() for line in result.stdout.splitlines() if line.lstrip().startswith("FAIL  mlp")]
-    assert len(failures) == 6
+    assert len(failures) == 9
     assert all(line.endswith(message) for line in failures), failures
     # the report names the check and shows the user's frame
     assert "--- mlp, B=8 on 2: DP grads match one device" in result.stdout
     assert "user_code.py\", line" in result.stdout
-    assert result.stdout.splitlines()[-1].startswith("FAILED: 0 passed, 6 failed")
+    assert result.stdout.splitlines()[-1].startswith("FAILED: 0 passed, 9 failed")
 
 
 def test_a_factory_that_raises_is_a_usage_error_with_its_frames(user_code: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -226,7 +226,7 @@ def test_piped_check_prints_a_line_per_check_as_it_finishes(tmp_path: Path) -> N
     (tmp_path / "gated_model.py").write_text(GATED)
     env = {key: value for key, value in os.environ.items() if key != "COLUMNS"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "dpverify", "check", "gated_model:gated", "--batch-sizes", "8", "5", "--devices", "2", "--no-color"],
+        [sys.executable, "-m", "dpverify", "check", "gated_model:gated", "--batch-sizes", "8", "5", "--devices", "2", "--checks", "dp-grads", "dp-grad-sum", "--no-color"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env,
     )
     assert process.stdout is not None
