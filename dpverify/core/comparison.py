@@ -17,7 +17,7 @@ from torch import nn
 
 from dpverify.core.divergence import DivergenceSource, divergence_sources
 from dpverify.core.errors import InvalidArgument, NonFiniteReference
-from dpverify.core.numerics import dense, max_abs
+from dpverify.core.numerics import dense, max_abs, scale_factor
 from dpverify.core.text import shape_text
 
 __all__ = [
@@ -846,22 +846,8 @@ def uniform_scale(
     gradients, ``k`` or ``1/k`` for a world-size mix-up. Returns None when the gradients
     are not a clean multiple, or are equal.
     """
-    dot = norm_e = norm_a = 0.0
-    for name, e in expected.items():
-        a = actual.get(name)
-        if a is None or e is None or a.shape != e.shape:
-            continue
-        a64, e64 = a.detach().double().cpu(), e.detach().double().cpu()
-        dot += float((a64 * e64).sum())
-        norm_e += float((e64 * e64).sum())
-        norm_a += float((a64 * a64).sum())
-    if norm_e == 0.0 or norm_a == 0.0:
-        return None
-    c = dot / norm_e
-    residual = max(norm_a - c * dot, 0.0) ** 0.5 / norm_a**0.5
-    if residual > rounding or abs(c - 1.0) < 10 * rounding:
-        return None
-    return c
+    c = scale_factor(actual, expected, rounding)
+    return None if c is None or abs(c - 1.0) < 10 * rounding else c
 
 
 def explain_scale(

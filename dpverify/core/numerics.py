@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
-__all__ = ["FLOAT64_JITTER", "JITTER_ROUNDOFFS", "dense", "largest_abs", "magnitudes", "max_abs"]
+__all__ = ["FLOAT64_JITTER", "JITTER_ROUNDOFFS", "dense", "largest_abs", "magnitudes", "max_abs", "scale_factor"]
 
 # Relative size of the parameter perturbation of a jittered run, in units of roundoff of
 # the dtype whose rounding it measures: a few, the rounding a step makes in each parameter use.
@@ -40,3 +41,23 @@ def magnitudes(tensor: torch.Tensor) -> tuple[float, float]:
     if not values.numel():
         return 0.0, 0.0
     return max_abs(values), float(torch.linalg.vector_norm(values))
+
+
+def scale_factor(actual: Mapping[str, torch.Tensor | None], expected: Mapping[str, torch.Tensor | None], rounding: float) -> float | None:
+    """``c`` when ``actual`` is ``c`` times ``expected`` on every tensor both hold with the
+    same shape (1.0 included), to ``rounding`` of its norm (the least-squares ``c`` over all
+    of them, in float64); None when they are not a clean multiple or either is all zero."""
+    dot = norm_e = norm_a = 0.0
+    for name, e in expected.items():
+        a = actual.get(name)
+        if a is None or e is None or a.shape != e.shape:
+            continue
+        a64, e64 = a.detach().double().cpu(), e.detach().double().cpu()
+        dot += float((a64 * e64).sum())
+        norm_e += float((e64 * e64).sum())
+        norm_a += float((a64 * a64).sum())
+    if norm_e == 0.0 or norm_a == 0.0:
+        return None
+    c = dot / norm_e
+    residual = max(norm_a - c * dot, 0.0) ** 0.5 / norm_a**0.5
+    return c if residual <= rounding else None

@@ -32,7 +32,7 @@ from dpverify.core.comparison import (
 )
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.items import Items
-from dpverify.core.numerics import FLOAT64_JITTER, largest_abs, magnitudes
+from dpverify.core.numerics import FLOAT64_JITTER, largest_abs, magnitudes, scale_factor
 from dpverify.core.step import (
     Key,
     StepResult,
@@ -851,23 +851,10 @@ def _traced_rows(
     return rows
 
 
-def _factor(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], rounding: float = 1e-3) -> float | None:
+def _factor(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> float | None:
     """``c`` when ``actual`` is ``c`` times ``expected`` on every tensor (1.0 included), to
-    ``rounding`` of its norm; None when not a clean multiple or nothing moved."""
-    dot = norm_e = norm_a = 0.0
-    for name, e in expected.items():
-        a = actual.get(name)
-        if a is None or a.shape != e.shape:
-            continue
-        a64, e64 = a.double(), e.double()
-        dot += float((a64 * e64).sum())
-        norm_e += float((e64 * e64).sum())
-        norm_a += float((a64 * a64).sum())
-    if norm_e == 0.0 or norm_a == 0.0:
-        return None
-    c = dot / norm_e
-    residual = max(norm_a - c * dot, 0.0) ** 0.5 / norm_a**0.5
-    return c if residual <= rounding else None
+    1e-3 of its norm; None when not a clean multiple or nothing moved."""
+    return scale_factor(actual, expected, 1e-3)
 
 
 def _changes(after: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ from dpverify.core.comparison import (
     uniform_scale,
 )
 from dpverify.core.errors import InvalidArgument
+from dpverify.core.numerics import scale_factor
 from dpverify.core.step import (
     Key,
     StepResult,
@@ -1073,17 +1074,7 @@ def _training_diagnosis(
 def _factor(actual: Mapping[str, torch.Tensor | None], expected: Mapping[str, torch.Tensor | None]) -> float | None:
     """``c`` when ``actual`` is ``c`` times ``expected`` on every tensor both hold (1.0
     included), to 1e-4 of its norm; None when not a clean multiple or nothing to compare."""
-    dot = norm_e = norm_a = 0.0
-    for name, e in expected.items():
-        a = actual.get(name)
-        if a is None or e is None or a.shape != e.shape:
-            continue
-        a64, e64 = a.double(), e.double()
-        dot, norm_e, norm_a = dot + float((a64 * e64).sum()), norm_e + float((e64 * e64).sum()), norm_a + float((a64 * a64).sum())
-    if norm_e == 0.0 or norm_a == 0.0:
-        return None
-    c = dot / norm_e
-    return c if max(norm_a - c * dot, 0.0) ** 0.5 <= 1e-4 * norm_a**0.5 else None
+    return scale_factor(actual, expected, 1e-4)
 
 
 def _norm(grads: Mapping[str, torch.Tensor | None], names: Collection[str]) -> float:
