@@ -493,17 +493,24 @@ def _whole(output: Any) -> Any:
     return full_output(tree_map(lambda leaf: leaf.wait() if isinstance(leaf, AsyncCollectiveTensor) else leaf, output))
 
 
-def _run_one(info: RankInfo, task: TPStepTask, step: Any) -> TPRankStep:
-    device = torch.device(info.device)
-    model = copy.deepcopy(task.module).to(device)
+def _context(info: RankInfo, task: TPStepTask | TPTrainingTask, shard_sizes: tuple[int, ...]) -> TPContext:
+    """This rank's context over a fresh copy of ``task.module`` on its device, on the
+    ``(data_parallel, world_size // data_parallel)`` mesh (a 1-D tensor-parallel one
+    without data parallelism)."""
+    model = copy.deepcopy(task.module).to(torch.device(info.device))
     d = task.data_parallel
     tp_size = info.world_size // d
     dp_rank, tp_rank = divmod(info.rank, tp_size)
     mesh = device_mesh(info, (d, tp_size), (DP_DIM, TP_DIM)) if d > 1 else device_mesh(info, (info.world_size,), (TP_DIM,))
-    ctx = TPContext.for_rank(
-        info, model, task.loss_fn, task.shard_sizes, plan=task.plan, data_parallel=d, dp_rank=dp_rank, tp_rank=tp_rank,
+    return TPContext.for_rank(
+        info, model, task.loss_fn, shard_sizes, plan=task.plan, data_parallel=d, dp_rank=dp_rank, tp_rank=tp_rank,
         fsdp_modules=task.fsdp_modules, mesh=mesh,
     )
+
+
+def _run_one(info: RankInfo, task: TPStepTask, step: Any) -> TPRankStep:
+    ctx = _context(info, task, task.shard_sizes)
+    model, dp_rank, tp_rank = ctx.module, ctx.dp_rank, ctx.tp_rank
     error: str | None = None
     output: Any = None
     loss: float | None = None
@@ -596,16 +603,8 @@ def _full_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
 def run_tp_training_task(info: RankInfo, task: TPTrainingTask) -> TPRankTraining:
     """Trains this rank's copy as ``TPTrainingTask`` says (a task for ``RankRunner.run``),
     reading the whole parameters, buffers and optimizer state after every step."""
-    device = torch.device(info.device)
-    model = copy.deepcopy(task.module).to(device)
-    d = task.data_parallel
-    tp_size = info.world_size // d
-    dp_rank, tp_rank = divmod(info.rank, tp_size)
-    mesh = device_mesh(info, (d, tp_size), (DP_DIM, TP_DIM)) if d > 1 else device_mesh(info, (info.world_size,), (TP_DIM,))
-    ctx = TPContext.for_rank(
-        info, model, task.loss_fn, task.shard_sizes[0], plan=task.plan, data_parallel=d, dp_rank=dp_rank,
-        tp_rank=tp_rank, fsdp_modules=task.fsdp_modules, mesh=mesh,
-    )
+    ctx = _context(info, task, task.shard_sizes[0])
+    model, dp_rank, tp_rank = ctx.module, ctx.dp_rank, ctx.tp_rank
     made: list[torch.optim.Optimizer] = []
     buffers: list[dict[str, torch.Tensor]] = []
     states: list[dict[str, torch.Tensor]] = []
