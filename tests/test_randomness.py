@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from test_ddp_diagnoses import _report, batch
 from torch import nn
 
-from dpverify.core.comparison import StepComparison
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.ddp.checks import assert_ddp_accumulation_matches, assert_ddp_grads_match
 from dpverify.ddp.pool import DDPWorkerPool
@@ -41,17 +41,6 @@ class Regularised(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.out(self.drop(F.relu(self.inp(x))))
         return out
-
-
-def batch(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    return torch.randn(rows, 5, generator=generator), torch.randn(rows, 2, generator=generator)
-
-
-def _report(failure: ParallelMismatch) -> StepComparison:
-    report = failure.report
-    assert isinstance(report, StepComparison)
-    return report
 
 
 # --------------------------------------------------------------------------- rank steps

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from test_randomness import SAME, Regularised
 from torch import nn
 
 from dpverify.core.comparison import StepComparison
@@ -28,24 +29,7 @@ from dpverify.sharded.fsdp import assert_fsdp_training_matches
 from dpverify.sharded.fsdp_rank import FSDPContext
 from dpverify.strategies import DeviceList, ModelSpec, Scenario
 
-SAME = "Every rank draws the same random numbers"
 SGD = functools.partial(torch.optim.SGD, lr=0.2, momentum=0.9)
-
-
-class Regularised(nn.Module):
-    """A classifier head with dropout, in train mode."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            self.inp = nn.Linear(5, 16)
-            self.drop = nn.Dropout(0.3)
-            self.out = nn.Linear(16, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.out(self.drop(F.relu(self.inp(x))))
-        return out
 
 
 def batches(steps: int = 3, rows: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
