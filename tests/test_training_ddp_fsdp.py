@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from test_loss_tokens import VOCAB, tiny_gpt2
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
@@ -270,3 +271,42 @@ def test_state_that_cancels_over_the_batch_is_judged_by_its_rounding_not_its_siz
 def test_a_hook_the_ranks_cannot_import_is_refused_naming_the_argument(ddp_pool: DDPWorkerPool) -> None:
     with pytest.raises(InvalidArgument, match="after_backward"):
         assert_fsdp_training_matches(mlp(), batches(1), loss_fn=F.mse_loss, optimizer=SGD, world_size=2, pool=ddp_pool, after_backward=lambda ctx: None)
+
+
+# --------------------------------------------------------------------------- a model we did not write
+
+
+class _Logits(nn.Module):
+    """Hugging Face's GPT-2 as a training script calls it: token ids in, logits out."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.model(input_ids=ids).logits
+        return logits
+
+
+def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+@pytest.mark.deep  # about 5 s idle: three training runs of a transformer on two backends
+def test_a_tiny_hf_gpt2_trains_like_one_device_under_ddp_and_fsdp2_and_a_twice_reduced_clip_is_named(ddp_pool: DDPWorkerPool) -> None:
+    """A model nobody here designed (transformers' GPT-2, its output projection tied to the
+    token embedding, built from a config in train mode with its dropout at p=0: its
+    attention dropout runs inside scaled_dot_product_attention, where no mask can be
+    replayed): torch's clip passes three AdamW steps on DDP and FSDP2; the twice-reduced
+    clip is caught, with its cause, under SGD."""
+    gpt2 = _Logits(tiny_gpt2().train())
+    for layer in gpt2.modules():
+        if isinstance(layer, nn.Dropout):
+            layer.p = 0.0
+    generator = torch.Generator().manual_seed(0)
+    data = [(ids, ids) for ids in (torch.randint(0, VOCAB, (6, 8), generator=generator) for _ in range(3))]
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
+    for helper in (assert_ddp_training_matches, assert_fsdp_training_matches):
+        assert helper(gpt2, data, loss_fn=next_token_loss, optimizer=adamw, world_size=2, pool=ddp_pool, after_backward=clip).ok
+    with pytest.raises(ParallelMismatch, match=r"1/sqrt\(2\)"):
+        assert_ddp_training_matches(gpt2, data, loss_fn=next_token_loss, optimizer=SGD, world_size=2, pool=ddp_pool, after_backward=clip_reduced_twice)
