@@ -49,6 +49,11 @@ _EXPORTS: dict[str, str] = {
     "VirtualDataParallel": "dpverify.core.virtual",
     "assert_ddp_accumulation_matches": "dpverify.ddp.checks",
     "assert_ddp_buffers_match": "dpverify.ddp.checks",
+    "assert_ddp_data_matches": "dpverify.data.path",
+    "assert_ddp_metric_matches": "dpverify.data.metrics",
+    "assert_dp_metric_matches": "dpverify.data.metrics",
+    "DataReport": "dpverify.data.path",
+    "MetricReport": "dpverify.data.metrics",
     "assert_ddp_grads_match": "dpverify.ddp.checks",
     "assert_ddp_sync_batchnorm_matches": "dpverify.ddp.checks",
     "assert_ddp_training_matches": "dpverify.ddp.checks",
@@ -89,11 +94,13 @@ __all__ = [
     "CheckResult",
     "CheckSpec",
     "DDPWorkerPool",
+    "DataReport",
     "DivergenceSource",
     "DroppedRowsWarning",
     "FSDPContext",
     "InvalidArgument",
     "LossAverageReport",
+    "MetricReport",
     "MicroBatch",
     "NonFiniteReference",
     "ParallelError",
@@ -112,12 +119,15 @@ __all__ = [
     "VirtualDataParallel",
     "assert_ddp_accumulation_matches",
     "assert_ddp_buffers_match",
+    "assert_ddp_data_matches",
     "assert_ddp_grads_match",
+    "assert_ddp_metric_matches",
     "assert_ddp_sync_batchnorm_matches",
     "assert_ddp_training_matches",
     "assert_dp_buffers_match",
     "assert_dp_ddp_agree",
     "assert_dp_grads_match",
+    "assert_dp_metric_matches",
     "assert_dp_training_matches",
     "assert_fsdp_grads_match",
     "assert_fsdp_training_matches",
@@ -199,6 +209,11 @@ if TYPE_CHECKING:
     from dpverify.core.virtual import current_virtual_device as current_virtual_device
     from dpverify.core.virtual import data_parallel as data_parallel
     from dpverify.core.virtual import virtual_devices as virtual_devices
+    from dpverify.data.metrics import MetricReport as MetricReport
+    from dpverify.data.metrics import assert_ddp_metric_matches as assert_ddp_metric_matches
+    from dpverify.data.metrics import assert_dp_metric_matches as assert_dp_metric_matches
+    from dpverify.data.path import DataReport as DataReport
+    from dpverify.data.path import assert_ddp_data_matches as assert_ddp_data_matches
     from dpverify.ddp.checks import (
         assert_ddp_accumulation_matches as assert_ddp_accumulation_matches,
     )

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from dpverify.core.validation import require_bool, require_int_at_least
 from dpverify.data.samples import LoaderFactory
 
-__all__ = ["DEFAULT_BATCH_SIZE", "distributed_loader", "sampled_loader"]
+__all__ = ["DEFAULT_BATCH_SIZE", "batch_loader", "distributed_loader", "sampled_loader"]
 
 #: The batch size of the default evaluation loader.
 DEFAULT_BATCH_SIZE = 8
@@ -52,3 +52,9 @@ def distributed_loader(
         sampled_loader, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, set_epoch=set_epoch,
         loader_drop_last=loader_drop_last,
     )
+
+
+def batch_loader(dataset: Any, rank: int, world_size: int, epoch: int, *, batch_size: int = DEFAULT_BATCH_SIZE) -> DataLoader[Any]:
+    """``DataLoader(dataset, batch_size)`` in dataset order, whatever the rank: one device's
+    loader, and DataParallel's (one process feeds every replica)."""
+    return DataLoader(dataset, batch_size=batch_size)
