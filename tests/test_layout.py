@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Below the registry and the planner, which import every backend.
-BACKENDS = ("core", "models", "checks", "ranked", "ddp", "sharded")
+BACKENDS = ("core", "models", "checks", "ranked", "ddp", "sharded", "data")
 #: The library: the backends, and the explain engine above the registry.
 ENGINE = (*BACKENDS, "explain")
 FORBIDDEN = ("rich", "hypothesis", "matplotlib", "dpverify.cli", "dpverify.strategies", "dpverify.mutants")
