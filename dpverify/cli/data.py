@@ -44,6 +44,7 @@ __all__ = [
     "PlannedMetric",
     "allow_text",
     "check_data",
+    "data_world_size",
     "eval_dataset_size",
     "example_dataset",
     "load_dataset",
@@ -322,7 +323,7 @@ def check_data(args: argparse.Namespace, console: Any) -> int:
     """
     from dpverify.data.path import DataReport, assert_ddp_data_matches
 
-    world = _world_size(args)
+    world = data_world_size(args)
     dataset = load_dataset(args.dataset)
     factory = load_loader_factory(args.loader)
     allow = tuple(args.allow or ())
@@ -346,7 +347,7 @@ def check_data(args: argparse.Namespace, console: Any) -> int:
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
-def _world_size(args: argparse.Namespace) -> int:
+def data_world_size(args: argparse.Namespace) -> int:
     """``--world-size``; under torchrun, the group's (``--world-size`` may only repeat it).
 
     Raises:
@@ -391,7 +392,7 @@ def _data_header(console: Any, args: argparse.Namespace, dataset: Any, world: in
         f"{plural(len(dataset), 'sample')} ({type(dataset).__name__}); loader: {args.loader}; "
         f"{plural(args.epochs, 'epoch')} on {world} {_ranks_backend(world)} {'rank' if world == 1 else 'ranks'}{allowed}; "
         f"torch {torch.__version__}",
-        markup=False,
+        markup=False, soft_wrap=True,
     )
 
 

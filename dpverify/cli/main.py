@@ -634,13 +634,20 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
 def _check_data_command(args: argparse.Namespace) -> int:
     """``dpverify check-data``: on torchrun's ranks when torchrun started this process
     (rank 0 prints, every rank exits with the verdict), else here with a pool of ranks."""
-    from dpverify.cli.data import check_data
+    from dpverify.cli.data import check_data, data_world_size
     from dpverify.ddp.torchrun import under_torchrun
 
     if under_torchrun():
         from dpverify.cli.torchrun import on_torchrun_ranks
 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        try:
+            data_world_size(args)
+        except InvalidArgument:
+            # the same options on every rank: rank 0 says it once, before the group is joined
+            if rank == 0:
+                raise
+            return EXIT_USAGE
         on_torchrun_ranks("check-data", lambda: check_data(args, _console(args)), rank, world)
     return check_data(args, _console(args))
 
