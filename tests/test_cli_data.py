@@ -362,3 +362,15 @@ def test_check_data_under_torchrun_prints_once_and_every_rank_exits_with_the_ver
     done = _torchrun(["check-data", f"{MODULE}:ten", "--loader", f"{MODULE}:strided"], user_dir)
     assert done.returncode == EXIT_OK, done.stdout + done.stderr
     assert "OK: 2 epochs on 2 ranks, 0 failed, 0 allowed" in done.stdout
+
+
+@pytest.mark.deep
+@pytest.mark.timeout(150)
+def test_check_eval_under_torchrun_runs_the_metric_on_the_jobs_ranks(user_dir: Path) -> None:
+    if not Path(TORCHRUN).exists():
+        pytest.fail(f"torchrun is not installed next to {sys.executable}")
+    done = _torchrun([*EVAL[:-1], "--checks", "ddp-grads", "--eval", f"{MODULE}:padded_sum"], user_dir)
+    assert done.returncode == EXIT_FAILED, done.stdout + done.stderr
+    assert done.stdout.count("FAIL: DDP eval metric = one device, B=8 on 2") == 1  # rank 0's report only
+    assert "samples [0] were counted twice" in done.stdout
+    assert "DP eval metric" not in done.stdout.replace("DDP eval metric", "")  # no DataParallel under torchrun

@@ -3,6 +3,9 @@ process group, rank 0 prints, and every rank exits with the same status.
 
     torchrun --nproc-per-node 8 -m dpverify check MODULE:FACTORY --backend fsdp
 
+``dpverify check-data`` runs there the same way (``on_torchrun_ranks``): the user's loader
+factory on the group's ranks, rank 0 printing, every rank exiting with the verdict.
+
 What changes under torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` set):
 
