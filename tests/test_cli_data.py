@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from dpverify.cli.data import allow_text, eval_dataset_size
-from dpverify.cli.main import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from dpverify.cli.main import EXIT_FAILED, EXIT_NOTHING_CHECKED, EXIT_OK, EXIT_USAGE, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,6 +70,12 @@ USER_CODE = textwrap.dedent(
 
 
     def two_arguments(dataset, rank):
+        return DataLoader(dataset)
+
+
+    def raising(dataset, rank, world_size, epoch):
+        if rank == 1:
+            raise RuntimeError("rank 1 cannot build its loader")
         return DataLoader(dataset)
 
 
@@ -242,6 +248,14 @@ def test_check_data_needs_a_world_size_and_known_costs(capsys: pytest.CaptureFix
     assert "--allow 'padding,dupes': choose among padding, dropped" in capsys.readouterr().err
 
 
+def test_a_loader_factory_that_raises_on_a_rank_fails_with_its_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(["check-data", "--no-color", "--world-size", "2", f"{MODULE}:ten", "--loader", f"{MODULE}:raising"], capsys)
+    assert code == EXIT_FAILED, out + err
+    assert "FAIL: the loader factory raised" in out
+    assert "rank 1 cannot build its loader" in out
+    assert out.rstrip().splitlines()[-1].startswith("FAILED: ")
+
+
 def test_allow_text_reads_a_comma_list() -> None:
     assert allow_text("padding, dropped,padding") == ("padding", "dropped")
 
@@ -291,6 +305,12 @@ def test_a_forward_returning_its_mean_fails_through_dataparallel(capsys: pytest.
     assert code == EXIT_FAILED, out
     assert "FAIL: DP eval metric = one device, B=8 on 3" in out
     assert "returns a reduced value" in out
+
+
+def test_metric_rows_on_one_device_are_skipped_and_check_says_nothing_was_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run([*EVAL, "--devices", "1", "--checks", "dp-grads", "--eval", f"{MODULE}:local"], capsys)
+    assert code == EXIT_NOTHING_CHECKED, out
+    assert "SKIP  DP eval metric = one device, B=8 on 1: 1 device: nothing ran in parallel" in out
 
 
 def test_without_eval_check_has_no_metric_rows(capsys: pytest.CaptureFixture[str]) -> None:
