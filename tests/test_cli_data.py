@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from dpverify.cli.data import allow_text, eval_dataset_size
 from dpverify.cli.main import EXIT_FAILED, EXIT_NOTHING_CHECKED, EXIT_OK, EXIT_USAGE, main
@@ -296,6 +297,36 @@ def test_dataparallel_metric_rows_follow_check_devices(capsys: pytest.CaptureFix
     for devices in (2, 4):
         assert f"PASS  DP eval metric = one device, B=8 on {devices}" in out
     assert "DDP eval metric" not in out  # --backend dp: no ranks
+
+
+class _CudaSeen:
+    """``torch`` as ``dpverify.data.metrics`` sees it on a machine with a GPU: CUDA is
+    available, everything else is torch's."""
+
+    class _Cuda:
+        def __getattr__(self, name: str) -> object:
+            return getattr(torch.cuda, name)
+
+        @staticmethod
+        def is_available() -> bool:
+            return True
+
+    cuda = _Cuda()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+
+def test_a_wrapper_of_a_host_module_runs_on_virtual_devices_where_cuda_is_seen(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # assert_dp_metric_matches enters virtual devices for a user's wrapper only where CUDA is
+    # not available; check enters them for a module on the host, as its DataParallel checks do
+    import dpverify.data.metrics
+
+    monkeypatch.setattr(dpverify.data.metrics, "torch", _CudaSeen())
+    args = ["--devices", "2", "--checks", "dp-grads", "--parallel", "torch.nn:DataParallel", "--eval", f"{MODULE}:local"]
+    code, out, _ = _run([*EVAL, *args], capsys)
+    assert code == EXIT_OK, out
+    assert "PASS  DP eval metric = one device, B=8 on 2" in out
 
 
 def test_a_forward_returning_its_mean_fails_through_dataparallel(capsys: pytest.CaptureFixture[str]) -> None:

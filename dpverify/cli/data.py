@@ -17,6 +17,7 @@ map-style, a function whose signature does not take the arguments it is called w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import inspect
 import os
@@ -288,7 +289,7 @@ def plan_metric_checks(args: argparse.Namespace, model: UserModel, setup: EvalSe
     (not ``on_ranks_only``: torchrun's), ``ddp-metric`` on each world size with ``ddp`` or
     ``all``, each at the split of the largest batch size (the default loaders' batch size)."""
     from dpverify.data.loaders import batch_loader, distributed_loader
-    from dpverify.data.metrics import assert_ddp_metric_matches, assert_dp_metric_matches
+    from dpverify.data.metrics import assert_ddp_metric_matches
 
     batch_size = max(args.batch_sizes)
     planned: list[PlannedMetric] = []
@@ -296,7 +297,7 @@ def plan_metric_checks(args: argparse.Namespace, model: UserModel, setup: EvalSe
         loader = setup.loader or functools.partial(batch_loader, batch_size=batch_size)
         for devices in args.devices:
             run = functools.partial(
-                assert_dp_metric_matches, model.module, setup.dataset, setup.eval_fn, device_ids=list(range(devices)),
+                _dp_metric, model.module, setup.dataset, setup.eval_fn, device_ids=list(range(devices)),
                 loader_factory=loader, parallel=parallel,
             )
             planned.append(PlannedMetric("dp-metric", METRIC_CHECKS["dp-metric"], Split(batch_size, devices), run))
@@ -308,6 +309,24 @@ def plan_metric_checks(args: argparse.Namespace, model: UserModel, setup: EvalSe
             )
             planned.append(PlannedMetric("ddp-metric", METRIC_CHECKS["ddp-metric"], Split(batch_size, devices), run))
     return planned
+
+
+def _dp_metric(module: Any, dataset: Any, eval_fn: Any, *, device_ids: list[int], loader_factory: Any, parallel: Any) -> Any:
+    """``assert_dp_metric_matches``, a user's wrapper (``--parallel``) of a module on the host
+    run inside ``virtual_devices``, as the DataParallel checks run it: the metric check
+    itself enters them only where CUDA is not available, so on a machine with fewer GPUs
+    than ``device_ids`` (or a module on the host) the wrapper would get devices that do not
+    hold the module. Inside the block CUDA reads as available, and the check enters none of
+    its own."""
+    from dpverify.core.virtual import virtual_devices
+    from dpverify.data.metrics import assert_dp_metric_matches
+
+    on_host = all(p.device.type == "cpu" for p in module.parameters())
+    devices = virtual_devices(max(device_ids) + 1) if parallel is not None and on_host else contextlib.nullcontext()
+    with devices:
+        return assert_dp_metric_matches(
+            module, dataset, eval_fn, device_ids=device_ids, loader_factory=loader_factory, parallel=parallel,
+        )
 
 
 # --------------------------------------------------------------------------- check-data
