@@ -1,8 +1,9 @@
 """The ``dpverify`` command line (also ``python -m dpverify``).
 
 Subcommands: ``verify`` (the built-in models, one line per check), ``fuzz`` (the property
-suite's checks on random scenarios), ``check MODULE:FACTORY`` (every check on your model)
-and ``explain [MODULE:FACTORY]`` (the questions of ``docs/questions.md`` answered by measurement).
+suite's checks on random scenarios), ``check MODULE:FACTORY`` (every check on your model;
+``--eval`` adds your evaluation loop's), ``check-data MODULE:DATASET`` (your loaders' samples
+per epoch) and ``explain [MODULE:FACTORY]`` (the questions of ``docs/questions.md`` answered by measurement).
 
 Exit statuses: ``dpverify.cli.exits``; ``main`` says which errors become which.
 """
@@ -14,7 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -545,6 +546,7 @@ def _check(args: argparse.Namespace) -> int:
         every = plan_checks(model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend="all", checks=list(CHECKS), dim=args.dim)
         fitting = sorted({planned.spec.name for planned in every if planned.spec.why_not(planned.case) is None})
         raise InvalidArgument(f"--checks {' '.join(checks)} --backend {args.backend}: none of these applies to this model; these do: {', '.join(fitting)}")
+    metrics = _metric_checks(args, model, target)
     batch = model.make_batch(max(args.batch_sizes))
     if args.parallel_loss and batch.loss_fn is None:
         raise InvalidArgument(
@@ -558,18 +560,120 @@ def _check(args: argparse.Namespace) -> int:
         wrapper=args.parallel, criterion=args.parallel_loss, dim=args.dim,
         training=training.describe(model, max(args.batch_sizes)) if any(planned.spec.training for planned in plan) else None,
     )
-    with CheckProgress(console, len(plan)) as progress:
+    if metrics is not None:
+        console.print(metrics[0].describe(args.eval), markup=False)
+    planned_metrics = metrics[1] if metrics is not None else []
+    with CheckProgress(console, len(plan) + len(planned_metrics)) as progress:
         report = check_model(
             model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend,
             checks=checks, target=target, on_start=progress.start, on_result=progress.finished, plan=plan,
             dim=args.dim, training=training.options,
         )
+        rows: list[CheckResult] = []
+        for metric in planned_metrics:
+            progress.start(metric.title, metric.split)
+            rows.append(metric.result())
+            progress.finished(rows[-1])
+    if rows:
+        report = replace(report, results=report.results + tuple(rows))
     render_model_check(console, report)
     _write_figure(lambda: check_figure(report), figure)
     if report.failed:
         return EXIT_FAILED
     # a run that compared nothing is no pass: the skip reasons are printed above
     return EXIT_NOTHING_CHECKED if report.checked_nothing else EXIT_OK
+
+
+def _metric_checks(args: argparse.Namespace, model: UserModel, target: Any) -> tuple[Any, list[Any]] | None:
+    """``--eval``'s setup and metric rows (``dpverify.cli.data``), loaded before any output;
+    None without ``--eval``.
+
+    Raises:
+        InvalidArgument: ``--dataset`` or ``--loader`` without ``--eval``, or an option of
+            them that cannot be used.
+    """
+    if args.eval is None:
+        given = [option for option, value in (("--dataset", args.dataset), ("--loader", args.loader)) if value is not None]
+        if given:
+            raise InvalidArgument(f"{' and '.join(given)} go{'es' if len(given) == 1 else ''} to the metric checks of --eval MODULE:FN; pass --eval, or leave {' and '.join(given)} out")
+        return None
+    from dpverify.cli.data import eval_setup, plan_metric_checks
+    from dpverify.ddp.torchrun import under_torchrun
+
+    setup = eval_setup(args, model)
+    return setup, plan_metric_checks(args, model, setup, parallel=target.parallel, on_ranks_only=under_torchrun())
+
+
+def _eval_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "evaluation metric checks",
+        "Your evaluation loop, run through DataParallel (--backend dp) and on DDP ranks (ddp), against the same loop on "
+        "one device over every sample once: rows dp-metric and ddp-metric, on each of --devices, at the largest batch size.",
+    )
+    group.add_argument(
+        "--eval", metavar="MODULE:FN",
+        help="your evaluation loop, FN(model, loader) returning the metric (a number, a tensor, or a dict of them); on the "
+        "ranks it may synchronise with torch.distributed on the default group",
+    )
+    group.add_argument(
+        "--dataset", metavar="MODULE:DATASET",
+        help="the evaluation set: a map-style dataset, or a function returning one (default: a TensorDataset of rows of the "
+        "example batch, inputs and target, as many as the smallest prime above twice the largest device count and the "
+        "largest batch size, so that DistributedSampler pads)",
+    )
+    group.add_argument(
+        "--loader", metavar="MODULE:FACTORY",
+        help="FACTORY(dataset, rank, world_size, epoch) returning a rank's DataLoader (DataParallel: rank 0 of 1) "
+        "(default: DataLoader of the largest batch size over DistributedSampler(shuffle=False); in dataset order for DataParallel)",
+    )
+
+
+# --------------------------------------------------------------------------- check-data
+
+
+def _check_data_command(args: argparse.Namespace) -> int:
+    """``dpverify check-data``: on torchrun's ranks when torchrun started this process
+    (rank 0 prints, every rank exits with the verdict), else here with a pool of ranks."""
+    from dpverify.cli.data import check_data, data_world_size
+    from dpverify.ddp.torchrun import under_torchrun
+
+    if under_torchrun():
+        from dpverify.cli.torchrun import on_torchrun_ranks
+
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        try:
+            data_world_size(args)
+        except InvalidArgument:
+            # the same options on every rank: rank 0 says it once, before the group is joined
+            if rank == 0:
+                raise
+            return EXIT_USAGE
+        on_torchrun_ranks("check-data", lambda: check_data(args, _console(args)), rank, world)
+    return check_data(args, _console(args))
+
+
+def _add_check_data(commands: Any, common: argparse.ArgumentParser) -> None:
+    from dpverify.cli.data import allow_text
+
+    data = commands.add_parser(
+        "check-data", parents=[common],
+        help="check which samples each rank's loader delivers, epoch by epoch, against one device",
+        description="Runs your loader factory on every rank (a pool of --world-size processes, or torchrun's ranks) for "
+        "each epoch and compares the samples the ranks saw together with one device's epoch: samples seen twice "
+        "(DistributedSampler's padding), never seen (drop_last), shared between ranks, an order repeated although the "
+        "sampler shuffles (no set_epoch), the same order on every rank; each with the sample ids, the cause and the fix. "
+        "Exit status 1 when an epoch differs, 0 when none does.",
+    )
+    data.add_argument("dataset", metavar="MODULE:DATASET", help="your dataset: a map-style dataset object, or a function returning one (the current directory is importable)")
+    data.add_argument("--loader", metavar="MODULE:FACTORY", required=True, help="FACTORY(dataset, rank, world_size, epoch) returning the rank's DataLoader for that epoch (or a sampler)")
+    data.add_argument("--world-size", type=_positive("--world-size"), metavar="N", help="the ranks (needed; under torchrun, its world size)")
+    data.add_argument("--epochs", type=_positive("--epochs"), default=2, metavar="E", help="epochs to run (default 2: whether each epoch reshuffles)")
+    data.add_argument(
+        "--allow", type=allow_text, metavar="COST[,COST]",
+        help="costs to report rather than fail on: padding (samples seen twice in an epoch, as in training with "
+        "DistributedSampler), dropped (samples left out of an epoch; one left out of every epoch still fails)",
+    )
+    data.set_defaults(run=_check_data_command)
 
 
 # --------------------------------------------------------------------------- check: training
@@ -853,6 +957,7 @@ def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
         f"with --step, --optimizer or --steps; all: {' '.join(CHECKS)})",
     )
     _training_arguments(check)
+    _eval_arguments(check)
     _ddp_kwargs_argument(check)
     check.add_argument("--figure", type=Path, metavar="FILE.{png,svg,pdf}", help="also draw every check's error/allowed per tensor, worst first, as a figure (needs matplotlib: pip install 'dpverify[plot]')")
     check.set_defaults(run=_check_command)
@@ -921,6 +1026,7 @@ def _parser() -> argparse.ArgumentParser:
     verify.set_defaults(run=_verify)
     _add_fuzz(commands, common)
     _add_check(commands, common)
+    _add_check_data(commands, common)
     _add_explain(commands, common)
     # Listed for --help only: main() hands its arguments to the self-test's own parser.
     commands.add_parser(

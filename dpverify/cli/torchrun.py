@@ -3,6 +3,9 @@ process group, rank 0 prints, and every rank exits with the same status.
 
     torchrun --nproc-per-node 8 -m dpverify check MODULE:FACTORY --backend fsdp
 
+``dpverify check-data`` runs there the same way (``on_torchrun_ranks``): the user's loader
+factory on the group's ranks, rank 0 printing, every rank exiting with the verdict.
+
 What changes under torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` set):
 
@@ -36,7 +39,7 @@ from dpverify.cli.exits import EXIT_FAILED, EXIT_USAGE, usage_error
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.text import and_list
 
-__all__ = ["agreed_exit", "check_under_torchrun", "leave_rank", "rank_zero_prints", "torchrun_check_options"]
+__all__ = ["agreed_exit", "check_under_torchrun", "leave_rank", "on_torchrun_ranks", "rank_zero_prints", "torchrun_check_options"]
 
 
 @contextlib.contextmanager
@@ -50,23 +53,23 @@ def rank_zero_prints(rank: int) -> Iterator[None]:
         yield
 
 
-def agreed_exit(code: int, rank: int, world_size: int) -> int:
+def agreed_exit(code: int, rank: int, world_size: int, *, command: str = "check") -> int:
     """The exit status of every rank: ``code`` when every rank reached it, else
     ``EXIT_FAILED``, which rank 0 explains (each rank's status). A collective: every rank
-    calls it, after the same checks."""
+    calls it, after the same checks. ``command`` names the subcommand in the messages."""
     import torch.distributed as dist
 
     codes: list[int | None] = [None] * world_size
     try:
         dist.all_gather_object(codes, code)
     except Exception as error:  # a rank left after its checks: it said why on its way out
-        print(f"dpverify check (rank {rank}): the ranks' statuses could not be gathered ({error}); exiting {EXIT_FAILED}", file=sys.stderr)
+        print(f"dpverify {command} (rank {rank}): the ranks' statuses could not be gathered ({error}); exiting {EXIT_FAILED}", file=sys.stderr)
         return EXIT_FAILED
     if all(c == code for c in codes):
         return code
     if rank == 0:
         statuses = and_list([f"rank {r} {c}" for r, c in enumerate(codes)])
-        print(f"dpverify check: the ranks ended with different statuses ({statuses}); exiting {EXIT_FAILED}", file=sys.stderr)
+        print(f"dpverify {command}: the ranks ended with different statuses ({statuses}); exiting {EXIT_FAILED}", file=sys.stderr)
     return EXIT_FAILED
 
 
@@ -144,10 +147,6 @@ def check_under_torchrun(
         InvalidArgument: on rank 0, an unusable option (before the group is joined). The
             other ranks return ``EXIT_USAGE`` silently: the options are the same on every rank.
     """
-    import torch.distributed as dist
-
-    from dpverify.ddp.torchrun import broken_group, join_torchrun_group
-
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
         torchrun_check_options(args, world, ranked_checks)
@@ -156,36 +155,49 @@ def check_under_torchrun(
         if rank == 0:
             raise
         return EXIT_USAGE
+    on_torchrun_ranks("check", lambda: run_check(args), rank, world)
+
+
+def on_torchrun_ranks(command: str, run: Callable[[], int], rank: int, world: int) -> NoReturn:
+    """Joins torchrun's process group and runs ``run()`` on this rank, printing on rank 0
+    only; then ends the process (``leave_rank``) with the status the ranks agreed on when
+    every rank finished, else with its own (``EXIT_USAGE`` for an unusable argument, printed
+    on every rank, prefixed with the rank but on rank 0; ``EXIT_FAILED`` when the group
+    broke). ``command`` names the subcommand in what it prints (``check``, ``check-data``)."""
+    import torch.distributed as dist
+
+    from dpverify.ddp.torchrun import broken_group, join_torchrun_group
+
     group = join_torchrun_group()
     # from here on every rank ends through leave_rank, whatever the outcome (see there)
     try:
-        code = _check_on_ranks(args, run_check, rank, world, group.backend)
+        code = _run_on_ranks(command, run, rank, world, group.backend)
     except Exception:  # dpverify's own error: said, and the rank fails without the teardown
-        print(f"dpverify check (rank {rank}): an internal error ended the check", file=sys.stderr)
+        print(f"dpverify {command} (rank {rank}): an internal error ended the command", file=sys.stderr)
         traceback.print_exc()
         leave_rank(EXIT_FAILED)
     broken = broken_group()
     if broken is not None:
         # the other ranks may wait in a collective for good: this rank's exit lets
         # torchrun stop them, and its summary names the rank that died
-        print(f"dpverify check (rank {rank}): {broken}", file=sys.stderr)
+        print(f"dpverify {command} (rank {rank}): {broken}", file=sys.stderr)
         leave_rank(EXIT_FAILED)
     if code == EXIT_USAGE:
         leave_rank(code)  # each rank said why; they may not have reached the same point
-    agreed = agreed_exit(code, rank, world)
+    agreed = agreed_exit(code, rank, world, command=command)
     _exit_with_on_sigterm(agreed)
     dist.destroy_process_group()
     leave_rank(agreed)
 
 
-def _check_on_ranks(args: argparse.Namespace, run_check: Callable[[argparse.Namespace], int], rank: int, world: int, backend: str) -> int:
-    """``run_check(args)`` on this rank, printing on rank 0 only; a usage error is
-    printed (on every rank, prefixed with its rank but on rank 0) and gives ``EXIT_USAGE``."""
+def _run_on_ranks(command: str, run: Callable[[], int], rank: int, world: int, backend: str) -> int:
+    """``run()`` on this rank, printing on rank 0 only; a usage error is printed (on every
+    rank, prefixed with its rank but on rank 0) and gives ``EXIT_USAGE``."""
     with rank_zero_prints(rank):
         nodes = os.environ.get("GROUP_WORLD_SIZE")
         where = f" on {nodes} nodes" if nodes and nodes != "1" else ""
-        print(f"dpverify check: torchrun process group, {world} {backend} ranks{where}; rank 0 prints the verdict", flush=True)
+        print(f"dpverify {command}: torchrun process group, {world} {backend} ranks{where}; rank 0 prints the verdict", flush=True)
         try:
-            return run_check(args)
+            return run()
         except InvalidArgument as error:
-            return usage_error("check" if rank == 0 else f"check (rank {rank})", error)
+            return usage_error(command if rank == 0 else f"{command} (rank {rank})", error)
