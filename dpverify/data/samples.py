@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+)
 
 from dpverify.core.errors import InvalidArgument
 
@@ -114,8 +121,9 @@ class LoaderFacts:
 
     Attributes:
         loader: the loader's type name.
-        batch_size: the DataLoader's batch size (None: not a DataLoader, or no batching).
-        drop_last: the DataLoader's ``drop_last`` (its last partial batch).
+        batch_size: the DataLoader's batch size, or its ``BatchSampler``'s (None: no batching).
+        drop_last: the DataLoader's ``drop_last`` (its last partial batch), or its
+            ``BatchSampler``'s.
         num_workers: the DataLoader's worker count (the check reads it in this process).
         sampler: the sampler's type name.
         sampler_length: ``len(sampler)`` where it has one: the indices it yields an epoch.
@@ -179,6 +187,10 @@ def loader_facts(loader: Any) -> LoaderFacts:
     fields: dict[str, Any] = {"loader": type(loader).__name__, "sampler": type(sampler).__name__, "sampler_length": length}
     if isinstance(loader, DataLoader):
         fields.update(batch_size=loader.batch_size, drop_last=loader.drop_last, num_workers=loader.num_workers)
+    batches = loader.batch_sampler if isinstance(loader, DataLoader) else loader
+    if isinstance(batches, BatchSampler) and fields.get("batch_size") is None:
+        # a batch sampler returned, or passed as DataLoader(batch_sampler=...): its batches and drop_last
+        fields.update(batch_size=batches.batch_size, drop_last=batches.drop_last)
     if isinstance(sampler, DistributedSampler):
         fields.update(
             shuffle=sampler.shuffle, num_replicas=sampler.num_replicas, rank=sampler.rank, seed=sampler.seed,
