@@ -38,6 +38,7 @@ from dpverify.data.samples import (
     LoaderFacts,
     SampleLog,
     collectives_seen,
+    in_process,
     loader_facts,
     one_rank_world,
     require_dataset,
@@ -134,7 +135,8 @@ def run_metric_task(info: RankInfo, task: MetricTask) -> MetricRun:
     """The rank's evaluation: its loader from the user's factory (epoch 0), then ``eval_fn``."""
     log = SampleLog(task.dataset)
     loader = task.loader_factory(log, info.rank, info.world_size, 0)
-    return _evaluate(task.model, loader, log, task.eval_fn, loader_facts(loader))
+    facts = loader_facts(loader)
+    return _evaluate(task.model, in_process(loader), log, task.eval_fn, facts)
 
 
 def _single_device(model: nn.Module, dataset: Any, eval_fn: EvalFn, factory: LoaderFactory, ids: Sequence[int] | None = None) -> MetricRun:
@@ -144,7 +146,7 @@ def _single_device(model: nn.Module, dataset: Any, eval_fn: EvalFn, factory: Loa
     view = dataset if ids is None else Subset(dataset, list(ids))
     log = SampleLog(view)
     with one_rank_world():
-        loader = factory(log, 0, 1, 0)
+        loader = in_process(factory(log, 0, 1, 0))
         if isinstance(loader, DataLoader):
             loader = DataLoader(log, batch_size=loader.batch_size or 1, collate_fn=loader.collate_fn, shuffle=False)
         run = _evaluate(copy.deepcopy(model), loader, log, eval_fn)
@@ -484,7 +486,8 @@ def assert_dp_metric_matches(
         calls: list[int] = []
         wrapped.register_forward_hook(lambda _m, _a, _o: calls.append(1))
         loader = factory(log, 0, 1, 0)
-        run = _evaluate(wrapped, loader, log, eval_fn, loader_facts(loader))
+        facts = loader_facts(loader)
+        run = _evaluate(wrapped, in_process(loader), log, eval_fn, facts)
     handle.remove()
     _require_read([run], "DataParallel")
     single = _single_device(model, dataset, eval_fn, factory)

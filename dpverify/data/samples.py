@@ -39,6 +39,7 @@ __all__ = [
     "LoaderFacts",
     "SampleLog",
     "collectives_seen",
+    "in_process",
     "loader_facts",
     "one_rank_world",
     "read_epoch",
@@ -201,19 +202,25 @@ def loader_facts(loader: Any) -> LoaderFacts:
     return LoaderFacts(**fields)
 
 
+def in_process(loader: Any) -> Any:
+    """``loader``, a DataLoader with workers set to read in this process (``num_workers``
+    0): the workers would fetch the same indices the sampler yields here, in the same order,
+    but a ``SampleLog`` in a worker process would not come back."""
+    if isinstance(loader, DataLoader) and loader.num_workers > 0:
+        loader.num_workers = 0
+    return loader
+
+
 def read_epoch(loader: Any, log: SampleLog, argument: str = "loader_factory") -> list[int]:
     """The sample ids one pass over ``loader`` delivers, in order.
 
-    A DataLoader with workers is read in this process (``num_workers`` set to 0 first): the
-    workers fetch the same indices the sampler yields in the main process, in the same order,
-    and a log in a worker process would not come back.
+    A DataLoader with workers is read in this process (``in_process``).
 
     Raises:
         InvalidArgument: ``loader`` is not iterable, or neither fetched from the dataset it
             was given nor yields indices.
     """
-    if isinstance(loader, DataLoader) and loader.num_workers > 0:
-        loader.num_workers = 0
+    in_process(loader)
     start = len(log.fetched)
     try:
         iterator = iter(loader)
