@@ -2,7 +2,9 @@
 and ``assert_ddp_metric_matches`` with ``pool=None`` inside the group the script initialised,
 on 2 gloo ranks. The loaders and the evaluation loop run on the group's own ranks; the metric's
 single-device runs run on every rank in a one-rank subgroup standing in as the default group
-(``one_rank_world``), after which the user's group must still work.
+(``one_rank_world``), after which the user's group must still work. A model built with other
+weights on each rank is refused alike on every rank, since each rank compares the group with
+the single-device run it makes itself.
 
 The launcher helpers (starting torchrun in a session of its own, killing it with its ranks)
 are those of ``tests/test_torchrun.py``.
@@ -17,8 +19,9 @@ import pytest
 from test_torchrun import _finish, _launchers, needs_torchrun
 
 #: The user's script: a padding evaluation loader (buggy) and one that does not pad (fixed),
-#: each through both checks; a gather-and-trim evaluation over the padding (right). Every
-#: rank writes its verdicts to a file; rank 0 prints what was caught.
+#: each through both checks; a gather-and-trim evaluation over the padding (right); a model
+#: seeded per rank (refused). Every rank writes its verdicts to a file; rank 0 prints what
+#: was caught.
 DATA_SCRIPT = '''
 import torch
 import torch.distributed as dist
@@ -78,6 +81,12 @@ for name, check in checks.items():
         if rank == 0:
             print(f"--- {name}\\n{failure}", flush=True)
     print(f"VERDICT {name} rank {rank}: {verdict}", file=verdicts, flush=True)
+torch.manual_seed(rank)  # each rank seeded its own way: a model of other weights on every rank
+unseeded = nn.Linear(4, 3)
+try:
+    dpverify.assert_ddp_metric_matches(unseeded, dataset, summed_loss, world_size=world, loader_factory=strided)
+except dpverify.InvalidArgument as error:
+    print(f"DIFFERENT rank {rank}: {error}", file=verdicts, flush=True)
 total = torch.ones(1)
 dist.all_reduce(total)  # the user's group, restored as the default after the single-device runs
 print(f"GROUP rank {rank}: {dist.get_world_size()} ranks, all_reduce {total.item():g}", file=verdicts, flush=True)
@@ -100,6 +109,8 @@ def test_data_checks_in_a_torchrun_script_catch_the_padding_loader_and_pass_the_
     assert written.count("ranks, all_reduce 2") == 2, written
     assert "GROUP rank 0: 2 ranks" in written
     assert "GROUP rank 1: 2 ranks" in written
+    assert written.count("DIFFERENT rank") == 2  # refused alike on every rank, not compared
+    assert "the module's weights on rank 1 differ from rank 0's" in written
     # rank 0 alone prints what was caught, with the ids and the causes
     assert out.count("--- ") == 2
     assert "dataset of 9 samples on 2 ranks (gloo), 2 epochs; loader_factory padded" in out

@@ -125,7 +125,7 @@ def _evaluate(model: nn.Module, loader: Any, log: SampleLog, eval_fn: EvalFn, fa
 
 @dataclass(frozen=True)
 class MetricTask:
-    model: nn.Module
+    module: nn.Module  # named so: under torchrun, the group compares every rank's weights (_weights_digest)
     dataset: Any
     eval_fn: EvalFn
     loader_factory: LoaderFactory
@@ -136,7 +136,7 @@ def run_metric_task(info: RankInfo, task: MetricTask) -> MetricRun:
     log = SampleLog(task.dataset)
     loader = task.loader_factory(log, info.rank, info.world_size, 0)
     facts = loader_facts(loader)
-    return _evaluate(task.model, in_process(loader), log, task.eval_fn, facts)
+    return _evaluate(task.module, in_process(loader), log, task.eval_fn, facts)
 
 
 def _single_device(model: nn.Module, dataset: Any, eval_fn: EvalFn, factory: LoaderFactory, ids: Sequence[int] | None = None) -> MetricRun:
