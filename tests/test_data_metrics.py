@@ -213,6 +213,25 @@ def test_a_sum_and_count_over_a_sampler_that_does_not_pad_passes() -> None:
     assert str(report).startswith("The metric every rank reports must be the single-device metric over the whole dataset: it does")
 
 
+def test_a_pass_runs_one_device_once_and_only_a_failure_runs_the_counterfactuals(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dpverify.data.metrics as metrics
+
+    runs: list[Any] = []
+    real = metrics._single_device
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        runs.append(args[4] if len(args) > 4 else kwargs.get("ids"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(metrics, "_single_device", counted)
+    assert_ddp_metric_matches(classifier(), classified(10), summed_loss, world_size=4, loader_factory=strided)
+    assert runs == [None]  # the whole dataset, once
+    runs.clear()
+    caught(classifier(), classified(10), mean_of_rank_means, world_size=4, loader_factory=strided)
+    assert runs[0] is None
+    assert sorted(map(list, runs[1:])) == [[0, 4, 8], [1, 5, 9], [2, 6], [3, 7]]  # each rank's samples
+
+
 def test_gathering_per_sample_results_and_trimming_the_padding_passes() -> None:
     report = assert_ddp_metric_matches(classifier(), classified(10), gathered_loss, world_size=4, loader_factory=padded)
     assert report.ok

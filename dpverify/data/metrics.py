@@ -252,7 +252,10 @@ class _Diagnosis:
             return [f"The ranks return {keys} where one device returns {sorted(self.single.values)}."]
         found: list[str] = []
         disagree = not all(self.close(run.values, runs[0].values) for run in runs)
-        own = [self.on(run.ids) if run.ids else {} for run in runs] if (disagree or len(runs) > 1) else []
+        value = runs[0].values
+        if not disagree and self.close(value, self.single.values):
+            return found  # a pass: no counterfactual run
+        own = [self.on(run.ids) if run.ids else {} for run in runs] if len(runs) > 1 else []
         if disagree:
             text = "The ranks disagree: each returns a different value, so the metric depends on which rank reports it."
             if own and all(o and self.close(run.values, o) for run, o in zip(runs, own, strict=True)):
@@ -261,7 +264,6 @@ class _Diagnosis:
                     "samples): the value was never synchronised. all_reduce the sums and counts over the ranks, then divide."
                 )
             found.append(text)
-        value = runs[0].values
         if self.close(value, self.single.values):
             return found
         counts = Counter(i for run in runs for i in run.ids)
