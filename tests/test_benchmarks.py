@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
+import bench_data
 import bench_ddp_pool
 import bench_overhead
 import bench_sharded_pool
@@ -74,6 +75,13 @@ def test_mutant_benchmark_finds_a_mutant() -> None:
     assert found is not None
     assert found >= 1
     assert seconds > 0
+
+
+@pytest.mark.timeout(180)
+def test_data_benchmark_smoke_times_both_checks_and_their_floors() -> None:
+    rows = bench_data.measure(samples=300, world_size=2, epochs=2, repeats=1)
+    assert [row.name for row in rows] == ["data check, 300 samples, 2 ranks, 2 epochs", "metric check, 300 samples, 2 ranks"]
+    assert all(row.check > 0 and row.floor > 0 for row in rows)
 
 
 @pytest.mark.timeout(180)

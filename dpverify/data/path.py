@@ -139,9 +139,9 @@ class DataReport:
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        if self.ok:
+        if self.ok and not self.findings:
             return self.message().splitlines()[0]
-        return self.message()
+        return self.message()  # with the failures, or the costs allowed
 
 
 # --------------------------------------------------------------------------- ranks
@@ -158,17 +158,30 @@ class DataTask:
 class RankSamples:
     ids: tuple[tuple[int, ...], ...]
     facts: tuple[LoaderFacts, ...]
+    refused: str = ""  # why the rank's loader could not be read (an InvalidArgument's message)
 
 
 def run_data_task(info: RankInfo, task: DataTask) -> RankSamples:
-    """Every epoch of the rank's loader: the ids it delivered and how it was built."""
+    """Every epoch of the rank's loader: the ids it delivered and how it was built. A loader
+    that cannot be read comes back as ``refused`` (raised as InvalidArgument by the caller),
+    not as a failed task, which would restart the pool's ranks."""
     ids: list[tuple[int, ...]] = []
     facts: list[LoaderFacts] = []
-    for epoch in range(task.epochs):
-        seen, built, _loader = run_loader(task.loader_factory, task.dataset, info.rank, info.world_size, epoch)
-        ids.append(tuple(seen))
-        facts.append(built)
+    try:
+        for epoch in range(task.epochs):
+            seen, built, _loader = run_loader(task.loader_factory, task.dataset, info.rank, info.world_size, epoch)
+            ids.append(tuple(seen))
+            facts.append(built)
+    except InvalidArgument as error:
+        return RankSamples((), (), str(error))
     return RankSamples(tuple(ids), tuple(facts))
+
+
+def _require_read(results: Sequence[RankSamples]) -> None:
+    refused = [rank for rank, result in enumerate(results) if result.refused]
+    if refused:
+        where = f"rank {refused[0]}" if len(refused) == 1 else f"ranks {refused}"
+        raise InvalidArgument(f"{results[refused[0]].refused} (on {where})")
 
 
 # --------------------------------------------------------------------------- public
@@ -230,6 +243,7 @@ def assert_ddp_data_matches(
     require_picklable(loader_factory, "loader_factory")
     ranks = runner(pool, world)
     results: tuple[RankSamples, ...] = ranks.run(run_data_task, DataTask(dataset, loader_factory, count))
+    _require_read(results)
     report = data_report(len(dataset), results, backend=ranks.backend, loader=callable_name(loader_factory), allow=allowed)
     if not report.ok:
         raise ParallelMismatch(msg if msg is not None else report.message(), report)
@@ -419,7 +433,7 @@ def _dropped(epoch: EpochSamples, n: int, never: Sequence[int]) -> tuple[str, st
     ]
     if any(lost):
         causes.append(
-            f"DataLoader(drop_last=True) drops each rank's last partial batch: the ranks lose {lost} samples "
+            f"{facts[0].loader}(drop_last=True) drops each rank's last partial batch: the ranks lose {lost} samples "
             f"(batch_size={facts[0].batch_size})."
         )
     if not causes:

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+)
 
 from dpverify.core.errors import InvalidArgument
 
@@ -32,6 +39,7 @@ __all__ = [
     "LoaderFacts",
     "SampleLog",
     "collectives_seen",
+    "in_process",
     "loader_facts",
     "one_rank_world",
     "read_epoch",
@@ -114,8 +122,9 @@ class LoaderFacts:
 
     Attributes:
         loader: the loader's type name.
-        batch_size: the DataLoader's batch size (None: not a DataLoader, or no batching).
-        drop_last: the DataLoader's ``drop_last`` (its last partial batch).
+        batch_size: the DataLoader's batch size, or its ``BatchSampler``'s (None: no batching).
+        drop_last: the DataLoader's ``drop_last`` (its last partial batch), or its
+            ``BatchSampler``'s.
         num_workers: the DataLoader's worker count (the check reads it in this process).
         sampler: the sampler's type name.
         sampler_length: ``len(sampler)`` where it has one: the indices it yields an epoch.
@@ -179,6 +188,10 @@ def loader_facts(loader: Any) -> LoaderFacts:
     fields: dict[str, Any] = {"loader": type(loader).__name__, "sampler": type(sampler).__name__, "sampler_length": length}
     if isinstance(loader, DataLoader):
         fields.update(batch_size=loader.batch_size, drop_last=loader.drop_last, num_workers=loader.num_workers)
+    batches = loader.batch_sampler if isinstance(loader, DataLoader) else loader
+    if isinstance(batches, BatchSampler) and fields.get("batch_size") is None:
+        # a batch sampler returned, or passed as DataLoader(batch_sampler=...): its batches and drop_last
+        fields.update(batch_size=batches.batch_size, drop_last=batches.drop_last)
     if isinstance(sampler, DistributedSampler):
         fields.update(
             shuffle=sampler.shuffle, num_replicas=sampler.num_replicas, rank=sampler.rank, seed=sampler.seed,
@@ -189,19 +202,25 @@ def loader_facts(loader: Any) -> LoaderFacts:
     return LoaderFacts(**fields)
 
 
+def in_process(loader: Any) -> Any:
+    """``loader``, a DataLoader with workers set to read in this process (``num_workers``
+    0): the workers would fetch the same indices the sampler yields here, in the same order,
+    but a ``SampleLog`` in a worker process would not come back."""
+    if isinstance(loader, DataLoader) and loader.num_workers > 0:
+        loader.num_workers = 0
+    return loader
+
+
 def read_epoch(loader: Any, log: SampleLog, argument: str = "loader_factory") -> list[int]:
     """The sample ids one pass over ``loader`` delivers, in order.
 
-    A DataLoader with workers is read in this process (``num_workers`` set to 0 first): the
-    workers fetch the same indices the sampler yields in the main process, in the same order,
-    and a log in a worker process would not come back.
+    A DataLoader with workers is read in this process (``in_process``).
 
     Raises:
         InvalidArgument: ``loader`` is not iterable, or neither fetched from the dataset it
             was given nor yields indices.
     """
-    if isinstance(loader, DataLoader) and loader.num_workers > 0:
-        loader.num_workers = 0
+    in_process(loader)
     start = len(log.fetched)
     try:
         iterator = iter(loader)
