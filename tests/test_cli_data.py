@@ -194,7 +194,7 @@ def test_a_loader_that_partitions_the_dataset_passes(capsys: pytest.CaptureFixtu
     code, out, _ = _run([*DATA, f"{MODULE}:ten", "--loader", f"{MODULE}:strided", "--epochs", "3"], capsys)
     assert code == EXIT_OK, out
     assert out.count("10 of 10") == 3
-    assert "OK: 3 epochs on 4 ranks, 0 failed, 0 allowed" in out
+    assert "OK: 3 epochs on 4 ranks: 3 passed, 0 failed, 0 allowed" in out
     assert "FAIL" not in out
 
 
@@ -204,7 +204,7 @@ def test_allowed_padding_passes_and_says_the_cost(capsys: pytest.CaptureFixture[
     assert "allowed: padding" in out  # the header
     assert out.count("padding (allowed)") == 2  # both epochs pad
     assert "double weight" in out
-    assert "OK: 2 epochs on 4 ranks, 0 failed, 2 allowed" in out
+    assert "OK: 2 epochs on 4 ranks: 0 passed, 0 failed, 2 allowed" in out
 
 
 def test_a_shuffle_without_set_epoch_fails_naming_set_epoch(capsys: pytest.CaptureFixture[str]) -> None:
@@ -213,7 +213,7 @@ def test_a_shuffle_without_set_epoch_fails_naming_set_epoch(capsys: pytest.Captu
     assert code == EXIT_FAILED, out
     assert "repeated-order" in out
     assert "set_epoch(epoch)" in out
-    assert "FAILED: 2 epochs on 4 ranks, 1 failed" in out
+    assert "FAILED: 2 epochs on 4 ranks: 1 passed, 1 failed" in out
 
 
 @pytest.mark.parametrize(
@@ -318,8 +318,8 @@ class _CudaSeen:
 
 
 def test_a_wrapper_of_a_host_module_runs_on_virtual_devices_where_cuda_is_seen(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    # assert_dp_metric_matches enters virtual devices for a user's wrapper only where CUDA is
-    # not available; check enters them for a module on the host, as its DataParallel checks do
+    # on a machine with a GPU, a user's wrapper of a module on the host still runs on virtual
+    # devices (as in the DataParallel checks), not on real devices that do not hold the module
     import dpverify.data.metrics
 
     monkeypatch.setattr(dpverify.data.metrics, "torch", _CudaSeen())
@@ -403,7 +403,7 @@ def test_check_data_under_torchrun_prints_once_and_every_rank_exits_with_the_ver
     assert done.returncode == EXIT_FAILED, done.stdout + done.stderr
     assert done.stdout.count("dpverify check-data: torchrun process group, 2 gloo ranks") == 1
     assert done.stdout.count("set_epoch(epoch)") == 1
-    assert done.stdout.count("FAILED: 2 epochs on 2 ranks, 1 failed") == 1
+    assert done.stdout.count("FAILED: 2 epochs on 2 ranks: 1 passed, 1 failed") == 1
     # both ranks exit with the verdict: torchrun names every failed rank with its status
     assert "exitcode  : 1" in done.stderr
     done = _torchrun(["check-data", f"{MODULE}:ten", "--loader", f"{MODULE}:strided", "--world-size", "3"], user_dir)
@@ -412,7 +412,7 @@ def test_check_data_under_torchrun_prints_once_and_every_rank_exits_with_the_ver
     assert done.stderr.count("--world-size 3 under torchrun") == 1  # rank 0 says it, before the group
     done = _torchrun(["check-data", f"{MODULE}:ten", "--loader", f"{MODULE}:strided"], user_dir)
     assert done.returncode == EXIT_OK, done.stdout + done.stderr
-    assert "OK: 2 epochs on 2 ranks, 0 failed, 0 allowed" in done.stdout
+    assert "OK: 2 epochs on 2 ranks: 2 passed, 0 failed, 0 allowed" in done.stdout
 
 
 @pytest.mark.deep

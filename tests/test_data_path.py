@@ -521,3 +521,20 @@ def test_two_epochs_of_ten_thousand_samples_on_four_ranks_take_under_two_seconds
     assert report.findings == ()
     assert [epoch.sizes for epoch in report.epochs] == [[2500] * 4] * 2
     assert elapsed < 2.0, f"{elapsed:.2f} s"
+
+
+def test_padding_of_a_dataset_smaller_than_half_the_ranks_is_padding_not_an_overlap() -> None:
+    # 2 samples on 5 ranks: DistributedSampler repeats the order until every rank has one,
+    # so sample 0 is seen three times; the report is built from samplers made here (no pool
+    # of 5 ranks needed: data_report is what assert_ddp_data_matches reports on)
+    from dpverify.data.path import RankSamples, data_report
+    from dpverify.data.samples import loader_facts
+
+    dataset = TensorDataset(torch.arange(2.0))
+    samplers = [DistributedSampler(dataset, num_replicas=5, rank=r, shuffle=False) for r in range(5)]
+    ranks = [RankSamples((tuple(iter(s)),), (loader_facts(s),)) for s in samplers]
+    report = data_report(2, ranks, backend="gloo", loader="DistributedSampler")
+    assert [f.kind for f in report.findings] == ["padding"]
+    assert report.findings[0].samples == (0, 1)
+    assert "(up to 3 times)" in report.message()
+    assert "--allow padding" in report.message()

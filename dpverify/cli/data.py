@@ -17,7 +17,6 @@ map-style, a function whose signature does not take the arguments it is called w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import inspect
 import os
@@ -289,7 +288,7 @@ def plan_metric_checks(args: argparse.Namespace, model: UserModel, setup: EvalSe
     (not ``on_ranks_only``: torchrun's), ``ddp-metric`` on each world size with ``ddp`` or
     ``all``, each at the split of the largest batch size (the default loaders' batch size)."""
     from dpverify.data.loaders import batch_loader, distributed_loader
-    from dpverify.data.metrics import assert_ddp_metric_matches
+    from dpverify.data.metrics import assert_ddp_metric_matches, assert_dp_metric_matches
 
     batch_size = max(args.batch_sizes)
     planned: list[PlannedMetric] = []
@@ -297,7 +296,7 @@ def plan_metric_checks(args: argparse.Namespace, model: UserModel, setup: EvalSe
         loader = setup.loader or functools.partial(batch_loader, batch_size=batch_size)
         for devices in args.devices:
             run = functools.partial(
-                _dp_metric, model.module, setup.dataset, setup.eval_fn, device_ids=list(range(devices)),
+                assert_dp_metric_matches, model.module, setup.dataset, setup.eval_fn, device_ids=list(range(devices)),
                 loader_factory=loader, parallel=parallel,
             )
             planned.append(PlannedMetric("dp-metric", METRIC_CHECKS["dp-metric"], Split(batch_size, devices), run))
@@ -309,24 +308,6 @@ def plan_metric_checks(args: argparse.Namespace, model: UserModel, setup: EvalSe
             )
             planned.append(PlannedMetric("ddp-metric", METRIC_CHECKS["ddp-metric"], Split(batch_size, devices), run))
     return planned
-
-
-def _dp_metric(module: Any, dataset: Any, eval_fn: Any, *, device_ids: list[int], loader_factory: Any, parallel: Any) -> Any:
-    """``assert_dp_metric_matches``, a user's wrapper (``--parallel``) of a module on the host
-    run inside ``virtual_devices``, as the DataParallel checks run it: the metric check
-    itself enters them only where CUDA is not available, so on a machine with fewer GPUs
-    than ``device_ids`` (or a module on the host) the wrapper would get devices that do not
-    hold the module. Inside the block CUDA reads as available, and the check enters none of
-    its own."""
-    from dpverify.core.virtual import virtual_devices
-    from dpverify.data.metrics import assert_dp_metric_matches
-
-    on_host = all(p.device.type == "cpu" for p in module.parameters())
-    devices = virtual_devices(max(device_ids) + 1) if parallel is not None and on_host else contextlib.nullcontext()
-    with devices:
-        return assert_dp_metric_matches(
-            module, dataset, eval_fn, device_ids=device_ids, loader_factory=loader_factory, parallel=parallel,
-        )
 
 
 # --------------------------------------------------------------------------- check-data
@@ -415,6 +396,15 @@ def _data_header(console: Any, args: argparse.Namespace, dataset: Any, world: in
     )
 
 
+def _epoch_verdict(report: DataReport, epoch: int) -> str:
+    """An epoch's verdict: FAIL when a finding there fails, ALLOWED when all are allowed
+    costs, PASS when it saw every sample once."""
+    found = [f for f in report.findings if f.epoch == epoch]
+    if any(not f.allowed for f in found):
+        return "FAIL"
+    return "ALLOWED" if found else "PASS"
+
+
 def _render_data_report(console: Any, report: DataReport) -> None:
     """A verdict per epoch (the samples per rank, what was found), the report in a panel,
     and the final verdict line."""
@@ -425,16 +415,13 @@ def _render_data_report(console: Any, report: DataReport) -> None:
     table = Table(title="Verdict per epoch", title_justify="left")
     for column in ("epoch", "samples per rank", "seen", "verdict", "found"):
         table.add_column(column)
+    styles = {"FAIL": "bold red", "ALLOWED": "yellow", "PASS": "green"}
     for epoch in report.epochs:
         found = [f for f in report.findings if f.epoch == epoch.epoch]
-        if any(not f.allowed for f in found):
-            verdict = Text("FAIL", style="bold red")
-        elif found:
-            verdict = Text("ALLOWED", style="yellow")
-        else:
-            verdict = Text("PASS", style="green")
+        verdict = _epoch_verdict(report, epoch.epoch)
+        verdict_text = Text(verdict, style=styles[verdict])
         kinds = ", ".join(f"{f.kind}{' (allowed)' if f.allowed else ''}" for f in found)
-        table.add_row(str(epoch.epoch), str(epoch.sizes), f"{sum(epoch.sizes)} of {report.dataset_size}", verdict, kinds or "-")
+        table.add_row(str(epoch.epoch), str(epoch.sizes), f"{sum(epoch.sizes)} of {report.dataset_size}", verdict_text, kinds or "-")
     console.print(table)
     failing = [f for f in report.findings if not f.allowed]
     allowed = [f for f in report.findings if f.allowed]
@@ -442,6 +429,10 @@ def _render_data_report(console: Any, report: DataReport) -> None:
         console.print(Panel(Text(report.message()), title="FAIL: the ranks' samples differ from one device's epoch", title_align="left", border_style="red"))
     elif allowed:
         console.print(Panel(Text(report.message()), title="Allowed costs", title_align="left", border_style="yellow"))
-    counts = f"{plural(len(report.epochs), 'epoch')} on {plural(report.world_size, 'rank')}, {len(failing)} failed, {len(allowed)} allowed"
+    verdicts = [_epoch_verdict(report, epoch.epoch) for epoch in report.epochs]
+    counts = (
+        f"{plural(len(report.epochs), 'epoch')} on {plural(report.world_size, 'rank')}: {verdicts.count('PASS')} passed, "
+        f"{verdicts.count('FAIL')} failed, {verdicts.count('ALLOWED')} allowed"
+    )
     status = Text("FAILED", style="bold red") if failing else Text("OK", style="bold green")
     console.print(Text.assemble(status, f": {counts}"))

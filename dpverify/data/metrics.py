@@ -114,6 +114,7 @@ class MetricRun:
     ids: tuple[int, ...]
     facts: LoaderFacts | None = None
     collectives: tuple[tuple[str, str], ...] = ()
+    refused: str = ""  # why eval_fn's result could not be read (an InvalidArgument's message)
 
 
 def _evaluate(model: nn.Module, loader: Any, log: SampleLog, eval_fn: EvalFn, facts: LoaderFacts | None = None) -> MetricRun:
@@ -136,7 +137,10 @@ def run_metric_task(info: RankInfo, task: MetricTask) -> MetricRun:
     log = SampleLog(task.dataset)
     loader = task.loader_factory(log, info.rank, info.world_size, 0)
     facts = loader_facts(loader)
-    return _evaluate(task.module, in_process(loader), log, task.eval_fn, facts)
+    try:
+        return _evaluate(task.module, in_process(loader), log, task.eval_fn, facts)
+    except InvalidArgument as error:  # a usage error, raised by the caller: the pool keeps its ranks
+        return MetricRun({}, False, (), facts, refused=str(error))
 
 
 def _single_device(model: nn.Module, dataset: Any, eval_fn: EvalFn, factory: LoaderFactory, ids: Sequence[int] | None = None) -> MetricRun:
@@ -307,7 +311,7 @@ class _Diagnosis:
             whole = " They return whole numbers where one device computes a fraction." if _floors(value, self.single.values) else ""
             found.append(
                 f"Integer flooring:{whole}{synced} A mean computed in an integer dtype floors (t // world_size, a "
-                "sync-style mean of an integer state, ReduceOp.AVG on integers). Accumulate and synchronise in floating "
+                "sync-style mean of an integer state). Accumulate and synchronise in floating "
                 "point (torch.float64), and divide as floats after the reduction."
             )
         if not explained and not (disagree and len(found) == 1 and "never synchronised" in found[0]):
@@ -344,6 +348,10 @@ def _validated(model: Any, dataset: Any, eval_fn: Any, loader_factory: Any, defa
 
 
 def _require_read(runs: Sequence[MetricRun], where: str) -> None:
+    refused = [rank for rank, run in enumerate(runs) if run.refused]
+    if refused:
+        ranks = f"rank {refused[0]}" if len(refused) == 1 else f"ranks {refused}"
+        raise InvalidArgument(f"{runs[refused[0]].refused} (on {ranks})")
     if not any(run.ids for run in runs):
         raise InvalidArgument(
             f"eval_fn read no sample from the loader it was given on {where}: nothing was evaluated in parallel, so a "
@@ -480,7 +488,10 @@ def assert_dp_metric_matches(
 
     handle = module.register_forward_hook(forwarded)
     log = SampleLog(dataset)
-    devices = virtual_devices(max(ids) + 1) if parallel is not None and not torch.cuda.is_available() else contextlib.nullcontext()
+    # a wrapper of the user's around a host module runs on virtual devices, as in the
+    # DataParallel checks (Check.devices); torch's own picks real or virtual itself
+    on_host = next((p.device.type == "cpu" for p in module.parameters()), True)
+    devices = virtual_devices(max(ids) + 1) if parallel is not None and on_host else contextlib.nullcontext()
     with devices, warnings.catch_warnings():
         # a forward returning a 0-dim value: torch warns at the gather; the report says it
         warnings.filterwarnings("ignore", message="Was asked to gather along dimension 0")

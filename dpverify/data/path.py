@@ -337,13 +337,14 @@ def _same_order(epoch: EpochSamples, n: int, never: Sequence[int]) -> tuple[str,
 
 
 def _is_padding(epoch: EpochSamples, n: int, counts: Counter[int]) -> bool:
-    """Whether the repeats are padding: every sample seen, every rank the same count,
-    ceil(n / W) each, and no sample more than twice."""
+    """Whether the repeats are padding: every sample seen, every rank ceil(n / W) samples,
+    and no sample more often than repeating the order over and over gives (twice, unless
+    the dataset has fewer than half as many samples as ranks)."""
     world = len(epoch.per_rank)
     per_rank = math.ceil(n / world)
     return (
         len(counts) == n and all(len(ids) == per_rank for ids in epoch.per_rank)
-        and max(counts.values()) == 2 and sum(counts.values()) == per_rank * world
+        and max(counts.values()) <= math.ceil(per_rank * world / n)
     )
 
 
@@ -351,8 +352,12 @@ def _padding(epoch: EpochSamples, n: int, twice: Sequence[int]) -> tuple[str, st
     world = len(epoch.per_rank)
     per_rank = math.ceil(n / world)
     who = "DistributedSampler (drop_last=False)" if epoch.facts[0].distributed else "The sampler"
+    most = max(Counter(i for ids in epoch.per_rank for i in ids).values())
+    they = "they carry" if len(twice) > 1 else "it carries"
     what = (
-        f"Samples seen twice: {_ids(twice)}; in training {'they carry' if len(twice) > 1 else 'it carries'} double "
+        f"Samples seen twice: {_ids(twice)}; in training {they} double weight in epoch {epoch.epoch}."
+        if most == 2 else
+        f"Samples seen more than once: {_ids(twice)} (up to {most} times); in training {they} up to {most} times the "
         f"weight in epoch {epoch.epoch}."
     )
     return what, (
@@ -360,7 +365,7 @@ def _padding(epoch: EpochSamples, n: int, twice: Sequence[int]) -> tuple[str, st
         f"{plural(per_rank * world - n, 'sample')} of the epoch's order; an evaluation that sums over the ranks counts "
         "them twice. Fix: in evaluation, keep the padding out of the metric "
         "(trim the gathered per-sample results to len(dataset), or use a sampler that does not pad); in training, "
-        "accept the cost (allow=('padding',)) or pass drop_last=True to the sampler."
+        "accept the cost (allow=('padding',), on the command line --allow padding) or pass drop_last=True to the sampler."
     )
 
 
@@ -440,7 +445,7 @@ def _dropped(epoch: EpochSamples, n: int, never: Sequence[int]) -> tuple[str, st
         causes.append("The ranks' parts do not cover the dataset: each rank must take its own part, all parts together the whole.")
     return text, " ".join(causes) + (
         " In evaluation every sample must be seen: drop_last=False, and keep the padding out of the metric; in training "
-        "with a reshuffle each epoch the dropped samples change (allow=('dropped',) accepts it)."
+        "with a reshuffle each epoch the dropped samples change (allow=('dropped',), on the command line --allow dropped, accepts it)."
     )
 
 

@@ -33,6 +33,7 @@ from torch.utils.data import (
 )
 
 from dpverify.core.errors import InvalidArgument
+from dpverify.ranked.rank import one_rank_group
 
 __all__ = [
     "LoaderFactory",
@@ -314,30 +315,22 @@ def collectives_seen(seen: list[tuple[str, str]]) -> Iterator[None]:
 def one_rank_world() -> Iterator[None]:
     """A default process group of this process alone, for the single-device runs of code
     that calls ``torch.distributed`` on the default group (``dist.all_reduce(t)``,
-    ``dist.get_world_size()``): a new gloo group of one rank when none is initialised
-    (destroyed afterwards); under torchrun, this rank's own one-rank subgroup, standing in
-    as the default group for the body (every rank creates its own, collectively, as
-    ``new_subgroups`` requires). Nothing when torch.distributed is not available."""
+    ``dist.get_world_size()``): ``one_rank_group()``'s group, which is the new default
+    group when none was initialised; under torchrun, this rank's own one-rank subgroup
+    standing in as the default group for the body. Nothing when torch.distributed is not
+    available."""
     import torch.distributed as dist
 
-    if not dist.is_available():
-        yield
-        return
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    with one_rank_group() as group:
+        if group is None or group is dist.group.WORLD:  # no distributed, or a new default group of one
+            yield
+            return
+        from torch.distributed import distributed_c10d as c10d
+
+        world = c10d._world
+        default = world.default_pg
+        world.default_pg = group
         try:
             yield
         finally:
-            dist.destroy_process_group()
-        return
-    from torch.distributed import distributed_c10d as c10d
-
-    group, _all = dist.new_subgroups(group_size=1, backend="gloo")
-    world = c10d._world
-    default = world.default_pg
-    world.default_pg = group
-    try:
-        yield
-    finally:
-        world.default_pg = default
-        dist.destroy_process_group(group)
+            world.default_pg = default
