@@ -538,3 +538,41 @@ def test_padding_of_a_dataset_smaller_than_half_the_ranks_is_padding_not_an_over
     assert report.findings[0].samples == (0, 1)
     assert "(up to 3 times)" in report.message()
     assert "--allow padding" in report.message()
+
+
+def test_one_sample_on_two_ranks_is_padding_not_one_order_on_every_rank() -> None:
+    from dpverify.data.path import RankSamples, data_report
+    from dpverify.data.samples import loader_facts
+
+    dataset = TensorDataset(torch.arange(1.0))
+    samplers = [DistributedSampler(dataset, num_replicas=2, rank=r, shuffle=False) for r in range(2)]
+    report = data_report(1, [RankSamples((tuple(iter(s)),), (loader_facts(s),)) for s in samplers], backend="gloo", loader="s")
+    assert [f.kind for f in report.findings] == ["padding"]
+
+
+def test_a_reshuffle_that_draws_a_ranks_order_again_by_chance_is_no_missing_set_epoch() -> None:
+    # seeds 2 and 3 permute two samples alike: rank 0 sees sample 0 in both epochs although
+    # set_epoch moved the sampler from epoch 0 to 1; without set_epoch the repeat is named
+    from dpverify.data.path import RankSamples, data_report
+    from dpverify.data.samples import loader_facts
+
+    dataset = TensorDataset(torch.arange(2.0))
+
+    def ranks(set_epoch: bool) -> list[RankSamples]:
+        out = []
+        for r in range(2):
+            ids, facts = [], []
+            for epoch in range(2):
+                sampler = DistributedSampler(dataset, num_replicas=2, rank=r, shuffle=True, seed=2)
+                if set_epoch:
+                    sampler.set_epoch(epoch)
+                facts.append(loader_facts(sampler))
+                ids.append(tuple(iter(sampler)))
+            out.append(RankSamples(tuple(ids), tuple(facts)))
+        return out
+
+    reshuffled = ranks(set_epoch=True)
+    assert reshuffled[0].ids[0] == reshuffled[0].ids[1]  # the chance repeat this test is about
+    assert data_report(2, reshuffled, backend="gloo", loader="s").ok
+    stale = data_report(2, ranks(set_epoch=False), backend="gloo", loader="s")
+    assert [f.kind for f in stale.findings] == ["repeated-order"]

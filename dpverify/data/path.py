@@ -298,12 +298,13 @@ def _epoch_findings(epoch: EpochSamples, n: int, allow: Collection[str]) -> list
         ))
     counts = Counter(i for ids in ranks for i in ids)
     never = sorted(set(range(n)) - set(counts))
-    if world > 1 and ranks[0] and all(ids == ranks[0] for ids in ranks):
+    padding = _is_padding(epoch, n, counts)  # one sample on every rank is padding too, not one order
+    if world > 1 and ranks[0] and all(ids == ranks[0] for ids in ranks) and not padding:
         found.append(DataFinding("same-order", e, tuple(sorted(set(ranks[0]))), *_same_order(epoch, n, never)))
         return found
     twice = sorted(i for i, c in counts.items() if c > 1)
     if twice:
-        if _is_padding(epoch, n, counts):
+        if padding:
             found.append(DataFinding("padding", e, tuple(twice), *_padding(epoch, n, twice), allowed="padding" in allow))
         else:
             found.append(DataFinding("overlap", e, tuple(twice), *_overlap(epoch, twice)))
@@ -457,8 +458,21 @@ def _shuffles(epoch: EpochSamples) -> bool:
     return any(list(ids) != sorted(ids) for ids in epoch.per_rank)
 
 
+#: Below this chance of every repeating rank drawing its previous order again by luck, a
+#: repeat is read as no reshuffle where the samplers do not say their epoch.
+_CHANCE = 1e-3
+
+
 def _repeats(previous: EpochSamples, epoch: EpochSamples) -> list[DataFinding]:
+    """A rank whose order repeats the previous epoch's while the sampler shuffles. Where
+    the samplers say their epoch (a ``DistributedSampler``), a repeat after the epoch
+    changed on that rank is a reshuffle that drew the same order by chance (likely with a
+    few samples per rank); elsewhere a repeat counts when chance explains it too rarely."""
     same = [r for r, (a, b) in enumerate(zip(previous.per_rank, epoch.per_rank, strict=True)) if a and a == b]
+    if all(f.distributed for f in epoch.facts + previous.facts):
+        same = [r for r in same if epoch.facts[r].epoch == previous.facts[r].epoch]
+    elif math.prod(1 / math.factorial(len(set(epoch.per_rank[r]))) for r in same) > _CHANCE:
+        same = []
     if not same or not _shuffles(epoch):
         return []
     who = "every rank" if len(same) == len(epoch.per_rank) else f"rank{'s' if len(same) > 1 else ''} {and_list([str(r) for r in same])}"
