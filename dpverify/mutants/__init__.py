@@ -291,10 +291,11 @@ def _judged_on_its_merits(scenario: DataScenario) -> bool:
     """Whether torch's construction of ``scenario`` is one the data-path check passes as it
     should, padding accepted: no ``drop_last`` (a loader that drops samples can leave the
     same ones out of every epoch, which fails by design; tests/test_properties_data.py
-    covers those), no sample padded in more than twice (a dataset smaller than half the
-    ranks, one sample on 2 to 4 ranks: the check reads it as ranks sharing samples), and
-    no rank whose reshuffled order happens to repeat the previous epoch's (the check reads
-    it as a missing ``set_epoch``; likely on datasets of a few samples)."""
+    covers those), more than one sample (one sample padded onto every rank: the check reads
+    it as every rank seeing the same order), no sample padded in more than twice (fewer
+    samples than half the ranks: the check reads it as ranks sharing samples), and no rank
+    whose reshuffled order happens to repeat the previous epoch's (the check reads it as a
+    missing ``set_epoch``; likely on datasets of a few samples per rank)."""
     if scenario.drop_last or scenario.loader_drop_last:
         return False
     if scenario.per_rank * scenario.world_size - scenario.size > scenario.size or scenario.size == 1:
