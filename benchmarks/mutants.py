@@ -1,9 +1,10 @@
 """How fast the property suite finds each catalogued bug (``dpverify.mutants``).
 
 For every mutant: the registry check that catches it (``dpverify.registry.CHECKS``,
-run on ``PROPERTIES``' scenarios), the examples and seconds until the first failing scenario
+or the data check, run on ``PROPERTIES``' scenarios), the examples and seconds until the first failing scenario
 (random generation, several seeds, medians), then the counterexample Hypothesis shrinks it
-to and that counterexample's size (model kind, rows, devices).
+to and that counterexample's size (model kind, rows, devices; for a data mutant the
+``DataScenario`` in words).
 
 Usage: python benchmarks/mutants.py [--seeds 5] [--max-examples 500] [--only NAME ...]
 """
@@ -20,7 +21,9 @@ from hypothesis import HealthCheck, Phase, find, given, seed, settings
 import dpverify
 from dpverify.models.layouts import ShardedScenario
 from dpverify.mutants import MUTANTS, PROPERTIES, Mutant
-from dpverify.strategies import Scenario
+from dpverify.strategies import DataScenario, Scenario
+
+AnyScenario = Scenario | ShardedScenario | DataScenario
 
 
 class Found(Exception):
@@ -33,7 +36,7 @@ def examples_until_found(mutant: Mutant, seed_value: int, max_examples: int) -> 
     @seed(seed_value)
     @settings(max_examples=max_examples, database=None, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @given(PROPERTIES[mutant.caught_by].scenarios)
-    def search(scenario: Scenario | ShardedScenario) -> None:
+    def search(scenario: AnyScenario) -> None:
         nonlocal count
         count += 1
         try:
@@ -49,7 +52,7 @@ def examples_until_found(mutant: Mutant, seed_value: int, max_examples: int) -> 
     return None, time.perf_counter() - started
 
 
-def _fails(mutant: Mutant, scenario: Scenario | ShardedScenario) -> bool:
+def _fails(mutant: Mutant, scenario: AnyScenario) -> bool:
     try:
         mutant.check(scenario)
     except dpverify.ParallelMismatch:
@@ -57,12 +60,14 @@ def _fails(mutant: Mutant, scenario: Scenario | ShardedScenario) -> bool:
     return False
 
 
-def shrunk(mutant: Mutant) -> Scenario | ShardedScenario:
-    return find(
+def shrunk(mutant: Mutant) -> AnyScenario:
+    found = find(
         PROPERTIES[mutant.caught_by].scenarios,
         lambda s: _fails(mutant, s),
         settings=settings(database=None, max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck)),
     )
+    assert isinstance(found, (Scenario, ShardedScenario, DataScenario))
+    return found
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -82,6 +87,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if missed:
             counts += f" ({missed} of {len(runs)} seeds missed)"
         shrunk_example = shrunk(mutant)
+        if isinstance(shrunk_example, DataScenario):
+            print(f"| {mutant.name} | {mutant.bug} | `{mutant.caught_by}` | {counts} | {seconds:.2f} | {shrunk_example} |")
+            continue
         # a sharded scenario is a plain one on its ranks, with a layout
         example = shrunk_example.scenario if isinstance(shrunk_example, ShardedScenario) else shrunk_example
         size = f"{example.model.kind}, {example.batch_size} rows, devices {list(example.devices.device_ids)}"

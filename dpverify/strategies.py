@@ -2,7 +2,8 @@
 
 Every strategy draws frozen, picklable data (``ModelSpec``, ``LossSpec``, ``DeviceList``,
 ``Scenario``) whose ``repr`` is a line a person can paste into a script; ``build`` turns it
-into modules and tensors deterministically. Shrinking ends on the simplest model (one
+into modules and tensors deterministically (a ``DataScenario``, a data path, builds its
+dataset, loader factory and model). Shrinking ends on the simplest model (one
 ``Linear`` layer), the smallest batch, the fewest devices and seed 0 that still fail.
 
 A bad argument raises ``dpverify.InvalidArgument`` (also Hypothesis's ``InvalidArgument``):
@@ -38,6 +39,7 @@ from dpverify.core.devices import cuda_device_count
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.text import plural
 from dpverify.core.validation import require_bool, require_instance, require_int_at_least
+from dpverify.models.data import DataScenario
 from dpverify.models.layouts import (
     BACKENDS,
     SCHEDULES,
@@ -77,6 +79,7 @@ __all__ = [
     "SHARDED_KINDS",
     "TOKEN_KINDS",
     "BuiltScenario",
+    "DataScenario",
     "DeviceList",
     "FSDPLayout",
     "LossSpec",
@@ -90,6 +93,7 @@ __all__ = [
     "TokenScenario",
     "TrainingScenario",
     "batch_sizes",
+    "data_scenarios",
     "device_lists",
     "dtypes",
     "fsdp_layouts",
@@ -819,3 +823,45 @@ def _default_training_scenarios(backend: str, world_sizes: tuple[int, ...]) -> S
         return replace(drawn, batch_size=max(drawn.batch_size, world))
 
     return ranked()
+
+
+# --------------------------------------------------------------------------- data path
+
+
+@st.composite
+def _data_scenarios(draw: st.DrawFn, world_sizes: tuple[int, ...], max_size: int, max_batch: int, max_epochs: int) -> DataScenario:
+    world = draw(st.sampled_from(world_sizes), label="world_size")
+    # the splits that matter for a sampler are the ones that matter for a batch
+    size = draw(batch_sizes(world, max_size=max_size), label="size")
+    return DataScenario(
+        size=size,
+        world_size=world,
+        batch_size=draw(st.integers(1, max_batch), label="batch_size"),
+        drop_last=draw(st.booleans(), label="drop_last"),
+        loader_drop_last=draw(st.booleans(), label="loader_drop_last"),
+        shuffle=draw(st.booleans(), label="shuffle"),
+        seed=draw(st.integers(0, 2**16), label="seed"),
+        epochs=draw(st.integers(1, max_epochs), label="epochs"),
+    )
+
+
+def data_scenarios(
+    *, world_sizes: Sequence[int] = (2, 3, 4), max_size: int = 12, max_batch: int = 4, max_epochs: int = 3,
+) -> SearchStrategy[DataScenario]:
+    """Data paths for the data-path and metric checks (``DataScenario``): a world size from
+    ``world_sizes``; a dataset size biased as ``batch_sizes`` biases a batch for that many
+    ranks (one sample, fewer samples than ranks, a multiple of the world size, not a
+    multiple, any size up to ``max_size``); a batch size up to ``max_batch``; the
+    ``DistributedSampler``'s ``drop_last`` and shuffle, the DataLoader's ``drop_last``; a
+    seed; 1 to ``max_epochs`` epochs. ``scenario.dataset()``, ``scenario.loader_factory()``
+    and ``scenario.model()`` build the rest.
+
+    Shrinks toward one sample on the smallest world size, batch 1, no ``drop_last``, no
+    shuffle, seed 0 and one epoch.
+    """
+    worlds = tuple(sorted({require_int_at_least(w, "world_sizes", 1) for w in _subset(
+        "world_sizes", world_sizes, lambda w: isinstance(w, int), "pass a non-empty list of world sizes, e.g. (2, 3, 4)",
+    )}))
+    for name, value in (("max_size", max_size), ("max_batch", max_batch), ("max_epochs", max_epochs)):
+        require_int_at_least(value, name, 1)
+    return _data_scenarios(worlds, max_size, max_batch, max_epochs)

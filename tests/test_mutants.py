@@ -17,18 +17,24 @@ from dpverify.mutants import (
     CLIP_NORM,
     MUTANTS,
     PROPERTIES,
+    DataProperty,
+    DataTarget,
     Mutant,
     ReplicaOutputsDataParallel,
     ScratchDataParallel,
     WeightedCriterionParallel,
+    gather_trim_eval,
     manual_allreduce_step,
+    padded_loader,
+    sum_count_eval,
     tp_global_clip,
+    unpadded_loader,
     weighted_replica_losses,
 )
 from dpverify.registry import CHECKS, Target
 from dpverify.sharded.fsdp import weighted_fsdp_step
 from dpverify.sharded.pipeline_rank import sync_tied_grads
-from dpverify.strategies import Scenario
+from dpverify.strategies import DataScenario, Scenario
 
 # The search is bounded by the CI profile's examples; shrinking is left out to bound time.
 SEARCH = settings(settings.get_profile("dpverify-ci"), database=None, print_blob=False, phases=[Phase.explicit, Phase.generate])
@@ -53,8 +59,10 @@ def test_every_mutant_is_caught_with_a_message_that_points_at_the_bug(name: str)
 #: The correct implementation each property runs, by registry check: a DataParallel from
 #: scratch, a reduction weighted by chunk size, a DDP step with a hand-written all-reduce,
 #: torch's no_sync recipe, the FSDP2 step weighted by each rank's share of the batch, a
-#: tensor-parallel clip by the norm of the full gradients.
-CORRECT = {
+#: tensor-parallel clip by the norm of the full gradients; for the data checks, torch's
+#: DistributedSampler construction with set_epoch (the scenario's own loader) and a
+#: gather-then-trim evaluation over DistributedSampler's padded shards.
+CORRECT: dict[str, Target | DataTarget] = {
     "dp-grads": Target(parallel=ScratchDataParallel),
     "dp-grad-sum": Target(parallel=ScratchDataParallel),
     "dp-buffers": Target(parallel=ScratchDataParallel),
@@ -70,6 +78,8 @@ CORRECT = {
     # torch's clip_grad_norm_ after backward: the global norm, under DDP and FSDP2 alike
     "ddp-training": Target(after_backward=functools.partial(global_clip, max_norm=CLIP_NORM)),
     "fsdp-training": Target(after_backward=functools.partial(global_clip, max_norm=CLIP_NORM)),
+    "ddp-data": DataTarget(),
+    "ddp-metric": DataTarget(loader_factory=padded_loader, eval_fn=gather_trim_eval),
 }
 
 #: Properties whose examples run three optimizer steps on ranks and twice on one device
@@ -83,7 +93,22 @@ def test_correct_implementations_pass_every_property(check: str) -> None:
 
     @SEARCH
     @given(prop.scenarios)
-    def run(scenario: Scenario) -> None:
+    def run(scenario: Scenario | DataScenario) -> None:
+        prop.run(scenario, correct)
+
+    run()
+
+
+def test_a_sum_and_count_evaluation_over_ranks_without_padding_passes_the_metric_property() -> None:
+    # the other correct evaluation: every sample on one rank, the loss sum and the count
+    # all-reduced, then divided (the mutants integer-mean-eval and mean-of-rank-means-eval
+    # run over the same loader)
+    prop = PROPERTIES["ddp-metric"]
+    correct = DataTarget(loader_factory=unpadded_loader, eval_fn=sum_count_eval)
+
+    @SEARCH
+    @given(prop.scenarios)
+    def run(scenario: DataScenario) -> None:
         prop.run(scenario, correct)
 
     run()
@@ -109,13 +134,23 @@ def test_catalogue_entries_are_documented_and_name_registry_checks() -> None:
     sharded = [m for m in MUTANTS.values() if m.kind in ("fsdp-step", "tp-plan", "pp-schedule")]
     assert len(sharded) >= 6
     assert set(CORRECT) == set(PROPERTIES)
-    assert set(PROPERTIES) <= set(CHECKS)
+    data = {name for name, prop in PROPERTIES.items() if isinstance(prop, DataProperty)}
+    assert data == {"ddp-data", "ddp-metric"}  # the data checks are not registry checks
+    assert set(PROPERTIES) - data <= set(CHECKS)
     for name, prop in PROPERTIES.items():
         assert prop.check == name
+    data_mutants = [m for m in MUTANTS.values() if m.kind in ("loader", "eval")]
+    assert len(data_mutants) >= 6
+    assert {m.caught_by for m in data_mutants} == data
     for mutant in MUTANTS.values():
         assert mutant.implementation.__doc__, mutant.name
         assert (mutant.model is not None) == (mutant.kind == "criterion"), mutant.name
+        assert mutant.loader is None or mutant.kind == "eval", mutant.name
         assert mutant.caught_by in PROPERTIES
+        assert (mutant.caught_by in data) == (mutant.kind in ("loader", "eval")), mutant.name
+        if mutant.kind in ("loader", "eval"):
+            assert isinstance(mutant.target, DataTarget), mutant.name
+            continue
         assert mutant.caught_by in CHECKS
         if mutant.kind == "hook":  # an after_backward hook runs in the training checks only
             assert CHECKS[mutant.caught_by].training, mutant.name

@@ -7,21 +7,44 @@ criterion wrapper, a reduction of per-replica losses, a per-rank DDP or FSDP2 st
 tensor-parallel plan builder or a pipeline schedule class, passed to a registry check as
 ``Mutant.target``. ``MUTANTS`` describes them all: the bug, the registry check that catches
 it (``dpverify.registry.CHECKS``), and a phrase the failure message contains; ``PROPERTIES``
-gives each of those checks the random scenarios it runs on. The implementations live in
-``dp``, ``ddp`` and ``sharded``; every name is exported here.
+gives each of those checks the random scenarios it runs on. The data path and the
+evaluation loop are checked by ``assert_ddp_data_matches`` and ``assert_ddp_metric_matches``
+rather than a registry check: their mutants (kinds ``"loader"`` and ``"eval"``) are caught by
+the ``DataProperty`` ``"ddp-data"`` or ``"ddp-metric"`` of ``PROPERTIES``, on
+``DataScenario``s, and passed as a ``DataTarget``. The implementations live in ``dp``,
+``ddp``, ``sharded``, ``training`` and ``data``; every name is exported here.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import hypothesis.strategies as st
 from hypothesis.strategies import SearchStrategy
+from torch.utils.data import DistributedSampler
 
+from dpverify.data.metrics import EvalFn, assert_ddp_metric_matches
+from dpverify.data.path import assert_ddp_data_matches
+from dpverify.data.samples import LoaderFactory
+from dpverify.models.data import DataScenario
 from dpverify.models.layouts import ShardedScenario
 from dpverify.models.specs import KINDS
+from dpverify.mutants.data import (
+    drop_last_eval_loader,
+    fixed_rank_loader,
+    gather_trim_eval,
+    integer_mean_eval,
+    mean_of_rank_means_eval,
+    no_set_epoch_loader,
+    padded_loader,
+    padded_sum_eval,
+    same_shuffle_loader,
+    sum_count_eval,
+    unpadded_loader,
+)
 from dpverify.mutants.ddp import (
     double_accumulation_division_step,
     forward_outside_no_sync_step,
@@ -77,6 +100,7 @@ from dpverify.mutants.training import (
 from dpverify.registry import CHECKS, MICRO_BATCHES, Case, Target
 from dpverify.strategies import (
     Scenario,
+    data_scenarios,
     device_lists,
     loss_specs,
     model_specs,
@@ -91,6 +115,8 @@ __all__ = [
     "AveragingDataParallel",
     "BalancedDropsChunkDataParallel",
     "BalancedOffsetDataParallel",
+    "DataProperty",
+    "DataTarget",
     "DeepCopyDataParallel",
     "DetachedReplicasDataParallel",
     "LastReplicaBuffersDataParallel",
@@ -113,24 +139,35 @@ __all__ = [
     "averaged_tied_grads_hook",
     "clip_reduced_twice",
     "double_accumulation_division_step",
+    "drop_last_eval_loader",
+    "fixed_rank_loader",
     "forward_outside_no_sync_step",
     "fsdp_summed_loss_step",
     "fsdp_undivided_step",
     "fsdp_wrong_weight_step",
+    "gather_trim_eval",
+    "integer_mean_eval",
     "local_batch_offset",
     "local_output_plan",
     "local_shard_clip",
     "manual_allreduce_step",
+    "mean_of_rank_means_eval",
     "mean_of_replica_losses",
     "no_allreduce_plan",
+    "no_set_epoch_loader",
+    "padded_loader",
+    "padded_sum_eval",
     "rank_seeded_init_step",
     "same_seed_ranks_step",
+    "same_shuffle_loader",
+    "sum_count_eval",
     "summed_allreduce_step",
     "summed_loss_step",
     "sync_first_micro_batch_step",
     "tp_global_clip",
     "tp_one_rank_clip",
     "undivided_accumulation_step",
+    "unpadded_loader",
     "weighted_replica_losses",
     "zero_grad_in_loop_step",
 ]
@@ -178,6 +215,106 @@ class Property:
         raises what the check raises (``ParallelMismatch`` when the code under test is caught)."""
         __tracebackhide__ = True
         CHECKS[self.check].check(Case.from_scenario(scenario), target)
+
+
+@dataclass(frozen=True)
+class DataTarget:
+    """The data code under test for a ``DataProperty``; each field None means the correct
+    one.
+
+    Attributes:
+        loader_factory: ``loader_factory(dataset, rank, world_size, epoch)`` (default: the
+            scenario's own ``DistributedSampler`` construction, ``DataScenario.loader_factory``,
+            without its ``drop_last``s for an evaluation).
+        eval_fn: ``eval_fn(model, loader) -> metric`` (default: ``gather_trim_eval``, correct
+            over the default, padded loader).
+    """
+
+    loader_factory: LoaderFactory | None = None
+    eval_fn: EvalFn | None = None
+
+
+def _check_data_path(scenario: DataScenario, target: DataTarget) -> None:
+    """``assert_ddp_data_matches`` on the scenario's dataset, world size and epochs, padding
+    accepted (the training loader's cost, not its bug)."""
+    __tracebackhide__ = True
+    factory = target.loader_factory or scenario.loader_factory()
+    assert_ddp_data_matches(
+        scenario.dataset(), factory, world_size=scenario.world_size, epochs=scenario.epochs, allow=("padding",),
+    )
+
+
+def _check_metric(scenario: DataScenario, target: DataTarget) -> None:
+    """``assert_ddp_metric_matches`` of the scenario's classifier on its dataset."""
+    __tracebackhide__ = True
+    evaluation = replace(scenario, drop_last=False, loader_drop_last=False)  # an evaluation sees every sample
+    assert_ddp_metric_matches(
+        scenario.model(), scenario.dataset(), target.eval_fn or gather_trim_eval, world_size=scenario.world_size,
+        loader_factory=target.loader_factory or evaluation.loader_factory(),
+    )
+
+
+@dataclass(frozen=True)
+class DataProperty:
+    """A data check over random ``DataScenario``s: ``"ddp-data"`` (the samples each rank's
+    loader delivers per epoch, ``assert_ddp_data_matches``) or ``"ddp-metric"`` (what the
+    ranks' evaluation reports, ``assert_ddp_metric_matches``). Not a registry check: the
+    data checks take a loader factory and an evaluation loop, not a model step."""
+
+    check: str
+    scenarios: SearchStrategy[DataScenario]
+    verify: Callable[[DataScenario, DataTarget], None]
+
+    def run(self, scenario: DataScenario, target: DataTarget | None = None) -> None:
+        """The check on one scenario against ``target`` (default: the correct code); raises
+        ``ParallelMismatch`` when the code under test is caught."""
+        __tracebackhide__ = True
+        self.verify(scenario, target or DataTarget())
+
+
+def _rank_orders(scenario: DataScenario, epoch: int) -> list[list[int]]:
+    """The sample ids each rank's ``DistributedSampler`` yields in ``epoch`` (torch's, run
+    here: no ranks needed)."""
+    samples = scenario.dataset()
+    orders = []
+    for rank in range(scenario.world_size):
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            samples, num_replicas=scenario.world_size, rank=rank, shuffle=scenario.shuffle, seed=scenario.seed,
+            drop_last=scenario.drop_last,
+        )
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    return orders
+
+
+def _judged_on_its_merits(scenario: DataScenario) -> bool:
+    """Whether torch's construction of ``scenario`` is one the data-path check passes as it
+    should, padding accepted: no ``drop_last`` (a loader that drops samples can leave the
+    same ones out of every epoch, which fails by design; tests/test_properties_data.py
+    covers those), more than one sample (one sample padded onto every rank: the check reads
+    it as every rank seeing the same order), no sample padded in more than twice (fewer
+    samples than half the ranks: the check reads it as ranks sharing samples), and no rank
+    whose reshuffled order happens to repeat the previous epoch's (the check reads it as a
+    missing ``set_epoch``; likely on datasets of a few samples per rank)."""
+    if scenario.drop_last or scenario.loader_drop_last:
+        return False
+    if scenario.per_rank * scenario.world_size - scenario.size > scenario.size or scenario.size == 1:
+        return False
+    if not scenario.shuffle or scenario.epochs == 1:
+        return True
+    epochs = [_rank_orders(scenario, e) for e in range(scenario.epochs)]
+    return not any(a == b for previous, epoch in itertools.pairwise(epochs) for a, b in zip(previous, epoch, strict=True))
+
+
+def _data_properties() -> dict[str, DataProperty]:
+    return {
+        # the training loader over 1 to 3 epochs, on 2 to 4 ranks
+        "ddp-data": DataProperty("ddp-data", data_scenarios().filter(_judged_on_its_merits), _check_data_path),
+        # an evaluation on 2 to 4 ranks, every rank with a sample of its own: a rank with
+        # none has no mean for a mean of per-rank means (0/0), and a loader that drops its
+        # last partial batch would evaluate nothing, which the check refuses as untestable
+        "ddp-metric": DataProperty("ddp-metric", data_scenarios().filter(lambda s: s.size > s.world_size), _check_metric),
+    }
 
 
 def _properties() -> dict[str, Property]:
@@ -229,8 +366,9 @@ def _properties() -> dict[str, Property]:
     return {name: Property(name, strategy.filter(_runs(name))) for name, strategy in drawn.items()}
 
 
-#: The property each registry check runs, by the check's name (``Mutant.caught_by``).
-PROPERTIES: dict[str, Property] = _properties()
+#: The property each registry check and each data check runs, by the check's name
+#: (``Mutant.caught_by``).
+PROPERTIES: dict[str, Property | DataProperty] = {**_properties(), **_data_properties()}
 
 
 #: The ``Target`` field a mutant of each kind (but ``"criterion"``) is passed as.
@@ -251,13 +389,17 @@ class Mutant:
             ``target`` passes it: ``"dp"``, ``"criterion"`` (whose model wrapper is
             ``model``), ``"reduce"``, ``"ddp-step"``, ``"fsdp-step"``, ``"tp-plan"``,
             ``"pp-schedule"``, ``"hook"`` (an ``after_backward`` hook of the training
-            checks) or ``"model"`` (``model(module) -> nn.Module``, the user's module
-            written with the bug, given the scenario's module).
+            checks), ``"model"`` (``model(module) -> nn.Module``, the user's module
+            written with the bug, given the scenario's module), ``"loader"`` (a
+            ``loader_factory(dataset, rank, world_size, epoch)``) or ``"eval"`` (an
+            ``eval_fn(model, loader)``, over ``loader`` when it has one).
         bug: what is wrong, in one sentence.
-        caught_by: the registry check that catches it (a key of ``CHECKS`` and
-            ``PROPERTIES``).
+        caught_by: the check that catches it (a key of ``PROPERTIES``: of ``CHECKS``, or
+            a data check, ``"ddp-data"`` or ``"ddp-metric"``, for the last two kinds).
         message: a phrase the failure message contains, pointing at the bug.
         model: a criterion mutant's model wrapper (correct: the bug is the criterion's).
+        loader: an eval mutant's loader factory, the one its evaluation was written for
+            (correct: the bug is the evaluation's); None: the property's default.
     """
 
     name: str
@@ -267,24 +409,40 @@ class Mutant:
     caught_by: str
     message: str
     model: Callable[..., Any] | None = None
+    loader: LoaderFactory | None = None
 
     @property
-    def target(self) -> Target:
+    def target(self) -> Target | DataTarget:
         """The mutant as the code under test: the ``Target`` field of its kind
-        (``_TARGET_FIELDS``), or a criterion's pair ``Target(parallel=model, parallel_loss=...)``."""
+        (``_TARGET_FIELDS``), a criterion's pair ``Target(parallel=model, parallel_loss=...)``,
+        or for the data kinds ``DataTarget(loader_factory=...)`` or
+        ``DataTarget(loader_factory=loader, eval_fn=...)``."""
         if self.kind == "criterion":
             return Target(parallel=self.model, parallel_loss=self.implementation)
+        if self.kind == "loader":
+            return DataTarget(loader_factory=self.implementation)
+        if self.kind == "eval":
+            return DataTarget(loader_factory=self.loader, eval_fn=self.implementation)
         if self.kind in _TARGET_FIELDS:
             given: dict[str, Any] = {_TARGET_FIELDS[self.kind]: self.implementation}
             return Target(**given)
         raise ValueError(
-            f"mutant {self.name!r} has kind {self.kind!r}; expected 'criterion' or one of {', '.join(map(repr, _TARGET_FIELDS))}"
+            f"mutant {self.name!r} has kind {self.kind!r}; expected 'criterion', 'loader', 'eval' or one of "
+            f"{', '.join(map(repr, _TARGET_FIELDS))}"
         )
 
-    def check(self, scenario: Scenario | ShardedScenario) -> None:
+    def check(self, scenario: Scenario | ShardedScenario | DataScenario) -> None:
         """Runs the catching check on one scenario with this mutant (raises when caught)."""
         __tracebackhide__ = True
-        PROPERTIES[self.caught_by].run(scenario, self.target)
+        prop, target = PROPERTIES[self.caught_by], self.target
+        if isinstance(prop, DataProperty):
+            if not isinstance(scenario, DataScenario) or not isinstance(target, DataTarget):
+                raise ValueError(f"mutant {self.name!r} ({self.kind}) runs on a DataScenario; got {type(scenario).__name__}")
+            prop.run(scenario, target)
+        else:
+            if isinstance(scenario, DataScenario) or isinstance(target, DataTarget):
+                raise ValueError(f"mutant {self.name!r} ({self.kind}) runs on a Scenario or ShardedScenario; got {type(scenario).__name__}")
+            prop.run(scenario, target)
 
 
 MUTANTS: dict[str, Mutant] = {
@@ -324,5 +482,12 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("fsdp-local-shard-clip", local_shard_clip, "hook", "clips gradients by a norm computed from the rank's local FSDP2 shard", "fsdp-training", "local shard"),
         Mutant("ddp-clip-reduced-twice", clip_reduced_twice, "hook", "clips gradients by a norm whose square is all-reduced again over ranks that already hold the averaged gradient", "ddp-training", "1/sqrt("),
         Mutant("ddp-local-batch-buffer", local_batch_offset, "model", "updates a running statistic in forward from the rank's own shard and uses it in the output", "ddp-training", "updated them from its own shard"),
+        Mutant("no-set-epoch", no_set_epoch_loader, "loader", "a shuffling DistributedSampler whose set_epoch(epoch) is never called, so every epoch repeats the first one's order", "ddp-data", "call sampler.set_epoch(epoch)"),
+        Mutant("fixed-rank-sampler", fixed_rank_loader, "loader", "a DistributedSampler given a seed value where the rank belongs (rank=0 on every rank), so every rank loads the same part", "ddp-data", "a fixed value"),
+        Mutant("same-shuffle-ranks", same_shuffle_loader, "loader", "a shuffling DataLoader seeded alike on every rank with no DistributedSampler, so every rank loads the whole dataset in the same order", "ddp-data", "does not split the dataset between the ranks"),
+        Mutant("padded-sum-eval", padded_sum_eval, "eval", "an evaluation that all-reduces the loss sum and count over DistributedSampler's padded shards, counting the repeated samples twice", "ddp-metric", "were counted twice"),
+        Mutant("drop-last-eval", drop_last_eval_loader, "loader", "an evaluation loader with drop_last=True, so each rank's last partial batch is never evaluated", "ddp-metric", "were never evaluated (drop_last=True in the DataLoader)"),
+        Mutant("integer-mean-eval", integer_mean_eval, "eval", "an accuracy from int64 counts all-reduced then floor-divided by the world size (a mean-reduced integer metric state)", "ddp-metric", "Integer flooring", loader=unpadded_loader),
+        Mutant("mean-of-rank-means-eval", mean_of_rank_means_eval, "eval", "each rank's mean loss all-reduced and divided by the world size, weighting uneven shares alike", "ddp-metric", "A mean of per-rank means", loader=unpadded_loader),
     )
 }
