@@ -17,14 +17,12 @@ the ``DataProperty`` ``"ddp-data"`` or ``"ddp-metric"`` of ``PROPERTIES``, on
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import hypothesis.strategies as st
 from hypothesis.strategies import SearchStrategy
-from torch.utils.data import DistributedSampler
 
 from dpverify.data.metrics import EvalFn, assert_ddp_metric_matches
 from dpverify.data.path import assert_ddp_data_matches
@@ -272,38 +270,11 @@ class DataProperty:
         self.verify(scenario, target or DataTarget())
 
 
-def _rank_orders(scenario: DataScenario, epoch: int) -> list[list[int]]:
-    """The sample ids each rank's ``DistributedSampler`` yields in ``epoch`` (torch's, run
-    here: no ranks needed)."""
-    samples = scenario.dataset()
-    orders = []
-    for rank in range(scenario.world_size):
-        sampler: DistributedSampler[Any] = DistributedSampler(
-            samples, num_replicas=scenario.world_size, rank=rank, shuffle=scenario.shuffle, seed=scenario.seed,
-            drop_last=scenario.drop_last,
-        )
-        sampler.set_epoch(epoch)
-        orders.append(list(sampler))
-    return orders
-
-
 def _judged_on_its_merits(scenario: DataScenario) -> bool:
-    """Whether torch's construction of ``scenario`` is one the data-path check passes as it
-    should, padding accepted: no ``drop_last`` (a loader that drops samples can leave the
-    same ones out of every epoch, which fails by design; tests/test_properties_data.py
-    covers those), more than one sample (one sample padded onto every rank: the check reads
-    it as every rank seeing the same order), no sample padded in more than twice (fewer
-    samples than half the ranks: the check reads it as ranks sharing samples), and no rank
-    whose reshuffled order happens to repeat the previous epoch's (the check reads it as a
-    missing ``set_epoch``; likely on datasets of a few samples per rank)."""
-    if scenario.drop_last or scenario.loader_drop_last:
-        return False
-    if scenario.per_rank * scenario.world_size - scenario.size > scenario.size or scenario.size == 1:
-        return False
-    if not scenario.shuffle or scenario.epochs == 1:
-        return True
-    epochs = [_rank_orders(scenario, e) for e in range(scenario.epochs)]
-    return not any(a == b for previous, epoch in itertools.pairwise(epochs) for a, b in zip(previous, epoch, strict=True))
+    """Whether torch's construction of ``scenario`` is one the data-path check passes, padding
+    accepted: no ``drop_last`` (a loader that drops samples can leave the same ones out of
+    every epoch, which fails by design; tests/test_properties_data.py covers those)."""
+    return not (scenario.drop_last or scenario.loader_drop_last)
 
 
 def _data_properties() -> dict[str, DataProperty]:
