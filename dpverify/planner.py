@@ -165,7 +165,8 @@ def _specs(checks: Sequence[str], backend: str) -> list[CheckSpec]:
     if backend not in (*BACKENDS, "all"):
         raise InvalidArgument(f"backend={backend!r} must be one of {', '.join(map(repr, BACKENDS))} or 'all'")
     backends = BACKENDS if backend == "all" else (backend,)
-    return [CHECKS[name] for name in checks if CHECKS[name].backend in backends]
+    # a data check needs a loader or an evaluation loop, which a model alone does not bring
+    return [CHECKS[name] for name in checks if CHECKS[name].backend in backends and not CHECKS[name].data]
 
 
 def plan_checks(

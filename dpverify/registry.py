@@ -26,7 +26,7 @@ import enum
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -51,6 +51,7 @@ from dpverify.core.text import and_list
 from dpverify.core.tracebacks import describe_exception, failure_detail
 from dpverify.core.tree import map_tensors
 from dpverify.ddp import checks_if_available
+from dpverify.models.data import DataScenario
 from dpverify.models.layouts import (
     FSDPLayout,
     Layout,
@@ -81,6 +82,9 @@ MICRO_BATCHES = 2
 #: Optimizer steps in the DDP training check.
 TRAINING_STEPS = 3
 #: The training checks' optimizer where a case names none (``Case.optimizer``).
+#: The epochs of the data-path check on a case that does not say.
+DATA_EPOCHS = 2
+
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 
 
@@ -138,6 +142,12 @@ class Case:
         steps: the ``SharedSteps`` of the DataParallel gradient checks of this module,
             batch and loss (``dpverify.planner.plan_checks`` gives one per batch); None:
             each check runs its own.
+        dataset: the data checks' map-style dataset (default: the rows of this batch, a
+            ``TensorDataset`` of the inputs and the target; ``data()``).
+        loader: the data checks' ``loader_factory(dataset, rank, world_size, epoch)`` where
+            the code under test (``Target.loader``) brings none: a generated scenario's
+            torch construction.
+        epochs: the epochs the data-path check runs.
     """
 
     module: nn.Module
@@ -153,12 +163,24 @@ class Case:
     dim: int = 0
     layout: Layout | None = None
     steps: SharedSteps | None = field(default=None, repr=False, compare=False)
+    dataset: Any = None
+    loader: Any = None
+    epochs: int = DATA_EPOCHS
 
     @classmethod
-    def from_scenario(cls, scenario: Scenario | ShardedScenario | TrainingScenario) -> Case:
+    def from_scenario(cls, scenario: Scenario | ShardedScenario | TrainingScenario | DataScenario) -> Case:
         """A generated scenario, built (its models' losses are per-row means); a sharded
         scenario brings its layout, a training scenario its batches and optimizer (its hook
-        and step are code under test: ``TrainingScenario.code``, ``Target.with_defaults``)."""
+        and step are code under test: ``TrainingScenario.code``, ``Target.with_defaults``);
+        a data scenario its classifier, dataset (whose rows are the batch), torch's loader
+        for it and its epochs, on its ranks."""
+        if isinstance(scenario, DataScenario):
+            data = scenario.dataset()
+            features, labels = data.tensors
+            return cls(
+                scenario.model(), (features,), labels, torch.nn.functional.cross_entropy, tuple(range(scenario.world_size)),
+                dataset=data, loader=scenario.loader_factory(), epochs=scenario.epochs,
+            )
         if isinstance(scenario, TrainingScenario):
             first = cls.from_scenario(scenario.scenario)
             return replace(first, batches=scenario.batches(), optimizer=scenario.optimizer.factory())
@@ -189,6 +211,9 @@ class Case:
 
     @property
     def batch_size(self) -> int:
+        """The batch's rows; a data case without a batch, its dataset's samples."""
+        if not self.inputs and not self.forward_kwargs and self.dataset is not None:
+            return len(self.dataset)
         return batch_size_of(self.inputs, dim=self.dim, kwargs=self.forward_kwargs)
 
     @property
@@ -198,6 +223,23 @@ class Case:
     @property
     def split(self) -> Split:
         return Split(self.batch_size, len(self.device_ids))
+
+    def data(self) -> Any:
+        """The data checks' dataset: ``dataset``, else the rows of this batch.
+
+        Raises:
+            InvalidArgument: no dataset, and the batch is not one tensor of inputs and a
+                tensor target (keyword inputs, several inputs, a loss-in-forward model).
+        """
+        if self.dataset is not None:
+            return self.dataset
+        inputs = self.inputs
+        if self.forward_kwargs or len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor) or not isinstance(self.target, torch.Tensor):
+            raise InvalidArgument(
+                "the data checks need a dataset: this case's batch is not one input tensor and a target tensor to make "
+                "one of; pass Case(dataset=...) (on the command line --dataset MODULE:DATASET)"
+            )
+        return torch.utils.data.TensorDataset(inputs[0], self.target)
 
     def sources(self) -> tuple[SourceGroup, ...]:
         """The modules that make train mode differ, grouped (empty in eval mode)."""
@@ -237,6 +279,11 @@ class Target:
         model: the model under test, ``model(module) -> nn.Module`` given the case's module
             (a user's module with its own forward, wrapping or replacing it); every check
             then runs on what it returns.
+        loader: the data checks' loader construction, ``loader_factory(dataset, rank,
+            world_size, epoch)`` (default: the case's ``loader``, else torch's
+            ``DistributedSampler`` in a ``DataLoader``).
+        evaluate: the evaluation loop of the metric checks, ``eval_fn(model, loader) ->
+            metric`` (they need one).
     """
 
     parallel: Any = None
@@ -249,6 +296,8 @@ class Target:
     schedule: Any = None
     after_backward: Any = None
     model: Any = None
+    loader: Any = None
+    evaluate: Any = None
 
     def on(self, case: Case) -> Case:
         """``case`` with the model under test (``model``) in place of its module."""
@@ -327,8 +376,20 @@ def _worst(tensors: Sequence[TensorComparison]) -> TensorComparison | None:
     return max((t for t in tensors if not t.ok), key=lambda t: t.ratio, default=None)
 
 
-#: What a check's body returns: the comparison, or the loss-average report.
-Report = StepComparison | LossAverageReport
+@runtime_checkable
+class SummaryReport(Protocol):
+    """What a data check returns (``DataReport``, ``MetricReport``): no tensors to compare,
+    a line for a table, and the ranks or replicas that ran (the evidence)."""
+
+    @property
+    def summary(self) -> str: ...
+
+    @property
+    def replicas(self) -> int | None: ...
+
+
+#: What a check's body returns: the comparison, the loss-average report, or a data check's.
+Report = StepComparison | LossAverageReport | SummaryReport
 Body = Callable[[Case, Target], Report]
 
 
@@ -349,6 +410,10 @@ class CheckSpec:
             ``EXPLAINED`` (the same check on an eval-mode copy must pass).
         training: the check trains for several optimizer steps (``Case.batches``,
             ``Case.optimizer``) and runs ``Target.after_backward``.
+        data: the check runs a data path or an evaluation loop (``Target.loader``,
+            ``Target.evaluate``) over ``Case.data()``: ``check --eval``, ``check-data`` and
+            the catalogue run it where they have that code; the planner, which has a model
+            alone, does not.
     """
 
     name: str
@@ -360,6 +425,7 @@ class CheckSpec:
     skip: Callable[[Case], str | None] = lambda case: None
     explains_divergence: bool = True
     training: bool = False
+    data: bool = False
 
     def title_for(self, eval_copy: bool, case: Case | None = None) -> str:
         """The table row's label, marked when the case is an eval-mode copy of the model; a
@@ -438,6 +504,8 @@ class CheckSpec:
                 summary = f"{worst.name}: {worst.max_abs:.3g} > {worst.allowed:.3g} allowed"
             elif comparison is not None and comparison.failures:
                 summary = _first_sentence(comparison.failures[0])
+            elif isinstance(failure.report, SummaryReport):
+                summary = failure.report.summary
             else:
                 summary = str(failure).splitlines()[0]
             loss = failure.report if isinstance(failure.report, LossAverageReport) else None
@@ -459,6 +527,8 @@ class CheckSpec:
             )
         if isinstance(report, LossAverageReport):
             return _loss_verdict(result, report, replicas=report.replicas)
+        if not isinstance(report, StepComparison):
+            return result(Verdict.PASS, report.summary, replicas=report.replicas)
         return result(Verdict.PASS, f"worst at {report.worst_ratio:.2g} of tolerance", tensors=report.tensors, replicas=report.replicas)
 
 
@@ -781,6 +851,44 @@ def _counter(case: Case) -> bool:
     return isinstance(case.module, (BufferCounter, AttributeCounter))
 
 
+def _one_rank(case: Case) -> str | None:
+    return "one rank or device: nothing ran in parallel" if case.world_size < 2 else None
+
+
+def _needs(code: Any, check: str, argument: str, option: str) -> Any:
+    if code is None:
+        raise InvalidArgument(f"check {check!r} checks your {argument}: pass Target({argument}=...) (on the command line {option})")
+    return code
+
+
+def _ddp_data(case: Case, target: Target) -> Report:
+    """The samples each rank's loader delivers per epoch; padding is a training loader's
+    cost, reported and allowed (``dpverify check-data`` decides with ``--allow``)."""
+    from dpverify.data.path import assert_ddp_data_matches
+
+    factory = _needs(target.loader or case.loader, "ddp-data", "loader", "dpverify check-data --loader MODULE:FACTORY")
+    return assert_ddp_data_matches(case.data(), factory, world_size=case.world_size, epochs=case.epochs, allow=("padding",), pool=target.pool)
+
+
+def _ddp_metric(case: Case, target: Target) -> Report:
+    from dpverify.data.metrics import assert_ddp_metric_matches
+
+    evaluate = _needs(target.evaluate, "ddp-metric", "evaluate", "--eval MODULE:FN")
+    return assert_ddp_metric_matches(
+        case.module, case.data(), evaluate, world_size=case.world_size, loader_factory=target.loader or case.loader, pool=target.pool,
+    )
+
+
+def _dp_metric(case: Case, target: Target) -> Report:
+    from dpverify.data.metrics import assert_dp_metric_matches
+
+    evaluate = _needs(target.evaluate, "dp-metric", "evaluate", "--eval MODULE:FN")
+    return assert_dp_metric_matches(
+        case.module, case.data(), evaluate, device_ids=case.device_ids, output_device=case.output_device,
+        loader_factory=target.loader or case.loader, parallel=target.parallel,
+    )
+
+
 _SPECS = (
     CheckSpec(
         "dp-grads", "DP grads match one device", "dp",
@@ -892,6 +1000,23 @@ _SPECS = (
         "equal single-device training's (a weight tied across stages summed over them by "
         "after_backward).",
         _pp_training, skip=functools.partial(_sharded_skip, "pp"), training=True,
+    ),
+    CheckSpec(
+        "ddp-data", "DDP loaders: each sample once per epoch", "ddp",
+        "Every epoch, the ranks' loaders (Target.loader) together see each sample of the dataset once, as one "
+        "device's epoch does (padding reported as a cost), and a shuffle changes order each epoch.",
+        _ddp_data, skip=_one_rank, explains_divergence=False, data=True,
+    ),
+    CheckSpec(
+        "ddp-metric", "DDP eval metric = one device", "ddp",
+        "The evaluation loop (Target.evaluate) returns on every rank the metric it returns on one device over the "
+        "whole dataset.",
+        _ddp_metric, skip=_one_rank, explains_divergence=False, data=True,
+    ),
+    CheckSpec(
+        "dp-metric", "DP eval metric = one device", "dp",
+        "The evaluation loop (Target.evaluate) returns through DataParallel the metric it returns with the model alone.",
+        _dp_metric, skip=_one_rank, explains_divergence=False, data=True,
     ),
 )
 

@@ -341,7 +341,7 @@ def test_a_forward_returning_its_mean_fails_through_dataparallel(capsys: pytest.
 def test_metric_rows_on_one_device_are_skipped_and_check_says_nothing_was_checked(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run([*EVAL, "--devices", "1", "--checks", "dp-grads", "--eval", f"{MODULE}:local"], capsys)
     assert code == EXIT_NOTHING_CHECKED, out
-    assert "SKIP  DP eval metric = one device, B=8 on 1: 1 device: nothing ran in parallel" in out
+    assert "SKIP  DP eval metric = one device, B=8 on 1: one rank or device: nothing ran in parallel" in out
 
 
 def test_without_eval_check_has_no_metric_rows(capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,8 +17,6 @@ from dpverify.mutants import (
     CLIP_NORM,
     MUTANTS,
     PROPERTIES,
-    DataProperty,
-    DataTarget,
     Mutant,
     ReplicaOutputsDataParallel,
     ScratchDataParallel,
@@ -62,7 +60,7 @@ def test_every_mutant_is_caught_with_a_message_that_points_at_the_bug(name: str)
 #: tensor-parallel clip by the norm of the full gradients; for the data checks, torch's
 #: DistributedSampler construction with set_epoch (the scenario's own loader) and a
 #: gather-then-trim evaluation over DistributedSampler's padded shards.
-CORRECT: dict[str, Target | DataTarget] = {
+CORRECT: dict[str, Target] = {
     "dp-grads": Target(parallel=ScratchDataParallel),
     "dp-grad-sum": Target(parallel=ScratchDataParallel),
     "dp-buffers": Target(parallel=ScratchDataParallel),
@@ -78,8 +76,8 @@ CORRECT: dict[str, Target | DataTarget] = {
     # torch's clip_grad_norm_ after backward: the global norm, under DDP and FSDP2 alike
     "ddp-training": Target(after_backward=functools.partial(global_clip, max_norm=CLIP_NORM)),
     "fsdp-training": Target(after_backward=functools.partial(global_clip, max_norm=CLIP_NORM)),
-    "ddp-data": DataTarget(),
-    "ddp-metric": DataTarget(loader_factory=padded_loader, eval_fn=gather_trim_eval),
+    "ddp-data": Target(),
+    "ddp-metric": Target(loader=padded_loader, evaluate=gather_trim_eval),
 }
 
 #: Properties whose examples run three optimizer steps on ranks and twice on one device
@@ -104,7 +102,7 @@ def test_a_sum_and_count_evaluation_over_ranks_without_padding_passes_the_metric
     # all-reduced, then divided (the mutants integer-mean-eval and mean-of-rank-means-eval
     # run over the same loader)
     prop = PROPERTIES["ddp-metric"]
-    correct = DataTarget(loader_factory=unpadded_loader, eval_fn=sum_count_eval)
+    correct = Target(loader=unpadded_loader, evaluate=sum_count_eval)
 
     @SEARCH
     @given(prop.scenarios)
@@ -134,9 +132,8 @@ def test_catalogue_entries_are_documented_and_name_registry_checks() -> None:
     sharded = [m for m in MUTANTS.values() if m.kind in ("fsdp-step", "tp-plan", "pp-schedule")]
     assert len(sharded) >= 6
     assert set(CORRECT) == set(PROPERTIES)
-    data = {name for name, prop in PROPERTIES.items() if isinstance(prop, DataProperty)}
-    assert data == {"ddp-data", "ddp-metric"}  # the data checks are not registry checks
-    assert set(PROPERTIES) - data <= set(CHECKS)
+    data = {"ddp-data", "ddp-metric"}
+    assert set(PROPERTIES) <= set(CHECKS)  # one registry: the data checks are checks like the others
     for name, prop in PROPERTIES.items():
         assert prop.check == name
     data_mutants = [m for m in MUTANTS.values() if m.kind in ("loader", "eval")]
@@ -148,10 +145,10 @@ def test_catalogue_entries_are_documented_and_name_registry_checks() -> None:
         assert mutant.loader is None or mutant.kind == "eval", mutant.name
         assert mutant.caught_by in PROPERTIES
         assert (mutant.caught_by in data) == (mutant.kind in ("loader", "eval")), mutant.name
-        if mutant.kind in ("loader", "eval"):
-            assert isinstance(mutant.target, DataTarget), mutant.name
-            continue
         assert mutant.caught_by in CHECKS
+        if mutant.kind in ("loader", "eval"):
+            assert mutant.target.loader is not None or mutant.target.evaluate is not None, mutant.name
+            continue
         if mutant.kind == "hook":  # an after_backward hook runs in the training checks only
             assert CHECKS[mutant.caught_by].training, mutant.name
         if mutant.kind not in ("hook", "model"):  # the user's hook or model runs on any backend

@@ -22,7 +22,7 @@ import inspect
 import os
 import pickle
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,13 +34,12 @@ from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.core.text import and_list, plural
 from dpverify.core.tracebacks import describe_exception, failure_detail
 from dpverify.models.user import UserModel
-from dpverify.registry import CheckResult, Split, Verdict
+from dpverify.registry import CHECKS, Case, CheckResult, Split, Target
 
 if TYPE_CHECKING:
     from dpverify.data.path import DataReport
 
 __all__ = [
-    "METRIC_CHECKS",
     "PlannedMetric",
     "allow_text",
     "check_data",
@@ -54,10 +53,6 @@ __all__ = [
 ]
 
 #: The metric rows ``check --eval`` adds, by name: their titles in the table.
-METRIC_CHECKS = {
-    "dp-metric": "DP eval metric = one device",
-    "ddp-metric": "DDP eval metric = one device",
-}
 
 _LOADER_FORM = "a module-level function loader_factory(dataset, rank, world_size, epoch) returning the rank's DataLoader"
 _EVAL_FORM = "a module-level function eval_fn(model, loader) returning the metric (a number, a tensor, or a dict of them)"
@@ -203,38 +198,22 @@ def example_dataset(model: UserModel, rows: int) -> TensorDataset:
 
 @dataclass(frozen=True)
 class PlannedMetric:
-    """One metric row of ``check --eval``: the check, its title and split, and the run."""
+    """One metric row of ``check --eval``: a registry check (``dp-metric``, ``ddp-metric``)
+    on a case of the evaluation set, the code under test, and the split whose column the
+    row sits in (the largest batch size: the default loaders' batch size)."""
 
     check: str
-    title: str
+    case: Case
+    target: Target
     split: Split
-    run: Callable[[], Any]
+
+    @property
+    def title(self) -> str:
+        return CHECKS[self.check].title
 
     def result(self) -> CheckResult:
-        """The row's verdict: PASS, FAIL with the report's cause, SKIP on one device; what the
-        user's evaluation raises is the failure's evidence (an ``InvalidArgument`` is not:
-        the arguments cannot be checked, a usage error)."""
-        def result(verdict: Verdict, summary: str, **fields: Any) -> CheckResult:
-            return CheckResult(self.check, self.title, self.split, verdict, summary, **fields)
-
-        if self.split.devices < 2:
-            return result(Verdict.SKIP, f"{plural(self.split.devices, 'device')}: nothing ran in parallel", replicas=self.split.devices)
-        try:
-            report = self.run()
-        except InvalidArgument:
-            raise
-        except ParallelMismatch as failure:
-            causes = getattr(failure.report, "failures", ()) or (str(failure),)
-            return result(Verdict.FAIL, _first_sentence(causes[0]), detail=str(failure), error=failure)
-        except (Exception, SystemExit) as error:  # the user's evaluation's, not KeyboardInterrupt
-            return result(Verdict.FAIL, describe_exception(error), detail=failure_detail(error), error=error)
-        values = ", ".join(f"{key} {value:.6g}" for key, value in list(report.single.items())[:3])
-        return result(Verdict.PASS, f"{values}, as on one device", replicas=self.split.devices)
-
-
-def _first_sentence(text: str) -> str:
-    head, dot, _ = text.partition(". ")
-    return head + dot.strip()
+        """The registry's verdict (``CheckSpec.run``), in the row's column."""
+        return replace(CHECKS[self.check].run(self.case, self.target), split=self.split)
 
 
 @dataclass(frozen=True)
@@ -288,26 +267,20 @@ def plan_metric_checks(args: argparse.Namespace, model: UserModel, setup: EvalSe
     (not ``on_ranks_only``: torchrun's), ``ddp-metric`` on each world size with ``ddp`` or
     ``all``, each at the split of the largest batch size (the default loaders' batch size)."""
     from dpverify.data.loaders import batch_loader, distributed_loader
-    from dpverify.data.metrics import assert_ddp_metric_matches, assert_dp_metric_matches
 
     batch_size = max(args.batch_sizes)
-    planned: list[PlannedMetric] = []
-    if args.backend in ("dp", "all") and not on_ranks_only:
-        loader = setup.loader or functools.partial(batch_loader, batch_size=batch_size)
-        for devices in args.devices:
-            run = functools.partial(
-                assert_dp_metric_matches, model.module, setup.dataset, setup.eval_fn, device_ids=list(range(devices)),
-                loader_factory=loader, parallel=parallel,
-            )
-            planned.append(PlannedMetric("dp-metric", METRIC_CHECKS["dp-metric"], Split(batch_size, devices), run))
-    if args.backend in ("ddp", "all"):
-        loader = setup.loader or distributed_loader(batch_size=batch_size)
-        for devices in args.devices:
-            run = functools.partial(
-                assert_ddp_metric_matches, model.module, setup.dataset, setup.eval_fn, world_size=devices, loader_factory=loader,
-            )
-            planned.append(PlannedMetric("ddp-metric", METRIC_CHECKS["ddp-metric"], Split(batch_size, devices), run))
-    return planned
+    defaults = {"dp-metric": functools.partial(batch_loader, batch_size=batch_size), "ddp-metric": distributed_loader(batch_size=batch_size)}
+    wanted = [name for name, backend in (("dp-metric", "dp"), ("ddp-metric", "ddp")) if args.backend in (backend, "all")]
+    if on_ranks_only:
+        wanted = [name for name in wanted if name != "dp-metric"]
+    target = Target(parallel=parallel, loader=setup.loader, evaluate=setup.eval_fn)
+    return [
+        PlannedMetric(
+            name, Case(model.module, (), dataset=setup.dataset, loader=defaults[name], device_ids=tuple(range(devices))),
+            target, Split(batch_size, devices),
+        )
+        for name in wanted for devices in args.devices
+    ]
 
 
 # --------------------------------------------------------------------------- check-data

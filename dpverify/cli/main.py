@@ -919,6 +919,7 @@ def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
     from dpverify.planner import DEFAULT_BATCH_SIZES, DEFAULT_CHECKS, DEFAULT_DEVICE_COUNTS
     from dpverify.registry import CHECKS
 
+    model_checks = [name for name, spec in CHECKS.items() if not spec.data]  # the data checks run with --eval
     check = commands.add_parser(
         "check", parents=[common],
         help="run every applicable check on your model",
@@ -952,9 +953,9 @@ def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
         "are rows along it, so with D other than 0 pass --inputs returning the batch that way",
     )
     check.add_argument(
-        "--checks", nargs="+", choices=[*CHECKS, "all"], metavar="NAME",
+        "--checks", nargs="+", choices=[*model_checks, "all"], metavar="NAME",
         help=f"the checks to run where they apply, or all of them (default {' '.join(DEFAULT_CHECKS)}, and the training checks "
-        f"with --step, --optimizer or --steps; all: {' '.join(CHECKS)})",
+        f"with --step, --optimizer or --steps; all: {' '.join(model_checks)}; the metric checks run with --eval)",
     )
     _training_arguments(check)
     _eval_arguments(check)

@@ -180,6 +180,8 @@ class MetricReport:
         atol: absolute tolerance.
         failures: what differs, with its cause; empty when the metric matches.
         notes: what the reader should know either way.
+        replicas: the ranks that evaluated a sample, or the replicas DataParallel ran on a
+            batch (at most): the evidence that the evaluation ran in parallel.
     """
 
     title: str
@@ -190,10 +192,19 @@ class MetricReport:
     atol: float
     failures: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    replicas: int | None = None
 
     @property
     def ok(self) -> bool:
         return not self.failures
+
+    @property
+    def summary(self) -> str:
+        """One line for a table: the first cause, or the values that agreed."""
+        if self.failures:
+            head, dot, _rest = self.failures[0].partition(". ")
+            return head + dot.strip()
+        return "; ".join(f"{key} {_number(value)}" for key, value in list(self.single.items())[:3]) + " on every rank and one device"
 
     def message(self) -> str:
         lines = [self.title + ("" if self.ok else ": it does not."), f"Scenario: {self.scenario}."]
@@ -424,6 +435,7 @@ def assert_ddp_metric_matches(
     report = MetricReport(
         "The metric every rank reports must be the single-device metric over the whole dataset", scenario,
         tuple(run.values for run in runs), single.values, *tolerance, tuple(failures),
+        replicas=sum(1 for run in runs if run.ids),
     )
     if not report.ok:
         raise ParallelMismatch(msg if msg is not None else report.message(), report)
@@ -496,8 +508,9 @@ def assert_dp_metric_matches(
         # a forward returning a 0-dim value: torch warns at the gather; the report says it
         warnings.filterwarnings("ignore", message="Was asked to gather along dimension 0")
         wrapped = wrapper(module, device_ids=ids, output_device=output_device)
-        calls: list[int] = []
-        wrapped.register_forward_hook(lambda _m, _a, _o: calls.append(1))
+        calls: list[int] = []  # the replica forwards of each call of the wrapper
+        wrapped.register_forward_pre_hook(lambda _m, _a: calls.append(len(replicas)))
+        wrapped.register_forward_hook(lambda _m, _a, _o: calls.append(len(replicas) - calls.pop()))
         loader = factory(log, 0, 1, 0)
         facts = loader_facts(loader)
         run = _evaluate(wrapped, in_process(loader), log, eval_fn, facts)
@@ -526,7 +539,7 @@ def assert_dp_metric_matches(
     )
     report = MetricReport(
         "The metric through DataParallel must be the single-device metric", scenario, (run.values,), single.values,
-        *tolerance, tuple(failures),
+        *tolerance, tuple(failures), replicas=max(calls, default=0),
     )
     if not report.ok:
         raise ParallelMismatch(msg if msg is not None else report.message(), report)

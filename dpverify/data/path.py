@@ -106,6 +106,20 @@ class DataReport:
     def ok(self) -> bool:
         return all(f.allowed for f in self.findings)
 
+    @property
+    def replicas(self) -> int:
+        """The ranks whose loader delivered a sample: the evidence that the ranks ran."""
+        return sum(1 for r in range(self.world_size) if any(epoch.per_rank[r] for epoch in self.epochs))
+
+    @property
+    def summary(self) -> str:
+        """One line for a table: the first failing finding, or what passed."""
+        failing = [f for f in self.findings if not f.allowed]
+        if failing:
+            return f"epoch {failing[0].epoch}: {failing[0].what}"
+        costs = sorted({f.kind for f in self.findings})
+        return "every sample once per epoch" + (f" ({', '.join(costs)} allowed)" if costs else "")
+
     def scenario(self) -> str:
         facts = self.epochs[0].facts[0].describe() if self.epochs and self.epochs[0].facts else "?"
         return (

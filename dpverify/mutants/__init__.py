@@ -7,25 +7,22 @@ criterion wrapper, a reduction of per-replica losses, a per-rank DDP or FSDP2 st
 tensor-parallel plan builder or a pipeline schedule class, passed to a registry check as
 ``Mutant.target``. ``MUTANTS`` describes them all: the bug, the registry check that catches
 it (``dpverify.registry.CHECKS``), and a phrase the failure message contains; ``PROPERTIES``
-gives each of those checks the random scenarios it runs on. The data path and the
-evaluation loop are checked by ``assert_ddp_data_matches`` and ``assert_ddp_metric_matches``
-rather than a registry check: their mutants (kinds ``"loader"`` and ``"eval"``) are caught by
-the ``DataProperty`` ``"ddp-data"`` or ``"ddp-metric"`` of ``PROPERTIES``, on
-``DataScenario``s, and passed as a ``DataTarget``. The implementations live in ``dp``,
+gives each of those checks the random scenarios it runs on. The data path's and the
+evaluation loop's mutants (kinds ``"loader"`` and ``"eval"``) are caught by the registry
+checks ``"ddp-data"`` and ``"ddp-metric"`` on ``DataScenario``s, passed as ``Target.loader``
+and ``Target.evaluate``. The implementations live in ``dp``,
 ``ddp``, ``sharded``, ``training`` and ``data``; every name is exported here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import hypothesis.strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from dpverify.data.metrics import EvalFn, assert_ddp_metric_matches
-from dpverify.data.path import assert_ddp_data_matches
 from dpverify.data.samples import LoaderFactory
 from dpverify.models.data import DataScenario
 from dpverify.models.layouts import ShardedScenario
@@ -113,8 +110,6 @@ __all__ = [
     "AveragingDataParallel",
     "BalancedDropsChunkDataParallel",
     "BalancedOffsetDataParallel",
-    "DataProperty",
-    "DataTarget",
     "DeepCopyDataParallel",
     "DetachedReplicasDataParallel",
     "LastReplicaBuffersDataParallel",
@@ -203,71 +198,20 @@ def _tied_embedding(scenario: ShardedScenario) -> ShardedScenario:
 class Property:
     """A registry check over random scenarios: the check's name (a key of ``CHECKS``) and
     the scenarios it draws. Hypothesis lives here, not in the registry, so that importing
-    the engine never imports it."""
+    the engine never imports it. ``code``: the correct code the check runs where the code
+    under test leaves a field None and the check has no default of its own (the metric
+    check's evaluation loop)."""
 
     check: str
-    scenarios: SearchStrategy[Scenario] | SearchStrategy[ShardedScenario]
+    scenarios: SearchStrategy[Scenario] | SearchStrategy[ShardedScenario] | SearchStrategy[DataScenario]
+    code: Target = field(default_factory=Target)
 
-    def run(self, scenario: Scenario | ShardedScenario, target: Target | None = None) -> None:
+    def run(self, scenario: Scenario | ShardedScenario | DataScenario, target: Target | None = None) -> None:
         """``CHECKS[check].check`` on one scenario against ``target`` (default: torch's own);
         raises what the check raises (``ParallelMismatch`` when the code under test is caught)."""
         __tracebackhide__ = True
-        CHECKS[self.check].check(Case.from_scenario(scenario), target)
-
-
-@dataclass(frozen=True)
-class DataTarget:
-    """The data code under test for a ``DataProperty``; each field None means the correct
-    one.
-
-    Attributes:
-        loader_factory: ``loader_factory(dataset, rank, world_size, epoch)`` (default: the
-            scenario's own ``DistributedSampler`` construction, ``DataScenario.loader_factory``,
-            without its ``drop_last``s for an evaluation).
-        eval_fn: ``eval_fn(model, loader) -> metric`` (default: ``gather_trim_eval``, correct
-            over the default, padded loader).
-    """
-
-    loader_factory: LoaderFactory | None = None
-    eval_fn: EvalFn | None = None
-
-
-def _check_data_path(scenario: DataScenario, target: DataTarget) -> None:
-    """``assert_ddp_data_matches`` on the scenario's dataset, world size and epochs, padding
-    accepted (the training loader's cost, not its bug)."""
-    __tracebackhide__ = True
-    factory = target.loader_factory or scenario.loader_factory()
-    assert_ddp_data_matches(
-        scenario.dataset(), factory, world_size=scenario.world_size, epochs=scenario.epochs, allow=("padding",),
-    )
-
-
-def _check_metric(scenario: DataScenario, target: DataTarget) -> None:
-    """``assert_ddp_metric_matches`` of the scenario's classifier on its dataset."""
-    __tracebackhide__ = True
-    evaluation = replace(scenario, drop_last=False, loader_drop_last=False)  # an evaluation sees every sample
-    assert_ddp_metric_matches(
-        scenario.model(), scenario.dataset(), target.eval_fn or gather_trim_eval, world_size=scenario.world_size,
-        loader_factory=target.loader_factory or evaluation.loader_factory(),
-    )
-
-
-@dataclass(frozen=True)
-class DataProperty:
-    """A data check over random ``DataScenario``s: ``"ddp-data"`` (the samples each rank's
-    loader delivers per epoch, ``assert_ddp_data_matches``) or ``"ddp-metric"`` (what the
-    ranks' evaluation reports, ``assert_ddp_metric_matches``). Not a registry check: the
-    data checks take a loader factory and an evaluation loop, not a model step."""
-
-    check: str
-    scenarios: SearchStrategy[DataScenario]
-    verify: Callable[[DataScenario, DataTarget], None]
-
-    def run(self, scenario: DataScenario, target: DataTarget | None = None) -> None:
-        """The check on one scenario against ``target`` (default: the correct code); raises
-        ``ParallelMismatch`` when the code under test is caught."""
-        __tracebackhide__ = True
-        self.verify(scenario, target or DataTarget())
+        given = {name: value for name, value in vars(self.code).items() if value is not None}
+        CHECKS[self.check].check(Case.from_scenario(scenario), (target or Target()).with_defaults(**given))
 
 
 def _judged_on_its_merits(scenario: DataScenario) -> bool:
@@ -277,14 +221,23 @@ def _judged_on_its_merits(scenario: DataScenario) -> bool:
     return not (scenario.drop_last or scenario.loader_drop_last)
 
 
-def _data_properties() -> dict[str, DataProperty]:
+def _evaluation(scenario: DataScenario) -> DataScenario:
+    """The scenario's loader as an evaluation builds it: no ``drop_last`` (every sample seen)."""
+    return replace(scenario, drop_last=False, loader_drop_last=False)
+
+
+def _data_properties() -> dict[str, Property]:
     return {
         # the training loader over 1 to 3 epochs, on 2 to 4 ranks
-        "ddp-data": DataProperty("ddp-data", data_scenarios().filter(_judged_on_its_merits), _check_data_path),
+        "ddp-data": Property("ddp-data", data_scenarios().filter(_judged_on_its_merits)),
         # an evaluation on 2 to 4 ranks, every rank with a sample of its own: a rank with
         # none has no mean for a mean of per-rank means (0/0), and a loader that drops its
-        # last partial batch would evaluate nothing, which the check refuses as untestable
-        "ddp-metric": DataProperty("ddp-metric", data_scenarios().filter(lambda s: s.size > s.world_size), _check_metric),
+        # last partial batch would evaluate nothing, which the check refuses as untestable;
+        # the correct evaluation gathers per-sample losses and trims the padding
+        "ddp-metric": Property(
+            "ddp-metric", data_scenarios().filter(lambda s: s.size > s.world_size).map(_evaluation),
+            Target(evaluate=gather_trim_eval),
+        ),
     }
 
 
@@ -339,13 +292,13 @@ def _properties() -> dict[str, Property]:
 
 #: The property each registry check and each data check runs, by the check's name
 #: (``Mutant.caught_by``).
-PROPERTIES: dict[str, Property | DataProperty] = {**_properties(), **_data_properties()}
+PROPERTIES: dict[str, Property] = {**_properties(), **_data_properties()}
 
 
 #: The ``Target`` field a mutant of each kind (but ``"criterion"``) is passed as.
 _TARGET_FIELDS = {
     "dp": "parallel", "reduce": "reduce", "ddp-step": "step", "fsdp-step": "step", "tp-plan": "plan",
-    "pp-schedule": "schedule", "hook": "after_backward", "model": "model",
+    "pp-schedule": "schedule", "hook": "after_backward", "model": "model", "loader": "loader",
 }
 
 
@@ -383,17 +336,15 @@ class Mutant:
     loader: LoaderFactory | None = None
 
     @property
-    def target(self) -> Target | DataTarget:
+    def target(self) -> Target:
         """The mutant as the code under test: the ``Target`` field of its kind
         (``_TARGET_FIELDS``), a criterion's pair ``Target(parallel=model, parallel_loss=...)``,
-        or for the data kinds ``DataTarget(loader_factory=...)`` or
-        ``DataTarget(loader_factory=loader, eval_fn=...)``."""
+        or an evaluation loop with the loader it was written for
+        ``Target(loader=loader, evaluate=...)``."""
         if self.kind == "criterion":
             return Target(parallel=self.model, parallel_loss=self.implementation)
-        if self.kind == "loader":
-            return DataTarget(loader_factory=self.implementation)
         if self.kind == "eval":
-            return DataTarget(loader_factory=self.loader, eval_fn=self.implementation)
+            return Target(loader=self.loader, evaluate=self.implementation)
         if self.kind in _TARGET_FIELDS:
             given: dict[str, Any] = {_TARGET_FIELDS[self.kind]: self.implementation}
             return Target(**given)
@@ -405,15 +356,7 @@ class Mutant:
     def check(self, scenario: Scenario | ShardedScenario | DataScenario) -> None:
         """Runs the catching check on one scenario with this mutant (raises when caught)."""
         __tracebackhide__ = True
-        prop, target = PROPERTIES[self.caught_by], self.target
-        if isinstance(prop, DataProperty):
-            if not isinstance(scenario, DataScenario) or not isinstance(target, DataTarget):
-                raise ValueError(f"mutant {self.name!r} ({self.kind}) runs on a DataScenario; got {type(scenario).__name__}")
-            prop.run(scenario, target)
-        else:
-            if isinstance(scenario, DataScenario) or isinstance(target, DataTarget):
-                raise ValueError(f"mutant {self.name!r} ({self.kind}) runs on a Scenario or ShardedScenario; got {type(scenario).__name__}")
-            prop.run(scenario, target)
+        PROPERTIES[self.caught_by].run(scenario, self.target)
 
 
 MUTANTS: dict[str, Mutant] = {
