@@ -142,8 +142,7 @@ class Case:
         steps: the ``SharedSteps`` of the DataParallel gradient checks of this module,
             batch and loss (``dpverify.planner.plan_checks`` gives one per batch); None:
             each check runs its own.
-        dataset: the data checks' map-style dataset (default: the rows of this batch, a
-            ``TensorDataset`` of the inputs and the target; ``data()``).
+        dataset: the data checks' map-style dataset (they run only on a case that has one).
         loader: the data checks' ``loader_factory(dataset, rank, world_size, epoch)`` where
             the code under test (``Target.loader``) brings none: a generated scenario's
             torch construction.
@@ -223,23 +222,6 @@ class Case:
     @property
     def split(self) -> Split:
         return Split(self.batch_size, len(self.device_ids))
-
-    def data(self) -> Any:
-        """The data checks' dataset: ``dataset``, else the rows of this batch.
-
-        Raises:
-            InvalidArgument: no dataset, and the batch is not one tensor of inputs and a
-                tensor target (keyword inputs, several inputs, a loss-in-forward model).
-        """
-        if self.dataset is not None:
-            return self.dataset
-        inputs = self.inputs
-        if self.forward_kwargs or len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor) or not isinstance(self.target, torch.Tensor):
-            raise InvalidArgument(
-                "the data checks need a dataset: this case's batch is not one input tensor and a target tensor to make "
-                "one of; pass Case(dataset=...) (on the command line --dataset MODULE:DATASET)"
-            )
-        return torch.utils.data.TensorDataset(inputs[0], self.target)
 
     def sources(self) -> tuple[SourceGroup, ...]:
         """The modules that make train mode differ, grouped (empty in eval mode)."""
@@ -411,7 +393,7 @@ class CheckSpec:
         training: the check trains for several optimizer steps (``Case.batches``,
             ``Case.optimizer``) and runs ``Target.after_backward``.
         data: the check runs a data path or an evaluation loop (``Target.loader``,
-            ``Target.evaluate``) over ``Case.data()``: ``check --eval``, ``check-data`` and
+            ``Target.evaluate``) over ``Case.dataset``: ``check --eval``, ``check-data`` and
             the catalogue run it where they have that code; the planner, which has a model
             alone, does not.
     """
@@ -851,6 +833,10 @@ def _counter(case: Case) -> bool:
     return isinstance(case.module, (BufferCounter, AttributeCounter))
 
 
+def _has_dataset(case: Case) -> bool:
+    return case.dataset is not None
+
+
 def _one_rank(case: Case) -> str | None:
     return "one rank or device: nothing ran in parallel" if case.world_size < 2 else None
 
@@ -867,7 +853,7 @@ def _ddp_data(case: Case, target: Target) -> Report:
     from dpverify.data.path import assert_ddp_data_matches
 
     factory = _needs(target.loader or case.loader, "ddp-data", "loader", "dpverify check-data --loader MODULE:FACTORY")
-    return assert_ddp_data_matches(case.data(), factory, world_size=case.world_size, epochs=case.epochs, allow=("padding",), pool=target.pool)
+    return assert_ddp_data_matches(case.dataset, factory, world_size=case.world_size, epochs=case.epochs, allow=("padding",), pool=target.pool)
 
 
 def _ddp_metric(case: Case, target: Target) -> Report:
@@ -875,7 +861,7 @@ def _ddp_metric(case: Case, target: Target) -> Report:
 
     evaluate = _needs(target.evaluate, "ddp-metric", "evaluate", "--eval MODULE:FN")
     return assert_ddp_metric_matches(
-        case.module, case.data(), evaluate, world_size=case.world_size, loader_factory=target.loader or case.loader, pool=target.pool,
+        case.module, case.dataset, evaluate, world_size=case.world_size, loader_factory=target.loader or case.loader, pool=target.pool,
     )
 
 
@@ -884,7 +870,7 @@ def _dp_metric(case: Case, target: Target) -> Report:
 
     evaluate = _needs(target.evaluate, "dp-metric", "evaluate", "--eval MODULE:FN")
     return assert_dp_metric_matches(
-        case.module, case.data(), evaluate, device_ids=case.device_ids, output_device=case.output_device,
+        case.module, case.dataset, evaluate, device_ids=case.device_ids, output_device=case.output_device,
         loader_factory=target.loader or case.loader, parallel=target.parallel,
     )
 
@@ -1005,18 +991,18 @@ _SPECS = (
         "ddp-data", "DDP loaders: each sample once per epoch", "ddp",
         "Every epoch, the ranks' loaders (Target.loader) together see each sample of the dataset once, as one "
         "device's epoch does (padding reported as a cost), and a shuffle changes order each epoch.",
-        _ddp_data, skip=_one_rank, explains_divergence=False, data=True,
+        _ddp_data, wanted=_has_dataset, skip=_one_rank, explains_divergence=False, data=True,
     ),
     CheckSpec(
         "ddp-metric", "DDP eval metric = one device", "ddp",
         "The evaluation loop (Target.evaluate) returns on every rank the metric it returns on one device over the "
         "whole dataset.",
-        _ddp_metric, skip=_one_rank, explains_divergence=False, data=True,
+        _ddp_metric, wanted=_has_dataset, skip=_one_rank, explains_divergence=False, data=True,
     ),
     CheckSpec(
         "dp-metric", "DP eval metric = one device", "dp",
         "The evaluation loop (Target.evaluate) returns through DataParallel the metric it returns with the model alone.",
-        _dp_metric, skip=_one_rank, explains_divergence=False, data=True,
+        _dp_metric, wanted=_has_dataset, skip=_one_rank, explains_divergence=False, data=True,
     ),
 )
 
