@@ -20,7 +20,6 @@ import argparse
 import functools
 import inspect
 import os
-import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -29,7 +28,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from dpverify.cli.exits import EXIT_FAILED, EXIT_OK
-from dpverify.cli.user_model import load_object
+from dpverify.cli.user_model import load_object, sendable
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.core.text import and_list, plural
 from dpverify.core.tracebacks import describe_exception, failure_detail
@@ -59,18 +58,6 @@ _EVAL_FORM = "a module-level function eval_fn(model, loader) returning the metri
 
 
 # --------------------------------------------------------------------------- loading
-
-
-def _sendable(value: Any, what: str, instead: str) -> None:
-    """``value`` pickles, as the rank processes receive it.
-
-    Raises:
-        InvalidArgument: it does not; the message names ``what`` and says ``instead``.
-    """
-    try:
-        pickle.dumps(value)
-    except Exception as error:
-        raise InvalidArgument(f"{what} cannot be sent to the rank processes ({describe_exception(error)}); pass {instead}") from error
 
 
 def _takes(fn: Callable[..., Any], count: int, what: str, form: str) -> None:
@@ -109,7 +96,7 @@ def load_dataset(spec: str, option: str = "MODULE:DATASET") -> Any:
         except (Exception, SystemExit) as error:
             raise InvalidArgument(f"{what} raised {describe_exception(error)} (called with no arguments)") from error
     require_dataset(found, what)
-    _sendable(found, what, "a dataset whose class is defined at the top level of an importable module")
+    sendable(found, what, "a dataset whose class is defined at the top level of an importable module")
     return found
 
 
@@ -120,13 +107,7 @@ def load_loader_factory(spec: str, option: str = "--loader") -> Any:
         InvalidArgument: it does not import, is not callable, does not take the four
             arguments, or does not pickle.
     """
-    factory = load_object(spec, option)
-    what = f"{option} {spec!r}"
-    if not callable(factory):
-        raise InvalidArgument(f"{what} is {type(factory).__name__}, not callable; pass {_LOADER_FORM}")
-    _takes(factory, 4, what, _LOADER_FORM)
-    _sendable(factory, what, _LOADER_FORM)
-    return factory
+    return _load_function(spec, option, 4, _LOADER_FORM)
 
 
 def load_eval_fn(spec: str, option: str = "--eval") -> Any:
@@ -136,12 +117,18 @@ def load_eval_fn(spec: str, option: str = "--eval") -> Any:
         InvalidArgument: it does not import, is not callable, does not take two arguments,
             or does not pickle.
     """
+    return _load_function(spec, option, 2, _EVAL_FORM)
+
+
+def _load_function(spec: str, option: str, arity: int, form: str) -> Any:
+    """``MODULE:FN`` of ``option``: importable, callable with ``arity`` positional
+    arguments, and picklable (the ranks receive it); ``form`` says what to pass instead."""
     fn = load_object(spec, option)
     what = f"{option} {spec!r}"
     if not callable(fn):
-        raise InvalidArgument(f"{what} is {type(fn).__name__}, not callable; pass {_EVAL_FORM}")
-    _takes(fn, 2, what, _EVAL_FORM)
-    _sendable(fn, what, _EVAL_FORM)
+        raise InvalidArgument(f"{what} is {type(fn).__name__}, not callable; pass {form}")
+    _takes(fn, arity, what, form)
+    sendable(fn, what, form)
     return fn
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "load_object",
     "load_optimizer",
     "select_output",
+    "sendable",
     "user_model",
     "with_loss",
 ]
@@ -254,7 +255,7 @@ def load_loss(loss: str | None) -> LossFn | None:
     return cast(LossFn, fn)
 
 
-def _sendable(value: Any, what: str, instead: str) -> None:
+def sendable(value: Any, what: str, instead: str) -> None:
     """``value`` pickles, as the rank processes receive it.
 
     Raises:
@@ -281,7 +282,7 @@ def load_hook(spec: str | None, option: str = "--step") -> Callable[[Any], None]
     instead = "a module-level function FN(ctx), e.g. one calling torch.nn.utils.clip_grad_norm_(ctx.module.parameters(), 1.0)"
     if not callable(hook):
         raise InvalidArgument(f"{option} {spec!r} is {type(hook).__name__}, not callable; pass {instead}")
-    _sendable(hook, f"{option} {spec!r}", instead)
+    sendable(hook, f"{option} {spec!r}", instead)
     return cast(Callable[[Any], None], hook)
 
 
@@ -309,7 +310,7 @@ def load_optimizer(spec: str, module: nn.Module, option: str = "--optimizer") ->
     instead = "a module-level function params -> Optimizer, e.g. def make(params): return torch.optim.SGD(params, lr=0.1)"
     if not callable(factory):
         raise InvalidArgument(f"{option} {spec!r} is {type(factory).__name__}, not callable; pass {instead}")
-    _sendable(factory, f"{option} {spec!r}", instead)
+    sendable(factory, f"{option} {spec!r}", instead)
     trial = copy.deepcopy(module)
     made = _call_user(f"{option} {spec!r}", lambda: factory(trial.parameters()), "called with the model's parameters")
     if not isinstance(made, torch.optim.Optimizer):
