@@ -638,7 +638,7 @@ def _check_data_command(args: argparse.Namespace) -> int:
     from dpverify.ddp.torchrun import under_torchrun
 
     if under_torchrun():
-        from dpverify.cli.torchrun import on_torchrun_ranks
+        from dpverify.cli.torchrun import on_torchrun_ranks, quiet_usage_exit
 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         try:
@@ -647,7 +647,7 @@ def _check_data_command(args: argparse.Namespace) -> int:
             # the same options on every rank: rank 0 says it once, before the group is joined
             if rank == 0:
                 raise
-            return EXIT_USAGE
+            return quiet_usage_exit()
         on_torchrun_ranks("check-data", lambda: check_data(args, _console(args)), rank, world)
     return check_data(args, _console(args))
 

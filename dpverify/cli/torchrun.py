@@ -31,6 +31,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import NoReturn
@@ -39,7 +40,29 @@ from dpverify.cli.exits import EXIT_FAILED, EXIT_USAGE, usage_error
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.text import and_list
 
-__all__ = ["agreed_exit", "check_under_torchrun", "leave_rank", "on_torchrun_ranks", "rank_zero_prints", "torchrun_check_options"]
+__all__ = [
+    "USAGE_WAIT_S",
+    "agreed_exit",
+    "check_under_torchrun",
+    "leave_rank",
+    "on_torchrun_ranks",
+    "quiet_usage_exit",
+    "rank_zero_prints",
+    "torchrun_check_options",
+]
+
+
+#: How long a rank other than 0 waits on a usage error that rank 0 reports (``quiet_usage_exit``).
+USAGE_WAIT_S = 30.0
+
+
+def quiet_usage_exit() -> int:
+    """``EXIT_USAGE`` for a rank other than 0 that found, before the group is joined, the
+    usage error rank 0 reports. torchrun stops every rank as soon as one leaves, so a rank
+    leaving first could stop rank 0 before it printed the message: this rank waits for
+    torchrun to stop it once rank 0 has left (at most ``USAGE_WAIT_S``, then it leaves too)."""
+    time.sleep(USAGE_WAIT_S)
+    return EXIT_USAGE
 
 
 @contextlib.contextmanager
@@ -145,7 +168,8 @@ def check_under_torchrun(
 
     Raises:
         InvalidArgument: on rank 0, an unusable option (before the group is joined). The
-            other ranks return ``EXIT_USAGE`` silently: the options are the same on every rank.
+            other ranks leave silently (``quiet_usage_exit``): the options are the same on
+            every rank.
     """
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
@@ -154,7 +178,7 @@ def check_under_torchrun(
         # the same options on every rank: rank 0 says it once
         if rank == 0:
             raise
-        return EXIT_USAGE
+        return quiet_usage_exit()
     on_torchrun_ranks("check", lambda: run_check(args), rank, world)
 
 
