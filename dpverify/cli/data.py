@@ -4,10 +4,10 @@
 ``check-data MODULE:DATASET --loader MODULE:FACTORY --world-size N`` runs
 ``assert_ddp_data_matches`` on the user's dataset and loader factory and prints a verdict per
 epoch, the report and the final verdict, as ``check`` does (under torchrun, on its ranks).
-``check --eval MODULE:FN`` adds the rows ``ddp-metric`` and ``dp-metric`` to ``check``'s
-table: ``assert_ddp_metric_matches`` on ``--devices`` ranks and ``assert_dp_metric_matches``
-on ``--devices`` devices, on the user's model, over ``--dataset`` (default: rows of the
-model's example batch) with ``--loader`` (default: the torch documentation's loaders).
+``check --eval MODULE:FN`` adds the rows of the registry checks ``ddp-metric`` and
+``dp-metric`` to ``check``'s table, on ``--devices`` ranks or devices, on the user's model,
+over ``--dataset`` (default: rows of the model's example batch) with ``--loader`` (default:
+the torch documentation's loaders).
 
 Everything that cannot be used (a reference that does not import, a dataset that is not
 map-style, a function whose signature does not take the arguments it is called with) is an
@@ -50,8 +50,6 @@ __all__ = [
     "load_loader_factory",
     "plan_metric_checks",
 ]
-
-#: The metric rows ``check --eval`` adds, by name: their titles in the table.
 
 _LOADER_FORM = "a module-level function loader_factory(dataset, rank, world_size, epoch) returning the rank's DataLoader"
 _EVAL_FORM = "a module-level function eval_fn(model, loader) returning the metric (a number, a tensor, or a dict of them)"
