@@ -380,3 +380,14 @@ def test_a_forward_returning_per_sample_values_passes(parallel: Any) -> None:
     report = assert_dp_metric_matches(PerSampleLoss(), classified(10), weighted_mean_loss, device_ids=[0, 1, 2], parallel=parallel)
     assert report.ok
     assert "DataParallel on devices [0, 1, 2]" in report.scenario
+
+
+def test_a_rank_without_samples_whose_mean_is_nan_is_named() -> None:
+    # 3 samples on 4 ranks without padding: rank 3 has none, its mean is 0/0, and the
+    # mean of per-rank means is NaN on every rank
+    from dpverify.mutants import mean_of_rank_means_eval, unpadded_loader
+
+    with pytest.raises(ParallelMismatch) as caught:
+        assert_ddp_metric_matches(classifier(), classified(3), mean_of_rank_means_eval, world_size=4, loader_factory=unpadded_loader)
+    assert "Rank [3] evaluated no sample" in str(caught.value)
+    assert "neither samples counted twice" not in str(caught.value)

@@ -325,6 +325,14 @@ class _Diagnosis:
                 "sync-style mean of an integer state). Accumulate and synchronise in floating "
                 "point (torch.float64), and divide as floats after the reduction."
             )
+        empty = [r for r, run in enumerate(runs) if not run.ids]
+        if not explained and empty and any(math.isnan(v) for v in value.values()):
+            explained = True
+            found.append(
+                f"Rank{'s' if len(empty) > 1 else ''} {empty} evaluated no sample (fewer samples than ranks, and a loader "
+                "that does not pad), and a mean over none is 0/0: the NaN spread to every rank through the reduction. "
+                "Reduce sums and counts (a rank without samples adds 0 and 0), then divide once."
+            )
         if not explained and not (disagree and len(found) == 1 and "never synchronised" in found[0]):
             found.append(
                 "The parallel metric differs from one device's; neither samples counted twice or left out, integer "
