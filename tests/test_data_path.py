@@ -581,3 +581,15 @@ def test_a_reshuffle_that_draws_a_ranks_order_again_by_chance_is_no_missing_set_
     assert data_report(2, reshuffled, backend="gloo", loader="s").ok
     stale = data_report(2, ranks(set_epoch=False), backend="gloo", loader="s")
     assert [f.kind for f in stale.findings] == ["repeated-order"]
+
+
+def test_msg_replaces_or_rewrites_the_message_as_in_every_helper() -> None:
+    from dpverify.data.loaders import distributed_loader
+
+    loader = distributed_loader(batch_size=2)
+    with pytest.raises(ParallelMismatch) as replaced:
+        assert_ddp_data_matches(samples(10), loader, world_size=4, epochs=1, msg="mine")
+    assert str(replaced.value) == "mine"
+    with pytest.raises(ParallelMismatch) as rewritten:
+        assert_ddp_data_matches(samples(10), loader, world_size=4, epochs=1, msg=lambda text: f"rewritten: {text}")
+    assert str(rewritten.value).startswith("rewritten: The samples the ranks saw")

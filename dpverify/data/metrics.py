@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
+from dpverify.core.comparison import Msg, render
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.core.text import plural
 from dpverify.core.validation import require_callable, require_instance, require_int_at_least
@@ -388,7 +389,7 @@ def assert_ddp_metric_matches(
     pool: RankRunner | None = None,
     rtol: float | None = None,
     atol: float | None = None,
-    msg: str | None = None,
+    msg: Msg = None,
 ) -> MetricReport:
     """Asserts that your distributed evaluation returns, on every rank, the metric one device
     computes over the whole dataset.
@@ -414,7 +415,7 @@ def assert_ddp_metric_matches(
         pool: the ranks (default: the shared pool of ``world_size``, or torchrun's group).
         rtol: relative tolerance of each value (default 1e-5: the sums run in another order).
         atol: absolute tolerance (default 1e-8).
-        msg: replaces the failure message.
+        msg: replaces the failure message, or a callable that rewrites it.
 
     Returns:
         The report (``str()`` summarises it).
@@ -446,7 +447,7 @@ def assert_ddp_metric_matches(
         replicas=sum(1 for run in runs if run.ids),
     )
     if not report.ok:
-        raise ParallelMismatch(msg if msg is not None else report.message(), report)
+        raise ParallelMismatch(render(report.message(), msg), report)
     return report
 
 
@@ -461,7 +462,7 @@ def assert_dp_metric_matches(
     parallel: Callable[..., nn.Module] | None = None,
     rtol: float | None = None,
     atol: float | None = None,
-    msg: str | None = None,
+    msg: Msg = None,
 ) -> MetricReport:
     """Asserts that your evaluation loop reports through DataParallel what it reports on one
     device.
@@ -484,7 +485,7 @@ def assert_dp_metric_matches(
         parallel: the DataParallel implementation under test.
         rtol: relative tolerance of each value (default 1e-5).
         atol: absolute tolerance (default 1e-8).
-        msg: replaces the failure message.
+        msg: replaces the failure message, or a callable that rewrites it.
 
     Raises:
         ParallelMismatch: the metric differs from one device's, or no replica ran.
@@ -550,6 +551,6 @@ def assert_dp_metric_matches(
         *tolerance, tuple(failures), replicas=max(calls, default=0),
     )
     if not report.ok:
-        raise ParallelMismatch(msg if msg is not None else report.message(), report)
+        raise ParallelMismatch(render(report.message(), msg), report)
     return report
 

@@ -17,6 +17,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dpverify.core.comparison import Msg, render
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.core.text import and_list, plural
 from dpverify.core.validation import require_callable, require_int_at_least
@@ -209,7 +210,7 @@ def assert_ddp_data_matches(
     epochs: int = 2,
     allow: Collection[str] = (),
     pool: RankRunner | None = None,
-    msg: str | None = None,
+    msg: Msg = None,
 ) -> DataReport:
     """Asserts that, every epoch, the ranks' loaders together see each sample of ``dataset``
     once, as one device's epoch does.
@@ -238,7 +239,7 @@ def assert_ddp_data_matches(
             ``"dropped"`` (samples left out of an epoch; one left out of every epoch still
             fails).
         pool: the ranks (default: the shared pool of ``world_size``, or torchrun's group).
-        msg: replaces the failure message.
+        msg: replaces the failure message, or a callable that rewrites it.
 
     Returns:
         The report (``str()`` summarises it).
@@ -260,7 +261,7 @@ def assert_ddp_data_matches(
     _require_read(results)
     report = data_report(len(dataset), results, backend=ranks.backend, loader=callable_name(loader_factory), allow=allowed)
     if not report.ok:
-        raise ParallelMismatch(msg if msg is not None else report.message(), report)
+        raise ParallelMismatch(render(report.message(), msg), report)
     return report
 
 
