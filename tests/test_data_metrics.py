@@ -13,6 +13,7 @@ sample ids; values are compared only through the check's own tolerance, never as
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -391,3 +392,23 @@ def test_a_rank_without_samples_whose_mean_is_nan_is_named() -> None:
         assert_ddp_metric_matches(classifier(), classified(3), mean_of_rank_means_eval, world_size=4, loader_factory=unpadded_loader)
     assert "Rank [3] evaluated no sample" in str(caught.value)
     assert "neither samples counted twice" not in str(caught.value)
+
+
+def test_a_dataparallel_evaluation_of_one_row_batches_is_refused_and_a_one_row_last_batch_is_no_failure() -> None:
+    # one-row batches run one replica in torch's DataParallel too: no evidence of anything
+    # parallel (refused), but a last batch of one row after split batches is correct
+    from dpverify.data.loaders import batch_loader
+
+    with pytest.raises(InvalidArgument, match="every batch the loader gave had one row"):
+        assert_dp_metric_matches(classifier(), classified(5), _sample_mean_loss, device_ids=[0, 1, 2], loader_factory=functools.partial(batch_loader, batch_size=1))
+    report = assert_dp_metric_matches(classifier(), classified(5), _sample_mean_loss, device_ids=[0, 1, 2], loader_factory=functools.partial(batch_loader, batch_size=2))
+    assert report.replicas == 2
+
+
+def _sample_mean_loss(model: nn.Module, loader: Any) -> float:
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in loader:
+            total += float(F.cross_entropy(model(x), y, reduction="sum"))
+            count += len(y)
+    return total / count

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Subset
 from dpverify.core.comparison import Msg, render
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.core.text import plural
+from dpverify.core.tree import first_batched
 from dpverify.core.validation import require_callable, require_instance, require_int_at_least
 from dpverify.data.loaders import batch_loader, distributed_loader
 from dpverify.data.samples import (
@@ -517,9 +518,19 @@ def assert_dp_metric_matches(
         # a forward returning a 0-dim value: torch warns at the gather; the report says it
         warnings.filterwarnings("ignore", message="Was asked to gather along dimension 0")
         wrapped = wrapper(module, device_ids=ids, output_device=output_device)
-        calls: list[int] = []  # the replica forwards of each call of the wrapper
-        wrapped.register_forward_pre_hook(lambda _m, _a: calls.append(len(replicas)))
-        wrapped.register_forward_hook(lambda _m, _a, _o: calls.append(len(replicas) - calls.pop()))
+        calls: list[tuple[int, int]] = []  # each call of the wrapper: the batch's rows, the replica forwards
+        started: list[int] = []
+
+        def called(_module: nn.Module, args: Any, kwargs: Any) -> None:
+            started.append(len(replicas))
+            first = first_batched((args, kwargs))
+            calls.append((first.shape[0] if first is not None and first.dim() else 1, 0))
+
+        def returned(_module: nn.Module, _args: Any, _output: Any) -> None:
+            calls[-1] = (calls[-1][0], len(replicas) - started.pop())
+
+        wrapped.register_forward_pre_hook(called, with_kwargs=True)
+        wrapped.register_forward_hook(returned)
         loader = factory(log, 0, 1, 0)
         facts = loader_facts(loader)
         run = _evaluate(wrapped, in_process(loader), log, eval_fn, facts)
@@ -527,10 +538,17 @@ def assert_dp_metric_matches(
     _require_read([run], "DataParallel")
     single = _single_device(model, dataset, eval_fn, factory)
     failures: list[str] = []
-    if len(ids) > 1 and calls and len(replicas) <= len(calls) and (run.facts is None or (run.facts.batch_size or 0) > 1):
+    splittable = [ran for rows, ran in calls if rows > 1]  # a batch of one row runs one replica, as torch's does
+    if len(ids) > 1 and not splittable:
+        raise InvalidArgument(
+            f"every batch the loader gave had one row, so DataParallel on devices {ids} ran one replica a batch: nothing "
+            "ran in parallel, and a pass would test nothing; use a loader with a batch size of at least 2 (and a dataset "
+            "of at least 2 samples)"
+        )
+    if len(ids) > 1 and max(splittable) < 2:
         failures.append(
-            f"No replica ran: the model's forward ran {plural(len(replicas), 'time')} for {plural(len(calls), 'call')} of the "
-            f"wrapper on {len(ids)} devices; the wrapper must split each batch over the devices."
+            f"No replica ran: the model's forward ran once for each of {plural(len(splittable), 'call')} of the wrapper on "
+            f"batches of two or more rows on {len(ids)} devices; the wrapper must split each batch over the devices."
         )
     if not _all_close(run.values, single.values, *tolerance):
         text = "The metric through DataParallel differs from one device's."
@@ -548,7 +566,7 @@ def assert_dp_metric_matches(
     )
     report = MetricReport(
         "The metric through DataParallel must be the single-device metric", scenario, (run.values,), single.values,
-        *tolerance, tuple(failures), replicas=max(calls, default=0),
+        *tolerance, tuple(failures), replicas=max(splittable, default=1),
     )
     if not report.ok:
         raise ParallelMismatch(render(report.message(), msg), report)
