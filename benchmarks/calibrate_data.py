@@ -473,7 +473,7 @@ def applicable(sc: Scenario) -> tuple[bool, str]:
             # a custom sampler does not say its epoch: a repeat is evidence only when unlikely by chance
             chance = math.prod(1 / math.factorial(len(set(p))) for p in good[0] if p)
             if chance > CHANCE:
-                return False, f"a repeat of every rank's order is likely by chance ({chance:.2g})"
+                return False, f"a repeat of every rank's order is likely by chance (more than {CHANCE:g})"
         return True, ""
     if bug == "rank_seed":
         if all(_valid_cover(rank_ids(sc, bug, e), s.N, s.style == "dist") for e in range(s.E)):
@@ -484,14 +484,14 @@ def applicable(sc: Scenario) -> tuple[bool, str]:
         if all({i for p in epoch for i in p} == set(whole) for epoch in parts):
             return False, "every share is a multiple of the batch size"
         if s.check == "metric" and not _differs(_metric_on(sc, sorted({i for p in parts[0] for i in p})), _metric_on(sc, whole)):
-            return False, "the metric over the kept samples equals the full one"
+            return False, f"the drop moves the metric by less than {VISIBLE:g}"
         return True, ""
     if bug == "padding":
         if s.N % s.W == 0:
             return False, "N % W == 0: no padding"
         ids = [i for p in rank_ids(sc, "-", 0) for i in p]
         if not _differs(_metric_on(sc, ids), _metric_on(sc, whole)):
-            return False, "the padded samples do not move the mean"
+            return False, f"the padding moves the metric by less than {VISIBLE:g}"
         return True, ""
     if bug == "floor":
         right = round(_metric_on(sc, whole) * s.N)
@@ -503,9 +503,9 @@ def applicable(sc: Scenario) -> tuple[bool, str]:
     true = _metric_on(sc, whole)
     if bug == "mean_of_means":
         means = [_metric_on(sc, p) for p in shares]
-        return (True, "") if _differs(sum(means) / len(means), true) else (False, "equal shares, or means that agree")
+        return (True, "") if _differs(sum(means) / len(means), true) else (False, f"equal shares, or the means' mean within {VISIBLE:g} of the metric")
     if bug == "no_sync":
-        return (True, "") if any(_differs(_metric_on(sc, p), true) for p in shares) else (False, "every rank's own metric is the global one")
+        return (True, "") if any(_differs(_metric_on(sc, p), true) for p in shares) else (False, f"every rank's own metric within {VISIBLE:g} of the global one")
     raise ValueError(f"unknown bug {bug!r}")
 
 
