@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import bench_overhead
 import bench_sharded_pool
 import bench_training
 import calibrate
+import calibrate_data
 import mutants as mutants_benchmark
 import noise_stats
 
@@ -228,3 +230,50 @@ def test_token_bias_benchmark_rows_mean_what_they_say(capsys: pytest.CaptureFixt
     assert bert[1] == "tokens (labels != -100)"
     assert bert[6] == "yes"
     assert trainer[6] == "yes"  # 47 tokens do not divide by 4 devices
+
+
+@pytest.mark.timeout(120)
+def test_data_calibration_smoke_counts_every_scenario_and_catches_applicable_injections(capsys: pytest.CaptureFixture[str]) -> None:
+    tally = calibrate_data.main(["--n", "11", "--show", "50"])
+    out = capsys.readouterr().out
+    # every scenario is counted once, and its outcome once
+    assert tally.scenarios == 11
+    assert tally.passes + tally.false_alarms + tally.crashes == tally.scenarios
+    overall = tally.by_class["all"]
+    assert (overall.scenarios, overall.passes, overall.false_alarms, overall.crashes) == (
+        tally.scenarios, tally.passes, tally.false_alarms, tally.crashes,
+    )
+    assert {name for name in tally.by_class if name.startswith("check:")} == {"check:data", "check:metric", "check:dp"}
+    # the sensitivity stream ran on scenarios 0, 5 and 10, each with one injected bug
+    assert sorted(calibrate_data.Spec.parse(i.spec).i for i in tally.injections) == [0, 5, 10]
+    assert all(i.bug in calibrate_data.BUGS for i in tally.injections)
+    assert [i for i in tally.injections if i.applicable and i.outcome != "caught"] == []
+    assert "| false alarms (ParallelMismatch on correct code) |" in out
+    assert "| injected bug |" in out
+    # correct code: no crash, no false alarm
+    assert [f"{f.outcome}: {f.message}: {f.spec}" for f in tally.failures] == []
+
+
+def test_data_calibration_spec_round_trips_and_rebuilds_the_same_scenario() -> None:
+    for index in range(30):
+        spec = calibrate_data.generate(index, 3)
+        assert calibrate_data.Spec.parse(str(spec)) == spec
+        a, b = calibrate_data.build(spec), calibrate_data.build(str(spec))
+        assert all(torch.equal(u, v) for u, v in zip(a.dataset.tensors, b.dataset.tensors, strict=True))
+        for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):
+            assert torch.equal(p, q)
+        assert (spec.bug == "-") == (index % calibrate_data.SENSITIVITY_EVERY != 0)
+
+
+def test_data_calibration_applicability_is_read_from_the_scenario() -> None:
+    # padding on 12 samples over 3 ranks adds nothing; over 4 ranks, 13 samples pad 3
+    base = calibrate_data.Spec(
+        i=0, check="metric", N=12, W=3, E=1, style="dist", bs=4, nw=0, shuf=0, sseed=0, ev="sum64", model="reg", F=2,
+        C=1, xs=1.0, bug="padding", seed=0,
+    )
+    assert calibrate_data.applicable(calibrate_data.build(base)) == (False, "N % W == 0: no padding")
+    assert calibrate_data.applicable(calibrate_data.build(dataclasses.replace(base, N=13, W=4)))[0]
+    # drop_last with shares that are whole batches drops nothing
+    even = dataclasses.replace(base, style="strided", bs=4, ev="gather_obj", bug="drop_last")
+    assert not calibrate_data.applicable(calibrate_data.build(even))[0]
+    assert calibrate_data.applicable(calibrate_data.build(dataclasses.replace(even, bs=5)))[0]
