@@ -543,6 +543,7 @@ class ClassTally:
 class Tally:
     scenarios: int = 0
     passes: int = 0
+    refused: int = 0
     false_alarms: int = 0
     crashes: int = 0
     by_class: dict[str, ClassTally] = field(default_factory=lambda: defaultdict(ClassTally))
@@ -556,9 +557,16 @@ def _lines(error: BaseException, count: int = 4) -> str:
     return f"{type(error).__name__}: " + " | ".join(text[:count])
 
 
+def untestable(spec: Spec) -> bool:
+    """Whether the scenario runs nothing in parallel, by its own numbers: DataParallel over
+    batches of one row (a dataset of one sample, or a batch size of 1) runs one replica per
+    batch, so the check must refuse it rather than pass."""
+    return spec.check == "dp" and (spec.N == 1 or spec.bs == 1)
+
+
 def run_scenario(spec: Spec, tally: Tally, *, verbose: bool = False) -> str:
     """Builds and checks one scenario (and its injection); returns its outcome ("pass",
-    "false alarm", "crash")."""
+    "refused", "false alarm", "crash")."""
     started = time.perf_counter()
     outcome = "pass"
     sc: Scenario | None = None
@@ -572,6 +580,13 @@ def run_scenario(spec: Spec, tally: Tally, *, verbose: bool = False) -> str:
         tally.failures.append(Failure(outcome, str(spec), _lines(error, 8)))
         if verbose:
             print(f"--- FALSE ALARM\n{error}\n")
+    except dpverify.InvalidArgument as error:
+        # refused as untestable: right where this scenario, by its own numbers, runs nothing in parallel
+        outcome = "refused" if untestable(spec) else "crash"
+        if outcome == "crash":
+            tally.failures.append(Failure(outcome, str(spec), _lines(error)))
+        if verbose:
+            print(f"--- {outcome.upper()}\n{error}\n")
     except Exception as error:
         outcome = "crash"
         tally.failures.append(Failure(outcome, str(spec), _lines(error)))
@@ -583,6 +598,7 @@ def run_scenario(spec: Spec, tally: Tally, *, verbose: bool = False) -> str:
     tally.seconds += seconds
     tally.scenarios += 1
     tally.passes += outcome == "pass"
+    tally.refused += outcome == "refused"
     tally.false_alarms += outcome == "false alarm"
     tally.crashes += outcome == "crash"
     for name in ["all", *spec.classes]:
@@ -629,6 +645,7 @@ def report(tally: Tally, seed: int, show: int) -> None:
     print("|---|---:|")
     print(f"| scenarios checked | {tally.scenarios} |")
     print(f"| passed | {tally.passes} |")
+    print(f"| refused as untestable (one-row batches through DataParallel) | {tally.refused} |")
     print(f"| false alarms (ParallelMismatch on correct code) | {tally.false_alarms} |")
     print(f"| crashes (any other exception) | {tally.crashes} |")
 

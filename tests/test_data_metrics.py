@@ -412,3 +412,24 @@ def _sample_mean_loss(model: nn.Module, loader: Any) -> float:
             total += float(F.cross_entropy(model(x), y, reduction="sum"))
             count += len(y)
     return total / count
+
+
+def two_pass_eval(model: nn.Module, loader: Any) -> dict[str, float]:
+    """An evaluation that goes over its loader twice: the mean loss, then per-class counts."""
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for x, y in loader:
+            total[0] += F.cross_entropy(model(x), y, reduction="sum").double()
+            total[1] += len(y)
+    counts = torch.zeros(3, dtype=torch.float64)
+    for _x, y in loader:
+        counts += torch.bincount(y, minlength=3).double()
+    dist.all_reduce(total)
+    dist.all_reduce(counts)
+    return {"loss": float(total[0] / total[1]), "class_0": float(counts[0])}
+
+
+def test_an_evaluation_that_goes_over_its_loader_twice_is_checked_once_per_pass() -> None:
+    report = assert_ddp_metric_matches(classifier(), classified(8), two_pass_eval, world_size=2, loader_factory=strided)
+    assert report.ok
+    assert report.replicas == 2

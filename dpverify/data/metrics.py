@@ -123,7 +123,17 @@ def _evaluate(model: nn.Module, loader: Any, log: SampleLog, eval_fn: EvalFn, fa
     seen: list[tuple[str, str]] = []
     with collectives_seen(seen):
         metric = eval_fn(model, loader)
-    return MetricRun(metric_values(metric), _integral(metric), tuple(log.fetched), facts, tuple(seen))
+    return MetricRun(metric_values(metric), _integral(metric), _one_pass(log.fetched), facts, tuple(seen))
+
+
+def _one_pass(fetched: Sequence[int]) -> tuple[int, ...]:
+    """The samples an evaluation visited: one pass of ``fetched`` where the loop went over
+    its loader several times the same way (a second pass for per-class counts), else all."""
+    for passes in range(len(fetched) // 2, 1, -1):  # the most passes first: the shortest period
+        size, rest = divmod(len(fetched), passes)
+        if not rest and all(fetched[i] == fetched[i % size] for i in range(size, len(fetched))):
+            return tuple(fetched[:size])
+    return tuple(fetched)
 
 
 @dataclass(frozen=True)
