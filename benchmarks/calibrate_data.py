@@ -534,6 +534,7 @@ class Injection:
 class ClassTally:
     scenarios: int = 0
     passes: int = 0
+    refused: int = 0
     false_alarms: int = 0
     crashes: int = 0
     seconds: float = 0.0
@@ -605,6 +606,7 @@ def run_scenario(spec: Spec, tally: Tally, *, verbose: bool = False) -> str:
         ct = tally.by_class[name]
         ct.scenarios += 1
         ct.passes += outcome == "pass"
+        ct.refused += outcome == "refused"
         ct.false_alarms += outcome == "false alarm"
         ct.crashes += outcome == "crash"
         ct.seconds += seconds
@@ -668,11 +670,11 @@ def report(tally: Tally, seed: int, show: int) -> None:
         print("\nNot applicable, why: " + "; ".join(f"{r} ({n})" for r, n in reasons.most_common()))
 
     print("\nPer class (a scenario counts in each of its classes):\n")
-    print("| class | scenarios | passed | false alarms | crashes | ms/scenario |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| class | scenarios | passed | refused | false alarms | crashes | ms/scenario |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name in sorted(tally.by_class, key=lambda k: (k != "all", k)):
         ct = tally.by_class[name]
-        print(f"| {name} | {ct.scenarios} | {ct.passes} | {ct.false_alarms} | {ct.crashes} | "
+        print(f"| {name} | {ct.scenarios} | {ct.passes} | {ct.refused} | {ct.false_alarms} | {ct.crashes} | "
               f"{1000 * ct.seconds / max(ct.scenarios, 1):.0f} |")
 
     if tally.failures:
