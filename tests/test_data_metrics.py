@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from test_data_path import StridedSampler
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.data.metrics import MetricReport, assert_ddp_metric_matches, assert_dp_metric_matches
@@ -65,19 +65,6 @@ def caught(*args: Any, **options: Any) -> tuple[str, MetricReport]:
 
 
 # --------------------------------------------------------------------------- the user's loaders
-
-
-class StridedSampler(Sampler[int]):
-    """An evaluation sampler that does not pad: rank r takes samples r, r + W, r + 2W, ..."""
-
-    def __init__(self, dataset: Any, rank: int, world_size: int) -> None:
-        self.indices = range(rank, len(dataset), world_size)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
 
 
 def strided(dataset: Any, rank: int, world_size: int, epoch: int) -> DataLoader[Any]:
