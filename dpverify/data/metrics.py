@@ -40,6 +40,7 @@ from dpverify.data.samples import (
     LoaderFacts,
     SampleLog,
     collectives_seen,
+    ids_text,
     in_process,
     loader_facts,
     one_rank_world,
@@ -252,11 +253,6 @@ def _tolerance(rtol: float | None, atol: float | None) -> tuple[float, float]:
     return (RTOL if rtol is None else float(rtol)), (ATOL if atol is None else float(atol))
 
 
-def _ids(samples: Sequence[int], most: int = 12) -> str:
-    shown = sorted(samples)
-    return "[" + ", ".join(map(str, shown[:most])) + (", ..." if len(shown) > most else "") + "]"
-
-
 class _Diagnosis:
     """Why the ranks' metric differs from one device's, from the runs' evidence and from
     counterfactual single-device runs (made only here, on failure)."""
@@ -305,13 +301,13 @@ class _Diagnosis:
                 if twice:
                     facts = runs[0].facts
                     pad = " (DistributedSampler pads the dataset to a multiple of the world size with repeated samples)" if facts is not None and facts.distributed and not facts.sampler_drop_last else ""
-                    parts.append(f"samples {_ids(twice)} were counted twice{pad}")
+                    parts.append(f"samples {ids_text(twice)} were counted twice{pad}")
                 if never:
                     facts = runs[0].facts
                     why = ""
                     if facts is not None and (facts.drop_last or facts.sampler_drop_last):
                         why = " (drop_last=True" + (" in the DataLoader" if facts.drop_last else " in the DistributedSampler") + ")"
-                    parts.append(f"samples {_ids(never)} were never evaluated{why}")
+                    parts.append(f"samples {ids_text(never)} were never evaluated{why}")
                 found.append(
                     "The metric is the single-device metric over the samples the ranks evaluated, not the dataset: "
                     + " and ".join(parts) + ". Fix: evaluate every sample once: drop_last=False, and de-duplicate the "

@@ -21,7 +21,7 @@ from dpverify.core.comparison import Msg, render
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.core.text import and_list, plural
 from dpverify.core.validation import require_callable, require_int_at_least
-from dpverify.data.samples import LoaderFactory, LoaderFacts, require_dataset, run_loader
+from dpverify.data.samples import LoaderFactory, LoaderFacts, ids_text, require_dataset, run_loader
 from dpverify.ddp.runner import RankRunner, require_picklable
 from dpverify.ranked.check import callable_name, runner
 from dpverify.ranked.rank import RankInfo
@@ -33,7 +33,6 @@ __all__ = ["ALLOWED", "DataFinding", "DataReport", "EpochSamples", "assert_ddp_d
 #: an epoch; a sample left out of every epoch of several still fails).
 ALLOWED = ("padding", "dropped")
 
-_MOST = 12  # sample ids shown per finding
 
 
 @dataclass(frozen=True)
@@ -294,12 +293,6 @@ def data_report(
 # --------------------------------------------------------------------------- findings
 
 
-def _ids(samples: Sequence[int]) -> str:
-    shown = sorted(samples)
-    text = ", ".join(map(str, shown[:_MOST]))
-    return f"[{text}{', ...' if len(shown) > _MOST else ''}]"
-
-
 def _epoch_findings(epoch: EpochSamples, n: int, allow: Collection[str]) -> list[DataFinding]:
     ranks = epoch.per_rank
     world = len(ranks)
@@ -308,7 +301,7 @@ def _epoch_findings(epoch: EpochSamples, n: int, allow: Collection[str]) -> list
     outside = sorted({i for ids in ranks for i in ids if not 0 <= i < n})
     if outside:
         found.append(DataFinding(
-            "outside", e, tuple(outside), f"Indices outside the dataset of {n} samples were fetched: {_ids(outside)}.",
+            "outside", e, tuple(outside), f"Indices outside the dataset of {n} samples were fetched: {ids_text(outside)}.",
             f"A sampler must yield indices 0..{n - 1} (len(dataset) of the dataset the factory is given).",
         ))
     counts = Counter(i for ids in ranks for i in ids)
@@ -333,7 +326,7 @@ def _same_order(epoch: EpochSamples, n: int, never: Sequence[int]) -> tuple[str,
     world = len(epoch.per_rank)
     size = len(epoch.per_rank[0])
     text = f"Every rank saw the same {plural(size, 'sample')} in the same order"
-    text += f" (the whole dataset, {world} times over)." if not never else f", and {len(never)} samples none saw: {_ids(never)}."
+    text += f" (the whole dataset, {world} times over)." if not never else f", and {len(never)} samples none saw: {ids_text(never)}."
     if all(f.distributed for f in facts):
         ranks_given = sorted({f.rank for f in facts if f.rank is not None})
         replicas = sorted({f.num_replicas for f in facts if f.num_replicas is not None})
@@ -371,9 +364,9 @@ def _padding(epoch: EpochSamples, n: int, twice: Sequence[int]) -> tuple[str, st
     most = max(Counter(i for ids in epoch.per_rank for i in ids).values())
     they = "they carry" if len(twice) > 1 else "it carries"
     what = (
-        f"Samples seen twice: {_ids(twice)}; in training {they} double weight in epoch {epoch.epoch}."
+        f"Samples seen twice: {ids_text(twice)}; in training {they} double weight in epoch {epoch.epoch}."
         if most == 2 else
-        f"Samples seen more than once: {_ids(twice)} (up to {most} times); in training {they} up to {most} times the "
+        f"Samples seen more than once: {ids_text(twice)} (up to {most} times); in training {they} up to {most} times the "
         f"weight in epoch {epoch.epoch}."
     )
     return what, (
@@ -393,7 +386,7 @@ def _overlap(epoch: EpochSamples, twice: Sequence[int]) -> tuple[str, str]:
         for r in range(len(ranks)) for s in range(r + 1, len(ranks)) if sets[r] & sets[s]
     ]
     inner = [r for r, ids in enumerate(ranks) if len(set(ids)) < len(ids)]
-    text = f"Samples seen more than once: {_ids(twice)}."
+    text = f"Samples seen more than once: {ids_text(twice)}."
     if pairs:
         text += f" The ranks' samples overlap: {and_list(pairs[:6])}{' and more' if len(pairs) > 6 else ''}."
     if inner:
@@ -431,7 +424,7 @@ def _split_cause(epoch: EpochSamples) -> str:
 def _dropped(epoch: EpochSamples, n: int, never: Sequence[int]) -> tuple[str, str]:
     facts = epoch.facts
     world = len(facts)
-    text = f"Samples never seen: {_ids(never)} ({len(never)} of {n})."
+    text = f"Samples never seen: {ids_text(never)} ({len(never)} of {n})."
     causes: list[str] = []
     if all(f.distributed for f in facts):
         replicas = sorted({f.num_replicas for f in facts if f.num_replicas is not None})
@@ -519,6 +512,6 @@ def _never_in_any(epochs: Sequence[EpochSamples], findings: Sequence[DataFinding
     last = epochs[-1].epoch
     return [DataFinding(
         "dropped", last, tuple(sorted(always)),
-        f"Samples {_ids(sorted(always))} were left out of all {len(epochs)} epochs: they are never trained on.",
+        f"Samples {ids_text(sorted(always))} were left out of all {len(epochs)} epochs: they are never trained on.",
         "Shuffle with a new order each epoch (shuffle=True and set_epoch) so that the dropped samples change, or pass drop_last=False.",
     )]

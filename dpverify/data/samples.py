@@ -40,6 +40,7 @@ __all__ = [
     "LoaderFacts",
     "SampleLog",
     "collectives_seen",
+    "ids_text",
     "in_process",
     "loader_facts",
     "one_rank_world",
@@ -51,6 +52,16 @@ __all__ = [
 #: ``loader_factory(dataset, rank, world_size, epoch)``: the user's construction of a rank's
 #: loader for one epoch.
 LoaderFactory = Callable[[Any, int, int, int], Any]
+
+
+#: Sample ids shown in one finding or cause.
+SHOWN_IDS = 12
+
+
+def ids_text(samples: Sequence[int]) -> str:
+    """``[0, 4, 7]``: sample ids sorted, the first ``SHOWN_IDS`` and ``...`` for the rest."""
+    shown = sorted(samples)
+    return "[" + ", ".join(map(str, shown[:SHOWN_IDS])) + (", ..." if len(shown) > SHOWN_IDS else "") + "]"
 
 
 def require_dataset(dataset: object, argument: str = "dataset") -> Any:
