@@ -44,6 +44,7 @@ from dpverify.data.samples import (
     in_process,
     loader_facts,
     one_rank_world,
+    raise_refused,
     require_dataset,
 )
 from dpverify.ddp.runner import RankRunner, require_picklable
@@ -375,10 +376,7 @@ def _validated(model: Any, dataset: Any, eval_fn: Any, loader_factory: Any, defa
 
 
 def _require_read(runs: Sequence[MetricRun], where: str) -> None:
-    refused = [rank for rank, run in enumerate(runs) if run.refused]
-    if refused:
-        ranks = f"rank {refused[0]}" if len(refused) == 1 else f"ranks {refused}"
-        raise InvalidArgument(f"{runs[refused[0]].refused} (on {ranks})")
+    raise_refused([run.refused for run in runs])
     if not any(run.ids for run in runs):
         raise InvalidArgument(
             f"eval_fn read no sample from the loader it was given on {where}: nothing was evaluated in parallel, so a "

@@ -21,7 +21,14 @@ from dpverify.core.comparison import Msg, render
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.core.text import and_list, plural
 from dpverify.core.validation import require_callable, require_int_at_least
-from dpverify.data.samples import LoaderFactory, LoaderFacts, ids_text, require_dataset, run_loader
+from dpverify.data.samples import (
+    LoaderFactory,
+    LoaderFacts,
+    ids_text,
+    raise_refused,
+    require_dataset,
+    run_loader,
+)
 from dpverify.ddp.runner import RankRunner, require_picklable
 from dpverify.ranked.check import callable_name, runner
 from dpverify.ranked.rank import RankInfo
@@ -191,13 +198,6 @@ def run_data_task(info: RankInfo, task: DataTask) -> RankSamples:
     return RankSamples(tuple(ids), tuple(facts))
 
 
-def _require_read(results: Sequence[RankSamples]) -> None:
-    refused = [rank for rank, result in enumerate(results) if result.refused]
-    if refused:
-        where = f"rank {refused[0]}" if len(refused) == 1 else f"ranks {refused}"
-        raise InvalidArgument(f"{results[refused[0]].refused} (on {where})")
-
-
 # --------------------------------------------------------------------------- public
 
 
@@ -257,7 +257,7 @@ def assert_ddp_data_matches(
     require_picklable(loader_factory, "loader_factory")
     ranks = runner(pool, world)
     results: tuple[RankSamples, ...] = ranks.run(run_data_task, DataTask(dataset, loader_factory, count))
-    _require_read(results)
+    raise_refused([result.refused for result in results])
     report = data_report(len(dataset), results, backend=ranks.backend, loader=callable_name(loader_factory), allow=allowed)
     if not report.ok:
         raise ParallelMismatch(render(report.message(), msg), report)

@@ -44,6 +44,7 @@ __all__ = [
     "in_process",
     "loader_facts",
     "one_rank_world",
+    "raise_refused",
     "read_epoch",
     "require_dataset",
     "run_loader",
@@ -62,6 +63,20 @@ def ids_text(samples: Sequence[int]) -> str:
     """``[0, 4, 7]``: sample ids sorted, the first ``SHOWN_IDS`` and ``...`` for the rest."""
     shown = sorted(samples)
     return "[" + ", ".join(map(str, shown[:SHOWN_IDS])) + (", ..." if len(shown) > SHOWN_IDS else "") + "]"
+
+
+def raise_refused(refusals: Sequence[str]) -> None:
+    """Raises the first rank's refusal (an ``InvalidArgument`` a rank returned as its
+    result, so that the pool keeps its ranks), naming the ranks that refused; nothing when
+    every refusal is empty.
+
+    Raises:
+        InvalidArgument: a rank refused.
+    """
+    refused = [rank for rank, text in enumerate(refusals) if text]
+    if refused:
+        where = f"rank {refused[0]}" if len(refused) == 1 else f"ranks {refused}"
+        raise InvalidArgument(f"{refusals[refused[0]]} (on {where})")
 
 
 def require_dataset(dataset: object, argument: str = "dataset") -> Any:
