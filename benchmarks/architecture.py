@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-ENGINE = ("core", "checks", "ranked", "ddp", "sharded", "data", "models")
+ENGINE = ("core", "exact", "checks", "ranked", "ddp", "sharded", "data", "models")
 FRONT_ENDS = ("cli", "figures", "explain")
 
 

@@ -139,6 +139,8 @@ class Tolerance:
         return factor
 
     def describe(self, working_dtype: torch.dtype) -> str:
+        if self.rtol == 0 and self.atol == 0:
+            return "none: every element must be equal to the single-device one (rtol=0, atol=0)"
         if self.explicit:
             return (
                 f"torch.isclose: |parallel - single-device| <= atol + rtol * |single-device| "
