@@ -147,6 +147,9 @@ class Case:
             the code under test (``Target.loader``) brings none: a generated scenario's
             torch construction.
         epochs: the epochs the data-path check runs.
+        exact: run the gradient and training checks in exact mode (``exact=True`` of the
+            assertion helpers: dyadic float64 copies, every operation shown exact, no
+            tolerance); a check that has no exact mode skips, saying so.
     """
 
     module: nn.Module
@@ -165,6 +168,7 @@ class Case:
     dataset: Any = None
     loader: Any = None
     epochs: int = DATA_EPOCHS
+    exact: bool = False
 
     @classmethod
     def from_scenario(cls, scenario: Scenario | ShardedScenario | TrainingScenario | DataScenario) -> Case:
