@@ -52,6 +52,7 @@ __all__ = [
     "DEFAULT_BATCH_SIZES",
     "DEFAULT_CHECKS",
     "DEFAULT_DEVICE_COUNTS",
+    "EXACT_BATCH_SIZES",
     "ModelCheckReport",
     "ParameterError",
     "PlannedCheck",
@@ -66,6 +67,10 @@ __all__ = [
 #: Even chunks, uneven chunks, one-row chunks and fewer rows than devices, on 2 and 4 devices.
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (8, 5, 2)
 DEFAULT_DEVICE_COUNTS: tuple[int, ...] = (2, 4)
+#: The batch sizes of exact mode where none are given: a mean over a batch divides by its
+#: rows, which rounds unless they are a power of two (8 on 2 and 4 devices: even chunks; 2 on
+#: 4: fewer rows than devices).
+EXACT_BATCH_SIZES: tuple[int, ...] = (8, 4, 2)
 
 #: The checks ``dpverify check`` runs by default, where they apply: what a user's model and
 #: training step can get wrong, one gradient step and a few optimizer steps (state kept
@@ -88,6 +93,7 @@ class ModelCheckReport:
         results: every check on every split, in the order they ran.
         divergence: the modules that make train mode differ (BatchNorm, Dropout).
         groups: the same, one group per shared explanation.
+        exact: the checks ran in exact mode (``Case.exact``): no tolerance.
     """
 
     model: str
@@ -95,6 +101,7 @@ class ModelCheckReport:
     results: tuple[CheckResult, ...]
     divergence: tuple[DivergenceSource, ...]
     groups: tuple[SourceGroup, ...] = ()
+    exact: bool = False
 
     @property
     def failed(self) -> tuple[CheckResult, ...]:
@@ -180,6 +187,7 @@ def plan_checks(
     target: Target | None = None,
     dim: int = 0,
     training: TrainingOptions | None = None,
+    exact: bool = False,
 ) -> list[PlannedCheck]:
     """Every check to run, in order; a model with divergence sources is checked as given
     (mismatches explained) and then as an eval-mode copy (mismatches fail). The checks of
@@ -203,6 +211,9 @@ def plan_checks(
         training: the training checks' optimizer steps and optimizer (default:
             ``TrainingOptions()``, ``TRAINING_STEPS`` steps of SGD with momentum); each step
             trains on the model's batch for that step.
+        exact: run the checks in exact mode (``Case.exact``: dyadic float64 copies, every
+            operation shown exact, no tolerance); a model outside the exact set is refused
+            when its first check runs.
 
     Raises:
         InvalidArgument: an unknown check or backend, a batch the model cannot take, or
@@ -232,7 +243,7 @@ def plan_checks(
             case = Case(
                 module, batch.inputs, batch.target, batch.loss_fn, tuple(range(devices)),
                 forward_kwargs=dict(batch.kwargs) or None, per_row_mean_loss=batch.per_row_mean_loss, dim=dim,
-                steps=steps[batch_size], batches=steps_of[batch_size], optimizer=options.optimizer,
+                steps=steps[batch_size], batches=steps_of[batch_size], optimizer=options.optimizer, exact=exact,
             )
             planned += [PlannedCheck(spec, case, target, eval_copy) for spec in specs if spec.applies(case)]
     return planned
@@ -308,12 +319,13 @@ def check_model(
     plan: Sequence[PlannedCheck] | None = None,
     dim: int = 0,
     training: TrainingOptions | None = None,
+    exact: bool = False,
 ) -> ModelCheckReport:
     """Runs every planned check; ``on_start`` sees each check's title and split before it
     runs, and ``on_result`` its result as it comes.
 
     Args:
-        model, batch_sizes, device_counts, backend, checks, splits, target, dim, training:
+        model, batch_sizes, device_counts, backend, checks, splits, target, dim, training, exact:
             what to check, as in ``plan_checks``.
         on_result: called with each result.
         on_start: called before each check.
@@ -327,7 +339,7 @@ def check_model(
     if plan is None:
         plan = plan_checks(
             model, batch_sizes=batch_sizes, device_counts=device_counts, backend=backend, checks=checks,
-            splits=splits, target=target, dim=dim, training=training,
+            splits=splits, target=target, dim=dim, training=training, exact=exact,
         )
     results: list[CheckResult] = []
     for planned in plan:
@@ -338,7 +350,9 @@ def check_model(
         if on_result is not None:
             on_result(result)
     loss = model.make_batch(max(b for b, _ in splits) if splits else max(batch_sizes)).loss_name
-    return ModelCheckReport(model.name, loss, tuple(results), divergence_sources(model.module), group_sources(model.module))
+    # a given plan says itself whether it is exact
+    exact = exact or any(planned.case.exact for planned in plan)
+    return ModelCheckReport(model.name, loss, tuple(results), divergence_sources(model.module), group_sources(model.module), exact=exact)
 
 
 @dataclass(frozen=True)

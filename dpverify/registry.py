@@ -515,7 +515,9 @@ class CheckSpec:
             return _loss_verdict(result, report, replicas=report.replicas)
         if not isinstance(report, StepComparison):
             return result(Verdict.PASS, report.summary, replicas=report.replicas)
-        return result(Verdict.PASS, f"worst at {report.worst_ratio:.2g} of tolerance", tensors=report.tensors, replicas=report.replicas)
+        # exact mode allows no difference at all: a pass is bit-identity, not a ratio of 0
+        summary = "bit-identical (exact mode, tolerance none)" if case.exact else f"worst at {report.worst_ratio:.2g} of tolerance"
+        return result(Verdict.PASS, summary, tensors=report.tensors, replicas=report.replicas)
 
 
 def _first_sentence(text: str) -> str:

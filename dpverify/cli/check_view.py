@@ -13,8 +13,14 @@ from dpverify.models.user import UserModel
 from dpverify.planner import ModelCheckReport, parameter_errors
 from dpverify.registry import CheckResult, Split, Verdict
 
-__all__ = ["CheckProgress", "render_model_check", "render_model_check_header", "runs_on"]
+__all__ = ["EXACT_HEADER", "CheckProgress", "render_model_check", "render_model_check_header", "runs_on"]
 
+
+#: ``check --exact``'s line in the header.
+EXACT_HEADER = (
+    "exact mode: float64 copies of the model, inputs and target on a dyadic grid, every operation shown exact "
+    "(or refused, naming it); the parallel step must be bit-identical. Tolerance: none."
+)
 
 _STYLES = {
     Verdict.PASS: "green",
@@ -98,11 +104,12 @@ def runs_on(
 
 def render_model_check_header(
     console: Any, model: UserModel, *, loss: str, backend: str, device_counts: Sequence[int], wrapper: str | None = None,
-    criterion: str | None = None, dim: int = 0, training: str | None = None,
+    criterion: str | None = None, dim: int = 0, training: str | None = None, exact: bool = False,
 ) -> None:
     """Prints what is checked, on what, before any check runs (a long run shows at once
-    what it is doing): the wrapper and criterion wrapper under test among them, and where
-    a training check runs, ``training``: its steps, optimizer and code after backward."""
+    what it is doing): the wrapper and criterion wrapper under test among them, where
+    a training check runs, ``training``: its steps, optimizer and code after backward, and
+    with ``exact``, that the checks run in exact mode, without tolerance."""
     from rich.text import Text
 
     console.print(Text(f"dpverify check: {model.name}", style="bold"))
@@ -113,6 +120,8 @@ def render_model_check_header(
     )
     if training is not None:
         console.print(training, markup=False)
+    if exact:
+        console.print(EXACT_HEADER, markup=False)
 
 
 class CheckProgress:
@@ -198,7 +207,7 @@ def render_model_check(console: Any, report: ModelCheckReport) -> None:
         status = Text("NOTHING CHECKED", style="bold yellow")
     else:
         status = Text("OK", style="bold green")
-    console.print(Text.assemble(status, f": {report.counts()}"))
+    console.print(Text.assemble(status, f": {report.counts()}", " (exact mode, tolerance none)" if report.exact else ""))
 
 
 def _render_notes(console: Any, report: ModelCheckReport) -> None:

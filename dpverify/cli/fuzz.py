@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
@@ -40,12 +41,12 @@ from hypothesis.strategies import SearchStrategy
 
 from dpverify.core.comparison import TensorComparison
 from dpverify.core.devices import cuda_device_count
-from dpverify.core.errors import ParallelMismatch
+from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.core.text import plural
 from dpverify.models.layouts import BACKENDS as SHARDED_BACKENDS
 from dpverify.models.layouts import ShardedScenario
 from dpverify.models.specs import KINDS
-from dpverify.models.training import TrainingScenario
+from dpverify.models.training import OptimizerSpec, TrainingScenario
 from dpverify.registry import CHECKS, Case, CheckResult, Target, Verdict
 from dpverify.strategies import (
     DeviceList,
@@ -113,8 +114,11 @@ _ACCUMULATION = {
 
 
 
-def describe_training(backend: str) -> str:
-    """What the training runs of a session of ``--backend`` draw, in words (its header)."""
+def describe_training(backend: str, *, exact: bool = False) -> str:
+    """What the training runs of a session of ``--backend`` draw, in words (its header);
+    ``exact``: those of ``exact_strategy``."""
+    if exact:
+        return f"SGD with and without momentum and weight decay, short dyadic numbers, 1 to 3 optimizer steps, no clip ({', '.join(TRAINING_CHECKS[backend])})"
     clip = "a global clip over every stage" if backend == "pp" else "a global clip"
     parts = ["SGD, SGD with momentum, Adam, AdamW", "1 to 3 optimizer steps", clip]
     parts += [_ACCUMULATION[backend]] if backend in _ACCUMULATION else []
@@ -217,11 +221,11 @@ def _bucket(name: str) -> str:
     return name
 
 
-def _run_check(name: str, scenario: AnyScenario, target: Target, loss: Any = None) -> Outcome:
+def _run_check(name: str, scenario: AnyScenario, target: Target, loss: Any = None, *, exact: bool = False) -> Outcome:
     """Runs one registry check on a fresh ``Case`` of ``scenario`` (a check may change its
-    module, as ``dp-state`` does, and a repro script starts from a fresh one too); a
-    training scenario's own code (its clip, its accumulation step) goes where ``target``
-    has none (``Target.with_defaults``).
+    module, as ``dp-state`` does, and a repro script starts from a fresh one too), in exact
+    mode with ``exact`` (``Case.exact``); a training scenario's own code (its clip, its
+    accumulation step) goes where ``target`` has none (``Target.with_defaults``).
 
     Returns:
         The module classes of an expected divergence (empty when the check passed), and
@@ -233,6 +237,8 @@ def _run_check(name: str, scenario: AnyScenario, target: Target, loss: Any = Non
     """
     spec = CHECKS[name]
     case = with_user_loss(Case.from_scenario(scenario), loss)
+    if exact:
+        case = dataclasses.replace(case, exact=True)
     if isinstance(scenario, TrainingScenario):
         target = target.with_defaults(**scenario.code())
     result = spec.run(case, target)
@@ -242,10 +248,10 @@ def _run_check(name: str, scenario: AnyScenario, target: Target, loss: Any = Non
         return Outcome(worst_ratio=result.worst_ratio, parallel=result.verdict is not Verdict.SKIP)
     # train-mode BatchNorm/Dropout explain the difference; without them it must vanish (an
     # eval-mode copy has no divergence source, so it is PASS or FAIL, never EXPLAINED)
-    exact = spec.run(case.in_eval_mode(), target, eval_copy=True)
-    if exact.verdict is Verdict.FAIL:
-        raise _CheckFailed(scenario, exact, eval_mode=True)
-    return Outcome(tuple(sorted({_bucket(group.module_type) for group in result.groups})), exact.worst_ratio, parallel=True)
+    in_eval = spec.run(case.in_eval_mode(), target, eval_copy=True)
+    if in_eval.verdict is Verdict.FAIL:
+        raise _CheckFailed(scenario, in_eval, eval_mode=True)
+    return Outcome(tuple(sorted({_bucket(group.module_type) for group in result.groups})), in_eval.worst_ratio, parallel=True)
 
 
 def with_user_loss(case: Case, loss: Any) -> Case:
@@ -316,6 +322,8 @@ class FuzzConfig:
             None for the drawn losses.
         loss_object: the imported ``FN``.
         state_dir: the example database and repro scripts live here.
+        exact: draw exact scenarios (``exact_strategy``) and run every check in exact mode
+            (``Case.exact``): bit-identity, no tolerance.
     """
 
     backend: str = "dp"
@@ -332,6 +340,7 @@ class FuzzConfig:
     loss: str | None = None
     loss_object: Any = None
     state_dir: Path = STATE_DIR
+    exact: bool = False
 
     def with_defaults(self) -> FuzzConfig:
         """The default session's limits where neither a limit nor a profile was given."""
@@ -357,6 +366,7 @@ class FuzzConfig:
         # unchanged without a criterion wrapper or DDP keywords: the examples saved before they existed still replay
         key += f" {self.parallel_loss}" if self.parallel_loss else ""
         key += f" {self.ddp_kwargs}" if self.ddp_kwargs else ""
+        key += " exact" if self.exact else ""
         return (key + (f" loss {self.loss}" if self.loss else "")).encode()
 
 
@@ -514,6 +524,8 @@ def scenario_strategy(config: FuzzConfig) -> SearchStrategy[Scenario] | SearchSt
     models tied or not). Each is the scenario of a ``TrainingScenario`` (``training_scenarios``:
     DataParallel's under ``dp`` and ``all``). A session with a criterion wrapper draws one-step
     scenarios of its own (``_pair_scenarios``): the training check takes no criterion wrapper."""
+    if config.exact:
+        return exact_strategy(config)
     if config.backend in SHARDED_BACKENDS:
         return training_scenarios(config.backend, world_sizes=(config.devices,), clip_norms=_CLIP_NORMS)
     if config.backend == "ddp":
@@ -536,6 +548,64 @@ def scenario_strategy(config: FuzzConfig) -> SearchStrategy[Scenario] | SearchSt
         return _pair_scenarios(devices, config)
     drawn = _with_divergent(devices, loss_specs(names=_loss_names(config)), _loss_kinds(config, KINDS))
     return training_scenarios("dp", scenarios=drawn, clip_norms=_CLIP_NORMS)
+
+
+#: The model kinds ``fuzz --exact`` draws: Linear layers, ReLU, residual adds, sum, mean and
+#: max pooling over power-of-two counts, keyword and structured forwards (docs/exact.md).
+EXACT_KINDS: tuple[str, ...] = ("linear", "mlp", "residual", "kwargs", "tuple-output", "dict-output", "namedtuple-output")
+#: The optimizers ``fuzz --exact`` draws: SGD, with and without momentum and weight decay,
+#: every number a short dyadic one (0.1 or 0.9 would make every product round).
+EXACT_OPTIMIZERS: tuple[OptimizerSpec, ...] = (
+    OptimizerSpec("sgd", 0.125), OptimizerSpec("sgd", 0.25, 0.5), OptimizerSpec("sgd", 0.125, 0.5, 0.0625),
+)
+
+
+def _power_of_two_below(n: int) -> int:
+    """The largest power of two not above ``n`` (at least 1)."""
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _exact_plain(scenario: Scenario, *, rows_per_rank: int = 0) -> Scenario:
+    """``scenario`` made exact: ReLU, outputs and batch rows powers of two (a mean divides by
+    them), float64; with ``rows_per_rank``, that many rows per device (DDP's shards)."""
+    model = dataclasses.replace(scenario.model, activation="relu", outputs=_power_of_two_below(scenario.model.outputs))
+    rows = rows_per_rank * len(scenario.devices.device_ids) if rows_per_rank else _power_of_two_below(scenario.batch_size)
+    return dataclasses.replace(scenario, model=model, batch_size=rows, dtype=torch.float64)
+
+
+def exact_strategy(config: FuzzConfig) -> SearchStrategy[TrainingScenario] | SearchStrategy[Scenario]:
+    """The scenarios of ``fuzz --exact``: training runs of models of ``EXACT_KINDS`` with MSE
+    or L1, SGD from ``EXACT_OPTIMIZERS`` and no clip (a norm takes a square root), batches of
+    a power of two rows; DataParallel on 2 to ``devices`` devices, DDP on ``devices`` ranks,
+    a power of two rows each (its average divides by the world size, which must be a power
+    of two: the check refuses another). With a criterion wrapper, one-step scenarios with
+    mean losses, as ``_pair_scenarios``.
+
+    Raises:
+        InvalidArgument: a sharded backend (its exact scenarios are not drawn yet).
+    """
+    if config.backend in SHARDED_BACKENDS:
+        raise InvalidArgument(
+            f"--exact --backend {config.backend}: fuzz draws exact scenarios for --backend dp, ddp and all; run "
+            f"dpverify check --exact --backend {config.backend} on your model, or fuzz --backend {config.backend} without --exact"
+        )
+    optimizers = st.sampled_from(EXACT_OPTIMIZERS)
+    names = _loss_names(config) or ("mse", "l1")
+    if config.backend == "ddp":
+        ranks = DeviceList(tuple(range(config.devices)))
+        kinds = _loss_kinds(config, tuple(k for k in EXACT_KINDS if k in DDP_KINDS))
+        ranked = scenarios(models=model_specs(kinds=kinds, exact=True), devices=ranks, losses=loss_specs(names=names, reductions=("mean",)))
+        drawn = st.tuples(ranked, st.sampled_from((1, 2))).map(lambda pair: _exact_plain(pair[0], rows_per_rank=pair[1]))
+        return training_scenarios("ddp", scenarios=drawn, optimizers=optimizers, clip_norms=(None,), micro_batches=(1,))
+    least = 2 if config.devices >= 2 else 1
+    models = model_specs(kinds=_loss_kinds(config, EXACT_KINDS), exact=True)
+    # a criterion wrapper cannot tell a mean from a sum (``_pair_scenarios``), and trains nothing
+    reductions = ("mean",) if config.parallel_loss is not None else ("mean", "sum")
+    devices = device_lists(min_devices=least, max_devices=config.devices)
+    drawn = scenarios(models=models, devices=devices, losses=loss_specs(names=names, reductions=reductions)).map(_exact_plain)
+    if config.parallel_loss is not None:
+        return drawn
+    return training_scenarios("dp", scenarios=drawn, optimizers=optimizers, clip_norms=(None,), micro_batches=(1,))
 
 
 def _with_divergent(devices: SearchStrategy[DeviceList], losses: SearchStrategy[LossSpec], kinds: tuple[str, ...]) -> SearchStrategy[Scenario]:
@@ -628,11 +698,9 @@ def _example_runner(config: FuzzConfig) -> Callable[[AnyScenario], Outcome]:
     ddp = Target(step=config.target_object, ddp_kwargs=dict(config.ddp_kwargs) or None)
     sharded = Target(**{TARGET_FIELDS[config.backend]: config.target_object}) if config.backend in SHARDED_BACKENDS else ddp
 
-    def run(name: str, scenario: Scenario | TrainingScenario, target: Target) -> Outcome:
+    def run(name: str, scenario: AnyScenario, target: Target) -> Outcome:
         # the user's loss (--loss MODULE:FN) where one was given
-        if config.loss_object is None:
-            return _run_check(name, scenario, target)
-        return _run_check(name, scenario, target, config.loss_object)
+        return _run_check(name, scenario, target, config.loss_object, exact=config.exact)
 
     def example(scenario: AnyScenario) -> Outcome:
         if isinstance(scenario, TrainingScenario):
@@ -640,14 +708,14 @@ def _example_runner(config: FuzzConfig) -> Callable[[AnyScenario], Outcome]:
             outcome = example(scenario.scenario) if _one_step_runs(scenario) else Outcome()
             for name, trained in _training_runs(scenario, config):
                 if isinstance(trained.scenario, ShardedScenario):
-                    outcome |= _run_check(name, trained, sharded)
+                    outcome |= _run_check(name, trained, sharded, exact=config.exact)
                 else:
                     outcome |= run(name, trained, dp if trained.backend == "dp" else ddp)
             return outcome
         outcome = Outcome()
         if isinstance(scenario, ShardedScenario):
             for name in SHARDED_CHECKS[scenario.backend]:
-                outcome |= _run_check(name, scenario, sharded)
+                outcome |= _run_check(name, scenario, sharded, exact=config.exact)
             return outcome
         if config.backend in ("dp", "all"):
             for name in _dp_checks(Case.from_scenario(scenario), torch_wrapper=torch_wrapper):
@@ -798,6 +866,7 @@ def _failure(config: FuzzConfig, tally: Tally, *, replayable: int) -> FuzzFailur
     key += f" {config.parallel_loss}" if config.parallel_loss else ""
     key += f" {config.ddp_kwargs}" if config.ddp_kwargs else ""
     key += f" loss {config.loss}" if config.loss_object is not None else ""
+    key += " exact" if config.exact else ""
     path = config.state_dir / f"repro_{hashlib.sha1(key.encode()).hexdigest()[:8]}.py"
     # the criterion wrapper goes with the DataParallel checks only (a DDP check's target is its step)
     pair = config.parallel_loss if CHECKS[last.check].backend == "dp" else None
@@ -805,7 +874,7 @@ def _failure(config: FuzzConfig, tally: Tally, *, replayable: int) -> FuzzFailur
     script = repro_script(
         last.check, last.scenario, target=config.target, eval_mode=last.eval_mode, path=path,
         expected=_error_line(last.error), parallel_loss=pair, ddp_kwargs=ddp_kwargs or None,
-        loss=config.loss if config.loss_object is not None else None,
+        loss=config.loss if config.loss_object is not None else None, exact=config.exact,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
@@ -850,6 +919,7 @@ def repro_script(
     parallel_loss: str | None = None,
     ddp_kwargs: dict[str, Any] | None = None,
     loss: str | None = None,
+    exact: bool = False,
 ) -> str:
     """A standalone script that runs registry check ``check`` on ``scenario`` (with
     ``target``, and ``parallel_loss``) and raises the same error; it needs only torch and
@@ -868,6 +938,7 @@ def repro_script(
         ddp_kwargs: keyword arguments for DistributedDataParallel (a DDP check's
             ``Target.ddp_kwargs``, ``--ddp-kwargs``), or None.
         loss: ``MODULE:FN``, the user's loss in place of the scenario's (``--loss``), or None.
+        exact: run the check in exact mode (``fuzz --exact``, ``Case.exact``).
     """
     field_name = TARGET_FIELDS[CHECKS[check].backend]
     fields = f"{field_name}=target" + (", parallel_loss=parallel_loss" if parallel_loss else "")
@@ -878,10 +949,12 @@ def repro_script(
     code = f"Target({fields})" + (".with_defaults(**scenario.code())" if training else "")
     case = "Case.from_scenario(scenario)"
     case = f"with_user_loss({case}, loss)" if loss is not None else case
+    case = f"dataclasses.replace({case}, exact=True)" if exact else case
     case += ".in_eval_mode()" if eval_mode else ""
     run = f"python {path.as_posix()}" if path is not None else "python <this file>"
     raises = _docstring_safe(expected) if expected else "the error the fuzz session reported."
     where = " on the eval-mode copy of" if eval_mode else " on"
+    standard = (["import dataclasses"] if exact else []) + (["import sys", "from pathlib import Path"] if imports else [])
     lines = [
         f'"""Reproduces a failure found by `dpverify fuzz`: check {check!r}{where} its shrunk scenario.',
         "",
@@ -889,7 +962,7 @@ def repro_script(
         raises,
         '"""',
         "",
-        *(["import sys", "from pathlib import Path", ""] if imports else []),
+        *standard, *([""] if standard else []),
         "import torch",
         "",
         "from dpverify.registry import CHECKS, Case, Target",

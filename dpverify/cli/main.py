@@ -340,6 +340,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         except Exception:
             raise InvalidArgument(f"--profile {args.profile!r} is not a Hypothesis profile; try dpverify-dev, dpverify-ci or dpverify-fuzz") from None
     ddp_kwargs = _ddp_kwargs(args, backends=("ddp", "all"))
+    _fuzz_exact_options(args)
     loss = _fuzz_loss(args)
     target = _load_callable(args.target or None, "--target")
     figure = _figure_target(args)
@@ -347,7 +348,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         backend=args.backend, devices=args.devices, max_examples=args.max_examples,
         time_budget=args.time_budget, seed=args.seed, profile=args.profile, target=args.target,
         target_object=target, parallel_loss=args.parallel_loss, parallel_loss_object=_load_callable(args.parallel_loss, "--parallel-loss"),
-        ddp_kwargs=tuple(sorted((ddp_kwargs or {}).items())), loss=args.loss, loss_object=loss,
+        ddp_kwargs=tuple(sorted((ddp_kwargs or {}).items())), loss=args.loss, loss_object=loss, exact=args.exact,
     ).with_defaults()
     console = _console(args)
     _fuzz_header(console, config, devices_text(config))
@@ -356,6 +357,21 @@ def _fuzz(args: argparse.Namespace) -> int:
     status = _fuzz_summary(console, config, report)
     _write_figure(lambda: fuzz_figure(report), figure)
     return status
+
+
+def _fuzz_exact_options(args: argparse.Namespace) -> None:
+    """``fuzz --exact`` on ranks that average gradients (DDP: ``--backend ddp`` and ``all``)
+    needs a power of two of them: the average divides by the world size.
+
+    Raises:
+        InvalidArgument: ``--exact`` with DDP ranks and ``--devices`` not a power of two.
+    """
+    devices = int(args.devices)
+    if args.exact and args.backend in ("ddp", "all") and devices & (devices - 1):
+        raise InvalidArgument(
+            f"--exact --backend {args.backend} --devices {devices}: DDP averages the gradients over its {devices} ranks, "
+            "dividing by a number that is not a power of two, which rounds; pass --devices 2, 4 or 8"
+        )
 
 
 def _fuzz_loss(args: argparse.Namespace) -> Any:
@@ -425,8 +441,9 @@ def _fuzz_header(console: Console, config: FuzzConfig, where: str) -> None:
         replay = f"random seed; failures kept in {config.state_dir}/examples and replayed first"
     else:
         replay = f"seed {config.seed} (a seeded session does not use the example database)"
-    training = f"; training runs: {describe_training(config.backend)}" if config.backend in TRAINING_CHECKS else ""
-    console.print(f"[bold]dpverify fuzz[/]: {under_test} on {where}; {limit}; {replay}{training}", soft_wrap=True)
+    training = f"; training runs: {describe_training(config.backend, exact=config.exact)}" if config.backend in TRAINING_CHECKS else ""
+    exact = "; exact mode (dyadic float64 copies, every operation shown exact): tolerance none" if config.exact else ""
+    console.print(f"[bold]dpverify fuzz[/]: {under_test} on {where}; {limit}; {replay}{training}{exact}", soft_wrap=True)
 
 
 def _fuzz_summary(console: Console, config: FuzzConfig, report: FuzzReport) -> int:
@@ -525,6 +542,7 @@ def _check(args: argparse.Namespace) -> int:
 
     _require_ddp(args.backend)
     _check_dim(args)
+    _exact_options(args)
     figure = _figure_target(args)
     if args.parallel_loss and args.backend not in ("dp", "all"):
         raise InvalidArgument(f"--parallel-loss is a DataParallel criterion wrapper, for --backend dp or all; the {args.backend} checks compute the loss on each rank")
@@ -539,7 +557,7 @@ def _check(args: argparse.Namespace) -> int:
     )
     plan = plan_checks(
         model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend,
-        checks=checks, target=target, dim=args.dim, training=training.options,
+        checks=checks, target=target, dim=args.dim, training=training.options, exact=args.exact,
     )
     _require_training_check(args, plan)
     if not plan:
@@ -559,6 +577,7 @@ def _check(args: argparse.Namespace) -> int:
         console, model, loss=batch.loss_name, backend=args.backend, device_counts=args.devices,
         wrapper=args.parallel, criterion=args.parallel_loss, dim=args.dim,
         training=training.describe(model, max(args.batch_sizes)) if any(planned.spec.training for planned in plan) else None,
+        exact=args.exact,
     )
     if metrics is not None:
         console.print(metrics[0].describe(args.eval), markup=False)
@@ -567,7 +586,7 @@ def _check(args: argparse.Namespace) -> int:
         report = check_model(
             model, batch_sizes=args.batch_sizes, device_counts=args.devices, backend=args.backend,
             checks=checks, target=target, on_start=progress.start, on_result=progress.finished, plan=plan,
-            dim=args.dim, training=training.options,
+            dim=args.dim, training=training.options, exact=args.exact,
         )
         rows: list[CheckResult] = []
         for metric in planned_metrics:
@@ -582,6 +601,31 @@ def _check(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     # a run that compared nothing is no pass: the skip reasons are printed above
     return EXIT_NOTHING_CHECKED if report.checked_nothing else EXIT_OK
+
+
+#: ``check --exact``'s optimizer where ``--optimizer`` is not given: the default's SGD with
+#: momentum, with a learning rate and a momentum of one significant bit each (0.1 and 0.9
+#: have 53, and every product with them would round).
+EXACT_OPTIMIZER = "sgd:lr=0.125,momentum=0.5"
+
+
+def _exact_options(args: argparse.Namespace) -> None:
+    """``--exact``'s defaults, and the options it cannot go with: batch sizes that are
+    powers of two (``EXACT_BATCH_SIZES``) unless ``--batch-sizes`` is given, and no metric
+    checks (``--eval`` compares a metric to a tolerance and has no exact mode).
+
+    Raises:
+        InvalidArgument: ``--exact`` with ``--eval``.
+    """
+    from dpverify.planner import DEFAULT_BATCH_SIZES, EXACT_BATCH_SIZES
+
+    if args.batch_sizes is None:
+        args.batch_sizes = list(EXACT_BATCH_SIZES if args.exact else DEFAULT_BATCH_SIZES)
+    if args.exact and args.eval is not None:
+        raise InvalidArgument(
+            "--exact with --eval: the metric checks of --eval have no exact mode (a metric is compared "
+            "to a tolerance); run them without --exact, in a second command"
+        )
 
 
 def _metric_checks(args: argparse.Namespace, model: UserModel, target: Any) -> tuple[Any, list[Any]] | None:
@@ -776,7 +820,13 @@ def _training(args: argparse.Namespace, model: UserModel) -> _Training:
     from dpverify.registry import DEFAULT_OPTIMIZER, TRAINING_STEPS
 
     hook = load_hook(args.step, "--step")
-    factory, name = load_optimizer(args.optimizer, model.module) if args.optimizer else (None, f"{callable_name(DEFAULT_OPTIMIZER)} (the default)")
+    if args.optimizer:
+        factory, name = load_optimizer(args.optimizer, model.module)
+    elif getattr(args, "exact", False):
+        factory, name = load_optimizer(EXACT_OPTIMIZER, model.module)
+        name += " (the default of --exact)"
+    else:
+        factory, name = None, f"{callable_name(DEFAULT_OPTIMIZER)} (the default)"
     return _Training(TrainingOptions(args.steps or TRAINING_STEPS, factory), hook, args.step, name)
 
 
@@ -910,13 +960,23 @@ def _add_fuzz(commands: Any, common: argparse.ArgumentParser) -> None:
         help="--backend dp, ddp or all: draw only this built-in loss, or use your own FN(output, target) in place "
         "of the drawn one, on models with a tensor output and a float target shaped like it",
     )
+    fuzz.add_argument(
+        "--exact", action="store_true",
+        help="draw exact scenarios (models, batches and optimizers of the exact set, docs/exact.md) and check them in "
+        "exact mode: the parallel step must be bit-identical to the single-device step, no tolerance",
+    )
     _ddp_kwargs_argument(fuzz)
     fuzz.set_defaults(run=_fuzz)
 
 
 def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
     from dpverify.planner import BACKENDS as CHECK_BACKENDS
-    from dpverify.planner import DEFAULT_BATCH_SIZES, DEFAULT_CHECKS, DEFAULT_DEVICE_COUNTS
+    from dpverify.planner import (
+        DEFAULT_BATCH_SIZES,
+        DEFAULT_CHECKS,
+        DEFAULT_DEVICE_COUNTS,
+        EXACT_BATCH_SIZES,
+    )
     from dpverify.registry import CHECKS
 
     model_checks = [name for name, spec in CHECKS.items() if not spec.data]  # the data checks run with --eval
@@ -935,7 +995,10 @@ def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
         "--backend", choices=(*CHECK_BACKENDS, "all"), default=None,
         help="DataParallel (default; ddp under torchrun), DDP, FSDP2 (fsdp), tensor parallel (tp), pipeline parallel (pp), or all of them",
     )
-    check.add_argument("--batch-sizes", type=_positive("--batch-sizes"), nargs="+", default=list(DEFAULT_BATCH_SIZES), metavar="B", help=f"batch sizes (default {' '.join(map(str, DEFAULT_BATCH_SIZES))})")
+    check.add_argument(
+        "--batch-sizes", type=_positive("--batch-sizes"), nargs="+", default=None, metavar="B",
+        help=f"batch sizes (default {' '.join(map(str, DEFAULT_BATCH_SIZES))}; with --exact {' '.join(map(str, EXACT_BATCH_SIZES))})",
+    )
     check.add_argument("--devices", type=_positive("--devices"), nargs="+", default=None, metavar="N", help=f"device counts or DDP world sizes (default {' '.join(map(str, DEFAULT_DEVICE_COUNTS))}; under torchrun, its world size)")
     check.add_argument(
         "--parallel", metavar="MODULE:CALLABLE",
@@ -956,6 +1019,13 @@ def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
         "--checks", nargs="+", choices=[*model_checks, "all"], metavar="NAME",
         help=f"the checks to run where they apply, or all of them (default {' '.join(DEFAULT_CHECKS)}, and the training checks "
         f"with --step, --optimizer or --steps; all: {' '.join(model_checks)}; the metric checks run with --eval)",
+    )
+    check.add_argument(
+        "--exact", action="store_true",
+        help="exact mode (docs/exact.md): the gradient and training checks run on float64 copies of the model, inputs "
+        "and target on a dyadic grid, every operation is shown exact, and the parallel step must be bit-identical: no "
+        f"tolerance. A model outside the exact set is refused (exit status 2) naming the operation and its module; "
+        f"default --batch-sizes {' '.join(map(str, EXACT_BATCH_SIZES))} and --optimizer {EXACT_OPTIMIZER}",
     )
     _training_arguments(check)
     _eval_arguments(check)
