@@ -118,7 +118,7 @@ def describe_training(backend: str, *, exact: bool = False) -> str:
     """What the training runs of a session of ``--backend`` draw, in words (its header);
     ``exact``: those of ``exact_strategy``."""
     if exact:
-        return f"SGD with and without momentum and weight decay, short dyadic numbers, 1 to 3 optimizer steps, no clip ({', '.join(TRAINING_CHECKS[backend])})"
+        return f"SGD with and without momentum and weight decay, short dyadic numbers, {plural(EXACT_MAX_STEPS, 'optimizer step')}, no clip ({', '.join(TRAINING_CHECKS[backend])})"
     clip = "a global clip over every stage" if backend == "pp" else "a global clip"
     parts = ["SGD, SGD with momentum, Adam, AdamW", "1 to 3 optimizer steps", clip]
     parts += [_ACCUMULATION[backend]] if backend in _ACCUMULATION else []
@@ -560,6 +560,11 @@ EXACT_OPTIMIZERS: tuple[OptimizerSpec, ...] = (
 )
 
 
+#: The optimizer steps of ``fuzz --exact``'s training runs: each step roughly doubles the
+#: bits the next needs, and a second one fits only a single Linear layer (docs/exact.md).
+EXACT_MAX_STEPS = 1
+
+
 def _power_of_two_below(n: int) -> int:
     """The largest power of two not above ``n`` (at least 1)."""
     return 1 << (max(n, 1).bit_length() - 1)
@@ -575,7 +580,7 @@ def _exact_plain(scenario: Scenario, *, rows_per_rank: int = 0) -> Scenario:
 
 def exact_strategy(config: FuzzConfig) -> SearchStrategy[TrainingScenario] | SearchStrategy[Scenario]:
     """The scenarios of ``fuzz --exact``: training runs of models of ``EXACT_KINDS`` with MSE
-    or L1, SGD from ``EXACT_OPTIMIZERS`` and no clip (a norm takes a square root), batches of
+    or L1, ``EXACT_MAX_STEPS`` of SGD from ``EXACT_OPTIMIZERS`` and no clip (a norm takes a square root), batches of
     a power of two rows; DataParallel on 2 to ``devices`` devices, DDP on ``devices`` ranks,
     a power of two rows each (its average divides by the world size, which must be a power
     of two: the check refuses another). With a criterion wrapper, one-step scenarios with
@@ -596,7 +601,7 @@ def exact_strategy(config: FuzzConfig) -> SearchStrategy[TrainingScenario] | Sea
         kinds = _loss_kinds(config, tuple(k for k in EXACT_KINDS if k in DDP_KINDS))
         ranked = scenarios(models=model_specs(kinds=kinds, exact=True), devices=ranks, losses=loss_specs(names=names, reductions=("mean",)))
         drawn = st.tuples(ranked, st.sampled_from((1, 2))).map(lambda pair: _exact_plain(pair[0], rows_per_rank=pair[1]))
-        return training_scenarios("ddp", scenarios=drawn, optimizers=optimizers, clip_norms=(None,), micro_batches=(1,))
+        return training_scenarios("ddp", scenarios=drawn, optimizers=optimizers, max_steps=EXACT_MAX_STEPS, clip_norms=(None,), micro_batches=(1,))
     least = 2 if config.devices >= 2 else 1
     models = model_specs(kinds=_loss_kinds(config, EXACT_KINDS), exact=True)
     # a criterion wrapper cannot tell a mean from a sum (``_pair_scenarios``), and trains nothing
@@ -605,7 +610,7 @@ def exact_strategy(config: FuzzConfig) -> SearchStrategy[TrainingScenario] | Sea
     drawn = scenarios(models=models, devices=devices, losses=loss_specs(names=names, reductions=reductions)).map(_exact_plain)
     if config.parallel_loss is not None:
         return drawn
-    return training_scenarios("dp", scenarios=drawn, optimizers=optimizers, clip_norms=(None,), micro_batches=(1,))
+    return training_scenarios("dp", scenarios=drawn, optimizers=optimizers, max_steps=EXACT_MAX_STEPS, clip_norms=(None,), micro_batches=(1,))
 
 
 def _with_divergent(devices: SearchStrategy[DeviceList], losses: SearchStrategy[LossSpec], kinds: tuple[str, ...]) -> SearchStrategy[Scenario]:

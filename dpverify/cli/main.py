@@ -607,6 +607,11 @@ def _check(args: argparse.Namespace) -> int:
 #: momentum, with a learning rate and a momentum of one significant bit each (0.1 and 0.9
 #: have 53, and every product with them would round).
 EXACT_OPTIMIZER = "sgd:lr=0.125,momentum=0.5"
+#: ``check --exact``'s optimizer steps where ``--steps`` is not given: a step writes
+#: ``lr * grad`` into the weights, whose digits reach far below their grid, so each step
+#: roughly doubles the bits the next one needs; a second step fits only a single Linear
+#: layer (benchmarks/exact_bounds.py, docs/exact.md).
+EXACT_STEPS = 1
 
 
 def _exact_options(args: argparse.Namespace) -> None:
@@ -827,7 +832,8 @@ def _training(args: argparse.Namespace, model: UserModel) -> _Training:
         name += " (the default of --exact)"
     else:
         factory, name = None, f"{callable_name(DEFAULT_OPTIMIZER)} (the default)"
-    return _Training(TrainingOptions(args.steps or TRAINING_STEPS, factory), hook, args.step, name)
+    steps = args.steps or (EXACT_STEPS if getattr(args, "exact", False) else TRAINING_STEPS)
+    return _Training(TrainingOptions(steps, factory), hook, args.step, name)
 
 
 def _require_training_check(args: argparse.Namespace, plan: Sequence[Any]) -> None:
@@ -1025,7 +1031,7 @@ def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
         help="exact mode (docs/exact.md): the gradient and training checks run on float64 copies of the model, inputs "
         "and target on a dyadic grid, every operation is shown exact, and the parallel step must be bit-identical: no "
         f"tolerance. A model outside the exact set is refused (exit status 2) naming the operation and its module; "
-        f"default --batch-sizes {' '.join(map(str, EXACT_BATCH_SIZES))} and --optimizer {EXACT_OPTIMIZER}",
+        f"default --batch-sizes {' '.join(map(str, EXACT_BATCH_SIZES))}, --optimizer {EXACT_OPTIMIZER} and --steps {EXACT_STEPS}",
     )
     _training_arguments(check)
     _eval_arguments(check)
