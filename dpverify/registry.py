@@ -420,6 +420,8 @@ class CheckSpec:
         title = self.title
         if self.training and case is not None and case.training_steps != TRAINING_STEPS:
             title = title.replace(f"{TRAINING_STEPS} ", f"{case.training_steps} ", 1)
+            if case.training_steps == 1:  # check --exact trains one step: "1 step", not "1 steps"
+                title = title.replace(" steps", " step", 1)
         return title + (" (eval mode)" if eval_copy else "")
 
     def applies(self, case: Case) -> bool:

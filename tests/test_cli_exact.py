@@ -110,6 +110,7 @@ def test_check_exact_passes_bit_for_bit_and_says_there_is_no_tolerance(
     splits = set(re.findall(r"B=(\d+) on \d+", out))
     assert splits == {str(b) for b in EXACT_BATCH_SIZES}
     assert "1 optimizer step of SGD(lr=0.125, momentum=0.5)" in out
+    assert "DP training, 1 step," in out
 
 
 def test_check_without_exact_keeps_the_tolerance_and_its_defaults(models: Path, exact_runs: list[bool], capsys: pytest.CaptureFixture[str]) -> None:
