@@ -129,8 +129,8 @@ def _short(value: Any, what: str) -> None:
     digits = math.frexp(abs(number))[1] - low
     if digits > SHORT:
         raise Refused(
-            f"{what} {number!r} has {digits} significant bits, and every product with it adds them; use a short "
-            "dyadic number such as 0.5, 0.125 or 3 * 2**-5"
+            f"{what}{number!r}, a number with {digits} significant bits, and every product with it adds them; use a "
+            "short dyadic number (a learning rate, momentum, weight decay or slope such as 0.5, 0.125 or 3 * 2**-5)"
         )
 
 
@@ -138,13 +138,13 @@ def _add(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> 
     a, b = args[0], args[1]
     alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
     _short(alpha, "it scales by alpha=")
-    _short(b, "it adds the number")
+    _short(b, "it adds ")
     return [Need(_least(_low(a), _plus(_low(b), _low(alpha))), _big(a) + abs(float(alpha)) * _big(b), _dtype(out))]
 
 
 def _mul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[Need]:
     a, b = args[0], args[1]
-    _short(b, "it multiplies by")
+    _short(b, "it multiplies by ")
     return [Need(_plus(_low(a), _low(b)), _big(a) * _big(b), _dtype(out))]
 
 
@@ -170,7 +170,7 @@ def _leaky(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -
     # leaky_relu(x, slope) and leaky_relu_backward(grad, x, slope, self_is_result)
     value = args[0]
     slope = args[2] if func.overloadpacket is torch.ops.aten.leaky_relu_backward else (args[1] if len(args) > 1 else 0.01)
-    _short(slope, "its negative slope")
+    _short(slope, "its negative slope is ")
     return [Need(_least(_low(value), _plus(_low(value), _low(slope))), _big(value) * max(1.0, abs(float(slope))), _dtype(out))]
 
 
