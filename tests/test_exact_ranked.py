@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -27,6 +28,7 @@ from dpverify.ddp.checks import (
 )
 from dpverify.ddp.pool import DDPWorkerPool
 from dpverify.ddp.rank import ShardContext
+from dpverify.registry import CHECKS, Case, Target, Verdict
 from dpverify.sharded.fsdp import FSDPContext, assert_fsdp_grads_match, assert_fsdp_training_matches
 from dpverify.sharded.pipeline import assert_pipeline_grads_match, assert_pipeline_training_matches
 from dpverify.sharded.tensor_parallel import assert_tensor_parallel_grads_match
@@ -267,3 +269,19 @@ def test_sync_batchnorm_has_no_exact_mode() -> None:
     x, y = batch()
     text = _refusal(lambda: assert_ddp_sync_batchnorm_matches(model, x, y, loss_fn=F.mse_loss, world_size=2, exact=True))
     assert "assert_ddp_sync_batchnorm_matches has no exact mode" in text
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+def test_the_registry_runs_the_ranked_checks_exactly_on_an_exact_case(ddp_pool: DDPWorkerPool) -> None:
+    x, y = batch()
+    case = Case(mlp(), (x,), y, F.mse_loss, exact=True)
+    broken = Target(step=one_ulp_ddp_step, pool=ddp_pool)
+    assert CHECKS["ddp-grads"].run(case, Target(pool=ddp_pool)).verdict is Verdict.PASS
+    assert CHECKS["ddp-grads"].run(case, broken).verdict is Verdict.FAIL
+    assert CHECKS["ddp-grads"].run(replace(case, exact=False), broken).verdict is Verdict.PASS
+    batchnorm = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    skipped = CHECKS["ddp-sync-batchnorm"].run(replace(case, module=batchnorm), Target(pool=ddp_pool))
+    assert skipped.verdict is Verdict.SKIP
+    assert "no exact mode" in skipped.summary
