@@ -31,7 +31,10 @@ from dpverify.ddp.rank import ShardContext
 from dpverify.registry import CHECKS, Case, Target, Verdict
 from dpverify.sharded.fsdp import FSDPContext, assert_fsdp_grads_match, assert_fsdp_training_matches
 from dpverify.sharded.pipeline import assert_pipeline_grads_match, assert_pipeline_training_matches
-from dpverify.sharded.tensor_parallel import assert_tensor_parallel_grads_match
+from dpverify.sharded.tensor_parallel import (
+    assert_tensor_parallel_grads_match,
+    assert_tensor_parallel_training_matches,
+)
 
 #: An optimizer of the exact set: a dyadic learning rate and momentum.
 DYADIC_SGD = functools.partial(torch.optim.SGD, lr=2**-3, momentum=0.5)
@@ -174,15 +177,32 @@ def test_pipeline_exact_pass(ddp_pool: DDPWorkerPool) -> None:
 
 
 @pytest.mark.deep
-def test_sharded_exact_training_passes(ddp_pool: DDPWorkerPool) -> None:
+@pytest.mark.parametrize("ddp_pool", [4], indirect=True)
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_tensor_parallel_exact_pass_on_four_ranks(ddp_pool: DDPWorkerPool, data_parallel: int) -> None:
+    """Four tensor-parallel ranks, or two groups of two (FSDP2 averaging over the groups):
+    the slices and the group average, bit-identical to the proven full-batch step."""
+    x, y = batch(8)
+    result = assert_tensor_parallel_grads_match(
+        mlp(), x, y, loss_fn=F.mse_loss, world_size=4, plan=MLP_PLAN, data_parallel=data_parallel, pool=ddp_pool, exact=True,
+    )
+    assert result.ok
+
+
+@pytest.mark.deep
+@pytest.mark.parametrize("helper", [assert_fsdp_training_matches, assert_tensor_parallel_training_matches, assert_pipeline_training_matches])
+def test_sharded_exact_training_passes(ddp_pool: DDPWorkerPool, helper: Any) -> None:
     x, y = batch()
-    batches = [(x, y), (x.flip(0), y)]
-    for helper, extra in ((assert_fsdp_training_matches, {}), (assert_pipeline_training_matches, {"n_microbatches": 2})):
-        model = nn.Sequential(nn.Linear(3, 2), nn.ReLU(), nn.Linear(2, 2)) if helper is assert_pipeline_training_matches else linear()
-        if helper is assert_pipeline_training_matches:
-            batches = batches[:1]  # two layers leave bits for one step
-        result = helper(model, batches, loss_fn=F.mse_loss, optimizer=DYADIC_SGD, world_size=2, pool=ddp_pool, exact=True, **extra)
-        assert result.ok, result
+    if helper is assert_fsdp_training_matches:
+        model, batches, extra = linear(), [(x, y), (x.flip(0), y)], {}
+    else:
+        # tensor parallel shards the MLP, a pipeline needs two stages: its two layers leave
+        # float64 bits for one optimizer step
+        model, batches = mlp(), [(x, y)]
+        extra = {"plan": MLP_PLAN} if helper is assert_tensor_parallel_training_matches else {"n_microbatches": 2}
+    result = helper(model, batches, loss_fn=F.mse_loss, optimizer=DYADIC_SGD, world_size=2, pool=ddp_pool, exact=True, **extra)
+    assert result.ok
+    assert _exact_note(result)
 
 
 # --------------------------------------------------------------------------- one ulp

@@ -689,7 +689,8 @@ class References:
 
     ``expected`` is the full-batch step in the working dtype (DataParallel's step for
     ``assert_dp_ddp_agree``) and ``anchor`` its float64 twin (None with explicit
-    tolerances). A tensor that fails is compared again with the scale of the terms a
+    tolerances, exact mode's ``EXACT`` among them: without an anchor there is no second
+    look, which exact mode, comparing bit for bit, has no use for). A tensor that fails is compared again with the scale of the terms a
     correct ranked step sums (``_all_reduce_terms``: the all-reduce adds ``n_r / B`` times
     each rank's mean-loss gradient, whose cancelling terms round like the terms, not like
     the near-zero total), and with a float32 ``probe`` and a jittered float64 run for
