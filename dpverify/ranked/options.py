@@ -63,7 +63,9 @@ ARGS: dict[str, str] = {
         "it to the last bit (a one-ulp error in one element fails). Refused, naming the "
         "operation or count and the fix, where the arithmetic cannot be exact (tanh, softmax; "
         "a world size, shard or micro-batch count that is not a power of two; explicit rtol "
-        "or atol). Default False."
+        "or atol). A training helper proves every optimizer step of the single-device run too: "
+        "the learning rate and momentum must be short dyadic numbers such as 2**-3, and "
+        "float64's 53 bits bound the depth, the width and the number of steps. Default False."
     ),
     "forward_kwargs": (
         "keyword arguments of the forward, ``model(*inputs, **forward_kwargs)``; tensors with "
