@@ -87,7 +87,7 @@ def one_ulp_fsdp_step(ctx: FSDPContext) -> Any:
 
 
 def _exact_note(result: StepComparison) -> str:
-    found = [note for note in result.notes if note.startswith("Exact:")]
+    found = [note for note in result.notes if note.startswith("Exact:") and note.endswith("Tolerance: none.")]
     assert len(found) == 1, result.notes
     return found[0]
 
@@ -134,7 +134,8 @@ def test_ddp_exact_training_pass_proves_every_optimizer_step(ddp_pool: DDPWorker
         linear(), [(x, y), (x.flip(0), y)], loss_fn=F.mse_loss, optimizer=DYADIC_SGD, world_size=2, pool=ddp_pool, exact=True,
     )
     assert result.ok
-    assert _exact_note(result).endswith("Tolerance: none.")
+    assert _exact_note(result)
+    assert any("Exact: single-device training ran under the proof, every operation of its 2 steps exact" in note for note in result.notes)
 
 
 def test_ddp_exact_accumulation_pass(ddp_pool: DDPWorkerPool) -> None:
@@ -203,6 +204,7 @@ def test_sharded_exact_training_passes(ddp_pool: DDPWorkerPool, helper: Any) -> 
     result = helper(model, batches, loss_fn=F.mse_loss, optimizer=DYADIC_SGD, world_size=2, pool=ddp_pool, exact=True, **extra)
     assert result.ok
     assert _exact_note(result)
+    assert any(note.startswith("Exact: single-device training ran under the proof") for note in result.notes)
 
 
 # --------------------------------------------------------------------------- one ulp

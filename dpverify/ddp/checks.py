@@ -62,6 +62,7 @@ from dpverify.ranked.check import (
     TrainingTrace,
     callable_name,
     describe_batches,
+    exact_training_notes,
     forward_keywords,
     grads_only,
     jittered_training,
@@ -682,7 +683,8 @@ def assert_ddp_training_matches(
     rows, failing_step = training_rows(check, ranks, expected, anchor, trace=trace, trace_anchor=trace64, jittered=jittered)
     notes = [
         f"Parameters, buffers and optimizer state compared after each of the {len(pairs)} optimizer steps; "
-        f"the table shows step {failing_step + 1}."
+        f"the table shows step {failing_step + 1}.",
+        *exact_training_notes(check, len(pairs), optimizer),
     ]
     if replayed:
         notes.append(

@@ -98,6 +98,7 @@ __all__ = [
     "callable_name",
     "describe_batches",
     "exact_batches",
+    "exact_training_notes",
     "forward_keywords",
     "grads_only",
     "jittered_training",
@@ -846,6 +847,17 @@ def train_single_device(
             if on_step is not None:
                 on_step(index, model, opt)
     return history, unused
+
+
+def exact_training_notes(check: RankedCheck, steps: int, optimizer: OptimizerFactory) -> list[str]:
+    """In exact mode, what a training check proved besides the first batch's step
+    (``RankedCheck.evidence``): the whole single-device run (``train_single_device``)."""
+    if not check.exact:
+        return []
+    return [
+        f"Exact: single-device training ran under the proof, every operation of its {steps} steps exact, the "
+        f"optimizer's ({callable_name(optimizer)}) included."
+    ]
 
 
 def _proving_if(exact: bool, model: nn.Module) -> contextlib.AbstractContextManager[Prover | None]:

@@ -45,6 +45,7 @@ from dpverify.ranked.check import (
     TrainingTrace,
     callable_name,
     describe_batches,
+    exact_training_notes,
     grads_only,
     jittered_training,
     local_buffer_notes,
@@ -769,7 +770,10 @@ def assert_fsdp_training_matches(
         jittered = None if trace64 is None else jittered_training(check, training.pairs, optimizer, after_backward, masks)
         rows, failing_step = training_rows(check, ranks, expected, anchor, trace=trace, trace_anchor=trace64, jittered=jittered)
     compared = "Gradients, parameters, buffers and optimizer state" if stepwise else "Parameters, buffers and optimizer state"
-    notes = [f"{compared} compared after each of the {len(pairs)} optimizer steps; the table shows step {failing_step + 1}."]
+    notes = [
+        f"{compared} compared after each of the {len(pairs)} optimizer steps; the table shows step {failing_step + 1}.",
+        *exact_training_notes(check, len(pairs), optimizer),
+    ]
     if after_backward is not None:
         notes.append(f"{callable_name(after_backward)}(ctx) ran after every backward, on every rank and in the single-device run.")
     if replayed:

@@ -52,6 +52,7 @@ from dpverify.ranked.check import (
     callable_name,
     describe_batches,
     exact_batches,
+    exact_training_notes,
     optional,
     relative_gap,
     same_up_to_rounding,
@@ -1004,6 +1005,7 @@ def assert_pipeline_training_matches(
         f"Parameters, buffers and optimizer state compared after each of the {len(pairs)} optimizer steps; the "
         f"table shows step {failing + 1}.",
         _evidence_note(check, [rank.steps[failing] for rank in ranks]),
+        *exact_training_notes(check, len(pairs), optimizer),
     ]
     if after_backward is not None:
         notes.append(f"{callable_name(after_backward)}(ctx) ran after every schedule step, on every stage and in the single-device run.")

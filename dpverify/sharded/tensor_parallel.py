@@ -42,6 +42,7 @@ from dpverify.ranked.check import (
     ShardUnit,
     callable_name,
     describe_batches,
+    exact_training_notes,
     forward_keywords,
     grads_only,
     optional,
@@ -910,7 +911,8 @@ def assert_tensor_parallel_training_matches(
     ok = all(row.ok for row in rows)
     notes = [
         f"Parameters, buffers and optimizer state compared after each of the {len(pairs)} optimizer steps; the table "
-        f"shows step {failing + 1}."
+        f"shows step {failing + 1}.",
+        *exact_training_notes(check, len(pairs), optimizer),
     ]
     if after_backward is not None:
         notes.append(f"{callable_name(after_backward)}(ctx) ran after every backward, on every rank and in the single-device run.")
