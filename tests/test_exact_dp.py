@@ -16,7 +16,10 @@ from torch import nn
 
 import dpverify
 from dpverify import CHECKS, Case, InvalidArgument, ParallelMismatch, StepComparison
+from dpverify.checks import dp as _dp
 from dpverify.checks import training as _training
+from dpverify.checks.dp import SharedSteps
+from dpverify.mutants import ReplicaOutputsDataParallel, WeightedCriterionParallel
 
 SGD = functools.partial(torch.optim.SGD, lr=2**-3)
 HELPERS = (dpverify.assert_dp_grads_match, dpverify.assert_grad_sum_equals_mean_loss_grad)
@@ -171,6 +174,36 @@ def test_a_failing_exact_check_runs_no_second_look(monkeypatch: pytest.MonkeyPat
         dpverify.assert_dp_grads_match(module, x, y, loss_fn=loss_fn, device_ids=[0, 1, 2], parallel=_nudging(_one_element), exact=True)
     # the parallel step and the single-device one: no float64 anchor, probe, jitter, split or settle sample
     assert counts == {"parallel": 1, "None": 1}
+
+
+@pytest.mark.parametrize("helper", HELPERS, ids=["grads", "grad-sum"])
+def test_a_criterion_pair_runs_exact_where_its_chunk_losses_are(helper: Any) -> None:
+    module, x, y, loss_fn = _case("mlp-mse", 8)
+    pair: dict[str, Any] = {"parallel": ReplicaOutputsDataParallel, "parallel_loss_fn": WeightedCriterionParallel, "exact": True}
+    result = helper(module, x, y, loss_fn=loss_fn, device_ids=[0, 1], **pair)  # chunks [4, 4]: means over 8 outputs
+    assert result.ok
+    assert "no tolerance" in str(result)
+    # chunks [3, 3, 2]: each replica's mean over 6 outputs rounds, which a correct pair would
+    # show as a mismatch; it is refused instead
+    with pytest.raises(InvalidArgument, match=r"in the loss of a piece .*divides by 6.*with parallel_loss_fn, loss_fn runs on each replica's chunk"):
+        helper(module, x, y, loss_fn=loss_fn, device_ids=[0, 1, 2], **pair)
+
+
+def test_checks_grouped_on_one_batch_prove_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    proofs: list[tuple[int, ...]] = []
+    real = _dp.prove
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        proofs.append(tuple(kwargs["pieces"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_dp, "prove", counting)
+    module, x, y, loss_fn = _case("mlp-mse", 8)
+    shared = SharedSteps()
+    for ids in ([0, 1, 2], [0, 1, 2], [0, 1]):
+        for name in ("dp-grads", "dp-grad-sum"):
+            assert CHECKS[name].check(Case(module, (x,), y, loss_fn, tuple(ids), steps=shared, exact=True)).ok
+    assert proofs == [(3, 3, 2), (4, 4)]  # once per split
 
 
 def test_the_registry_runs_exact_mode_from_the_case() -> None:

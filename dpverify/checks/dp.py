@@ -291,8 +291,28 @@ class Check:
         split = (tuple(self.plan.chunk_sizes), self.dim)
         if split not in store.evidence:
             case = ExactCase(self.module, self.args, self.kwargs, target)
-            store.evidence[split] = prove(case, loss_fn, pieces=self.plan.chunk_sizes, dim=self.dim, gathered=True)
+            evidence = prove(case, loss_fn, pieces=self.plan.chunk_sizes, dim=self.dim, gathered=True)
+            if self.parallel_loss is not None:
+                self._prove_chunk_losses(case, loss_fn)
+            store.evidence[split] = evidence
         return [store.evidence[split].note()]
+
+    def _prove_chunk_losses(self, case: ExactCase, loss_fn: LossFn) -> None:
+        """A criterion wrapper computes ``loss_fn`` on each replica's chunk, where a mean
+        divides by the chunk's count: that arithmetic must be exact too, or a correct pair
+        would differ from the full batch by its rounding.
+
+        Raises:
+            InvalidArgument: a chunk's loss cannot be shown exact.
+        """
+        try:
+            prove(case, loss_fn, pieces=self.plan.chunk_sizes, dim=self.dim, gathered=False)
+        except InvalidArgument as refusal:
+            raise InvalidArgument(
+                f"{refusal} (with parallel_loss_fn, loss_fn runs on each replica's chunk, of "
+                f"{list(self.plan.chunk_sizes)} rows: choose a batch and devices whose chunks make that count a power of two, "
+                "such as 8 rows on 2 or 4 devices)"
+            ) from None
 
     @property
     def scenario(self) -> str:
@@ -1026,7 +1046,8 @@ def assert_dp_grads_match(
             exact as it runs (``dpverify.exact.case.prove``), so a correct parallel step
             is bit-identical and one unit in the last place of one element is a mismatch.
             The report's notes carry the evidence. ``parallel`` and ``parallel_loss_fn``
-            run on the copies. Not with ``rtol``/``atol``.
+            run on the copies (with ``parallel_loss_fn``, ``loss_fn`` on each chunk is
+            proven exact too). Not with ``rtol``/``atol``.
 
     Returns:
         The comparison, for inspection (``str()`` summarises it).
