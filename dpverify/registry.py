@@ -553,26 +553,27 @@ def _loss_verdict(result: Callable[..., CheckResult], report: LossAverageReport,
 # --------------------------------------------------------------------------- bodies
 
 
-def _dp_check(case: Case, target: Target, *, output_device: bool = True, parallel_loss: bool = True) -> Check:
+def _dp_check(case: Case, target: Target, *, output_device: bool = True, parallel_loss: bool = True, exact: bool = False) -> Check:
     """The DataParallel check of ``case`` through ``target``'s wrappers, as the
     DataParallel helpers build it from their arguments (those without an
     ``output_device`` or ``parallel_loss_fn`` gather on ``device_ids[0]`` through the
-    loss alone)."""
+    loss alone; ``exact``: the gradient helpers' exact mode)."""
     return Check.create(
         case.module, case.inputs, device_ids=case.device_ids, output_device=case.output_device if output_device else None,
         parallel=target.parallel, forward_kwargs=case.forward_kwargs, dim=case.dim,
-        parallel_loss_fn=target.parallel_loss if parallel_loss else None,
+        parallel_loss_fn=target.parallel_loss if parallel_loss else None, exact=exact,
     )
 
 
 def _dp_grads(case: Case, target: Target) -> Report:
     assert case.loss_fn is not None
-    return raise_unless_ok(grads_match(_dp_check(case, target), case.loss_fn, case.target, case.steps), None)
+    return raise_unless_ok(grads_match(_dp_check(case, target, exact=case.exact), case.loss_fn, case.target, case.steps), None)
 
 
 def _dp_grad_sum(case: Case, target: Target) -> Report:
     assert case.loss_fn is not None
-    return raise_unless_ok(grad_sum_matches(_dp_check(case, target, output_device=False), case.loss_fn, case.target, case.steps), None)
+    check = _dp_check(case, target, output_device=False, exact=case.exact)
+    return raise_unless_ok(grad_sum_matches(check, case.loss_fn, case.target, case.steps), None)
 
 
 def _dp_buffers(case: Case, target: Target) -> Report:
@@ -648,6 +649,7 @@ def _dp_training(case: Case, target: Target) -> Report:
         case.module, _training_batches(case), loss_fn=case.loss_fn, optimizer=_training_optimizer(case),
         device_ids=case.device_ids, output_device=case.output_device, parallel=target.parallel,
         parallel_loss_fn=target.parallel_loss, after_backward=target.after_backward, forward_kwargs=case.forward_kwargs, dim=case.dim,
+        exact=case.exact,
     )
 
 

@@ -22,7 +22,6 @@ mismatch.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,11 +32,12 @@ from torch.utils import _pytree
 
 from dpverify.core.comparison import Tolerance
 from dpverify.core.errors import InvalidArgument
+from dpverify.core.numerics import ulps
 from dpverify.exact.grid import BITS, dyadic_module, dyadic_tree, is_power_of_two, lowest_bit
 from dpverify.exact.proof import Proof, Prover, proving
 from dpverify.exact.rules import Need
 
-__all__ = ["EXACT", "Evidence", "ExactCase", "prove", "require_no_tolerance", "require_power_of_two"]
+__all__ = ["EXACT", "Evidence", "ExactCase", "prove", "require_no_tolerance", "require_power_of_two", "ulps"]
 
 #: The tolerance of exact mode: none.
 EXACT = Tolerance(rtol=0.0, atol=0.0)
@@ -237,10 +237,3 @@ def _summed(replicas: Sequence[nn.Module], weights: Sequence[float] | None, prov
 
 def _identical(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def ulps(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """The largest distance between ``actual`` and ``expected``, in units in the last place
-    of ``expected``'s elements (its spacing at each element)."""
-    spacing = torch.nextafter(expected.abs(), torch.full_like(expected, math.inf)) - expected.abs()
-    return float(((actual - expected).abs() / spacing).max()) if expected.numel() else 0.0
