@@ -67,7 +67,10 @@ def dyadic(tensor: torch.Tensor, bits: int = BITS) -> torch.Tensor:
     largest = float(finite.abs().max()) if finite.numel() else 0.0
     if largest == 0.0:
         return torch.zeros_like(values)
-    step = 2.0 ** (math.frexp(largest)[1] - bits)
+    mantissa, exponent = math.frexp(largest)
+    # a largest element that is a power of two keeps its exponent, so that a tensor on its
+    # grid is its own grid copy
+    step = 2.0 ** (exponent - (mantissa == 0.5) - bits)
     return torch.round(values / step) * step
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from dpverify.core.errors import InvalidArgument
 from dpverify.exact.grid import precision
@@ -117,6 +117,17 @@ class Prover(TorchDispatchMode):
         self.operations += 1
         for need in needs:
             self.fits(need, name)
+
+    @staticmethod
+    def paused() -> contextlib.AbstractContextManager[Any]:
+        """Runs what is inside unchecked: the caller's own measurements."""
+        return _disable_current_modes()
+
+    def require(self, need: Need, name: str) -> None:
+        """Checks a requirement the caller derived itself (a sum it forms in one order,
+        which another implementation may form in any other), as an operation ``name``."""
+        self.operations += 1
+        self.fits(need, name)
 
     def fits(self, need: Need, name: str) -> None:
         if need.lowest is None or need.bound == 0 or not need.dtype.is_floating_point:
