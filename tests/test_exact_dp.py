@@ -185,7 +185,7 @@ def test_a_criterion_pair_runs_exact_where_its_chunk_losses_are(helper: Any) -> 
     assert "no tolerance" in str(result)
     # chunks [3, 3, 2]: each replica's mean over 6 outputs rounds, which a correct pair would
     # show as a mismatch; it is refused instead
-    with pytest.raises(InvalidArgument, match=r"in the loss of a piece .*divides by 6.*with parallel_loss_fn, loss_fn runs on each replica's chunk"):
+    with pytest.raises(InvalidArgument, match=r"in the loss of piece 0 of 3 \(rows 0:3 of the batch\) .*divides by 6.*with parallel_loss_fn, loss_fn runs on each replica's chunk"):
         helper(module, x, y, loss_fn=loss_fn, device_ids=[0, 1, 2], **pair)
 
 

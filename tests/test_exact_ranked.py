@@ -251,7 +251,7 @@ def test_world_size_three_is_refused_naming_the_division() -> None:
 def test_a_non_power_of_two_shard_with_a_mean_loss_is_refused() -> None:
     x, y = batch()
     text = _refusal(lambda: assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=2, shards=[3, 1], exact=True))
-    assert text.startswith("exact=True: aten.mse_loss in the loss of a piece")
+    assert text.startswith("exact=True: aten.mse_loss in the loss of piece 0 of 2 (rows 0:3 of the batch)")
 
 
 def test_tanh_is_refused_naming_the_module() -> None:

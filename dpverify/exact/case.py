@@ -194,7 +194,7 @@ def _step(
     replicas = [copy.deepcopy(case.module) for _ in bounds]
     with proving({f"replica {i}" if len(bounds) > 1 else "": r for i, r in enumerate(replicas)}) as prover:
         outputs = []
-        for (start, stop), replica in zip(bounds, replicas, strict=True):
+        for index, ((start, stop), replica) in enumerate(zip(bounds, replicas, strict=True)):
             def cut(t: torch.Tensor, d: int, start: int = start, stop: int = stop) -> torch.Tensor:
                 return t.narrow(d, start, stop - start)
 
@@ -203,7 +203,7 @@ def _step(
             if gathered:
                 outputs.append(output)
             else:
-                prover.stage = "the loss of a piece"
+                prover.stage = f"the loss of piece {index} of {len(bounds)} (rows {start}:{stop} of the batch)"
                 loss_fn(output, _rows(case.target, batch, 0, cut)).backward()
         if gathered:
             prover.stage = "the loss"

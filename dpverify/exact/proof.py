@@ -141,8 +141,9 @@ class Prover(TorchDispatchMode):
         if bits > width:
             self.refuse(
                 f"{name} in {self.where()} needs {bits} significand bits to be exact and {need.dtype} has {width}: "
-                "the model is too deep or too wide for exact arithmetic (each layer adds the bits of its weights "
-                "and of its width); use fewer or narrower layers, or check without exact=True"
+                "the model is too deep or too wide for exact arithmetic, or has trained too many steps (each layer "
+                "adds the bits of its weights and of its width, each optimizer step the bits of the gradient to the "
+                "weights); use fewer or narrower layers, fewer steps, or check without exact=True"
             )
         if need.lowest < math.frexp(torch.finfo(need.dtype).smallest_normal)[1] - width:
             self.refuse(f"{name} in {self.where()} reaches below the smallest normal number of {need.dtype}")
