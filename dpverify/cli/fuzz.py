@@ -574,7 +574,8 @@ def _exact_plain(scenario: Scenario, *, rows_per_rank: int = 0) -> Scenario:
     """``scenario`` made exact: ReLU, outputs and batch rows powers of two (a mean divides by
     them), float64; with ``rows_per_rank``, that many rows per device (DDP's shards)."""
     model = dataclasses.replace(scenario.model, activation="relu", outputs=_power_of_two_below(scenario.model.outputs))
-    rows = rows_per_rank * len(scenario.devices.device_ids) if rows_per_rank else _power_of_two_below(scenario.batch_size)
+    # two rows at least: one row runs one replica, and every check skips it
+    rows = rows_per_rank * len(scenario.devices.device_ids) if rows_per_rank else max(2, _power_of_two_below(scenario.batch_size))
     return dataclasses.replace(scenario, model=model, batch_size=rows, dtype=torch.float64)
 
 
