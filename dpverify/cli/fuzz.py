@@ -704,9 +704,12 @@ def _example_runner(config: FuzzConfig) -> Callable[[AnyScenario], Outcome]:
     ddp = Target(step=config.target_object, ddp_kwargs=dict(config.ddp_kwargs) or None)
     sharded = Target(**{TARGET_FIELDS[config.backend]: config.target_object}) if config.backend in SHARDED_BACKENDS else ddp
 
-    def run(name: str, scenario: AnyScenario, target: Target) -> Outcome:
-        # the user's loss (--loss MODULE:FN) where one was given
-        return _run_check(name, scenario, target, config.loss_object, exact=config.exact)
+    def run(name: str, scenario: AnyScenario, target: Target, loss: Any = None) -> Outcome:
+        # the user's loss (--loss MODULE:FN) and exact mode, each where asked
+        exact = {"exact": True} if config.exact else {}
+        if loss is None:
+            return _run_check(name, scenario, target, **exact)
+        return _run_check(name, scenario, target, loss, **exact)
 
     def example(scenario: AnyScenario) -> Outcome:
         if isinstance(scenario, TrainingScenario):
@@ -714,22 +717,22 @@ def _example_runner(config: FuzzConfig) -> Callable[[AnyScenario], Outcome]:
             outcome = example(scenario.scenario) if _one_step_runs(scenario) else Outcome()
             for name, trained in _training_runs(scenario, config):
                 if isinstance(trained.scenario, ShardedScenario):
-                    outcome |= _run_check(name, trained, sharded, exact=config.exact)
+                    outcome |= run(name, trained, sharded)
                 else:
-                    outcome |= run(name, trained, dp if trained.backend == "dp" else ddp)
+                    outcome |= run(name, trained, dp if trained.backend == "dp" else ddp, config.loss_object)
             return outcome
         outcome = Outcome()
         if isinstance(scenario, ShardedScenario):
             for name in SHARDED_CHECKS[scenario.backend]:
-                outcome |= _run_check(name, scenario, sharded, exact=config.exact)
+                outcome |= run(name, scenario, sharded)
             return outcome
         if config.backend in ("dp", "all"):
             for name in _dp_checks(Case.from_scenario(scenario), torch_wrapper=torch_wrapper):
-                outcome |= run(name, scenario, dp)
+                outcome |= run(name, scenario, dp, config.loss_object)
         if config.backend == "ddp" or (config.backend == "all" and _ddp_applies(scenario, config.devices)):
             ranks = _on_ranks(scenario, config.devices)
             for name in DDP_CHECKS:
-                outcome |= run(name, ranks, ddp)
+                outcome |= run(name, ranks, ddp, config.loss_object)
         return outcome
 
     return example
