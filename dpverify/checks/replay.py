@@ -90,7 +90,7 @@ class _Replicas:
         case = self.case
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            with torch.no_grad(), virtual_primitives():
+            with virtual_primitives():  # with autograd on, as DataParallel.forward scatters
                 inputs, chunk_kwargs = scatter_kwargs(args, kwargs, list(case.plan.device_ids), case.dim)
             if not inputs and not chunk_kwargs:  # as DataParallel.forward: one call without arguments
                 inputs, chunk_kwargs = ((),), ({},)
