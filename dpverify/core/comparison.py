@@ -213,8 +213,8 @@ class ReplayMatch:
     def describe(self, name: str) -> str:
         return (
             f"{name}: bit-identical to a replay of DataParallel's algorithm; chunking moves this tensor by "
-            f"{self.shift:.3g} from the full batch (it was {self.failed_ratio:.3g} times the allowed difference "
-            "from the single-device step)."
+            f"{self.shift:.3g} from the full batch (the tolerance alone would fail it, at {self.failed_ratio:.3g} "
+            "times the allowed difference)."
         )
 
 
