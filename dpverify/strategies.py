@@ -890,11 +890,16 @@ EXACT_BACKEND_KINDS: dict[str, tuple[str, ...]] = {
 #: The deepest and widest models exact arithmetic leaves room for at ``dpverify.exact``'s
 #: 4 significant bits per element: each Linear adds the bits of its weights to its
 #: inputs', a mean squared error doubles them, and float64 has 53. With an L1 loss, two
-#: hidden layers stay within about 35 bits; a squared error of one hidden layer within 47
-#: (two would need up to 59), so deeper models are drawn with an L1 loss only.
+#: hidden layers stay within about 35 bits; a squared error of two Linear layers in a
+#: chain (one hidden layer) within 47, of three (two hidden layers, or a residual block
+#: between its stem and head) up to 59, so those are drawn with an L1 loss only.
 EXACT_LIMITS: dict[str, int] = {"max_depth": 2, "max_hidden": 8, "max_features": 4, "max_batch": 16}
-#: The hidden layers a squared error leaves room for (see ``EXACT_LIMITS``).
+#: The hidden layers a squared error leaves room for (see ``EXACT_LIMITS``): two Linear
+#: layers in a chain.
 _SQUARED_DEPTH = 1
+#: Models that chain three Linear layers at depth 1 (a residual block between its stem and
+#: its head), which a squared error leaves no room for: they take an L1 loss.
+_DEEP_KINDS = ("residual",)
 #: Output widths: powers of two, so that a mean over the batch's outputs divides by one.
 _EXACT_OUTPUTS = (1, 2, 4)
 _EXACT_LOSSES = ("mse", "l1")
@@ -919,7 +924,8 @@ def _exact_scenarios(
     # a squared error of a deeper model needs more than float64's bits: L1 goes deeper.
     # The loss comes first so that the depth's bound follows from it (shrinking then
     # ends on MSE and the shallowest model)
-    name = draw(st.sampled_from(losses if least <= _SQUARED_DEPTH else ("l1",)), label="loss")
+    squared = least <= _SQUARED_DEPTH and kind not in _DEEP_KINDS
+    name = draw(st.sampled_from(losses if squared else ("l1",)), label="loss")
     depth = draw(st.integers(least, max(least, max_depth if name == "l1" else _SQUARED_DEPTH)), label="depth")
     per_rank = world // groups if backend == "tp" else 1  # the tensor-parallel size divides the width
     hidden = per_rank * draw(st.integers(1, max(1, max_hidden // per_rank)), label="hidden")
@@ -975,7 +981,8 @@ def exact_scenarios(
     ``conv-pool`` (a Conv2d with max, mean or sum pooling over 2x2 windows), an Embedding
     summed over its tokens, residual adds, ``concat`` (concatenation), with ReLU or
     LeakyReLU of slope 1/8, in eval mode; output widths 1, 2 or 4, and an MSE or L1 loss
-    (a deeper model than a squared error leaves bits for takes L1, ``EXACT_LIMITS``).
+    (a deeper model than a squared error leaves bits for, two hidden layers or a residual
+    block, takes L1, ``EXACT_LIMITS``).
     DataParallel draws ``world_sizes`` devices (default 1 to 4), any batch for a sum loss
     (uneven chunks included: one loss on the gathered outputs), a power of two for a mean
     loss. The ranked backends draw a power-of-two world size (default 2), a mean loss and a
@@ -989,7 +996,8 @@ def exact_scenarios(
         world_sizes: device counts (DataParallel) or world sizes (powers of two for the
             ranked backends, which divide by them).
         kinds: restrict to these of ``EXACT_BACKEND_KINDS[backend]``.
-        losses: draw from ``"mse"`` and ``"l1"``.
+        losses: draw from ``"mse"`` and ``"l1"`` (without ``"l1"``, no residual models and
+            one hidden layer).
         max_features: largest input width (at most ``EXACT_LIMITS["max_features"]``).
         max_hidden: largest hidden width (at most ``EXACT_LIMITS["max_hidden"]``).
         max_depth: most hidden layers (at most ``EXACT_LIMITS["max_depth"]``; a pipeline
@@ -1019,12 +1027,19 @@ def exact_scenarios(
             f"world_sizes={list(worlds)!r} with max_depth={max_depth}: a pipeline needs a child per stage and a sequential "
             f"model of depth d has 2 * d + 1; pass max_depth={-(-(max(worlds) - 1) // 2)} or fewer stages"
         )
+    if "l1" not in picked and set(_DEEP_KINDS) >= set(chosen):
+        raise InvalidArgument(
+            f"kinds={list(chosen)!r} with losses={list(picked)!r}: a residual block between a stem and a head chains "
+            "three Linear layers, more than a squared error leaves bits for; add 'l1' to losses"
+        )
     if backend == "pp" and max(worlds) > 2 * _SQUARED_DEPTH + 1 and "l1" not in picked:
         raise InvalidArgument(
             f"world_sizes={list(worlds)!r} with losses={list(picked)!r}: a pipeline of more than 3 stages needs a model deeper "
             "than a squared error leaves bits for; add 'l1' to losses"
         )
     # one composite draws either kind; the backend decides which, as the annotation says
+    if "l1" not in picked:  # the kinds only L1 leaves bits for
+        chosen = tuple(k for k in chosen if k not in _DEEP_KINDS)
     return cast("SearchStrategy[Scenario] | SearchStrategy[ShardedScenario]", _exact_scenarios(
         backend, worlds, tuple(k for k in allowed if k in chosen), tuple(n for n in _EXACT_LOSSES if n in picked),
         max_features, max_hidden, max_depth, max_batch,
