@@ -47,6 +47,7 @@ from dpverify.core.tracebacks import describe_exception
 from dpverify.core.tree import concatenate, first_batched, map_tensors
 from dpverify.core.validation import (
     require_arguments_fit,
+    require_bool,
     require_callable,
     require_loss_fn,
     require_mapping,
@@ -54,6 +55,8 @@ from dpverify.core.validation import (
     require_target_rows,
 )
 from dpverify.core.virtual import data_parallel, observe_gathers, virtual_devices
+from dpverify.exact.case import EXACT, Evidence, ExactCase, prove, require_no_tolerance
+from dpverify.exact.grid import dyadic_tree
 
 __all__ = [
     "Check", "LossModule", "References", "SharedSteps", "assert_dp_grads_match", "assert_grad_sum_equals_mean_loss_grad",
@@ -191,6 +194,9 @@ class Check:
     dtype: torch.dtype
     dim: int = 0
     parallel_loss: ParallelLoss | None = None
+    #: exact mode: ``module``, ``args`` and ``kwargs`` are the dyadic float64 copies of the
+    #: user's (``ExactCase``), compared with ``EXACT``, no tolerance
+    exact: bool = False
 
     @classmethod
     def create(
@@ -206,8 +212,11 @@ class Check:
         forward_kwargs: Mapping[str, Any] | None = None,
         dim: int = 0,
         parallel_loss_fn: ParallelLoss | None = None,
+        exact: bool = False,
     ) -> Check:
         require_module_with_grads(module, why="there is no gradient to compare")
+        if require_bool(exact, "exact"):
+            require_no_tolerance(rtol, atol)
         if parallel is not None:
             require_callable(
                 parallel, "parallel",
@@ -234,6 +243,9 @@ class Check:
         device = torch.device("cuda", ids[0]) if real else torch.device("cpu")
         plan = plan_scatter(args, kwargs, ids, dim=dim)
         _require_rows_for_every_replica(module, plan, args, kwargs)
+        if exact:  # the user's module and tensors stay as they are
+            grid = ExactCase.of(module, args, None, kwargs)
+            module, args, kwargs = grid.module, grid.args, grid.kwargs
         return cls(
             module=module,
             args=args,
@@ -243,10 +255,11 @@ class Check:
             parallel=parallel or data_parallel,
             device=device,
             plan=plan,
-            tolerance=Tolerance(rtol=rtol, atol=atol),
+            tolerance=EXACT if exact else Tolerance(rtol=rtol, atol=atol),
             dtype=first_parameter_dtype(module),
             dim=dim,
             parallel_loss=parallel_loss_fn,
+            exact=exact,
         )
 
     def require_target(self, target: Any) -> None:
@@ -254,6 +267,52 @@ class Check:
         batch split along another dimension leaves the target's layout to the loss)."""
         if self.dim == 0:
             require_target_rows(target, batch_size_of(self.args, kwargs=self.kwargs))
+
+    def on_grid(self, value: Any) -> Any:
+        """``value`` (a target, a batch) as the check's steps take it: in exact mode its
+        dyadic float64 copy, as ``ExactCase`` makes the inputs' (``dyadic_tree``)."""
+        return dyadic_tree(value) if self.exact else value
+
+    def proven(self, loss_fn: LossFn, target: Any, shared: SharedSteps | None = None) -> list[str]:
+        """In exact mode, the report's note that the step rounds nothing (``prove``: the
+        full batch, the batch reversed, and the scatter's chunks with one loss on the
+        gathered outputs, as DataParallel computes it); ``target`` on the grid. The
+        evidence of a split is kept in ``shared``. Nothing outside exact mode.
+
+        Raises:
+            InvalidArgument: an operation of the step cannot be shown exact (the message
+                names it, where it ran and what to change).
+        """
+        if not self.exact:
+            return []
+        require_loss_fn(loss_fn)
+        self.require_target(target)
+        store = SharedSteps() if shared is None else shared.for_check(self)
+        split = (tuple(self.plan.chunk_sizes), self.dim)
+        if split not in store.evidence:
+            case = ExactCase(self.module, self.args, self.kwargs, target)
+            evidence = prove(case, loss_fn, pieces=self.plan.chunk_sizes, dim=self.dim, gathered=True)
+            if self.parallel_loss is not None:
+                self._prove_chunk_losses(case, loss_fn)
+            store.evidence[split] = evidence
+        return [store.evidence[split].note()]
+
+    def _prove_chunk_losses(self, case: ExactCase, loss_fn: LossFn) -> None:
+        """A criterion wrapper computes ``loss_fn`` on each replica's chunk, where a mean
+        divides by the chunk's count: that arithmetic must be exact too, or a correct pair
+        would differ from the full batch by its rounding.
+
+        Raises:
+            InvalidArgument: a chunk's loss cannot be shown exact.
+        """
+        try:
+            prove(case, loss_fn, pieces=self.plan.chunk_sizes, dim=self.dim, gathered=False)
+        except InvalidArgument as refusal:
+            raise InvalidArgument(
+                f"{refusal} (with parallel_loss_fn, loss_fn runs on each replica's chunk, of "
+                f"{list(self.plan.chunk_sizes)} rows: choose a batch and devices whose chunks make that count a power of two, "
+                "such as 8 rows on 2 or 4 devices)"
+            ) from None
 
     @property
     def scenario(self) -> str:
@@ -824,12 +883,15 @@ class SharedSteps:
             ``derived``).
         left: the gradient check's parallel step, left for the replica-sum check of the
             same split through the same wrappers, which takes it (``take``).
+        evidence: exact mode's proofs (``Check.proven``), by split.
     """
 
     steps: dict[str, StepResult] = field(default_factory=dict)
     picked: dict[tuple[Key, str], torch.Tensor | None] = field(default_factory=dict)
     derived: Derived = field(default_factory=dict)
     left: tuple[tuple[Any, ...], StepResult, dict[Any, Any]] | None = None
+    #: exact mode's evidence (``Check.proven``) by split (chunk sizes, dim)
+    evidence: dict[tuple[tuple[int, ...], int], Evidence] = field(default_factory=dict)
     device: torch.device | None = None
     dtype: torch.dtype | None = None
 
@@ -943,6 +1005,7 @@ def assert_dp_grads_match(
     forward_kwargs: Mapping[str, Any] | None = None,
     dim: int = 0,
     parallel_loss_fn: ParallelLoss | None = None,
+    exact: bool = False,
 ) -> StepComparison:
     """Asserts one DataParallel step gives the single-device outputs, loss and gradients.
 
@@ -976,19 +1039,31 @@ def assert_dp_grads_match(
             ``loss_fn`` as the criterion (wrapped in a module when it is a function), it
             returns ``loss(outputs, target)``. The single-device side keeps ``loss_fn``;
             per-replica outputs are compared after concatenation along ``dim``.
+        exact: compare without tolerance, where the arithmetic is exact: the steps run on
+            float64 copies of the module, inputs, target and ``forward_kwargs`` on a coarse
+            dyadic grid (``dpverify.exact.case.ExactCase``); every operation of the
+            single-device step, of the batch reversed and of the scatter's chunks is shown
+            exact as it runs (``dpverify.exact.case.prove``), so a correct parallel step
+            is bit-identical and one unit in the last place of one element is a mismatch.
+            The report's notes carry the evidence. ``parallel`` and ``parallel_loss_fn``
+            run on the copies (with ``parallel_loss_fn``, ``loss_fn`` on each chunk is
+            proven exact too). Not with ``rtol``/``atol``.
 
     Returns:
         The comparison, for inspection (``str()`` summarises it).
 
     Raises:
         ParallelMismatch: an output, the loss or a gradient differs beyond tolerance.
-        InvalidArgument: an argument cannot be used; the message says which and why.
+        InvalidArgument: an argument cannot be used; the message says which and why. In
+            exact mode, also an operation that cannot be shown exact (tanh, softmax, a
+            mean over a count that is not a power of two, a model too deep or wide for
+            float64's 53 bits): the message names it, where it ran and what to change.
     """
     __tracebackhide__ = True
     check = Check.create(
         module, inputs, device_ids=device_ids, output_device=output_device,
         parallel=parallel, rtol=rtol, atol=atol, forward_kwargs=forward_kwargs, dim=dim,
-        parallel_loss_fn=parallel_loss_fn,
+        parallel_loss_fn=parallel_loss_fn, exact=exact,
     )
     return raise_unless_ok(grads_match(check, loss_fn, target), msg)
 
@@ -996,6 +1071,8 @@ def assert_dp_grads_match(
 def grads_match(check: Check, loss_fn: LossFn, target: Any, shared: SharedSteps | None = None) -> StepComparison:
     """``assert_dp_grads_match`` on a built ``check``, returning its comparison whatever
     it found; ``shared``: the steps of the checks grouped with it (``SharedSteps``)."""
+    target = check.on_grid(target)
+    proof = check.proven(loss_fn, target, shared)
     parallel_step, refs = _steps(check, loss_fn, target, shared, take=False)
     title = "DataParallel outputs and gradients must match the single-device step"
     rows = check.compare(parallel_step, refs)
@@ -1005,7 +1082,7 @@ def grads_match(check: Check, loss_fn: LossFn, target: Any, shared: SharedSteps 
     failed = bool(failures) or not all(row.ok for row in rows)
     notes, scale = _diagnose(check, parallel_step, refs, loss_fn, target) if failed else ([], None)
     lost_note = [lost] if lost and failed and ran >= 2 else []
-    notes = [*_per_replica_note(parallel_step, refs.expected), *lost_note, *_differing_rows(check, parallel_step, refs, rows), *notes]
+    notes = [*proof, *_per_replica_note(parallel_step, refs.expected), *lost_note, *_differing_rows(check, parallel_step, refs, rows), *notes]
     return check.outcome(title, rows, notes=notes, failures=failures, scale=scale, step=parallel_step)
 
 
@@ -1299,6 +1376,7 @@ def assert_grad_sum_equals_mean_loss_grad(
     forward_kwargs: Mapping[str, Any] | None = None,
     dim: int = 0,
     parallel_loss_fn: ParallelLoss | None = None,
+    exact: bool = False,
 ) -> StepComparison:
     """Asserts replica gradients sum to the full-batch mean-loss gradient.
 
@@ -1318,7 +1396,7 @@ def assert_grad_sum_equals_mean_loss_grad(
     __tracebackhide__ = True
     check = Check.create(
         module, inputs, device_ids=device_ids, parallel=parallel, rtol=rtol, atol=atol,
-        forward_kwargs=forward_kwargs, dim=dim, parallel_loss_fn=parallel_loss_fn,
+        forward_kwargs=forward_kwargs, dim=dim, parallel_loss_fn=parallel_loss_fn, exact=exact,
     )
     return raise_unless_ok(grad_sum_matches(check, loss_fn, target), msg)
 
@@ -1327,6 +1405,8 @@ def grad_sum_matches(check: Check, loss_fn: LossFn, target: Any, shared: SharedS
     """``assert_grad_sum_equals_mean_loss_grad`` on a built ``check``, returning its
     comparison whatever it found; ``shared``: the steps of the checks grouped with it,
     whose parallel step it takes when a gradient check of the same split left one."""
+    target = check.on_grid(target)
+    proof = check.proven(loss_fn, target, shared)
     parallel_step, refs = _steps(check, loss_fn, target, shared, take=True)
     title = "Replica gradients must sum to the full-batch mean-loss gradient"
     contributions = [grads for _device, grads in parallel_step.contributions]
@@ -1359,7 +1439,7 @@ def grad_sum_matches(check: Check, loss_fn: LossFn, target: Any, shared: SharedS
             contrasts.append(contrast)
             averages_differ |= contrast.mismatched > 0 or not contrast.ok
     ran = f"{replicas} replica{'s' if replicas != 1 else ''} contributed"
-    notes = [f"{ran} (chunks {list(parallel_step.replica_rows)}).", *_per_replica_note(parallel_step, refs.expected)]
+    notes = [*proof, f"{ran} (chunks {list(parallel_step.replica_rows)}).", *_per_replica_note(parallel_step, refs.expected)]
     significant = any(g is not None and bool(g.any()) for g in refs.expected.grads.values())
     # Where the tolerance cannot tell the sum from the average (every gradient zero up to
     # rounding, or a dtype too coarse), the average matching says nothing. It points at

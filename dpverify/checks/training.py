@@ -17,7 +17,7 @@ import contextlib
 import functools
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,7 @@ from dpverify.core.text import plural
 from dpverify.core.tree import first_batched
 from dpverify.core.validation import require_callable, require_mapping, require_target_rows
 from dpverify.core.virtual import virtual_primitives
+from dpverify.exact.proof import Proof, Prover, proving
 from dpverify.ranked.rank import (
     AfterBackward,
     RankContext,
@@ -133,6 +134,54 @@ class _Training:
     steps: list[_Snapshot] = field(default_factory=list)
     #: the Python attributes before the first step
     initial: dict[tuple[str, str], Any] = field(default_factory=dict)
+    #: exact mode: what ``proving`` established over the run, optimizer steps included
+    proof: Proof | None = None
+
+
+@dataclass
+class _Watch:
+    """Where a training run under ``proving`` is (exact mode), for its refusals; a run
+    outside exact mode has no ``prover``."""
+
+    prover: Prover | None = None
+    step: int = 0
+
+    def at(self, step: int, stage: str) -> None:
+        """The run enters ``stage`` (the loss, the hook, the optimizer step) of ``step``."""
+        self.step = step
+        if self.prover is not None:
+            self.prover.stage = f"{stage} of step {step}"
+
+
+@contextlib.contextmanager
+def _proving_training(model: nn.Module, steps: int, exact: bool) -> Iterator[_Watch]:
+    """In exact mode, ``proving`` over a training run of ``model``: every operation of
+    its ``steps`` steps, optimizer steps included, is shown exact, and a refusal says in
+    which step it came.
+
+    Raises:
+        InvalidArgument: an operation cannot be shown exact.
+    """
+    watch = _Watch()
+    if not exact:
+        yield watch
+        return
+    try:
+        with proving(model) as prover:
+            watch.prover = prover
+            yield watch
+    except InvalidArgument as refusal:
+        if watch.prover is None or watch.prover.refusal is None:
+            raise
+        text = f"{refusal} (in step {watch.step} of {steps} of the single-device training"
+        proof = watch.prover.proof()
+        if watch.step > 1 and proof.bits > proof.precision:
+            # digits that no longer fit after exact steps: the weights' new ones, not the model's size
+            text += (
+                "; every optimizer step adds the digits of the learning rate times the gradient to the weights, "
+                f"so exact training lasts a few steps: pass at most {plural(watch.step - 1, 'batch', 'batches')}"
+            )
+        raise InvalidArgument(text + ")") from None
 
 
 def _plain(value: Any) -> Any:
@@ -212,11 +261,13 @@ def _train(
     *,
     parallel: bool,
     dtype: torch.dtype | None,
+    exact: bool = False,
 ) -> _Training:
     """``len(batches)`` optimizer steps on a copy of ``check.module``, through the wrapper
     (``parallel``) or alone, in ``dtype`` (None: the module's own): zero the gradients,
     forward the full batch, ``loss_fn`` on the (gathered) output, backward,
-    ``after_backward(ctx)``, optimizer step; a snapshot after each step."""
+    ``after_backward(ctx)``, optimizer step; a snapshot after each step. ``exact``: the
+    whole run under ``proving`` (``_proving_training``)."""
     device = check.device
     model = copy_module(check.module, dtype).to(device)
     names = {id(p): name for name, p in model.named_parameters()}
@@ -228,16 +279,19 @@ def _train(
     fork = [device] if device.type == "cuda" else []
     devices = check.devices() if parallel else contextlib.nullcontext()
     group = one_rank_group() if after_backward is not None else contextlib.nullcontext()
-    with torch.random.fork_rng(devices=fork), default_dtype(dtype), devices, group as one_rank:
+    proof = _proving_training(model, len(batches), exact)
+    with torch.random.fork_rng(devices=fork), default_dtype(dtype), devices, group as one_rank, proof as watch:
         runner: Callable[..., Any] = check.wrap(model) if parallel else model  # built where it runs
         seed_step(0, device)
         for index, (inputs, kwargs, target) in enumerate(batches):
+            watch.at(index + 1, "the loss")
             args, keywords, goal = (convert_tensors(part, dtype, device) for part in (inputs, kwargs, target))
             opt.zero_grad(set_to_none=True)
             output = runner(*args, **keywords)
             loss = (check.parallel_loss_of(loss_fn, goal) if parallel else quiet_size_warnings(functools.partial(_loss_of, loss_fn, goal)))(output)
             loss.backward()
             if after_backward is not None:
+                watch.at(index + 1, "after_backward")
                 rows = batch_size_of(tuple(args), dim=check.dim, kwargs=keywords)
                 context = DPContext if parallel else ReferenceContext
                 ctx = context(
@@ -246,6 +300,7 @@ def _train(
                 )
                 with after_backward_note(after_backward):
                     after_backward(ctx)
+            watch.at(index + 1, "the optimizer step")
             opt.step()
             seen = forwards.take()
             run.steps.append(_Snapshot(
@@ -258,6 +313,7 @@ def _train(
                 forwards=len(seen),
                 rows=seen,
             ))
+        run.proof = watch.prover.proof() if watch.prover is not None else None
     return run
 
 
@@ -500,6 +556,7 @@ def assert_dp_training_matches(
     atol: float | None = None,
     msg: Msg = None,
     dim: int = 0,
+    exact: bool = False,
 ) -> StepComparison:
     """Asserts ``len(batches)`` optimizer steps through DataParallel match one device.
 
@@ -544,6 +601,16 @@ def assert_dp_training_matches(
         atol: explicit absolute tolerance (with ``rtol``).
         msg: replaces the failure message, or a callable that rewrites it.
         dim: the dimension DataParallel splits the batch along.
+        exact: compare without tolerance, where the arithmetic is exact (as
+            ``assert_dp_grads_match(exact=True)``): both runs train dyadic float64 copies
+            of the module and of every batch; the first batch's step is proven exact
+            (``dpverify.exact.case.prove``), and the single-device training runs under
+            ``dpverify.exact.proof.proving``, so every operation of every step, the
+            optimizer's included, is shown exact. The optimizer's numbers must be short
+            dyadic ones (SGD with ``lr=2**-3``; 0.1 or a momentum of 0.9 is refused), and
+            every step adds digits to the weights: exact training lasts a few steps on
+            small models (one to four for two linear layers), and a step whose digits no
+            longer fit float64 is refused, naming the step. Not with ``rtol``/``atol``.
 
     Returns:
         The comparison of the first step that differs, else of the last step.
@@ -552,7 +619,8 @@ def assert_dp_training_matches(
         ParallelMismatch: a tensor differs after some step, an attribute set in forward is
             lost, or the replicas did not run in parallel.
         InvalidArgument: an argument cannot be used (``batches`` empty, ``optimizer`` or
-            ``after_backward`` not callable, a module without parameters to train).
+            ``after_backward`` not callable, a module without parameters to train); in
+            exact mode, an operation that cannot be shown exact (named, with the step).
     """
     __tracebackhide__ = True
     factory = "a factory params -> Optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.1)"
@@ -570,7 +638,7 @@ def assert_dp_training_matches(
     inputs, first_kwargs, _target = found[0]
     check = Check.create(
         module, inputs, device_ids=device_ids, output_device=output_device, parallel=parallel, rtol=rtol, atol=atol,
-        forward_kwargs=first_kwargs or None, dim=dim, parallel_loss_fn=parallel_loss_fn,
+        forward_kwargs=first_kwargs or None, dim=dim, parallel_loss_fn=parallel_loss_fn, exact=exact,
     )
     if dim == 0:
         for index, (args, kwargs, target) in enumerate(found):
@@ -584,8 +652,11 @@ def training_matches(
     after_backward: AfterBackward | None = None, *, title: str = "DataParallel training must match single-device training",
 ) -> StepComparison:
     """``assert_dp_training_matches`` on a built ``check`` and validated ``batches``,
-    returning its comparison whatever it found."""
-    expected = _train(check, batches, loss_fn, optimizer, after_backward, parallel=False, dtype=None)
+    returning its comparison whatever it found; in exact mode (``check.exact``) the
+    batches are put on the grid here."""
+    batches = [(check.on_grid(args), check.on_grid(kwargs), check.on_grid(target)) for args, kwargs, target in batches]
+    proven = check.proven(loss_fn, batches[0][2])
+    expected = _train(check, batches, loss_fn, optimizer, after_backward, parallel=False, dtype=None, exact=check.exact)
     try:
         actual = _train(check, batches, loss_fn, optimizer, after_backward, parallel=True, dtype=None)
     except Exception as error:
@@ -617,6 +688,8 @@ def training_matches(
         notes.append(_buffer_note(check, bad_buffers, shown, actual, batches[shown]))
     if after_backward is not None:
         notes.append(f"{_callable_name(after_backward)}(ctx) ran after every backward, under DataParallel and on one device.")
+    if expected.proof is not None:
+        notes += [*proven, f"The single-device training, optimizer steps included: {expected.proof.describe()}."]
     ran = min((s.forwards for s in actual.steps), default=0)
     failures += check.replica_failures(ran)
     return check.outcome(title, rows, notes=notes, failures=failures, replicas=ran)

@@ -17,7 +17,7 @@ from torch import nn
 
 from dpverify.core.divergence import DivergenceSource, divergence_sources
 from dpverify.core.errors import InvalidArgument, NonFiniteReference
-from dpverify.core.numerics import dense, max_abs, scale_factor
+from dpverify.core.numerics import dense, max_abs, scale_factor, ulp_distances
 from dpverify.core.text import shape_text
 
 __all__ = [
@@ -231,6 +231,11 @@ class TensorComparison:
     #: other, as DataParallel's reduce-add gives a parameter no replica used): nothing to
     #: compare, and no error to show
     absent: bool = False
+    #: without tolerance (rtol = atol = 0), a failing tensor's greatest finite difference
+    #: in units in the last place of the single-device element (``ulp_distances``), and
+    #: where (None otherwise)
+    max_ulps: float | None = None
+    max_ulps_index: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
@@ -260,6 +265,13 @@ class TensorComparison:
             f"(up to {self.allowed:.3g} allowed)",
             f"Greatest relative difference: {self.max_rel:.3g} at index {self.max_rel_index}",
         ]
+        if self.max_ulps is not None:
+            differ = "differs" if self.mismatched == 1 else "differ"
+            lines.append(
+                f"Bit for bit: {self.mismatched} of the {self.numel} elements {differ}; the greatest differs by "
+                f"{_ulps_text(self.max_ulps)} at index {self.max_ulps_index} (units in the last place of the "
+                "single-device value)"
+            )
         if self.norm_allowed and self.norm_gap > self.norm_allowed:
             lines.append(
                 f"Norm of the difference: {self.norm_gap:.3g} (up to {self.norm_allowed:.3g} "
@@ -559,7 +571,22 @@ def _explicit(name: TensorId, actual: torch.Tensor, expected: torch.Tensor, tole
             name, tuple(actual.shape), actual.numel(), max_abs=float(distance.max()), ratio=ratio,
             allowed=float(allowed_each.max()),
         )
-    return _detailed(name, actual, reference, allowed_each, None, mismatched=~close)
+    detailed = _detailed(name, actual, reference, allowed_each, None, mismatched=~close)
+    if tolerance.rtol == 0 and tolerance.atol == 0 and expected.is_floating_point():
+        # without tolerance the absolute difference says little: one unit in the last place says it all
+        distances = ulp_distances(actual, expected)
+        distances = torch.where(torch.isfinite(distances), distances, 0.0).reshape(-1)
+        largest, flat = distances.max(0)
+        if float(largest) > 0:
+            return replace(detailed, max_ulps=float(largest), max_ulps_index=_unravel(int(flat), tuple(actual.shape)))
+    return detailed
+
+
+def _ulps_text(count: float) -> str:
+    """``1 ulp``, ``3 ulps``, ``2.5 ulps``, ``1.2e+300 ulps``."""
+    if count.is_integer() and count < 1e15:
+        return f"{int(count)} ulp{'s' if count != 1 else ''}"
+    return f"{count:.3g} ulps"
 
 
 def _detailed(
@@ -720,6 +747,8 @@ class StepComparison:
             match says nothing about the parallel code.
         replayed: train-mode Dropout layers whose masks the reference replayed from the
             parallel run (so they are not among ``divergence``).
+        exact: compared without tolerance (rtol = atol = 0, as exact mode compares): a
+            pass means every element equal to the single-device one.
     """
 
     check: str
@@ -733,6 +762,7 @@ class StepComparison:
     scale: float | None = None
     replicas: int | None = None
     replayed: tuple[str, ...] = ()
+    exact: bool = False
 
     @property
     def ok(self) -> bool:
@@ -764,10 +794,11 @@ class StepComparison:
 
     def __str__(self) -> str:
         if self.ok:
-            return (
-                f"{self.check}: passed ({len(self.tensors)} tensors, worst at "
-                f"{self.worst_ratio:.2g} of the allowed difference). Scenario: {self.scenario}."
+            how = (
+                "every element equal to the single-device one: no tolerance" if self.exact
+                else f"worst at {self.worst_ratio:.2g} of the allowed difference"
             )
+            return f"{self.check}: passed ({len(self.tensors)} tensors, {how}). Scenario: {self.scenario}."
         return self.message()
 
 
@@ -808,6 +839,7 @@ def step_comparison(
         scale=scale,
         replicas=replicas,
         replayed=tuple(replayed),
+        exact=tolerance.rtol == 0 and tolerance.atol == 0,
     )
 
 

@@ -7,7 +7,9 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["FLOAT64_JITTER", "JITTER_ROUNDOFFS", "dense", "largest_abs", "magnitudes", "max_abs", "scale_factor"]
+__all__ = [
+    "FLOAT64_JITTER", "JITTER_ROUNDOFFS", "dense", "largest_abs", "magnitudes", "max_abs", "scale_factor", "ulp_distances", "ulps",
+]
 
 # Relative size of the parameter perturbation of a jittered run, in units of roundoff of
 # the dtype whose rounding it measures: a few, the rounding a step makes in each parameter use.
@@ -61,3 +63,18 @@ def scale_factor(actual: Mapping[str, torch.Tensor | None], expected: Mapping[st
     c = dot / norm_e
     residual = max(norm_a - c * dot, 0.0) ** 0.5 / norm_a**0.5
     return c if residual <= rounding else None
+
+
+def ulp_distances(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """``|actual - expected|`` per element in units in the last place of ``expected``'s
+    elements (the spacing of ``expected``'s dtype above each element's magnitude), in
+    float64; NaN or inf where either is not finite."""
+    magnitude = expected.detach().abs()
+    spacing = torch.nextafter(magnitude, torch.full_like(magnitude, math.inf)) - magnitude
+    return (actual.detach().to(torch.float64) - expected.detach().to(torch.float64)).abs() / spacing.to(torch.float64)
+
+
+def ulps(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest distance between ``actual`` and ``expected``, in units in the last place
+    of ``expected``'s elements (``ulp_distances``; 0 when they are empty)."""
+    return float(ulp_distances(actual, expected).max()) if expected.numel() else 0.0

@@ -62,6 +62,7 @@ from dpverify.ranked.check import (
     TrainingTrace,
     callable_name,
     describe_batches,
+    exact_training_notes,
     forward_keywords,
     grads_only,
     jittered_training,
@@ -176,10 +177,13 @@ class DDPCheck(RankedCheck):
     NO_GRAD: ClassVar[str] = "DistributedDataParallel refuses such a module, and there is no gradient to compare"
 
     @classmethod
-    def of(cls, module: nn.Module, inputs: Any, target: Any, loss_fn: LossFn, world_size: int, options: Mapping[str, Any]) -> DDPCheck:
-        """The scenario of one call of a DDP helper: its arguments and ``options``."""
+    def of(
+        cls, module: nn.Module, inputs: Any, target: Any, loss_fn: LossFn, world_size: int, options: Mapping[str, Any], micro_batches: int = 1,
+    ) -> DDPCheck:
+        """The scenario of one call of a DDP helper: its arguments and ``options``
+        (``micro_batches``: per rank, for exact mode's proof)."""
         return cls.create(
-            module, inputs, target, loss_fn=loss_fn, world_size=world_size, **check_keywords(options),
+            module, inputs, target, loss_fn=loss_fn, world_size=world_size, micro_batches=micro_batches, **check_keywords(options),
             ddp_kwargs=_ddp_kwargs(options.get("ddp_kwargs")),
             same_seed=require_bool(options.get("same_seed", False), "same_seed"),
         )
@@ -374,7 +378,7 @@ def assert_ddp_grads_match(
             (a top-level function). It must leave gradients in ``ctx.module``'s parameters,
             through ``ctx.ddp()`` or a hand-written all-reduce. Default: ``ddp_step``, or
             ``weighted_ddp_step`` when the ranks hold different numbers of items.
-        <shared: pool, ddp_kwargs, rtol, atol, msg, forward_kwargs>
+        <shared: pool, ddp_kwargs, rtol, atol, msg, forward_kwargs, exact>
         items: ``items(args, kwargs) -> int``, the items one shard's mean loss averages
             over (its tokens), called in this process on each shard's forward arguments
             with the shard's target appended as the last positional argument (``args[-1]``).
@@ -513,9 +517,9 @@ def assert_ddp_accumulation_matches(
     """
     __tracebackhide__ = True
     accepted(assert_ddp_accumulation_matches, options, DDPStepKeywords)
-    check = DDPCheck.of(module, inputs, target, loss_fn, world_size, options)
-    step = options.get("step")
     k = require_int_at_least(micro_batches, "micro_batches", 1)
+    check = DDPCheck.of(module, inputs, target, loss_fn, world_size, options, micro_batches=k)
+    step = options.get("step")
     if min(check.shard_sizes) < k:
         raise InvalidArgument(
             f"micro_batches={k} but the shards are {list(check.shard_sizes)}; every shard "
@@ -657,27 +661,30 @@ def assert_ddp_training_matches(
     trace = TrainingTrace()
     # One device first, unless it must replay the ranks' Dropout masks: if the ranks fail,
     # it tells which parameters got no gradient.
-    first = None if dropout_layers(check.module) else train_single_device(module, pairs, loss_fn, optimizer, None, after_backward, trace=trace)
+    first = None if dropout_layers(check.module) else train_single_device(check.module, training.pairs, loss_fn, optimizer, None, after_backward, trace=trace, exact=check.exact)
     try:
         ranks: tuple[RankTraining, ...] = check.send(run_training_task, task, title)
     except ParallelError as error:
-        unused_found = (first or train_single_device(module, pairs, loss_fn, optimizer, None, after_backward))[1]
+        unused_found = (first or train_single_device(check.module, training.pairs, loss_fn, optimizer, None, after_backward))[1]
         retold = _unused_training_error(error, unused_found, check)
         if retold is None:
             raise
         raise retold from None
     masks = None if first is not None else training_masks(check.module, [rank.dropout for rank in ranks], training.sizes)
     replayed = tuple(dropout_layers(check.module)) if masks is not None else ()
-    expected, unused_by_step = first or train_single_device(module, pairs, loss_fn, optimizer, None, after_backward, trace=trace, dropout=masks)
+    expected, unused_by_step = first or train_single_device(
+        check.module, training.pairs, loss_fn, optimizer, None, after_backward, trace=trace, dropout=masks, exact=check.exact,
+    )
     trace64 = None if check.tolerance.explicit else TrainingTrace()
     anchor = None if trace64 is None else train_single_device(
-        module, pairs, loss_fn, optimizer, torch.float64, after_backward, trace=trace64, dropout=masks,
+        check.module, training.pairs, loss_fn, optimizer, torch.float64, after_backward, trace=trace64, dropout=masks,
     )[0]
-    jittered = None if trace64 is None else jittered_training(check, pairs, optimizer, after_backward, masks)
+    jittered = None if trace64 is None else jittered_training(check, training.pairs, optimizer, after_backward, masks)
     rows, failing_step = training_rows(check, ranks, expected, anchor, trace=trace, trace_anchor=trace64, jittered=jittered)
     notes = [
         f"Parameters, buffers and optimizer state compared after each of the {len(pairs)} optimizer steps; "
-        f"the table shows step {failing_step + 1}."
+        f"the table shows step {failing_step + 1}.",
+        *exact_training_notes(check, len(pairs), optimizer),
     ]
     if replayed:
         notes.append(
@@ -690,7 +697,7 @@ def assert_ddp_training_matches(
     ok = all(row.ok for row in rows)
     scale = None
     if not ok:
-        initial = {name: p.detach() for name, p in module.named_parameters()}
+        initial = {name: p.detach() for name, p in check.module.named_parameters()}
         hook = callable_name(after_backward) if after_backward is not None else None
         factor_note, scale = training_scale_note(ranks, expected, initial, failing_step, check.world_size, hook=hook, trace=trace)
         notes += [factor_note] if factor_note else []
@@ -723,6 +730,12 @@ def assert_ddp_training_matches(
 
 
 # --------------------------------------------------------------------------- buffers
+
+
+def _no_exact(options: Mapping[str, Any], helper: str, why: str) -> None:
+    """Refuses ``exact=True`` for a helper that has no exact mode, saying why."""
+    if options.get("exact", False) is not False:
+        raise InvalidArgument(f"exact={options['exact']!r}: {helper} has no exact mode: {why}. Check without exact=True")
 
 
 def _buffers_after_train_forward(module: nn.Module, inputs: tuple[Any, ...], dtype: torch.dtype | None, kwargs: Mapping[str, Any] | None = None) -> nn.Module:
@@ -776,6 +789,7 @@ def assert_ddp_buffers_match(
     """
     __tracebackhide__ = True
     accepted(assert_ddp_buffers_match, options, DDPKeywords, without=("step", "items"))
+    _no_exact(options, "assert_ddp_buffers_match", "it compares running statistics, which a momentum such as BatchNorm's 0.1 rounds")
     check = DDPCheck.of(module, inputs, target, loss_fn, world_size, options)
     if not any(True for _ in module.buffers()):
         raise InvalidArgument("module has no buffers; there is nothing for DDP to broadcast")
@@ -882,6 +896,7 @@ def assert_ddp_sync_batchnorm_matches(
     """
     __tracebackhide__ = True
     accepted(assert_ddp_sync_batchnorm_matches, options, DDPKeywords, without=("step",))
+    _no_exact(options, "assert_ddp_sync_batchnorm_matches", "BatchNorm divides by the square root of the batch's variance, which rounds")
     check = DDPCheck.of(module, inputs, target, loss_fn, world_size, options)
     layers = [name for name, sub in module.named_modules() if isinstance(sub, _BatchNorm)]
     if not layers:
@@ -943,7 +958,8 @@ def assert_dp_ddp_agree(
     A token-level loss whose ranks hold different numbers of tokens makes DDP's plain step
     differ from DataParallel (which computes the loss once on the gathered output): the
     failure then names the token trap, with the counts found or given by ``items`` (as in
-    ``assert_ddp_grads_match``).
+    ``assert_ddp_grads_match``). ``exact=True`` runs both on the same dyadic float64 copies
+    and compares them bit for bit (as in ``assert_ddp_grads_match``).
 
     Raises:
         ParallelMismatch: the gradients differ (with the factor and its cause).
@@ -965,6 +981,10 @@ def assert_dp_ddp_agree(
             f"(at least {world_size} rows, e.g. a multiple of {world_size})"
         )
     check = DDPCheck.of(module, inputs, target, loss_fn, world_size, {**options, "shards": list(dp.plan.chunk_sizes)})
+    if check.exact:
+        # DataParallel on the grid copies: its gathered loss runs the full batch's operations
+        # and its reduce-add forms partial sums of the proven sums, exact by the same bounds
+        dp = Check.create(check.module, check.args, device_ids=list(dp.device_ids), forward_kwargs=check.kwargs or None)
     title = "DataParallel and DistributedDataParallel must give the same gradients for the same training code"
     ranks = [s[0] for s in check.send(run_step_task, check.step_task([ddp_step]), title)]
     target_now = check.target_as(None)

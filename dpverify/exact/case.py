@@ -22,7 +22,6 @@ mismatch.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,10 +32,12 @@ from torch.utils import _pytree
 
 from dpverify.core.comparison import Tolerance
 from dpverify.core.errors import InvalidArgument
-from dpverify.exact.grid import BITS, dyadic_module, dyadic_tree, is_power_of_two
-from dpverify.exact.proof import Proof, proving
+from dpverify.core.numerics import ulps
+from dpverify.exact.grid import BITS, dyadic_module, dyadic_tree, is_power_of_two, lowest_bit
+from dpverify.exact.proof import Proof, Prover, proving
+from dpverify.exact.rules import Need
 
-__all__ = ["EXACT", "Evidence", "ExactCase", "prove", "require_no_tolerance", "require_power_of_two"]
+__all__ = ["EXACT", "Evidence", "ExactCase", "prove", "require_no_tolerance", "require_power_of_two", "ulps"]
 
 #: The tolerance of exact mode: none.
 EXACT = Tolerance(rtol=0.0, atol=0.0)
@@ -193,7 +194,7 @@ def _step(
     replicas = [copy.deepcopy(case.module) for _ in bounds]
     with proving({f"replica {i}" if len(bounds) > 1 else "": r for i, r in enumerate(replicas)}) as prover:
         outputs = []
-        for (start, stop), replica in zip(bounds, replicas, strict=True):
+        for index, ((start, stop), replica) in enumerate(zip(bounds, replicas, strict=True)):
             def cut(t: torch.Tensor, d: int, start: int = start, stop: int = stop) -> torch.Tensor:
                 return t.narrow(d, start, stop - start)
 
@@ -202,34 +203,37 @@ def _step(
             if gathered:
                 outputs.append(output)
             else:
-                prover.stage = "the loss of a piece"
+                prover.stage = f"the loss of piece {index} of {len(bounds)} (rows {start}:{stop} of the batch)"
                 loss_fn(output, _rows(case.target, batch, 0, cut)).backward()
         if gathered:
             prover.stage = "the loss"
             joined = outputs[0] if len(outputs) == 1 else _pytree.tree_map(lambda *ts: torch.cat(ts, dim), *outputs)
             loss_fn(joined, case.target).backward()
         prover.stage = "the sum of the pieces' gradients"
-        grads = _summed(replicas, weights if not gathered else None)
+        grads = _summed(replicas, weights if not gathered else None, prover)
     return grads, prover.proof()
 
 
-def _summed(replicas: Sequence[nn.Module], weights: Sequence[float] | None) -> dict[str, torch.Tensor]:
-    total: dict[str, torch.Tensor] = {}
+def _summed(replicas: Sequence[nn.Module], weights: Sequence[float] | None, prover: Prover) -> dict[str, torch.Tensor]:
+    """The pieces' gradients summed in piece order, and shown exact in every order: an
+    all-reduce or a reduce may add them in any, and each partial sum is bounded by the sum
+    of the terms' magnitudes, on the finest of their grids."""
+    terms: dict[str, list[torch.Tensor]] = {}
     for i, replica in enumerate(replicas):
         for name, param in replica.named_parameters():
-            if param.grad is None:
-                continue
-            grad = param.grad if weights is None else param.grad * weights[i]
-            total[name] = grad.clone() if name not in total else total[name] + grad
+            if param.grad is not None:
+                terms.setdefault(name, []).append(param.grad if weights is None else param.grad * weights[i])
+    total: dict[str, torch.Tensor] = {}
+    for name, parts in terms.items():
+        with prover.paused():
+            lows = [low for low in (lowest_bit(p) for p in parts) if low is not None]
+            magnitude = float(torch.stack([p.abs() for p in parts]).sum(0).max())
+        prover.require(Need(min(lows) if lows else None, magnitude, parts[0].dtype), f"the sum of {name}'s gradients over the pieces")
+        total[name] = parts[0].clone()
+        for part in parts[1:]:
+            total[name] = total[name] + part
     return total
 
 
 def _identical(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def ulps(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """The largest distance between ``actual`` and ``expected``, in units in the last place
-    of ``expected``'s elements (its spacing at each element)."""
-    spacing = torch.nextafter(expected.abs(), torch.full_like(expected, math.inf)) - expected.abs()
-    return float(((actual - expected).abs() / spacing).max()) if expected.numel() else 0.0

@@ -37,15 +37,17 @@ def lowest_bit(tensor: torch.Tensor) -> int | None:
     values = tensor.detach()
     if values.is_complex() or not values.is_floating_point():
         return 0 if values.numel() else None
-    values = values[(values != 0) & torch.isfinite(values)].to(torch.float64)
     if values.numel() == 0:
         return None
-    mantissa, exponent = torch.frexp(values)
-    # mantissa in [0.5, 1): times 2**53 it is the significand, an integer below 2**53
+    values = values.to(torch.float64)
+    mantissa, exponent = torch.frexp(torch.where(torch.isfinite(values), values, 0.0))
+    # mantissa in [0.5, 1): times 2**53 it is the significand, an integer below 2**53; its
+    # lowest set bit (s & -s) is a power of two whose own exponent frexp reads exactly
     significand = (mantissa.abs() * 2.0**53).to(torch.int64)
-    lowest = significand & (-significand)
-    zeros = torch.log2(lowest.to(torch.float64)).round().to(torch.int64)
-    return int((exponent.to(torch.int64) - 53 + zeros).min())
+    lowest = torch.frexp((significand & -significand).to(torch.float64))[1]
+    grid = exponent.to(torch.int64) - 54 + lowest.to(torch.int64)
+    found = torch.where(significand != 0, grid, torch.iinfo(torch.int64).max).min()
+    return None if int(found) == torch.iinfo(torch.int64).max else int(found)
 
 
 def is_power_of_two(value: float) -> bool:
@@ -67,7 +69,10 @@ def dyadic(tensor: torch.Tensor, bits: int = BITS) -> torch.Tensor:
     largest = float(finite.abs().max()) if finite.numel() else 0.0
     if largest == 0.0:
         return torch.zeros_like(values)
-    step = 2.0 ** (math.frexp(largest)[1] - bits)
+    mantissa, exponent = math.frexp(largest)
+    # a largest element that is a power of two keeps its exponent, so that a tensor on its
+    # grid is its own grid copy
+    step = 2.0 ** (exponent - (mantissa == 0.5) - bits)
     return torch.round(values / step) * step
 
 

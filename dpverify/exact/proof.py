@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from dpverify.core.errors import InvalidArgument
 from dpverify.exact.grid import precision
@@ -118,6 +118,17 @@ class Prover(TorchDispatchMode):
         for need in needs:
             self.fits(need, name)
 
+    @staticmethod
+    def paused() -> contextlib.AbstractContextManager[Any]:
+        """Runs what is inside unchecked: the caller's own measurements."""
+        return _disable_current_modes()
+
+    def require(self, need: Need, name: str) -> None:
+        """Checks a requirement the caller derived itself (a sum it forms in one order,
+        which another implementation may form in any other), as an operation ``name``."""
+        self.operations += 1
+        self.fits(need, name)
+
     def fits(self, need: Need, name: str) -> None:
         if need.lowest is None or need.bound == 0 or not need.dtype.is_floating_point:
             return
@@ -130,8 +141,9 @@ class Prover(TorchDispatchMode):
         if bits > width:
             self.refuse(
                 f"{name} in {self.where()} needs {bits} significand bits to be exact and {need.dtype} has {width}: "
-                "the model is too deep or too wide for exact arithmetic (each layer adds the bits of its weights "
-                "and of its width); use fewer or narrower layers, or check without exact=True"
+                "the model is too deep or too wide for exact arithmetic, or has trained too many steps (each layer "
+                "adds the bits of its weights and of its width, each optimizer step the bits of the gradient to the "
+                "weights); use fewer or narrower layers, fewer steps, or check without exact=True"
             )
         if need.lowest < math.frexp(torch.finfo(need.dtype).smallest_normal)[1] - width:
             self.refuse(f"{name} in {self.where()} reaches below the smallest normal number of {need.dtype}")

@@ -129,8 +129,8 @@ def _short(value: Any, what: str) -> None:
     digits = math.frexp(abs(number))[1] - low
     if digits > SHORT:
         raise Refused(
-            f"{what} {number!r} has {digits} significant bits, and every product with it adds them; use a short "
-            "dyadic number such as 0.5, 0.125 or 3 * 2**-5"
+            f"{what}{number!r}, a number with {digits} significant bits, and every product with it adds them; use a "
+            "short dyadic number (a learning rate, momentum, weight decay or slope such as 0.5, 0.125 or 3 * 2**-5)"
         )
 
 
@@ -138,13 +138,13 @@ def _add(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> 
     a, b = args[0], args[1]
     alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
     _short(alpha, "it scales by alpha=")
-    _short(b, "it adds the number")
+    _short(b, "it adds ")
     return [Need(_least(_low(a), _plus(_low(b), _low(alpha))), _big(a) + abs(float(alpha)) * _big(b), _dtype(out))]
 
 
 def _mul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[Need]:
     a, b = args[0], args[1]
-    _short(b, "it multiplies by")
+    _short(b, "it multiplies by ")
     return [Need(_plus(_low(a), _low(b)), _big(a) * _big(b), _dtype(out))]
 
 
@@ -170,7 +170,7 @@ def _leaky(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -
     # leaky_relu(x, slope) and leaky_relu_backward(grad, x, slope, self_is_result)
     value = args[0]
     slope = args[2] if func.overloadpacket is torch.ops.aten.leaky_relu_backward else (args[1] if len(args) > 1 else 0.01)
-    _short(slope, "its negative slope")
+    _short(slope, "its negative slope is ")
     return [Need(_least(_low(value), _plus(_low(value), _low(slope))), _big(value) * max(1.0, abs(float(slope))), _dtype(out))]
 
 
@@ -304,6 +304,13 @@ def _mse_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out:
     ]
 
 
+def _index_put(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[Need]:
+    # index_put(self, indices, values, accumulate): a copy, or with accumulate a sum
+    if not _scale(args, kwargs, "accumulate", 3, False):
+        return []
+    return _multilinear(_first_two)(func, args, kwargs, out)
+
+
 def _embedding_backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[Need]:
     # embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
     if _scale(args, kwargs, "scale_grad_by_freq", 4, False):
@@ -360,9 +367,9 @@ MOVES: frozenset[Any] = frozenset(_packets(
     "neg", "neg_", "abs", "sgn", "sign", "maximum", "minimum", "max", "min", "amax", "amin", "argmax", "argmin",
     "where", "masked_fill", "masked_fill_", "clamp", "clamp_min", "clamp_max", "max_pool2d_with_indices",
     "max_pool3d_with_indices", "max_pool2d", "constant_pad_nd", "flip", "roll", "repeat", "tile", "sort", "topk",
-    "select_backward", "slice_backward", "index_put", "index_put_", "set_", "resize_", "split_copy",
+    "select_backward", "slice_backward", "set_", "resize_", "split_copy",
     "squeeze_copy", "unsqueeze_copy", "view_copy", "transpose_copy", "permute_copy", "t_copy", "expand_copy",
-    "slice_copy", "select_copy", "masked_select", "diagonal", "unfold", "im2col", "col2im", "pixel_shuffle",
+    "slice_copy", "select_copy", "masked_select", "diagonal", "unfold", "im2col", "pixel_shuffle",
     "channel_shuffle", "_to_dense", "clone", "copy",
 ))
 
@@ -381,7 +388,8 @@ RULES: dict[Any, Rule] = {
     **dict.fromkeys(_packets("addmm", "addmm_", "baddbmm", "addbmm", "addmv"), _multilinear(_addmm)),
     **dict.fromkeys(_packets("convolution"), _multilinear(_convolution)),
     **dict.fromkeys(_packets("convolution_backward"), _multilinear(_convolution_backward)),
-    **dict.fromkeys(_packets("sum", "cumsum", "_adaptive_avg_pool2d_backward_sum"), _SUM),
+    **dict.fromkeys(_packets("sum", "cumsum", "col2im"), _SUM),
+    **dict.fromkeys(_packets("index_put", "index_put_", "_index_put_impl_"), _index_put),
     **dict.fromkeys(_packets("max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward"), _SUM),
     **dict.fromkeys(_packets("index_add", "index_add_", "scatter_add", "scatter_add_"), _multilinear(_first_two)),
     **dict.fromkeys(_packets("mean"), _counted(_mean_count, "its mean")),

@@ -48,6 +48,7 @@ from dpverify.core.step import (
 )
 from dpverify.core.validation import (
     require_arguments_fit,
+    require_bool,
     require_callable,
     require_int_at_least,
     require_loss_fn,
@@ -57,6 +58,16 @@ from dpverify.core.validation import (
 )
 from dpverify.ddp.pool import ParallelError, RankRunner, require_picklable, shared_pool
 from dpverify.ddp.torchrun import group_runner
+from dpverify.exact.case import (
+    EXACT,
+    Evidence,
+    ExactCase,
+    prove,
+    require_no_tolerance,
+    require_power_of_two,
+)
+from dpverify.exact.grid import dyadic_tree
+from dpverify.exact.proof import Prover, proving
 from dpverify.ranked.items import PieceItems, count_piece_items, cut_pieces, measure_losses
 from dpverify.ranked.randomness import Masks, replaying
 from dpverify.ranked.rank import (
@@ -86,6 +97,8 @@ __all__ = [
     "TrainingTrace",
     "callable_name",
     "describe_batches",
+    "exact_batches",
+    "exact_training_notes",
     "forward_keywords",
     "grads_only",
     "jittered_training",
@@ -278,13 +291,22 @@ class TrainingBatches:
         return any(c.unequal_ranks for c in self.counted)
 
 
+def exact_batches(check: RankedCheck, pairs: Sequence[Batch]) -> list[Batch]:
+    """The batches a training check runs: in exact mode the grid copies of ``pairs``, each
+    tensor on its own grid as ``ExactCase.of`` puts the check's first batch (the same map,
+    so the first stays the check's own); ``pairs`` otherwise."""
+    return [dyadic_tree(tuple(batch)) for batch in pairs] if check.exact else list(pairs)
+
+
 def training_batches(check: RankedCheck, pairs: Sequence[Batch], shards: Sequence[int] | None, items: Items | None = None) -> TrainingBatches:
     """``pairs`` (``describe_batches``), each cut as ``check`` cuts its batch (``shards``, or
-    evenly) and counted, and checked to reach the ranks."""
+    evenly) and counted, and checked to reach the ranks; in exact mode their grid copies
+    (``exact_batches``)."""
     sizes = tuple(
         shard_sizes(shards, batch_size_of(inputs, argument=f"batches[{i}] inputs", kwargs=kwargs), len(check.shard_sizes), check.UNIT)
         for i, (inputs, kwargs, _t) in enumerate(pairs)
     )
+    pairs = exact_batches(check, pairs)
     counted = tuple(shard_items(check.module, batch, check.loss_fn, rows, 1, items) for batch, rows in zip(pairs, sizes, strict=True))
     require_picklable(list(pairs), "batches")
     return TrainingBatches(tuple(pairs), sizes, counted)
@@ -404,16 +426,31 @@ class RankedCheck:
     tolerance: Tolerance
     dtype: torch.dtype
     kwargs: dict[str, Any] = field(default_factory=dict)
+    #: exact mode (``exact=True``): what ``prove`` established on the grid copies
+    evidence: Evidence | None = None
 
     #: why a module without a parameter that requires grad is refused
     NO_GRAD: ClassVar[str] = "there would be no gradient to compare"
     #: what one entry of ``shards`` gives rows to
     UNIT: ClassVar[ShardUnit] = DDP_RANKS
+    #: what divides the gradients by the number of ``UNIT``s (exact mode's refusals name it)
+    AVERAGER: ClassVar[str] = "DistributedDataParallel"
 
     @classmethod
     def shard_parts(cls, world_size: int, fields: Mapping[str, Any]) -> int:
         """How many entries ``shards`` has: one per rank (a subclass may group ranks)."""
         return world_size
+
+    @classmethod
+    def exact_weights(cls, world_size: int, sizes: Sequence[int], fields: Mapping[str, Any]) -> list[float]:
+        """What each piece's mean-loss gradient is multiplied by in the ranks' sum, for
+        ``prove`` (one weight per entry of ``sizes``): ``n / B``, the rank's share of the
+        rows (``1 / world_size`` on even shards: the average over the ranks; a weighted
+        step's ``n_r * world_size / B`` over ``world_size`` on uneven ones), once the count
+        the average divides by is a power of two (else ``InvalidArgument``)."""
+        require_power_of_two(cls.shard_parts(world_size, fields), cls.UNIT.count, cls.AVERAGER)
+        batch = sum(sizes)
+        return [n / batch for n in sizes]
 
     @classmethod
     def create(
@@ -429,12 +466,20 @@ class RankedCheck:
         rtol: float | None = None,
         atol: float | None = None,
         forward_kwargs: Mapping[str, Any] | None = None,
+        exact: bool = False,
+        micro_batches: int = 1,
         **fields: Any,
     ) -> Self:
         """Validates every argument, in this process, before anything reaches the ranks (a
         list of arguments meant as a tuple, a target of other rows, a loss that is not
         callable, anything that cannot be pickled); ``fields``: the subclass's own, already
-        checked."""
+        checked.
+
+        With ``exact`` the scenario becomes its dyadic float64 copies (``ExactCase``), the
+        user's objects untouched, before anything is pickled to the ranks; ``prove`` shows
+        the full-batch step and the ranks' cut of it (each shard cut into ``micro_batches``
+        pieces, weighted by ``exact_weights``) exact, or refuses; the tolerance is
+        ``EXACT``."""
         require_module_with_grads(module, why=cls.NO_GRAD)
         world = require_int_at_least(world_size, "world_size", 1)
         parts = cls.shard_parts(world, fields)
@@ -444,6 +489,14 @@ class RankedCheck:
         batch = batch_size_of(args, kwargs=kwargs)
         require_target_rows(target, batch)
         require_loss_fn(loss_fn)
+        sizes = shard_sizes(shards, batch, parts, cls.UNIT)
+        tolerance, evidence = Tolerance(rtol=rtol, atol=atol), None
+        if require_bool(exact, "exact"):
+            require_no_tolerance(rtol, atol)
+            case = ExactCase.of(module, args, target, kwargs)
+            module, args, target, kwargs = case.module, case.args, case.target, case.kwargs
+            evidence = cls.prove_exact(case, loss_fn, world, sizes, micro_batches, fields)
+            tolerance = EXACT
         for value, name in ((loss_fn, "loss_fn"), (module, "module"), (args, "inputs"), (target, "target")):
             require_picklable(value, name)
         return cls(
@@ -452,13 +505,45 @@ class RankedCheck:
             target=target,
             loss_fn=loss_fn,
             world_size=world,
-            shard_sizes=shard_sizes(shards, batch, parts, cls.UNIT),
+            shard_sizes=sizes,
             runner=runner(pool, world),
-            tolerance=Tolerance(rtol=rtol, atol=atol),
+            tolerance=tolerance,
             dtype=first_parameter_dtype(module),
             kwargs=kwargs,
+            evidence=evidence,
             **fields,
         )
+
+    @classmethod
+    def prove_exact(
+        cls, case: ExactCase, loss_fn: LossFn, world_size: int, sizes: Sequence[int], micro_batches: int, fields: Mapping[str, Any],
+    ) -> Evidence:
+        """``prove`` on the pieces the ranks compute: each of ``sizes`` cut into
+        ``micro_batches`` (as ``ShardContext.micro_batch_split`` cuts it), each piece's
+        mean-loss gradient weighted by its share of the shard's weight
+        (``exact_weights``), summed in rank order as the reduction sums them.
+
+        A rank without rows (FSDP2 allows one) adds nothing and is left out. Tensor
+        parallelism needs nothing more: its ranks compute slices of the same products and
+        sums (a column block, or a partial sum over part of the inner dimension that the
+        all-reduce completes), and the proof of each operation bounds every partial sum in
+        any order (``dpverify.exact.rules``), so the full-batch step's proof covers them."""
+        if micro_batches > 1:
+            require_power_of_two(micro_batches, "micro_batches", "gradient accumulation")
+        weights = cls.exact_weights(world_size, sizes, fields)
+        pieces: list[int] = []
+        scaled: list[float] = []
+        for rows, weight in zip(sizes, weights, strict=True):
+            # a shard with fewer rows than micro-batches is the helper's refusal, not the proof's
+            for piece in even_shards(rows, min(micro_batches, rows)) if rows else ():
+                pieces.append(piece)
+                scaled.append(weight * piece / rows)
+        return prove(case, loss_fn, pieces=pieces, gathered=False, weights=scaled)
+
+    @property
+    def exact(self) -> bool:
+        """Whether the check runs in exact mode (``exact=True``)."""
+        return self.evidence is not None
 
     @property
     def batch_size(self) -> int:
@@ -572,6 +657,8 @@ class RankedCheck:
     ) -> StepComparison:
         """The comparison of this check; ``scenario`` replaces ``describe(step)``;
         ``replayed``: Dropout layers whose masks the reference replayed from the ranks."""
+        if self.evidence is not None:
+            notes = [*notes, self.evidence.note()]
         return step_comparison(
             title, self.describe(step) if scenario is None else scenario, self.tolerance, self.dtype, self.module, rows,
             contrasts=contrasts, notes=notes, failures=failures, scale=scale, divergence=divergence, replayed=replayed,
@@ -603,7 +690,8 @@ class References:
 
     ``expected`` is the full-batch step in the working dtype (DataParallel's step for
     ``assert_dp_ddp_agree``) and ``anchor`` its float64 twin (None with explicit
-    tolerances). A tensor that fails is compared again with the scale of the terms a
+    tolerances, exact mode's ``EXACT`` among them: without an anchor there is no second
+    look, which exact mode, comparing bit for bit, has no use for). A tensor that fails is compared again with the scale of the terms a
     correct ranked step sums (``_all_reduce_terms``: the all-reduce adds ``n_r / B`` times
     each rank's mean-loss gradient, whose cancelling terms round like the terms, not like
     the near-zero total), and with a float32 ``probe`` and a jittered float64 run for
@@ -706,6 +794,7 @@ def train_single_device(
     trace: TrainingTrace | None = None,
     jitter: float = 0.0,
     dropout: Sequence[Masks] | None = None,
+    exact: bool = False,
 ) -> tuple[list[dict[str, torch.Tensor]], list[list[str]]]:
     """Parameters after every step on one device, and the parameters that required grad
     but got none in each step (``unused_names``); ``after_backward(ctx)`` runs between each
@@ -718,23 +807,28 @@ def train_single_device(
     ``jitter``: start from parameters multiplied by ``1 +- jitter`` (``jitter_parameters``),
     a sample of how far rounding alone moves the run. ``dropout``: the masks the ranks'
     Dropout layers drew in each step (``replay_masks``), applied by the same layers in
-    that step's forward; without it they draw their own."""
+    that step's forward; without it they draw their own. ``exact``: every operation of every
+    step, the optimizer's included, shown exact as it runs (``proving``), else
+    ``InvalidArgument`` naming it and the step (a learning rate of 0.1 rounds)."""
     model = copy_module(module, dtype)
     if jitter:
         jitter_parameters(model, jitter)
     opt = optimizer(model.parameters())
     history = []
     unused: list[list[str]] = []
-    with torch.random.fork_rng(devices=[]), default_dtype(dtype), _group_if(after_backward) as group:
+    with torch.random.fork_rng(devices=[]), default_dtype(dtype), _group_if(after_backward) as group, _proving_if(exact, model) as prover:
         torch.manual_seed(0)
         for index, (inputs, kwargs, target) in enumerate(batches):
+            _stage(prover, f"the code around the model in step {index + 1}")
             opt.zero_grad(set_to_none=True)
             args, keywords, goal = (convert_tensors(part, dtype, CPU) for part in (inputs, kwargs, target))
             with replaying(model, dropout[index] if dropout else None):
                 output = model(*args, **keywords)
+            _stage(prover, f"the loss of step {index + 1}")
             loss_fn(output, goal).backward()
             unused.append(unused_names(model, {name: p.grad for name, p in model.named_parameters()}))
             if after_backward is not None:
+                _stage(prover, f"after_backward={callable_name(after_backward)} of step {index + 1}")
                 rows = batch_size_of(tuple(args), kwargs=keywords)
                 ctx = context(
                     rank=0, world_size=1, module=model, inputs=args, target=goal, loss_fn=loss_fn,
@@ -744,6 +838,7 @@ def train_single_device(
                     after_backward(ctx)
             if before_step is not None:
                 before_step(model)
+            _stage(prover, f"the optimizer step of step {index + 1} ({callable_name(optimizer)})")
             opt.step()
             history.append({name: p.detach().clone() for name, p in model.named_parameters()})
             if trace is not None:
@@ -752,6 +847,28 @@ def train_single_device(
             if on_step is not None:
                 on_step(index, model, opt)
     return history, unused
+
+
+def exact_training_notes(check: RankedCheck, steps: int, optimizer: OptimizerFactory) -> list[str]:
+    """In exact mode, what a training check proved besides the first batch's step
+    (``RankedCheck.evidence``): the whole single-device run (``train_single_device``)."""
+    if not check.exact:
+        return []
+    return [
+        f"Exact: single-device training ran under the proof, every operation of its {steps} steps exact, the "
+        f"optimizer's ({callable_name(optimizer)}) included."
+    ]
+
+
+def _proving_if(exact: bool, model: nn.Module) -> contextlib.AbstractContextManager[Prover | None]:
+    """``proving(model)`` in exact mode, else nothing."""
+    return proving(model, stage="the code around the model") if exact else contextlib.nullcontext()
+
+
+def _stage(prover: Prover | None, stage: str) -> None:
+    """Names the code about to run outside the model, for an exact-mode refusal."""
+    if prover is not None:
+        prover.stage = stage
 
 
 def _group_if(after_backward: AfterBackward | None) -> contextlib.AbstractContextManager[Any]:

@@ -32,6 +32,7 @@ class RankedKeywords(TypedDict, total=False):
     rtol: float | None
     atol: float | None
     msg: Msg
+    exact: bool
 
 
 class ShardedKeywords(RankedKeywords, total=False):
@@ -55,6 +56,17 @@ ARGS: dict[str, str] = {
     "rtol": "explicit relative tolerance (with ``atol``) instead of the anchored rule.",
     "atol": "explicit absolute tolerance (with ``rtol``).",
     "msg": "replaces the failure message, or a callable that rewrites it.",
+    "exact": (
+        "compare bit for bit, without tolerance: dpverify runs float64 copies of the module, "
+        "inputs and target on a dyadic grid, shows every operation of the single-device step, "
+        "and of its cut into the ranks' pieces, exact, and requires the ranks' tensors to equal "
+        "it to the last bit (a one-ulp error in one element fails). Refused, naming the "
+        "operation or count and the fix, where the arithmetic cannot be exact (tanh, softmax; "
+        "a world size, shard or micro-batch count that is not a power of two; explicit rtol "
+        "or atol). A training helper proves every optimizer step of the single-device run too: "
+        "the learning rate and momentum must be short dyadic numbers such as 2**-3, and "
+        "float64's 53 bits bound the depth, the width and the number of steps. Default False."
+    ),
     "forward_kwargs": (
         "keyword arguments of the forward, ``model(*inputs, **forward_kwargs)``; tensors with "
         "the batch's rows are sharded along dim 0 like ``inputs``, others reach every rank "
@@ -89,7 +101,7 @@ def accepted(helper: Callable[..., Any], given: _D, group: type, without: Collec
 
 def check_keywords(options: Mapping[str, Any]) -> dict[str, Any]:
     """The keywords of ``RankedCheck.create`` among ``options``."""
-    return {name: options[name] for name in ("shards", "pool", "rtol", "atol", "forward_kwargs") if name in options}
+    return {name: options[name] for name in ("shards", "pool", "rtol", "atol", "forward_kwargs", "exact") if name in options}
 
 
 _MARK = re.compile(r"^(?P<indent>[ ]*)<shared: (?P<names>[^>]*)>$", re.MULTILINE)

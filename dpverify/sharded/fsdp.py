@@ -45,6 +45,7 @@ from dpverify.ranked.check import (
     TrainingTrace,
     callable_name,
     describe_batches,
+    exact_training_notes,
     grads_only,
     jittered_training,
     local_buffer_notes,
@@ -222,6 +223,7 @@ class FSDPCheck(RankedCheck):
 
     NO_GRAD: ClassVar[str] = "fully_shard would have no gradient to reduce-scatter, and there is nothing to compare"
     UNIT: ClassVar[ShardUnit] = FSDP_RANKS
+    AVERAGER: ClassVar[str] = "FSDP2's reduce-scatter"
 
     @classmethod
     def of(cls, module: nn.Module, inputs: Any, target: Any, loss_fn: LossFn, world_size: int, options: FSDPKeywords) -> FSDPCheck:
@@ -342,7 +344,7 @@ def assert_fsdp_grads_match(
             follows). Default: every direct child that holds a parameter.
         reshard_after_forward: passed to ``fully_shard``: free the unsharded parameters after
             forward (all-gather them again in backward), or keep them.
-        <shared: pool, rtol, atol, msg, forward_kwargs>
+        <shared: pool, rtol, atol, msg, forward_kwargs, exact>
 
     Returns:
         The comparison (``str()`` summarises it).
@@ -754,19 +756,24 @@ def assert_fsdp_training_matches(
     replayed: tuple[str, ...] = ()  # under mixed precision the Dropout masks are not replayed
     if stepwise:
         with _one_rank_group_if(after_backward) as group:
-            rows, failing_step = _mixed_training_rows(check, pairs, optimizer, precision, ranks, after_backward, group)
+            rows, failing_step = _mixed_training_rows(check, training.pairs, optimizer, precision, ranks, after_backward, group)
     else:
         masks = training_masks(check.module, [rank.dropout for rank in ranks], training.sizes)
         replayed = tuple(dropout_layers(check.module)) if masks is not None else ()
         trace, trace64 = TrainingTrace(), None if check.tolerance.explicit else TrainingTrace()
-        expected, _unused = train_single_device(module, pairs, loss_fn, optimizer, None, after_backward, trace=trace, dropout=masks)
+        expected, _unused = train_single_device(
+            check.module, training.pairs, loss_fn, optimizer, None, after_backward, trace=trace, dropout=masks, exact=check.exact,
+        )
         anchor = None if trace64 is None else train_single_device(
-            module, pairs, loss_fn, optimizer, torch.float64, after_backward, trace=trace64, dropout=masks,
+            check.module, training.pairs, loss_fn, optimizer, torch.float64, after_backward, trace=trace64, dropout=masks,
         )[0]
-        jittered = None if trace64 is None else jittered_training(check, pairs, optimizer, after_backward, masks)
+        jittered = None if trace64 is None else jittered_training(check, training.pairs, optimizer, after_backward, masks)
         rows, failing_step = training_rows(check, ranks, expected, anchor, trace=trace, trace_anchor=trace64, jittered=jittered)
     compared = "Gradients, parameters, buffers and optimizer state" if stepwise else "Parameters, buffers and optimizer state"
-    notes = [f"{compared} compared after each of the {len(pairs)} optimizer steps; the table shows step {failing_step + 1}."]
+    notes = [
+        f"{compared} compared after each of the {len(pairs)} optimizer steps; the table shows step {failing_step + 1}.",
+        *exact_training_notes(check, len(pairs), optimizer),
+    ]
     if after_backward is not None:
         notes.append(f"{callable_name(after_backward)}(ctx) ran after every backward, on every rank and in the single-device run.")
     if replayed:
@@ -778,7 +785,7 @@ def assert_fsdp_training_matches(
     ok = all(row.ok for row in rows)
     scale = None
     if not ok and expected:
-        initial = {name: p.detach() for name, p in module.named_parameters()}
+        initial = {name: p.detach() for name, p in check.module.named_parameters()}
         hook = callable_name(after_backward) if after_backward is not None else None
         factor_note, scale = training_scale_note(
             ranks, expected, initial, failing_step, check.world_size, hook=hook, shards=check.world_size, trace=trace,

@@ -51,6 +51,8 @@ from dpverify.ranked.check import (
     ShardUnit,
     callable_name,
     describe_batches,
+    exact_batches,
+    exact_training_notes,
     optional,
     relative_gap,
     same_up_to_rounding,
@@ -338,10 +340,26 @@ class PipelineCheck(RankedCheck):
 
     NO_GRAD: ClassVar[str] = "there is no gradient for a pipeline stage to compare"
     UNIT: ClassVar[ShardUnit] = ShardUnit("microbatch", "n_microbatches", why="")
+    AVERAGER: ClassVar[str] = "the schedule (scale_grads=True)"
 
     @classmethod
     def shard_parts(cls, world_size: int, fields: Mapping[str, Any]) -> int:
         return int(fields["n_microbatches"])
+
+    @classmethod
+    def exact_weights(cls, world_size: int, sizes: Sequence[int], fields: Mapping[str, Any]) -> list[float]:
+        """Each microbatch's loss gradient, summed by the schedule: divided by their number
+        with ``scale_grads`` (which must then be a power of two), else as it is. With an
+        ``objective`` the single-device step is another loss than the microbatches' and no
+        proof covers both."""
+        if fields.get("objective") is not None:
+            raise InvalidArgument(
+                "exact=True with objective=...: the single-device step would run objective and the stages loss_fn, "
+                "and exact mode proves one loss; pass exact=True without objective, or check without exact=True"
+            )
+        if not fields.get("scale_grads", True):
+            return [1.0 for _ in sizes]
+        return super().exact_weights(world_size, sizes, fields)
 
     def describe(self, step: Any = None) -> str:
         stages = "; ".join(f"stage {s} children {list(names)}" for s, names in enumerate(self.stages))
@@ -474,7 +492,7 @@ def assert_pipeline_grads_match(
             ``loss_fn`` (the schedule's per-microbatch loss): the schedule's gradients, of
             the mean of the microbatch losses (``scale_grads``) or of their sum, must be
             ``objective``'s.
-        <shared: pool, rtol, atol, msg>
+        <shared: pool, rtol, atol, msg, exact>
 
     Returns:
         The comparison (``str()`` summarises it; its notes hold what each stage ran).
@@ -781,6 +799,7 @@ class _Reference:
 
 def _train_reference(
     check: PipelineCheck, batches: Sequence[Batch], optimizer: OptimizerFactory, dtype: torch.dtype | None, after_backward: AfterBackward | None,
+    *, exact: bool = False,
 ) -> _Reference:
     grads: list[dict[str, torch.Tensor | None]] = []
     buffers: list[dict[str, torch.Tensor]] = []
@@ -792,7 +811,7 @@ def _train_reference(
         state.append(optimizer_state(opt, model))
 
     params, _unused = train_single_device(
-        check.module, batches, check.goal, optimizer, dtype, after_backward, context=PipelineReferenceContext, on_step=record,
+        check.module, batches, check.goal, optimizer, dtype, after_backward, context=PipelineReferenceContext, on_step=record, exact=exact,
     )
     return _Reference(params, grads, buffers, state)
 
@@ -954,6 +973,7 @@ def assert_pipeline_training_matches(
     scenario: dict[str, Any] = {key: value for key, value in options.items() if key not in ("after_backward", "msg")}
     first_inputs, _kwargs, first_target = pairs[0]
     check = pipeline_check(module, first_inputs, first_target, loss_fn=loss_fn, world_size=world_size, n_microbatches=n_microbatches, **scenario)
+    pairs = exact_batches(check, pairs)
     _require_same_batches(pairs)
     require_picklable([(inputs, target) for inputs, _k, target in pairs], "batches")
     task = PipelineTrainingTask(
@@ -964,7 +984,7 @@ def assert_pipeline_training_matches(
         f"{len(pairs)} steps of pipeline-parallel training with {callable_name(optimizer)} must match "
         "single-device training on every stage"
     )
-    expected = _train_reference(check, pairs, optimizer, None, after_backward)
+    expected = _train_reference(check, pairs, optimizer, None, after_backward, exact=check.exact)
     ranks: tuple[PipelineRankTraining, ...] = check.send(run_pipeline_training, task, title)
     anchor = None if check.tolerance.explicit else _train_reference(check, pairs, optimizer, torch.float64, after_backward)
     aliases = _aliases(module)
@@ -985,6 +1005,7 @@ def assert_pipeline_training_matches(
         f"Parameters, buffers and optimizer state compared after each of the {len(pairs)} optimizer steps; the "
         f"table shows step {failing + 1}.",
         _evidence_note(check, [rank.steps[failing] for rank in ranks]),
+        *exact_training_notes(check, len(pairs), optimizer),
     ]
     if after_backward is not None:
         notes.append(f"{callable_name(after_backward)}(ctx) ran after every schedule step, on every stage and in the single-device run.")

@@ -42,6 +42,7 @@ from dpverify.ranked.check import (
     ShardUnit,
     callable_name,
     describe_batches,
+    exact_training_notes,
     forward_keywords,
     grads_only,
     optional,
@@ -174,6 +175,7 @@ class TPCheck(RankedCheck):
     fsdp_modules: tuple[str, ...] = ()
 
     UNIT: ClassVar[ShardUnit] = TP_GROUPS
+    AVERAGER: ClassVar[str] = "FSDP2's reduce-scatter over the data-parallel groups"
 
     @classmethod
     def shard_parts(cls, world_size: int, fields: Mapping[str, Any]) -> int:
@@ -535,7 +537,7 @@ def assert_tensor_parallel_grads_match(
         step: the per-rank step, ``step(ctx: TPContext)``, picklable; it must apply the plan
             with ``ctx.parallelize()``. Default ``tp_step``, or ``weighted_tp_step`` when the
             data-parallel groups hold different numbers of items.
-        <shared: pool, rtol, atol, msg, forward_kwargs>
+        <shared: pool, rtol, atol, msg, forward_kwargs, exact>
 
     Returns:
         The comparison (``str()`` summarises it).
@@ -747,9 +749,10 @@ def _clones(named: Sequence[tuple[str, torch.Tensor | None]]) -> dict[str, torch
 
 def _single_device(
     module: nn.Module, pairs: Sequence[Batch], loss_fn: LossFn, optimizer: OptimizerFactory, dtype: torch.dtype | None,
-    after_backward: AfterBackward | None,
+    after_backward: AfterBackward | None, *, exact: bool = False,
 ) -> _Trace:
-    """``train_single_device`` with ``TPReferenceContext`` for the hook, read after every step."""
+    """``train_single_device`` with ``TPReferenceContext`` for the hook, read after every step
+    (``exact``: proven, as there)."""
     trace = _Trace([], [], [], [])
 
     def before(model: nn.Module) -> None:
@@ -763,7 +766,7 @@ def _single_device(
     try:
         params, _unused = train_single_device(
             module, pairs, loss_fn, optimizer, dtype, after_backward, context=TPReferenceContext, before_step=before,
-            on_step=after,
+            on_step=after, exact=exact,
         )
     except AttributeError as error:
         if any(name in str(error) for name in ("to_local", "full_tensor", "placements", "device_mesh")):
@@ -896,19 +899,20 @@ def assert_tensor_parallel_training_matches(
     )
     title = f"{len(pairs)} steps of tensor-parallel training with {callable_name(optimizer)} must match single-device training"
     # one device first: a hook that cannot run there fails before the ranks start
-    expected = _single_device(module, pairs, loss_fn, optimizer, None, after_backward)
+    expected = _single_device(check.module, training.pairs, loss_fn, optimizer, None, after_backward, exact=check.exact)
     try:
         ranks: tuple[TPRankTraining, ...] = check.send(run_tp_training_task, task, title)
     except ParallelError as error:
         if _MIXED in str(error) and "raised in after_backward=" in str(error):
             error.add_note(_mixed_grads_note(check))
         raise
-    anchor = None if check.tolerance.explicit else _single_device(module, pairs, loss_fn, optimizer, torch.float64, after_backward)
+    anchor = None if check.tolerance.explicit else _single_device(check.module, training.pairs, loss_fn, optimizer, torch.float64, after_backward)
     rows, failing = _training_rows(check, ranks, expected, anchor)
     ok = all(row.ok for row in rows)
     notes = [
         f"Parameters, buffers and optimizer state compared after each of the {len(pairs)} optimizer steps; the table "
-        f"shows step {failing + 1}."
+        f"shows step {failing + 1}.",
+        *exact_training_notes(check, len(pairs), optimizer),
     ]
     if after_backward is not None:
         notes.append(f"{callable_name(after_backward)}(ctx) ran after every backward, on every rank and in the single-device run.")
