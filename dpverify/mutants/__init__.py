@@ -404,8 +404,8 @@ class Mutant:
         self.caught_in.run(scenario, self.target)
 
 
-#: What an exact check's failure says of a one-ulp mutant's gradient.
-ONE_ULP = "tensors are not close"
+#: What an exact check's failure says of a one-ulp mutant's gradient: one element differs.
+ONE_ULP = "Bit for bit: 1 of the"
 
 MUTANTS: dict[str, Mutant] = {
     m.name: m
