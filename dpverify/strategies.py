@@ -922,11 +922,14 @@ def _exact_scenarios(
     # a pipeline needs a child per stage: 2 * depth + 1 children
     least = max(1, -(-(world - 1) // 2)) if backend == "pp" else 1
     # a squared error of a deeper model needs more than float64's bits: L1 goes deeper.
-    # The loss comes first so that the depth's bound follows from it (shrinking then
-    # ends on MSE and the shallowest model)
-    squared = least <= _SQUARED_DEPTH and kind not in _DEEP_KINDS
-    name = draw(st.sampled_from(losses if squared else ("l1",)), label="loss")
-    depth = draw(st.integers(least, max(least, max_depth if name == "l1" else _SQUARED_DEPTH)), label="depth")
+    # Both are drawn whatever the kind, then made to fit, so that every kind draws as many
+    # choices and shrinking ends on the first kind, MSE and the shallowest model
+    name = draw(st.sampled_from(losses), label="loss")
+    if least > _SQUARED_DEPTH or kind in _DEEP_KINDS:
+        name = "l1"
+    depth = draw(st.integers(least, max(least, max_depth)), label="depth")
+    if name != "l1":
+        depth = min(depth, _SQUARED_DEPTH)
     per_rank = world // groups if backend == "tp" else 1  # the tensor-parallel size divides the width
     hidden = per_rank * draw(st.integers(1, max(1, max_hidden // per_rank)), label="hidden")
     model = ModelSpec(
