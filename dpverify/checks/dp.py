@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpverify.checks.replay import Replay, replay_dataparallel, settle_by_replay
 from dpverify.core.comparison import (
     Derived,
     Msg,
@@ -518,8 +519,14 @@ class Check:
             if anchor is not None and len(self.plan.chunk_sizes) > 1 and not divergence_sources(self.module):
                 other = torch.float32 if self.dtype == torch.float64 else torch.float64
                 splits = (split(None), split(other))
+            # The last word on a tensor that fails every sample: a replay of DataParallel's
+            # algorithm, measured against the single-device step in both precisions.
+            replay = None
+            if anchor is not None and self.parallel_loss is None:
+                twin_full = probe if self.dtype == torch.float64 else anchor
+                replay = (lambda: store.replay(self, loss_in, expected, twin_full)) if twin_full is not None else None
             return References(
-                expected, anchor, probe, jitter, settle, splits=splits, shared=store, rows=step_rows,
+                expected, anchor, probe, jitter, settle, splits=splits, shared=store, rows=step_rows, replay=replay,
             )
 
         expected = step("expected", None, "single-device")
@@ -559,10 +566,13 @@ class Check:
     def against(
         self, which: TensorId, actual: torch.Tensor | None, refs: References, key: Key,
         terms: Terms | None = None, *, contrast: bool = False, reuse: bool = False,
+        pick: Callable[[StepResult], torch.Tensor | None] | None = None,
     ) -> TensorComparison:
         """Compares one parallel tensor, ``which``, with the references' tensor that ``key`` picks;
         ``terms`` is the magnitude of what the parallel step summed into it, if known. A
-        ``contrast`` is expected to differ: it gets no second rounding sample.
+        ``contrast`` is expected to differ: it gets no second rounding sample. ``pick``
+        finds ``actual``'s counterpart in a replay of DataParallel's algorithm (default
+        ``key``), for a tensor made from the parallel step's own (a sum of its replicas').
 
         ``reuse``: ``actual`` is a tensor of the parallel step itself (its gradient), which
         the checks sharing the step compare alike: the comparison is made once per step
@@ -597,13 +607,17 @@ class Check:
             if result.ok:
                 return result
         sample = refs.split_sample(key, self.dtype)
-        if sample is None:
-            return result
-        # The last sample: the step run chunk by chunk as the parallel split runs it, where
-        # its distance from the full batch is rounding (``References.split_sample``).
-        # Batch-size-dependent kernels round each chunk differently from the full batch.
-        split_result = compare(sample)
-        return split_result if split_result.ok else result
+        if sample is not None:
+            # The step run chunk by chunk as the parallel split runs it, where its distance
+            # from the full batch is rounding (``References.split_sample``).
+            # Batch-size-dependent kernels round each chunk differently from the full batch.
+            split_result = compare(sample)
+            if split_result.ok:
+                return split_result
+        # The last word, run only here: a tensor bit-identical to a replay of DataParallel's
+        # algorithm whose chunking is neutral passes (dpverify.checks.replay.settle_by_replay).
+        replayed = refs.replay() if refs.replay is not None else None
+        return result if replayed is None else settle_by_replay(result, actual, replayed, pick or key, key, compare)
 
     def replica_failures(self, ran: int, *, lost: str | None = None) -> list[str]:
         """A failure unless the parallel step really ran in parallel, judged by the
@@ -778,6 +792,9 @@ class References:
     #: comparisons of the parallel step's own tensors (``Check.against``'s ``reuse``),
     #: shared by the checks that share that step
     rows: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    #: the replay of DataParallel's algorithm (``dpverify.checks.replay``), run on first
+    #: need; None where no replay is taken (explicit tolerances, a criterion wrapper)
+    replay: Callable[[], Replay | None] | None = field(default=None, repr=False, compare=False)
 
     def split_sample(self, key: Key, dtype: torch.dtype) -> torch.Tensor | None:
         """The chunk-by-chunk step's tensor of ``key``, when its distance from the full-batch
@@ -894,6 +911,8 @@ class SharedSteps:
     evidence: dict[tuple[tuple[int, ...], int], Evidence] = field(default_factory=dict)
     device: torch.device | None = None
     dtype: torch.dtype | None = None
+    #: the replays of DataParallel's algorithm, by split (None: the replay raised)
+    replays: dict[tuple[Any, ...], Replay | None] = field(default_factory=dict)
 
     def for_check(self, check: Check) -> SharedSteps:
         """These steps, or new ones when ``check`` runs on another device or dtype than the
@@ -903,6 +922,20 @@ class SharedSteps:
         if (self.device, self.dtype) != (check.device, check.dtype):
             return SharedSteps()
         return self
+
+    def replay(
+        self, check: Check, loss_in: Callable[[torch.dtype | None], Callable[[Any], torch.Tensor]],
+        full: StepResult, twin_full: StepResult,
+    ) -> Replay | None:
+        """The replay of ``check``'s split, run once for every check of that split; None
+        where it raised (a module that cannot be deep-copied or run chunk by chunk alone)."""
+        split = (tuple(check.device_ids), check.output_device, check.dim)
+        if split not in self.replays:
+            try:
+                self.replays[split] = replay_dataparallel(check, loss_in, full, twin_full)
+            except Exception:  # no replay: the verdict stands as the tolerance gave it
+                self.replays[split] = None
+        return self.replays[split]
 
     def leave(self, check: Check, step: StepResult, rows: dict[Any, Any]) -> None:
         """Leaves ``check``'s parallel step for the next check that ``take``s it."""
@@ -1362,6 +1395,18 @@ def _sum(contributions: Sequence[dict[str, torch.Tensor]], name: str, like: torc
     return total if like is None else total.to(dtype=like.dtype, device=like.device)
 
 
+def _replayed_sum(name: str, replicas: int = 1) -> Callable[[StepResult], torch.Tensor | None]:
+    """What ``_sum`` makes of a step's replica gradients of ``name`` (a replay's, in the
+    replay's dtype), divided by ``replicas``: the counterpart of the parallel step's sum
+    (or average) in a replay."""
+
+    def pick(step: StepResult) -> torch.Tensor | None:
+        total = _sum([grads for _device, grads in step.contributions], name, step.grads.get(name))
+        return total / max(replicas, 1) if total is not None and replicas != 1 else total
+
+    return pick
+
+
 def assert_grad_sum_equals_mean_loss_grad(
     module: nn.Module,
     inputs: Any,
@@ -1419,7 +1464,7 @@ def grad_sum_matches(check: Check, loss_fn: LossFn, target: Any, shared: SharedS
     for name, grad in refs.expected.grads.items():
         total = _sum(contributions, name, grad)
         terms = parallel_step.terms(name)
-        summed = check.against(TensorId("grads", name, variant="sum of replica"), total, refs, Key.grad(name), terms)
+        summed = check.against(TensorId("grads", name, variant="sum of replica"), total, refs, Key.grad(name), terms, pick=_replayed_sum(name))
         sums_match &= summed.ok
         rows.append(summed)
         rows.append(check.against(TensorId("grad", name, variant="accumulated"), parallel_step.grads.get(name), refs, Key.grad(name), terms, reuse=True))
@@ -1431,7 +1476,7 @@ def grad_sum_matches(check: Check, loss_fn: LossFn, target: Any, shared: SharedS
         # the number that ran.
         label = TensorId("grads", name, variant="average of replica", detail=f"= full / {replicas}")
         share = Terms(terms.largest / replicas, terms.norm / replicas) if terms is not None else None
-        rows.append(check.against(label, average, refs, Key.grad(name, replicas), share))
+        rows.append(check.against(label, average, refs, Key.grad(name, replicas), share, pick=_replayed_sum(name, replicas)))
         if replicas > 1:
             contrast = check.against(
                 TensorId("grads", name, variant="average of replica", detail="vs full"), average, refs, Key.grad(name), terms, contrast=True

@@ -22,6 +22,7 @@ from dpverify.core.text import shape_text
 
 __all__ = [
     "Derived",
+    "ReplayMatch",
     "StepComparison",
     "TensorComparison",
     "TensorId",
@@ -193,6 +194,31 @@ class TensorId:
 
 
 @dataclass(frozen=True)
+class ReplayMatch:
+    """Why a tensor that failed the tolerance passes: the parallel step's tensor is
+    bit-identical to a replay of DataParallel's algorithm on one device (the same chunks,
+    a replica per chunk, gradients summed in replica order), and the chunking is neutral in
+    exact arithmetic (the replay moves with the precision, as rounding does:
+    ``dpverify.checks.replay``).
+
+    Attributes:
+        shift: the greatest absolute difference between the replay and the single-device
+            step on this tensor, in the working dtype: what chunking itself moves it by.
+        failed_ratio: the ``TensorComparison.ratio`` it failed the tolerance by.
+    """
+
+    shift: float
+    failed_ratio: float
+
+    def describe(self, name: str) -> str:
+        return (
+            f"{name}: bit-identical to a replay of DataParallel's algorithm; chunking moves this tensor by "
+            f"{self.shift:.3g} from the full batch (the tolerance alone would fail it, at {self.failed_ratio:.3g} "
+            "times the allowed difference)."
+        )
+
+
+@dataclass(frozen=True)
 class TensorComparison:
     """The comparison of one tensor (an output, the loss, or a parameter's gradient).
 
@@ -236,6 +262,10 @@ class TensorComparison:
     #: where (None otherwise)
     max_ulps: float | None = None
     max_ulps_index: tuple[int, ...] = ()
+    #: set where the tensor failed the tolerance but is bit-identical to a replay of
+    #: DataParallel's algorithm whose chunking is neutral (compared then with the replay
+    #: as a further rounding sample, so it passes): what the replay showed
+    replay: ReplayMatch | None = None
 
     @property
     def name(self) -> str:
@@ -772,6 +802,10 @@ class StepComparison:
     def worst_ratio(self) -> float:
         return max((t.ratio for t in self.tensors if t.problem is None), default=0.0)
 
+    def replay_notes(self) -> list[str]:
+        """A sentence per tensor that passed by the replay of DataParallel's algorithm."""
+        return [t.replay.describe(t.name) for t in self.tensors if t.replay is not None]
+
     def message(self) -> str:
         bad = [t for t in self.tensors if not t.ok]
         verdict = f"{len(bad)} of {len(self.tensors)} compared tensors do not match." if bad else "failed."
@@ -782,6 +816,7 @@ class StepComparison:
             lines += [min(bad, key=worst_first).details(), ""]
         lines.append(f"Scenario: {self.scenario}.")
         lines.append(f"Tolerance: {self.tolerance}.")
+        lines.extend(self.replay_notes())
         lines.extend(self.notes)
         lines.append("")
         lines += _table(sorted(self.tensors, key=worst_first), "Every compared tensor, worst first:")
@@ -798,7 +833,10 @@ class StepComparison:
                 "every element equal to the single-device one: no tolerance" if self.exact
                 else f"worst at {self.worst_ratio:.2g} of the allowed difference"
             )
-            return f"{self.check}: passed ({len(self.tensors)} tensors, {how}). Scenario: {self.scenario}."
+            return " ".join([
+                f"{self.check}: passed ({len(self.tensors)} tensors, {how}). Scenario: {self.scenario}.",
+                *self.replay_notes(),
+            ])
         return self.message()
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "observe_gathers",
     "reduce_add_coalesced_apply",
     "replica_device",
+    "sum_in_order",
     "thread_state",
     "virtual_comm_broadcast",
     "virtual_comm_broadcast_coalesced",
@@ -269,7 +270,7 @@ class VirtualReduceAddCoalesced(Function):
         del destination
         ctx.target_gpus = list(target_gpus)
         per_replica = [grads[i : i + num_inputs] for i in range(0, len(grads), num_inputs)]
-        return tuple(_sum_in_order(column) for column in zip(*per_replica, strict=True))
+        return tuple(sum_in_order(column) for column in zip(*per_replica, strict=True))
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
@@ -387,10 +388,10 @@ def virtual_reduce_add(inputs: Sequence[torch.Tensor], destination: Any = None) 
         return inputs[0]
     devices = _source_devices(len(inputs))
     root = devices.index(destination) if destination in devices else 0
-    return _sum_in_order([inputs[root], *(t for i, t in enumerate(inputs) if i != root)])
+    return sum_in_order([inputs[root], *(t for i, t in enumerate(inputs) if i != root)])
 
 
-def _sum_in_order(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def sum_in_order(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """A new tensor: the first plus the others, in order, as torch sums without NCCL."""
     total = tensors[0].clone() if len(tensors) == 1 else tensors[0] + tensors[1]
     for other in tensors[2:]:
