@@ -997,7 +997,8 @@ def exact_scenarios(
     Args:
         backend: whose checks the scenarios are for.
         world_sizes: device counts (DataParallel) or world sizes (powers of two for the
-            ranked backends, which divide by them).
+            ranked backends, which divide by them; for tensor parallelism at most
+            ``max_hidden``, the width it shards).
         kinds: restrict to these of ``EXACT_BACKEND_KINDS[backend]``.
         losses: draw from ``"mse"`` and ``"l1"`` (without ``"l1"``, no residual models and
             one hidden layer).
@@ -1029,6 +1030,12 @@ def exact_scenarios(
         raise InvalidArgument(
             f"world_sizes={list(worlds)!r} with max_depth={max_depth}: a pipeline needs a child per stage and a sequential "
             f"model of depth d has 2 * d + 1; pass max_depth={-(-(max(worlds) - 1) // 2)} or fewer stages"
+        )
+    if backend == "tp" and max(worlds) > max_hidden:
+        raise InvalidArgument(
+            f"world_sizes={list(worlds)!r} with max_hidden={max_hidden}: tensor parallelism shards the hidden width over "
+            f"the ranks, so it needs a width of at least {max(worlds)}; pass max_hidden={max(worlds)} (at most "
+            f"{EXACT_LIMITS['max_hidden']}) or fewer ranks"
         )
     if "l1" not in picked and set(_DEEP_KINDS) >= set(chosen):
         raise InvalidArgument(

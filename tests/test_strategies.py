@@ -438,6 +438,7 @@ def test_exact_scenarios_shrink_to_one_linear_layer() -> None:
         (lambda: exact_scenarios("pp", world_sizes=(4,), max_depth=1), "max_depth=1: a pipeline needs a child per stage"),
         (lambda: exact_scenarios("pp", world_sizes=(4,), losses=["mse"]), "add 'l1' to losses"),
         (lambda: exact_scenarios(kinds=["residual"], losses=["mse"]), "a residual block between a stem and a head"),
+        (lambda: exact_scenarios("tp", world_sizes=(8,)), "world_sizes=\\[8\\] with max_hidden=4: tensor parallelism shards"),
         (lambda: ModelSpec(activation="elu"), "activation='elu'"),
     ],
 )
