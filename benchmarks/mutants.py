@@ -1,7 +1,8 @@
 """How fast the property suite finds each catalogued bug (``dpverify.mutants``).
 
 For every mutant: the registry check that catches it (``dpverify.registry.CHECKS``,
-or the data check, run on ``PROPERTIES``' scenarios), the examples and seconds until the first failing scenario
+or the data check, run on ``PROPERTIES``' scenarios; a one-ulp mutant's in exact mode,
+on ``EXACT_PROPERTIES``'), the examples and seconds until the first failing scenario
 (random generation, several seeds, medians), then the counterexample Hypothesis shrinks it
 to and that counterexample's size (model kind, rows, devices; for a data mutant the
 ``DataScenario`` in words).
@@ -20,7 +21,7 @@ from hypothesis import HealthCheck, Phase, find, given, seed, settings
 
 import dpverify
 from dpverify.models.layouts import ShardedScenario
-from dpverify.mutants import MUTANTS, PROPERTIES, Mutant
+from dpverify.mutants import MUTANTS, Mutant
 from dpverify.strategies import DataScenario, Scenario
 
 AnyScenario = Scenario | ShardedScenario | DataScenario
@@ -35,7 +36,7 @@ def examples_until_found(mutant: Mutant, seed_value: int, max_examples: int) -> 
 
     @seed(seed_value)
     @settings(max_examples=max_examples, database=None, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
-    @given(PROPERTIES[mutant.caught_by].scenarios)
+    @given(mutant.caught_in.scenarios)
     def search(scenario: AnyScenario) -> None:
         nonlocal count
         count += 1
@@ -62,7 +63,7 @@ def _fails(mutant: Mutant, scenario: AnyScenario) -> bool:
 
 def shrunk(mutant: Mutant) -> AnyScenario:
     found = find(
-        PROPERTIES[mutant.caught_by].scenarios,
+        mutant.caught_in.scenarios,
         lambda s: _fails(mutant, s),
         settings=settings(database=None, max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck)),
     )
@@ -79,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("| mutant | bug | caught by | examples until found (median, max) | seconds (median) | shrunk counterexample |")
     print("|---|---|---|---:|---:|---|")
     for mutant in (MUTANTS[name] for name in args.only) if args.only else MUTANTS.values():
+        caught_by = f"`{mutant.caught_by}`" + (" (exact)" if mutant.exact else "")
         runs = [examples_until_found(mutant, s, args.max_examples) for s in range(args.seeds)]
         found = [n for n, _ in runs if n is not None]
         seconds = statistics.median(t for _, t in runs)
@@ -88,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             counts += f" ({missed} of {len(runs)} seeds missed)"
         shrunk_example = shrunk(mutant)
         if isinstance(shrunk_example, DataScenario):
-            print(f"| {mutant.name} | {mutant.bug} | `{mutant.caught_by}` | {counts} | {seconds:.2f} | {shrunk_example} |")
+            print(f"| {mutant.name} | {mutant.bug} | {caught_by} | {counts} | {seconds:.2f} | {shrunk_example} |")
             continue
         # a sharded scenario is a plain one on its ranks, with a layout
         example = shrunk_example.scenario if isinstance(shrunk_example, ShardedScenario) else shrunk_example
@@ -97,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             size += f", output_device {example.devices.output_device}"
         if isinstance(shrunk_example, ShardedScenario):
             size += f", {shrunk_example.layout!r}"
-        print(f"| {mutant.name} | {mutant.bug} | `{mutant.caught_by}` | {counts} | {seconds:.2f} | {size} |")
+        print(f"| {mutant.name} | {mutant.bug} | {caught_by} | {counts} | {seconds:.2f} | {size} |")
 
 
 if __name__ == "__main__":

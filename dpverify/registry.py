@@ -400,6 +400,8 @@ class CheckSpec:
             ``Target.evaluate``) over ``Case.dataset``: ``check --eval``, ``check-data`` and
             the catalogue run it where they have that code; the planner, which has a model
             alone, does not.
+        inexact: why the check has no exact mode (``Case.exact``), which it then skips
+            saying so; None: it runs in exact mode too.
     """
 
     name: str
@@ -412,6 +414,7 @@ class CheckSpec:
     explains_divergence: bool = True
     training: bool = False
     data: bool = False
+    inexact: str | None = None
 
     def title_for(self, eval_copy: bool, case: Case | None = None) -> str:
         """The table row's label, marked when the case is an eval-mode copy of the model; a
@@ -433,6 +436,13 @@ class CheckSpec:
         checked), or None when it runs."""
         if not self.wanted(case):
             return f"{self.name} does not apply to this case"
+        return self.skip_on(case)
+
+    def skip_on(self, case: Case) -> str | None:
+        """Why a wanted check cannot run on ``case``: its split, or exact mode where it has
+        none (``inexact``)."""
+        if case.exact and self.inexact is not None:
+            return f"no exact mode: {self.inexact}"
         return self.skip(case)
 
     def check(self, case: Case, target: Target | None = None) -> Report:
@@ -471,7 +481,7 @@ class CheckSpec:
         def result(verdict: Verdict, summary: str, **fields: Any) -> CheckResult:
             return CheckResult(self.name, title, split, verdict, summary, **fields, eval_copy=eval_copy)
 
-        reason = self.skip(case)
+        reason = self.skip_on(case)
         if reason is not None:
             return result(Verdict.SKIP, reason)
         groups = case.sources() if self.explains_divergence else ()
@@ -835,12 +845,8 @@ def _ddp_skip(case: Case, *, rows_per_rank: int = 1, checks: str = "the DDP chec
     return None
 
 
-def _ddp_skip_unless_inexact(case: Case) -> str | None:
-    """``_ddp_skip``, and a case in exact mode for the DDP checks without one: running
-    statistics (BatchNorm's momentum, its square root of the variance) round."""
-    if case.exact:
-        return "no exact mode: the running statistics it compares round (BatchNorm's momentum and square root)"
-    return _ddp_skip(case)
+#: why the buffer checks have no exact mode
+_RUNNING_STATISTICS = "the running statistics it compares round (BatchNorm's momentum and square root)"
 
 
 def _has_batchnorm(case: Case) -> bool:
@@ -912,6 +918,7 @@ _SPECS = (
         "A loss computed in forward and averaged with loss.mean() equals the full-batch loss "
         "only when the chunks are equal; a warning says how far off it is otherwise.",
         _dp_loss_average, wanted=_returns_loss, explains_divergence=False,
+        inexact="it measures what averaging the replicas' per-chunk mean losses does, a division by chunk sizes that rounds",
     ),
     CheckSpec(
         "dp-weighted-loss", "item-weighted loss is exact", "dp",
@@ -919,11 +926,12 @@ _SPECS = (
         "tokens for a token-mean loss), sum(t_i * loss_i) / T, gives the full-batch loss and "
         "gradients.",
         _dp_weighted_loss, wanted=_returns_loss,
+        inexact="it weights the replicas' losses by their item counts, divisions that round",
     ),
     CheckSpec(
         "dp-buffers", "buffers keep replica 0's update", "dp",
         "Buffers updated in forward (BatchNorm's running statistics) keep replica 0's update.",
-        _dp_buffers, wanted=_buffers,
+        _dp_buffers, wanted=_buffers, inexact=_RUNNING_STATISTICS,
         skip=_one_row_chunk_batchnorm, explains_divergence=False,
     ),
     CheckSpec(
@@ -931,6 +939,7 @@ _SPECS = (
         "torch's DataParallel keeps replica 0's in-place buffer update and loses attributes set "
         "in forward.",
         _dp_state, wanted=_counter, explains_divergence=False,
+        inexact="it checks which state survives a step (buffers and attributes), not arithmetic",
     ),
     CheckSpec(
         "dp-training", f"DP training, {TRAINING_STEPS} steps", "dp",
@@ -957,12 +966,12 @@ _SPECS = (
     CheckSpec(
         "ddp-buffers", "DDP buffers come from rank 0", "ddp",
         "DDP broadcasts rank 0's buffers before each forward.",
-        _ddp_helper("assert_ddp_buffers_match", takes_step=False), wanted=_train_buffers, skip=_ddp_skip_unless_inexact, explains_divergence=False,
+        _ddp_helper("assert_ddp_buffers_match", takes_step=False), wanted=_train_buffers, skip=_ddp_skip, explains_divergence=False, inexact=_RUNNING_STATISTICS,
     ),
     CheckSpec(
         "ddp-sync-batchnorm", "SyncBatchNorm = full-batch BN", "ddp",
         "SyncBatchNorm over the ranks normalises with the full batch's statistics.",
-        _ddp_helper("assert_ddp_sync_batchnorm_matches", takes_step=False), wanted=_has_batchnorm, skip=_ddp_skip_unless_inexact, explains_divergence=False,
+        _ddp_helper("assert_ddp_sync_batchnorm_matches", takes_step=False), wanted=_has_batchnorm, skip=_ddp_skip, explains_divergence=False, inexact=_RUNNING_STATISTICS,
     ),
     CheckSpec(
         "dp-ddp-agree", "DP = DDP", "ddp",
@@ -1012,17 +1021,20 @@ _SPECS = (
         "Every epoch, the ranks' loaders (Target.loader) together see each sample of the dataset once, as one "
         "device's epoch does (padding reported as a cost), and a shuffle changes order each epoch.",
         _ddp_data, wanted=_has_dataset, skip=_one_rank, explains_divergence=False, data=True,
+        inexact="it checks which samples each rank reads and what an evaluation reports, not gradients",
     ),
     CheckSpec(
         "ddp-metric", "DDP eval metric = one device", "ddp",
         "The evaluation loop (Target.evaluate) returns on every rank the metric it returns on one device over the "
         "whole dataset.",
         _ddp_metric, wanted=_has_dataset, skip=_one_rank, explains_divergence=False, data=True,
+        inexact="it checks which samples each rank reads and what an evaluation reports, not gradients",
     ),
     CheckSpec(
         "dp-metric", "DP eval metric = one device", "dp",
         "The evaluation loop (Target.evaluate) returns through DataParallel the metric it returns with the model alone.",
         _dp_metric, wanted=_has_dataset, skip=_one_rank, explains_divergence=False, data=True,
+        inexact="it checks which samples each rank reads and what an evaluation reports, not gradients",
     ),
 )
 

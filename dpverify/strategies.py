@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 from hypothesis import strategies as st
@@ -55,6 +55,8 @@ from dpverify.models.layouts import (
 from dpverify.models.specs import (
     ACTIVATIONS,
     CLASSIFICATION_LOSSES,
+    EXACT_ACTIVATIONS,
+    EXACT_KINDS,
     KINDS,
     LOSSES,
     PADDING_SIDES,
@@ -72,6 +74,9 @@ from dpverify.models.specs import (
 from dpverify.models.training import OPTIMIZERS, OptimizerSpec, TrainingScenario
 
 __all__ = [
+    "EXACT_BACKEND_KINDS",
+    "EXACT_KINDS",
+    "EXACT_LIMITS",
     "LOSSES",
     "OPTIMIZERS",
     "PADDING_SIDES",
@@ -96,6 +101,7 @@ __all__ = [
     "data_scenarios",
     "device_lists",
     "dtypes",
+    "exact_scenarios",
     "fsdp_layouts",
     "loss_specs",
     "model_specs",
@@ -166,7 +172,7 @@ def model_specs(
 
     Shrinks toward ``ModelSpec(kind='linear')`` with the smallest widths.
     """
-    allowed = KINDS + TOKEN_KINDS + SHARDED_KINDS
+    allowed = KINDS + TOKEN_KINDS + SHARDED_KINDS + EXACT_KINDS
     chosen = KINDS if kinds is None else _subset("kinds", kinds, allowed, f"choose a non-empty subset of {allowed}")
     require_bool(exact, "exact")
     for name, value in (("max_features", max_features), ("max_hidden", max_hidden), ("max_depth", max_depth)):
@@ -865,3 +871,201 @@ def data_scenarios(
     for name, value in (("max_size", max_size), ("max_batch", max_batch), ("max_epochs", max_epochs)):
         require_int_at_least(value, name, 1)
     return _data_scenarios(worlds, max_size, max_batch, max_epochs)
+
+
+# --------------------------------------------------------------------------- exact mode
+
+#: The models ``exact_scenarios`` draws for each backend, simplest first: models of exact
+#: mode's set (Linear, Conv with pooling over 2x2 windows, ReLU and LeakyReLU with a dyadic
+#: slope, an Embedding summed over its tokens, residual adds, concatenation), as each
+#: backend takes them (DDP no keyword arguments; FSDP2 ``FSDP_KINDS``' shapes;
+#: tensor parallelism and pipelines a ``sequential`` model).
+EXACT_BACKEND_KINDS: dict[str, tuple[str, ...]] = {
+    "dp": ("linear", "mlp", "residual", *EXACT_KINDS, "embedding", "tuple-output", "dict-output", "namedtuple-output", "kwargs"),
+    "ddp": ("linear", "mlp", "residual", *EXACT_KINDS, "embedding", "tuple-output"),
+    "fsdp": ("linear", "sequential", "mlp", "residual", *EXACT_KINDS, "embedding"),
+    "tp": ("sequential",),
+    "pp": ("sequential",),
+}
+#: The deepest and widest models exact arithmetic leaves room for at ``dpverify.exact``'s
+#: 4 significant bits per element: each Linear adds the bits of its weights to its
+#: inputs', a mean squared error doubles them, and float64 has 53. With an L1 loss, two
+#: hidden layers stay within about 35 bits; a squared error of two Linear layers in a
+#: chain (one hidden layer) within 47, of three (two hidden layers, or a residual block
+#: between its stem and head) up to 59, so those are drawn with an L1 loss only.
+EXACT_LIMITS: dict[str, int] = {"max_depth": 2, "max_hidden": 8, "max_features": 4, "max_batch": 16}
+#: The hidden layers a squared error leaves room for (see ``EXACT_LIMITS``): two Linear
+#: layers in a chain.
+_SQUARED_DEPTH = 1
+#: Models that chain three Linear layers at depth 1 (a residual block between its stem and
+#: its head), which a squared error leaves no room for: they take an L1 loss.
+_DEEP_KINDS = ("residual",)
+#: Output widths: powers of two, so that a mean over the batch's outputs divides by one.
+_EXACT_OUTPUTS = (1, 2, 4)
+_EXACT_LOSSES = ("mse", "l1")
+_RANKED = ("ddp", *BACKENDS)
+
+
+def _powers_of_two(low: int, high: int) -> list[int]:
+    """The powers of two from ``low`` (itself one) to ``high``, smallest first."""
+    return [2**k for k in range(low.bit_length() - 1, high.bit_length()) if low <= 2**k <= high]
+
+
+@st.composite
+def _exact_scenarios(
+    draw: st.DrawFn, backend: str, worlds: tuple[int, ...], kinds: tuple[str, ...], losses: tuple[str, ...],
+    max_features: int, max_hidden: int, max_depth: int, max_batch: int,
+) -> Scenario | ShardedScenario:
+    world = draw(st.sampled_from(worlds), label="world_size")
+    groups = draw(st.sampled_from([1, 2] if backend == "tp" and world >= 4 else [1]), label="data_parallel")
+    kind = draw(st.sampled_from(kinds), label="kind")
+    # a pipeline needs a child per stage: 2 * depth + 1 children
+    least = max(1, -(-(world - 1) // 2)) if backend == "pp" else 1
+    # a squared error of a deeper model needs more than float64's bits: L1 goes deeper.
+    # Both are drawn whatever the kind, then made to fit, so that every kind draws as many
+    # choices and shrinking ends on the first kind, MSE and the shallowest model
+    name = draw(st.sampled_from(losses), label="loss")
+    if least > _SQUARED_DEPTH or kind in _DEEP_KINDS:
+        name = "l1"
+    depth = draw(st.integers(least, max(least, max_depth)), label="depth")
+    if name != "l1":
+        depth = min(depth, _SQUARED_DEPTH)
+    per_rank = world // groups if backend == "tp" else 1  # the tensor-parallel size divides the width
+    hidden = per_rank * draw(st.integers(1, max(1, max_hidden // per_rank)), label="hidden")
+    model = ModelSpec(
+        kind, features=draw(st.integers(1, max_features), label="features"), hidden=hidden,
+        outputs=draw(st.sampled_from(_EXACT_OUTPUTS), label="outputs"), depth=depth,
+        activation=draw(st.sampled_from(EXACT_ACTIVATIONS), label="activation"),
+        pooling=draw(st.sampled_from(("sum", "max", "mean") if kind == "conv-pool" else ("sum",)), label="pooling"), train=False,
+    )
+    # DataParallel takes one loss on the gathered outputs, so any chunks are exact and a sum
+    # any batch; a mean divides by the batch's outputs, a power of two. The ranked backends
+    # average equal shards' (or microbatches') mean losses: powers of two throughout.
+    reduction = draw(st.sampled_from(("mean", "sum") if backend == "dp" else ("mean",)), label="reduction")
+    least_rows = world if backend in ("ddp", "fsdp") else groups
+    if backend == "dp":
+        device_list = _drawn(draw(device_lists(min_devices=world, max_devices=world)), "devices", DeviceList)
+        batches = batch_sizes(world, max_size=max_batch) if reduction == "sum" else st.sampled_from(_powers_of_two(1, max_batch))
+    else:
+        device_list = DeviceList(tuple(range(world)))
+        batches = st.sampled_from(_powers_of_two(least_rows, max(least_rows, max_batch)))
+    batch = draw(batches, label="batch_size")
+    scenario = Scenario(model, batch, device_list, LossSpec(name, reduction), torch.float32, draw(st.integers(0, 2**16), label="seed"))
+    if backend in ("dp", "ddp"):
+        return scenario
+    module = model.build()
+    layout: FSDPLayout | TPLayout | PipelineLayout
+    if backend == "fsdp":
+        layout = draw(fsdp_layouts(module))
+    elif backend == "tp":
+        layout = draw(tp_layouts(module, world, data_parallel=(groups,)))
+    else:
+        layout = draw(pipeline_layouts(len(list(module.children())), world, batch))
+    return ShardedScenario(scenario, layout)
+
+
+def exact_scenarios(
+    backend: str = "dp",
+    *,
+    world_sizes: Sequence[int] | None = None,
+    kinds: Sequence[str] | None = None,
+    losses: Sequence[str] = _EXACT_LOSSES,
+    max_features: int = 4,
+    max_hidden: int = 4,
+    max_depth: int = 2,
+    max_batch: int = 8,
+) -> SearchStrategy[Scenario] | SearchStrategy[ShardedScenario]:
+    """Scenarios that exact mode (``exact=True``, ``dpverify.exact``) runs without
+    rounding, for the checks of ``backend`` (``"dp"``, ``"ddp"``, ``"fsdp"``, ``"tp"``,
+    ``"pp"``): a ``Scenario`` for DataParallel and DDP, a ``ShardedScenario`` with a layout
+    (``fsdp_layouts``, ``tp_layouts``, ``pipeline_layouts``) for the others.
+
+    The models are of exact mode's set (``EXACT_BACKEND_KINDS``): Linear layers,
+    ``conv-pool`` (a Conv2d with max, mean or sum pooling over 2x2 windows), an Embedding
+    summed over its tokens, residual adds, ``concat`` (concatenation), with ReLU or
+    LeakyReLU of slope 1/8, in eval mode; output widths 1, 2 or 4, and an MSE or L1 loss
+    (a deeper model than a squared error leaves bits for, two hidden layers or a residual
+    block, takes L1, ``EXACT_LIMITS``).
+    DataParallel draws ``world_sizes`` devices (default 1 to 4), any batch for a sum loss
+    (uneven chunks included: one loss on the gathered outputs), a power of two for a mean
+    loss. The ranked backends draw a power-of-two world size (default 2), a mean loss and a
+    power-of-two batch: equal shards (DDP, FSDP2), data-parallel groups (tensor
+    parallelism, on 4 or more ranks) and microbatches (pipelines) of power-of-two rows, so
+    that every division of the step is by a power of two. Every drawn scenario is within
+    the bounds the proof of exactness accepts.
+
+    Args:
+        backend: whose checks the scenarios are for.
+        world_sizes: device counts (DataParallel) or world sizes (powers of two for the
+            ranked backends, which divide by them; for tensor parallelism at most
+            ``max_hidden``, the width it shards).
+        kinds: restrict to these of ``EXACT_BACKEND_KINDS[backend]``.
+        losses: draw from ``"mse"`` and ``"l1"`` (without ``"l1"``, no residual models and
+            one hidden layer).
+        max_features: largest input width (at most ``EXACT_LIMITS["max_features"]``).
+        max_hidden: largest hidden width (at most ``EXACT_LIMITS["max_hidden"]``).
+        max_depth: most hidden layers (at most ``EXACT_LIMITS["max_depth"]``; a pipeline
+            of 4 stages needs 2).
+        max_batch: most rows (at most ``EXACT_LIMITS["max_batch"]``).
+
+    Shrinks toward the backend's simplest model (one Linear layer, or a ``sequential`` of
+    one hidden layer) of width 1 with one output, a mean MSE, the smallest world size,
+    the fewest rows, the simplest layout and seed 0.
+    """
+    if backend not in EXACT_BACKEND_KINDS:
+        raise InvalidArgument(f"backend={backend!r}: exact scenarios run on one of {tuple(EXACT_BACKEND_KINDS)}")
+    allowed = EXACT_BACKEND_KINDS[backend]
+    chosen = allowed if kinds is None else _subset("kinds", kinds, allowed, f"choose a non-empty subset of {allowed} for backend={backend!r}")
+    picked = _subset("losses", losses, _EXACT_LOSSES, f"choose a non-empty subset of {_EXACT_LOSSES}")
+    bounds = {"max_features": max_features, "max_hidden": max_hidden, "max_depth": max_depth, "max_batch": max_batch}
+    for name, value in bounds.items():
+        require_int_at_least(value, name, 1)
+        if value > EXACT_LIMITS[name]:
+            raise InvalidArgument(
+                f"{name}={value}: exact arithmetic leaves room for at most {EXACT_LIMITS[name]} (float64's 53 bits hold "
+                f"the products and sums of smaller models only); pass {name}={EXACT_LIMITS[name]} or less"
+            )
+    worlds = _exact_worlds(backend, world_sizes)
+    if backend == "pp" and max(worlds) > 2 * max_depth + 1:
+        raise InvalidArgument(
+            f"world_sizes={list(worlds)!r} with max_depth={max_depth}: a pipeline needs a child per stage and a sequential "
+            f"model of depth d has 2 * d + 1; pass max_depth={-(-(max(worlds) - 1) // 2)} or fewer stages"
+        )
+    if backend == "tp" and max(worlds) > max_hidden:
+        raise InvalidArgument(
+            f"world_sizes={list(worlds)!r} with max_hidden={max_hidden}: tensor parallelism shards the hidden width over "
+            f"the ranks, so it needs a width of at least {max(worlds)}; pass max_hidden={max(worlds)} (at most "
+            f"{EXACT_LIMITS['max_hidden']}) or fewer ranks"
+        )
+    if "l1" not in picked and set(_DEEP_KINDS) >= set(chosen):
+        raise InvalidArgument(
+            f"kinds={list(chosen)!r} with losses={list(picked)!r}: a residual block between a stem and a head chains "
+            "three Linear layers, more than a squared error leaves bits for; add 'l1' to losses"
+        )
+    if backend == "pp" and max(worlds) > 2 * _SQUARED_DEPTH + 1 and "l1" not in picked:
+        raise InvalidArgument(
+            f"world_sizes={list(worlds)!r} with losses={list(picked)!r}: a pipeline of more than 3 stages needs a model deeper "
+            "than a squared error leaves bits for; add 'l1' to losses"
+        )
+    # one composite draws either kind; the backend decides which, as the annotation says
+    if "l1" not in picked:  # the kinds only L1 leaves bits for
+        chosen = tuple(k for k in chosen if k not in _DEEP_KINDS)
+    return cast("SearchStrategy[Scenario] | SearchStrategy[ShardedScenario]", _exact_scenarios(
+        backend, worlds, tuple(k for k in allowed if k in chosen), tuple(n for n in _EXACT_LOSSES if n in picked),
+        max_features, max_hidden, max_depth, max_batch,
+    ))
+
+
+def _exact_worlds(backend: str, world_sizes: Sequence[int] | None) -> tuple[int, ...]:
+    """``exact_scenarios``' device counts or world sizes, checked, smallest first."""
+    if world_sizes is None:
+        return (1, 2, 3, 4) if backend == "dp" else (2,)
+    sizes = _subset("world_sizes", world_sizes, lambda w: isinstance(w, int) and not isinstance(w, bool), "pass a non-empty list of ints, e.g. (2, 4)")
+    least = 1 if backend == "dp" else 2
+    worlds = tuple(sorted({require_int_at_least(w, "world_sizes", least) for w in sizes}))
+    if backend in _RANKED and not all(w & (w - 1) == 0 for w in worlds):
+        raise InvalidArgument(
+            f"world_sizes={list(worlds)!r}: {backend} divides every gradient by the world size, which rounds unless it is a "
+            "power of two; pass powers of two, e.g. (2, 4)"
+        )
+    return worlds

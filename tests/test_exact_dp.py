@@ -336,3 +336,17 @@ def test_exact_training_beyond_float64_names_the_step() -> None:
     torch.manual_seed(0)
     with pytest.raises(InvalidArgument, match=r"needs \d+ significand bits .*\(in step 2 of 3 of the single-device training; .*pass at most 1 batch\)$"):
         dpverify.assert_dp_training_matches(_mlp(), _linear_batches(3), loss_fn=F.mse_loss, optimizer=SGD, device_ids=[0, 1], exact=True)
+
+
+def test_a_check_without_an_exact_mode_skips_an_exact_case_saying_why() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    exact, inexact = Case(model, (x,), y, F.mse_loss, exact=True), Case(model, (x,), y, F.mse_loss)
+    without = [spec for spec in CHECKS.values() if spec.inexact is not None]
+    assert {spec.name for spec in without} >= {"dp-buffers", "dp-state", "dp-loss-average", "ddp-buffers", "ddp-sync-batchnorm", "ddp-data"}
+    for spec in without:
+        assert spec.skip_on(exact) == f"no exact mode: {spec.inexact}"
+    result = CHECKS["dp-buffers"].run(exact)
+    assert result.verdict == "SKIP"
+    assert result.summary.startswith("no exact mode: the running statistics it compares round")
+    assert CHECKS["dp-buffers"].run(inexact).verdict == "PASS"

@@ -3,6 +3,7 @@ points at it, and the correct hand-written implementations pass the same propert
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -15,6 +16,7 @@ import dpverify
 from dpverify.models.hooks import global_clip
 from dpverify.mutants import (
     CLIP_NORM,
+    EXACT_PROPERTIES,
     MUTANTS,
     PROPERTIES,
     Mutant,
@@ -32,16 +34,30 @@ from dpverify.mutants import (
 from dpverify.registry import CHECKS, Target
 from dpverify.sharded.fsdp import weighted_fsdp_step
 from dpverify.sharded.pipeline_rank import sync_tied_grads
-from dpverify.strategies import DataScenario, Scenario
+from dpverify.strategies import DataScenario, Scenario, ShardedScenario
 
 # The search is bounded by the CI profile's examples; shrinking is left out to bound time.
 SEARCH = settings(settings.get_profile("dpverify-ci"), database=None, print_blob=False, phases=[Phase.explicit, Phase.generate])
 
 
 def _search(mutant: Mutant) -> None:
+    if mutant.exact:
+        _search_exact(mutant)
+        return
+
+    # (the derandomized examples follow this function's source: kept as it was)
     @SEARCH
     @given(PROPERTIES[mutant.caught_by].scenarios)
     def run(scenario: Scenario) -> None:
+        mutant.check(scenario)
+
+    run()
+
+
+def _search_exact(mutant: Mutant) -> None:
+    @SEARCH
+    @given(mutant.caught_in.scenarios)
+    def run(scenario: Scenario | ShardedScenario) -> None:
         mutant.check(scenario)
 
     run()
@@ -97,6 +113,50 @@ def test_correct_implementations_pass_every_property(check: str) -> None:
     run()
 
 
+@pytest.mark.parametrize("check", sorted(EXACT_PROPERTIES))
+def test_correct_implementations_pass_every_exact_property(check: str) -> None:
+    # bit for bit: the hand-written DataParallel, all-reduce, FSDP2 step, plan and GPipe
+    prop, correct = EXACT_PROPERTIES[check], CORRECT[check]
+
+    @SEARCH
+    @given(prop.scenarios)
+    def run(scenario: Scenario | ShardedScenario) -> None:
+        prop.run(scenario, correct)
+
+    run()
+
+
+ONE_ULP = sorted(name for name, mutant in MUTANTS.items() if mutant.exact)
+
+
+@pytest.mark.parametrize("name", ONE_ULP)
+def test_one_ulp_mutants_are_caught_in_exact_mode_within_5_examples(name: str) -> None:
+    mutant = MUTANTS[name]
+
+    @settings(SEARCH, max_examples=5)
+    @given(mutant.caught_in.scenarios)
+    def run(scenario: Scenario | ShardedScenario) -> None:
+        mutant.check(scenario)
+
+    with pytest.raises(dpverify.ParallelMismatch, match=mutant.message):
+        run()
+
+
+@pytest.mark.parametrize("name", ONE_ULP)
+def test_one_ulp_mutants_pass_the_default_tolerance(name: str) -> None:
+    # honest one-ulp bugs: on the same scenarios, the tolerance of the default mode lets
+    # them through (which is why exact mode exists)
+    mutant = MUTANTS[name]
+    default = dataclasses.replace(mutant.caught_in, exact=False)
+
+    @SEARCH
+    @given(default.scenarios)
+    def run(scenario: Scenario | ShardedScenario) -> None:
+        default.run(scenario, mutant.target)
+
+    run()
+
+
 def test_a_sum_and_count_evaluation_over_ranks_without_padding_passes_the_metric_property() -> None:
     # the other correct evaluation: every sample on one rank, the loss sum and the count
     # all-reduced, then divided (the mutants integer-mean-eval and mean-of-rank-means-eval
@@ -129,6 +189,9 @@ def test_the_correct_model_criterion_pair_passes_the_gradient_properties(check: 
 
 def test_catalogue_entries_are_documented_and_name_registry_checks() -> None:
     assert len(MUTANTS) >= 15
+    # one one-ulp mutant per backend, each caught by its backend's gradient check in exact mode
+    assert {MUTANTS[name].caught_by for name in ONE_ULP} == set(EXACT_PROPERTIES) == {f"{b}-grads" for b in ("dp", "ddp", "fsdp", "tp", "pp")}
+    assert all(prop.exact and prop.check == name for name, prop in EXACT_PROPERTIES.items())
     sharded = [m for m in MUTANTS.values() if m.kind in ("fsdp-step", "tp-plan", "pp-schedule")]
     assert len(sharded) >= 6
     assert set(CORRECT) == set(PROPERTIES)
@@ -143,7 +206,8 @@ def test_catalogue_entries_are_documented_and_name_registry_checks() -> None:
         assert mutant.implementation.__doc__, mutant.name
         assert (mutant.model is not None) == (mutant.kind == "criterion"), mutant.name
         assert mutant.loader is None or mutant.kind == "eval", mutant.name
-        assert mutant.caught_by in PROPERTIES
+        assert mutant.caught_by in (EXACT_PROPERTIES if mutant.exact else PROPERTIES)
+        assert mutant.caught_in is (EXACT_PROPERTIES if mutant.exact else PROPERTIES)[mutant.caught_by]
         assert (mutant.caught_by in data) == (mutant.kind in ("loader", "eval")), mutant.name
         assert mutant.caught_by in CHECKS
         if mutant.kind in ("loader", "eval"):

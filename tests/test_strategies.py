@@ -14,16 +14,22 @@ from hypothesis.errors import InvalidArgument as HypothesisInvalidArgument
 import dpverify
 from dpverify import strategies
 from dpverify.strategies import (
+    EXACT_BACKEND_KINDS,
+    EXACT_KINDS,
     TOKEN_KINDS,
     DeviceList,
     LossSpec,
     ModelSpec,
+    PipelineLayout,
     Scenario,
+    ShardedScenario,
     TokenBatch,
     TokenScenario,
+    TPLayout,
     batch_sizes,
     device_lists,
     dtypes,
+    exact_scenarios,
     loss_specs,
     model_specs,
     scenarios,
@@ -348,3 +354,102 @@ def test_a_drawn_model_that_is_no_language_model_head_is_an_invalid_argument() -
 
     with pytest.raises(dpverify.InvalidArgument, match="models drew kind='linear'"):
         test()
+
+
+# -- exact mode -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["dp", "ddp", "fsdp", "tp", "pp"])
+def test_exact_scenarios_print_as_pasteable_specs_and_keep_to_powers_of_two(backend: str) -> None:
+    namespace = {**NAMESPACE, **{name: getattr(strategies, name) for name in ("ShardedScenario", "FSDPLayout", "TPLayout", "PipelineLayout")}}
+
+    @given(exact_scenarios(backend, world_sizes=(1, 2, 3, 4) if backend == "dp" else (2, 4), max_depth=2))
+    def run(scenario: Scenario | ShardedScenario) -> None:
+        assert eval(repr(scenario), namespace) == scenario
+        assert pickle.loads(pickle.dumps(scenario)) == scenario
+        plain = scenario.scenario if isinstance(scenario, ShardedScenario) else scenario
+        model, rows, world = plain.model, plain.batch_size, len(plain.devices.device_ids)
+        assert model.kind in EXACT_BACKEND_KINDS[backend]
+        assert model.activation in ("relu", "leaky_relu")
+        assert not model.train
+        assert model.outputs in (1, 2, 4)
+        assert plain.loss.name in ("mse", "l1")
+        # a squared error of three Linear layers in a chain rounds
+        assert plain.loss.name == "l1" or (model.depth == 1 and model.kind != "residual")
+        if plain.loss.reduction == "mean":
+            assert rows & (rows - 1) == 0  # the mean divides by rows x outputs
+        if backend != "dp":
+            assert plain.loss.reduction == "mean"
+            assert world & (world - 1) == 0
+        if backend in ("ddp", "fsdp"):
+            assert rows % world == 0  # equal shards
+        if isinstance(scenario, ShardedScenario):
+            assert scenario.backend == backend
+            if isinstance(scenario.layout, TPLayout):
+                assert model.hidden % (world // scenario.layout.data_parallel) == 0
+            if isinstance(scenario.layout, PipelineLayout):
+                assert 2 * model.depth + 1 >= world
+                assert rows % scenario.layout.n_microbatches == 0
+
+    run()
+
+
+@pytest.mark.parametrize(
+    ("backend", "predicate", "label"),
+    [
+        ("dp", lambda s: len(set(s.chunk_sizes)) > 1, "uneven chunks"),
+        ("dp", lambda s: s.model.kind == "conv-pool" and s.model.pooling == "max", "a convolution with max pooling"),
+        ("dp", lambda s: s.model.kind == "concat" and s.model.activation == "leaky_relu", "concatenation with LeakyReLU"),
+        ("dp", lambda s: s.model.kind == "embedding", "an embedding"),
+        ("dp", lambda s: s.model.kind == "residual" and s.model.depth == 2, "two residual blocks (with an L1 loss)"),
+        ("ddp", lambda s: len(s.devices.device_ids) == 4 and s.batch_size > 4, "4 ranks of several rows"),
+        ("fsdp", lambda s: s.layout.shard_modules is not None, "a drawn FSDP2 layout"),
+        ("tp", lambda s: s.layout.data_parallel == 2, "a 2-D mesh"),
+        ("pp", lambda s: s.layout.schedule == "1f1b" and s.world_size == 4, "1F1B on 4 stages"),
+    ],
+)
+def test_exact_scenarios_reach_each_case(backend: str, predicate: Any, label: str) -> None:
+    strategy = exact_scenarios(backend, world_sizes=(1, 2, 3, 4) if backend == "dp" else (2, 4))
+    assert predicate(find(strategy, predicate, settings=settings(database=None, max_examples=2000))), label
+
+
+def test_exact_scenarios_shrink_to_one_linear_layer() -> None:
+    simplest = find(exact_scenarios(), lambda s: True, settings=settings(database=None))
+    assert simplest == Scenario(ModelSpec("linear", features=1, hidden=1, outputs=1, pooling="sum", train=False), 1, DeviceList((0,)), LossSpec(), torch.float32, 0)
+    ranked = find(exact_scenarios("pp"), lambda s: True, settings=settings(database=None))
+    assert ranked.scenario.model == ModelSpec("sequential", features=1, hidden=1, outputs=1, pooling="sum", train=False)
+    assert (ranked.world_size, ranked.scenario.batch_size, ranked.scenario.seed) == (2, 1, 0)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: exact_scenarios("horovod"), "backend='horovod'"),
+        (lambda: exact_scenarios("ddp", world_sizes=(3,)), "world_sizes=\\[3\\]: ddp divides every gradient by the world size"),
+        (lambda: exact_scenarios("fsdp", world_sizes=(1,)), "world_sizes=1 must be an int >= 2"),
+        (lambda: exact_scenarios("dp", world_sizes=[]), "world_sizes=\\[\\]"),
+        (lambda: exact_scenarios("dp", world_sizes=2), "world_sizes=2"),
+        (lambda: exact_scenarios(max_depth=3), "max_depth=3: exact arithmetic leaves room for at most 2"),
+        (lambda: exact_scenarios(max_hidden=16), "max_hidden=16"),
+        (lambda: exact_scenarios(max_batch=0), "max_batch=0 must be an int >= 1"),
+        (lambda: exact_scenarios(kinds=["attention"]), "kinds=\\['attention'\\]: choose a non-empty subset of"),
+        (lambda: exact_scenarios("tp", kinds=["linear"]), "kinds=\\['linear'\\]"),
+        (lambda: exact_scenarios(losses=["cross_entropy"]), "losses=\\['cross_entropy'\\]"),
+        (lambda: exact_scenarios("pp", world_sizes=(4,), max_depth=1), "max_depth=1: a pipeline needs a child per stage"),
+        (lambda: exact_scenarios("pp", world_sizes=(4,), losses=["mse"]), "add 'l1' to losses"),
+        (lambda: exact_scenarios(kinds=["residual"], losses=["mse"]), "a residual block between a stem and a head"),
+        (lambda: exact_scenarios("tp", world_sizes=(8,)), "world_sizes=\\[8\\] with max_hidden=4: tensor parallelism shards"),
+        (lambda: ModelSpec(activation="elu"), "activation='elu'"),
+    ],
+)
+def test_bad_exact_arguments_fail_eagerly_naming_the_argument(make: Any, match: str) -> None:
+    with pytest.raises(dpverify.InvalidArgument, match=match):
+        make()
+
+
+def test_model_specs_draw_the_exact_kinds_only_when_asked() -> None:
+    assert not set(EXACT_KINDS) & set(strategies.KINDS)
+    assert find(model_specs(kinds=EXACT_KINDS), lambda m: m.kind == "concat").kind == "concat"
+    built = Scenario(ModelSpec("conv-pool", features=2, hidden=3, outputs=2, pooling="max"), 3).build()
+    assert built.inputs[0].shape == (3, 2, 4, 4)
+    assert built.module(*built.inputs).shape == (3, 2)

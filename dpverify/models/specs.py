@@ -6,6 +6,11 @@ hidden=4, outputs=2, depth=2, activation='tanh')``), pickles to another process,
 ``(batch, outputs)`` logits (inside a tuple, dict or namedtuple for the structured-output
 kinds), or, for ``loss-head``, takes the targets and returns ``(logits, loss)``.
 
+The exact-arithmetic kinds (``EXACT_KINDS``, also outside ``KINDS``) and the activation
+``leaky_relu`` (``EXACT_ACTIVATIONS``) complete the set exact mode computes without
+rounding (``dpverify.exact``): convolutions with pooling over power-of-two windows, and
+concatenation.
+
 The language-model heads (``TOKEN_KINDS``, kept out of ``KINDS`` so that what the default
 strategies draw is unchanged) take ``input_ids`` and ``labels=`` and return the mean
 cross-entropy over the labels that are not the ignore index; a ``TokenBatch`` is a padded
@@ -32,6 +37,9 @@ from dpverify.core.tree import map_tensors
 __all__ = [
     "ACTIVATIONS",
     "CLASSIFICATION_LOSSES",
+    "EXACT_ACTIVATIONS",
+    "EXACT_KINDS",
+    "EXACT_SLOPE",
     "KINDS",
     "LOSSES",
     "PADDING_SIDES",
@@ -87,12 +95,27 @@ TOKEN_KINDS: tuple[str, ...] = ("lm-head", "causal-lm-head")
 #: (``TiedSequential``): a pipeline puts the two copies on the first and the last stage.
 #: Not in ``KINDS``, so that what the default strategies draw is unchanged.
 SHARDED_KINDS: tuple[str, ...] = ("sequential", "tied-sequential")
+#: Models of exact mode's set (``dpverify.exact``) that ``KINDS`` has no equal of:
+#: ``conv-pool`` is a Conv2d (3x3, padding 1) on 4x4 inputs, an activation, pooling over
+#: 2x2 windows (``pooling``: max, mean, or sum) and a Linear head; ``concat`` concatenates
+#: each hidden layer's activation to its input (a densely connected MLP of ``depth``
+#: layers) before a Linear head. Not in ``KINDS``, so that what the default strategies draw
+#: is unchanged; ``dpverify.strategies.exact_scenarios`` draws them.
+EXACT_KINDS: tuple[str, ...] = ("conv-pool", "concat")
+_ALL_KINDS = KINDS + TOKEN_KINDS + SHARDED_KINDS + EXACT_KINDS
 #: Where a ``TokenBatch`` pads its rows.
 PADDING_SIDES: tuple[str, ...] = ("right", "left")
 ACTIVATIONS: tuple[str, ...] = ("relu", "tanh", "gelu", "sigmoid", "silu")
+#: The activations exact mode computes without rounding: ReLU, and LeakyReLU with the
+#: dyadic slope ``EXACT_SLOPE`` (``leaky_relu``, not in ``ACTIVATIONS`` so that what the
+#: default strategies draw is unchanged).
+EXACT_ACTIVATIONS: tuple[str, ...] = ("relu", "leaky_relu")
+#: ``leaky_relu``'s negative slope: a power of two, so that its products round nothing.
+EXACT_SLOPE = 2.0**-3
 POOLINGS: tuple[str, ...] = ("mean", "sum", "max")
 
 _SEQUENCE = 5  # time steps / tokens / spatial size of generated inputs
+_EXACT_SIDE = 4  # the spatial size of ``conv-pool``'s inputs: 2x2 windows tile it
 _VOCAB = 11
 _LM_VOCAB = 64  # the language-model heads' vocabulary; id 0 pads, real tokens are 1 .. 63
 _PAD_ID = 0
@@ -101,8 +124,9 @@ _PAD_ID = 0
 Output = namedtuple("Output", ["logits", "features"])
 
 
-_ACTIVATION_TYPES: dict[str, type[nn.Module]] = {
+_ACTIVATION_TYPES: dict[str, Callable[[], nn.Module]] = {
     "relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU, "sigmoid": nn.Sigmoid, "silu": nn.SiLU,
+    "leaky_relu": lambda: nn.LeakyReLU(EXACT_SLOPE),
 }
 
 
@@ -170,6 +194,39 @@ class Conv(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.conv(x)).flatten(2).mean(dim=2)
         out: torch.Tensor = self.head(h)
+        return out
+
+
+class ConvPool(nn.Module):
+    """Conv2d (3x3, padding 1), activation, pooling over 2x2 windows, Linear head."""
+
+    def __init__(self, channels: int, hidden: int, outputs: int, activation: str, pooling: str) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, hidden, kernel_size=3, padding=1)
+        self.act = _activation(activation)
+        # a sum over each window is an average whose divisor is 1
+        self.pool = nn.MaxPool2d(2) if pooling == "max" else nn.AvgPool2d(2, divisor_override=1 if pooling == "sum" else None)
+        self.head = nn.Linear(hidden * (_EXACT_SIDE // 2) ** 2, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.pool(self.act(self.conv(x))).flatten(1))
+        return out
+
+
+class Concat(nn.Module):
+    """A densely connected MLP: each of ``depth`` layers appends its activation to its
+    input (``torch.cat``), then a Linear head reads them all."""
+
+    def __init__(self, features: int, hidden: int, outputs: int, depth: int, activation: str) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(features + i * hidden, hidden) for i in range(depth))
+        self.act = _activation(activation)
+        self.head = nn.Linear(features + depth * hidden, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.cat([x, self.act(layer(x))], dim=-1)
+        out: torch.Tensor = self.head(x)
         return out
 
 
@@ -360,14 +417,16 @@ class ModelSpec:
 
     Attributes:
         kind: one of ``KINDS`` (or ``TOKEN_KINDS``: a ``LanguageModelHead`` of width
-            ``hidden`` and ``activation``, the other fields unused; or ``SHARDED_KINDS``).
+            ``hidden`` and ``activation``, the other fields unused; or ``SHARDED_KINDS``,
+            or ``EXACT_KINDS``).
         features: input features (channels for convolutions).
         hidden: hidden width.
         outputs: output width (``tied-embedding`` and ``tied-sequential`` output the
             vocabulary instead).
         depth: hidden layers, residual blocks or recurrent layers.
-        activation: one of ``ACTIVATIONS``.
-        pooling: token pooling of ``embedding``: mean, sum or max.
+        activation: one of ``ACTIVATIONS`` or ``EXACT_ACTIVATIONS``.
+        pooling: token pooling of ``embedding``, window pooling of ``conv-pool``: mean,
+            sum or max.
         train: train mode (``batchnorm`` and ``dropout`` depend on it).
         p: dropout probability of ``dropout``.
     """
@@ -383,10 +442,10 @@ class ModelSpec:
     p: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS + TOKEN_KINDS + SHARDED_KINDS:
-            raise InvalidArgument(f"kind={self.kind!r} is not one of {KINDS + TOKEN_KINDS + SHARDED_KINDS}")
-        if self.activation not in ACTIVATIONS:
-            raise InvalidArgument(f"activation={self.activation!r} is not one of {ACTIVATIONS}")
+        if self.kind not in _ALL_KINDS:
+            raise InvalidArgument(f"kind={self.kind!r} is not one of {_ALL_KINDS}")
+        if self.activation not in _ACTIVATION_TYPES:
+            raise InvalidArgument(f"activation={self.activation!r} is not one of {tuple(_ACTIVATION_TYPES)}")
         if self.pooling not in POOLINGS:
             raise InvalidArgument(f"pooling={self.pooling!r} is not one of {POOLINGS}")
         for name in ("features", "hidden", "outputs", "depth"):
@@ -455,6 +514,10 @@ class ModelSpec:
             return Conv(1 if k == "conv1d" else 2, f, h, o, act)
         if k == "embedding":
             return Pooled(h, o, self.pooling)
+        if k == "conv-pool":
+            return ConvPool(f, h, o, act, self.pooling)
+        if k == "concat":
+            return Concat(f, h, o, self.depth, act)
         if k == "tied-embedding":
             return Tied(h, act)
         if k in ("gru", "lstm"):
@@ -489,6 +552,8 @@ class ModelSpec:
             return (torch.randn(batch, self.features, _SEQUENCE, generator=g),), {}
         if k == "conv2d":
             return (torch.randn(batch, self.features, _SEQUENCE, _SEQUENCE, generator=g),), {}
+        if k == "conv-pool":
+            return (torch.randn(batch, self.features, _EXACT_SIDE, _EXACT_SIDE, generator=g),), {}
         if k in ("gru", "lstm", "attention"):
             return (torch.randn(batch, _SEQUENCE, self.features, generator=g),), {}
         x = torch.randn(batch, self.features, generator=g)

@@ -7,7 +7,10 @@ criterion wrapper, a reduction of per-replica losses, a per-rank DDP or FSDP2 st
 tensor-parallel plan builder or a pipeline schedule class, passed to a registry check as
 ``Mutant.target``. ``MUTANTS`` describes them all: the bug, the registry check that catches
 it (``dpverify.registry.CHECKS``), and a phrase the failure message contains; ``PROPERTIES``
-gives each of those checks the random scenarios it runs on. The data path's and the
+gives each of those checks the random scenarios it runs on, and ``EXACT_PROPERTIES`` the
+gradient checks of every backend in exact mode (``Case.exact``) on
+``exact_scenarios``, where the one-ulp mutants (``Mutant.exact``), which move one element
+of one reduced gradient by one unit in the last place, are caught. The data path's and the
 evaluation loop's mutants (kinds ``"loader"`` and ``"eval"``) are caught by the registry
 checks ``"ddp-data"`` and ``"ddp-metric"`` on ``DataScenario``s, passed as ``Target.loader``
 and ``Target.evaluate``. The implementations live in ``dp``,
@@ -44,6 +47,7 @@ from dpverify.mutants.ddp import (
     double_accumulation_division_step,
     forward_outside_no_sync_step,
     manual_allreduce_step,
+    one_ulp_comm_hook_step,
     rank_seeded_init_step,
     same_seed_ranks_step,
     summed_allreduce_step,
@@ -62,6 +66,7 @@ from dpverify.mutants.dp import (
     LocalBatchStatistic,
     LostForwardState,
     MeanCriterionParallel,
+    OneUlpDataParallel,
     OutputDeviceFirstDataParallel,
     ReplicaOutputsDataParallel,
     ReversedGatherDataParallel,
@@ -74,14 +79,18 @@ from dpverify.mutants.dp import (
 from dpverify.mutants.sharded import (
     LocalOutputColwiseParallel,
     NoAllReduceRowwiseParallel,
+    OneUlpGPipe,
+    OneUlpRowwiseParallel,
     SkipLastMicrobatchGPipe,
     UnscaledGPipe,
     averaged_tied_grads_hook,
+    fsdp_one_ulp_step,
     fsdp_summed_loss_step,
     fsdp_undivided_step,
     fsdp_wrong_weight_step,
     local_output_plan,
     no_allreduce_plan,
+    one_ulp_plan,
     tp_global_clip,
     tp_one_rank_clip,
 )
@@ -97,6 +106,7 @@ from dpverify.strategies import (
     Scenario,
     data_scenarios,
     device_lists,
+    exact_scenarios,
     loss_specs,
     model_specs,
     scenarios,
@@ -105,6 +115,7 @@ from dpverify.strategies import (
 
 __all__ = [
     "CLIP_NORM",
+    "EXACT_PROPERTIES",
     "MUTANTS",
     "PROPERTIES",
     "AveragingDataParallel",
@@ -120,6 +131,9 @@ __all__ = [
     "MeanCriterionParallel",
     "Mutant",
     "NoAllReduceRowwiseParallel",
+    "OneUlpDataParallel",
+    "OneUlpGPipe",
+    "OneUlpRowwiseParallel",
     "OutputDeviceFirstDataParallel",
     "Property",
     "ReplicaOutputsDataParallel",
@@ -135,6 +149,7 @@ __all__ = [
     "drop_last_eval_loader",
     "fixed_rank_loader",
     "forward_outside_no_sync_step",
+    "fsdp_one_ulp_step",
     "fsdp_summed_loss_step",
     "fsdp_undivided_step",
     "fsdp_wrong_weight_step",
@@ -148,6 +163,8 @@ __all__ = [
     "mean_of_replica_losses",
     "no_allreduce_plan",
     "no_set_epoch_loader",
+    "one_ulp_comm_hook_step",
+    "one_ulp_plan",
     "padded_loader",
     "padded_sum_eval",
     "rank_seeded_init_step",
@@ -169,14 +186,15 @@ __all__ = [
 # --------------------------------------------------------------------------- properties
 
 
-def _runs(name: str) -> Callable[[Scenario | ShardedScenario], bool]:
-    """Whether registry check ``name`` runs on a scenario: a property draws only those, so a
-    scenario the check does not apply to (an eval-mode buffer counter for the buffer check)
-    or skips (a one-row BatchNorm chunk, fewer rows than ranks) is never a false catch."""
+def _runs(name: str, exact: bool = False) -> Callable[[Scenario | ShardedScenario], bool]:
+    """Whether registry check ``name`` runs on a scenario (in exact mode when ``exact``): a
+    property draws only those, so a scenario the check does not apply to (an eval-mode
+    buffer counter for the buffer check) or skips (a one-row BatchNorm chunk, fewer rows
+    than ranks) is never a false catch."""
     spec = CHECKS[name]
 
     def runs(scenario: Scenario | ShardedScenario) -> bool:
-        return spec.why_not(Case.from_scenario(scenario)) is None
+        return spec.why_not(replace(Case.from_scenario(scenario), exact=exact)) is None
 
     return runs
 
@@ -200,18 +218,21 @@ class Property:
     the scenarios it draws. Hypothesis lives here, not in the registry, so that importing
     the engine never imports it. ``code``: the correct code the check runs where the code
     under test leaves a field None and the check has no default of its own (the metric
-    check's evaluation loop)."""
+    check's evaluation loop). ``exact``: the check runs in exact mode (``Case.exact``:
+    dyadic float64 copies, every operation shown exact, no tolerance)."""
 
     check: str
     scenarios: SearchStrategy[Scenario] | SearchStrategy[ShardedScenario] | SearchStrategy[DataScenario]
     code: Target = field(default_factory=Target)
+    exact: bool = False
 
     def run(self, scenario: Scenario | ShardedScenario | DataScenario, target: Target | None = None) -> None:
         """``CHECKS[check].check`` on one scenario against ``target`` (default: torch's own);
         raises what the check raises (``ParallelMismatch`` when the code under test is caught)."""
         __tracebackhide__ = True
         given = {name: value for name, value in vars(self.code).items() if value is not None}
-        CHECKS[self.check].check(Case.from_scenario(scenario), (target or Target()).with_defaults(**given))
+        case = Case.from_scenario(scenario)
+        CHECKS[self.check].check(replace(case, exact=True) if self.exact else case, (target or Target()).with_defaults(**given))
 
 
 def _judged_on_its_merits(scenario: DataScenario) -> bool:
@@ -295,6 +316,21 @@ def _properties() -> dict[str, Property]:
 PROPERTIES: dict[str, Property] = {**_properties(), **_data_properties()}
 
 
+def _exact_properties() -> dict[str, Property]:
+    drawn: dict[str, SearchStrategy[Any]] = {
+        # DataParallel on 2 to 4 devices: a one-device step has nothing to reduce
+        "dp-grads": exact_scenarios("dp", world_sizes=(2, 3, 4)),
+        **{f"{backend}-grads": exact_scenarios(backend) for backend in ("ddp", "fsdp", "tp", "pp")},
+    }
+    return {name: Property(name, strategy.filter(_runs(name, exact=True)), exact=True) for name, strategy in drawn.items()}
+
+
+#: The gradient check of every backend in exact mode (``Property.exact``), on
+#: ``exact_scenarios`` (on 2 ranks, DataParallel on 2 to 4 devices), by the check's name:
+#: where the one-ulp mutants are caught (``Mutant.exact``, ``Mutant.caught_in``).
+EXACT_PROPERTIES: dict[str, Property] = _exact_properties()
+
+
 #: The ``Target`` field a mutant of each kind (but ``"criterion"``) is passed as.
 _TARGET_FIELDS = {
     "dp": "parallel", "reduce": "reduce", "ddp-step": "step", "fsdp-step": "step", "tp-plan": "plan",
@@ -324,6 +360,8 @@ class Mutant:
         model: a criterion mutant's model wrapper (correct: the bug is the criterion's).
         loader: an eval mutant's loader factory, the one its evaluation was written for
             (correct: the bug is the evaluation's); None: the property's default.
+        exact: caught in exact mode only (a one-ulp error, below every tolerance):
+            ``caught_by`` is a key of ``EXACT_PROPERTIES``.
     """
 
     name: str
@@ -334,6 +372,13 @@ class Mutant:
     message: str
     model: Callable[..., Any] | None = None
     loader: LoaderFactory | None = None
+    exact: bool = False
+
+    @property
+    def caught_in(self) -> Property:
+        """The property that catches this mutant: ``caught_by``'s, in exact mode for an
+        ``exact`` mutant."""
+        return (EXACT_PROPERTIES if self.exact else PROPERTIES)[self.caught_by]
 
     @property
     def target(self) -> Target:
@@ -356,8 +401,11 @@ class Mutant:
     def check(self, scenario: Scenario | ShardedScenario | DataScenario) -> None:
         """Runs the catching check on one scenario with this mutant (raises when caught)."""
         __tracebackhide__ = True
-        PROPERTIES[self.caught_by].run(scenario, self.target)
+        self.caught_in.run(scenario, self.target)
 
+
+#: What an exact check's failure says of a one-ulp mutant's gradient: one element differs.
+ONE_ULP = "Bit for bit: 1 of the"
 
 MUTANTS: dict[str, Mutant] = {
     m.name: m
@@ -403,5 +451,10 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("drop-last-eval", drop_last_eval_loader, "loader", "an evaluation loader with drop_last=True, so each rank's last partial batch is never evaluated", "ddp-metric", "were never evaluated (drop_last=True in the DataLoader)"),
         Mutant("integer-mean-eval", integer_mean_eval, "eval", "an accuracy from int64 counts all-reduced then floor-divided by the world size (a mean-reduced integer metric state)", "ddp-metric", "Integer flooring", loader=unpadded_loader),
         Mutant("mean-of-rank-means-eval", mean_of_rank_means_eval, "eval", "each rank's mean loss all-reduced and divided by the world size, weighting uneven shares alike", "ddp-metric", "A mean of per-rank means", loader=unpadded_loader),
+        Mutant("dp-one-ulp", OneUlpDataParallel, "dp", "moves one element of the first parameter's summed replica gradient up by one unit in the last place", "dp-grads", ONE_ULP, exact=True),
+        Mutant("ddp-one-ulp", one_ulp_comm_hook_step, "ddp-step", "a comm hook whose all-reduce returns one element of the first bucket one unit in the last place too large", "ddp-grads", ONE_ULP, exact=True),
+        Mutant("fsdp-one-ulp", fsdp_one_ulp_step, "fsdp-step", "moves one element of rank 0's shard of the first reduce-scattered gradient up by one unit in the last place", "fsdp-grads", ONE_ULP, exact=True),
+        Mutant("tp-one-ulp", one_ulp_plan, "tp-plan", "a RowwiseParallel whose weight gradient has one element of rank 0's shard one unit in the last place too large", "tp-grads", ONE_ULP, exact=True),
+        Mutant("pp-one-ulp", OneUlpGPipe, "pp-schedule", "a GPipe schedule whose first stage moves one element of its first gradient up by one unit in the last place", "pp-grads", ONE_ULP, exact=True),
     )
 }

@@ -10,11 +10,13 @@ import torch
 import torch.distributed as dist
 
 from dpverify.ddp.rank import ShardContext
+from dpverify.mutants.ulp import one_ulp_up
 
 __all__ = [
     "double_accumulation_division_step",
     "forward_outside_no_sync_step",
     "manual_allreduce_step",
+    "one_ulp_comm_hook_step",
     "rank_seeded_init_step",
     "same_seed_ranks_step",
     "summed_allreduce_step",
@@ -137,3 +139,34 @@ def same_seed_ranks_step(ctx: ShardContext) -> Any:
     output = model(*ctx.inputs)
     (ctx.loss_fn(output, ctx.target) * ctx.loss_weight).backward()
     return output
+
+
+def _one_ulp_allreduce(state: Any, bucket: Any) -> Any:
+    """DDP's default all-reduce (divide by the world size, then sum), whose first bucket
+    comes back with its first element one unit in the last place too large."""
+    tensor = bucket.buffer().div_(dist.get_world_size())
+    future = dist.all_reduce(tensor, async_op=True).get_future()  # type: ignore[union-attr]
+
+    def moved(done: torch.futures.Future[Any]) -> torch.Tensor:
+        reduced: torch.Tensor = done.value()[0]
+        return one_ulp_up(reduced) if bucket.index() == 0 else reduced
+
+    return future.then(moved)
+
+
+# DistributedDataParallel._check_comm_hook compares annotations with the real classes
+# (here postponed strings), as dpverify.ddp.rank's counting hook also arranges
+_one_ulp_allreduce.__annotations__ = {
+    "bucket": dist.GradBucket,  # type: ignore[attr-defined,unused-ignore]
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def one_ulp_comm_hook_step(ctx: ShardContext) -> Any:
+    """A DDP step whose communication hook averages the gradients as DDP's default does,
+    except that one element of the first bucket's reduced gradient comes back one unit in
+    the last place too large, on every rank alike (a reduction that rounds once): below
+    every tolerance; exact mode (``exact=True``) sees it."""
+    model = ctx.ddp()
+    model.register_comm_hook(None, _one_ulp_allreduce)
+    return ctx.backward(model, ctx.loss_weight)

@@ -17,6 +17,7 @@ from torch.nn.parallel.scatter_gather import gather
 from dpverify.checks.loss_average import chunk_weighted_loss
 from dpverify.core.tree import concatenate, first_batched, map_tensors, tensor_leaves
 from dpverify.core.virtual import VirtualDataParallel
+from dpverify.mutants.ulp import one_ulp_up
 
 __all__ = [
     "AveragingDataParallel",
@@ -28,6 +29,7 @@ __all__ = [
     "LocalBatchStatistic",
     "LostForwardState",
     "MeanCriterionParallel",
+    "OneUlpDataParallel",
     "OutputDeviceFirstDataParallel",
     "ReplicaOutputsDataParallel",
     "ReversedGatherDataParallel",
@@ -130,6 +132,20 @@ class TinyErrorDataParallel(VirtualDataParallel[Any]):
         first = next(module.parameters(), None)
         if first is not None:
             first.register_hook(lambda g: g * (1 + self.relative_error))
+
+
+class OneUlpDataParallel(VirtualDataParallel[Any]):
+    """Correct, except one element of the first parameter's reduced gradient (the sum of
+    the replicas' gradients, as it reaches the module) is one unit in the last place too
+    large: the smallest error a float can carry (a reduction that rounds once where it
+    should not), below every tolerance; exact mode (``exact=True``) sees it."""
+
+    def __init__(self, module: nn.Module, device_ids: Sequence[int] | None = None, output_device: int | None = None) -> None:
+        super().__init__(module, device_ids, output_device)
+        first = next((p for p in module.parameters() if p.requires_grad), None)
+        if first is not None:
+            # the replicas' gradients arrive summed: the hook sees the reduced gradient
+            first.register_hook(lambda g: one_ulp_up(g.clone()))
 
 
 class _BalancedScatter(nn.DataParallel[Any]):

@@ -17,20 +17,25 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from dpverify.models.layouts import TPLayout
+from dpverify.mutants.ulp import one_ulp_up
 from dpverify.sharded.fsdp_rank import FSDPContext
 
 __all__ = [
     "TP_CLIP_NORM",
     "LocalOutputColwiseParallel",
     "NoAllReduceRowwiseParallel",
+    "OneUlpGPipe",
+    "OneUlpRowwiseParallel",
     "SkipLastMicrobatchGPipe",
     "UnscaledGPipe",
     "averaged_tied_grads_hook",
+    "fsdp_one_ulp_step",
     "fsdp_summed_loss_step",
     "fsdp_undivided_step",
     "fsdp_wrong_weight_step",
     "local_output_plan",
     "no_allreduce_plan",
+    "one_ulp_plan",
     "tp_global_clip",
     "tp_one_rank_clip",
 ]
@@ -65,6 +70,19 @@ def fsdp_wrong_weight_step(ctx: FSDPContext) -> Any:
     return ctx.backward(ctx.fsdp(), ctx.shard_size / ctx.batch_size)
 
 
+def fsdp_one_ulp_step(ctx: FSDPContext) -> Any:
+    """DELIBERATELY BROKEN: the exact FSDP2 step (each rank's mean loss weighted by its
+    share, ``ctx.loss_weight``), after which rank 0 moves the first element of its shard of
+    the first reduce-scattered gradient up by one unit in the last place: one element of
+    one reduced gradient, below every tolerance; exact mode (``exact=True``) sees it."""
+    model = ctx.fsdp()
+    output = ctx.backward(model, ctx.loss_weight)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if ctx.rank == 0 and grads:
+        one_ulp_up(grads[0])
+    return output
+
+
 # --------------------------------------------------------------------------- tensor-parallel styles and plans
 
 
@@ -93,6 +111,35 @@ class LocalOutputColwiseParallel(ColwiseParallel):
         rank, size = device_mesh.get_local_rank(), device_mesh.size()
         start = sum(piece.numel() for piece in torch.arange(width).chunk(size)[:rank])  # the columns of the ranks before
         return torch.nn.functional.pad(local, (start, width - start - local.shape[-1]))
+
+
+class OneUlpRowwiseParallel(RowwiseParallel):
+    """DELIBERATELY BROKEN: a ``RowwiseParallel`` whose weight's gradient (the sum over the
+    batch of each row's product), once accumulated, has the first element of rank 0's
+    shard one unit in the last place too large: below every tolerance; exact mode
+    (``exact=True``) sees it."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        import torch.distributed as dist
+
+        applied = super()._apply(module, device_mesh)
+        weight = getattr(applied, "weight", None)
+        if isinstance(weight, torch.Tensor) and dist.get_rank() == 0:
+            weight.register_post_accumulate_grad_hook(_one_ulp_grad)
+        return applied
+
+
+def _one_ulp_grad(param: torch.Tensor) -> None:
+    """A post-accumulate-grad hook: ``param.grad``'s first element one ulp up, in place."""
+    if param.grad is not None:
+        one_ulp_up(param.grad)
+
+
+def one_ulp_plan(layout: TPLayout, module: nn.Module) -> dict[str, Any]:
+    """The layout's plan with every rowwise layer a ``OneUlpRowwiseParallel``: one element
+    of rank 0's shard of each rowwise weight's gradient one unit in the last place off."""
+    del module
+    return layout.plan(rowwise=OneUlpRowwiseParallel)
 
 
 def no_allreduce_plan(layout: TPLayout, module: nn.Module) -> dict[str, Any]:
@@ -160,6 +207,20 @@ class SkipLastMicrobatchGPipe(ScheduleGPipe):
             super()._step_microbatches(cut(arg_mbs), cut(kwarg_mbs), cut(target_mbs), losses, *args, **kwargs)
         finally:
             self._n_microbatches = n
+
+
+class OneUlpGPipe(ScheduleGPipe):
+    """DELIBERATELY BROKEN: GPipe, after which the first stage moves the first element of
+    its first parameter's gradient (summed over the microbatches and scaled by their
+    number) up by one unit in the last place: below every tolerance; exact mode
+    (``exact=True``) sees it."""
+
+    def _step_microbatches(self, *args: Any, **kwargs: Any) -> None:
+        super()._step_microbatches(*args, **kwargs)
+        if self._stage.stage_index == 0:
+            grads = [p.grad for p in self._stage.submod.parameters() if p.grad is not None]
+            if grads:
+                one_ulp_up(grads[0])
 
 
 # --------------------------------------------------------------------------- tensor parallel training
