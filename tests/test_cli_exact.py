@@ -18,7 +18,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from dpverify.cli.fuzz import EXACT_OPTIMIZERS, FuzzConfig, exact_strategy, repro_script
+from dpverify.cli.fuzz import (
+    EXACT_MAX_STEPS,
+    EXACT_OPTIMIZERS,
+    FuzzConfig,
+    exact_strategy,
+    repro_script,
+)
 from dpverify.cli.main import EXACT_OPTIMIZER, main
 from dpverify.exact.case import ExactCase, prove
 from dpverify.exact.proof import proving
@@ -207,26 +213,35 @@ def test_fuzz_exact_runs_every_check_in_exact_mode(tmp_path: Path, monkeypatch: 
     assert "OK: 6 examples" in out
 
 
-def test_fuzz_exact_on_ddp_ranks_needs_a_power_of_two_of_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "tp", "pp", "all"])
+def test_fuzz_exact_on_ranks_needs_a_power_of_two_of_them(
+    backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
     monkeypatch.chdir(tmp_path)
-    status = main(["fuzz", "--exact", "--backend", "ddp", "--devices", "3", "--max-examples", "1", "--no-color"])
+    status = main(["fuzz", "--exact", "--backend", backend, "--devices", "3", "--max-examples", "1", "--no-color"])
     assert status == 2
-    assert "--exact --backend ddp --devices 3" in capsys.readouterr().err
+    assert f"--exact --backend {backend} --devices 3" in capsys.readouterr().err
 
 
-def test_fuzz_exact_on_a_sharded_backend_says_what_to_run_instead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.deep
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "tp", "pp"])
+def test_fuzz_exact_runs_on_ranks(
+    backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exact_runs: list[bool], capsys: pytest.CaptureFixture[str],
+) -> None:
     monkeypatch.chdir(tmp_path)
-    status = main(["fuzz", "--exact", "--backend", "fsdp", "--devices", "2", "--max-examples", "1", "--no-color"])
-    assert status == 2
-    assert "dpverify check --exact --backend fsdp" in capsys.readouterr().err
+    status = main(["fuzz", "--exact", "--backend", backend, "--devices", "2", "--max-examples", "2", "--seed", "0", "--no-color"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert exact_runs
+    assert all(exact_runs)
 
 
-def _inside_the_exact_set(scenario: Scenario, steps: int, optimizer: Any) -> None:
-    """The drawn scenario's single-device step, its pieces and ``steps`` optimizer steps are
-    all shown exact (else ``InvalidArgument``)."""
+def _inside_the_exact_set(scenario: Scenario, steps: int, optimizer: Any, pieces: list[int]) -> None:
+    """The drawn scenario's single-device step, its ``pieces`` and ``steps`` optimizer steps
+    are all shown exact (else ``InvalidArgument``)."""
     built = scenario.build()
     case = ExactCase.of(built.module, tuple(built.inputs), built.target, built.kwargs)
-    prove(case, scenario.loss, pieces=scenario.chunk_sizes)
+    prove(case, scenario.loss, pieces=pieces)
     trained = torch.optim.SGD(case.module.parameters(), lr=optimizer.lr, momentum=optimizer.momentum, weight_decay=optimizer.weight_decay)
     with proving(case.module):
         for _ in range(steps):
@@ -235,18 +250,21 @@ def _inside_the_exact_set(scenario: Scenario, steps: int, optimizer: Any) -> Non
             trained.step()
 
 
-@pytest.mark.parametrize("backend", ["dp", "ddp"])
-def test_fuzz_exact_draws_only_scenarios_of_the_exact_set(backend: str) -> None:
+@pytest.mark.parametrize("backend", ["dp", "ddp", "fsdp", "tp", "pp"])
+def test_fuzz_exact_draws_only_training_runs_of_the_exact_set(backend: str) -> None:
     @settings(max_examples=25, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-    @given(exact_strategy(FuzzConfig(backend=backend, devices=4, exact=True)))
+    @given(exact_strategy(FuzzConfig(backend=backend, devices=2 if backend != "dp" else 4, exact=True)))
     def drawn(training: TrainingScenario) -> None:
-        plain = training.scenario
-        assert isinstance(plain, Scenario)
         assert training.optimizer in EXACT_OPTIMIZERS
         assert training.clip is None
-        rows = plain.batch_size // len(plain.devices.device_ids) if backend == "ddp" else plain.batch_size
-        assert rows & (rows - 1) == 0, plain
-        _inside_the_exact_set(plain, training.steps, training.optimizer)
+        assert training.steps <= EXACT_MAX_STEPS
+        plain = training.plain
+        world = len(plain.devices.device_ids)
+        # the rows a mean divides by: the batch's (DataParallel gathers), else a rank's shard
+        rows = plain.batch_size if backend in ("dp", "tp", "pp") else plain.batch_size // world
+        if plain.loss.reduction == "mean":
+            assert (rows * plain.model.outputs) & (rows * plain.model.outputs - 1) == 0, plain
+        _inside_the_exact_set(plain, training.steps, training.optimizer, plain.chunk_sizes if backend == "dp" else [])
 
     drawn()
 

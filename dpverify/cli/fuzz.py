@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
@@ -41,7 +40,7 @@ from hypothesis.strategies import SearchStrategy
 
 from dpverify.core.comparison import TensorComparison
 from dpverify.core.devices import cuda_device_count
-from dpverify.core.errors import InvalidArgument, ParallelMismatch
+from dpverify.core.errors import ParallelMismatch
 from dpverify.core.text import plural
 from dpverify.models.layouts import BACKENDS as SHARDED_BACKENDS
 from dpverify.models.layouts import ShardedScenario
@@ -49,10 +48,12 @@ from dpverify.models.specs import KINDS
 from dpverify.models.training import OptimizerSpec, TrainingScenario
 from dpverify.registry import CHECKS, Case, CheckResult, Target, Verdict
 from dpverify.strategies import (
+    EXACT_BACKEND_KINDS,
     DeviceList,
     LossSpec,
     Scenario,
     device_lists,
+    exact_scenarios,
     loss_specs,
     model_specs,
     scenarios,
@@ -550,68 +551,47 @@ def scenario_strategy(config: FuzzConfig) -> SearchStrategy[Scenario] | SearchSt
     return training_scenarios("dp", scenarios=drawn, clip_norms=_CLIP_NORMS)
 
 
-#: The model kinds ``fuzz --exact`` draws: Linear layers, ReLU, residual adds, sum, mean and
-#: max pooling over power-of-two counts, keyword and structured forwards (docs/exact.md).
-EXACT_KINDS: tuple[str, ...] = ("linear", "mlp", "residual", "kwargs", "tuple-output", "dict-output", "namedtuple-output")
 #: The optimizers ``fuzz --exact`` draws: SGD, with and without momentum and weight decay,
 #: every number a short dyadic one (0.1 or 0.9 would make every product round).
 EXACT_OPTIMIZERS: tuple[OptimizerSpec, ...] = (
     OptimizerSpec("sgd", 0.125), OptimizerSpec("sgd", 0.25, 0.5), OptimizerSpec("sgd", 0.125, 0.5, 0.0625),
 )
-
-
 #: The optimizer steps of ``fuzz --exact``'s training runs: each step roughly doubles the
 #: bits the next needs, and a second one fits only a single Linear layer (docs/exact.md).
 EXACT_MAX_STEPS = 1
 
 
-def _power_of_two_below(n: int) -> int:
-    """The largest power of two not above ``n`` (at least 1)."""
-    return 1 << (max(n, 1).bit_length() - 1)
-
-
-def _exact_plain(scenario: Scenario, *, rows_per_rank: int = 0) -> Scenario:
-    """``scenario`` made exact: ReLU, outputs and batch rows powers of two (a mean divides by
-    them), float64; with ``rows_per_rank``, that many rows per device (DDP's shards)."""
-    model = dataclasses.replace(scenario.model, activation="relu", outputs=_power_of_two_below(scenario.model.outputs))
-    # two rows at least: one row runs one replica, and every check skips it
-    rows = rows_per_rank * len(scenario.devices.device_ids) if rows_per_rank else max(2, _power_of_two_below(scenario.batch_size))
-    return dataclasses.replace(scenario, model=model, batch_size=rows, dtype=torch.float64)
+def _two_rows(scenario: Scenario | ShardedScenario) -> bool:
+    """Whether a DataParallel scenario has two rows at least: a one-row batch runs one
+    replica, and every check skips it."""
+    return isinstance(scenario, Scenario) and scenario.batch_size >= 2
 
 
 def exact_strategy(config: FuzzConfig) -> SearchStrategy[TrainingScenario] | SearchStrategy[Scenario]:
-    """The scenarios of ``fuzz --exact``: training runs of models of ``EXACT_KINDS`` with MSE
-    or L1, ``EXACT_MAX_STEPS`` of SGD from ``EXACT_OPTIMIZERS`` and no clip (a norm takes a square root), batches of
-    a power of two rows; DataParallel on 2 to ``devices`` devices, DDP on ``devices`` ranks,
-    a power of two rows each (its average divides by the world size, which must be a power
-    of two: the check refuses another). With a criterion wrapper, one-step scenarios with
-    mean losses, as ``_pair_scenarios``.
-
-    Raises:
-        InvalidArgument: a sharded backend (its exact scenarios are not drawn yet).
-    """
-    if config.backend in SHARDED_BACKENDS:
-        raise InvalidArgument(
-            f"--exact --backend {config.backend}: fuzz draws exact scenarios for --backend dp, ddp and all; run "
-            f"dpverify check --exact --backend {config.backend} on your model, or fuzz --backend {config.backend} without --exact"
-        )
-    optimizers = st.sampled_from(EXACT_OPTIMIZERS)
-    names = _loss_names(config) or ("mse", "l1")
-    if config.backend == "ddp":
-        ranks = DeviceList(tuple(range(config.devices)))
-        kinds = _loss_kinds(config, tuple(k for k in EXACT_KINDS if k in DDP_KINDS))
-        ranked = scenarios(models=model_specs(kinds=kinds, exact=True), devices=ranks, losses=loss_specs(names=names, reductions=("mean",)))
-        drawn = st.tuples(ranked, st.sampled_from((1, 2))).map(lambda pair: _exact_plain(pair[0], rows_per_rank=pair[1]))
-        return training_scenarios("ddp", scenarios=drawn, optimizers=optimizers, max_steps=EXACT_MAX_STEPS, clip_norms=(None,), micro_batches=(1,))
-    least = 2 if config.devices >= 2 else 1
-    models = model_specs(kinds=_loss_kinds(config, EXACT_KINDS), exact=True)
-    # a criterion wrapper cannot tell a mean from a sum (``_pair_scenarios``), and trains nothing
-    reductions = ("mean",) if config.parallel_loss is not None else ("mean", "sum")
-    devices = device_lists(min_devices=least, max_devices=config.devices)
-    drawn = scenarios(models=models, devices=devices, losses=loss_specs(names=names, reductions=reductions)).map(_exact_plain)
+    """The scenarios of ``fuzz --exact``: ``exact_scenarios`` of the backend (DataParallel
+    on 2 to ``devices`` devices, the ranked backends on ``devices`` ranks, a power of two),
+    each a training run of ``EXACT_MAX_STEPS`` of SGD from ``EXACT_OPTIMIZERS``, without a
+    clip (a norm takes a square root). ``--loss NAME`` draws that loss (``mse`` or ``l1``;
+    ``exact_scenarios`` refuses another), ``--loss MODULE:FN`` MSE's target for the user's
+    loss, on models with one tensor output. With a criterion wrapper, one-step scenarios
+    with mean losses, as ``_pair_scenarios``."""
+    losses = ("mse",) if config.loss_object is not None else (config.loss,) if config.loss else ("mse", "l1")
+    backend = "dp" if config.backend == "all" else config.backend
+    kinds = _loss_kinds(config, EXACT_BACKEND_KINDS[backend])
+    if backend == "dp":
+        least = 2 if config.devices >= 2 else 1
+        drawn = exact_scenarios("dp", world_sizes=tuple(range(least, config.devices + 1)), kinds=kinds, losses=losses)
+        drawn = drawn.filter(_two_rows)
+    else:
+        drawn = exact_scenarios(backend, world_sizes=(config.devices,), kinds=kinds, losses=losses)
     if config.parallel_loss is not None:
-        return drawn
-    return training_scenarios("dp", scenarios=drawn, optimizers=optimizers, max_steps=EXACT_MAX_STEPS, clip_norms=(None,), micro_batches=(1,))
+        # a criterion wrapper cannot tell a mean from a sum (``_pair_scenarios``), and trains nothing
+        return drawn.filter(lambda s: isinstance(s, Scenario) and s.loss.reduction == "mean")  # type: ignore[return-value]
+    optimizers = st.sampled_from(EXACT_OPTIMIZERS)
+    return training_scenarios(
+        backend, scenarios=drawn, optimizers=optimizers, max_steps=EXACT_MAX_STEPS, clip_norms=(None,), micro_batches=(1,),
+        world_sizes=(config.devices,),
+    )
 
 
 def _with_divergent(devices: SearchStrategy[DeviceList], losses: SearchStrategy[LossSpec], kinds: tuple[str, ...]) -> SearchStrategy[Scenario]:

@@ -360,16 +360,17 @@ def _fuzz(args: argparse.Namespace) -> int:
 
 
 def _fuzz_exact_options(args: argparse.Namespace) -> None:
-    """``fuzz --exact`` on ranks that average gradients (DDP: ``--backend ddp`` and ``all``)
-    needs a power of two of them: the average divides by the world size.
+    """``fuzz --exact`` on ranks (every backend but ``dp``) needs a power of two of them: DDP
+    and FSDP2 average the gradients over the ranks, tensor parallelism shards over them,
+    pipelines' stages are cut along them.
 
     Raises:
-        InvalidArgument: ``--exact`` with DDP ranks and ``--devices`` not a power of two.
+        InvalidArgument: ``--exact`` on ranks with ``--devices`` not a power of two.
     """
     devices = int(args.devices)
-    if args.exact and args.backend in ("ddp", "all") and devices & (devices - 1):
+    if args.exact and args.backend != "dp" and devices & (devices - 1):
         raise InvalidArgument(
-            f"--exact --backend {args.backend} --devices {devices}: DDP averages the gradients over its {devices} ranks, "
+            f"--exact --backend {args.backend} --devices {devices}: the ranks' gradients are averaged over {devices} ranks, "
             "dividing by a number that is not a power of two, which rounds; pass --devices 2, 4 or 8"
         )
 
