@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from dpverify.core.errors import InvalidArgument
 from dpverify.exact.grid import precision
 from dpverify.exact.rules import IGNORED_NAMESPACES, Need, Refused, rule_of
+from dpverify.exact.rules import bits as needed_bits
 
 __all__ = ["EXACT_SET", "Proof", "Prover", "proving"]
 
@@ -35,8 +36,6 @@ EXACT_SET = (
     "with SGD (learning rate, momentum and weight decay short dyadic numbers such as 2**-3)"
 )
 
-# Bounds are computed in float64 themselves; this margin covers their own rounding.
-_MARGIN = 1.0 + 2.0**-30
 _LABEL = "dpverify_module"
 
 
@@ -135,7 +134,7 @@ class Prover(TorchDispatchMode):
         width = precision(need.dtype)
         if not math.isfinite(need.bound):
             self.refuse(f"{name} in {self.where()} overflows: exact mode needs finite values")
-        bits = math.frexp(need.bound * _MARGIN)[1] - need.lowest
+        bits = needed_bits(need)
         if bits > self.tightest[0]:
             self.tightest = (bits, width, f"{name} in {self.where()}")
         if bits > width:

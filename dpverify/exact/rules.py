@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from dpverify.exact.grid import is_power_of_two, lowest_bit
+from dpverify.exact.grid import is_power_of_two, lowest_bit, precision
 
-__all__ = ["IGNORED_NAMESPACES", "MOVES", "RULES", "Need", "Refused", "rule_of"]
+__all__ = ["IGNORED_NAMESPACES", "MARGIN", "MOVES", "RULES", "Need", "Refused", "bits", "fits", "rule_of"]
 
 
 @dataclass(frozen=True)
@@ -179,21 +179,58 @@ def _absolute(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return func(*(_abs(a) for a in args), **{k: _abs(v) for k, v in kwargs.items()})
 
 
-def _multilinear(grids: Callable[[tuple[Any, ...], dict[str, Any]], Sequence[int | None]]) -> Rule:
+def _multilinear(
+    grids: Callable[[tuple[Any, ...], dict[str, Any]], Sequence[int | None]],
+    cheap: Callable[[tuple[Any, ...], dict[str, Any]], float] | None = None,
+) -> Rule:
     """A rule for an operation linear in each operand: ``grids`` gives each result's grid
-    from the operands, the bound comes from the operation on absolute values."""
+    from the operands, the bound comes from the operation on absolute values. ``cheap``, a
+    looser bound from the operands' largest magnitudes alone (for one result), is taken
+    where it already fits: the operation then does not run a second time."""
 
     def rule(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[Need]:
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        lows = list(grids(args, kwargs))
+        if cheap is not None and len(lows) == 1 and isinstance(outs[0], torch.Tensor):
+            loose = Need(lows[0], cheap(args, kwargs), outs[0].dtype)
+            if fits(loose):
+                return [loose]
         bounds = _absolute(func, args, kwargs)
         results = bounds if isinstance(bounds, (tuple, list)) else (bounds,)
-        outs = out if isinstance(out, (tuple, list)) else (out,)
         return [
             Need(low, _largest(bound), result.dtype)
-            for low, bound, result in zip(grids(args, kwargs), results, outs, strict=False)
+            for low, bound, result in zip(lows, results, outs, strict=False)
             if isinstance(result, torch.Tensor) and result.is_floating_point()
         ]
 
     return rule
+
+
+#: Bounds are computed in float64 themselves; this margin covers their own rounding.
+MARGIN = 1.0 + 2.0**-30
+
+
+def bits(need: Need) -> int:
+    """The significand bits ``need``'s partial results take: from its bound's highest bit
+    down to its grid (0 when nothing constrains it)."""
+    if need.lowest is None or need.bound == 0:
+        return 0
+    return math.frexp(need.bound * MARGIN)[1] - need.lowest
+
+
+def fits(need: Need) -> bool:
+    """Whether every partial result ``need`` describes is exact in its dtype."""
+    return math.isfinite(need.bound) and bits(need) <= precision(need.dtype)
+
+
+def _mm_cheap(args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    # mm, bmm, mv, dot: |a| |b| times the length of the contraction
+    return _big(args[0]) * _big(args[1]) * int(args[0].shape[-1])
+
+
+def _addmm_cheap(args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    beta, alpha = abs(float(_scale(args, kwargs, "beta", 3))), abs(float(_scale(args, kwargs, "alpha", 4)))
+    return beta * _big(args[0]) + alpha * _big(args[1]) * _big(args[2]) * int(args[1].shape[-1])
 
 
 def _scale(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, position: int, default: Any = 1) -> Any:
@@ -384,8 +421,9 @@ RULES: dict[Any, Rule] = {
     **dict.fromkeys(_packets("div", "div_"), _div),
     **dict.fromkeys(_packets("pow", "pow_"), _pow),
     **dict.fromkeys(_packets("leaky_relu", "leaky_relu_", "leaky_relu_backward"), _leaky),
-    **dict.fromkeys(_packets("mm", "bmm", "mv", "dot"), _multilinear(_mm)),
-    **dict.fromkeys(_packets("addmm", "addmm_", "baddbmm", "addbmm", "addmv"), _multilinear(_addmm)),
+    **dict.fromkeys(_packets("mm", "bmm", "mv", "dot"), _multilinear(_mm, _mm_cheap)),
+    **dict.fromkeys(_packets("addmm", "addmm_", "baddbmm", "addmv"), _multilinear(_addmm, _addmm_cheap)),
+    **dict.fromkeys(_packets("addbmm"), _multilinear(_addmm)),
     **dict.fromkeys(_packets("convolution"), _multilinear(_convolution)),
     **dict.fromkeys(_packets("convolution_backward"), _multilinear(_convolution_backward)),
     **dict.fromkeys(_packets("sum", "cumsum", "col2im"), _SUM),
