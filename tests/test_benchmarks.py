@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import bench_data
+import bench_ddp_breakdown
 import bench_ddp_pool
 import bench_overhead
 import bench_sharded_pool
@@ -93,6 +94,17 @@ def test_ddp_pool_benchmark_smoke() -> None:
     seconds, rate = bench_ddp_pool.through_pool(examples, 2)
     assert seconds > 0
     assert rate > 0
+
+
+@pytest.mark.timeout(180)
+def test_ddp_breakdown_smoke_times_every_phase_of_every_check() -> None:
+    walls, parent, cpu, ranks, steps = bench_ddp_breakdown.breakdown(3)
+    assert (len(walls), len(cpu), len(ranks)) == (3, 3, 2)
+    assert steps == 4  # the second example splits 5 rows unevenly: the weighted step and the plain one
+    assert {phase for _o, _n, phase in bench_ddp_breakdown.PARENT} == set(parent)
+    for times in ranks:
+        assert set(times) >= {"load the task", "the task (all of the below)", "pickle the reply", "wrap in DistributedDataParallel"}
+        assert times["the task (all of the below)"][0] >= times["wrap in DistributedDataParallel"][0] > 0
 
 
 @pytest.mark.timeout(180)

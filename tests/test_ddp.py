@@ -7,6 +7,7 @@ import functools
 import inspect
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from dpverify.cli.selftest import PartlyUsed, main_selftest
 from dpverify.core.comparison import StepComparison
@@ -40,7 +42,8 @@ from dpverify.ddp.checks import (
     assert_dp_ddp_agree,
 )
 from dpverify.ddp.pool import DDPWorkerPool, ParallelError, RankInfo
-from dpverify.ddp.rank import ShardContext, ddp_step
+from dpverify.ddp.rank import ShardContext, StepTask, ddp_step, run_step_task, weighted_ddp_step
+from dpverify.ddp.runner import dumps
 from dpverify.models.specs import KINDS, DeviceList, LossSpec, ModelSpec
 from dpverify.ranked.rank import even_shards
 from dpverify.strategies import Scenario, device_lists, loss_specs, model_specs, scenarios
@@ -392,6 +395,59 @@ def test_pool_rejects_what_cannot_be_pickled(ddp_pool: DDPWorkerPool) -> None:
         ddp_pool.run(sleep_then_answer, lambda: 1)
 
 
+def echo(info: RankInfo, value: Any) -> Any:
+    return value
+
+
+def tagged_parameter() -> nn.Parameter:
+    param = nn.Parameter(torch.randn(3))
+    param.tag = "kept"  # type: ignore[attr-defined]
+    return param
+
+
+TENSORS: dict[str, Callable[[], torch.Tensor]] = {
+    "plain": lambda: torch.randn(3, 4),
+    "scalar": lambda: torch.tensor(2.5, dtype=torch.float64),
+    "empty": lambda: torch.zeros(0, 3),
+    "bool": lambda: torch.tensor([True, False]),
+    "bfloat16": lambda: torch.randn(5).to(torch.bfloat16),
+    "conjugate": lambda: torch.randn(2, dtype=torch.complex64).conj(),
+    "transposed": lambda: torch.randn(3, 4).t(),
+    "slice": lambda: torch.arange(6.0)[2:],
+    "channels_last": lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+    "leaf requiring grad": lambda: torch.randn(3, requires_grad=True),
+    "parameter": lambda: nn.Parameter(torch.randn(2, 2)),
+    "frozen parameter": lambda: nn.Parameter(torch.randn(2), requires_grad=False),
+    "parameter with an attribute": tagged_parameter,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TENSORS))
+def test_tensors_travel_to_the_ranks_as_torch_pickles_them(kind: str) -> None:
+    """``dumps`` sends a plain CPU tensor as its bytes and any other as torch does; either
+    way it loads as torch's own pickling loads it."""
+    tensor = TENSORS[kind]()
+    ours, torchs = pickle.loads(dumps(tensor)), pickle.loads(pickle.dumps(tensor))
+    assert type(ours) is type(torchs)
+    assert (ours.dtype, ours.shape, ours.stride(), ours.requires_grad, ours.is_conj()) == (
+        torchs.dtype, torchs.shape, torchs.stride(), torchs.requires_grad, torchs.is_conj()
+    )
+    assert torch.equal(ours.detach().resolve_conj(), tensor.detach().resolve_conj())
+    assert ours.__dict__ == torchs.__dict__
+    if kind in ("plain", "scalar", "empty", "bool", "bfloat16", "leaf requiring grad", "parameter", "frozen parameter"):
+        assert b"dpverify.ddp.runner" in dumps(tensor)  # as its bytes
+    elif kind != "parameter with an attribute":  # (its data goes as bytes, inside torch's reduction)
+        assert b"dpverify.ddp.runner" not in dumps(tensor)
+
+
+def test_a_module_round_trip_through_the_ranks_keeps_tied_weights(ddp_pool: DDPWorkerPool) -> None:
+    module = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    module[1].weight = module[0].weight
+    back = ddp_pool.run(echo, module)[0]
+    assert back[0].weight is back[1].weight
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), module.state_dict().values(), strict=True))
+
+
 def test_pool_arguments_are_validated() -> None:
     with pytest.raises(InvalidArgument, match="world_size=0"):
         DDPWorkerPool(0)
@@ -645,6 +701,53 @@ def test_a_plain_mean_loss_step_on_uneven_shards_fails_as_the_trap(ddp_pool: DDP
 
 
 @pytest.mark.parametrize("ddp_pool", [2, 4], indirect=True)
+def perturb_then_ddp_step(ctx: ShardContext) -> Any:
+    """A custom step that changes the weights of every rank but rank 0 before it wraps the
+    module: DDP's start-up broadcast of rank 0's weights makes them agree again."""
+    with torch.no_grad():
+        for param in ctx.module.parameters():
+            param.add_(ctx.rank)
+    return ddp_step(ctx)
+
+
+def start_up_broadcasts(info: RankInfo, task: StepTask) -> int:
+    """How many times DistributedDataParallel broadcast rank 0's weights at construction
+    while this rank ran ``task``."""
+    import torch.nn.parallel.distributed as ddp_module
+
+    seen = []
+    original = ddp_module._sync_module_states
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        seen.append(1)
+        return original(*args, **kwargs)
+
+    ddp_module._sync_module_states = counting
+    try:
+        run_step_task(info, task)
+    finally:
+        ddp_module._sync_module_states = original
+    return len(seen)
+
+
+def test_own_steps_skip_ddps_start_up_sync_which_custom_steps_keep(ddp_pool: DDPWorkerPool) -> None:
+    """dpverify's own steps wrap a module equal on every rank, so DDP's start-up
+    collectives would change nothing and are skipped; a custom step may change the module
+    before wrapping it, so it keeps them, as does init_sync named in ddp_kwargs."""
+    world = ddp_pool.world_size
+    x, y = batch(2 * world)
+
+    def broadcasts(steps: list[Any], ddp_kwargs: tuple[tuple[str, Any], ...] = ()) -> set[int]:
+        task = StepTask(mlp(), (x,), y, F.mse_loss, even_shards(2 * world, world), tuple(steps), ddp_kwargs=ddp_kwargs)
+        return set(ddp_pool.run(start_up_broadcasts, task))
+
+    skipped = "init_sync" in inspect.signature(DistributedDataParallel.__init__).parameters  # torch 2.3 on
+    assert broadcasts([ddp_step, weighted_ddp_step]) == ({0} if skipped else {1})
+    assert broadcasts([perturb_then_ddp_step]) == {1}
+    assert broadcasts([ddp_step], (("init_sync", True),)) == {1}
+    assert_ddp_grads_match(mlp(), x, y, loss_fn=F.mse_loss, world_size=world, step=perturb_then_ddp_step, pool=ddp_pool)
+
+
 def test_a_hand_written_all_reduce_step_is_verified(ddp_pool: DDPWorkerPool) -> None:
     world = ddp_pool.world_size
     x, y = batch(2 * world + 1)

@@ -60,6 +60,7 @@ from dpverify.ddp.runner import (
     RankFailure,
     RankRunner,
     describe_exception,
+    dumps,
     pickle_task,
     raised_failure,
     require_picklable,
@@ -255,7 +256,7 @@ def _serve(conn: Connection, info: RankInfo) -> None:
         reply: tuple[int, bool, bytes | tuple[str, str]]
         try:
             fn, args = pickle.loads(payload)
-            reply = (task_id, True, pickle.dumps(fn(info, *args), protocol=PICKLE_PROTOCOL))
+            reply = (task_id, True, dumps(fn(info, *args)))
         except BaseException as error:  # a rank reports everything, SystemExit included
             reply = (task_id, False, (summarize(error), describe_exception(error)))
         conn.send_bytes(pickle.dumps(reply, protocol=PICKLE_PROTOCOL))

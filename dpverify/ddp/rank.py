@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,10 +98,16 @@ class ShardContext(RankContext):
         forwards: forwards of ``module`` seen so far (when synchronisations are counted).
         sync_forwards: for each synchronisation, the forwards seen before it: the
             micro-batch whose backward synchronised, from 1.
+        init_sync: whether ``ddp()`` leaves DistributedDataParallel's start-up
+            collectives on (torch's ``init_sync``: a check of the parameters' shapes across
+            ranks and a broadcast of rank 0's parameters and buffers). False only where
+            they cannot change anything (``WRAPPING_FIRST_STEPS``); ``ddp_kwargs`` may still
+            name ``init_sync``, which wins.
     """
 
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
     count_syncs: bool = False
+    init_sync: bool = True
     syncs: int = 0
     forwards: int = 0
     sync_forwards: list[int] = field(default_factory=list)
@@ -115,7 +122,10 @@ class ShardContext(RankContext):
         """The module wrapped in DistributedDataParallel (made once, then reused)."""
         if self._wrapper is None:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            wrapper = DistributedDataParallel(self.module, device_ids=device_ids, **self.ddp_kwargs)
+            kwargs = dict(self.ddp_kwargs)
+            if not self.init_sync and _HAS_INIT_SYNC:
+                kwargs.setdefault("init_sync", False)
+            wrapper = DistributedDataParallel(self.module, device_ids=device_ids, **kwargs)
             if self.count_syncs:
                 wrapper.register_comm_hook(self, _counting_hook())
                 self.module.register_forward_pre_hook(self._forwarded)
@@ -195,6 +205,19 @@ def micro_mean_accumulation_step(ctx: ShardContext) -> None:
     _accumulate(ctx, lambda loss, _part, k: loss / k)
 
 
+#: Whether this torch's DistributedDataParallel takes ``init_sync`` (from torch 2.3 on).
+_HAS_INIT_SYNC = "init_sync" in inspect.signature(DistributedDataParallel.__init__).parameters
+
+#: dpverify's own steps: each wraps the module with ``ctx.ddp()`` before anything else
+#: touches it, and every rank's module is then a copy of the same pickled module, equal bit
+#: for bit. DistributedDataParallel's start-up collectives (``init_sync``: the parameters'
+#: shapes compared across ranks, rank 0's parameters and buffers broadcast) would find equal
+#: shapes and copy equal values, so these steps' wrappers skip them: two collectives fewer per
+#: step, the larger part of a small model's step on the ranks. A custom step keeps torch's
+#: default, since it may change the module before it wraps it.
+WRAPPING_FIRST_STEPS = frozenset({ddp_step, weighted_ddp_step, no_sync_accumulation_step, micro_mean_accumulation_step})
+
+
 # --------------------------------------------------------------------------- tasks
 
 
@@ -211,9 +234,13 @@ class StepTask(RankStepTask):
     sync_batchnorm: bool = False
 
 
-def _context(info: RankInfo, task: StepTask | TrainingTask, shard_sizes: tuple[int, ...], sync_batchnorm: bool = False, **more: Any) -> ShardContext:
+def _context(
+    info: RankInfo, task: StepTask | TrainingTask, shard_sizes: tuple[int, ...], sync_batchnorm: bool = False, *, first: Step | None, **more: Any,
+) -> ShardContext:
     """The context of rank ``info`` over its own copy of ``task.module``, on its device,
-    the batch norms converted to SyncBatchNorm when asked."""
+    the batch norms converted to SyncBatchNorm when asked; ``first``: the step that runs
+    first on it, whose wrapper skips DDP's start-up collectives when it is one of
+    ``WRAPPING_FIRST_STEPS`` (None: dpverify's own code, which wraps the copy first)."""
     device = torch.device(info.device)
     model = copy.deepcopy(task.module).to(device)
     if sync_batchnorm and device.type == "cuda":
@@ -222,12 +249,14 @@ def _context(info: RankInfo, task: StepTask | TrainingTask, shard_sizes: tuple[i
         from dpverify.ddp.syncbn import convert_to_host_sync_batchnorm
 
         model = convert_to_host_sync_batchnorm(model)
-    return ShardContext.for_rank(info, model, task.loss_fn, shard_sizes, ddp_kwargs=dict(task.ddp_kwargs), **more)
+    return ShardContext.for_rank(
+        info, model, task.loss_fn, shard_sizes, ddp_kwargs=dict(task.ddp_kwargs), init_sync=first is not None and first not in WRAPPING_FIRST_STEPS, **more,
+    )
 
 
 def _run_one(info: RankInfo, task: StepTask, step: Step) -> RankStep:
     ctx = _context(
-        info, task, task.shard_sizes, task.sync_batchnorm, micro_batches=task.micro_batches, count_syncs=task.count_syncs,
+        info, task, task.shard_sizes, task.sync_batchnorm, first=step, micro_batches=task.micro_batches, count_syncs=task.count_syncs,
     )
     dropout: list[DropoutCall] = []
     all_reduced: list[tuple[int, ...]] = []
@@ -271,7 +300,7 @@ class TrainingTask(RankTrainingTask):
 
 def run_training_task(info: RankInfo, task: TrainingTask) -> RankTraining:
     """Trains this rank's copy for ``len(task.batches)`` steps (a task for ``RankRunner.run``)."""
-    ctx = _context(info, task, task.shard_sizes[0])
+    ctx = _context(info, task, task.shard_sizes[0], first=task.step)
     trained = train(ctx, task, read_buffers=buffers_of, read_state=optimizer_state_of, record_dropout=True)
     grads_none = tuple(name for name, grad in grads_of(ctx.module).items() if grad is None)
     return RankTraining(
@@ -292,7 +321,7 @@ class RankBuffers:
 def run_buffer_task(info: RankInfo, task: StepTask) -> RankBuffers:
     """One train step with grad (so DDP syncs buffers before the next forward), then an
     eval forward under no_grad (a task for ``RankRunner.run``; ``task.steps`` unused)."""
-    ctx = _context(info, task, task.shard_sizes)
+    ctx = _context(info, task, task.shard_sizes, first=None)
     model = ctx.module
     ctx.load(task.inputs, task.target, task.kwargs, task.shard_sizes)
     wrapper = ctx.ddp()

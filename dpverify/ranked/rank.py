@@ -193,7 +193,13 @@ def seeded(device: torch.device, seed: int) -> Iterator[None]:
     ``rank_seed``, in a one-step check)."""
     fork = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork), no_tf32():
-        torch.manual_seed(seed)
+        # the generators fork_rng restores, seeded alone: torch.manual_seed also queues a
+        # seed, with a formatted stack trace, for every accelerator not started in this
+        # process, which cost more than a small model's forward on a rank
+        torch.default_generator.manual_seed(seed)
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
         yield
 
 
