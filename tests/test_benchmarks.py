@@ -6,6 +6,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -318,3 +319,49 @@ def test_data_calibration_applicability_is_read_from_the_scenario() -> None:
     even = dataclasses.replace(base, style="strided", bs=4, ev="gather_obj", bug="drop_last")
     assert not calibrate_data.applicable(calibrate_data.build(even))[0]
     assert calibrate_data.applicable(calibrate_data.build(dataclasses.replace(even, bs=5)))[0]
+
+
+def test_scaling_benchmark_smoke_times_every_point_and_draws_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import bench_scaling
+    from figure_files import read_png
+
+    target = tmp_path / "scaling.png"
+    points = bench_scaling.main(["--sizes", "1e2", "1e3", "--devices", "2", "4", "--repeats", "2", "--figure", str(target)])
+    # every size on every device count, smallest first, with one ratio per repeat
+    assert [(p.parameters, p.devices) for p in points] == [(90, 2), (90, 4), (1026, 2), (1026, 4)]
+    for p in points:
+        assert len(p.floors) == len(p.checks) == len(p.ratios) == 2
+        assert min(p.ratios) <= p.ratio <= max(p.ratios)
+        assert p.per_parameter == pytest.approx(p.check / p.parameters * 1e9)
+    out = capsys.readouterr().out
+    assert sum(line.startswith("|") for line in out.splitlines()) == 2 + len(points)
+    assert "| 1,026 | 4 |" in out
+    png = read_png(target)
+    assert (png.format, png.width) == ("PNG", 1200)
+    assert png.inked > 0.01
+    # the figure's lines are the points: per device count, check and floor per parameter
+    per_parameter, _ = bench_scaling.figure(points).axes
+    lines = {line.get_label(): np.asarray(line.get_ydata()).tolist() for line in per_parameter.get_lines()}
+    assert lines["check, 4 devices"] == [points[1].per_parameter, points[3].per_parameter]
+    assert lines["floor, 2 devices"] == [points[0].floor_per_parameter, points[2].floor_per_parameter]
+
+
+def test_scaling_benchmark_checks_the_figure_path_before_timing(tmp_path: Path) -> None:
+    import bench_scaling
+
+    with pytest.raises(dpverify.InvalidArgument, match="--figure"):
+        bench_scaling.main(["--sizes", "1e2", "--figure", str(tmp_path / "scaling.jpg")])
+
+
+def test_memory_benchmark_smoke_measures_a_check_in_a_fresh_process(capsys: pytest.CaptureFixture[str]) -> None:
+    import bench_memory
+
+    (row,) = bench_memory.main(["--dp", "1e2"])
+    assert row.parameters == 90
+    assert row.footprint == 90 * 8
+    # high-water marks of one process, in the order they were taken
+    assert 0 < row.imports <= row.model <= row.peak
+    assert row.ratio == (row.peak - row.imports) / row.footprint
+    # the check keeps no tensor once it returned
+    assert row.left_tensors == 0
+    assert "| assert_dp_grads_match, MLP, 4 devices | 90 |" in capsys.readouterr().out
