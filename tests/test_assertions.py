@@ -464,6 +464,32 @@ def test_shared_steps_give_the_verdicts_of_fresh_ones() -> None:
     assert [(t.name, t.max_abs, t.allowed) for t in shared[1].tensors] == [(t.name, t.max_abs, t.allowed) for t in fresh.tensors]
 
 
+def test_only_a_parallel_step_a_replica_sum_check_may_take_keeps_each_replicas_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dpverify.checks import dp as _assertions
+    from dpverify.core.step import run_step as real
+
+    kept: list[bool | str] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        if kwargs.get("wrap"):
+            kept.append(kwargs.get("record_replicas", False))
+            # what was recorded is what was asked for: copies of every replica's gradients, or none
+            assert all(bool(grads) == (kwargs.get("record_replicas") is True) for _device, grads in result.contributions)
+        return result
+
+    monkeypatch.setattr(_assertions, "run_step", recording)
+    case = builtin_case("mlp", batch=5)
+    alone = dpverify.assert_dp_grads_match(case.module, case.inputs, case.target, loss_fn=F.mse_loss, device_ids=[0, 1, 2])
+    grouped, summed = _both_checks(case.module, case.inputs, case.target, [0, 1, 2], SharedSteps())
+    # alone, nobody reads the replicas' gradients; grouped, the replica-sum check takes them
+    assert kept == ["magnitudes", True]
+    assert summed.ok
+    assert any(t.id.variant == "sum of replica" for t in summed.tensors)
+    # the magnitudes the tolerance reads are recorded either way: the same allowances
+    assert [(t.name, t.max_abs, t.allowed) for t in alone.tensors] == [(t.name, t.max_abs, t.allowed) for t in grouped.tensors]
+
+
 def _add_in_place(module: nn.Module) -> None:
     with torch.no_grad():
         next(module.parameters()).add_(0.5)

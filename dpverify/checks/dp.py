@@ -955,8 +955,14 @@ def _steps(
 ) -> tuple[StepResult, References]:
     """The parallel step, recording every replica's contribution, and the references;
     ``shared`` as in ``grads_match``. The gradient check leaves its parallel step there for
-    the replica-sum check, which takes it (``take``: ``SharedSteps.take``)."""
+    the replica-sum check, which takes it (``take``: ``SharedSteps.take``).
+
+    Each replica's gradients are kept (a copy of every one) only where a replica-sum check
+    may read them: this one (``take``), or one of the checks ``shared`` groups it with. A
+    gradient check of its own (``shared`` None: ``assert_dp_grads_match``) leaves its step
+    to nobody, so it records only what the tolerance needs of them, their magnitudes."""
     check.require_target(target)
+    keep = take or shared is not None
     shared = SharedSteps() if shared is None else shared.for_check(check)
     left, left_rows = shared.take(check)  # a step left serves the next check only
     parallel, rows = (left, left_rows) if take else (None, {})
@@ -965,7 +971,7 @@ def _steps(
         try:
             parallel = check.run(
                 _watched(check.parallel_loss_of(loss_fn, _target_on(target, check, None)), loss_raised),
-                parallel=True, record_replicas=True,
+                parallel=True, record_replicas=True if keep else "magnitudes",
                 loss_argument="parallel_loss_fn" if check.parallel_loss is not None else "loss_fn",
             )
         except InvalidArgument:
