@@ -342,13 +342,18 @@ def check_model(
             splits=splits, target=target, dim=dim, training=training, exact=exact,
         )
     results: list[CheckResult] = []
-    for planned in plan:
+    # a batch's shared steps are released after the last check that uses them, so that no
+    # more than the batches still to come hold steps (peak memory)
+    last = {id(planned.case.steps): i for i, planned in enumerate(plan) if planned.case.steps is not None}
+    for i, planned in enumerate(plan):
         if on_start is not None:
             on_start(planned.spec.title_for(planned.eval_copy, planned.case), planned.case.split)
         result = planned.run()
         results.append(result)
         if on_result is not None:
             on_result(result)
+        if planned.case.steps is not None and last[id(planned.case.steps)] == i:
+            planned.case.steps.release()
     loss = model.make_batch(max(b for b, _ in splits) if splits else max(batch_sizes)).loss_name
     # a given plan says itself whether it is exact
     exact = exact or any(planned.case.exact for planned in plan)

@@ -449,3 +449,19 @@ def test_sync_batchnorm_check_is_not_planned_for_the_eval_mode_copy(models: Path
     monkeypatch.syspath_prepend(str(models))
     report = check_model(user_model("bn_models:make"), batch_sizes=(8,), device_counts=(2,), backend="ddp", checks=("ddp-sync-batchnorm",))
     assert [(r.check, r.eval_copy, r.verdict) for r in report.results] == [("ddp-sync-batchnorm", False, Verdict.PASS)]
+
+
+def test_check_releases_a_batchs_shared_steps_after_its_last_check() -> None:
+    from dpverify.planner import plan_checks
+
+    model = builtin_model("mlp", seed=0)
+    plan = plan_checks(model, batch_sizes=(4, 5), device_counts=(2, 3))
+    shared = {id(p.case.steps): p.case.steps for p in plan if p.case.steps is not None}
+    assert len(shared) == 2  # one per batch, shared by both device counts
+    held: list[int] = []
+    first = check_model(model, plan=plan, on_result=lambda _: held.append(sum(len(s.steps) for s in shared.values())))
+    assert max(held) > 0  # the checks did share steps while they ran
+    assert all(not s.steps and not s.picked and s.left is None and not s.replays for s in shared.values())
+    # released steps are fresh ones: the same plan checks the same way again
+    again = check_model(model, plan=plan)
+    assert [(r.check, r.split, r.verdict) for r in again.results] == [(r.check, r.split, r.verdict) for r in first.results]

@@ -914,6 +914,15 @@ class SharedSteps:
     #: the replays of DataParallel's algorithm, by split (None: the replay raised)
     replays: dict[tuple[Any, ...], Replay | None] = field(default_factory=dict)
 
+    def release(self) -> None:
+        """Forgets every step held, as new ``SharedSteps`` hold none: whoever grouped the
+        checks calls it after the last of them, so that a batch's steps (model-sized
+        gradients, outputs, replays) do not outlive its checks. A check given these steps
+        afterwards runs its own again."""
+        fresh = SharedSteps()
+        for name in ("steps", "picked", "derived", "left", "evidence", "device", "dtype", "replays"):
+            setattr(self, name, getattr(fresh, name))
+
     def for_check(self, check: Check) -> SharedSteps:
         """These steps, or new ones when ``check`` runs on another device or dtype than the
         checks before it."""
