@@ -40,7 +40,6 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import copy
 import itertools
 import math
@@ -56,6 +55,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from calibration import drive
 from torch import nn
 
 import dpverify
@@ -1070,33 +1070,15 @@ def report(tally: Tally, seed: int, show: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> Tally:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--n", type=int, default=10_000, help="scenarios (default 10000)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", type=int, default=None, metavar="INDEX", help="run one scenario, with full messages")
-    parser.add_argument("--spec", default=None, help="run one pasted spec line, with full messages")
-    parser.add_argument("--show", type=int, default=20, help="failing specs listed per kind of failure (default 20)")
-    parser.add_argument("--progress", type=int, default=0, metavar="K", help="a progress line every K scenarios")
-    args = parser.parse_args(argv)
     tally = Tally()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: intra-op threads only add overhead
-    try:
-        if args.only is not None or args.spec is not None:
-            spec = Spec.parse(args.spec) if args.spec is not None else generate(args.only, args.seed)
-            print(f"spec: {spec}\nclasses: {', '.join(spec.classes)}; chunks {spec.chunks}\n")
-            print(f"outcome: {run_scenario(spec, tally, verbose=True)}")
-            report(tally, args.seed, args.show)
-            return tally
-        for index in range(args.n):
-            run_scenario(generate(index, args.seed), tally)
-            if args.progress and (index + 1) % args.progress == 0:
-                print(f"{index + 1}/{args.n}: {tally.false_alarms} false alarms, {tally.crashes} crashes, "
-                      f"{tally.skipped} skipped, {tally.seconds:.0f} s", flush=True)
-        report(tally, args.seed, args.show)
-    finally:
-        torch.set_num_threads(threads)
-    return tally
+    return drive(  # type: ignore[no-any-return]
+        argv, description=(__doc__ or "").splitlines()[0], scenarios=10_000, tally=tally, generate=generate,
+        parse=Spec.parse, run=lambda spec, verbose: run_scenario(spec, tally, verbose=verbose),
+        report=lambda seed, show: report(tally, seed, show),
+        describe=lambda spec: f"classes: {', '.join(spec.classes)}; chunks {spec.chunks}",
+        progress=lambda: f"{tally.false_alarms} false alarms, {tally.crashes} crashes, {tally.skipped} skipped, {tally.seconds:.0f} s",
+        show="failing specs listed per kind of failure (default 20)",
+    )
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import random
@@ -55,6 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from calibration import ClassTally, drive, error_lines
 from torch import nn
 from torch.utils.data import (
     BatchSampler,
@@ -531,16 +531,6 @@ class Injection:
 
 
 @dataclass
-class ClassTally:
-    scenarios: int = 0
-    passes: int = 0
-    refused: int = 0
-    false_alarms: int = 0
-    crashes: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
 class Tally:
     scenarios: int = 0
     passes: int = 0
@@ -551,11 +541,6 @@ class Tally:
     failures: list[Failure] = field(default_factory=list)
     injections: list[Injection] = field(default_factory=list)
     seconds: float = 0.0
-
-
-def _lines(error: BaseException, count: int = 4) -> str:
-    text = [line for line in str(error).strip().splitlines() if line.strip()]
-    return f"{type(error).__name__}: " + " | ".join(text[:count])
 
 
 def untestable(spec: Spec) -> bool:
@@ -578,19 +563,19 @@ def run_scenario(spec: Spec, tally: Tally, *, verbose: bool = False) -> str:
             print(f"--- correct code: {result}\n")
     except dpverify.ParallelMismatch as error:
         outcome = "false alarm"
-        tally.failures.append(Failure(outcome, str(spec), _lines(error, 8)))
+        tally.failures.append(Failure(outcome, str(spec), error_lines(error, 8)))
         if verbose:
             print(f"--- FALSE ALARM\n{error}\n")
     except dpverify.InvalidArgument as error:
         # refused as untestable: right where this scenario, by its own numbers, runs nothing in parallel
         outcome = "refused" if untestable(spec) else "crash"
         if outcome == "crash":
-            tally.failures.append(Failure(outcome, str(spec), _lines(error)))
+            tally.failures.append(Failure(outcome, str(spec), error_lines(error)))
         if verbose:
             print(f"--- {outcome.upper()}\n{error}\n")
     except Exception as error:
         outcome = "crash"
-        tally.failures.append(Failure(outcome, str(spec), _lines(error)))
+        tally.failures.append(Failure(outcome, str(spec), error_lines(error)))
         if verbose:
             traceback.print_exc(file=sys.stdout)
     if sc is not None and spec.bug != "-" and outcome == "pass":
@@ -618,18 +603,18 @@ def _inject(sc: Scenario, tally: Tally, verbose: bool) -> None:
     try:
         can, reason = applicable(sc)
     except Exception as error:
-        tally.injections.append(Injection(str(s), s.bug, False, "", "crash", f"applicability: {_lines(error)}"))
+        tally.injections.append(Injection(str(s), s.bug, False, "", "crash", f"applicability: {error_lines(error)}"))
         return
     message = ""
     try:
         run_check(sc, s.bug)
         outcome = "missed"
     except dpverify.ParallelMismatch as error:
-        outcome, message = "caught", _lines(error, 8)
+        outcome, message = "caught", error_lines(error, 8)
     except dpverify.InvalidArgument as error:
-        outcome, message = "refused", _lines(error)
+        outcome, message = "refused", error_lines(error)
     except Exception as error:
-        outcome, message = "crash", _lines(error)
+        outcome, message = "crash", error_lines(error)
     tally.injections.append(Injection(str(s), s.bug, can, reason, outcome, message))
     if verbose:
         print(f"--- injected {s.bug}: {outcome}; {'applicable' if can else 'not applicable: ' + reason}\n{message}\n")
@@ -689,33 +674,13 @@ def report(tally: Tally, seed: int, show: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> Tally:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--n", type=int, default=300, help="scenarios (default 300)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", type=int, default=None, metavar="INDEX", help="run one scenario, with full messages")
-    parser.add_argument("--spec", default=None, help="run one pasted spec line, with full messages")
-    parser.add_argument("--show", type=int, default=20, help="failing specs listed (default 20)")
-    parser.add_argument("--progress", type=int, default=0, metavar="K", help="a progress line every K scenarios")
-    args = parser.parse_args(argv)
     tally = Tally()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: intra-op threads only add overhead
-    try:
-        if args.only is not None or args.spec is not None:
-            spec = Spec.parse(args.spec) if args.spec is not None else generate(args.only, args.seed)
-            print(f"spec: {spec}\nclasses: {', '.join(spec.classes)}\n")
-            print(f"outcome: {run_scenario(spec, tally, verbose=True)}")
-            report(tally, args.seed, args.show)
-            return tally
-        for index in range(args.n):
-            run_scenario(generate(index, args.seed), tally)
-            if args.progress and (index + 1) % args.progress == 0:
-                print(f"{index + 1}/{args.n}: {tally.false_alarms} false alarms, {tally.crashes} crashes, "
-                      f"{tally.seconds:.0f} s", flush=True)
-        report(tally, args.seed, args.show)
-    finally:
-        torch.set_num_threads(threads)
-    return tally
+    return drive(  # type: ignore[no-any-return]
+        argv, description=(__doc__ or "").splitlines()[0], scenarios=300, tally=tally, generate=generate,
+        parse=Spec.parse, run=lambda spec, verbose: run_scenario(spec, tally, verbose=verbose),
+        report=lambda seed, show: report(tally, seed, show), describe=lambda spec: f"classes: {', '.join(spec.classes)}",
+        progress=lambda: f"{tally.false_alarms} false alarms, {tally.crashes} crashes, {tally.seconds:.0f} s",
+    )
 
 
 if __name__ == "__main__":

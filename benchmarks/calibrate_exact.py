@@ -38,7 +38,6 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import random
@@ -54,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from calibration import ClassTally, drive, error_lines
 from torch import nn
 from torch.distributed.pipelining import ScheduleGPipe
 
@@ -448,16 +448,6 @@ class Failure:
 
 
 @dataclass
-class ClassTally:
-    scenarios: int = 0
-    passes: int = 0
-    refused: int = 0
-    false_alarms: int = 0
-    crashes: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
 class Tally:
     scenarios: int = 0
     passes: int = 0
@@ -471,11 +461,6 @@ class Tally:
     #: (backend, exact seconds, default seconds, default outcome) of the cost subsample
     costs: list[tuple[str, float, float, str]] = field(default_factory=list)
     seconds: float = 0.0
-
-
-def _lines(error: BaseException, count: int = 4) -> str:
-    text = [line for line in str(error).strip().splitlines() if line.strip()]
-    return f"{type(error).__name__}: " + " | ".join(text[:count])
 
 
 def refusal_reason(error: BaseException) -> str:
@@ -498,11 +483,11 @@ def _attempt(sc: Scenario, pools: Pools, *, exact: bool, inject: str = "-") -> t
         run_check(sc, pools, exact=exact, inject=inject)
         return "pass", ""
     except dpverify.ParallelMismatch as error:
-        return "mismatch", _lines(error, 8)
+        return "mismatch", error_lines(error, 8)
     except dpverify.InvalidArgument as error:
-        return "refused", _lines(error)
+        return "refused", error_lines(error)
     except Exception as error:
-        return "crash", _lines(error)
+        return "crash", error_lines(error)
 
 
 def run_scenario(spec: Spec, tally: Tally, pools: Pools, *, verbose: bool = False) -> str:
@@ -515,12 +500,12 @@ def run_scenario(spec: Spec, tally: Tally, pools: Pools, *, verbose: bool = Fals
         run_check(sc, pools, exact=True)
         outcome, message = "pass", ""
     except dpverify.ParallelMismatch as error:
-        outcome, message = "false alarm", _lines(error, 8)
+        outcome, message = "false alarm", error_lines(error, 8)
     except dpverify.InvalidArgument as error:
-        outcome, message = "refused", _lines(error)
+        outcome, message = "refused", error_lines(error)
         tally.refusals[f"{spec.backend}: {refusal_reason(error)}"] += 1
     except Exception as error:
-        outcome, message = "crash", _lines(error)
+        outcome, message = "crash", error_lines(error)
         if verbose:
             traceback.print_exc(file=sys.stdout)
     exact_seconds = time.perf_counter() - started
@@ -626,34 +611,16 @@ def report(tally: Tally, seed: int, show: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> Tally:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--n", type=int, default=10000, help="scenarios (default 10000)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", type=int, default=None, metavar="INDEX", help="run one scenario, with full messages")
-    parser.add_argument("--spec", default=None, help="run one pasted spec line, with full messages")
-    parser.add_argument("--show", type=int, default=20, help="failing specs listed (default 20)")
-    parser.add_argument("--progress", type=int, default=0, metavar="K", help="a progress line every K scenarios")
-    args = parser.parse_args(argv)
     tally, pools = Tally(), Pools()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: intra-op threads only add overhead
     try:
-        if args.only is not None or args.spec is not None:
-            spec = Spec.parse(args.spec) if args.spec is not None else generate(args.only, args.seed)
-            print(f"spec: {spec}\nclasses: {', '.join(spec.classes)}\n")
-            print(f"outcome: {run_scenario(spec, tally, pools, verbose=True)}")
-            report(tally, args.seed, args.show)
-            return tally
-        for index in range(args.n):
-            run_scenario(generate(index, args.seed), tally, pools)
-            if args.progress and (index + 1) % args.progress == 0:
-                print(f"{index + 1}/{args.n}: {tally.false_alarms} false alarms, {tally.crashes} crashes, "
-                      f"{tally.refused} refused, {tally.seconds:.0f} s", flush=True)
-        report(tally, args.seed, args.show)
+        return drive(  # type: ignore[no-any-return]
+            argv, description=(__doc__ or "").splitlines()[0], scenarios=10000, tally=tally, generate=generate,
+            parse=Spec.parse, run=lambda spec, verbose: run_scenario(spec, tally, pools, verbose=verbose),
+            report=lambda seed, show: report(tally, seed, show), describe=lambda spec: f"classes: {', '.join(spec.classes)}",
+            progress=lambda: f"{tally.false_alarms} false alarms, {tally.crashes} crashes, {tally.refused} refused, {tally.seconds:.0f} s",
+        )
     finally:
         pools.close()
-        torch.set_num_threads(threads)
-    return tally
 
 
 if __name__ == "__main__":
