@@ -16,7 +16,7 @@ import argparse
 import copy
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +49,15 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def measure(width: int, batch: int, repeats: int) -> tuple[int, float, float]:
+def timings(width: int, batch: int, repeats: int, device_ids: Sequence[int] = DEVICE_IDS) -> tuple[int, list[float], list[float]]:
+    """The parameters of ``mlp(width)``, and ``repeats`` timings of its floor (the three
+    bare steps the check must run) and of ``assert_dp_grads_match``, interleaved, after a
+    warm-up of each."""
     torch.manual_seed(0)
     module = mlp(width)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     single = copy.deepcopy(module)
-    parallel = dpverify.VirtualDataParallel(copy.deepcopy(module), DEVICE_IDS)
+    parallel = dpverify.VirtualDataParallel(copy.deepcopy(module), list(device_ids))
     double = copy.deepcopy(module).double()
     x64, y64 = x.double(), y.double()
 
@@ -64,7 +67,7 @@ def measure(width: int, batch: int, repeats: int) -> tuple[int, float, float]:
         _step(double, double, x64, y64)
 
     def check() -> None:
-        dpverify.assert_dp_grads_match(module, x, y, loss_fn=F.mse_loss, device_ids=DEVICE_IDS)
+        dpverify.assert_dp_grads_match(module, x, y, loss_fn=F.mse_loss, device_ids=list(device_ids))
 
     floor()
     check()  # warm-up
@@ -72,7 +75,11 @@ def measure(width: int, batch: int, repeats: int) -> tuple[int, float, float]:
     for _ in range(repeats):
         floors.append(_timed(floor))
         checks.append(_timed(check))
-    params = sum(p.numel() for p in module.parameters())
+    return sum(p.numel() for p in module.parameters()), floors, checks
+
+
+def measure(width: int, batch: int, repeats: int) -> tuple[int, float, float]:
+    params, floors, checks = timings(width, batch, repeats)
     return params, statistics.median(floors), statistics.median(checks)
 
 

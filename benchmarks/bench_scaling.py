@@ -28,15 +28,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_overhead import _step, _timed, mlp
+from bench_overhead import mlp, timings
 
 __all__ = ["BATCH", "DEVICES", "SIZES", "WIDTHS", "Point", "figure", "main", "measure", "mlp", "sweep", "table"]
 
-import dpverify
 from dpverify.figures.base import COLOURS, drawing, figure_path, new_figure, save_figure
 
 if TYPE_CHECKING:
@@ -87,33 +85,8 @@ class Point:
 
 def measure(width: int, devices: int, batch: int = BATCH, repeats: int = 5) -> Point:
     """Times the check and its floor, interleaved, ``repeats`` times after a warm-up of each."""
-    torch.manual_seed(0)
-    module = mlp(width)
-    x, y = torch.randn(batch, width), torch.randn(batch, width)
-    device_ids = list(range(devices))
-    single = mlp(width)
-    single.load_state_dict(module.state_dict())
-    parallel = dpverify.VirtualDataParallel(mlp(width), device_ids)
-    parallel.module.load_state_dict(module.state_dict())
-    double = mlp(width).double()
-    double.load_state_dict(module.state_dict())
-    x64, y64 = x.double(), y.double()
-
-    def floor() -> None:
-        _step(parallel, parallel.module, x, y)
-        _step(single, single, x, y)
-        _step(double, double, x64, y64)
-
-    def check() -> None:
-        dpverify.assert_dp_grads_match(module, x, y, loss_fn=F.mse_loss, device_ids=device_ids)
-
-    floor()
-    check()
-    floors, checks = [], []
-    for _ in range(repeats):
-        floors.append(_timed(floor))
-        checks.append(_timed(check))
-    return Point(sum(p.numel() for p in module.parameters()), devices, tuple(floors), tuple(checks))
+    parameters, floors, checks = timings(width, batch, repeats, list(range(devices)))
+    return Point(parameters, devices, tuple(floors), tuple(checks))
 
 
 def sweep(sizes: tuple[str, ...], devices: tuple[int, ...], repeats: int, batch: int = BATCH) -> list[Point]:
