@@ -294,6 +294,8 @@ def test_a_non_finite_reference_gradient_is_refused_with_the_error_of_its_step(
     with pytest.raises(dpverify.NonFiniteReference) as caught:
         dpverify.assert_dp_grads_match(module, x, torch.zeros(4, 3), loss_fn=F.mse_loss, device_ids=[0, 1], parallel=parallel)
     assert str(caught.value).startswith(raised)
+    # raised as the step's own check raised it, not while handling another error
+    assert caught.value.__context__ is None or caught.value.__suppress_context__
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])

@@ -30,7 +30,7 @@ from dpverify.core.comparison import (
 )
 from dpverify.core.devices import cuda_device_count, normalize_device_ids, normalize_output_device
 from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
-from dpverify.core.errors import InvalidArgument, ParallelMismatch
+from dpverify.core.errors import InvalidArgument, NonFiniteReference, ParallelMismatch
 from dpverify.core.numerics import FLOAT64_JITTER, largest_abs
 from dpverify.core.scatter import ScatterPlan, plan_scatter
 from dpverify.core.step import (
@@ -479,7 +479,7 @@ class Check:
         already made of the parallel step's own tensors (``Check.against``'s ``reuse``).
 
         ``compared``: the caller compares every gradient of the single-device step with the
-        float64 one under the anchored rule (``compare_proving``), which reads each of them
+        float64 one under the anchored rule (``_compare_proving``), which reads each of them
         anyway: their finiteness is proven there, not by a pass of its own
         (``SharedSteps.unproven``), and the error is the same.
 
@@ -506,7 +506,7 @@ class Check:
                     _require_finite_step(result, stage, grads=not deferred)
             except Exception:
                 # a step left unproven raises first, as it did when it was proven at once
-                store.prove_finite()
+                _unproven_first(store)
                 raise
             steps[kind] = result
             if deferred:
@@ -947,7 +947,7 @@ class SharedSteps:
     replays: dict[tuple[Any, ...], Replay | None] = field(default_factory=dict)
     #: the steps whose gradients are not yet proven finite, in the order they ran, with
     #: what a non-finite one is called: the gradient check's comparison proves them as it
-    #: reads them (``compare_proving``), and anyone else who takes such a step first
+    #: reads them (``_compare_proving``), and anyone else who takes such a step first
     #: proves them (``prove_finite``)
     unproven: dict[str, str] = field(default_factory=dict)
 
@@ -1175,7 +1175,7 @@ def grads_match(check: Check, loss_fn: LossFn, target: Any, shared: SharedSteps 
     proof = check.proven(loss_fn, target, shared)
     parallel_step, refs = _steps(check, loss_fn, target, shared, take=False)
     title = "DataParallel outputs and gradients must match the single-device step"
-    rows = compare_proving(check, parallel_step, refs)
+    rows = _compare_proving(check, parallel_step, refs)
     ran = len(parallel_step.contributions)
     lost = _lost_chunks(check, parallel_step, refs)
     failures = check.replica_failures(ran, lost=lost) + _gathered_elsewhere(check, parallel_step)
@@ -1186,7 +1186,7 @@ def grads_match(check: Check, loss_fn: LossFn, target: Any, shared: SharedSteps 
     return check.outcome(title, rows, notes=notes, failures=failures, scale=scale, step=parallel_step)
 
 
-def compare_proving(check: Check, step: StepResult, refs: References) -> list[TensorComparison]:
+def _compare_proving(check: Check, step: StepResult, refs: References) -> list[TensorComparison]:
     """``check.compare`` of ``step`` with the references, proving on the way the gradients
     the references left unproven (``SharedSteps.unproven``): the anchored rule reads every
     gradient of both whole and raises on the first that is not finite; a gradient it did
@@ -1197,7 +1197,7 @@ def compare_proving(check: Check, step: StepResult, refs: References) -> list[Te
     try:
         rows = check.compare(step, refs)
     except Exception:
-        store.prove_finite()
+        _unproven_first(store)
         raise
     if store.unproven:
         unread = {row.id.name for row in rows if row.id.kind == "grad" and (row.problem is not None or row.absent)}
@@ -1205,6 +1205,20 @@ def compare_proving(check: Check, step: StepResult, refs: References) -> list[Te
             store.prove_finite(unread)
         store.unproven.clear()
     return rows
+
+
+def _unproven_first(store: SharedSteps) -> None:
+    """Called while an exception is handled: raises what the unproven steps' own checks
+    raised, as they raised it (not as an error during the handling of another); nothing
+    when they are finite.
+
+    Raises:
+        NonFiniteReference: an unproven step's gradient holds NaN or inf.
+    """
+    try:
+        store.prove_finite()
+    except NonFiniteReference as first:
+        raise first from None
 
 
 # Rows of an output the mismatch message locates one by one, and elements of one it
