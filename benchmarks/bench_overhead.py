@@ -38,12 +38,14 @@ def mlp(width: int, depth: int = 3) -> nn.Module:
 WIDTHS = {"1e3": 18, "1e4": 57, "1e5": 182, "1e6": 577, "1e7": 1825}
 
 
-def _step(model: Callable[[torch.Tensor], torch.Tensor], module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+def bare_step(model: Callable[[torch.Tensor], torch.Tensor], module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One bare forward/backward of ``model`` (``module``, or a wrapper of it) on ``x``, ``y``."""
     module.zero_grad(set_to_none=True)
     F.mse_loss(model(x), y).backward()
 
 
-def _timed(fn: Callable[[], object]) -> float:
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds ``fn()`` took."""
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -62,9 +64,9 @@ def timings(width: int, batch: int, repeats: int, device_ids: Sequence[int] = DE
     x64, y64 = x.double(), y.double()
 
     def floor() -> None:
-        _step(parallel, parallel.module, x, y)
-        _step(single, single, x, y)
-        _step(double, double, x64, y64)
+        bare_step(parallel, parallel.module, x, y)
+        bare_step(single, single, x, y)
+        bare_step(double, double, x64, y64)
 
     def check() -> None:
         dpverify.assert_dp_grads_match(module, x, y, loss_fn=F.mse_loss, device_ids=list(device_ids))
@@ -73,8 +75,8 @@ def timings(width: int, batch: int, repeats: int, device_ids: Sequence[int] = DE
     check()  # warm-up
     floors, checks = [], []
     for _ in range(repeats):
-        floors.append(_timed(floor))
-        checks.append(_timed(check))
+        floors.append(timed(floor))
+        checks.append(timed(check))
     return sum(p.numel() for p in module.parameters()), floors, checks
 
 

@@ -321,29 +321,42 @@ def test_data_calibration_applicability_is_read_from_the_scenario() -> None:
     assert calibrate_data.applicable(calibrate_data.build(dataclasses.replace(even, bs=5)))[0]
 
 
+@pytest.mark.timeout(180)
 def test_scaling_benchmark_smoke_times_every_point_and_draws_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import bench_scaling
     from figure_files import read_png
 
     target = tmp_path / "scaling.png"
-    points = bench_scaling.main(["--sizes", "1e2", "1e3", "--devices", "2", "4", "--repeats", "2", "--figure", str(target)])
-    # every size on every device count, smallest first, with one ratio per repeat
-    assert [(p.parameters, p.devices) for p in points] == [(90, 2), (90, 4), (1026, 2), (1026, 4)]
+    points = bench_scaling.main([
+        "--sizes", "1e2", "1e3", "--devices", "2", "4", "--ddp-sizes", "1e2", "--world-sizes", "2", "--repeats", "2",
+        "--figure", str(target),
+    ])
+    # every size on every device count, smallest first, then DDP's, with one ratio per repeat
+    assert [(p.backend, p.parameters, p.devices) for p in points] == [
+        ("dp", 90, 2), ("dp", 90, 4), ("dp", 1026, 2), ("dp", 1026, 4), ("ddp", 90, 2),
+    ]
     for p in points:
         assert len(p.floors) == len(p.checks) == len(p.ratios) == 2
         assert min(p.ratios) <= p.ratio <= max(p.ratios)
         assert p.per_parameter == pytest.approx(p.check / p.parameters * 1e9)
     out = capsys.readouterr().out
-    assert sum(line.startswith("|") for line in out.splitlines()) == 2 + len(points)
+    # two tables, each a header, a rule and a row per point
+    assert sum(line.startswith("|") for line in out.splitlines()) == 2 * 2 + len(points)
     assert "| 1,026 | 4 |" in out
+    assert "| parameters | world size |" in out
+    assert "load average" in out
     png = read_png(target)
     assert (png.format, png.width) == ("PNG", 1200)
     assert png.inked > 0.01
-    # the figure's lines are the points: per device count, check and floor per parameter
-    per_parameter, _ = bench_scaling.figure(points).axes
-    lines = {line.get_label(): np.asarray(line.get_ydata()).tolist() for line in per_parameter.get_lines()}
+    # the figure's lines are the points: per device count (a row of panels per backend),
+    # check and floor per parameter, and the ratios on a log axis
+    dp_per_parameter, dp_ratio, ddp_per_parameter, _ = bench_scaling.figure(points).axes
+    lines = {line.get_label(): np.asarray(line.get_ydata()).tolist() for line in dp_per_parameter.get_lines()}
     assert lines["check, 4 devices"] == [points[1].per_parameter, points[3].per_parameter]
     assert lines["floor, 2 devices"] == [points[0].floor_per_parameter, points[2].floor_per_parameter]
+    ddp_lines = {line.get_label(): np.asarray(line.get_ydata()).tolist() for line in ddp_per_parameter.get_lines()}
+    assert ddp_lines["check, 2 ranks"] == [points[4].per_parameter]
+    assert dp_ratio.get_yscale() == "log"
 
 
 def test_scaling_benchmark_checks_the_figure_path_before_timing(tmp_path: Path) -> None:

@@ -243,6 +243,61 @@ def test_a_non_finite_reference_is_refused_before_any_comparison() -> None:
         compare_tensors(TensorId("t"), torch.ones(2), torch.tensor([1.0, math.nan]), None, Tolerance(rtol=0.1, atol=0.1))
 
 
+class _NaNGradients(nn.Module):
+    """Finite outputs and loss; ``sqrt`` at zero gives the gradient of each parameter
+    named in ``in_float32`` NaN in the float32 steps and of each in ``in_float64`` in the
+    float64 step. ``skip_b`` (set on the parallel step's copy by ``_SkipB``) leaves ``b``
+    out of the forward, so the parallel step has no gradient for it."""
+
+    def __init__(self, in_float32: tuple[str, ...] = (), in_float64: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(3))
+        self.b = nn.Parameter(torch.zeros(3))
+        self.in_float32, self.in_float64 = in_float32, in_float64
+        self.skip_b = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        poisoned = self.in_float64 if x.dtype == torch.float64 else self.in_float32
+        out = x
+        for name in ("a", "b"):
+            if name == "b" and self.skip_b:
+                continue
+            param = getattr(self, name)
+            term = param.sqrt() if name in poisoned else param
+            out = out + 0.0 * term.sum() + param
+        return out
+
+
+class _SkipB(dpverify.VirtualDataParallel):  # type: ignore[type-arg]
+    """Runs the module without ``b`` (``_NaNGradients.skip_b``)."""
+
+    def __init__(self, module: nn.Module, device_ids: Any = None, output_device: Any = None) -> None:
+        module.skip_b = True
+        super().__init__(module, device_ids, output_device)
+
+
+@pytest.mark.parametrize(
+    ("module", "parallel", "raised"),
+    [
+        (_NaNGradients(in_float32=("b",)), None, "grad 'b' is not finite in the single-device step (3 NaN"),
+        (_NaNGradients(in_float64=("a",)), None, "grad 'a' is not finite in the float64 single-device step (3 NaN"),
+        # the single-device step's check came first, whatever the float64 step's earlier gradient holds
+        (_NaNGradients(in_float32=("b",), in_float64=("a",)), None, "grad 'b' is not finite in the single-device step"),
+        # a gradient the comparison does not read (missing from the parallel step) is still proven
+        (_NaNGradients(in_float32=("b",)), _SkipB, "grad 'b' is not finite in the single-device step (3 NaN"),
+    ],
+)
+def test_a_non_finite_reference_gradient_is_refused_with_the_error_of_its_step(
+    module: nn.Module, parallel: Any, raised: str,
+) -> None:
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(dpverify.NonFiniteReference) as caught:
+        dpverify.assert_dp_grads_match(module, x, torch.zeros(4, 3), loss_fn=F.mse_loss, device_ids=[0, 1], parallel=parallel)
+    assert str(caught.value).startswith(raised)
+    # raised as the step's own check raised it, not while handling another error
+    assert caught.value.__context__ is None or caught.value.__suppress_context__
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_a_non_finite_parallel_value_is_a_mismatch_and_says_so(bad: float) -> None:
     anchor = torch.tensor([1.0, 5.0], dtype=torch.float64)

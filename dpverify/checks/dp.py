@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,7 +30,7 @@ from dpverify.core.comparison import (
 )
 from dpverify.core.devices import cuda_device_count, normalize_device_ids, normalize_output_device
 from dpverify.core.divergence import ONE_ROW_BATCHNORM, divergence_sources
-from dpverify.core.errors import InvalidArgument, ParallelMismatch
+from dpverify.core.errors import InvalidArgument, NonFiniteReference, ParallelMismatch
 from dpverify.core.numerics import FLOAT64_JITTER, largest_abs
 from dpverify.core.scatter import ScatterPlan, plan_scatter
 from dpverify.core.step import (
@@ -466,7 +466,7 @@ class Check:
 
     def references(
         self, loss_in: Callable[[torch.dtype | None], Callable[[Any], torch.Tensor]], loss_argument: str = "loss_fn",
-        *, shared: SharedSteps | None = None, rows: dict[Any, Any] | None = None,
+        *, shared: SharedSteps | None = None, rows: dict[Any, Any] | None = None, compared: bool = False,
     ) -> References:
         """The single-device step, plus what anchors the tolerance unless explicit
         tolerances were given: its float64 twin, and for float64 models a float32 probe and
@@ -478,6 +478,11 @@ class Check:
         steps run here are added to it. None: this check's own. ``rows``: the comparisons
         already made of the parallel step's own tensors (``Check.against``'s ``reuse``).
 
+        ``compared``: the caller compares every gradient of the single-device step with the
+        float64 one under the anchored rule (``_compare_proving``), which reads each of them
+        anyway: their finiteness is proven there, not by a pass of its own
+        (``SharedSteps.unproven``), and the error is the same.
+
         Raises:
             NonFiniteReference: the single-device or float64 step is not finite; nothing
                 is compared then.
@@ -488,13 +493,26 @@ class Check:
 
         def step(kind: str, dtype: torch.dtype | None, stage: str | None = None, **options: Any) -> StepResult:
             # Stored only once it ran and proved finite (``stage``: what a non-finite one
-            # is called): a failing step fails every check.
-            if kind not in steps:
+            # is called): a failing step fails every check. The comparison proves the
+            # gradients of the two steps it reads whole.
+            deferred = compared and stage is not None and kind in _PROVEN_BY_COMPARISON
+            if kind in steps:
+                if kind in store.unproven and not deferred:
+                    store.prove_finite()
+                return steps[kind]
+            try:
                 result = self.run(loss_in(dtype), parallel=False, dtype=dtype, loss_argument=loss_argument, **options)
                 if stage is not None:
-                    _require_finite_step(result, stage)
-                steps[kind] = result
-            return steps[kind]
+                    _require_finite_step(result, stage, grads=not deferred)
+            except Exception:
+                # a step left unproven raises first, as it did when it was proven at once
+                _unproven_first(store)
+                raise
+            steps[kind] = result
+            if deferred:
+                assert stage is not None
+                store.unproven[kind] = stage
+            return result
 
         def split(dtype: torch.dtype | None) -> Callable[[], StepResult | None]:
             # keyed by the split too: the checks of one batch on several device counts share steps
@@ -529,9 +547,9 @@ class Check:
                 expected, anchor, probe, jitter, settle, splits=splits, shared=store, rows=step_rows, replay=replay,
             )
 
-        expected = step("expected", None, "single-device")
         if self.tolerance.explicit:
-            return made(expected)
+            return made(step("expected", None, "single-device"))
+        expected = step("expected", None, "single-device")
         anchor = step("anchor", torch.float64, "float64 single-device", measure_terms=True)
         if self.dtype == torch.float64:
             probe = step("probe", torch.float32)
@@ -865,12 +883,26 @@ class _Split:
         return run
 
 
-def _require_finite_step(step: StepResult, stage: str) -> None:
+def _require_finite_step(step: StepResult, stage: str, *, grads: bool = True) -> None:
+    """Raises ``NonFiniteReference`` for the first of ``step``'s outputs, loss and (with
+    ``grads``) gradients that holds NaN or inf."""
     for path, tensor in step.outputs:
         require_finite(output_id(path), tensor, stage)
     require_finite(TensorId("loss"), step.loss, stage)
+    if grads:
+        _require_finite_grads(step, stage)
+
+
+def _require_finite_grads(step: StepResult, stage: str, names: Collection[str] | None = None) -> None:
+    """``_require_finite_step`` for ``step``'s gradients (those of ``names``, or all)."""
     for name, grad in step.grads.items():
-        require_finite(TensorId("grad", name), grad, stage)
+        if names is None or name in names:
+            require_finite(TensorId("grad", name), grad, stage)
+
+
+#: The steps whose gradients the gradient check's comparison proves finite (``compared``
+#: in ``Check.references``): it reads each of them whole under the anchored rule.
+_PROVEN_BY_COMPARISON = ("expected", "anchor")
 
 
 def _split_of(check: Check) -> tuple[Any, ...]:
@@ -913,6 +945,11 @@ class SharedSteps:
     dtype: torch.dtype | None = None
     #: the replays of DataParallel's algorithm, by split (None: the replay raised)
     replays: dict[tuple[Any, ...], Replay | None] = field(default_factory=dict)
+    #: the steps whose gradients are not yet proven finite, in the order they ran, with
+    #: what a non-finite one is called: the gradient check's comparison proves them as it
+    #: reads them (``_compare_proving``), and anyone else who takes such a step first
+    #: proves them (``prove_finite``)
+    unproven: dict[str, str] = field(default_factory=dict)
 
     def release(self) -> None:
         """Forgets every step held, as new ``SharedSteps`` hold none: whoever grouped the
@@ -920,8 +957,21 @@ class SharedSteps:
         gradients, outputs, replays) do not outlive its checks. A check given these steps
         afterwards runs its own again."""
         fresh = SharedSteps()
-        for name in ("steps", "picked", "derived", "left", "evidence", "device", "dtype", "replays"):
+        for name in ("steps", "picked", "derived", "left", "evidence", "device", "dtype", "replays", "unproven"):
             setattr(self, name, getattr(fresh, name))
+
+    def prove_finite(self, names: Collection[str] | None = None) -> None:
+        """Proves the unproven steps' gradients finite (those of ``names``, or all), in
+        the order the steps ran: the first that is not raises ``NonFiniteReference``, the
+        error each step's own check gave right after it ran.
+
+        Raises:
+            NonFiniteReference: a gradient holds NaN or inf.
+        """
+        for kind, stage in list(self.unproven.items()):
+            _require_finite_grads(self.steps[kind], stage, names)
+        if names is None:
+            self.unproven.clear()
 
     def for_check(self, check: Check) -> SharedSteps:
         """These steps, or new ones when ``check`` runs on another device or dtype than the
@@ -995,7 +1045,9 @@ def _steps(
             raise
         if not take:
             shared.leave(check, parallel, rows)
-    refs = check.references(lambda dtype: _loss_of(loss_fn, _target_on(target, check, dtype)), shared=shared, rows=rows)
+    refs = check.references(
+        lambda dtype: _loss_of(loss_fn, _target_on(target, check, dtype)), shared=shared, rows=rows, compared=not take,
+    )
     return parallel, refs
 
 
@@ -1123,7 +1175,7 @@ def grads_match(check: Check, loss_fn: LossFn, target: Any, shared: SharedSteps 
     proof = check.proven(loss_fn, target, shared)
     parallel_step, refs = _steps(check, loss_fn, target, shared, take=False)
     title = "DataParallel outputs and gradients must match the single-device step"
-    rows = check.compare(parallel_step, refs)
+    rows = _compare_proving(check, parallel_step, refs)
     ran = len(parallel_step.contributions)
     lost = _lost_chunks(check, parallel_step, refs)
     failures = check.replica_failures(ran, lost=lost) + _gathered_elsewhere(check, parallel_step)
@@ -1132,6 +1184,41 @@ def grads_match(check: Check, loss_fn: LossFn, target: Any, shared: SharedSteps 
     lost_note = [lost] if lost and failed and ran >= 2 else []
     notes = [*proof, *_per_replica_note(parallel_step, refs.expected), *lost_note, *_differing_rows(check, parallel_step, refs, rows), *notes]
     return check.outcome(title, rows, notes=notes, failures=failures, scale=scale, step=parallel_step)
+
+
+def _compare_proving(check: Check, step: StepResult, refs: References) -> list[TensorComparison]:
+    """``check.compare`` of ``step`` with the references, proving on the way the gradients
+    the references left unproven (``SharedSteps.unproven``): the anchored rule reads every
+    gradient of both whole and raises on the first that is not finite; a gradient it did
+    not read (missing from the parallel step, of another shape) is proven here. Whatever
+    the comparison raises, the unproven steps raise first, so the error is the one their
+    own checks gave before the comparison began."""
+    store = refs.shared
+    try:
+        rows = check.compare(step, refs)
+    except Exception:
+        _unproven_first(store)
+        raise
+    if store.unproven:
+        unread = {row.id.name for row in rows if row.id.kind == "grad" and (row.problem is not None or row.absent)}
+        if unread:
+            store.prove_finite(unread)
+        store.unproven.clear()
+    return rows
+
+
+def _unproven_first(store: SharedSteps) -> None:
+    """Called while an exception is handled: raises what the unproven steps' own checks
+    raised, as they raised it (not as an error during the handling of another); nothing
+    when they are finite.
+
+    Raises:
+        NonFiniteReference: an unproven step's gradient holds NaN or inf.
+    """
+    try:
+        store.prove_finite()
+    except NonFiniteReference as first:
+        raise first from None
 
 
 # Rows of an output the mismatch message locates one by one, and elements of one it

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -525,9 +526,9 @@ def copy_module(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
     dtype, instead of being copied and then converted (this halves the cost of the float64
     anchor's copy of a large model).
     """
+    memo = _fresh_empty_containers(module)
     if dtype is None:
-        return copy.deepcopy(module)
-    memo: dict[int, Any] = {}
+        return copy.deepcopy(module, memo)
     with torch.no_grad():
         for param in module.parameters():
             if param.is_floating_point() and id(param) not in memo:
@@ -541,6 +542,23 @@ def copy_module(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
     model = copy.deepcopy(module, memo)
     model.to(dtype=dtype)  # anything the memo missed (e.g. tensors held outside parameters)
     return model
+
+
+#: Containers whose deep copy, when empty, is a new empty one of the same type.
+_CONTAINERS = (dict, OrderedDict, set, list)
+
+
+def _fresh_empty_containers(module: nn.Module) -> dict[int, Any]:
+    """A ``copy.deepcopy`` memo giving every empty dict, ``OrderedDict``, set or list held
+    by ``module`` and its submodules (most of a module's hook dictionaries) a new empty
+    one of the same type: what deepcopy would make of it, without its generic
+    ``__reduce_ex__`` path, which is most of the time a small model's copy takes."""
+    memo: dict[int, Any] = {}
+    for sub in module.modules():
+        for value in vars(sub).values():
+            if type(value) in _CONTAINERS and not value:
+                memo[id(value)] = type(value)()
+    return memo
 
 
 def _grad_of(model: nn.Module, module_path: str, attr: str) -> torch.Tensor | None:
