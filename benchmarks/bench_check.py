@@ -222,17 +222,22 @@ def _timed(fn: Callable[[], object]) -> float:
 
 @dataclass(frozen=True)
 class Measurement:
+    """Medians of the repeats; each repeat times the floor and then the check."""
+
     parameters: int
     checks: int
     verdicts: dict[str, int]
     steps: dict[str, int]
     floor: float
     check: float
+    #: each repeat's check over its floor, in order
+    ratios: tuple[float, ...] = ()
 
     @property
     def ratio(self) -> float:
-        """``dpverify check`` over the bare steps it must run."""
-        return self.check / self.floor
+        """``dpverify check`` over the bare steps it must run: the median of the repeats'
+        ratios (a loaded machine slows a whole repeat, floor and check alike)."""
+        return statistics.median(self.ratios) if self.ratios else self.check / self.floor
 
 
 def measure(quick: bool, repeats: int) -> Measurement:
@@ -247,6 +252,7 @@ def measure(quick: bool, repeats: int) -> Measurement:
     verdicts = {v: report.count(v) for v in (Verdict.PASS, Verdict.EXPLAINED, Verdict.FAIL, Verdict.WARN, Verdict.SKIP) if report.count(v)}
     return Measurement(
         model.parameter_count, len(report.results), verdicts, floor.counts, statistics.median(floors), statistics.median(checks),
+        tuple(c / f for f, c in zip(floors, checks, strict=True)),
     )
 
 
@@ -275,9 +281,10 @@ def main(argv: list[str] | None = None) -> Measurement:
     )
     print(f"checks: {result.checks} ({', '.join(f'{n} {v}' for v, n in result.verdicts.items())})")
     print("floor: " + ", ".join(f"{n} {kind}" for kind, n in result.steps.items()))
-    print("| parameters | floor (bare steps) | dpverify check | ratio |")
+    print("| parameters | floor (bare steps) | dpverify check | ratio (median, min-max) |")
     print("|---:|---:|---:|---:|")
-    print(f"| {result.parameters:,} | {result.floor:.2f} s | {result.check:.2f} s | {result.ratio:.2f}x |")
+    spread = f"{min(result.ratios):.2f}-{max(result.ratios):.2f}"
+    print(f"| {result.parameters:,} | {result.floor:.2f} s | {result.check:.2f} s | {result.ratio:.2f}x ({spread}) |")
     if args.profile:
         print(profile(args.quick, args.profile))
     return result
