@@ -924,6 +924,20 @@ class SharedSteps:
         for name in ("steps", "picked", "derived", "left", "evidence", "device", "dtype", "replays"):
             setattr(self, name, getattr(fresh, name))
 
+    def forget_split(self) -> None:
+        """Forgets what only the checks of one split use, once the last of them ran (see
+        ``release``): the replays of DataParallel's algorithm, the steps run chunk by chunk,
+        and the references divided by a replica count (``Key.grad(name, replicas)``, the
+        replica-sum check's average) with what the comparisons derived from them. The
+        batch's own steps stay for its other splits; a check that needs a forgotten one
+        again makes it again, the same."""
+        self.replays.clear()
+        for kind in [kind for kind in self.steps if kind.startswith("split ")]:
+            del self.steps[kind]
+        divided = [slot for slot in self.picked if slot[0].divisor != 1]
+        gone = {id(self.picked.pop(slot)) for slot in divided}
+        self.derived = {slot: held for slot, held in self.derived.items() if not gone & {id(t) for t in held[:4] if t is not None}}
+
     def for_check(self, check: Check) -> SharedSteps:
         """These steps, or new ones when ``check`` runs on another device or dtype than the
         checks before it."""
