@@ -231,6 +231,15 @@ def test_check_benchmark_quick_smoke_counts_the_steps_of_both_modes(capsys: pyte
     assert "| parameters | floor (bare steps) | dpverify check | ratio (median, min-max) |" in out
 
 
+def test_check_benchmark_can_time_by_cpu_time(capsys: pytest.CaptureFixture[str]) -> None:
+    import bench_check
+
+    result = bench_check.main(["--quick", "--repeats", "1", "--cpu-time"])
+    assert "; CPU time" in capsys.readouterr().out
+    assert result.floor > 0
+    assert result.check > 0
+
+
 @pytest.mark.deep
 def test_check_benchmark_floor_counts_what_the_check_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     import bench_check
