@@ -121,3 +121,14 @@ def test_a_summary_keeps_the_verdict_and_no_tensor() -> None:
     passing = compare_tensors(TensorId("g"), rounded, rounded, anchor, Tolerance())
     assert passing.summary() is passing
     assert passing.ok
+
+
+def test_a_parallel_result_in_another_dtype_gets_the_float64_greatest_difference_too() -> None:
+    # float64 parallel values rounded to float32 before the subtraction: no monotonic bound, every element taken
+    actual, rounded = _hard_pair(torch.float32, 200_003, 7)
+    wide = actual.double() * (1 + 1e-9)
+    row = _read_late(wide, rounded, rounded.to(torch.float64))
+    report = comparison._detailed_finite(row.id, wide, rounded, row.allowed, row.reference_error)
+    assert row.max_abs == report.max_abs
+    assert row.mismatched == report.mismatched
+    assert row.max_abs_index == report.max_abs_index
