@@ -343,8 +343,10 @@ def check_model(
         )
     results: list[CheckResult] = []
     # a batch's shared steps are released after the last check that uses them, so that no
-    # more than the batches still to come hold steps (peak memory)
+    # more than the batches still to come hold steps, and what one split's checks alone use
+    # after the last of them (peak memory)
     last = {id(planned.case.steps): i for i, planned in enumerate(plan) if planned.case.steps is not None}
+    last_of_split = {id(planned.case): i for i, planned in enumerate(plan)}
     for i, planned in enumerate(plan):
         if on_start is not None:
             on_start(planned.spec.title_for(planned.eval_copy, planned.case), planned.case.split)
@@ -352,8 +354,11 @@ def check_model(
         results.append(result)
         if on_result is not None:
             on_result(result)
-        if planned.case.steps is not None and last[id(planned.case.steps)] == i:
-            planned.case.steps.release()
+        steps = planned.case.steps
+        if steps is not None and last[id(steps)] == i:
+            steps.release()
+        elif steps is not None and last_of_split[id(planned.case)] == i:
+            steps.forget_split()
     loss = model.make_batch(max(b for b, _ in splits) if splits else max(batch_sizes)).loss_name
     # a given plan says itself whether it is exact
     exact = exact or any(planned.case.exact for planned in plan)

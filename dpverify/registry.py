@@ -308,7 +308,9 @@ class CheckResult:
         summary: one line for a table.
         detail: the full report of a failure, the explanation of a divergence, or the
             report of the loss-average check.
-        tensors: the compared tensors.
+        tensors: the compared tensors; of an ``EXPLAINED`` verdict, their summaries
+            (``TensorComparison.summary``: the verdict's figures, without the per-element
+            statistics of a failure report).
         scale: the uniform factor between parallel and expected gradients, when one
             factor explains a failure (a structured diagnosis, e.g. ``1 / world_size``).
         bias: ``loss.mean()``'s bias, for the loss-average check.
@@ -541,7 +543,8 @@ def _explained(result: Callable[..., CheckResult], groups: Sequence[SourceGroup]
     # one explanation per group, not per module: 34 BatchNorm layers share one
     summary = "differs because of " + and_list([group.cause() for group in groups])
     detail = "\n".join(group.describe() for group in groups)
-    return result(Verdict.EXPLAINED, summary, detail=detail, tensors=tensors, groups=tuple(groups))
+    # summaries: a row whose report was never read would hold its gradient and reference
+    return result(Verdict.EXPLAINED, summary, detail=detail, tensors=tuple(t.summary() for t in tensors), groups=tuple(groups))
 
 
 def _loss_fields(report: LossAverageReport | None) -> dict[str, Any]:

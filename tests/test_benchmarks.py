@@ -226,7 +226,18 @@ def test_check_benchmark_quick_smoke_counts_the_steps_of_both_modes(capsys: pyte
     assert result.floor > 0
     assert result.check > 0
     assert result.ratio > 0
-    assert "| parameters | floor (bare steps) | dpverify check | ratio |" in out
+    assert len(result.ratios) == 1
+    assert result.ratio == result.ratios[0] == pytest.approx(result.check / result.floor)
+    assert "| parameters | floor (bare steps) | dpverify check | ratio (median, min-max) |" in out
+
+
+def test_check_benchmark_can_time_by_cpu_time(capsys: pytest.CaptureFixture[str]) -> None:
+    import bench_check
+
+    result = bench_check.main(["--quick", "--repeats", "1", "--cpu-time"])
+    assert "; CPU time" in capsys.readouterr().out
+    assert result.floor > 0
+    assert result.check > 0
 
 
 @pytest.mark.deep

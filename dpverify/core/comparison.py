@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,6 +22,8 @@ from dpverify.core.numerics import dense, max_abs, scale_factor, ulp_distances
 from dpverify.core.text import shape_text
 
 __all__ = [
+    "NOT_KEPT",
+    "PER_ELEMENT",
     "Derived",
     "ReplayMatch",
     "StepComparison",
@@ -218,6 +221,11 @@ class ReplayMatch:
         )
 
 
+#: The fields of a finite failing tensor's comparison under the anchored rule that are
+#: computed when first read (``_ElementStatistics``): what its failure report alone shows.
+PER_ELEMENT = ("mismatched", "max_abs_index", "max_rel", "max_rel_index")
+
+
 @dataclass(frozen=True)
 class TensorComparison:
     """The comparison of one tensor (an output, the loss, or a parameter's gradient).
@@ -229,7 +237,13 @@ class TensorComparison:
     tensor a few times, never element by element in Python.
 
     ``norm_gap``/``norm_allowed`` are the tensor-level test's numbers (0 with explicit
-    tolerances). ``nonfinite`` counts NaN and inf entries of the parallel result where the
+    tolerances).
+
+    Of a finite tensor failing the anchored rule, the fields only its failure report shows
+    (``PER_ELEMENT``: the count of mismatched elements, the indices, the relative
+    difference) are computed when first read, each the value it would have been; until
+    then the comparison holds the tensor and its reference. ``ok``, ``ratio``, ``max_abs``
+    and ``allowed`` are computed at once. ``nonfinite`` counts NaN and inf entries of the parallel result where the
     single-device result is finite. ``noise`` is True when the tensor is below the working
     dtype's resolution (zero in exact arithmetic up to rounding): it was checked only for
     the size of its values.
@@ -274,7 +288,68 @@ class TensorComparison:
 
     @property
     def ok(self) -> bool:
-        return self.problem is None and self.mismatched == 0 and self.norm_gap <= self.norm_allowed
+        pending = self.__dict__.get("_statistics")
+        over = pending.over if pending is not None else self.mismatched > 0
+        return self.problem is None and not over and self.norm_gap <= self.norm_allowed
+
+    if not TYPE_CHECKING:  # to mypy the fields are plain attributes, as they read
+
+        def __getattr__(self, name: str) -> object:
+            # Called only for an attribute the instance lacks: a per-element statistic of
+            # a failing tensor not read yet (``_ElementStatistics``), computed now, once.
+            pending = self.__dict__.get("_statistics")
+            if pending is None or name not in PER_ELEMENT:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            for key, value in pending.figures().items():
+                object.__setattr__(self, key, value)
+            object.__delattr__(self, "_statistics")
+            return self.__dict__[name]
+
+    def _values(self) -> tuple[object, ...]:
+        # every field, per-element statistics computed, ``NOT_KEPT`` for those a summary dropped
+        return tuple(getattr(self, item.name, NOT_KEPT) for item in fields(self))
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, TensorComparison)
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        pairs = (f"{item.name}={value!r}" for item, value in zip(fields(self), self._values(), strict=True))
+        return f"{type(self).__name__}({', '.join(pairs)})"
+
+    def __getstate__(self) -> dict[str, object]:
+        """Every field, per-element statistics computed (a pickled comparison holds no tensors)."""
+        state = {item.name: value for item, value in zip(fields(self), self._values(), strict=True) if value is not NOT_KEPT}
+        if isinstance(self.__dict__.get("_statistics"), _NotKept):
+            state["_statistics"] = self.__dict__["_statistics"]
+        return state
+
+    def summary(self) -> TensorComparison:
+        """This comparison as a summary: its per-element statistics (``PER_ELEMENT``) where
+        they are still to be computed are dropped with the tensors they need (reading one
+        raises ``AttributeError``); what the verdict reads stays. ``dpverify check`` keeps
+        the rows of a check it explains so: it reports their verdict only, and a row still
+        to be computed holds a gradient and its reference."""
+        pending = self.__dict__.get("_statistics")
+        if not isinstance(pending, _ElementStatistics) or pending.computed:  # nothing held
+            return self
+        summary = self.renamed(self.id)
+        object.__setattr__(summary, "_statistics", _NotKept(pending.over))
+        return summary
+
+    def renamed(self, id: TensorId) -> TensorComparison:
+        """The same comparison of another tensor id (the gradient check's row of a
+        gradient, reused by the replica-sum check), its per-element statistics still to be
+        computed where they were (``dataclasses.replace`` would compute them)."""
+        copy = object.__new__(TensorComparison)
+        copy.__dict__.update(self.__dict__)
+        object.__setattr__(copy, "id", id)
+        return copy
 
     def details(self) -> str:
         """The assert_close-style paragraph for this tensor."""
@@ -313,6 +388,12 @@ class TensorComparison:
                 f"The single-device step is {self.reference_error:.3g} from float64 on this tensor."
             )
         return "\n".join(lines)
+
+
+# Their defaults stay in ``__init__``; as class attributes they would hide a statistic still
+# to be computed from ``TensorComparison.__getattr__``.
+for _name in PER_ELEMENT:
+    delattr(TensorComparison, _name)
 
 
 def _missing(name: TensorId, actual: torch.Tensor | None, expected: torch.Tensor | None) -> TensorComparison | None:
@@ -542,7 +623,6 @@ def _anchored(
     )
     difference = actual.to(wide) - rounded.to(wide)
     gap, norm_gap = max_abs(difference), _norm(difference)
-    del difference
     if numel == 1:  # one element: the norm is the elementwise test
         norm_allowed = max(norm_allowed, allowed)
     if gap <= allowed and norm_gap <= norm_allowed:  # False for NaN: those take the detailed path
@@ -552,13 +632,22 @@ def _anchored(
             reference_error=reference_error, norm_gap=norm_gap, norm_allowed=norm_allowed, noise=noise,
         )
     if math.isfinite(gap):  # the reference is finite, so NaN/inf can only be the parallel step's
-        detailed = _detailed_finite(name, actual, rounded, allowed, reference_error)
-    else:
-        # The isclose rule of the explicit path with the anchored allowance as atol.
-        allowed_each = torch.full((), allowed, dtype=torch.float64, device=actual.device)
-        target = rounded.to(torch.float64)
-        outside = ~torch.isclose(actual.to(torch.float64), target, rtol=0.0, atol=allowed)
-        detailed = _detailed(name, actual, target, allowed_each, reference_error, mismatched=outside)
+        largest = _largest_difference(difference, gap, actual, rounded)
+        del difference
+        return _failing(
+            TensorComparison(
+                name, tuple(actual.shape), numel, max_abs=largest, allowed=allowed,
+                ratio=max(_ratio(largest, allowed), _ratio(norm_gap, norm_allowed)), reference_error=reference_error,
+                norm_gap=norm_gap, norm_allowed=norm_allowed, noise=noise, size=prepared.size,
+            ),
+            _ElementStatistics(actual, rounded, allowed, largest > allowed),
+        )
+    del difference
+    # The isclose rule of the explicit path with the anchored allowance as atol.
+    allowed_each = torch.full((), allowed, dtype=torch.float64, device=actual.device)
+    target = rounded.to(torch.float64)
+    outside = ~torch.isclose(actual.to(torch.float64), target, rtol=0.0, atol=allowed)
+    detailed = _detailed(name, actual, target, allowed_each, reference_error, mismatched=outside)
     norm_gap = math.inf if math.isnan(norm_gap) else norm_gap
     return replace(
         detailed,
@@ -715,6 +804,114 @@ def _detailed_finite(
 
 # Elements per chunk of _detailed_finite: float64 temporaries of half a megabyte.
 _DETAIL_CHUNK = 1 << 16
+
+class _ElementStatistics:
+    """The per-element statistics (``PER_ELEMENT``) of a finite failing tensor, computed
+    by ``_detailed_finite`` when a field of them is first read, then forgotten with the
+    tensors it needs.
+
+    They are a tensor's float64 report: several passes over it, and the check whose
+    failure a model's train-mode BatchNorm explains fails on every gradient, while
+    ``dpverify check`` only summarises an explained check. What the verdict reads (whether
+    the tensor passes, its ratio, its greatest difference) is computed at once
+    (``_largest_difference``); the comparison holds ``actual`` and ``rounded`` until the
+    rest is read or the comparison is dropped.
+
+    Attributes:
+        over: some element is farther than ``allowed`` (``mismatched > 0``).
+    """
+
+    __slots__ = ("_figures", "actual", "allowed", "over", "rounded")
+
+    def __init__(self, actual: torch.Tensor, rounded: torch.Tensor, allowed: float, over: bool) -> None:
+        self.actual: torch.Tensor | None = actual
+        self.rounded: torch.Tensor | None = rounded
+        self.allowed = allowed
+        self.over = over
+        self._figures: dict[str, object] | None = None
+
+    @property
+    def computed(self) -> bool:
+        return self._figures is not None
+
+    def figures(self) -> dict[str, object]:
+        """The statistics by field name (computed once: comparisons renamed from one share them)."""
+        if self._figures is None:
+            assert self.actual is not None
+            assert self.rounded is not None
+            detailed = _detailed_finite(TensorId(""), self.actual, self.rounded, self.allowed, 0.0)
+            self._figures = {name: getattr(detailed, name) for name in PER_ELEMENT}
+            self.actual = self.rounded = None
+        return self._figures
+
+
+class _NotKept:
+    """What a summary (``TensorComparison.summary``) keeps of statistics not computed:
+    whether some element is over the allowance, the verdict's part of them."""
+
+    __slots__ = ("over",)
+
+    def __init__(self, over: bool) -> None:
+        self.over = over
+
+    def figures(self) -> dict[str, object]:
+        raise AttributeError(
+            "the per-element statistics (" + ", ".join(PER_ELEMENT) + ") of this comparison were not kept: "
+            "it is a summary (TensorComparison.summary), as dpverify check keeps the rows of a check it "
+            "explains; run the check with its assertion helper (assert_dp_grads_match, ...) for its full report"
+        )
+
+    def __getstate__(self) -> bool:
+        return self.over
+
+    def __setstate__(self, over: bool) -> None:
+        self.over = over
+
+
+class _NotKeptValue:
+    """The value ``repr`` and ``==`` see for a statistic a summary did not keep."""
+
+    def __repr__(self) -> str:
+        return "<not kept>"
+
+    def __reduce__(self) -> str:
+        return "NOT_KEPT"
+
+
+#: Stands for a per-element statistic a summary did not keep (``TensorComparison.summary``).
+NOT_KEPT = _NotKeptValue()
+
+
+def _failing(row: TensorComparison, statistics: _ElementStatistics) -> TensorComparison:
+    """``row`` with its ``PER_ELEMENT`` fields left to ``statistics``."""
+    object.__setattr__(row, "_statistics", statistics)
+    for name in PER_ELEMENT:
+        object.__delattr__(row, name)
+    return row
+
+
+def _largest_difference(difference: torch.Tensor, gap: float, actual: torch.Tensor, rounded: torch.Tensor) -> float:
+    """The greatest ``|actual - rounded|`` taken in float64, as ``_detailed_finite`` takes
+    it, from ``difference`` (``actual - rounded`` in the dtype differences are taken in;
+    consumed) whose greatest ``|entry|`` is ``gap``.
+
+    A float32 difference of float32 tensors is the float64 one rounded to float32, and
+    rounding is monotonic: an element with the greatest float64 difference has a float32
+    difference within one float32 step of ``gap`` (the step below too: two float64 values
+    can round to neighbouring float32 ones). Those few elements are taken again in float64.
+    """
+    if difference.dtype == torch.float64:
+        return gap
+    flat = difference.reshape(-1)
+    if not actual.dtype == rounded.dtype == difference.dtype:  # rounded before subtracting: no such bound
+        return max(
+            float((actual.reshape(-1)[start : start + _DETAIL_CHUNK].to(torch.float64) - rounded.reshape(-1)[start : start + _DETAIL_CHUNK]).abs().amax())
+            for start in range(0, flat.numel(), _DETAIL_CHUNK)
+        )
+    below = torch.nextafter(torch.tensor(gap, dtype=flat.dtype), torch.tensor(-math.inf, dtype=flat.dtype))
+    near = (flat.abs_() >= below).nonzero().squeeze(1)
+    exact = actual.reshape(-1)[near].to(torch.float64) - rounded.reshape(-1)[near].to(torch.float64)
+    return float(exact.abs_().amax())
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:

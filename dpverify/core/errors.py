@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 # The engine must run where Hypothesis is not installed (only the strategies, the fuzzer
 # and the pytest plugin need it), so this import, the one the engine may make of Hypothesis
 # (tests/test_layout.py), is guarded.
@@ -38,14 +41,46 @@ class NonFiniteReference(InvalidArgument):
 class ParallelMismatch(AssertionError):
     """A parallel step disagrees with the single-device step it should reproduce.
 
+    ``message`` may be a function that makes it, called when the message is first read.
+
     Attributes:
         report: the structured comparison behind the message (a ``StepComparison`` or a
             ``LossAverageReport``), for callers that want numbers rather than text.
     """
 
-    def __init__(self, message: str, report: object = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str | Callable[[], str], report: object = None) -> None:
+        self._render = None if isinstance(message, str) else message
+        super().__init__(*([message] if isinstance(message, str) else []))
         self.report = report
+
+    def _rendered(self) -> None:
+        # A message given as a function is made on first read: a failure report of every
+        # tensor costs passes over each, and a caller that only needs the verdict (and
+        # ``report``) never reads it.
+        if self._render is not None:
+            render, self._render = self._render, None
+            BaseException.args.__set__(self, (render(),))  # type: ignore[attr-defined]
+
+    @property  # type: ignore[override]
+    def args(self) -> tuple[Any, ...]:
+        self._rendered()
+        return BaseException.args.__get__(self)  # type: ignore[attr-defined,no-any-return]
+
+    @args.setter
+    def args(self, value: tuple[Any, ...]) -> None:
+        self._render = None
+        BaseException.args.__set__(self, value)  # type: ignore[attr-defined]
+
+    def __str__(self) -> str:
+        self._rendered()
+        return super().__str__()
+
+    def __repr__(self) -> str:
+        self._rendered()
+        return super().__repr__()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.report))
 
 
 class DroppedRowsWarning(UserWarning):
