@@ -14,7 +14,8 @@ copy (``_run_check``).
 Failing examples are kept in a Hypothesis example database under ``.dpverify/examples``
 and replayed first next time. A failure is shrunk, printed as a pasteable spec with the
 full report, and written as a standalone script, ``.dpverify/repro_<id>.py``, that runs
-the same registry check by name. The live display is ``fuzz_view.py``.
+the same registry check by name. The live display is ``fuzz_view.py``; a session in
+several processes, ``fuzz_workers.py``.
 """
 
 from __future__ import annotations
