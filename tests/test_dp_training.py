@@ -174,6 +174,38 @@ def test_the_three_runs_share_one_group_of_this_process_alone() -> None:
     assert not dist.is_initialized()
 
 
+def test_checks_share_the_group_a_block_holds_and_only_there() -> None:
+    import torch.distributed as dist
+
+    from dpverify.ranked.rank import one_rank_group_held
+
+    groups: list[Any] = []
+
+    def recording_clip(ctx: Any) -> None:
+        groups.append(ctx.group)
+        clip(ctx)
+
+    def check() -> None:
+        dpverify.assert_dp_training_matches(
+            _mlp(), _batches(2), loss_fn=F.mse_loss, optimizer=SGD, device_ids=[0, 1], after_backward=recording_clip,
+        )
+
+    with one_rank_group_held():
+        assert not dist.is_initialized()  # made on first use
+        check()
+        check()
+        assert dist.is_initialized()
+    held, groups[:] = list(groups), []
+    assert len(held) == 12
+    assert all(group is held[0] for group in held)
+    assert not dist.is_initialized()
+    # outside a block, a group per check
+    check()
+    check()
+    assert groups[0] is not groups[-1]
+    assert not dist.is_initialized()
+
+
 def test_a_hook_that_only_clips_under_data_parallel_is_caught_at_step_one() -> None:
     def clip_on_gpus_only(ctx: Any) -> None:
         if not ctx.reference:

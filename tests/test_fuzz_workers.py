@@ -57,6 +57,14 @@ def test_only_dataparallel_sessions_default_to_several_workers() -> None:
     assert {default_workers(backend) for backend in ("ddp", "fsdp", "tp", "pp", "all")} == {1}
 
 
+def test_a_session_leaves_no_process_group_behind(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    # a default session holds one group for its training checks' hooks (one_rank_group_held)
+    assert fuzz(FuzzConfig(max_examples=8, seed=5, state_dir=tmp_path)).ok
+    assert not dist.is_initialized()
+
+
 def _outcomes(*reports: FuzzReport) -> Counter[str]:
     return Counter(example.outcome for report in reports for example in report.history)
 

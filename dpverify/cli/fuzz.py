@@ -49,6 +49,7 @@ from dpverify.models.layouts import BACKENDS as SHARDED_BACKENDS
 from dpverify.models.layouts import ShardedScenario
 from dpverify.models.specs import KINDS
 from dpverify.models.training import OptimizerSpec, TrainingScenario
+from dpverify.ranked.rank import one_rank_group_held
 from dpverify.registry import CHECKS, Case, CheckResult, Target, Verdict
 from dpverify.strategies import (
     EXACT_BACKEND_KINDS,
@@ -830,6 +831,17 @@ def _one_intra_op_thread() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+def _group_held(config: FuzzConfig) -> contextlib.AbstractContextManager[None]:
+    """One process group of this process alone for the whole session's training checks
+    (``one_rank_group_held``: a group each cost 10 ms to tear down, a third of an example),
+    where nothing the session runs looks at torch.distributed between them: a DataParallel
+    session of torch's DataParallel, dpverify's models and the built-in losses. Code of the
+    user's (``--target``, ``--parallel-loss``, ``--loss MODULE:FN``) gets a group per check,
+    as outside a session."""
+    own = config.backend == "dp" and config.target_object is None and config.parallel_loss_object is None and config.loss_object is None
+    return one_rank_group_held() if own else contextlib.nullcontext()
+
+
 def fuzz(
     config: FuzzConfig,
     *,
@@ -895,7 +907,7 @@ def fuzz(
         session = seed(config.seed)(session)
     stopped_by = "max-examples"
     try:
-        with _ctrl_c_noted(ctrl_c), _one_intra_op_thread():
+        with _ctrl_c_noted(ctrl_c), _one_intra_op_thread(), _group_held(config):
             session()
     except _TimeUp:
         stopped_by = "time-budget"
