@@ -65,6 +65,21 @@ def test_a_session_leaves_no_process_group_behind(tmp_path: Path) -> None:
     assert not dist.is_initialized()
 
 
+def test_what_a_worker_raises_reaches_the_caller_as_from_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dpverify.cli import fuzz as engine
+    from dpverify.core.errors import InvalidArgument
+
+    def refusing(config: FuzzConfig) -> Any:
+        def example(scenario: Any) -> Any:
+            raise InvalidArgument("module has no parameters to train; pass a module with parameters")
+
+        return example
+
+    monkeypatch.setattr(engine, "_example_runner", refusing)  # the workers are forked: they see it
+    with pytest.raises(InvalidArgument, match="pass a module with parameters"):
+        fuzz_in_workers(FuzzConfig(max_examples=4, seed=0, workers=2, state_dir=tmp_path))
+
+
 def _outcomes(*reports: FuzzReport) -> Counter[str]:
     return Counter(example.outcome for report in reports for example in report.history)
 

@@ -59,10 +59,13 @@ class _Run:
 
 @dataclass(frozen=True)
 class _Done:
-    """A worker's session ended: its report, or the traceback of what it raised."""
+    """A worker's session ended: its report, or what it raised (the exception itself where
+    it pickles, so that the caller sees what a session in one process raises) and its
+    traceback."""
 
     report: FuzzReport | None
     error: str | None = None
+    raised: BaseException | None = None
 
 
 def worker_configs(config: FuzzConfig) -> list[FuzzConfig]:
@@ -105,8 +108,12 @@ def _work(config: FuzzConfig, stop: Any, out: Connection) -> None:
 
         report = fuzz(config, on_run=sent, stop=stop.is_set)
         out.send(_Done(report))
-    except BaseException:
-        out.send(_Done(None, traceback.format_exc()))
+    except BaseException as error:
+        trace = traceback.format_exc()
+        try:
+            out.send(_Done(None, trace, error))
+        except Exception:  # an exception that does not pickle: its traceback alone
+            out.send(_Done(None, trace))
     finally:
         out.close()
 
@@ -236,11 +243,16 @@ def _report(merge: _Merge, reports: dict[int, _Done], workers: int) -> FuzzRepor
     """The session's report from the count and the workers' own reports.
 
     Raises:
-        RuntimeError: a worker raised outside its checks, or died.
+        BaseException: what a worker's session raised (an ``InvalidArgument`` naming the
+            argument, say), as a session in one process raises it.
+        RuntimeError: a worker died, or raised what does not pickle; with its traceback.
     """
-    errors = [f"fuzz worker {i}:\n{done.error}" for i, done in sorted(reports.items()) if done.error is not None]
+    errors = [(i, done) for i, done in sorted(reports.items()) if done.error is not None]
     if errors and not merge.interrupted:
-        raise RuntimeError("\n".join(errors))
+        first = errors[0][1]
+        if first.raised is not None:
+            raise first.raised
+        raise RuntimeError("\n".join(f"fuzz worker {i}:\n{done.error}" for i, done in errors))
     tally = merge.tally
     done = {i: d.report for i, d in reports.items() if d.report is not None}
     failure = None
