@@ -45,6 +45,11 @@ def test_each_worker_gets_a_share_of_the_examples_and_a_seed_of_its_own() -> Non
     # under a time budget alone each worker runs until the budget
     budget = worker_configs(FuzzConfig(time_budget=5.0, workers=2))
     assert [(c.max_examples, c.time_budget) for c in budget] == [(None, 5.0), (None, 5.0)]
+    # a profile's examples are shared too, not run by every worker
+    import dpverify.profiles  # noqa: F401  (registers the dpverify-* profiles)
+
+    profiled = worker_configs(FuzzConfig(profile="dpverify-ci", workers=2))
+    assert sum(c.max_examples or 0 for c in profiled) == FuzzConfig(profile="dpverify-ci").examples
 
 
 def test_fuzz_runs_one_worker_and_says_what_runs_several(tmp_path: Path) -> None:

@@ -72,13 +72,15 @@ def worker_configs(config: FuzzConfig) -> list[FuzzConfig]:
     """Each worker's session: an equal share of the examples (the first workers one more
     where they do not divide), no more workers than examples; a seeded session's worker
     ``i`` has seed ``seed + i``, so a seeded session is repeatable for a given number of
-    workers."""
+    workers. The examples are ``--max-examples``, else the profile's; a time budget alone
+    sets none, and every worker runs until it."""
     total = config.examples
     count = max(1, min(config.workers, total))
     shares = [total // count + (1 if i < total % count else 0) for i in range(count)]
+    until_the_budget = config.max_examples is None and config.profile is None and config.time_budget is not None
     return [
         dataclasses.replace(
-            config, workers=1, max_examples=share if config.max_examples is not None else config.max_examples,
+            config, workers=1, max_examples=None if until_the_budget else share,
             seed=None if config.seed is None else config.seed + i,
         )
         for i, share in enumerate(shares)
