@@ -6,7 +6,6 @@ import contextlib
 import copy
 import threading
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -519,36 +518,16 @@ def jitter_parameters(model: nn.Module, size: float) -> None:
                 param.mul_(1 + size * signs)
 
 
-#: The containers ``copy_module`` makes anew when empty: what ``copy.deepcopy`` makes of an
-#: empty one of these exact types is an empty one of the same type.
-_PLAIN_CONTAINERS = (dict, OrderedDict, set)
-
-
-def _fresh_empty_containers(module: nn.Module, memo: dict[int, Any]) -> None:
-    """Plants in deepcopy's ``memo`` a new empty container for every empty dict,
-    OrderedDict or set that a submodule holds as an attribute: each module holds a dozen
-    (its hooks, mostly empty), and deepcopy rebuilds an OrderedDict through its generic
-    ``__reduce_ex__`` path, which was most of the cost of copying a small model. Shared
-    containers stay shared (the memo is by identity); anything else is deepcopy's."""
-    for sub in module.modules():
-        for value in vars(sub).values():
-            kind = type(value)
-            if kind in _PLAIN_CONTAINERS and not value and id(value) not in memo and not getattr(value, "__dict__", None):
-                memo[id(value)] = kind()
-
-
 def copy_module(module: nn.Module, dtype: torch.dtype | None) -> nn.Module:
     """A deep copy, with floating parameters and buffers already in ``dtype``.
 
     Converted tensors are planted in deepcopy's memo, so each is written once, in the new
     dtype, instead of being copied and then converted (this halves the cost of the float64
-    anchor's copy of a large model); so are new empty containers for the module's empty
-    ones (``_fresh_empty_containers``).
+    anchor's copy of a large model).
     """
-    memo: dict[int, Any] = {}
-    _fresh_empty_containers(module, memo)
     if dtype is None:
-        return copy.deepcopy(module, memo)
+        return copy.deepcopy(module)
+    memo: dict[int, Any] = {}
     with torch.no_grad():
         for param in module.parameters():
             if param.is_floating_point() and id(param) not in memo:
