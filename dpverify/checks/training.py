@@ -56,6 +56,7 @@ from dpverify.ranked.rank import (
     ReferenceContext,
     after_backward_note,
     one_rank_group,
+    one_rank_group_held,
 )
 
 __all__ = ["DPContext", "assert_dp_training_matches", "training_matches"]
@@ -261,15 +262,13 @@ def _train(
     *,
     parallel: bool,
     dtype: torch.dtype | None,
-    one_rank: Any = None,
     exact: bool = False,
 ) -> _Training:
     """``len(batches)`` optimizer steps on a copy of ``check.module``, through the wrapper
     (``parallel``) or alone, in ``dtype`` (None: the module's own): zero the gradients,
     forward the full batch, ``loss_fn`` on the (gathered) output, backward,
-    ``after_backward(ctx)`` (``ctx.group``: ``one_rank``, the caller's ``one_rank_group``),
-    optimizer step; a snapshot after each step. ``exact``: the whole run under ``proving``
-    (``_proving_training``)."""
+    ``after_backward(ctx)``, optimizer step; a snapshot after each step. ``exact``: the
+    whole run under ``proving`` (``_proving_training``)."""
     device = check.device
     model = copy_module(check.module, dtype).to(device)
     names = {id(p): name for name, p in model.named_parameters()}
@@ -280,8 +279,9 @@ def _train(
     run = _Training(initial=_attributes(model))
     fork = [device] if device.type == "cuda" else []
     devices = check.devices() if parallel else contextlib.nullcontext()
+    group = one_rank_group() if after_backward is not None else contextlib.nullcontext()
     proof = _proving_training(model, len(batches), exact)
-    with torch.random.fork_rng(devices=fork), default_dtype(dtype), devices, proof as watch:
+    with torch.random.fork_rng(devices=fork), default_dtype(dtype), devices, group as one_rank, proof as watch:
         runner: Callable[..., Any] = check.wrap(model) if parallel else model  # built where it runs
         seed_step(0, device)
         for index, (inputs, kwargs, target) in enumerate(batches):
@@ -654,20 +654,26 @@ def training_matches(
 ) -> StepComparison:
     """``assert_dp_training_matches`` on a built ``check`` and validated ``batches``,
     returning its comparison whatever it found; in exact mode (``check.exact``) the
-    batches are put on the grid here."""
+    batches are put on the grid here. The hook of every run gets one group of this process
+    alone (``one_rank_group_held``): a gloo group costs about 10 ms to tear down, ten times
+    a small model's run."""
+    with one_rank_group_held():
+        return _training_matches(check, batches, loss_fn, optimizer, after_backward, title=title)
+
+
+def _training_matches(
+    check: Check, batches: Sequence[_Batch], loss_fn: LossFn, optimizer: OptimizerFactory,
+    after_backward: AfterBackward | None, *, title: str,
+) -> StepComparison:
     batches = [(check.on_grid(args), check.on_grid(kwargs), check.on_grid(target)) for args, kwargs, target in batches]
     proven = check.proven(loss_fn, batches[0][2])
-    # One group for the hook of all three runs: a gloo group of one rank costs about 10 ms
-    # to tear down (its destructor joins its threads), ten times a small model's run.
-    with one_rank_group() if after_backward is not None else contextlib.nullcontext() as one_rank:
-        train = functools.partial(_train, check, batches, loss_fn, optimizer, after_backward, one_rank=one_rank)
-        expected = train(parallel=False, dtype=None, exact=check.exact)
-        try:
-            actual = train(parallel=True, dtype=None)
-        except Exception as error:
-            error.add_note(f"dpverify: raised by the DataParallel training run. Scenario: {check.scenario}.")
-            raise
-        anchor = None if check.tolerance.explicit else train(parallel=False, dtype=torch.float64)
+    expected = _train(check, batches, loss_fn, optimizer, after_backward, parallel=False, dtype=None, exact=check.exact)
+    try:
+        actual = _train(check, batches, loss_fn, optimizer, after_backward, parallel=True, dtype=None)
+    except Exception as error:
+        error.add_note(f"dpverify: raised by the DataParallel training run. Scenario: {check.scenario}.")
+        raise
+    anchor = None if check.tolerance.explicit else _train(check, batches, loss_fn, optimizer, after_backward, parallel=False, dtype=torch.float64)
     per_step = [
         _rows_of_step(check, index, got, want, anchor.steps[index] if anchor is not None else None)
         for index, (got, want) in enumerate(zip(actual.steps, expected.steps, strict=True))

@@ -501,7 +501,8 @@ def one_rank_group_held() -> Iterator[None]:
     destroyed when the block ends, instead of a group each: tearing a gloo group down costs
     about 10 ms (its destructor joins its threads), more than a small model's training
     check. That default group stays initialised between uses (``dist.is_initialized()``),
-    so hold one only around code that does not look: ``dpverify fuzz`` holds one over a
+    so hold one only around code that does not look: the DataParallel training check holds
+    one over its runs (between them only its comparisons run), ``dpverify fuzz`` one over a
     DataParallel session of dpverify's models and torch's DataParallel. Nothing is held
     where a default group exists already (torchrun) or a block already holds one."""
     import torch.distributed as dist
