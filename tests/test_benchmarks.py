@@ -389,3 +389,17 @@ def test_memory_benchmark_smoke_measures_a_check_in_a_fresh_process(capsys: pyte
     # the check keeps no tensor once it returned
     assert row.left_tensors == 0
     assert "| assert_dp_grads_match, MLP, 4 devices | 90 |" in capsys.readouterr().out
+
+
+def test_fuzz_benchmark_smoke_counts_each_session_in_one_process_and_in_workers(capsys: pytest.CaptureFixture[str]) -> None:
+    import bench_fuzz
+
+    runs = bench_fuzz.main(["--examples", "4", "--seed", "0", "--workers", "2", "--repeats", "1"])
+    # one process first, then two workers, each counting every example it was asked for
+    assert [run.workers for run in runs] == [1, 2]
+    assert all(run.examples == 4 for run in runs)
+    assert all(run.rate > 0 and run.wall > 0 and run.cpu > 0 for run in runs)
+    out = capsys.readouterr().out
+    assert "| workers | examples/s (its own count) |" in out
+    assert out.count("\n| 1 |") == 1
+    assert out.count("\n| 2 |") == 1

@@ -204,7 +204,8 @@ def test_the_exact_optimizer_default_has_short_dyadic_numbers() -> None:
 
 def test_fuzz_exact_runs_every_check_in_exact_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exact_runs: list[bool], capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
-    status = main(["fuzz", "--exact", "--max-examples", "6", "--seed", "3", "--devices", "3", "--no-color"])
+    # one worker: the checks record their runs in this process
+    status = main(["fuzz", "--exact", "--max-examples", "6", "--seed", "3", "--devices", "3", "--workers", "1", "--no-color"])
     out = capsys.readouterr().out
     assert status == 0, out
     assert exact_runs

@@ -326,7 +326,8 @@ def test_fuzz_uses_the_users_loss(tmp_path: object, monkeypatch: pytest.MonkeyPa
 
     monkeypatch.chdir(str(tmp_path))
     cli_loss_code.CALLS.clear()
-    assert main(["fuzz", "--loss", "cli_loss_code:counted_mse", "--max-examples", "5", "--seed", "2", "--no-color"]) == EXIT_OK
+    # one worker: the loss counts its calls in this process
+    assert main(["fuzz", "--loss", "cli_loss_code:counted_mse", "--max-examples", "5", "--seed", "2", "--workers", "1", "--no-color"]) == EXIT_OK
     assert "with loss cli_loss_code:counted_mse" in _flat(capsys.readouterr().out)
     assert cli_loss_code.CALLS  # the checks called it
 

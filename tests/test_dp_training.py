@@ -150,6 +150,62 @@ def test_a_clip_hook_runs_in_both_runs_and_passes() -> None:
     assert any("recording_clip" in note for note in result.notes)
 
 
+def test_the_three_runs_share_one_group_of_this_process_alone() -> None:
+    import torch.distributed as dist
+
+    groups: list[Any] = []
+
+    def all_reducing_clip(ctx: Any) -> None:
+        # a hook may all-reduce over ctx.group; on a group of one rank that changes nothing
+        for p in ctx.module.parameters():
+            dist.all_reduce(p.grad, group=ctx.group)
+        groups.append(ctx.group)
+        assert dist.get_world_size(ctx.group) == 1
+        clip(ctx)
+
+    result = dpverify.assert_dp_training_matches(
+        _mlp(), _batches(), loss_fn=F.mse_loss, optimizer=SGD, device_ids=[0, 1], after_backward=all_reducing_clip,
+    )
+    assert result.ok
+    # one group made for the check (a gloo group costs ~10 ms to tear down), used by every
+    # step of the DataParallel run and of both references, and gone afterwards
+    assert len(groups) == 9
+    assert all(group is groups[0] for group in groups)
+    assert not dist.is_initialized()
+
+
+def test_checks_share_the_group_a_block_holds_and_only_there() -> None:
+    import torch.distributed as dist
+
+    from dpverify.ranked.rank import one_rank_group_held
+
+    groups: list[Any] = []
+
+    def recording_clip(ctx: Any) -> None:
+        groups.append(ctx.group)
+        clip(ctx)
+
+    def check() -> None:
+        dpverify.assert_dp_training_matches(
+            _mlp(), _batches(2), loss_fn=F.mse_loss, optimizer=SGD, device_ids=[0, 1], after_backward=recording_clip,
+        )
+
+    with one_rank_group_held():
+        assert not dist.is_initialized()  # made on first use
+        check()
+        check()
+        assert dist.is_initialized()
+    held, groups[:] = list(groups), []
+    assert len(held) == 12
+    assert all(group is held[0] for group in held)
+    assert not dist.is_initialized()
+    # outside a block, a group per check
+    check()
+    check()
+    assert groups[0] is not groups[-1]
+    assert not dist.is_initialized()
+
+
 def test_a_hook_that_only_clips_under_data_parallel_is_caught_at_step_one() -> None:
     def clip_on_gpus_only(ctx: Any) -> None:
         if not ctx.reference:

@@ -130,6 +130,49 @@ def test_ctrl_c_stops_a_fuzz_session_on_a_terminal_with_its_ranks(tmp_path: Path
     assert not left, f"processes outlived the session by {STOP_DEADLINE_S}s: {left}"
 
 
+@pytest.mark.timeout(PROGRESS_DEADLINE_S + 4 * STOP_DEADLINE_S)
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_ctrl_c_stops_a_dataparallel_session_and_its_worker_processes(tmp_path: Path) -> None:
+    import pty
+
+    command = [sys.executable, "-m", "dpverify", "fuzz", "--workers", "2", "--time-budget", "10m", "--seed", "0"]
+    controller, terminal = pty.openpty()
+    try:
+        session = subprocess.Popen(
+            command, stdin=terminal, stdout=terminal, stderr=terminal,
+            cwd=tmp_path, env=_env(), start_new_session=True,
+        )  # fmt: skip
+    finally:
+        os.close(terminal)
+    shown = bytearray()
+    started: dict[int, psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + PROGRESS_DEADLINE_S
+        examples = 0
+        while examples < 10 and time.monotonic() < deadline and session.poll() is None:
+            _read(controller, shown, 0.2)
+            _descendants(session.pid, started)
+            examples = max((int(n) for n in PROGRESS.findall(bytes(shown))), default=0)
+        workers = len(started)
+        took, left = _ctrl_c(session, started)
+        while _read(controller, shown, 0.2):
+            pass
+    finally:
+        os.close(controller)
+        if session.poll() is None:
+            session.kill()
+            session.wait()
+    text = shown.decode(errors="replace")
+    assert examples, f"no example counted within {PROGRESS_DEADLINE_S}s:\n{text[-3000:]}"
+    assert workers == 2, f"the session's two workers ran: {started}"
+    assert took <= STOP_DEADLINE_S, f"still running {STOP_DEADLINE_S}s after Ctrl-C:\n{text[-3000:]}"
+    assert session.returncode == 130, text[-3000:]
+    assert re.search(r"INTERRUPTED after \d+ examples?, no failure so far", text), text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    assert "KeyboardInterrupt" not in text, text[-3000:]
+    assert not left, f"processes outlived the session by {STOP_DEADLINE_S}s: {left}"
+
+
 #: Starts a pool and, when Ctrl-C comes, waits long enough for every process it started to
 #: print whatever it would print, then closes the pool as a program leaving would.
 POOL_SCRIPT = """

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dpverify import VirtualDataParallel
-from dpverify.core.step import ReplicaGradRecorder, ReplicaRecord, parameter_sites
+from dpverify.core.step import ReplicaGradRecorder, ReplicaRecord, copy_module, parameter_sites
 
 
 def _step(module: nn.Module, recorder: ReplicaGradRecorder, rows: int = 5) -> None:
@@ -93,3 +93,42 @@ def test_a_subclass_records_more_in_a_record_of_its_own() -> None:
     _step(module, recorder)
     records = [r for r in recorder.ordered([0, 1]) if isinstance(r, _Counted)]
     assert [r.parameters for r in records] == [4, 4]
+
+
+class _Holding(nn.Module):
+    """Empty containers of its own, one shared with its child, and a non-empty one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = nn.Linear(2, 2)
+        self.seen: list[int] = []
+        self.cache: dict[str, int] = {}
+        self.tags: set[str] = set()
+        self.shared = self.child._forward_hooks  # the same empty OrderedDict
+        self.counts = {"calls": 1}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.child(x)
+
+
+def test_copy_module_copies_as_deepcopy_does_with_empty_containers_made_anew() -> None:
+    module = _Holding()
+    for dtype in (None, torch.float64):
+        copied = copy_module(module, dtype)
+        assert isinstance(copied, _Holding)
+        # every container is the copy's own, of the same type and size (the hooks' empty ones too)
+        for original, duplicate in zip(module.modules(), copied.modules(), strict=True):
+            for name, value in vars(original).items():
+                if isinstance(value, (dict, set, list)):
+                    assert type(vars(duplicate)[name]) is type(value), name
+                    assert len(vars(duplicate)[name]) == len(value), name
+                    assert vars(duplicate)[name] is not value, name
+        # what one module shares, its copy shares, as deepcopy's memo keeps it
+        assert copied.shared is copied.child._forward_hooks
+        # a hook on the copy does not reach the module
+        copied.child.register_forward_hook(lambda *_: None)
+        copied.tags.add("copy")
+        assert not module.child._forward_hooks
+        assert not module.tags
+        assert copied.counts == {"calls": 1}
+        assert copied.counts is not module.counts

@@ -14,7 +14,8 @@ copy (``_run_check``).
 Failing examples are kept in a Hypothesis example database under ``.dpverify/examples``
 and replayed first next time. A failure is shrunk, printed as a pasteable spec with the
 full report, and written as a standalone script, ``.dpverify/repro_<id>.py``, that runs
-the same registry check by name. The live display is ``fuzz_view.py``.
+the same registry check by name. The live display is ``fuzz_view.py``; a session in
+several processes, ``fuzz_workers.py``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import os
 import re
 import signal
 import sys
@@ -47,6 +49,7 @@ from dpverify.models.layouts import BACKENDS as SHARDED_BACKENDS
 from dpverify.models.layouts import ShardedScenario
 from dpverify.models.specs import KINDS
 from dpverify.models.training import OptimizerSpec, TrainingScenario
+from dpverify.ranked.rank import one_rank_group_held
 from dpverify.registry import CHECKS, Case, CheckResult, Target, Verdict
 from dpverify.strategies import (
     EXACT_BACKEND_KINDS,
@@ -65,6 +68,7 @@ __all__ = [
     "DDP_CHECKS",
     "DEFAULT_MAX_EXAMPLES",
     "DEFAULT_TIME_BUDGET",
+    "DEFAULT_WORKERS",
     "DP_CHECKS",
     "SHARDED_CHECKS",
     "TARGET_FIELDS",
@@ -74,6 +78,7 @@ __all__ = [
     "FuzzFailure",
     "FuzzReport",
     "Tally",
+    "default_workers",
     "describe_training",
     "fuzz",
     "parse_duration",
@@ -87,6 +92,9 @@ __all__ = [
 #: keeps the session at about a minute wherever it runs.
 DEFAULT_MAX_EXAMPLES = 1000
 DEFAULT_TIME_BUDGET = 60.0
+
+#: Worker processes of a default DataParallel session (``default_workers``): a 2-core machine's.
+DEFAULT_WORKERS = 2
 
 #: Where the example database and repro scripts live, relative to the working directory.
 STATE_DIR = Path(".dpverify")
@@ -144,6 +152,16 @@ _DP_UNTRAINED = ("buffer-counter", "attribute-counter", "loss-head")
 #: What a session draws: a scenario of one step, a sharded one, or a training run of either.
 AnyScenario = Scenario | ShardedScenario | TrainingScenario
 _DURATION = re.compile(r"^\s*(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>s|m|h)?\s*$")
+
+
+def default_workers(backend: str) -> int:
+    """A session's worker processes unless ``--workers`` says (``FuzzConfig.workers``): for
+    ``dp``, ``DEFAULT_WORKERS`` or as many CPUs as this process may use, if fewer; 1 for the
+    ranked backends, whose examples start rank processes of their own."""
+    if backend != "dp":
+        return 1
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(DEFAULT_WORKERS, available))
 
 
 def parse_duration(text: str) -> float:
@@ -326,6 +344,9 @@ class FuzzConfig:
         state_dir: the example database and repro scripts live here.
         exact: draw exact scenarios (``exact_strategy``) and run every check in exact mode
             (``Case.exact``): bit-identity, no tolerance.
+        workers: processes that run examples side by side (``fuzz_workers.py``), each a
+            Hypothesis session of its share of the examples with its own seed, shrinking
+            and saving its failures; 1 runs the session in this process.
     """
 
     backend: str = "dp"
@@ -343,6 +364,7 @@ class FuzzConfig:
     loss_object: Any = None
     state_dir: Path = STATE_DIR
     exact: bool = False
+    workers: int = 1
 
     def with_defaults(self) -> FuzzConfig:
         """The default session's limits where neither a limit nor a profile was given."""
@@ -430,15 +452,27 @@ class Tally:
         return self.run / self.elapsed if self.elapsed > 0 else 0.0
 
     def record(self, outcome: Outcome | _CheckFailed) -> None:
+        """One run of the session's test: an example, or once a failure was found, an
+        attempt to shrink it."""
         if self.first_failure_at is not None:
             self.shrink_runs += 1
             if isinstance(outcome, _CheckFailed):
                 self.last_failure = outcome
             return
-        self.run += 1
-        self.history.append(FuzzExample(self.run, self.elapsed, _outcome_class(outcome), outcome.worst_ratio))
         if isinstance(outcome, _CheckFailed):
-            self.failed, self.first_failure_at, self.last_failure = 1, self.run, outcome
+            self.last_failure = outcome
+            self.count(None, outcome.worst_ratio)
+        else:
+            self.count(outcome, outcome.worst_ratio)
+
+    def count(self, outcome: Outcome | None, worst_ratio: float | None) -> None:
+        """One example: its ``outcome``, or None for a failure (the first one found is the
+        session's), and its worst error/allowed."""
+        self.run += 1
+        self.history.append(FuzzExample(self.run, self.elapsed, "failure" if outcome is None else _outcome_class(outcome), worst_ratio))
+        if outcome is None:
+            if self.first_failure_at is None:
+                self.failed, self.first_failure_at = 1, self.run
         elif outcome.diverged:
             self.diverged.update(outcome.diverged)
         elif outcome.parallel:
@@ -797,12 +831,43 @@ def _one_intra_op_thread() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def fuzz(config: FuzzConfig, *, on_example: Callable[[Tally], None] | None = None) -> FuzzReport:
-    """Runs a session; ``on_example`` sees the tally after every example.
+def _group_held(config: FuzzConfig) -> contextlib.AbstractContextManager[None]:
+    """One process group of this process alone for the whole session's training checks
+    (``one_rank_group_held``: a group each cost 10 ms to tear down, a third of an example),
+    where nothing the session runs looks at torch.distributed between them: a DataParallel
+    session of torch's DataParallel, dpverify's models and the built-in losses. Code of the
+    user's (``--target``, ``--parallel-loss``, ``--loss MODULE:FN``) gets a group per check,
+    as outside a session."""
+    own = config.backend == "dp" and config.target_object is None and config.parallel_loss_object is None and config.loss_object is None
+    return one_rank_group_held() if own else contextlib.nullcontext()
+
+
+def fuzz(
+    config: FuzzConfig,
+    *,
+    on_example: Callable[[Tally], None] | None = None,
+    on_run: Callable[[Outcome | _CheckFailed, bool], None] | None = None,
+    stop: Callable[[], bool] | None = None,
+) -> FuzzReport:
+    """Runs a session in this process (``fuzz_workers.fuzz_in_workers`` runs one in
+    ``config.workers`` processes, each of them this).
+
+    Args:
+        config: the session; one worker.
+        on_example: sees the tally after every example.
+        on_run: sees every run's outcome (``Outcome``, or the failure) before the tally
+            records it, and whether it was an attempt to shrink a failure found before.
+        stop: ends the session before the next example when it returns True (another
+            worker's failure), as the time budget does; never while shrinking.
 
     Returns:
         The report; ``report.failure`` holds the shrunk counterexample and its repro script.
+
+    Raises:
+        ValueError: ``config.workers`` above 1.
     """
+    if config.workers > 1:
+        raise ValueError(f"FuzzConfig.workers is {config.workers}: run it with dpverify.cli.fuzz_workers.fuzz_in_workers, fuzz runs one")
     tally = Tally()
     example = _example_runner(config)
     database = _CountingDatabase(str(config.state_dir / "examples"))
@@ -817,12 +882,16 @@ def fuzz(config: FuzzConfig, *, on_example: Callable[[Tally], None] | None = Non
             raise KeyboardInterrupt  # a Ctrl-C whose KeyboardInterrupt a finalizer lost
         if not saved:
             saved.append(database.fetched)
-        if config.time_budget is not None and tally.first_failure_at is None and tally.elapsed > config.time_budget:
+        if tally.first_failure_at is None and (
+            (config.time_budget is not None and tally.elapsed > config.time_budget) or (stop is not None and stop())
+        ):
             raise _TimeUp
         try:
             outcome: Outcome | _CheckFailed = example(scenario)
         except _CheckFailed as failure:
             outcome = failure
+        if on_run is not None:
+            on_run(outcome, tally.first_failure_at is not None)
         tally.record(outcome)
         if on_example is not None:
             on_example(tally)
@@ -838,7 +907,7 @@ def fuzz(config: FuzzConfig, *, on_example: Callable[[Tally], None] | None = Non
         session = seed(config.seed)(session)
     stopped_by = "max-examples"
     try:
-        with _ctrl_c_noted(ctrl_c), _one_intra_op_thread():
+        with _ctrl_c_noted(ctrl_c), _one_intra_op_thread(), _group_held(config):
             session()
     except _TimeUp:
         stopped_by = "time-budget"

@@ -308,8 +308,9 @@ def _write_figure(draw: Callable[[], Any], target: Path | None) -> None:
 
 
 def _fuzz(args: argparse.Namespace) -> int:
-    from dpverify.cli.fuzz import FuzzConfig, devices_text, fuzz
+    from dpverify.cli.fuzz import FuzzConfig, default_workers, devices_text
     from dpverify.cli.fuzz_view import FuzzProgress
+    from dpverify.cli.fuzz_workers import fuzz_in_workers
     from dpverify.figures.fuzz import fuzz_figure
 
     _require_ddp(args.backend)
@@ -349,11 +350,12 @@ def _fuzz(args: argparse.Namespace) -> int:
         time_budget=args.time_budget, seed=args.seed, profile=args.profile, target=args.target,
         target_object=target, parallel_loss=args.parallel_loss, parallel_loss_object=_load_callable(args.parallel_loss, "--parallel-loss"),
         ddp_kwargs=tuple(sorted((ddp_kwargs or {}).items())), loss=args.loss, loss_object=loss, exact=args.exact,
+        workers=args.workers or default_workers(args.backend),
     ).with_defaults()
     console = _console(args)
     _fuzz_header(console, config, devices_text(config))
     with FuzzProgress(console, config) as progress:
-        report = fuzz(config, on_example=progress.update)
+        report = fuzz_in_workers(config, on_example=progress.update)
     status = _fuzz_summary(console, config, report)
     _write_figure(lambda: fuzz_figure(report), figure)
     return status
@@ -971,6 +973,11 @@ def _add_fuzz(commands: Any, common: argparse.ArgumentParser) -> None:
         "--exact", action="store_true",
         help="draw exact scenarios (models, batches and optimizers of the exact set, docs/exact.md) and check them in "
         "exact mode: the parallel step must be bit-identical to the single-device step, no tolerance",
+    )
+    fuzz.add_argument(
+        "--workers", type=_positive("--workers"), metavar="N",
+        help="processes that check examples side by side, each shrinking and saving its own failures (default: --backend dp, "
+        "2 where 2 CPUs are free to this process, else 1; the ranked backends 1: each worker would start its own ranks)",
     )
     _ddp_kwargs_argument(fuzz)
     fuzz.set_defaults(run=_fuzz)

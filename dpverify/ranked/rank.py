@@ -46,6 +46,7 @@ __all__ = [
     "grads_of",
     "items_of",
     "one_rank_group",
+    "one_rank_group_held",
     "optimizer_state_of",
     "outputs_of",
     "params_of",
@@ -483,17 +484,59 @@ def after_backward_note(hook: AfterBackward) -> Iterator[None]:
         raise
 
 
+@dataclass
+class _Held:
+    """``one_rank_group_held``'s state: whether a block holds a group, and the group once made."""
+
+    active: bool = False
+    group: Any = None
+
+
+_held = _Held()
+
+
+@contextlib.contextmanager
+def one_rank_group_held() -> Iterator[None]:
+    """Within the block, every ``one_rank_group()`` is one group, made on first use and
+    destroyed when the block ends, instead of a group each: tearing a gloo group down costs
+    about 10 ms (its destructor joins its threads), more than a small model's training
+    check. That default group stays initialised between uses (``dist.is_initialized()``),
+    so hold one only around code that does not look: the DataParallel training check holds
+    one over its runs (between them only its comparisons run), ``dpverify fuzz`` one over a
+    DataParallel session of dpverify's models and torch's DataParallel. Nothing is held
+    where a default group exists already (torchrun) or a block already holds one."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized() or _held.active:
+        yield
+        return
+    _held.active = True
+    try:
+        yield
+    finally:
+        made, _held.active, _held.group = _held.group, False, None
+        if made is not None and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @contextlib.contextmanager
 def one_rank_group() -> Iterator[Any]:
     """A process group of this process alone, for the single-device reference's
     ``after_backward`` hook: a new default gloo group of one rank when none is initialised
     (destroyed afterwards), else, under torchrun, this rank's own subgroup (every rank
-    creates its own, collectively, as ``new_subgroups`` requires). None when
-    torch.distributed is not available."""
+    creates its own, collectively, as ``new_subgroups`` requires); within
+    ``one_rank_group_held``, the block's one group. None when torch.distributed is not
+    available."""
     import torch.distributed as dist
 
     if not dist.is_available():
         yield None
+        return
+    if _held.active:
+        if _held.group is None:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+            _held.group = dist.group.WORLD
+        yield _held.group
         return
     if dist.is_initialized():
         # gloo whatever the default group's backend: the reference runs on the CPU
