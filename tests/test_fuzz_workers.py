@@ -58,7 +58,7 @@ def test_fuzz_runs_one_worker_and_says_what_runs_several(tmp_path: Path) -> None
 
 
 def test_only_dataparallel_sessions_default_to_several_workers() -> None:
-    assert 1 <= default_workers("dp") <= 2
+    assert default_workers("dp") == 2  # not the machine's CPUs: a seeded session is the same everywhere
     assert {default_workers(backend) for backend in ("ddp", "fsdp", "tp", "pp", "all")} == {1}
 
 
@@ -135,8 +135,9 @@ def test_a_worker_s_failure_is_shrunk_saved_and_replayed_first(tmp_path: Path, m
     assert sorted((tmp_path / ".dpverify").glob("repro_*.py")) == [failure.repro]
     assert any((tmp_path / ".dpverify" / "examples").iterdir())
 
+    # replayed from the database by the worker that holds it; the other worker's examples
+    # may come back first, so the session's count at the failure is not fixed
     again = fuzz_in_workers(config)
     assert again.failure is not None
     assert again.failure.replayed
-    assert again.failure.first_found_at == 1
-    assert again.examples == 1
+    assert again.failure.scenario == failure.scenario

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import os
 import re
 import signal
 import sys
@@ -155,13 +154,11 @@ _DURATION = re.compile(r"^\s*(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>s|m|h)?\s*$")
 
 
 def default_workers(backend: str) -> int:
-    """A session's worker processes unless ``--workers`` says (``FuzzConfig.workers``): for
-    ``dp``, ``DEFAULT_WORKERS`` or as many CPUs as this process may use, if fewer; 1 for the
-    ranked backends, whose examples start rank processes of their own."""
-    if backend != "dp":
-        return 1
-    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(DEFAULT_WORKERS, available))
+    """A session's worker processes unless ``--workers`` says (``FuzzConfig.workers``):
+    ``DEFAULT_WORKERS`` for ``dp`` on every machine, so that a seeded session draws the same
+    examples wherever it runs (on one CPU the workers take turns); 1 for the ranked
+    backends, whose examples start rank processes of their own."""
+    return DEFAULT_WORKERS if backend == "dp" else 1
 
 
 def parse_duration(text: str) -> float:
