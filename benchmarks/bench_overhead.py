@@ -51,6 +51,18 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def interleaved(floor: Callable[[], object], check: Callable[[], object], repeats: int) -> tuple[list[float], list[float]]:
+    """``repeats`` timings of ``floor`` and of ``check``, one of each in turn (a loaded moment
+    slows both), after a warm-up of each."""
+    floor()
+    check()
+    floors, checks = [], []
+    for _ in range(repeats):
+        floors.append(timed(floor))
+        checks.append(timed(check))
+    return floors, checks
+
+
 def timings(width: int, batch: int, repeats: int, device_ids: Sequence[int] = DEVICE_IDS) -> tuple[int, list[float], list[float]]:
     """The parameters of ``mlp(width)``, and ``repeats`` timings of its floor (the three
     bare steps the check must run) and of ``assert_dp_grads_match``, interleaved, after a
@@ -71,12 +83,7 @@ def timings(width: int, batch: int, repeats: int, device_ids: Sequence[int] = DE
     def check() -> None:
         dpverify.assert_dp_grads_match(module, x, y, loss_fn=F.mse_loss, device_ids=list(device_ids))
 
-    floor()
-    check()  # warm-up
-    floors, checks = [], []
-    for _ in range(repeats):
-        floors.append(timed(floor))
-        checks.append(timed(check))
+    floors, checks = interleaved(floor, check, repeats)
     return sum(p.numel() for p in module.parameters()), floors, checks
 
 

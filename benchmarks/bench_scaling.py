@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_overhead import bare_step, mlp, timed, timings
+from bench_overhead import bare_step, interleaved, mlp, timings
 
 __all__ = [
     "BATCH", "DDP_SIZES", "DEVICES", "SIZES", "WIDTHS", "WORLD_SIZES", "Point", "ddp_measure", "ddp_sweep", "ddp_timings",
@@ -172,12 +172,7 @@ def ddp_timings(width: int, pool: DDPWorkerPool, batch: int, repeats: int) -> tu
         assert_ddp_grads_match(module, x, y, loss_fn=F.mse_loss, world_size=pool.world_size, pool=pool)
 
     try:
-        floor()
-        check()  # warm-up
-        floors, checks = [], []
-        for _ in range(repeats):
-            floors.append(timed(floor))
-            checks.append(timed(check))
+        floors, checks = interleaved(floor, check, repeats)
     finally:
         pool.run(_forget_floor)
     return sum(p.numel() for p in module.parameters()), floors, checks

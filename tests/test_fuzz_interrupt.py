@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -83,94 +84,87 @@ def _read(fd: int, into: bytearray, timeout: float) -> bool:
     return bool(chunk)
 
 
+@dataclass
+class _Interrupted:
+    """A session Ctrl-C stopped on a terminal: what the terminal showed, the examples
+    counted before Ctrl-C, the processes it had started by then and how many of them ran
+    the fork server's code (read while they lived), the seconds it took to stop, the
+    processes that outlived it and its exit status."""
+
+    text: str
+    examples: int
+    started: dict[int, psutil.Process]
+    forked: int
+    took: float
+    left: list[psutil.Process]
+    returncode: int | None
+
+
+def _interrupt_on_a_terminal(tmp_path: Path, command: list[str], examples_first: int) -> _Interrupted:
+    """Runs ``command`` on a pseudo-terminal as a user would, and sends Ctrl-C once the
+    live bar counts ``examples_first`` examples (or at the progress deadline)."""
+    import pty
+
+    controller, terminal = pty.openpty()
+    try:
+        session = subprocess.Popen(
+            command, stdin=terminal, stdout=terminal, stderr=terminal,
+            cwd=tmp_path, env=_env(), start_new_session=True,
+        )  # fmt: skip
+    finally:
+        os.close(terminal)
+    shown = bytearray()
+    started: dict[int, psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + PROGRESS_DEADLINE_S
+        examples = 0
+        while examples < examples_first and time.monotonic() < deadline and session.poll() is None:
+            _read(controller, shown, 0.2)
+            _descendants(session.pid, started)
+            examples = max((int(n) for n in PROGRESS.findall(bytes(shown))), default=0)
+        before, forked = dict(started), _fork_server_processes(started)
+        took, left = _ctrl_c(session, started)
+        while _read(controller, shown, 0.2):
+            pass
+    finally:
+        os.close(controller)
+        if session.poll() is None:
+            session.kill()
+            session.wait()
+    return _Interrupted(shown.decode(errors="replace"), examples, before, forked, took, left, session.returncode)
+
+
+def _assert_stopped_cleanly(run: _Interrupted) -> None:
+    text = run.text[-3000:]
+    assert run.examples, f"no example counted within {PROGRESS_DEADLINE_S}s:\n{text}"
+    assert run.took <= STOP_DEADLINE_S, f"still running {STOP_DEADLINE_S}s after Ctrl-C:\n{text}"
+    assert run.returncode == 130, text
+    assert re.search(r"INTERRUPTED after \d+ examples?, no failure so far", run.text), text
+    assert "Traceback" not in run.text, text
+    assert "KeyboardInterrupt" not in run.text, text
+    assert not run.left, f"processes outlived the session by {STOP_DEADLINE_S}s: {run.left}"
+
+
 @pytest.mark.timeout(PROGRESS_DEADLINE_S + 4 * STOP_DEADLINE_S)
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
 def test_ctrl_c_stops_a_fuzz_session_on_a_terminal_with_its_ranks(tmp_path: Path) -> None:
-    import pty
-
     # What a user types, on a terminal: the live bar shows progress from the first example.
     command = [
         sys.executable, "-m", "dpverify",
         "fuzz", "--backend", "ddp", "--devices", "2", "--time-budget", "10m", "--seed", "0",
     ]  # fmt: skip
-    controller, terminal = pty.openpty()
-    try:
-        session = subprocess.Popen(
-            command, stdin=terminal, stdout=terminal, stderr=terminal,
-            cwd=tmp_path, env=_env(), start_new_session=True,
-        )  # fmt: skip
-    finally:
-        os.close(terminal)
-    shown = bytearray()
-    started: dict[int, psutil.Process] = {}
-    try:
-        deadline = time.monotonic() + PROGRESS_DEADLINE_S
-        examples = 0
-        while not examples and time.monotonic() < deadline and session.poll() is None:
-            _read(controller, shown, 0.2)
-            _descendants(session.pid, started)
-            examples = max((int(n) for n in PROGRESS.findall(bytes(shown))), default=0)
-        forked = _fork_server_processes(started)
-        took, left = _ctrl_c(session, started)
-        while _read(controller, shown, 0.2):
-            pass
-    finally:
-        os.close(controller)
-        if session.poll() is None:
-            session.kill()
-            session.wait()
-    text = shown.decode(errors="replace")
-    assert examples, f"no example counted within {PROGRESS_DEADLINE_S}s:\n{text[-3000:]}"
-    assert forked == 3, f"the fork server and its two ranks ran: {started}"
-    assert took <= STOP_DEADLINE_S, f"still running {STOP_DEADLINE_S}s after Ctrl-C:\n{text[-3000:]}"
-    assert session.returncode == 130, text[-3000:]
-    assert re.search(r"INTERRUPTED after \d+ examples?, no failure so far", text), text[-3000:]
-    assert "Traceback" not in text, text[-3000:]
-    assert "KeyboardInterrupt" not in text, text[-3000:]
-    assert not left, f"processes outlived the session by {STOP_DEADLINE_S}s: {left}"
+    run = _interrupt_on_a_terminal(tmp_path, command, examples_first=1)
+    _assert_stopped_cleanly(run)
+    assert run.forked == 3, f"the fork server and its two ranks ran: {run.started}"
 
 
 @pytest.mark.timeout(PROGRESS_DEADLINE_S + 4 * STOP_DEADLINE_S)
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
 def test_ctrl_c_stops_a_dataparallel_session_and_its_worker_processes(tmp_path: Path) -> None:
-    import pty
-
     command = [sys.executable, "-m", "dpverify", "fuzz", "--workers", "2", "--time-budget", "10m", "--seed", "0"]
-    controller, terminal = pty.openpty()
-    try:
-        session = subprocess.Popen(
-            command, stdin=terminal, stdout=terminal, stderr=terminal,
-            cwd=tmp_path, env=_env(), start_new_session=True,
-        )  # fmt: skip
-    finally:
-        os.close(terminal)
-    shown = bytearray()
-    started: dict[int, psutil.Process] = {}
-    try:
-        deadline = time.monotonic() + PROGRESS_DEADLINE_S
-        examples = 0
-        while examples < 10 and time.monotonic() < deadline and session.poll() is None:
-            _read(controller, shown, 0.2)
-            _descendants(session.pid, started)
-            examples = max((int(n) for n in PROGRESS.findall(bytes(shown))), default=0)
-        workers = len(started)
-        took, left = _ctrl_c(session, started)
-        while _read(controller, shown, 0.2):
-            pass
-    finally:
-        os.close(controller)
-        if session.poll() is None:
-            session.kill()
-            session.wait()
-    text = shown.decode(errors="replace")
-    assert examples, f"no example counted within {PROGRESS_DEADLINE_S}s:\n{text[-3000:]}"
-    assert workers == 2, f"the session's two workers ran: {started}"
-    assert took <= STOP_DEADLINE_S, f"still running {STOP_DEADLINE_S}s after Ctrl-C:\n{text[-3000:]}"
-    assert session.returncode == 130, text[-3000:]
-    assert re.search(r"INTERRUPTED after \d+ examples?, no failure so far", text), text[-3000:]
-    assert "Traceback" not in text, text[-3000:]
-    assert "KeyboardInterrupt" not in text, text[-3000:]
-    assert not left, f"processes outlived the session by {STOP_DEADLINE_S}s: {left}"
+    run = _interrupt_on_a_terminal(tmp_path, command, examples_first=10)
+    _assert_stopped_cleanly(run)
+    assert len(run.started) == 2, f"the session's two workers ran: {run.started}"
 
 
 #: Starts a pool and, when Ctrl-C comes, waits long enough for every process it started to

@@ -10,28 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_fuzz import PLANTED
 
 from dpverify.cli.fuzz import FuzzConfig, FuzzReport, default_workers, fuzz
 from dpverify.cli.fuzz_workers import fuzz_in_workers, worker_configs
 
-#: A DataParallel-like wrapper that averages the replicas' gradients (tests/test_fuzz.py's).
-AVERAGING = """
-from typing import Any
-
-from dpverify import VirtualDataParallel
-
-
-class AveragingDataParallel(VirtualDataParallel[Any]):
-    def replicate(self, module, device_ids):
-        replicas = super().replicate(module, device_ids)
-        for replica in replicas:
-            for sub in replica.modules():
-                for name in sub._former_parameters:
-                    tensor = getattr(sub, name)
-                    if tensor.requires_grad:
-                        tensor.register_hook(lambda g, n=len(replicas): g / n)
-        return replicas
-"""
+#: A DataParallel-like wrapper that averages the replicas' gradients (tests/test_fuzz.py's
+#: planted bug), as the source of a file a session imports.
+AVERAGING = PLANTED
 
 
 def test_each_worker_gets_a_share_of_the_examples_and_a_seed_of_its_own() -> None:
