@@ -161,6 +161,37 @@ def test_the_pipeline_clip_is_global_and_a_clip_per_stage_is_caught(kind: str) -
         _check("pp-training", scenario, Target(after_backward=stage_clip))
 
 
+def _adam_pipeline() -> TrainingScenario:
+    """A drawn example that failed by a unit of roundoff: Adam's first moment of the last
+    stage's weight in step 2, 0.9 * m + 0.1 * g, cancels from terms of 5e-4 to 3e-6, and
+    the stages' float64 moment is one unit of roundoff of those terms off one device's."""
+    plain = Scenario(
+        ModelSpec("sequential", features=3, hidden=1, outputs=1, depth=1, train=False), 5, DeviceList((0, 1)),
+        LossSpec("mse"), dtype=torch.float64, seed=1,
+    )
+    return TrainingScenario(ShardedScenario(plain, PipelineLayout((2,), 5, "1f1b")), OptimizerSpec("adam", 0.001), steps=2, clip=0.05)
+
+
+def test_pipeline_adam_whose_first_moment_cancels_to_rounding_passes() -> None:
+    # the float64 anchor of a float64 run cannot show that rounding; the jittered second run does
+    _check("pp-training", _adam_pipeline())
+
+
+def stages_scale_grads(ctx: Any) -> None:
+    """Every stage's gradients 1e-4 too large (the single-device run, one stage of one,
+    keeps its own): Adam's update hardly moves, its moments do."""
+    if ctx.num_stages > 1:
+        for p in ctx.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(1 + 1e-4)
+
+
+def test_pipeline_adam_still_sees_a_relative_gradient_error_of_1e_4() -> None:
+    scenario = replace(_adam_pipeline(), clip=None)
+    with pytest.raises(ParallelMismatch, match="exp_avg"):
+        _check("pp-training", scenario, Target(after_backward=stages_scale_grads))
+
+
 def test_the_clip_over_dtensor_and_plain_gradients_is_global_and_a_local_shard_clip_is_caught() -> None:
     # the plan shards the first two Linear layers and leaves the third plain
     scenario = _sequential("sequential", 2, TPLayout((("0", "2"),)))

@@ -117,6 +117,7 @@ __all__ = [
     "trainable_names",
     "training_batches",
     "training_code",
+    "training_jitter",
     "training_rows",
     "training_scale_note",
     "unused_names",
@@ -1096,21 +1097,27 @@ def local_buffer_notes(module: nn.Module, rows: Sequence[TensorComparison], sync
     ]
 
 
+def training_jitter(check: RankedCheck) -> tuple[torch.dtype | None, float]:
+    """The dtype and parameter perturbation of a jittered single-device training run for
+    ``check`` (``train_single_device(..., jitter=)``): float64 from parameters
+    ``FLOAT64_JITTER`` off for a float64 module, else the module's dtype from parameters
+    one unit of roundoff off (as ``References`` samples a one-step check's rounding)."""
+    if check.dtype == torch.float64:
+        return torch.float64, FLOAT64_JITTER
+    return None, torch.finfo(check.dtype).eps
+
+
 def jittered_training(
     check: RankedCheck, batches: Sequence[Batch], optimizer: OptimizerFactory, after_backward: AfterBackward | None = None,
     dropout: Sequence[Masks] | None = None,
 ) -> Callable[[], tuple[list[dict[str, torch.Tensor]], TrainingTrace]]:
     """The ``jittered`` run of ``training_rows`` for ``check``: single-device training in
-    float64 from parameters ``FLOAT64_JITTER`` off for a float64 module, else in the
-    module's dtype from parameters one unit of roundoff off (as ``References`` samples a
-    one-step check's rounding), replaying ``dropout`` (``train_single_device``)."""
+    ``training_jitter(check)``'s dtype from parameters so perturbed, replaying ``dropout``
+    (``train_single_device``)."""
 
     def run() -> tuple[list[dict[str, torch.Tensor]], TrainingTrace]:
         trace = TrainingTrace()
-        if check.dtype == torch.float64:
-            dtype, size = torch.float64, FLOAT64_JITTER
-        else:
-            dtype, size = None, torch.finfo(check.dtype).eps
+        dtype, size = training_jitter(check)
         history, _unused = train_single_device(
             check.module, batches, check.loss_fn, optimizer, dtype, after_backward, trace=trace, jitter=size, dropout=dropout,
         )
