@@ -20,6 +20,25 @@ if "HYPOTHESIS_PROFILE" not in os.environ:
     settings.load_profile("dpverify-ci")
 
 
+def _no_source_constants() -> None:
+    """Makes a derandomized test draw the same examples whatever its process imported.
+
+    Hypothesis (6.13x and later) draws about one choice in twenty from the number and string
+    literals of the *local* modules loaded at that moment (``_get_local_constants`` in
+    ``hypothesis/internal/conjecture/providers.py``: every loaded module outside the
+    standard library and site-packages, dpverify and the modules a test writes into its
+    temporary directory among them). Which of those an xdist worker has loaded depends on
+    the tests it ran before, so the same test drew other examples from run to run (a
+    pipeline Adam example failed after three other test files and passed alone). The pool
+    is emptied here; the global constants Hypothesis ships stay. Fuzzing sessions keep it.
+    """
+    from hypothesis.internal.conjecture import providers
+
+    empty = vars(providers).get("Constants")  # the pool's class: called bare, an empty pool
+    if empty is not None and hasattr(providers, "_get_local_constants"):
+        providers._get_local_constants = empty
+
+
 def under_hypofuzz(config: pytest.Config) -> bool:
     """Whether ``hypothesis fuzz`` (HypoFuzz 25.11) is collecting the suite.
 
@@ -141,6 +160,8 @@ def pytest_configure(config: pytest.Config) -> None:
         and under_hypofuzz(config)
     ):
         settings.load_profile("dpverify-fuzz")
+    if settings.get_current_profile_name() == "dpverify-ci":
+        _no_source_constants()
 
 
 @pytest.fixture(autouse=True)

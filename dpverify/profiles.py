@@ -1,7 +1,9 @@
 """dpverify's Hypothesis settings profiles, registered with Hypothesis on import.
 
 ``dpverify-dev`` (few examples, for the edit-run loop), ``dpverify-ci`` (derandomized, no
-database: the same examples on every run) and ``dpverify-fuzz`` (10,000 examples). The
+database: the same examples on every run of the same code, in a process that loaded the
+same modules: Hypothesis also draws, now and then, from the literals of the local modules
+loaded at the time; this repository's ``conftest.py`` turns that off) and ``dpverify-fuzz`` (10,000 examples). The
 pytest plugin, the command line (``dpverify fuzz --profile``) and this repository's
 ``conftest.py`` load them from here; importing this module imports Hypothesis, not torch.
 """

@@ -8,6 +8,7 @@ thread count, which must not leak into this process."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,33 @@ def test_a_test_that_leaves_process_state_changed_fails(repo_conftest: pytest.Py
             "the test left process-wide state changed (the Hypothesis profile is 'dpverify-dev', was 'dpverify-ci')*",
         ]
     )
+
+
+def test_a_derandomized_test_draws_the_same_examples_whatever_its_process_imported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Hypothesis draws some choices from the literals of the local modules loaded at the
+    # time; the conftest empties that pool, so that an xdist worker's earlier tests (and
+    # what they imported) do not change a later test's examples
+    import importlib
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    drawn: list[int] = []
+
+    @settings(derandomize=True, database=None, max_examples=300)
+    @given(st.integers(0, 10**9))
+    def record(value: int) -> None:
+        drawn.append(value)
+
+    record()
+    first = list(drawn)
+    drawn.clear()
+    (tmp_path / "module_of_literals.py").write_text("VALUES = [" + ", ".join(str(7919 * i + 13) for i in range(1, 400)) + "]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "module_of_literals", raising=False)
+    importlib.import_module("module_of_literals")
+    record()
+    assert drawn == first
+    assert not {7919 * i + 13 for i in range(1, 400)} & set(drawn)
