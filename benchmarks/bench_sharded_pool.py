@@ -91,14 +91,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--fresh-examples", type=int, default=2, help="checks with a fresh group each (default 2)")
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, gloo on CPU\n")
-    print("| backend | world size | pool start (s) | pool (checks/s) | fresh spawn group per check (checks/s) | speed-up |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| backend | world size | pool start (s) | pool (checks/s) | pool (ms a check) | fresh spawn group per check (checks/s) | speed-up |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for backend in args.backends:
         for world_size in args.world_sizes:
             batch = examples(args.examples, world_size, backend)
             start, pooled = through_pool(batch, backend, world_size)
             fresh = fresh_group_each(batch[: args.fresh_examples], backend, world_size)
-            print(f"| {backend} | {world_size} | {start:.2f} | {pooled:.1f} | {fresh:.3f} | {pooled / fresh:.0f}x |", flush=True)
+            print(f"| {backend} | {world_size} | {start:.2f} | {pooled:.1f} | {1000 / pooled:.1f} | {fresh:.3f} | {pooled / fresh:.0f}x |", flush=True)
     return 0
 
 
