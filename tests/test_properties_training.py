@@ -177,10 +177,10 @@ def test_pipeline_adam_whose_first_moment_cancels_to_rounding_passes() -> None:
     _check("pp-training", _adam_pipeline())
 
 
-def stages_scale_grads(ctx: Any) -> None:
-    """Every stage's gradients 1e-4 too large (the single-device run, one stage of one,
-    keeps its own): Adam's update hardly moves, its moments do."""
-    if ctx.num_stages > 1:
+def ranks_scale_grads(ctx: Any) -> None:
+    """Every rank's (stage's) gradients 1e-4 too large; the single-device run keeps its own:
+    Adam's update hardly moves, its moments do."""
+    if not ctx.reference:
         for p in ctx.module.parameters():
             if p.grad is not None:
                 p.grad.mul_(1 + 1e-4)
@@ -189,7 +189,7 @@ def stages_scale_grads(ctx: Any) -> None:
 def test_pipeline_adam_still_sees_a_relative_gradient_error_of_1e_4() -> None:
     scenario = replace(_adam_pipeline(), clip=None)
     with pytest.raises(ParallelMismatch, match="exp_avg"):
-        _check("pp-training", scenario, Target(after_backward=stages_scale_grads))
+        _check("pp-training", scenario, Target(after_backward=ranks_scale_grads))
 
 
 def test_the_clip_over_dtensor_and_plain_gradients_is_global_and_a_local_shard_clip_is_caught() -> None:
@@ -214,14 +214,6 @@ def _adam_tensor_parallel() -> TrainingScenario:
 
 def test_tensor_parallel_adam_whose_moment_cancels_to_rounding_passes() -> None:
     _check("tp-training", _adam_tensor_parallel())
-
-
-def ranks_scale_grads(ctx: Any) -> None:
-    """The ranks' gradients 1e-4 too large (the single-device run keeps its own)."""
-    if not ctx.reference:
-        for p in ctx.module.parameters():
-            if p.grad is not None:
-                p.grad.mul_(1 + 1e-4)
 
 
 def test_tensor_parallel_adam_still_sees_a_relative_gradient_error_of_1e_4() -> None:
