@@ -55,7 +55,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from calibration import drive
+from calibration import ClassTally, drive
 from torch import nn
 
 import dpverify
@@ -740,17 +740,6 @@ class Injection:
 
 # --------------------------------------------------------------------------------------
 # Running and counting.
-
-
-@dataclass
-class ClassTally:
-    scenarios: int = 0
-    passes: int = 0
-    false_alarms: int = 0
-    crashes: int = 0
-    skipped: int = 0
-    ratios: list[float] = field(default_factory=list)
-    seconds: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,13 +19,18 @@ import torch
 
 @dataclass
 class ClassTally:
-    """The outcomes of the scenarios of one class."""
+    """The outcomes of the scenarios of one class: ``refused`` (an argument error the
+    scenario was built to meet), ``skipped`` (a scenario a script does not count, e.g. not
+    finite in its working dtype) and ``ratios`` (the worst error/allowed of each passing
+    scenario, where a script records them)."""
 
     scenarios: int = 0
     passes: int = 0
     refused: int = 0
     false_alarms: int = 0
     crashes: int = 0
+    skipped: int = 0
+    ratios: list[float] = field(default_factory=list)
     seconds: float = 0.0
 
 
