@@ -32,9 +32,10 @@ from dpverify.core.comparison import (
     TensorComparison,
     TensorId,
     compare_tensors,
+    steps_with_second_look,
 )
 from dpverify.core.errors import InvalidArgument
-from dpverify.core.numerics import FLOAT64_JITTER
+from dpverify.core.numerics import jitter_for
 from dpverify.core.step import (
     LossFn,
     as_inputs,
@@ -718,33 +719,24 @@ def _training_matches(
 def _per_step_rows(
     check: Check, actual: _Training, expected: _Training, anchor: _Training | None, jittered: Callable[[], _Training],
 ) -> list[list[TensorComparison]]:
-    """The rows of every step. A step whose rows fail is compared again with the
-    ``jittered`` run's tensors as a second sample of rounding (run once, on the first such
-    step; never with explicit tolerances), as the one-step checks take a second look: an
-    optimizer that normalises the gradient (Adam's ``m / sqrt(v)``) turns a gradient entry
-    that cancels to rounding noise into an update of the size of the learning rate times
-    that noise over ``eps``, which one float64 run cannot show as rounding."""
-    second: _Training | None = None
-    per_step = []
-    for index, (got, want) in enumerate(zip(actual.steps, expected.steps, strict=True)):
+    """The rows of every step, a failing one compared again with the ``jittered`` run's
+    tensors (``steps_with_second_look``; none with explicit tolerances)."""
+
+    def rows_of(index: int, second: _Training | None) -> list[TensorComparison]:
         anchored = anchor.steps[index] if anchor is not None else None
-        rows = _rows_of_step(check, index, got, want, anchored)
-        if anchor is not None and not all(row.ok for row in rows):
-            second = second or jittered()
-            rows = _rows_of_step(check, index, got, want, anchored, second.steps[index])
-        per_step.append(rows)
-    return per_step
+        sample = second.steps[index] if second is not None else None
+        return _rows_of_step(check, index, actual.steps[index], expected.steps[index], anchored, sample)
+
+    return list(steps_with_second_look(len(expected.steps), rows_of, jittered if anchor is not None else None))
 
 
 def _jittered(
     check: Check, batches: Sequence[_Batch], loss_fn: LossFn, optimizer: OptimizerFactory, after_backward: AfterBackward | None,
 ) -> _Training:
-    """Single-device training from parameters a few units of roundoff off: in float64 from
-    ``FLOAT64_JITTER`` for a float64 module, else in the module's dtype from one unit of its
-    roundoff (as the DDP training checks' second sample)."""
-    if check.dtype == torch.float64:
-        return _train(check, batches, loss_fn, optimizer, after_backward, parallel=False, dtype=torch.float64, jitter=FLOAT64_JITTER)
-    return _train(check, batches, loss_fn, optimizer, after_backward, parallel=False, dtype=None, jitter=torch.finfo(check.dtype).eps)
+    """Single-device training from parameters a few units of roundoff off (``jitter_for``,
+    as the ranked training checks' second sample)."""
+    dtype, size = jitter_for(check.dtype)
+    return _train(check, batches, loss_fn, optimizer, after_backward, parallel=False, dtype=dtype, jitter=size)
 
 
 def _callable_name(fn: Any) -> str:

@@ -9,9 +9,9 @@ code.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
@@ -37,6 +37,7 @@ __all__ = [
     "render",
     "require_finite",
     "step_comparison",
+    "steps_with_second_look",
     "uniform_scale",
     "worst_first",
 ]
@@ -943,6 +944,32 @@ def _table(rows: Sequence[TensorComparison], title: str) -> list[str]:
             f"{r.max_abs:>10.3g}  {r.allowed:>9.3g}  {ratio:>9}"
         )
     return lines
+
+
+_Sample = TypeVar("_Sample")
+
+
+def steps_with_second_look(
+    steps: int, rows_of: Callable[[int, _Sample | None], list[TensorComparison]], second: Callable[[], _Sample] | None,
+) -> Iterator[list[TensorComparison]]:
+    """The rows of each step of a training check, in order: ``rows_of(index, None)``, and
+    for a step whose rows fail, ``rows_of(index, sample)`` instead, compared again with a
+    second sample of rounding (``second()``: single-device training from jittered
+    parameters, run once, at the first such step; None: no second look, as with explicit
+    tolerances). A caller that stops at the first failing step stops the runs too.
+
+    Training needs the second look where one float64 run cannot show the rounding: Adam's
+    ``m / (sqrt(v) + eps)`` turns a gradient entry that cancels to rounding noise into an
+    update ``lr / eps`` times that noise, and a moment may cancel from terms far larger than
+    itself and keep their rounding."""
+    sample: _Sample | None = None
+    for index in range(steps):
+        rows = rows_of(index, None)
+        if second is not None and not all(row.ok for row in rows):
+            if sample is None:
+                sample = second()
+            rows = rows_of(index, sample)
+        yield rows
 
 
 def worst_first(r: TensorComparison) -> tuple[bool, float]:

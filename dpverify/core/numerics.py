@@ -8,13 +8,23 @@ from collections.abc import Mapping
 import torch
 
 __all__ = [
-    "FLOAT64_JITTER", "JITTER_ROUNDOFFS", "dense", "largest_abs", "magnitudes", "max_abs", "scale_factor", "ulp_distances", "ulps",
+    "FLOAT64_JITTER", "JITTER_ROUNDOFFS", "dense", "jitter_for", "largest_abs", "magnitudes", "max_abs", "scale_factor", "ulp_distances", "ulps",
 ]
 
 # Relative size of the parameter perturbation of a jittered run, in units of roundoff of
 # the dtype whose rounding it measures: a few, the rounding a step makes in each parameter use.
 JITTER_ROUNDOFFS = 8.0
 FLOAT64_JITTER = JITTER_ROUNDOFFS * torch.finfo(torch.float64).eps
+
+
+def jitter_for(dtype: torch.dtype) -> tuple[torch.dtype | None, float]:
+    """The dtype (None: the module's own) and relative parameter perturbation of a
+    jittered training run that samples the rounding of a module in ``dtype``: float64 from
+    parameters ``FLOAT64_JITTER`` off for a float64 module, else the module's dtype from
+    parameters one unit of its roundoff off (as a one-step check's second sample)."""
+    if dtype == torch.float64:
+        return torch.float64, FLOAT64_JITTER
+    return None, torch.finfo(dtype).eps
 
 
 def max_abs(tensor: torch.Tensor) -> float:

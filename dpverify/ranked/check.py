@@ -29,10 +29,11 @@ from dpverify.core.comparison import (
     Tolerance,
     compare_tensors,
     step_comparison,
+    steps_with_second_look,
 )
 from dpverify.core.errors import InvalidArgument
 from dpverify.core.items import Items
-from dpverify.core.numerics import FLOAT64_JITTER, largest_abs, magnitudes, scale_factor
+from dpverify.core.numerics import FLOAT64_JITTER, jitter_for, largest_abs, magnitudes, scale_factor
 from dpverify.core.step import (
     Key,
     StepResult,
@@ -117,7 +118,6 @@ __all__ = [
     "trainable_names",
     "training_batches",
     "training_code",
-    "training_jitter",
     "training_rows",
     "training_scale_note",
     "unused_names",
@@ -899,13 +899,12 @@ def training_rows(
     the first step is a gradient, whose entries may cancel to nearly zero over the batch
     and keep rounding of the size of the terms that cancelled.
     """
-    second: tuple[Sequence[dict[str, torch.Tensor]], TrainingTrace] | None = None
     rows: list[TensorComparison] = []
-    for index, reference in enumerate(expected):
-        rows = _step_rows(check, ranks, index, reference, anchor, trace, trace_anchor, None)
-        if not all(row.ok for row in rows) and jittered is not None:
-            second = second or jittered()
-            rows = _step_rows(check, ranks, index, reference, anchor, trace, trace_anchor, second)
+
+    def rows_of(index: int, second: tuple[Sequence[dict[str, torch.Tensor]], TrainingTrace] | None) -> list[TensorComparison]:
+        return _step_rows(check, ranks, index, expected[index], anchor, trace, trace_anchor, second)
+
+    for index, rows in enumerate(steps_with_second_look(len(expected), rows_of, jittered)):
         if not all(row.ok for row in rows):
             return rows, index
     return rows, len(expected) - 1
@@ -1097,27 +1096,17 @@ def local_buffer_notes(module: nn.Module, rows: Sequence[TensorComparison], sync
     ]
 
 
-def training_jitter(check: RankedCheck) -> tuple[torch.dtype | None, float]:
-    """The dtype and parameter perturbation of a jittered single-device training run for
-    ``check`` (``train_single_device(..., jitter=)``): float64 from parameters
-    ``FLOAT64_JITTER`` off for a float64 module, else the module's dtype from parameters
-    one unit of roundoff off (as ``References`` samples a one-step check's rounding)."""
-    if check.dtype == torch.float64:
-        return torch.float64, FLOAT64_JITTER
-    return None, torch.finfo(check.dtype).eps
-
-
 def jittered_training(
     check: RankedCheck, batches: Sequence[Batch], optimizer: OptimizerFactory, after_backward: AfterBackward | None = None,
     dropout: Sequence[Masks] | None = None,
 ) -> Callable[[], tuple[list[dict[str, torch.Tensor]], TrainingTrace]]:
     """The ``jittered`` run of ``training_rows`` for ``check``: single-device training in
-    ``training_jitter(check)``'s dtype from parameters so perturbed, replaying ``dropout``
+    ``jitter_for(check.dtype)``'s dtype from parameters so perturbed, replaying ``dropout``
     (``train_single_device``)."""
 
     def run() -> tuple[list[dict[str, torch.Tensor]], TrainingTrace]:
         trace = TrainingTrace()
-        dtype, size = training_jitter(check)
+        dtype, size = jitter_for(check.dtype)
         history, _unused = train_single_device(
             check.module, batches, check.loss_fn, optimizer, dtype, after_backward, trace=trace, jitter=size, dropout=dropout,
         )

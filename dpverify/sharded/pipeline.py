@@ -6,6 +6,7 @@ compared, and what evidence from the ranks, ``pipeline_rank``, fails the check).
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
 from collections.abc import Collection, Mapping, Sequence
@@ -23,10 +24,11 @@ from dpverify.core.comparison import (
     TensorComparison,
     TensorId,
     compare_tensors,
+    steps_with_second_look,
     uniform_scale,
 )
 from dpverify.core.errors import InvalidArgument
-from dpverify.core.numerics import scale_factor
+from dpverify.core.numerics import jitter_for, scale_factor
 from dpverify.core.step import (
     Key,
     StepResult,
@@ -58,7 +60,6 @@ from dpverify.ranked.check import (
     same_up_to_rounding,
     train_single_device,
     training_code,
-    training_jitter,
 )
 from dpverify.ranked.items import PieceItems
 from dpverify.ranked.notes import fraction
@@ -822,8 +823,8 @@ def _train_reference(
 
 def _jittered_reference(check: PipelineCheck, batches: Sequence[Batch], optimizer: OptimizerFactory, after_backward: AfterBackward | None) -> _Reference:
     """Single-device training from parameters a few units of roundoff off
-    (``training_jitter``): a further sample of how far rounding alone moves the run."""
-    dtype, size = training_jitter(check)
+    (``jitter_for``): a further sample of how far rounding alone moves the run."""
+    dtype, size = jitter_for(check.dtype)
     return _train_reference(check, batches, optimizer, dtype, after_backward, jitter=size)
 
 
@@ -1017,14 +1018,12 @@ def assert_pipeline_training_matches(
     aliases = _aliases(module)
     failing = len(pairs) - 1
     rows: list[TensorComparison] = []
-    second: _Reference | None = None
-    for index in range(len(pairs)):
-        rows = _training_rows(check, ranks, expected, anchor, index, aliases)
-        if not all(row.ok for row in rows) and anchor is not None:
-            # a second look, as DDP training's (training_rows): Adam's m / (sqrt(v) + eps)
-            # turns the rounding of a gradient that cancels into an update lr / eps times it
-            second = second or _jittered_reference(check, pairs, optimizer, after_backward)
-            rows = _training_rows(check, ranks, expected, anchor, index, aliases, second)
+
+    def rows_of(index: int, second: _Reference | None) -> list[TensorComparison]:
+        return _training_rows(check, ranks, expected, anchor, index, aliases, second)
+
+    jittered = None if anchor is None else functools.partial(_jittered_reference, check, pairs, optimizer, after_backward)
+    for index, rows in enumerate(steps_with_second_look(len(pairs), rows_of, jittered)):
         if not all(row.ok for row in rows):
             failing = index
             break

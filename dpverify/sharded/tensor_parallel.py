@@ -26,8 +26,10 @@ from dpverify.core.comparison import (
     TensorComparison,
     TensorId,
     compare_tensors,
+    steps_with_second_look,
 )
 from dpverify.core.errors import InvalidArgument
+from dpverify.core.numerics import jitter_for
 from dpverify.core.step import StepResult
 from dpverify.core.validation import (
     require_int_at_least,
@@ -51,7 +53,6 @@ from dpverify.ranked.check import (
     train_single_device,
     training_batches,
     training_code,
-    training_jitter,
 )
 from dpverify.ranked.notes import items_notes, scale_note, sum_loss_note
 from dpverify.ranked.options import (
@@ -784,8 +785,8 @@ def _jittered_reference(
     check: TPCheck, pairs: Sequence[Batch], loss_fn: LossFn, optimizer: OptimizerFactory, after_backward: AfterBackward | None,
 ) -> _Trace:
     """Single-device training from parameters a few units of roundoff off
-    (``training_jitter``): how far rounding alone moves the run."""
-    dtype, size = training_jitter(check)
+    (``jitter_for``): how far rounding alone moves the run."""
+    dtype, size = jitter_for(check.dtype)
     return _single_device(check.module, pairs, loss_fn, optimizer, dtype, after_backward, jitter=size)
 
 
@@ -799,13 +800,12 @@ def _training_rows(
     parameters a few units of roundoff off, run once) as a further sample of rounding, as
     the other training checks do: an Adam moment may cancel from terms far larger than
     itself and keep their rounding."""
-    second: _Trace | None = None
     rows: list[TensorComparison] = []
-    for index in range(len(expected.params)):
-        rows = _step_rows(check, ranks, expected, anchor, index, None)
-        if not all(row.ok for row in rows) and jittered is not None:
-            second = second or jittered()
-            rows = _step_rows(check, ranks, expected, anchor, index, second)
+
+    def rows_of(index: int, second: _Trace | None) -> list[TensorComparison]:
+        return _step_rows(check, ranks, expected, anchor, index, second)
+
+    for index, rows in enumerate(steps_with_second_look(len(expected.params), rows_of, jittered)):
         if not all(row.ok for row in rows):
             return rows, index
     return rows, len(expected.params) - 1
