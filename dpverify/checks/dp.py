@@ -408,9 +408,11 @@ class Check:
         measure_terms: bool = False,
         jitter: float = 0.0,
         split: bool = False,
+        watch: Collection[str] = (),
     ) -> StepResult:
         """One step: through the wrapper (``parallel``) or alone, in ``dtype``; ``split``:
-        alone, one chunk of the parallel split at a time (``_Split``)."""
+        alone, one chunk of the parallel split at a time (``_Split``); ``watch``: the
+        submodules whose running the step reports (``StepResult.ran``)."""
         stage = "parallel" if parallel else "single-device"
         if dtype == torch.float64:
             stage = "float64 single-device"
@@ -438,6 +440,7 @@ class Check:
                     dim=self.dim,
                     rows_seen=rows,
                     device_ids=self.device_ids,
+                    watch=watch,
                 )
                 return replace(result, gathered_on=tuple(gathers)) if parallel else result
         except InvalidArgument:
@@ -538,18 +541,24 @@ class Check:
                 other = torch.float32 if self.dtype == torch.float64 else torch.float64
                 splits = (split(None), split(other))
             # The last word on a tensor that fails every sample: a replay of DataParallel's
-            # algorithm, measured against the single-device step in both precisions.
+            # algorithm, measured against the single-device step in both precisions. Not
+            # where a divergence source ran (one the forward never calls does not count):
+            # what it feeds depends on the chunk, which the replay never settles, and a
+            # mismatch of this module is reported with its sources as the likely cause,
+            # as above (``dpverify check`` compares its eval-mode copy exactly).
             replay = None
-            if anchor is not None and self.parallel_loss is None:
+            if anchor is not None and self.parallel_loss is None and not expected.ran:
                 twin_full = probe if self.dtype == torch.float64 else anchor
                 replay = (lambda: store.replay(self, loss_in, expected, twin_full)) if twin_full is not None else None
             return References(
                 expected, anchor, probe, jitter, settle, splits=splits, shared=store, rows=step_rows, replay=replay,
             )
 
+        # the single-device step reports which divergence sources its forward called
+        sources = [source.module for source in divergence_sources(self.module)]
         if self.tolerance.explicit:
-            return made(step("expected", None, "single-device"))
-        expected = step("expected", None, "single-device")
+            return made(step("expected", None, "single-device", watch=sources))
+        expected = step("expected", None, "single-device", watch=sources)
         anchor = step("anchor", torch.float64, "float64 single-device", measure_terms=True)
         if self.dtype == torch.float64:
             probe = step("probe", torch.float32)

@@ -7,7 +7,7 @@ import copy
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -334,6 +334,8 @@ class StepResult:
     #: where the wrapper's forward gathered (virtual ``Gather`` targets, -1 the host; on real
     #: devices the device of the output), in order; empty when it did not gather
     gathered_on: tuple[int, ...] = ()
+    #: the ``watch``ed submodules (dotted names) whose forward ran, in ``watch``'s order
+    ran: tuple[str, ...] = ()
 
     def terms(self, name: str) -> Terms | None:
         """The magnitude of the replica contributions summed into ``name``'s gradient."""
@@ -395,6 +397,7 @@ def run_step(
     dim: int = 0,
     rows_seen: list[int] | None = None,
     device_ids: Sequence[int] = (),
+    watch: Collection[str] = (),
 ) -> StepResult:
     """Runs forward, loss and backward on a deep copy of ``module``.
 
@@ -420,6 +423,9 @@ def run_step(
             also when the step raises: what the wrapper did before it failed.
         device_ids: the wrapper's devices: replicas are reported in this order (by device
             index when not given).
+        watch: submodules (dotted names) to watch: those whose forward ran are
+            ``StepResult.ran`` (a divergence source the step never called makes no
+            difference to it).
     """
     device = device or torch.device("cpu")
     model = copy_module(module, dtype)
@@ -432,6 +438,9 @@ def run_step(
     recorder = ReplicaGradRecorder(sites, keep=record_replicas is True, dim=dim) if record_replicas else None
     if recorder is not None:
         recorder.attach(model)
+    ran: set[str] = set()
+    for name in watch:
+        model.get_submodule(name).register_forward_pre_hook(_ran_recorder(ran, name))
     runner: Callable[..., Any] = wrap(model) if wrap is not None else model
     order: list[ReplicaRecord] = []
     fork_devices = [device] if device.type == "cuda" else []
@@ -474,8 +483,19 @@ def run_step(
         loss_terms = max(abs(float(loss.detach())), propagated)
     return StepResult(
         outputs, loss.detach().reshape(()), grads, contributions, magnitudes, norms, loss_terms, rows, detached,
-        _gathered(detached, len(order), dim),
+        _gathered(detached, len(order), dim), ran=tuple(name for name in watch if name in ran),
     )
+
+
+def _ran_recorder(ran: set[str], name: str) -> Callable[..., None]:
+    """A forward pre-hook that adds ``name`` to ``ran`` (replicas copy it along: any of
+    them running the submodule counts)."""
+
+    def hook(module: nn.Module, args: Any) -> None:
+        del module, args
+        ran.add(name)
+
+    return hook
 
 
 def _detached(output: Any) -> Any:
