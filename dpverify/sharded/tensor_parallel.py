@@ -78,6 +78,7 @@ from dpverify.sharded.tensor_parallel_rank import (
     _matched,
     full_output,
     optimizer_state,
+    style_name,
     placement_text,
     run_tp_step_task,
     run_tp_training_task,
@@ -156,7 +157,10 @@ def _plan(module: nn.Module, plan: Any) -> dict[str, ParallelStyle]:
 
 
 def _style_text(style: ParallelStyle) -> str:
-    """A style as its constructor call, with the layouts that matter."""
+    """A style as its constructor call, with the layouts that matter (a labelled style,
+    ``style_name``: its label)."""
+    if getattr(style, "label", None) is not None:
+        return style_name(style)
     fields = []
     for attribute in ("input_layouts", "desired_input_layouts", "output_layouts", "sequence_sharding", "use_local_output"):
         if hasattr(style, attribute):

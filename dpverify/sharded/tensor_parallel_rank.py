@@ -53,6 +53,7 @@ __all__ = [
     "full_output",
     "run_tp_step_task",
     "run_tp_training_task",
+    "style_name",
     "tp_step",
     "weighted_tp_step",
 ]
@@ -329,7 +330,7 @@ class TPContext(RankContext):
                 assert self.mesh is not None
                 for name in self.fsdp_modules:
                     fully_shard(self.module.get_submodule(name), mesh=self.mesh[DP_DIM])
-            self._recorder = _Recorder(self.module, {path: type(style).__name__ for path, style in _matched(self.module, self.plan)})
+            self._recorder = _Recorder(self.module, {path: style_name(style) for path, style in _matched(self.module, self.plan)})
         return self.module
 
     def seen(self) -> tuple[Seen, ...]:
@@ -378,6 +379,14 @@ class TPReferenceContext(ReferenceContext):
     @property
     def dp_group(self) -> Any:
         return self.one_rank
+
+
+def style_name(style: Any) -> str:
+    """How messages name a plan's style: its ``label`` where it has one (a style that
+    applies an entry of another library's plan says which, e.g. transformers' 'colwise'),
+    else its class."""
+    label = getattr(style, "label", None)
+    return label if isinstance(label, str) else type(style).__name__
 
 
 def _matched(module: nn.Module, plan: Mapping[str, Any]) -> list[tuple[str, Any]]:
