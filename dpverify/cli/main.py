@@ -525,9 +525,51 @@ def _check_command(args: argparse.Namespace) -> int:
         from dpverify.cli.torchrun import check_under_torchrun
 
         return check_under_torchrun(args, _check, _ranked_checks)
+    if args.hf_config is not None:
+        return _check_hf(args)
+    _refuse_hf_options(args)
     args.backend = args.backend or "dp"
     args.devices = args.devices or list(DEFAULT_DEVICE_COUNTS)
     return _check(args)
+
+
+#: ``check``'s options that only ``--hf-config`` reads, and their defaults
+_HF_ONLY = {"tp_plan": None, "tp": None, "pp": None}
+
+
+def _refuse_hf_options(args: argparse.Namespace) -> None:
+    given = [f"--{name.replace('_', '-')}" for name, default in _HF_ONLY.items() if getattr(args, name) != default]
+    if given:
+        raise InvalidArgument(f"{', '.join(given)} apply to --hf-config only (a Hugging Face configuration's checks)")
+
+
+def _check_hf(args: argparse.Namespace) -> int:
+    """``dpverify check --hf-config``: the configuration shrunk, its model checked under
+    each backend (``dpverify.hf.check_hf_config``), a row per backend and every failure's
+    message."""
+    from dpverify.cli.hf_view import render_hf_check
+    from dpverify.hf.check import check_hf_config
+
+    ignored = [
+        option for option, value in (
+            ("MODULE:FACTORY", args.factory), ("--model", args.model), ("--inputs", args.inputs), ("--loss", args.loss),
+            ("--parallel", args.parallel), ("--exact", args.exact or None), ("--checks", args.checks),
+        ) if value is not None
+    ]
+    if ignored:
+        raise InvalidArgument(
+            f"--hf-config builds the model, its token batch and its loss itself: leave out {', '.join(ignored)}"
+        )
+    if args.devices is not None and len(args.devices) != 1:
+        raise InvalidArgument(f"--devices {' '.join(map(str, args.devices))}: with --hf-config give one count, the DataParallel devices and DDP/FSDP2 ranks")
+    console = _console(args)
+    console.print(f"dpverify check --hf-config {args.hf_config}: shrinking, then checking under {args.backend or 'all'} ...", markup=False)
+    report = check_hf_config(
+        args.hf_config, backend=args.backend or "all", tp_plan=args.tp_plan or "hf", tp=args.tp or 2, pp=args.pp or 2,
+        world_size=args.devices[0] if args.devices else 2, seed=args.seed,
+    )
+    render_hf_check(console, report)
+    return EXIT_OK if report.ok else EXIT_FAILED
 
 
 def _ranked_checks(names: list[str]) -> list[str]:
@@ -1005,6 +1047,19 @@ def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
     )
     _model_arguments(check)
     check.add_argument("--model", choices=sorted(BUILTIN_MODELS), help="a built-in model instead of MODULE:FACTORY")
+    check.add_argument(
+        "--hf-config", metavar="FILE|MODEL_TYPE",
+        help="a Hugging Face model family instead of MODULE:FACTORY: a config.json or a model_type (llama, mixtral, "
+        "...), shrunk to CPU size keeping its structure, built with from_config (nothing downloaded) and checked "
+        "under --backend (default all) on a padded token batch (needs pip install 'dpverify[hf]')",
+    )
+    check.add_argument(
+        "--tp-plan", metavar="hf|MODULE:FN",
+        help="with --hf-config: the tensor-parallel plan, the configuration's own (hf, default) or FN(model) "
+        "returning a plan for parallelize_module (torch's styles, or transformers' style names)",
+    )
+    check.add_argument("--tp", type=_positive("--tp"), default=None, metavar="N", help="with --hf-config: tensor-parallel ranks (default 2)")
+    check.add_argument("--pp", type=_positive("--pp"), default=None, metavar="N", help="with --hf-config: pipeline stages (default 2)")
     check.add_argument(
         "--backend", choices=(*CHECK_BACKENDS, "all"), default=None,
         help="DataParallel (default; ddp under torchrun), DDP, FSDP2 (fsdp), tensor parallel (tp), pipeline parallel (pp), or all of them",

@@ -78,10 +78,10 @@ from dpverify.sharded.tensor_parallel_rank import (
     _matched,
     full_output,
     optimizer_state,
-    style_name,
     placement_text,
     run_tp_step_task,
     run_tp_training_task,
+    style_name,
     tp_step,
     weighted_tp_step,
 )
