@@ -67,7 +67,7 @@ def test_a_plan_with_one_entry_wrong_is_caught(ddp_pool: DDPWorkerPool) -> None:
     plan["lm_head"] = TransformersStyle((("weight", "colwise"), ("", "colwise")))  # logits left sharded
     with pytest.raises(ParallelMismatch) as caught:
         _check(model, plan, ddp_pool)
-    assert "[4, 8, 32] where one device gives [4, 8, 64]" in str(caught.value)
+    assert "[4, 8, 32] where one device gives [4, 8, 64]: module 'lm_head' (transformers 'colwise') handed on [4, 8, 32]" in str(caught.value)
 
 
 def test_a_norm_left_out_of_the_gradient_all_reduce_fails_on_its_weight(ddp_pool: DDPWorkerPool) -> None:

@@ -324,7 +324,23 @@ def _local_output_findings(check: TPCheck, steps: Sequence[TPRankStep], expected
                 "output_layouts=Replicate() (an all-gather), or follow it with a RowwiseParallel Linear."
             )
         else:
-            text += "; no module of the plan handed on a sharded DTensor as a plain tensor, so the step itself changed the shape."
+            # A style that converts inside the module's forward (transformers' styles wrap
+            # ``forward`` itself) shows no DTensor to the hooks: name the last styled module
+            # that handed on the shape the model returned.
+            last = next(
+                (s for s in reversed(step.seen) if s.style and s.path and s.handed is not None and s.handed.shape == root.handed.shape),
+                None,
+            )
+            if last is not None and last.handed is not None:
+                style = _style_of(check, last.path)
+                text += (
+                    f": module {last.path!r} ({_style_text(style) if style is not None else last.style}) handed on "
+                    f"{list(last.handed.shape)}, the shape the model returned: its output left the model as this rank's "
+                    f"piece. Fix: that module's entry of the plan (an output layout that gathers, e.g. "
+                    "ColwiseParallel(output_layouts=Replicate()), transformers' 'colwise_gather_output' for a head)."
+                )
+            else:
+                text += "; no module of the plan handed on a sharded DTensor as a plain tensor, so the step itself changed the shape."
         return [text]
     return []
 
