@@ -125,18 +125,46 @@ def test_shrink_keeps_a_per_layer_pattern_and_its_period() -> None:
     assert shrink(config).sliding_window == WINDOW
 
 
+def test_shrink_keeps_odd_last_layers_of_a_pattern() -> None:
+    """Four periods of five sliding layers and a full one, then three sliding layers and a
+    full last one: one period, and the full last layer."""
+    config = load_config("gemma3_text")
+    sliding, full = "sliding_attention", "full_attention"
+    layer_types = [sliding] * 5 + [full]
+    forced = type(config).from_dict({**config.to_dict(), "num_hidden_layers": 28, "layer_types": layer_types * 4 + [sliding] * 3 + [full]})
+    assert shrink(forced).layer_types == [*layer_types, full]
+
+
+def test_shrink_keeps_layer_periods_and_offsets() -> None:
+    config = load_config("jamba")  # attention every 8 layers from the 4th, experts every 2 from the 1st
+    shrunk = shrink(config)
+    assert shrunk.num_hidden_layers == 8
+    assert (shrunk.attn_layer_period, shrunk.attn_layer_offset) == (config.attn_layer_period, config.attn_layer_offset)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(shrunk)
+    kinds = ["Attention" in type(layer).__name__ for layer in model.model.layers]
+    assert kinds == [i == 4 for i in range(8)]
+
+
+def test_shrink_scales_per_layer_overrides() -> None:
+    config = load_config("gemma4_text")  # every sixth layer (full attention) has head_dim 512, not 256
+    original = config.to_dict()
+    shrunk = shrink(config).to_dict()
+    assert shrunk["layer_types"] == original["layer_types"][:6]
+    assert {int(key): value for key, value in shrunk["per_layer_config"].items()} == {5: {"head_dim": 2 * shrunk["head_dim"]}}
+
+
 def test_shrink_keeps_dense_layers_before_the_experts() -> None:
     config = load_config("deepseek_v3")  # 3 dense layers, then 58 with 256 routed experts
     shrunk = shrink(config, pp=1)
-    assert shrunk.first_k_dense_replace == 1
-    assert shrunk.num_hidden_layers == 2
+    assert shrunk.first_k_dense_replace == 3
+    assert shrunk.num_hidden_layers == 4
     assert (shrunk.n_routed_experts, shrunk.num_experts_per_tok) == (4, 2)
     assert shrunk.n_shared_experts == config.n_shared_experts
     assert shrunk.topk_group < shrunk.n_group  # group-limited routing stays limited
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(shrunk)
-    assert not hasattr(model.model.layers[0].mlp, "experts")
-    assert hasattr(model.model.layers[1].mlp, "experts")
+    assert [hasattr(layer.mlp, "experts") for layer in model.model.layers] == [False, False, False, True]
 
 
 def test_shrink_keeps_a_partial_rotary_factor_even() -> None:
@@ -257,8 +285,12 @@ def test_shrink_refuses_a_pattern_longer_than_max_layers() -> None:
     irregular[::3] = ["sliding_attention"] * len(irregular[::3])
     irregular[1::7] = ["sliding_attention"] * len(irregular[1::7])
     patterned = type(config).from_dict({**config.to_dict(), "layer_types": irregular})
-    with pytest.raises(InvalidArgument, match=r"layer_types=.* needs \d+ layers to keep its per-layer pattern"):
+    with pytest.raises(InvalidArgument, match=r"layer_types=.* has no per-layer pattern .* within MAX_LAYERS=16 layers"):
         shrink(patterned)
+    periodic = type(config).from_dict({**config.to_dict(), "layer_types": (["sliding_attention"] * 9 + ["full_attention"]) * 3 + ["sliding_attention"] * 2})
+    assert len(shrink(periodic, pp=10).layer_types) == 10
+    with pytest.raises(InvalidArgument, match=r"layer_types=.* needs 20 layers to keep its per-layer pattern, more than MAX_LAYERS=16"):
+        shrink(periodic, pp=11)
 
 
 @pytest.mark.parametrize(
@@ -329,6 +361,24 @@ def _decoders_with_a_tp_plan() -> list[str]:
 
 #: Families the sweep must shrink, whatever else the installed transformers holds.
 MUST_SHRINK = {"llama", "qwen2", "mistral", "mixtral", "gemma3_text", "qwen2_moe", "deepseek_v3", "gpt_oss", "phi3"}
+
+
+@pytest.mark.deep
+def test_every_shrunk_decoder_runs_and_lm_loss_agrees_with_transformers() -> None:
+    """The sweep's shrunk models built for real (float64) and run on a padded batch."""
+    ran = []
+    for model_type in _decoders_with_a_tp_plan():
+        try:
+            shrunk = shrink(transformers.CONFIG_MAPPING[model_type](), tp=2, pp=2)
+        except InvalidArgument:
+            continue
+        batch = token_batch(shrunk, batch_size=3)
+        output = build_model(shrunk)(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
+        assert torch.isfinite(output.logits).all(), model_type
+        # transformers' loss is float32 (it casts the logits), ours float64
+        torch.testing.assert_close(lm_loss(output, batch.labels).float(), output.loss, msg=model_type)
+        ran.append(model_type)
+    assert set(ran) >= MUST_SHRINK
 
 
 def test_every_decoder_with_a_tp_plan_shrinks_or_is_refused_by_name() -> None:

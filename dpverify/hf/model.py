@@ -45,8 +45,11 @@ def build_model(config: PretrainedConfig, *, seed: int = 0, dtype: torch.dtype =
     """``AutoModelForCausalLM.from_config(config)``, seeded, in ``dtype``, in train mode.
 
     Experts (mixture-of-experts layers) run transformers' ``"eager"`` implementation, a loop
-    over the experts: its grouped matrix product takes no float64. ``config`` is copied
-    first (``from_config`` writes the dtype and the implementations into the one it gets).
+    over the experts: its grouped matrix product takes no float64. ``use_cache`` is off: a
+    training step keeps no key-value cache (and the hybrid models whose layers are all
+    state-space or linear attention, Bamba's default, fail to make one). ``config`` is
+    copied first (``from_config`` writes the dtype and the implementations into the one it
+    gets).
     The configuration is used as given otherwise: a dropout probability it sets stays (dpverify's
     checks explain the mismatches dropout causes; ``dropout_fields`` lists them). The
     global random state is left as it was.
@@ -67,7 +70,9 @@ def build_model(config: PretrainedConfig, *, seed: int = 0, dtype: torch.dtype =
     _require_int("build_model", "seed", seed, least=0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype, experts_implementation="eager")
+        config = copy.deepcopy(config)
+        config.use_cache = False
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation="eager")
     return model.train()  # type: ignore[no-any-return]
 
 

@@ -48,6 +48,8 @@ VOCAB = 256
 MAX_LAYERS = 16
 #: The fewest query heads a shrunk attention keeps (key-value heads grow to reach it).
 MIN_HEADS = 4
+#: The smallest hidden size when it is not heads x head dimension.
+MIN_HIDDEN = 32
 
 #: Widths scaled with the hidden size (feed-forward sizes, dense and expert).
 FEED_FORWARD = (
@@ -99,9 +101,13 @@ EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_expe
 EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_k", "moe_topk")
 SHARED_EXPERTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 WINDOWS = ("sliding_window", "sliding_window_size", "attention_chunk_size")
-VOCABULARIES = ("vocab_size", "vocab_size_per_layer_input")
+VOCABULARIES = ("vocab_size", "vocab_size_per_layer_input", "unpadded_vocab_size")
 #: Per-layer index fields: the layers a property applies to, by number.
 LAYER_INDICES = ("mlp_only_layers", "moe_layers", "full_attn_idxs")
+#: Counts of leading layers of another kind (DeepSeek's dense layers before the experts).
+LEADING_LAYERS = ("first_k_dense_replace",)
+#: Per-layer overrides of a heterogeneous configuration, keyed by layer index.
+PER_LAYER_CONFIG = "per_layer_config"
 
 
 @dataclass
@@ -164,10 +170,13 @@ def shrink(
       of ``tp`` from 2 up, which may be more than the original has (Qwen2.5-0.5B's 2 under
       ``tp=4`` become 4, with 28 query heads): the shrunk model stands for the plan's
       layout, not for a sharding the original could use;
-    - depth: at least ``pp`` layers and 2, and one whole period of every per-layer pattern
-      (``layer_types``: Gemma 3's five sliding layers and one full one keep 6 layers), a
-      run-length summary of patterns that are not periodic (DeepSeek's dense layers before
-      the experts keep one of each), and ``first_k_dense_replace`` at 1 when it was set;
+    - depth: at least ``pp`` layers and 2, and each per-layer pattern (``layer_types``,
+      ``mlp_layer_types``, layer index lists, ``*_layer_period``/``*_layer_offset``) as a
+      prefix, one whole period or more and up to 2 odd last layers: Gemma 3's five sliding
+      layers and one full one keep 6 layers, DeepSeek-style dense layers before the experts
+      keep their prefix (``first_k_dense_replace`` too), a last layer forced to full
+      attention stays last. Patterns are kept each on its own (how two of them line up
+      may change);
     - a sliding window (or attention chunk) of ``WINDOW`` tokens, shorter than the
       ``SEQ_LEN`` tokens of the checks' batches, so that it masks;
     - experts: ``num_experts_per_tok`` at 2 when it was 2 or more, and twice that many
@@ -318,7 +327,7 @@ def _attention(state: _Shrinking) -> None:
         state.set("hidden_size", heads_new * head_dim_new)
     else:  # an explicit head_dim: keep hidden / (heads x head_dim), within 4x of the heads
         ratio = min(4.0, max(0.25, hidden / (heads * head_dim)))
-        state.set("hidden_size", _scaled(heads_new * head_dim_new, ratio, 2 * state.tp))
+        state.set("hidden_size", max(_scaled(heads_new * head_dim_new, ratio, 2 * state.tp), _round_up(MIN_HIDDEN, 2 * state.tp)))
     if state.count("rotary_dim") is not None:
         state.set("rotary_dim", int(head_dim_new * fraction))
     _multi_latent(state, head_dim_new)
@@ -349,7 +358,8 @@ def _rope_lists(state: _Shrinking, head_dim: int, head_dim_new: int, fraction: f
     nested = all(isinstance(value, dict) for value in rope.values())
     layers = rope if nested else {None: rope}
     cut = {name: _cut_rope(dict(values), half, half_new) for name, values in layers.items()}
-    state.set(key, cut if nested else cut[None])
+    if cut != layers:
+        state.set(key, cut if nested else cut[None])
 
 
 def _cut_rope(rope: dict[str, Any], half: int, half_new: int) -> dict[str, Any]:
@@ -390,10 +400,22 @@ def _secondary_heads(state: _Shrinking) -> None:
 
 
 def _derived_widths(state: _Shrinking) -> None:
-    """Widths defined as a product of others (Falcon-H1's ``mamba_d_ssm``) stay so."""
-    heads, dim, ssm = (state.count(name) for name in ("mamba_n_heads", "mamba_d_head", "mamba_d_ssm"))
-    if heads and dim and ssm == heads * dim:
-        state.set("mamba_d_ssm", state.changes["mamba_n_heads"] * state.changes["mamba_d_head"])
+    """Widths defined as a product of others stay so: Falcon-H1's ``mamba_d_ssm`` (heads x
+    head dimension), Bamba's Mamba heads x head dimension = ``mamba_expand`` x hidden size."""
+    heads, dim, ssm, expand, hidden = (
+        state.count(name) for name in ("mamba_n_heads", "mamba_d_head", "mamba_d_ssm", "mamba_expand", "hidden_size")
+    )
+    if not (heads and dim):
+        return
+    heads_new, dim_new = state.changes["mamba_n_heads"], state.changes["mamba_d_head"]
+    if expand and hidden and heads * dim == expand * hidden:
+        inner = expand * state.changes[state.name("hidden_size") or "hidden_size"]
+        if inner % heads_new:
+            raise state.refuse("mamba_n_heads", f"cannot keep mamba_n_heads x mamba_d_head = mamba_expand x hidden_size with {heads_new} heads")
+        dim_new = inner // heads_new
+        state.set("mamba_d_head", dim_new)
+    if ssm == heads * dim:
+        state.set("mamba_d_ssm", heads_new * dim_new)
 
 
 # --- widths, vocabulary, windows, experts --------------------------------------------------
@@ -451,6 +473,9 @@ def _experts(state: _Shrinking) -> None:
     assert experts is not None
     per_token_field = next((name for name in EXPERTS_PER_TOKEN if state.count(name) is not None), None)
     per_token = state.count(per_token_field) if per_token_field else None
+    unset = next((name for name in EXPERTS_PER_TOKEN if state.name(name) and state.get(name) is None), None)
+    if per_token is None and unset is not None and experts > 1:
+        raise state.refuse(unset, f"leaves the {experts_field}={experts} experts without a number of experts per token; set it in the configuration")
     if per_token is not None and per_token > experts:
         raise state.refuse(per_token_field or "", f"routes each token to more experts than {experts_field}={experts}")
     per_token_new = min(per_token or 1, 2)
@@ -493,51 +518,155 @@ def _index_fields(state: _Shrinking) -> list[str]:
     ]
 
 
-def _pattern(rows: Sequence[tuple[Any, ...]]) -> tuple[int, int]:
-    """(prefix, period): the shortest description of ``rows`` as a prefix followed by a
-    repeated period (DeepSeek's dense layers, then experts: prefix 1, period 1), the last
-    repetition possibly cut short."""
-    for length in range(1, len(rows) + 1):
-        for prefix in range(length):
-            period = length - prefix
-            if all(rows[i] == rows[i - period] for i in range(prefix + period, len(rows))):
-                return prefix, period
-    return len(rows), 0
+@dataclass(frozen=True)
+class _Pattern:
+    """One per-layer field as a prefix, a repeated period and a suffix of odd last layers:
+    DeepSeek's ``mlp_layer_types`` (3 dense layers, then experts) is prefix 3, period 1;
+    a sliding-window pattern of 5 + 1 whose last layer is forced to full attention is
+    period 6, suffix 1."""
+
+    values: Sequence[Any]
+    prefix: int
+    period: int
+    suffix: int
+
+    def length(self, least: int) -> int:
+        """The fewest layers holding the prefix, whole periods and the suffix, ``least`` or more."""
+        middle = max(least - self.prefix - self.suffix, self.period)
+        return self.prefix + self.period * -(-middle // self.period) + self.suffix
+
+    def cut(self, count: int) -> list[Any]:
+        """The pattern over ``count`` layers: the prefix, the period repeated, the suffix."""
+        body = count - self.suffix
+        head = [self.values[i if i < self.prefix else self.prefix + (i - self.prefix) % self.period] for i in range(body)]
+        return head + list(self.values[len(self.values) - self.suffix :])
+
+
+#: The most last layers a pattern may end with that differ from its period.
+MAX_SUFFIX = 2
+
+
+def _pattern(values: Sequence[Any]) -> _Pattern | None:
+    """The shortest description of ``values`` within ``MAX_LAYERS``, None when there is none."""
+    layers = len(values)
+    for length in range(1, min(layers, MAX_LAYERS) + 1):
+        for suffix in range(min(MAX_SUFFIX, length - 1) + 1):
+            for prefix in range(length - suffix):
+                period = length - suffix - prefix
+                if all(values[i] == values[i - period] for i in range(prefix + period, layers - suffix)):
+                    return _Pattern(values, prefix, period, suffix)
+    return None
+
+
+def _columns(state: _Shrinking, layers: int) -> dict[str, list[Any]]:
+    """Each per-layer property as one value per layer: the per-layer lists, the layer index
+    lists as membership, and the ``*_layer_period``/``*_layer_offset`` pairs (Jamba's
+    attention every 8 layers from the 4th) as whether each layer is one."""
+    current = {**state.fields, **state.changes}
+    columns = {name: list(current[name]) for name in _per_layer_fields(state, layers)}
+    for name in _index_fields(state):
+        columns[name] = [i in state.get(name) for i in range(layers)]
+    for name in state.fields:
+        if name.endswith("_layer_period") and (period := state.count(name)):
+            offset = state.get(name.replace("_period", "_offset"))
+            offset = offset if _is_int(offset) else 0
+            columns[name] = [i % period == offset for i in range(layers)]
+    for name in LEADING_LAYERS:
+        if (leading := state.count(name)) is not None:
+            columns[name] = [i < leading for i in range(layers)]
+    overrides = state.get(PER_LAYER_CONFIG)
+    if isinstance(overrides, dict) and overrides:
+        by_layer = {int(key): value for key, value in overrides.items()}
+        columns[PER_LAYER_CONFIG] = [by_layer.get(i, {}) for i in range(layers)]
+    return columns
 
 
 def _layers(state: _Shrinking, pp: int) -> None:
-    """The depth: at least ``pp`` layers and 2; each per-layer pattern's prefix and one
-    whole period of it, or more."""
+    """The depth: at least ``pp`` layers and 2, and each per-layer pattern's prefix, one
+    whole period or more, and its suffix."""
+    if _layer_stacks(state, pp):
+        return
     layers_field = next((name for name in ("num_hidden_layers", "num_layers") if state.count(name) is not None), None)
     if layers_field is None:
         raise state.refuse("num_hidden_layers", "is not a positive int: shrink needs the number of layers")
     layers = state.count(layers_field)
     assert layers is not None
-    names, indexed = _per_layer_fields(state, layers), _index_fields(state)
-    current = {**state.fields, **state.changes}
-    columns = [current[name] for name in names] + [[i in state.get(name) for i in range(layers)] for name in indexed]
-    rows = list(zip(*columns, strict=True)) if columns else [()] * layers
-    prefix, period = _pattern(rows)
     # two layers at least: a stack of layers (what FSDP wraps, what a pipeline splits)
     least = max(pp, 2, state.count("decoder_sparse_step") or 1)
-    repeats = max(1, -(-(least - prefix) // period)) if period else 0
-    count = max(least, prefix + period * repeats)
+    patterns = {}
+    for name, values in _columns(state, layers).items():
+        pattern = _pattern(values)
+        if pattern is None:
+            raise state.refuse(name, f"has no per-layer pattern (a prefix, a repeated period, up to {MAX_SUFFIX} odd last layers) within MAX_LAYERS={MAX_LAYERS} layers")
+        patterns[name] = pattern
+    count = max([least, *(pattern.length(least) for pattern in patterns.values())])
     if count > MAX_LAYERS:
-        field_name = (names + indexed + [layers_field])[0]
-        raise state.refuse(field_name, f"needs {count} layers to keep its per-layer pattern (a prefix of {prefix} and a period of {period}), more than MAX_LAYERS={MAX_LAYERS}")
-    new_rows = [rows[i] if i < prefix or not period else rows[prefix + (i - prefix) % period] for i in range(count)]
+        name = max(patterns, key=lambda key: patterns[key].length(least))
+        raise state.refuse(name, f"needs {count} layers to keep its per-layer pattern, more than MAX_LAYERS={MAX_LAYERS}")
     state.set(layers_field, count)
-    for column, name in enumerate(names):
-        state.changes[name] = [row[column] for row in new_rows]
-    for column, name in enumerate(indexed, start=len(names)):
-        state.changes[name] = [i for i, row in enumerate(new_rows) if row[column]]
+    for name, pattern in patterns.items():
+        values = pattern.cut(count)
+        if name in LAYER_INDICES:
+            state.changes[name] = [i for i, member in enumerate(values) if member]
+        elif name in LEADING_LAYERS:
+            state.set(name, sum(values))
+        elif name == PER_LAYER_CONFIG:
+            state.set(name, _overrides(state, values))
+        elif not name.endswith("_layer_period"):  # the period and offset stay as they are
+            state.changes[name] = values
     _layer_counts(state, layers, count)
+    _shared_key_values(state, layers, count)
+
+
+def _shared_key_values(state: _Shrinking, layers: int, count: int) -> None:
+    """The last layers that reuse earlier layers' keys and values (Gemma 3n's
+    ``num_kv_shared_layers``): the same share of the layers, after at least one layer of
+    each attention type that computes its own."""
+    shared = state.count("num_kv_shared_layers")
+    if shared is None:
+        return
+    types = state.changes.get("layer_types") or [None] * count
+    own = 1 + max(types.index(kind) for kind in set(types))
+    if count - own < 1:
+        raise state.refuse("num_kv_shared_layers", f"leaves no layer to share in {count} layers whose first {own} compute their own keys and values")
+    state.set("num_kv_shared_layers", max(1, min(round(shared * count / layers), count - own)))
+
+
+def _overrides(state: _Shrinking, layers: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per-layer overrides (heterogeneous configurations' ``per_layer_config``) for the new
+    layers, each width scaled as shrink scaled the same field of the whole configuration
+    (Gemma 4's full-attention layers' head_dim 512 against 256 keep twice the head_dim)."""
+    width = len(next(iter(state.get(PER_LAYER_CONFIG))))
+    shrunk = {}
+    for index, override in enumerate(layers):
+        if override:
+            shrunk[str(index).zfill(width)] = {key: _override(state, key, value) for key, value in override.items()}
+    return shrunk
+
+
+def _override(state: _Shrinking, key: str, value: Any) -> Any:
+    original, new = state.get(key), state.changes.get(state.name(key) or key)
+    if not (_is_int(value) and _is_int(original) and _is_int(new) and original):
+        return value
+    multiple = 2 if key.endswith(("head_dim", "_rank")) else 1
+    scaled = _scaled(value, new / original, multiple)
+    return _round_up(scaled, state.tp) if key.endswith("heads") else scaled
+
+
+def _layer_stacks(state: _Shrinking, pp: int) -> bool:
+    """Layers run in cycles over one stack (HRM: ``num_hidden_layers`` counts the stack's
+    layers times its cycles): the stack shrinks, the cycles stay. Whether it applied."""
+    stack, high, low, layers = (state.count(name) for name in ("num_layers_per_stack", "H_cycles", "L_cycles", "num_hidden_layers"))
+    if not (stack and high and low and layers == stack * high * (low + 1)):
+        return False
+    stack_new = min(stack, max(pp, 2))
+    state.set("num_layers_per_stack", stack_new)
+    state.set("num_hidden_layers", stack_new * high * (low + 1))
+    return True
 
 
 def _layer_counts(state: _Shrinking, layers: int, count: int) -> None:
     """Fields that count or index layers, kept within the new depth."""
-    if (state.count("first_k_dense_replace") or 0) > 0:
-        state.set("first_k_dense_replace", 1)
     window_layers = state.count("max_window_layers")
     if window_layers is not None:
         state.set("max_window_layers", min(window_layers, count) if window_layers < layers else count)
