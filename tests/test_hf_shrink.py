@@ -360,7 +360,7 @@ def _decoders_with_a_tp_plan() -> list[str]:
 
 
 #: Families the sweep must shrink, whatever else the installed transformers holds.
-MUST_SHRINK = {"llama", "qwen2", "mistral", "mixtral", "gemma3_text", "qwen2_moe", "deepseek_v3", "gpt_oss", "phi3"}
+MUST_SHRINK = {"llama", "qwen2", "mistral", "mixtral", "gemma3_text", "qwen2_moe", "deepseek_v3", "gpt_oss", "phi3", "jamba", "bamba", "nemotron_h", "falcon_h1"}
 
 
 @pytest.mark.deep

@@ -14,6 +14,7 @@ sequence and masks something.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -104,6 +105,9 @@ WINDOWS = ("sliding_window", "sliding_window_size", "attention_chunk_size")
 VOCABULARIES = ("vocab_size", "vocab_size_per_layer_input", "unpadded_vocab_size")
 #: Per-layer index fields: the layers a property applies to, by number.
 LAYER_INDICES = ("mlp_only_layers", "moe_layers", "full_attn_idxs")
+#: Lists whose length is the number of layers, in configurations with no count of them
+#: (Nemotron-H's ``layers_block_type``).
+LAYER_LISTS = ("layers_block_type",)
 #: Counts of leading layers of another kind (DeepSeek's dense layers before the experts).
 LEADING_LAYERS = ("first_k_dense_replace",)
 #: Per-layer overrides of a heterogeneous configuration, keyed by layer index.
@@ -399,23 +403,35 @@ def _secondary_heads(state: _Shrinking) -> None:
     _derived_widths(state)
 
 
+#: State-space widths tied together: (heads, head dimension, expansion) with heads x head
+#: dimension = expansion x hidden size (Bamba, Nemotron-H), and the field (if any) holding
+#: heads x head dimension (Falcon-H1's ``mamba_d_ssm``).
+STATE_SPACE = (
+    ("mamba_n_heads", "mamba_d_head", "mamba_expand", "mamba_d_ssm"),
+    ("mamba_num_heads", "mamba_head_dim", "expand", None),
+)
+
+
 def _derived_widths(state: _Shrinking) -> None:
-    """Widths defined as a product of others stay so: Falcon-H1's ``mamba_d_ssm`` (heads x
-    head dimension), Bamba's Mamba heads x head dimension = ``mamba_expand`` x hidden size."""
-    heads, dim, ssm, expand, hidden = (
-        state.count(name) for name in ("mamba_n_heads", "mamba_d_head", "mamba_d_ssm", "mamba_expand", "hidden_size")
-    )
-    if not (heads and dim):
-        return
-    heads_new, dim_new = state.changes["mamba_n_heads"], state.changes["mamba_d_head"]
-    if expand and hidden and heads * dim == expand * hidden:
-        inner = expand * state.changes[state.name("hidden_size") or "hidden_size"]
-        if inner % heads_new:
-            raise state.refuse("mamba_n_heads", f"cannot keep mamba_n_heads x mamba_d_head = mamba_expand x hidden_size with {heads_new} heads")
-        dim_new = inner // heads_new
-        state.set("mamba_d_head", dim_new)
-    if ssm == heads * dim:
-        state.set("mamba_d_ssm", heads_new * dim_new)
+    """Widths defined by others stay so: the state-space heads x head dimension (see
+    ``STATE_SPACE``), and the groups of state-space heads (``n_groups``) dividing the heads."""
+    for heads_field, dim_field, expand_field, inner_field in STATE_SPACE:
+        heads, dim = state.count(heads_field), state.count(dim_field)
+        if not (heads and dim):
+            continue
+        heads_new, dim_new = state.changes[heads_field], state.changes[dim_field]
+        expand, hidden = state.count(expand_field), state.count("hidden_size")
+        if expand and hidden and heads * dim == expand * hidden:
+            inner = expand * state.changes[state.name("hidden_size") or "hidden_size"]
+            if inner % heads_new:
+                raise state.refuse(heads_field, f"cannot keep {heads_field} x {dim_field} = {expand_field} x hidden_size with {heads_new} heads")
+            dim_new = inner // heads_new
+            state.set(dim_field, dim_new)
+        if inner_field is not None and state.count(inner_field) == heads * dim:
+            state.set(inner_field, heads_new * dim_new)
+        groups = state.count("n_groups")
+        if groups is not None and heads % groups == 0:
+            state.set("n_groups", math.gcd(groups, heads_new))
 
 
 # --- widths, vocabulary, windows, experts --------------------------------------------------
@@ -581,16 +597,23 @@ def _columns(state: _Shrinking, layers: int) -> dict[str, list[Any]]:
     return columns
 
 
+def _depth(state: _Shrinking) -> tuple[str | None, int]:
+    """(the field counting the layers, or None where a list's length does, the count)."""
+    for name in ("num_hidden_layers", "num_layers"):
+        if (layers := state.count(name)) is not None:
+            return name, layers
+    for name in LAYER_LISTS:
+        if isinstance(blocks := state.get(name), list) and blocks:
+            return None, len(blocks)
+    raise state.refuse("num_hidden_layers", "is not a positive int: shrink needs the number of layers")
+
+
 def _layers(state: _Shrinking, pp: int) -> None:
     """The depth: at least ``pp`` layers and 2, and each per-layer pattern's prefix, one
     whole period or more, and its suffix."""
     if _layer_stacks(state, pp):
         return
-    layers_field = next((name for name in ("num_hidden_layers", "num_layers") if state.count(name) is not None), None)
-    if layers_field is None:
-        raise state.refuse("num_hidden_layers", "is not a positive int: shrink needs the number of layers")
-    layers = state.count(layers_field)
-    assert layers is not None
+    layers_field, layers = _depth(state)
     # two layers at least: a stack of layers (what FSDP wraps, what a pipeline splits)
     least = max(pp, 2, state.count("decoder_sparse_step") or 1)
     patterns = {}
@@ -603,7 +626,8 @@ def _layers(state: _Shrinking, pp: int) -> None:
     if count > MAX_LAYERS:
         name = max(patterns, key=lambda key: patterns[key].length(least))
         raise state.refuse(name, f"needs {count} layers to keep its per-layer pattern, more than MAX_LAYERS={MAX_LAYERS}")
-    state.set(layers_field, count)
+    if layers_field is not None:
+        state.set(layers_field, count)
     for name, pattern in patterns.items():
         values = pattern.cut(count)
         if name in LAYER_INDICES:
