@@ -385,11 +385,14 @@ def test_every_decoder_with_a_tp_plan_shrinks_or_is_refused_by_name() -> None:
     shrunk, refused = {}, {}
     for model_type in _decoders_with_a_tp_plan():
         config = transformers.CONFIG_MAPPING[model_type]()
+        before = config.to_dict()
         try:
             result = shrink(config, tp=2, pp=2)
         except InvalidArgument as error:
             refused[model_type] = str(error)
             continue
+        finally:
+            assert config.to_dict() == before, f"shrink changed the {model_type} configuration it was given"
         shrunk[model_type] = result
         assert type(result) is type(config)
         assert parameter_count(result) <= 2_000_000, model_type
