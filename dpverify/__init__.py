@@ -86,6 +86,9 @@ _EXPORTS: dict[str, str] = {
     "weighted_ddp_step": "dpverify.ddp.rank",
     "weighted_fsdp_step": "dpverify.sharded.fsdp",
     "weighted_tp_step": "dpverify.sharded.tensor_parallel",
+    "HFCheckReport": "dpverify.hf.check",
+    "check_hf_config": "dpverify.hf.check",
+    "shrink": "dpverify.hf.shrink",
 }
 
 __all__ = [
@@ -98,6 +101,7 @@ __all__ = [
     "DivergenceSource",
     "DroppedRowsWarning",
     "FSDPContext",
+    "HFCheckReport",
     "InvalidArgument",
     "LossAverageReport",
     "MetricReport",
@@ -138,6 +142,7 @@ __all__ = [
     "assert_tensor_parallel_grads_match",
     "assert_tensor_parallel_training_matches",
     "check_forward_loss_average",
+    "check_hf_config",
     "chunk_sizes",
     "chunk_weighted_loss",
     "current_virtual_device",
@@ -147,6 +152,7 @@ __all__ = [
     "fsdp_step",
     "no_sync_accumulation_step",
     "plan_scatter",
+    "shrink",
     "sync_tied_grads",
     "tp_step",
     "virtual_devices",
@@ -250,6 +256,9 @@ if TYPE_CHECKING:
         assert_pipeline_training_matches as assert_pipeline_training_matches,
     )
     from dpverify.sharded.pipeline import sync_tied_grads as sync_tied_grads
+    from dpverify.hf.check import HFCheckReport as HFCheckReport
+    from dpverify.hf.check import check_hf_config as check_hf_config
+    from dpverify.hf.shrink import shrink as shrink
     from dpverify.sharded.tensor_parallel import TPContext as TPContext
     from dpverify.sharded.tensor_parallel import (
         assert_tensor_parallel_grads_match as assert_tensor_parallel_grads_match,

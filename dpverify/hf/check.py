@@ -23,10 +23,13 @@ from torch import nn
 from dpverify.core.comparison import StepComparison
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.ddp.pool import ParallelError
-from dpverify.hf.plans import hf_tp_plan, load_plan_function, require_transformers, styled
+from dpverify.hf.base import load_config, require_transformers
+from dpverify.hf.model import build_model, lm_loss, token_batch
+from dpverify.hf.plans import hf_tp_plan, load_plan_function, styled
+from dpverify.hf.shrink import shrink
 from dpverify.registry import Verdict
 
-__all__ = ["HF_BACKENDS", "BackendOutcome", "HFCheckReport", "check_hf_config"]
+__all__ = ["HF_BACKENDS", "BackendOutcome", "HFCheckReport", "check_hf_config", "hf_tp_step"]
 
 #: The backends ``check_hf_config`` runs, in order, by the names ``check --backend`` takes.
 HF_BACKENDS: tuple[str, ...] = ("dp", "ddp", "fsdp", "tp", "pp")
@@ -129,7 +132,9 @@ def check_hf_config(
         seq_len: tokens per sequence.
         max_params: the shrunk model's most parameters.
         shrunk: shrink ``config`` first (False: check it as given).
-        dtype: the model's dtype.
+        dtype: the model's dtype. float32 (default): transformers computes norms,
+            attention and expert routing in float32 whatever the model's dtype, so a
+            float64 model still rounds like float32 there, finer than its anchor sees.
         seed: seeds the weights and the batch.
         pool: the ranks to use (default: the shared pool of each world size).
 
@@ -140,10 +145,7 @@ def check_hf_config(
         InvalidArgument: an argument cannot be used, or the configuration cannot be shrunk
             keeping its structure (the message names what).
     """
-    from dpverify.hf.model import build_model, lm_loss, token_batch
-    from dpverify.hf.shrink import load_config, shrink
-
-    require_transformers()
+    require_transformers("check_hf_config")
     backends = _backends(backend)
     if not isinstance(shrunk, bool):
         raise InvalidArgument(f"shrunk={shrunk!r} must be True or False")
@@ -232,7 +234,21 @@ def _tp(model: nn.Module, batch: Any, loss_fn: Any, tp: int, plan: dict[str, Any
 
     return assert_tensor_parallel_grads_match(
         model, (), batch.labels, loss_fn=loss_fn, world_size=tp, plan=plan, forward_kwargs=_keywords(batch), pool=pool,
+        step=hf_tp_step,
     )
+
+
+def hf_tp_step(ctx: Any) -> Any:
+    """The tensor-parallel step as transformers sets a model up: the plan applied, then the
+    tied weights tied again (``from_pretrained`` ties after it distributes the model, so the
+    head shares the embedding's sharded weight), then ``tp_step``'s forward and backward."""
+    from dpverify.sharded.tensor_parallel import tp_step
+
+    model = ctx.parallelize()
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
+    return tp_step(ctx)
 
 
 def _pp(model: nn.Module, batch: Any, loss_fn: Any, pp: int, pool: Any) -> StepComparison | str:

@@ -23,22 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from dpverify.core.errors import InvalidArgument
+from dpverify.hf.base import require_transformers
 
-__all__ = ["TransformersStyle", "hf_tp_plan", "load_plan_function", "require_transformers", "styled"]
-
-
-def require_transformers() -> Any:
-    """The ``transformers`` module.
-
-    Raises:
-        InvalidArgument: it is not installed.
-    """
-    try:
-        return importlib.import_module("transformers")
-    except ImportError:
-        raise InvalidArgument(
-            "the Hugging Face checks need transformers 5 or later: pip install 'dpverify[hf]'"
-        ) from None
+__all__ = ["TransformersStyle", "hf_tp_plan", "load_plan_function", "styled"]
 
 
 class TransformersStyle(ParallelStyle):
@@ -81,7 +68,7 @@ def hf_tp_plan(model: nn.Module, tp_size: int) -> dict[str, ParallelStyle]:
         InvalidArgument: ``model`` is not a transformers model, has no plan, or
             transformers refuses the plan for this model (its message names the entry).
     """
-    transformers = require_transformers()
+    transformers = require_transformers("tp_plan='hf'")
     resolve = getattr(model, "_resolve_parallel_plans", None)
     if not isinstance(model, transformers.PreTrainedModel) or resolve is None:
         raise InvalidArgument(
