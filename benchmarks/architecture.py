@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENGINE = ("core", "exact", "checks", "ranked", "ddp", "sharded", "data", "models")
-FRONT_ENDS = ("cli", "figures", "explain")
+FRONT_ENDS = ("cli", "figures", "explain", "hf")
 
 
 @dataclass(frozen=True)
