@@ -43,6 +43,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-sliding": ("mistral", {"sliding_window": 3}),
     "gemma2": ("gemma2", {"tie_word_embeddings": False, "sliding_window": 3, "head_dim": 4, "final_logit_softcapping": 5.0, "attn_logit_softcapping": 10.0}),
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # beyond the families above: rotary embeddings of each layer type's own base (Gemma3),
+    # and the scalings their forwards apply outside the layers (Cohere, Granite)
+    "gemma3": ("gemma3_text", {"tie_word_embeddings": False, "sliding_window": 3, "sliding_window_pattern": 2, "head_dim": 4}),
+    "cohere": ("cohere", {"tie_word_embeddings": False, "logit_scale": 0.25}),
+    "granite": ("granite", {"embedding_multiplier": 3.0, "logits_scaling": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25}),
 }
 
 
@@ -104,16 +109,25 @@ def test_the_children_hold_the_model_s_own_parameters_under_names_that_map_back(
 
 def test_a_sliding_window_layer_gets_the_sliding_mask_and_a_full_layer_the_full_one() -> None:
     module = pipeline_module(build("gemma2", layers=4))
-    _hidden, _cos, _sin, *masks = module.embed(IDS)
-    assert [layer.mask for layer in (module.layers_0, module.layers_1, module.layers_2, module.layers_3)] == [0, 1, 0, 1]
-    assert len(masks) == 2
-    assert all(mask.size(0) == IDS.size(0) for mask in masks)
+    _hidden, *context = module.embed(IDS)
+    assert module.embed.kinds == ("sliding_attention", "full_attention")
+    assert [layer.kind for layer in (module.layers_0, module.layers_1, module.layers_2, module.layers_3)] == [0, 1, 0, 1]
+    assert len(context) == 6  # (cos, sin, mask) of each kind
+    assert all(tensor.size(0) == IDS.size(0) for tensor in context)
+    masks = context[2::3]
     # eager masks are additive: 0 where a query sees a key. Query 7 sees key 0 with full
     # attention only (the window is 3)
     sliding, full = masks
     assert sliding[0, 0, 7, 0] < 0
     assert full[0, 0, 7, 0] == 0
     assert sliding[0, 0, 7, 6] == 0
+
+
+def test_gemma3_s_sliding_and_full_layers_get_their_own_rotary_embeddings() -> None:
+    module = pipeline_module(build("gemma3"))
+    _hidden, sliding_cos, _sin, _mask, full_cos, *_rest = module.embed(IDS)
+    assert module.embed.kinds == ("sliding_attention", "full_attention")
+    assert not torch.allclose(sliding_cos, full_cos)
 
 
 def test_mistral_s_window_shorter_than_the_sequence_changes_the_logits() -> None:
@@ -172,6 +186,13 @@ def test_an_attention_implementation_without_tensor_masks_is_refused() -> None:
         pipeline_module(model)
 
 
+def test_bidirectional_attention_is_refused() -> None:
+    model = build("gemma3")
+    model.config.use_bidirectional_attention = True
+    with pytest.raises(InvalidArgument, match=r"model=Gemma3ForCausalLM has use_bidirectional_attention set"):
+        pipeline_module(model)
+
+
 def test_a_layer_type_whose_mask_dpverify_cannot_build_is_refused() -> None:
     model = build("qwen2")
     model.config.layer_types = ["full_attention", "chunked_attention"]
@@ -211,10 +232,10 @@ def test_split_points_refuse_more_stages_than_layers_or_fewer_than_two(pp: int, 
 # --------------------------------------------------------------------------- on ranks
 
 
-def check(module: Any, **options: Any) -> Any:
+def check(module: Any, pp: int = 2, **options: Any) -> Any:
     return assert_pipeline_grads_match(
-        module, (IDS, MASK), LABELS, loss_fn=lm_loss, world_size=2, n_microbatches=2,
-        split_points=split_points_for(module, 2), **options,
+        module, (IDS, MASK), LABELS, loss_fn=lm_loss, world_size=pp, n_microbatches=2,
+        split_points=split_points_for(module, pp), **options,
     )
 
 
@@ -233,9 +254,10 @@ class DropsTheMaskAtAStageStart(Layer):
     def forward(self, *args: Any) -> tuple[torch.Tensor, ...]:
         if len(args) == 1:
             return super().forward(*args)
-        hidden, cos, sin, *masks = args
+        hidden, *context = args
+        cos, sin, _mask = context[3 * self.kind : 3 * self.kind + 3]
         output = self.layer(hidden, attention_mask=None, position_embeddings=(cos, sin), cache=None, use_cache=False)
-        return (output, cos, sin, *masks)
+        return (output, *context)
 
 
 class SkipsItsLayerAtAStageStart(Layer):
@@ -250,9 +272,10 @@ def failing(mismatch: pytest.ExceptionInfo[ParallelMismatch]) -> set[str]:
     return {f"{row.id.kind} {row.id.name}".strip() for row in mismatch.value.report.tensors if not row.ok}
 
 
+@pytest.mark.deep
 def test_a_stage_that_drops_the_padding_mask_is_caught_on_the_padded_positions_logits(ddp_pool: DDPWorkerPool) -> None:
     module = pipeline_module(build("llama"))
-    module.layers_1 = DropsTheMaskAtAStageStart(module.layers_1.layer, module.layers_1.mask)
+    module.layers_1 = DropsTheMaskAtAStageStart(module.layers_1.layer, module.layers_1.kind)
     with pytest.raises(ParallelMismatch) as mismatch:
         check(module, pool=ddp_pool)
     # right padding: only the padded positions' logits change, and their loss is ignored
@@ -261,11 +284,11 @@ def test_a_stage_that_drops_the_padding_mask_is_caught_on_the_padded_positions_l
 
 @pytest.mark.parametrize(("family", "mutant"), [
     ("mistral-sliding", DropsTheMaskAtAStageStart),  # the sliding window lost: later positions attend too far back
-    ("llama", SkipsItsLayerAtAStageStart),
+    pytest.param("llama", SkipsItsLayerAtAStageStart, marks=pytest.mark.deep),
 ])
 def test_a_stage_that_loses_the_window_or_its_layer_is_caught_on_the_gradients(ddp_pool: DDPWorkerPool, family: str, mutant: type[Layer]) -> None:
     module = pipeline_module(build(family))
-    module.layers_1 = mutant(module.layers_1.layer, module.layers_1.mask)
+    module.layers_1 = mutant(module.layers_1.layer, module.layers_1.kind)
     with pytest.raises(ParallelMismatch) as mismatch:
         check(module, pool=ddp_pool)
     assert {"grad layers_1.layer.self_attn.v_proj.weight", "grad embed.embed_tokens.weight", "output output"} <= failing(mismatch)
@@ -278,10 +301,18 @@ def test_tied_embeddings_on_the_first_and_last_stage_are_named(ddp_pool: DDPWork
 
 
 @pytest.mark.deep
-@pytest.mark.parametrize("family", ["qwen2", "mistral-sliding", "gemma2", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral-sliding", "gemma2", "mixtral", "gemma3", "granite"])
 def test_each_family_split_by_its_pp_plan_matches_one_device(ddp_pool: DDPWorkerPool, family: str) -> None:
     model = build(family, layers=4)
     check(pipeline_module(model), pool=ddp_pool)
+
+
+@pytest.mark.deep
+@pytest.mark.parametrize("ddp_pool", [4], indirect=True)
+def test_four_stages_of_one_layer_each_match_one_device(ddp_pool: DDPWorkerPool) -> None:
+    module = pipeline_module(build("gemma2", layers=4))
+    result = check(module, pp=4, pool=ddp_pool)
+    assert "stage 0 children ['embed', 'layers_0']; stage 1 children ['layers_1']; stage 2 children ['layers_2']; stage 3 children ['layers_3', 'head']" in result.scenario
 
 
 @pytest.mark.deep

@@ -4,13 +4,14 @@ configuration's ``base_model_pp_plan`` says.
 ``pipeline_module(model)`` returns an ``nn.Module`` whose top-level children are what
 ``dpverify.assert_pipeline_grads_match`` cuts into stages:
 
-- ``embed``: ``(input_ids[, attention_mask])`` -> ``(hidden_states, cos, sin, *masks)``: the
-  model's embedding, its rotary position embeddings, and one attention mask per kind of
-  attention its layers use (full, sliding window), built as the base model builds them;
+- ``embed``: ``(input_ids[, attention_mask])`` -> ``(hidden_states, *context)``: the
+  model's embedding, and for each kind of attention its layers use (full, sliding window)
+  the rotary position embeddings ``cos, sin`` and the attention mask, built as the base
+  model builds them;
 - ``layers_0`` .. ``layers_{L-1}``: the model's own decoder layers, each taking and
-  returning that tuple (it replaces ``hidden_states`` and passes the rest on);
-- ``head``: the final norm and ``lm_head`` (and the final logit soft-capping where the
-  configuration has one) -> the logits.
+  returning that tuple (it replaces ``hidden_states`` and passes the context on);
+- ``head``: the final norm and ``lm_head`` (and the logits' scalings where the model has
+  them: Gemma2's soft-capping, Cohere's and Granite's scales) -> the logits.
 
 The children hold the model's own modules, so a parameter is the model's own object, under
 a name the ``names`` attribute maps back (``model_names``): ``embed.embed_tokens.*`` is
@@ -23,6 +24,7 @@ is ``embed.embed_tokens.weight``, one parameter that the first and the last stag
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -79,73 +81,98 @@ def _positions(hidden: torch.Tensor) -> torch.Tensor:
     return torch.arange(hidden.size(1), device=hidden.device).unsqueeze(0)
 
 
+def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` (one row, or ``rows``) with ``rows`` rows: a stage sends each microbatch's own."""
+    return tensor.expand(rows, *tensor.shape[1:]).contiguous()
+
+
 class Embed(nn.Module):
     """The first stage's child: token embeddings, rotary position embeddings and the masks.
 
-    ``forward(input_ids, attention_mask=None)`` returns ``(hidden_states, cos, sin, *masks)``,
-    every tensor with the batch's rows along dim 0 (cos and sin are expanded over them) so
-    that each microbatch's stage sends its own rows; ``masks`` holds one 4D mask per entry
-    of ``kinds``, built by ``transformers.masking_utils`` as the base model builds it, but
-    always materialised (``allow_is_causal_skip=False``): a stage sends tensors, not None.
+    ``forward(input_ids, attention_mask=None)`` returns ``(hidden_states, *context)``, where
+    ``context`` holds ``(cos, sin, mask)`` for each entry of ``kinds`` (the kinds of attention
+    the layers use, e.g. full and sliding window): the rotary embeddings of that kind (the
+    same for every kind unless the rotary embedding takes a ``layer_type``) and the 4D mask
+    ``transformers.masking_utils`` builds for it as the base model does, but always
+    materialised (``allow_is_causal_skip=False``: a stage sends tensors, not None). Every
+    tensor has the batch's rows along dim 0, so each microbatch's stage sends its own.
+    ``multiplier``: the base model's ``embedding_multiplier`` (Granite), or None.
     """
 
-    def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module, config: Any, kinds: Sequence[str]) -> None:
+    def __init__(
+        self, embed_tokens: nn.Module, rotary_emb: nn.Module, config: Any, kinds: Sequence[str], multiplier: float | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.rotary_emb = rotary_emb
         self.config = config
         self.kinds = tuple(kinds)
+        self.multiplier = multiplier
+        self.typed = "layer_type" in inspect.signature(rotary_emb.forward).parameters
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         masking = _transformers("transformers.masking_utils")
         hidden = self.embed_tokens(input_ids)
+        if self.multiplier is not None:
+            hidden = hidden * self.multiplier
         positions = _positions(hidden)
-        cos, sin = self.rotary_emb(hidden, positions)
         rows = hidden.size(0)
-        masks = []
+        context: list[torch.Tensor] = []
         for kind in self.kinds:
+            cos, sin = self.rotary_emb(hidden, positions, kind) if self.typed else self.rotary_emb(hidden, positions)
             build: Callable[..., Any] = getattr(masking, ATTENTION_KINDS[kind])
             mask = build(
                 config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
                 position_ids=positions, allow_is_causal_skip=False,
             )
-            masks.append(mask.expand(rows, *mask.shape[1:]).contiguous())
-        return (hidden, cos.expand(rows, *cos.shape[1:]).contiguous(), sin.expand(rows, *sin.shape[1:]).contiguous(), *masks)
+            context += [_rows(cos, rows), _rows(sin, rows), _rows(mask, rows)]
+        return (hidden, *context)
 
 
 class Layer(nn.Module):
-    """One decoder layer as a stage's child: ``(hidden_states, cos, sin, *masks)`` in, the
-    layer's output hidden states and the rest unchanged out. ``mask`` is the index in
-    ``masks`` of the mask of this layer's kind of attention."""
+    """One decoder layer as a stage's child: ``(hidden_states, *context)`` in (see
+    ``Embed``), the layer's output hidden states and the same context out. ``kind`` is the
+    index in ``Embed.kinds`` of this layer's kind of attention, whose ``(cos, sin, mask)``
+    it runs with."""
 
-    def __init__(self, layer: nn.Module, mask: int) -> None:
+    def __init__(self, layer: nn.Module, kind: int) -> None:
         super().__init__()
         self.layer = layer
-        self.mask = mask
+        self.kind = kind
 
     def forward(self, *args: Any) -> tuple[torch.Tensor, ...]:
-        hidden, cos, sin, *masks = _state(args)
+        hidden, *context = _state(args)
+        cos, sin, mask = context[3 * self.kind : 3 * self.kind + 3]
         output = self.layer(
-            hidden, attention_mask=masks[self.mask], position_embeddings=(cos, sin),
-            position_ids=_positions(hidden), cache=None, use_cache=False,
+            hidden, attention_mask=mask, position_embeddings=(cos, sin), position_ids=_positions(hidden), cache=None, use_cache=False,
         )
         if isinstance(output, tuple):  # layers of older families return (hidden_states, ...)
             output = output[0]
-        return (output, cos, sin, *masks)
+        return (output, *context)
 
 
 class Head(nn.Module):
-    """The last stage's child: the final norm, ``lm_head``, and the final logit
-    soft-capping (``tanh(logits / cap) * cap``) where the configuration sets one."""
+    """The last stage's child: the final norm, ``lm_head``, then the logits' scalings where
+    the model has them: times ``scale`` (Cohere's ``logit_scale``), divided by ``divisor``
+    (Granite's ``logits_scaling``), and the final soft-capping ``tanh(logits / cap) * cap``
+    (Gemma2's ``final_logit_softcapping``)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, softcap: float | None) -> None:
+    def __init__(
+        self, norm: nn.Module, lm_head: nn.Module, softcap: float | None, *, scale: float | None = None, divisor: float | None = None,
+    ) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
         self.softcap = softcap
+        self.scale = scale
+        self.divisor = divisor
 
     def forward(self, *args: Any) -> torch.Tensor:
         logits: torch.Tensor = self.lm_head(self.norm(_state(args)[0]))
+        if self.scale is not None:
+            logits = logits * self.scale
+        if self.divisor is not None:
+            logits = logits / self.divisor
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
@@ -233,6 +260,12 @@ def _head_name(model: nn.Module) -> str:
     )
 
 
+def _scalar(owner: Any, name: str) -> float | None:
+    """``owner.name`` when it is a number (a model's fixed scaling), else None."""
+    value = getattr(owner, name, None)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def _kinds(model: nn.Module, config: Any, layers: int) -> list[str]:
     """Each layer's kind of attention: ``config.layer_types`` where there are some, else
     sliding-window attention everywhere when ``config.sliding_window`` is set (Mistral,
@@ -261,13 +294,13 @@ def pipeline_module(model: nn.Module) -> HFPipeline:
     Args:
         model: a transformers decoder-only causal LM (``...ForCausalLM``) whose
             configuration has a ``base_model_pp_plan`` of embedding, layers and norm, and
-            ``eager`` or ``sdpa`` attention.
+            ``eager`` or ``sdpa`` causal attention.
 
     Raises:
         InvalidArgument: transformers is not installed; ``model`` has no
             ``base_model_pp_plan``, a plan of other pieces, no rotary embedding, no LM
-            head, layer types or an attention implementation whose masks a stage cannot
-            send.
+            head, layer types, bidirectional attention or an attention implementation
+            whose masks a stage cannot send.
     """
     config = _config(model)
     embed_name, layers_name, norm_name = _plan(model, config)
@@ -285,6 +318,11 @@ def pipeline_module(model: nn.Module) -> HFPipeline:
             f"tensors a pipeline stage can send; build it with attn_implementation in {list(_TENSOR_MASKS)} "
             "(from_config(config, attn_implementation='sdpa'), or model.set_attn_implementation('sdpa'))"
         )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise InvalidArgument(
+            f"model={type(model).__name__} has use_bidirectional_attention set, whose masks dpverify does not build; "
+            "pass a model with causal attention (use_bidirectional_attention=False)"
+        )
     layers = _piece(base, layers_name, model, "the decoder layers, by its base_model_pp_plan")
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise InvalidArgument(
@@ -295,13 +333,17 @@ def pipeline_module(model: nn.Module) -> HFPipeline:
     head = _head_name(model)
     kinds = _kinds(model, config, len(layers))
     used = list(dict.fromkeys(kinds))
-    children: list[tuple[str, nn.Module]] = [("embed", Embed(_piece(base, embed_name, model, "the embedding, by its base_model_pp_plan"), rotary, config, used))]
+    embed = _piece(base, embed_name, model, "the embedding, by its base_model_pp_plan")
+    children: list[tuple[str, nn.Module]] = [("embed", Embed(embed, rotary, config, used, _scalar(base, "embedding_multiplier")))]
     names = {"embed.embed_tokens": f"{prefix}.{embed_name}", "embed.rotary_emb": f"{prefix}.rotary_emb"}
     for index, layer in enumerate(layers):
         children.append((f"layers_{index}", Layer(layer, used.index(kinds[index]))))
         names[f"layers_{index}.layer"] = f"{prefix}.{layers_name}.{index}"
-    softcap = getattr(config, "final_logit_softcapping", None)
-    children.append(("head", Head(_piece(base, norm_name, model, "the final norm, by its base_model_pp_plan"), _piece(model, head, model, "the LM head"), softcap)))
+    norm = _piece(base, norm_name, model, "the final norm, by its base_model_pp_plan")
+    children.append(("head", Head(
+        norm, _piece(model, head, model, "the LM head"), _scalar(config, "final_logit_softcapping"),
+        scale=_scalar(model, "logit_scale"), divisor=_scalar(config, "logits_scaling"),
+    )))
     names.update({"head.norm": f"{prefix}.{norm_name}", "head.lm_head": head})
     return HFPipeline(children, names)
 
