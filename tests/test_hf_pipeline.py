@@ -48,6 +48,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3": ("gemma3_text", {"tie_word_embeddings": False, "sliding_window": 3, "sliding_window_pattern": 2, "head_dim": 4}),
     "cohere": ("cohere", {"tie_word_embeddings": False, "logit_scale": 0.25}),
     "granite": ("granite", {"embedding_multiplier": 3.0, "logits_scaling": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25}),
+    # a dropout between the embedding and the layers in the plan, other names for its pieces
+    "phi": ("phi", {}),
+    "gpt_neox": ("gpt_neox", {"tie_word_embeddings": False}),
 }
 
 
@@ -59,6 +62,7 @@ def build(family: str, layers: int = 2) -> Any:
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32, **extra,
     )
+    config.pad_token_id = 0  # some families' default lies outside the tiny vocabulary
     torch.manual_seed(0)
     options = {"experts_implementation": "eager"} if kind == "mixtral" else {}
     return transformers.AutoModelForCausalLM.from_config(config, **options).double()
@@ -101,10 +105,19 @@ def test_the_children_hold_the_model_s_own_parameters_under_names_that_map_back(
     assert sorted(mapped.values()) == sorted(theirs)
     for mine, param in module.named_parameters(remove_duplicate=False):
         assert param is theirs[mapped[mine]], mine
-    assert mapped["layers_1.layer.self_attn.q_proj.weight"] == "model.layers.1.self_attn.q_proj.weight"
     assert mapped["head.lm_head.weight"] == "lm_head.weight"
     tied = module.head.lm_head.weight is module.embed.embed_tokens.weight
     assert tied == (family == "qwen2.5-tied")
+
+
+def test_the_names_follow_the_base_model_prefix_and_the_plan() -> None:
+    llama = model_names(pipeline_module(build("llama")))
+    assert llama["layers_1.layer.self_attn.q_proj.weight"] == "model.layers.1.self_attn.q_proj.weight"
+    assert llama["head.norm.weight"] == "model.norm.weight"
+    neox = model_names(pipeline_module(build("gpt_neox")))
+    assert neox["embed.embed_tokens.weight"] == "gpt_neox.embed_in.weight"
+    assert neox["head.norm.weight"] == "gpt_neox.final_layer_norm.weight"
+    assert neox["head.lm_head.weight"] == "lm_head.weight"
 
 
 def test_a_sliding_window_layer_gets_the_sliding_mask_and_a_full_layer_the_full_one() -> None:
@@ -149,6 +162,14 @@ def test_require_same_logits_refuses_a_module_that_lost_the_soft_capping() -> No
         require_same_logits(model, module, IDS, MASK)
 
 
+def test_require_same_logits_refuses_a_module_that_fails_where_the_model_runs() -> None:
+    model = build("llama")
+    module = pipeline_module(model)
+    module.layers_0.kind = 1  # no such kind of attention: the layer's context is out of range
+    with pytest.raises(InvalidArgument, match=r"pipeline_module\(LlamaForCausalLM\) fails where the model runs: ValueError"):
+        require_same_logits(model, module, IDS)
+
+
 # --------------------------------------------------------------------------- refusals
 
 
@@ -162,7 +183,14 @@ def test_a_model_without_a_base_model_pp_plan_is_refused_naming_it() -> None:
 def test_a_pp_plan_of_other_pieces_is_refused_naming_them() -> None:
     model = build("llama")
     model.config.base_model_pp_plan = {"embed_tokens": (["input_ids"], ["inputs_embeds"]), "layers": (["hidden_states"], ["hidden_states"])}
-    with pytest.raises(InvalidArgument, match=r"has the pieces \['embed_tokens', 'layers'\]; dpverify splits the layout embedding, layers, norm"):
+    with pytest.raises(InvalidArgument, match=r"has the pieces \['embed_tokens', 'layers'\]; dpverify splits the layout embedding, \(pieces"):
+        pipeline_module(model)
+
+
+def test_a_plan_whose_layers_are_not_second_to_last_is_refused() -> None:
+    model = build("llama")
+    model.config.base_model_pp_plan = {"embed_tokens": ([], []), "layers": ([], []), "norm": ([], []), "rotary_emb": ([], [])}
+    with pytest.raises(InvalidArgument, match=r"model\.norm is LlamaRMSNorm, not a non-empty ModuleList of decoder layers"):
         pipeline_module(model)
 
 
@@ -301,7 +329,7 @@ def test_tied_embeddings_on_the_first_and_last_stage_are_named(ddp_pool: DDPWork
 
 
 @pytest.mark.deep
-@pytest.mark.parametrize("family", ["qwen2", "mistral-sliding", "gemma2", "mixtral", "gemma3", "granite"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral-sliding", "gemma2", "mixtral", "gemma3", "granite", "phi"])
 def test_each_family_split_by_its_pp_plan_matches_one_device(ddp_pool: DDPWorkerPool, family: str) -> None:
     model = build(family, layers=4)
     check(pipeline_module(model), pool=ddp_pool)

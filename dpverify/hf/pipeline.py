@@ -14,11 +14,14 @@ configuration's ``base_model_pp_plan`` says.
   them: Gemma2's soft-capping, Cohere's and Granite's scales) -> the logits.
 
 The children hold the model's own modules, so a parameter is the model's own object, under
-a name the ``names`` attribute maps back (``model_names``): ``embed.embed_tokens.*`` is
-``<base>.embed_tokens.*``, ``layers_{i}.layer.*`` is ``<base>.layers.{i}.*``,
-``head.norm.*`` is ``<base>.norm.*`` and ``head.lm_head.*`` is ``lm_head.*`` (``<base>`` the
-model's ``base_model_prefix``, ``model`` for most). With tied embeddings ``head.lm_head.weight``
-is ``embed.embed_tokens.weight``, one parameter that the first and the last stage both hold.
+a name the ``names`` attribute maps back (``model_names``). For Llama and most others
+``embed.embed_tokens.*`` is ``model.embed_tokens.*``, ``layers_{i}.layer.*`` is
+``model.layers.{i}.*``, ``head.norm.*`` is ``model.norm.*`` and ``head.lm_head.*`` is
+``lm_head.*``; in general ``model`` is the model's ``base_model_prefix`` and
+``embed_tokens``, ``layers`` and ``norm`` the names in its ``base_model_pp_plan`` (pieces
+the plan puts between the embedding and the layers, such as Phi's ``embed_dropout``, are
+``embed.after.<name>``). With tied embeddings ``head.lm_head.weight`` is
+``embed.embed_tokens.weight``, one parameter that the first and the last stage both hold.
 """
 
 from __future__ import annotations
@@ -96,14 +99,18 @@ class Embed(nn.Module):
     ``transformers.masking_utils`` builds for it as the base model does, but always
     materialised (``allow_is_causal_skip=False``: a stage sends tensors, not None). Every
     tensor has the batch's rows along dim 0, so each microbatch's stage sends its own.
-    ``multiplier``: the base model's ``embedding_multiplier`` (Granite), or None.
+    ``multiplier``: the base model's ``embedding_multiplier`` (Granite), or None; ``after``:
+    the plan's pieces between the embedding and the layers (Phi's ``embed_dropout``), applied
+    in order to the embeddings.
     """
 
     def __init__(
         self, embed_tokens: nn.Module, rotary_emb: nn.Module, config: Any, kinds: Sequence[str], multiplier: float | None = None,
+        after: Sequence[tuple[str, nn.Module]] = (),
     ) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
+        self.after = nn.ModuleDict(dict(after))
         self.rotary_emb = rotary_emb
         self.config = config
         self.kinds = tuple(kinds)
@@ -115,6 +122,8 @@ class Embed(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.multiplier is not None:
             hidden = hidden * self.multiplier
+        for piece in self.after.values():
+            hidden = piece(hidden)
         positions = _positions(hidden)
         rows = hidden.size(0)
         context: list[torch.Tensor] = []
@@ -213,9 +222,10 @@ def _config(model: nn.Module) -> Any:
     return config
 
 
-def _plan(model: nn.Module, config: Any) -> tuple[str, str, str]:
-    """The names (in the base model) of the embedding, the layers and the final norm, in
-    ``base_model_pp_plan``'s order."""
+def _plan(model: nn.Module, config: Any) -> tuple[str, tuple[str, ...], str, str]:
+    """The names (in the base model) of the embedding, the pieces between it and the layers
+    (e.g. Phi's ``embed_dropout``), the layers and the final norm, in ``base_model_pp_plan``'s
+    order."""
     plan = getattr(config, "base_model_pp_plan", None)
     name = type(config).__name__
     if not plan:
@@ -225,12 +235,13 @@ def _plan(model: nn.Module, config: Any) -> tuple[str, str, str]:
             "Gemma2, ...), or cut the model into children yourself for assert_pipeline_grads_match"
         )
     pieces = list(plan)
-    if len(pieces) != 3:
+    if len(pieces) < 3:
         raise InvalidArgument(
             f"model={type(model).__name__}: {name}.base_model_pp_plan has the pieces {pieces}; dpverify splits the "
-            "layout embedding, layers, norm (three pieces, e.g. ['embed_tokens', 'layers', 'norm']) and no other"
+            "layout embedding, (pieces applied to the embeddings, e.g. a dropout), layers, norm, e.g. "
+            "['embed_tokens', 'layers', 'norm'], and no other"
         )
-    return pieces[0], pieces[1], pieces[2]
+    return pieces[0], tuple(pieces[1:-2]), pieces[-2], pieces[-1]
 
 
 def _piece(owner: nn.Module, name: str, model: nn.Module, what: str) -> nn.Module:
@@ -303,7 +314,7 @@ def pipeline_module(model: nn.Module) -> HFPipeline:
             whose masks a stage cannot send.
     """
     config = _config(model)
-    embed_name, layers_name, norm_name = _plan(model, config)
+    embed_name, between, layers_name, norm_name = _plan(model, config)
     prefix = str(getattr(model, "base_model_prefix", "") or "")
     base = getattr(model, prefix, None) if prefix else None
     if not isinstance(base, nn.Module):
@@ -334,8 +345,10 @@ def pipeline_module(model: nn.Module) -> HFPipeline:
     kinds = _kinds(model, config, len(layers))
     used = list(dict.fromkeys(kinds))
     embed = _piece(base, embed_name, model, "the embedding, by its base_model_pp_plan")
-    children: list[tuple[str, nn.Module]] = [("embed", Embed(embed, rotary, config, used, _scalar(base, "embedding_multiplier")))]
+    after = [(name, _piece(base, name, model, "applied to the embeddings, by its base_model_pp_plan")) for name in between]
+    children: list[tuple[str, nn.Module]] = [("embed", Embed(embed, rotary, config, used, _scalar(base, "embedding_multiplier"), after))]
     names = {"embed.embed_tokens": f"{prefix}.{embed_name}", "embed.rotary_emb": f"{prefix}.rotary_emb"}
+    names.update({f"embed.after.{name}": f"{prefix}.{name}" for name in between})
     for index, layer in enumerate(layers):
         children.append((f"layers_{index}", Layer(layer, used.index(kinds[index]))))
         names[f"layers_{index}.layer"] = f"{prefix}.{layers_name}.{index}"
@@ -390,12 +403,20 @@ def require_same_logits(model: nn.Module, module: nn.Module, *inputs: torch.Tens
     scaling between them, another head) would otherwise be checked as a different model.
 
     Raises:
-        InvalidArgument: the logits differ; the message gives the largest difference.
+        InvalidArgument: the logits differ (the message gives the largest difference), or
+            ``module`` raises where ``model`` runs.
     """
     keywords = {"input_ids": inputs[0], **({"attention_mask": inputs[1]} if len(inputs) > 1 else {})}
     with torch.no_grad():
         want = model(**keywords, use_cache=False).logits
-        got = module(*inputs)
+        try:
+            got = module(*inputs)
+        except Exception as error:  # the model ran: what fails is the split, e.g. a layer's other arguments
+            raise InvalidArgument(
+                f"pipeline_module({type(model).__name__}) fails where the model runs: {type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}. Its layers or rotary embedding take arguments "
+                "the base_model_pp_plan pieces do not give them; dpverify does not know how to split it"
+            ) from error
     eps = torch.finfo(want.dtype).eps
     scale = float(want.abs().max()) if want.numel() else 1.0
     if got.shape != want.shape or not torch.allclose(got, want, rtol=256 * eps, atol=256 * eps * max(scale, 1.0)):
