@@ -40,7 +40,10 @@ from dpverify.ranked.rank import even_shards
 
 __all__ = [
     "ATTENTION_KINDS",
+    "Embed",
     "HFPipeline",
+    "Head",
+    "Layer",
     "model_names",
     "pipeline_module",
     "require_same_logits",
