@@ -245,6 +245,43 @@ def test_a_module_that_is_not_the_chain_of_its_children_is_refused() -> None:
     pipeline_check(Chain(), x, y, loss_fn=F.mse_loss, world_size=2, n_microbatches=4)
 
 
+class Pair(nn.Module):
+    """``(x, None)``: a tuple, but not of tensors."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x, None
+
+
+class Both(nn.Module):
+    """``(x, x)``: a tuple of tensors, which a stage sends (the next stage's first child takes
+    them as arguments, a child within a stage as one)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x
+
+
+class Add(nn.Module):
+    def forward(self, *args: Any) -> torch.Tensor:
+        first, second = args[0] if len(args) == 1 else args
+        return first + second  # type: ignore[no-any-return]
+
+
+def test_a_stage_may_end_with_a_tuple_of_tensors_and_nothing_else() -> None:
+    x, y = batch(8)
+    with pytest.raises(InvalidArgument, match=r"stage 0 ends with child '1', which returns tuple, not a tensor or a tuple of tensors"):
+        pipeline_check(nn.Sequential(nn.Linear(5, 2).double(), Pair(), nn.Identity()), x, y, loss_fn=F.mse_loss, world_size=2, n_microbatches=4)
+    check = pipeline_check(nn.Sequential(nn.Linear(5, 2).double(), Both(), Add()), x, y, loss_fn=F.mse_loss, world_size=2, n_microbatches=4)
+    assert check.stages == (("0", "1"), ("2",))
+
+
+def test_a_tuple_of_tensors_crosses_a_stage_boundary(ddp_pool: DDPWorkerPool) -> None:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 4), Both(), Add(), nn.Linear(4, 2)).double()
+    result = check(model, ddp_pool, split_points=[2])
+    assert {"stage 0 grad '0.weight'", "stage 1 grad '3.weight'", "stage 1 output"} <= {t.name for t in result.tensors}
+
+
 def test_validation_leaves_the_module_untouched() -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

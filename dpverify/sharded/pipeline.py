@@ -251,10 +251,18 @@ def _chain_outputs(module: nn.Module, args: tuple[Any, ...], stages: Sequence[Se
     return value, ends
 
 
+def _sendable(value: Any) -> bool:
+    """What a ``PipelineStage`` sends to the next stage: a tensor, or a non-empty tuple of
+    tensors (the next stage's module gets them as positional arguments)."""
+    if isinstance(value, tuple):
+        return bool(value) and all(isinstance(item, torch.Tensor) for item in value)
+    return isinstance(value, torch.Tensor)
+
+
 def _require_chain(module: nn.Module, args: tuple[Any, ...], stages: Sequence[Sequence[str]]) -> None:
-    """A pipeline runs the children in order, each stage sending one tensor to the next:
-    refuse a module whose forward is something else (checked on this batch), or a stage
-    boundary that is not one tensor."""
+    """A pipeline runs the children in order, each stage sending a tensor or a tuple of
+    tensors to the next: refuse a module whose forward is something else (checked on this
+    batch), or a stage boundary that is neither."""
     sequential = type(module).forward is nn.Sequential.forward
     module = copy.deepcopy(module)  # a train-mode forward updates BatchNorm's statistics
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -277,12 +285,12 @@ def _require_chain(module: nn.Module, args: tuple[Any, ...], stages: Sequence[Se
             torch.manual_seed(0)
             whole = module(*args)
     for stage, end in enumerate(ends[:-1]):
-        if not isinstance(end, torch.Tensor):
+        if not _sendable(end):
             raise InvalidArgument(
                 f"stage {stage} ends with child {stages[stage][-1]!r}, which returns "
-                f"{type(end).__name__}, not one tensor; a pipeline stage passes one tensor to "
-                "the next, and dpverify chains children on a single value. Move split_points "
-                "to a boundary where one tensor flows"
+                f"{type(end).__name__}, not a tensor or a tuple of tensors; a pipeline stage sends "
+                "those to the next (whose first child takes them as its arguments). Move "
+                "split_points to a boundary where tensors flow"
             )
     if sequential:
         return
@@ -478,7 +486,10 @@ def assert_pipeline_grads_match(
     Args:
         module: an ``nn.Sequential``, or a module whose forward runs its top-level
             children in ``named_children()`` order, each on the previous one's output
-            (checked on ``inputs``).
+            (checked on ``inputs``). A stage may end with a tuple of tensors: torch's
+            ``PipelineStage`` sends each, and the next stage's first child gets them as
+            its positional arguments (within a stage a child gets the previous child's
+            output as one argument, so a child that may begin a stage takes both).
         inputs: the batch tensor, or a tuple of tensors for the first child.
         target: the second argument of ``loss_fn``, a tensor with the batch's rows.
         loss_fn: the schedule's ``loss_fn(output, target)``, picklable.
