@@ -236,6 +236,9 @@ if TYPE_CHECKING:
     from dpverify.ddp.rank import ddp_step as ddp_step
     from dpverify.ddp.rank import no_sync_accumulation_step as no_sync_accumulation_step
     from dpverify.ddp.rank import weighted_ddp_step as weighted_ddp_step
+    from dpverify.hf.check import HFCheckReport as HFCheckReport
+    from dpverify.hf.check import check_hf_config as check_hf_config
+    from dpverify.hf.shrink import shrink as shrink
     from dpverify.ranked.rank import MicroBatch as MicroBatch
     from dpverify.ranked.rank import RankInfo as RankInfo
     from dpverify.registry import CHECKS as CHECKS
@@ -256,9 +259,6 @@ if TYPE_CHECKING:
         assert_pipeline_training_matches as assert_pipeline_training_matches,
     )
     from dpverify.sharded.pipeline import sync_tied_grads as sync_tied_grads
-    from dpverify.hf.check import HFCheckReport as HFCheckReport
-    from dpverify.hf.check import check_hf_config as check_hf_config
-    from dpverify.hf.shrink import shrink as shrink
     from dpverify.sharded.tensor_parallel import TPContext as TPContext
     from dpverify.sharded.tensor_parallel import (
         assert_tensor_parallel_grads_match as assert_tensor_parallel_grads_match,

@@ -22,7 +22,6 @@ PUBLISHED = ["Llama-3-8B", "Qwen2-7B", "Qwen2.5-0.5B", "Mistral-7B-v0.1", "Mixtr
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
-@pytest.mark.deep
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_a_published_configuration_passes_under_every_backend(name: str) -> None:
     report = check_hf_config(str(CONFIGS / f"{name}.json"), backend="all")

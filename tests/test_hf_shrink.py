@@ -335,7 +335,8 @@ def test_a_missing_transformers_says_what_to_install(monkeypatch: pytest.MonkeyP
 
 
 def test_importing_dpverify_hf_does_not_import_transformers() -> None:
-    code = "import sys, dpverify, dpverify.hf; assert 'transformers' not in sys.modules, 'transformers imported'"
+    modules = "dpverify, dpverify.hf, dpverify.hf.check, dpverify.hf.plans, dpverify.hf.pipeline, dpverify.cli.hf_view"
+    code = f"import sys, {modules}; assert 'transformers' not in sys.modules, 'transformers imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

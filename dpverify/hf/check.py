@@ -24,7 +24,7 @@ from dpverify.core.comparison import StepComparison
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
 from dpverify.ddp.pool import ParallelError
 from dpverify.hf.base import load_config, require_transformers
-from dpverify.hf.model import build_model, lm_loss, token_batch
+from dpverify.hf.model import IGNORE_INDEX, TokenBatch, build_model, lm_loss, token_batch
 from dpverify.hf.plans import hf_tp_plan, load_plan_function, styled
 from dpverify.hf.shrink import shrink
 from dpverify.registry import Verdict
@@ -158,7 +158,7 @@ def check_hf_config(
         "ddp": lambda: _ddp(model, batch, lm_loss, world_size, pool),
         "fsdp": lambda: _fsdp(model, batch, lm_loss, world_size, pool),
         "tp": lambda: _tp(model, batch, lm_loss, tp, _plan_of(tp_plan, model, tp), pool),
-        "pp": lambda: _pp(model, batch, lm_loss, pp, pool),
+        "pp": lambda: _pp(model, batch, pp, pool),
     }
     outcomes = tuple(_run(name, runners[name]) for name in backends)
     parameters = sum(parameter.numel() for parameter in model.parameters())
@@ -251,14 +251,61 @@ def hf_tp_step(ctx: Any) -> Any:
     return tp_step(ctx)
 
 
-def _pp(model: nn.Module, batch: Any, loss_fn: Any, pp: int, pool: Any) -> StepComparison | str:
-    from dpverify.hf.pipeline import pipeline_module, split_points_for
-    from dpverify.sharded.pipeline import assert_pipeline_grads_match
+def _pp(model: nn.Module, batch: TokenBatch, pp: int, pool: Any) -> StepComparison | str:
+    """The pipeline check on the model cut along its ``base_model_pp_plan``, the loss summed
+    over each microbatch's tokens and divided by the whole batch's (``scale_grads=False``:
+    the schedule sums the microbatches' losses to the full batch's token mean, the exact
+    recipe whatever their token counts); a head tied to the embedding trains one step with
+    the tied weight's gradients summed across its two stages (``sync_tied_grads``), which no
+    one step does by itself."""
+    from dpverify.hf.pipeline import pipeline_module, require_same_logits, split_points_for
+    from dpverify.sharded.pipeline import (
+        assert_pipeline_grads_match,
+        assert_pipeline_training_matches,
+        sync_tied_grads,
+    )
 
     if not getattr(model.config, "base_model_pp_plan", None):
         return f"{type(model).__name__}'s configuration has no base_model_pp_plan: no pipeline split of its own"
-    staged = pipeline_module(model)
-    return assert_pipeline_grads_match(
-        staged, (batch.input_ids, batch.attention_mask), batch.labels, loss_fn=loss_fn, world_size=pp,
-        n_microbatches=2, split_points=split_points_for(staged, pp), pool=pool,
-    )
+    inputs = (batch.input_ids, batch.attention_mask)
+    try:
+        staged = pipeline_module(model)
+        require_same_logits(model, staged, *inputs)
+    except InvalidArgument as error:
+        return f"dpverify cannot cut {type(model).__name__} into pipeline stages: {str(error).splitlines()[0]}"
+    loss = TokenSum(_predicted(batch.labels))
+    options: dict[str, Any] = {
+        "world_size": pp, "n_microbatches": 2, "split_points": split_points_for(staged, pp), "scale_grads": False,
+        "objective": lm_loss, "pool": pool,
+    }
+    if _tied_head(model):
+        return assert_pipeline_training_matches(
+            staged, [(inputs, batch.labels)], loss_fn=loss, optimizer=sgd, after_backward=sync_tied_grads, **options,
+        )
+    return assert_pipeline_grads_match(staged, inputs, batch.labels, loss_fn=loss, **options)
+
+
+@dataclass(frozen=True)
+class TokenSum:
+    """A microbatch's summed token cross-entropy divided by ``tokens``, the whole batch's
+    predicted tokens: summed over the microbatches, the full batch's token mean."""
+
+    tokens: int
+
+    def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        return lm_loss(output, labels) * _predicted(labels) / max(self.tokens, 1)
+
+
+def _predicted(labels: torch.Tensor) -> int:
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    """The pipeline training check's optimizer for a tied head: plain SGD."""
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _tied_head(model: nn.Module) -> bool:
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    embedding = getattr(model, "get_input_embeddings", lambda: None)()
+    return head is not None and embedding is not None and head.weight is embedding.weight
