@@ -80,7 +80,7 @@ def sweep_one(model_type: str) -> Row:
     else:
         row.parameters = report.parameters
         for outcome in report.outcomes:
-            row.verdicts[outcome.backend] = outcome.verdict.value + (" (error)" if outcome.error else "")
+            row.verdicts[outcome.backend] = f"error ({outcome.error})" if outcome.error else outcome.verdict.value
             row.details[outcome.backend] = outcome.detail.splitlines()[0] if outcome.detail else ""
     row.seconds = time.perf_counter() - started
     return row
@@ -100,11 +100,14 @@ def table(rows: Sequence[Row]) -> str:
 
 def summary(rows: Sequence[Row]) -> str:
     checked = [row for row in rows if row.refused is None]
-    failed = [row.model_type for row in checked if any(v.startswith("FAIL") for v in row.verdicts.values())]
+    failed = [row.model_type for row in checked if any(v == "FAIL" for v in row.verdicts.values())]
+    errors = [row.model_type for row in checked if any(v.startswith("error") for v in row.verdicts.values())]
+    passing = len([row for row in checked if row.model_type not in {*failed, *errors}])
     return (
-        f"{len(rows)} architectures: {len(checked)} checked, {len(rows) - len(checked)} refused; "
-        f"{len(checked) - len(failed)} pass every backend that applies"
-        + (f"; failing: {', '.join(failed)}" if failed else "")
+        f"{len(rows)} architectures: {len(checked)} checked, {len(rows) - len(checked)} refused by shrink; "
+        f"{passing} pass every backend that applies"
+        + (f"; a mismatch: {', '.join(failed)}" if failed else "")
+        + (f"; a backend that could not run the model: {', '.join(errors)}" if errors else "")
     )
 
 

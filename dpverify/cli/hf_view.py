@@ -46,6 +46,8 @@ def render_hf_check(console: Console, report: HFCheckReport) -> None:
             outcome.backend, f"[{_STYLES[outcome.verdict]}]{outcome.verdict.value}[/]", f"{outcome.seconds:.1f} s", first,
         )
     console.print(table)
+    for note in report.notes:
+        console.print(f"note: {note}", markup=False)
     for outcome in report.outcomes:
         if outcome.verdict is Verdict.FAIL:
             console.print(f"\n{outcome.backend}: {outcome.error or 'mismatch'}", style="bold red", markup=False)

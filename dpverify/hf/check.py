@@ -22,9 +22,15 @@ from torch import nn
 
 from dpverify.core.comparison import StepComparison
 from dpverify.core.errors import InvalidArgument, ParallelMismatch
-from dpverify.ddp.pool import ParallelError
 from dpverify.hf.base import load_config, require_transformers
-from dpverify.hf.model import IGNORE_INDEX, TokenBatch, build_model, lm_loss, token_batch
+from dpverify.hf.model import (
+    IGNORE_INDEX,
+    TokenBatch,
+    build_model,
+    dropout_fields,
+    lm_loss,
+    token_batch,
+)
 from dpverify.hf.plans import hf_tp_plan, load_plan_function, styled
 from dpverify.hf.shrink import shrink
 from dpverify.registry import Verdict
@@ -68,12 +74,15 @@ class HFCheckReport:
         config: the configuration the checks ran (the shrunk one).
         parameters: the checked model's parameter count.
         outcomes: one per backend run, in ``HF_BACKENDS`` order.
+        notes: how the checks had to be set up for this family (eval mode for a model
+            that draws randomness; DDP's ``find_unused_parameters``).
     """
 
     model_type: str
     config: Any
     parameters: int
     outcomes: tuple[BackendOutcome, ...]
+    notes: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -153,16 +162,49 @@ def check_hf_config(
     checked = shrink(loaded, tp=tp, pp=pp, max_params=max_params) if shrunk else loaded
     model = build_model(checked, seed=seed, dtype=dtype)
     batch = token_batch(checked, batch_size=batch_size, seq_len=seq_len, seed=seed)
+    notes: list[str] = []
+    drawn = _randomness(checked)
+    if drawn:
+        # each rank (and replica) would draw its own masks and noise: a difference the
+        # checks would explain, not a property of the plans
+        model.eval()
+        notes.append(f"checked in eval mode: {', '.join(f'{name}={value}' for name, value in drawn.items())} draw differently on each rank")
+    unused = _unused_parameters(model, batch)
+    if unused:
+        notes.append(
+            f"DDP with find_unused_parameters=True: {len(unused)} parameters get no gradient from the loss "
+            f"({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}); without it DDP never reduces their buckets"
+        )
     runners: dict[str, Callable[[], StepComparison | str]] = {
         "dp": lambda: _dp(model, batch, lm_loss, world_size),
-        "ddp": lambda: _ddp(model, batch, lm_loss, world_size, pool),
+        "ddp": lambda: _ddp(model, batch, lm_loss, world_size, pool, find_unused=bool(unused)),
         "fsdp": lambda: _fsdp(model, batch, lm_loss, world_size, pool),
         "tp": lambda: _tp(model, batch, lm_loss, tp, _plan_of(tp_plan, model, tp), pool),
         "pp": lambda: _pp(model, batch, pp, pool),
     }
     outcomes = tuple(_run(name, runners[name]) for name in backends)
     parameters = sum(parameter.numel() for parameter in model.parameters())
-    return HFCheckReport(str(getattr(checked, "model_type", type(checked).__name__)), checked, parameters, outcomes)
+    return HFCheckReport(str(getattr(checked, "model_type", type(checked).__name__)), checked, parameters, outcomes, tuple(notes))
+
+
+def _randomness(config: Any) -> dict[str, float]:
+    """The configuration's sources of randomness in train mode: dropout probabilities and
+    a router's jitter noise, by field, where non-zero."""
+    drawn = dropout_fields(config)
+    jitter = getattr(config, "router_jitter_noise", None)
+    if isinstance(jitter, float) and jitter > 0:
+        drawn["router_jitter_noise"] = jitter
+    return drawn
+
+
+def _unused_parameters(model: nn.Module, batch: TokenBatch) -> list[str]:
+    """The parameters one step on one device leaves without a gradient (an index selector
+    whose output only picks, a layer the batch never routes to)."""
+    model.zero_grad(set_to_none=True)
+    lm_loss(model(**_keywords(batch)), batch.labels).backward()
+    unused = [name for name, parameter in model.named_parameters() if parameter.requires_grad and parameter.grad is None]
+    model.zero_grad(set_to_none=True)
+    return unused
 
 
 def _backends(backend: str | Sequence[str]) -> tuple[str, ...]:
@@ -196,8 +238,8 @@ def _run(backend: str, runner: Callable[[], StepComparison | str]) -> BackendOut
     except ParallelMismatch as mismatch:
         report = mismatch.report if isinstance(mismatch.report, StepComparison) else None
         return BackendOutcome(backend, Verdict.FAIL, time.perf_counter() - started, str(mismatch), report)
-    except (InvalidArgument, ParallelError) as error:
-        return BackendOutcome(backend, Verdict.FAIL, time.perf_counter() - started, str(error), error=type(error).__name__)
+    except Exception as error:  # a layout that does not fit, a rank that raised, a model that cannot run so
+        return BackendOutcome(backend, Verdict.FAIL, time.perf_counter() - started, f"{type(error).__name__}: {error}", error=type(error).__name__)
     seconds = time.perf_counter() - started
     if isinstance(result, str):
         return BackendOutcome(backend, Verdict.SKIP, seconds, result)
@@ -217,10 +259,13 @@ def _dp(model: nn.Module, batch: Any, loss_fn: Any, world_size: int) -> StepComp
     )
 
 
-def _ddp(model: nn.Module, batch: Any, loss_fn: Any, world_size: int, pool: Any) -> StepComparison:
+def _ddp(model: nn.Module, batch: Any, loss_fn: Any, world_size: int, pool: Any, *, find_unused: bool) -> StepComparison:
     from dpverify.ddp.checks import assert_ddp_grads_match
 
-    return assert_ddp_grads_match(model, (), batch.labels, loss_fn=loss_fn, world_size=world_size, forward_kwargs=_keywords(batch), pool=pool)
+    return assert_ddp_grads_match(
+        model, (), batch.labels, loss_fn=loss_fn, world_size=world_size, forward_kwargs=_keywords(batch), pool=pool,
+        ddp_kwargs={"find_unused_parameters": True} if find_unused else None,
+    )
 
 
 def _fsdp(model: nn.Module, batch: Any, loss_fn: Any, world_size: int, pool: Any) -> StepComparison:

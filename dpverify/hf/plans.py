@@ -35,9 +35,12 @@ class TransformersStyle(ParallelStyle):
     shards) with the name of a style in transformers' ``ALL_PARALLEL_STYLES``, in the
     order transformers applies them."""
 
-    def __init__(self, entries: tuple[tuple[str, str], ...]) -> None:
+    def __init__(self, entries: tuple[tuple[str, str], ...], config: Any = None) -> None:
         super().__init__()
         self.entries = tuple(entries)
+        #: the model's text configuration, for a style that reads it from the model
+        #: (``"mla_kv_a_proj"`` splits its output by the rotary head width)
+        self.config = config
         styles = dict(self.entries)
         own = styles.get("")
         #: how dpverify's messages name it (``style_name``)
@@ -49,6 +52,10 @@ class TransformersStyle(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
+        if self.config is not None:
+            # transformers gives such a style the model's configuration from the model it
+            # applies the plan to; here that is the module itself
+            module.config = self.config
         applied: nn.Module = apply_tensor_parallelism(module, device_mesh, dict(self.entries))
         return applied
 
@@ -56,7 +63,7 @@ class TransformersStyle(ParallelStyle):
         return self.label
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (TransformersStyle, (self.entries,))
+        return (TransformersStyle, (self.entries, self.config))
 
 
 def hf_tp_plan(model: nn.Module, tp_size: int) -> dict[str, ParallelStyle]:
@@ -99,10 +106,19 @@ def _grouped(resolved: Mapping[str, str], model: nn.Module) -> dict[str, Paralle
         if owner not in modules:
             raise InvalidArgument(f"the tensor-parallel plan names {name!r}, which {type(model).__name__} does not have")
         owned.setdefault(owner, []).append((relative, style))
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     return {
-        owner: TransformersStyle(tuple(sorted(entries, key=lambda entry: entry[0] == "")))
+        owner: TransformersStyle(
+            tuple(sorted(entries, key=lambda entry: entry[0] == "")),
+            text if any(style in _READS_CONFIG for _name, style in entries) else None,
+        )
         for owner, entries in owned.items()
     }
+
+
+#: transformers' styles that read the model's configuration when applied
+_READS_CONFIG = frozenset({"mla_kv_a_proj"})
 
 
 def load_plan_function(spec: str) -> Callable[[nn.Module], Mapping[str, Any]]:
