@@ -77,6 +77,7 @@ __all__ = [
     "EXACT_BACKEND_KINDS",
     "EXACT_KINDS",
     "EXACT_LIMITS",
+    "HF_FAMILIES",
     "LOSSES",
     "OPTIMIZERS",
     "PADDING_SIDES",
@@ -103,6 +104,7 @@ __all__ = [
     "dtypes",
     "exact_scenarios",
     "fsdp_layouts",
+    "hf_configs",
     "loss_specs",
     "model_specs",
     "optimizer_specs",
@@ -1069,3 +1071,47 @@ def _exact_worlds(backend: str, world_sizes: Sequence[int] | None) -> tuple[int,
             "power of two; pass powers of two, e.g. (2, 4)"
         )
     return worlds
+
+
+#: The Hugging Face families ``hf_configs`` draws by default: a grouped-query decoder
+#: (Llama), a mixture of experts (Mixtral) and Qwen2 (attention biases); any of them with
+#: its head tied to its embedding.
+HF_FAMILIES: tuple[str, ...] = ("llama", "mixtral", "qwen2")
+
+
+@st.composite
+def _hf_configs(draw: st.DrawFn, families: tuple[str, ...], tp: int, pp: int) -> object:
+    from transformers import CONFIG_MAPPING
+
+    from dpverify.hf import shrink
+
+    family = draw(st.sampled_from(families))
+    heads = draw(st.sampled_from([8, 16, 32]))
+    # query heads per key-value head: multi-head (1) to grouped (8), key-value heads a multiple of tp
+    ratio = draw(st.sampled_from([r for r in (1, 2, 4, 8) if heads // r >= 2 and (heads // r) % tp == 0]))
+    overrides: dict[str, object] = {
+        "num_attention_heads": heads, "num_key_value_heads": heads // ratio, "hidden_size": heads * 128,
+        "tie_word_embeddings": draw(st.booleans()),
+    }
+    if family == "mixtral":
+        experts = draw(st.sampled_from([4, 8]))
+        overrides |= {"num_local_experts": experts, "num_experts_per_tok": draw(st.integers(2, experts // 2))}
+    if family == "llama":
+        overrides["attention_bias"] = draw(st.booleans())
+    # eight query heads per key-value head widen the shrunk model: a wider budget than shrink's
+    return shrink(CONFIG_MAPPING[family](**overrides), tp=tp, pp=pp, max_params=4_000_000)
+
+
+def hf_configs(families: Sequence[str] = HF_FAMILIES, *, tp: int = 2, pp: int = 2) -> SearchStrategy[object]:
+    """Shrunk Hugging Face configurations (``dpverify.shrink``) of ``families``
+    (``model_type`` names; default ``HF_FAMILIES``), with their structure drawn before
+    shrinking: the query heads (8 to 32) and how many share a key-value head (1 to 8),
+    tied embeddings, experts and experts per token for a mixture of experts, attention
+    biases for Llama. Every drawn configuration divides over ``tp`` tensor-parallel ranks
+    and has at least ``pp`` layers, in at most 4M parameters. Needs transformers (``pip install 'dpverify[hf]'``).
+    Shrinks toward the first family, 8 heads, untied.
+    """
+    chosen = _subset("families", families, lambda name: isinstance(name, str), "pass model_type names such as 'llama'")
+    require_int_at_least(tp, "tp", 1)
+    require_int_at_least(pp, "pp", 1)
+    return _hf_configs(tuple(chosen), tp, pp)
