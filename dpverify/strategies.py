@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from hypothesis import strategies as st
@@ -1089,7 +1089,7 @@ def _hf_configs(draw: st.DrawFn, families: tuple[str, ...], tp: int, pp: int) ->
     heads = draw(st.sampled_from([8, 16, 32]))
     # query heads per key-value head: multi-head (1) to grouped (8), key-value heads a multiple of tp
     ratio = draw(st.sampled_from([r for r in (1, 2, 4, 8) if heads // r >= 2 and (heads // r) % tp == 0]))
-    overrides: dict[str, object] = {
+    overrides: dict[str, Any] = {
         "num_attention_heads": heads, "num_key_value_heads": heads // ratio, "hidden_size": heads * 128,
         "tie_word_embeddings": draw(st.booleans()),
     }
