@@ -172,31 +172,32 @@ def test_require_same_logits_refuses_a_module_that_fails_where_the_model_runs() 
 # --------------------------------------------------------------------------- refusals
 
 
-def test_a_model_without_a_base_model_pp_plan_is_refused_naming_it() -> None:
-    model = build("llama")
-    model.config.base_model_pp_plan = None
-    with pytest.raises(InvalidArgument, match=r"LlamaConfig has no base_model_pp_plan"):
-        pipeline_module(model)
-
-
-def test_a_pp_plan_of_other_pieces_is_refused_naming_them() -> None:
-    model = build("llama")
-    model.config.base_model_pp_plan = {"embed_tokens": (["input_ids"], ["inputs_embeds"]), "layers": (["hidden_states"], ["hidden_states"])}
-    with pytest.raises(InvalidArgument, match=r"has the pieces \['embed_tokens', 'layers'\]; dpverify splits the layout embedding, \(pieces"):
-        pipeline_module(model)
-
-
-def test_a_plan_whose_layers_are_not_second_to_last_is_refused() -> None:
-    model = build("llama")
-    model.config.base_model_pp_plan = {"embed_tokens": ([], []), "layers": ([], []), "norm": ([], []), "rotary_emb": ([], [])}
-    with pytest.raises(InvalidArgument, match=r"model\.norm is LlamaRMSNorm, not a non-empty ModuleList of decoder layers"):
-        pipeline_module(model)
-
-
-def test_a_plan_naming_a_module_the_model_lacks_is_refused_naming_it() -> None:
-    model = build("llama")
-    model.config.base_model_pp_plan = {"embed_tokens": ([], []), "blocks": ([], []), "norm": ([], [])}
-    with pytest.raises(InvalidArgument, match=r"its base model LlamaModel has no module 'blocks' \(the decoder layers"):
+@pytest.mark.parametrize(
+    ("family", "field", "value", "message"),
+    [
+        ("llama", "base_model_pp_plan", None, r"LlamaConfig has no base_model_pp_plan"),
+        (
+            "llama", "base_model_pp_plan", {"embed_tokens": (["input_ids"], ["inputs_embeds"]), "layers": (["hidden_states"], ["hidden_states"])},
+            r"has the pieces \['embed_tokens', 'layers'\]; dpverify splits the layout embedding, \(pieces",
+        ),
+        (
+            "llama", "base_model_pp_plan", {"embed_tokens": ([], []), "layers": ([], []), "norm": ([], []), "rotary_emb": ([], [])},
+            r"model\.norm is LlamaRMSNorm, not a non-empty ModuleList of decoder layers",
+        ),
+        (
+            "llama", "base_model_pp_plan", {"embed_tokens": ([], []), "blocks": ([], []), "norm": ([], [])},
+            r"its base model LlamaModel has no module 'blocks' \(the decoder layers",
+        ),
+        ("llama", "_attn_implementation", "flex_attention", r"attn_implementation='flex_attention'.* model\.set_attn_implementation\('sdpa'\)"),
+        ("gemma3", "use_bidirectional_attention", True, r"model=Gemma3ForCausalLM has use_bidirectional_attention set"),
+        ("qwen2", "layer_types", ["full_attention", "chunked_attention"], r"not of \['chunked_attention'\]"),
+    ],
+    ids=["no-pp-plan", "other-pieces", "layers-not-second-to-last", "missing-module", "flex-attention", "bidirectional", "chunked-attention"],
+)
+def test_a_configuration_the_cut_cannot_follow_is_refused_naming_what(family: str, field: str, value: Any, message: str) -> None:
+    model = build(family)
+    setattr(model.config, field, value)
+    with pytest.raises(InvalidArgument, match=message):
         pipeline_module(model)
 
 
@@ -204,27 +205,6 @@ def test_a_base_model_without_its_lm_head_is_refused() -> None:
     base = build("llama").model
     with pytest.raises(InvalidArgument, match=r"model=LlamaModel has no base model under base_model_prefix='model'"):
         pipeline_module(base)
-
-
-def test_an_attention_implementation_without_tensor_masks_is_refused() -> None:
-    model = build("llama")
-    model.config._attn_implementation = "flex_attention"
-    with pytest.raises(InvalidArgument, match=r"attn_implementation='flex_attention'.* model\.set_attn_implementation\('sdpa'\)"):
-        pipeline_module(model)
-
-
-def test_bidirectional_attention_is_refused() -> None:
-    model = build("gemma3")
-    model.config.use_bidirectional_attention = True
-    with pytest.raises(InvalidArgument, match=r"model=Gemma3ForCausalLM has use_bidirectional_attention set"):
-        pipeline_module(model)
-
-
-def test_a_layer_type_whose_mask_dpverify_cannot_build_is_refused() -> None:
-    model = build("qwen2")
-    model.config.layer_types = ["full_attention", "chunked_attention"]
-    with pytest.raises(InvalidArgument, match=r"not of \['chunked_attention'\]"):
-        pipeline_module(model)
 
 
 def test_without_transformers_the_refusal_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:

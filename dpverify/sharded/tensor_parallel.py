@@ -69,6 +69,7 @@ from dpverify.sharded.tensor_parallel_rank import (
     DP_DIM,
     TP_DIM,
     Placed,
+    Seen,
     TPContext,
     TPRankStep,
     TPRankTraining,
@@ -298,6 +299,12 @@ def _output_shape(check: TPCheck, expected: StepResult, dp_rank: int) -> tuple[i
     return shape
 
 
+def _module_text(check: TPCheck, seen: Seen) -> str:
+    """A module of the plan as messages name it: its path and its style."""
+    style = _style_of(check, seen.path)
+    return f"{seen.path!r} ({_style_text(style) if style is not None else seen.style})"
+
+
 def _local_output_findings(check: TPCheck, steps: Sequence[TPRankStep], expected: StepResult) -> list[str]:
     """A model output whose shape on a rank is not one device's (the root's output as the
     hooks saw it handed on): name the styled module that handed on a local shard (its output
@@ -314,9 +321,8 @@ def _local_output_findings(check: TPCheck, steps: Sequence[TPRankStep], expected
         )
         text = f"Rank {r}'s model output has shape {list(root.handed.shape)} where one device gives {list(want)}"
         if culprit is not None and culprit.produced is not None:
-            style = _style_of(check, culprit.path)
             text += (
-                f": module {culprit.path!r} ({_style_text(style) if style is not None else culprit.style}) produced "
+                f": module {_module_text(check, culprit)} produced "
                 f"{culprit.produced.describe()} and handed on its local shard as a plain tensor (use_local_output=True), "
                 f"so the output left the model sharded, {culprit.produced.placements} local "
                 f"{list(culprit.produced.local)}, where one device gives {list(culprit.produced.shape)} replicated. Fix: "
@@ -332,9 +338,8 @@ def _local_output_findings(check: TPCheck, steps: Sequence[TPRankStep], expected
                 None,
             )
             if last is not None and last.handed is not None:
-                style = _style_of(check, last.path)
                 text += (
-                    f": module {last.path!r} ({_style_text(style) if style is not None else last.style}) handed on "
+                    f": module {_module_text(check, last)} handed on "
                     f"{list(last.handed.shape)}, the shape the model returned: its output left the model as this rank's "
                     f"piece. Fix: that module's entry of the plan (an output layout that gathers, e.g. "
                     "ColwiseParallel(output_layouts=Replicate()), transformers' 'colwise_gather_output' for a head)."
