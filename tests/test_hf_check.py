@@ -79,3 +79,20 @@ def test_the_hf_options_are_refused_where_they_do_not_apply(capsys: pytest.Captu
 def test_check_hf_config_refuses_an_unknown_backend() -> None:
     with pytest.raises(InvalidArgument, match="backend=\\['dp', 'xla'\\]: pass 'all' or some of"):
         check_hf_config("llama", backend=["dp", "xla"])
+
+
+def test_a_family_that_draws_randomness_is_checked_in_eval_mode_and_says_so() -> None:
+    # Seed-OSS sets attention and residual dropout: each replica would draw its own masks
+    report = check_hf_config("seed_oss", backend="dp")
+    assert report.ok, str(report)
+    assert report.notes == ("checked in eval mode: attention_dropout=0.1, residual_dropout=0.1 draw differently on each rank",)
+
+
+def test_ddp_finds_the_unused_parameters_of_a_sparse_attention_indexer() -> None:
+    # DeepSeek-V3.2's indexer only selects tokens: no gradient reaches it, and DDP without
+    # find_unused_parameters never reduces the buckets that hold it
+    report = check_hf_config("deepseek_v32", backend="ddp")
+    assert report.ok, str(report)
+    assert report.notes[0].startswith("DDP with find_unused_parameters=True: ")
+    assert "self_attn.indexer" in report.notes[0]
+    assert "find_unused_parameters=True" in report.outcome("ddp").detail
