@@ -69,7 +69,7 @@ def test_what_cannot_be_shrunk_is_a_usage_error_naming_the_field(capsys: pytest.
 
 def test_the_hf_options_are_refused_where_they_do_not_apply(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", "--model", "mlp", "--tp-plan", "hf"]) == 2
-    assert "--tp-plan apply to --hf-config only" in capsys.readouterr().err
+    assert "--tp-plan applies to --hf-config only" in capsys.readouterr().err
     assert main(["check", "--hf-config", "llama", "--model", "mlp"]) == 2
     assert "leave out --model" in capsys.readouterr().err
     assert main(["check", "--hf-config", "llama", "--devices", "2", "4"]) == 2

@@ -540,7 +540,8 @@ _HF_ONLY = {"tp_plan": None, "tp": None, "pp": None}
 def _refuse_hf_options(args: argparse.Namespace) -> None:
     given = [f"--{name.replace('_', '-')}" for name, default in _HF_ONLY.items() if getattr(args, name) != default]
     if given:
-        raise InvalidArgument(f"{', '.join(given)} apply to --hf-config only (a Hugging Face configuration's checks)")
+        verb = "applies" if len(given) == 1 else "apply"
+        raise InvalidArgument(f"{', '.join(given)} {verb} to --hf-config only (a Hugging Face configuration's checks)")
 
 
 def _check_hf(args: argparse.Namespace) -> int:
