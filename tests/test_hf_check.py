@@ -96,3 +96,19 @@ def test_ddp_finds_the_unused_parameters_of_a_sparse_attention_indexer() -> None
     assert report.notes[0].startswith("DDP with find_unused_parameters=True: ")
     assert "self_attn.indexer" in report.notes[0]
     assert "find_unused_parameters=True" in report.outcome("ddp").detail
+
+
+def test_a_model_over_the_budget_is_refused_naming_max_params(capsys: pytest.CaptureFixture[str]) -> None:
+    # Qwen2-7B's seven query heads per key-value head over four ranks (four key-value heads,
+    # 28 query heads), with the four layers of four stages: wider than the default budget
+    config = str(CONFIGS / "Qwen2-7B.json")
+    assert main(["check", "--hf-config", config, "--backend", "tp", "--tp", "4", "--pp", "4"]) == 2
+    assert "over max_params=2,000,000" in capsys.readouterr().err
+
+
+@pytest.mark.deep
+def test_four_ranks_and_four_stages_pass_with_a_wider_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    config = str(CONFIGS / "Qwen2-7B.json")
+    for backend in ("tp", "pp"):
+        code = main(["check", "--hf-config", config, "--backend", backend, "--tp", "4", "--pp", "4", "--max-params", "5000000", "--no-color"])
+        assert code == 0, capsys.readouterr().out

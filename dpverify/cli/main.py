@@ -534,7 +534,7 @@ def _check_command(args: argparse.Namespace) -> int:
 
 
 #: ``check``'s options that only ``--hf-config`` reads, and their defaults
-_HF_ONLY = {"tp_plan": None, "tp": None, "pp": None}
+_HF_ONLY = {"tp_plan": None, "tp": None, "pp": None, "max_params": None}
 
 
 def _refuse_hf_options(args: argparse.Namespace) -> None:
@@ -568,6 +568,7 @@ def _check_hf(args: argparse.Namespace) -> int:
     report = check_hf_config(
         args.hf_config, backend=args.backend or "all", tp_plan=args.tp_plan or "hf", tp=args.tp or 2, pp=args.pp or 2,
         world_size=args.devices[0] if args.devices else 2, seed=args.seed,
+        **({"max_params": args.max_params} if args.max_params is not None else {}),
     )
     render_hf_check(console, report)
     return EXIT_OK if report.ok else EXIT_FAILED
@@ -1061,6 +1062,10 @@ def _add_check(commands: Any, common: argparse.ArgumentParser) -> None:
     )
     check.add_argument("--tp", type=_positive("--tp"), default=None, metavar="N", help="with --hf-config: tensor-parallel ranks (default 2)")
     check.add_argument("--pp", type=_positive("--pp"), default=None, metavar="N", help="with --hf-config: pipeline stages (default 2)")
+    check.add_argument(
+        "--max-params", type=_positive("--max-params"), default=None, metavar="N",
+        help="with --hf-config: the shrunk model's most parameters (default 2000000)",
+    )
     check.add_argument(
         "--backend", choices=(*CHECK_BACKENDS, "all"), default=None,
         help="DataParallel (default; ddp under torchrun), DDP, FSDP2 (fsdp), tensor parallel (tp), pipeline parallel (pp), or all of them",
