@@ -42,6 +42,8 @@ def render_hf_check(console: Console, report: HFCheckReport) -> None:
         table.add_column(column, justify="right" if column == "time" else "left")
     for outcome in report.outcomes:
         first = outcome.detail.splitlines()[0] if outcome.detail else ""
+        # the check's title is the backend's: the row keeps what follows it
+        first = first.split(": ", 1)[1] if outcome.report is not None and ": " in first else first
         table.add_row(
             outcome.backend, f"[{_STYLES[outcome.verdict]}]{outcome.verdict.value}[/]", f"{outcome.seconds:.1f} s", first,
         )

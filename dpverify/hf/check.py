@@ -243,7 +243,8 @@ def _run(backend: str, runner: Callable[[], StepComparison | str]) -> BackendOut
     seconds = time.perf_counter() - started
     if isinstance(result, str):
         return BackendOutcome(backend, Verdict.SKIP, seconds, result)
-    return BackendOutcome(backend, Verdict.PASS, seconds, str(result).splitlines()[0], result)
+    # the summary sentence; the scenario, long for a whole plan, stays in the report
+    return BackendOutcome(backend, Verdict.PASS, seconds, str(result).splitlines()[0].split(" Scenario: ")[0], result)
 
 
 def _keywords(batch: Any) -> dict[str, Any]:
