@@ -95,7 +95,7 @@ def test_ddp_finds_the_unused_parameters_of_a_sparse_attention_indexer() -> None
     assert report.ok, str(report)
     assert report.notes[0].startswith("DDP with find_unused_parameters=True: ")
     assert "self_attn.indexer" in report.notes[0]
-    assert "find_unused_parameters=True" in report.outcome("ddp").detail
+    assert "find_unused_parameters=True" in str(report.outcome("ddp").report)  # the scenario DDP ran
 
 
 def test_a_model_over_the_budget_is_refused_naming_max_params(capsys: pytest.CaptureFixture[str]) -> None:
