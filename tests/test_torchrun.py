@@ -481,8 +481,13 @@ def test_a_rank_that_raises_while_the_others_wait_in_a_collective_is_reported(tm
     assert code == 1, out + err
     assert "dpverify check (rank 1): the ranks' results could not be gathered under torchrun: rank 0 never reported" in err
     assert "RuntimeError: rank 1's forward broke" in err
-    assert "FAIL  DDP grads match one device, B=6 on 2" in out  # rank 0's report names it too
-    assert "Rank 1 reported: RuntimeError: rank 1's forward broke" in out
+    # Rank 0 reports too once rank 1's exit breaks its collective, unless torchrun, which
+    # stops every rank when one exits with an error, stops it first (it did in about one run
+    # in five under load): when it printed its verdict, the verdict names rank 1's error
+    if "FAIL  DDP grads match one device" in out:
+        assert "FAIL  DDP grads match one device, B=6 on 2" in out
+        assert "Rank 1 reported: RuntimeError: rank 1's forward broke" in out
+    assert "OK:" not in out
     assert time.monotonic() - started < 60
 
 
