@@ -106,3 +106,17 @@ def test_a_plan_is_refused_with_what_to_pass_instead() -> None:
         load_plan_function("dpverify_no_such_module:plan")
     with pytest.raises(InvalidArgument, match="not a function"):
         load_plan_function("dpverify.hf.plans:__all__")
+
+
+def test_a_plan_function_is_found_in_the_current_directory_and_its_import_errors_named(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # as `dpverify check --tp-plan my_plans:fn` finds it when run from the user's project,
+    # whatever sys.path the installed console script starts with
+    (tmp_path / "my_plans_here.py").write_text("def plan(model):\n    return {}\n")
+    (tmp_path / "my_plans_broken.py").write_text("raise RuntimeError('not at import time')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
+    assert load_plan_function("my_plans_here:plan").__name__ == "plan"
+    with pytest.raises(InvalidArgument, match=r"cannot import it \(importing 'my_plans_broken' raised RuntimeError"):
+        load_plan_function("my_plans_broken:plan")

@@ -13,7 +13,6 @@ tensor-parallel check runs on every rank) applies exactly what transformers woul
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from fnmatch import fnmatch
 from typing import Any
@@ -128,13 +127,18 @@ def load_plan_function(spec: str) -> Callable[[nn.Module], Mapping[str, Any]]:
     Raises:
         InvalidArgument: ``spec`` is not ``MODULE:FN``, or names nothing callable.
     """
+    from dpverify.cli.user_model import load_object
+
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise InvalidArgument(f"tp_plan={spec!r}: pass 'hf' (the model's own plan) or 'MODULE:FN', FN(model) returning a plan")
     try:
-        found = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise InvalidArgument(f"tp_plan={spec!r}: cannot import it ({type(error).__name__}: {error})") from None
+        # as --inputs and --loss are: the current directory importable, a module that
+        # raises while it is imported reported with its error
+        found = load_object(spec, "tp_plan")
+    except InvalidArgument as error:
+        reason = str(error).removeprefix(f"tp_plan {spec!r}: ")
+        raise InvalidArgument(f"tp_plan={spec!r}: cannot import it ({reason})") from error.__cause__
     if not callable(found):
         raise InvalidArgument(f"tp_plan={spec!r} is {type(found).__name__}, not a function FN(model) returning a plan")
     function: Callable[[nn.Module], Mapping[str, Any]] = found
