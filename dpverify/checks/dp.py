@@ -529,6 +529,10 @@ class Check:
 
             return run
 
+        # the module's divergence sources by type; the single-device step reports which of
+        # them its forward called
+        sources = [source.module for source in divergence_sources(self.module)]
+
         def made(
             expected: StepResult, anchor: StepResult | None = None, probe: StepResult | None = None,
             jitter: StepResult | None = None, settle: Callable[[], StepResult] | None = None,
@@ -537,7 +541,7 @@ class Check:
             # wrapper (the working dtype and the other precision), for a tensor that fails
             # every other rounding sample; not for a module with divergence sources.
             splits = None
-            if anchor is not None and len(self.plan.chunk_sizes) > 1 and not divergence_sources(self.module):
+            if anchor is not None and len(self.plan.chunk_sizes) > 1 and not sources:
                 other = torch.float32 if self.dtype == torch.float64 else torch.float64
                 splits = (split(None), split(other))
             # The last word on a tensor that fails every sample: a replay of DataParallel's
@@ -554,8 +558,6 @@ class Check:
                 expected, anchor, probe, jitter, settle, splits=splits, shared=store, rows=step_rows, replay=replay,
             )
 
-        # the single-device step reports which divergence sources its forward called
-        sources = [source.module for source in divergence_sources(self.module)]
         if self.tolerance.explicit:
             return made(step("expected", None, "single-device", watch=sources))
         expected = step("expected", None, "single-device", watch=sources)
@@ -564,7 +566,7 @@ class Check:
             probe = step("probe", torch.float32)
             jitter = step("jitter", torch.float64, jitter=FLOAT64_JITTER)
             return made(expected, anchor, probe, jitter)
-        if divergence_sources(self.module):
+        if sources:
             # A mismatch of this module lists those sources as its likely cause, and
             # ``dpverify check`` explains it: a second sample of the rounding would not
             # change what the check reports.

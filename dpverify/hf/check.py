@@ -6,8 +6,9 @@ token batch with right padding and labels, and runs each backend's gradient chec
 DataParallel, DDP and FSDP2 on the whole model, tensor parallelism with the family's own
 plan (``tp_plan="hf"``) or one of the caller's, and a pipeline cut of its decoder layers.
 Each backend's outcome is a row of the report: PASS, FAIL (a mismatch, with the check's
-message: the tensor, the module, the layout), ERROR (a plan or split that does not fit the
-model: the message names the module) or SKIP (the backend does not apply, and why).
+message: the tensor, the module, the layout; or, with the error's class in ``error``, a plan
+or split that does not fit the model, the message naming the module) or SKIP (the backend
+does not apply, and why).
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ def check_hf_config(
         # checks would explain, not a property of the plans
         model.eval()
         notes.append(f"checked in eval mode: {', '.join(f'{name}={value}' for name, value in drawn.items())} draw differently on each rank")
-    unused = _unused_parameters(model, batch)
+    # a step of its own on one device: only where DDP, whose buckets it concerns, runs
+    unused = _unused_parameters(model, batch) if "ddp" in backends else []
     if unused:
         notes.append(
             f"DDP with find_unused_parameters=True: {len(unused)} parameters get no gradient from the loss "

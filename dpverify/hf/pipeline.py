@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from dpverify.core.errors import InvalidArgument
-from dpverify.ranked.rank import even_shards
+from dpverify.models.layouts import even_split_points
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -392,11 +392,7 @@ def split_points_for(module: HFPipeline, pp: int) -> list[str]:
         raise InvalidArgument(
             f"pp={pp} stages for a model of {len(layers)} decoder layers: every stage needs one; pass pp <= {len(layers)}"
         )
-    starts, start = [], 0
-    for size in even_shards(len(layers), pp)[:-1]:
-        start += size
-        starts.append(layers[start])
-    return starts
+    return [layers[start] for start in even_split_points(len(layers), pp)]
 
 
 def require_same_logits(model: nn.Module, module: nn.Module, *inputs: torch.Tensor) -> None:
